@@ -1,0 +1,199 @@
+//! A pooled keep-alive client of the directory protocol, and [`DirectoryCache`], which keeps
+//! each instance's server info and rank addresses until the instance's registration changes.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode, header};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::{ClientError, RankAddr, Registration, ServerInfo};
+
+/// A client of any number of directories, over one connection pool.
+#[derive(Clone, Debug)]
+pub struct DirectoryClient {
+    http: Client<HttpConnector, Full<Bytes>>,
+    token: Option<String>,
+}
+
+impl Default for DirectoryClient {
+    fn default() -> Self {
+        Self::new(None)
+    }
+}
+
+impl DirectoryClient {
+    /// A client that sends `token` as a bearer token on writes.
+    pub fn new(token: Option<String>) -> Self {
+        let mut conn = HttpConnector::new();
+        conn.set_nodelay(true);
+        let http = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(64).build(conn);
+        DirectoryClient { http, token }
+    }
+
+    async fn call(
+        &self,
+        addr: &str,
+        method: Method,
+        path_and_query: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<(StatusCode, Bytes), ClientError> {
+        let bad = |reason: String| ClientError::Address { addr: addr.to_owned(), reason };
+        let mut req = Request::builder().method(method).uri(format!("http://{addr}{path_and_query}"));
+        if body.is_some() {
+            req = req.header(header::CONTENT_TYPE, "application/json");
+            if let Some(t) = &self.token {
+                req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+            }
+        }
+        let req = req.body(Full::new(Bytes::from(body.unwrap_or_default()))).map_err(|e| bad(e.to_string()))?;
+        let resp = self
+            .http
+            .request(req)
+            .await
+            .map_err(|source| ClientError::Unreachable { addr: addr.to_owned(), source })?;
+        let status = resp.status();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|source| ClientError::Body { addr: addr.to_owned(), source })?
+            .to_bytes();
+        Ok((status, body))
+    }
+
+    fn expect_ok(addr: &str, status: StatusCode, body: &Bytes) -> Result<(), ClientError> {
+        let text = || String::from_utf8_lossy(body).into_owned();
+        match status {
+            StatusCode::OK => Ok(()),
+            StatusCode::SERVICE_UNAVAILABLE => {
+                Err(ClientError::NotReady { addr: addr.to_owned(), body: text() })
+            }
+            s => Err(ClientError::Status { addr: addr.to_owned(), status: s.as_u16(), body: text() }),
+        }
+    }
+
+    fn parse<T: serde::de::DeserializeOwned>(addr: &str, body: &Bytes) -> Result<T, ClientError> {
+        serde_json::from_slice(body).map_err(|source| ClientError::Malformed { addr: addr.to_owned(), source })
+    }
+
+    /// The instance's server info (the all `-1` query).
+    pub async fn server_info(&self, addr: &str) -> Result<ServerInfo, ClientError> {
+        let q = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
+        let (status, body) = self.call(addr, Method::GET, q, None).await?;
+        Self::expect_ok(addr, status, &body)?;
+        let info: ServerInfo = Self::parse(addr, &body)?;
+        let sizes = [info.attn_tp_size, info.attn_cp_size, info.dp_size, info.pp_size, info.page_size];
+        if sizes.iter().any(|&s| !(1..=1 << 16).contains(&s)) {
+            return Err(ClientError::Unusable {
+                addr: addr.to_owned(),
+                reason: format!("sizes tp/cp/dp/pp/page {sizes:?} out of range"),
+            });
+        }
+        Ok(info)
+    }
+
+    /// The transfer endpoint of one rank.
+    pub async fn rank(
+        &self,
+        addr: &str,
+        dp: u32,
+        cp: u32,
+        tp: u32,
+        pp: u32,
+    ) -> Result<RankAddr, ClientError> {
+        let q = format!(
+            "/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}&target_pp_rank={pp}"
+        );
+        let (status, body) = self.call(addr, Method::GET, &q, None).await?;
+        Self::expect_ok(addr, status, &body)?;
+        Self::parse(addr, &body)
+    }
+
+    /// Registers one rank.
+    pub async fn register(&self, addr: &str, reg: &Registration) -> Result<(), ClientError> {
+        let body = serde_json::to_vec(reg).map_err(|source| ClientError::Malformed { addr: addr.to_owned(), source })?;
+        let (status, body) = self.call(addr, Method::PUT, "/route", Some(body)).await?;
+        Self::expect_ok(addr, status, &body)
+    }
+}
+
+type RankKey = (u32, u32, u32, u32);
+
+#[derive(Debug, Default)]
+struct Entry {
+    addr: String,
+    info: Option<Arc<ServerInfo>>,
+    ranks: HashMap<RankKey, RankAddr>,
+}
+
+/// Server info and rank addresses per instance, fetched once and kept until
+/// [`DirectoryCache::invalidate`] (the instance's registration changed) or its directory
+/// address changes.
+#[derive(Debug, Default)]
+pub struct DirectoryCache {
+    client: DirectoryClient,
+    entries: Mutex<HashMap<String, Entry>>,
+}
+
+/// Most instances the cache holds before it starts over.
+const MAX_CACHED_INSTANCES: usize = 4096;
+
+impl DirectoryCache {
+    /// A cache over `client`.
+    pub fn new(client: DirectoryClient) -> Self {
+        DirectoryCache { client, entries: Mutex::default() }
+    }
+
+    fn with_entry<R>(&self, instance: &str, addr: &str, f: impl FnOnce(&mut Entry) -> R) -> R {
+        let mut map = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= MAX_CACHED_INSTANCES && !map.contains_key(instance) {
+            map.clear();
+        }
+        let e = map.entry(instance.to_owned()).or_default();
+        if e.addr != addr {
+            *e = Entry { addr: addr.to_owned(), ..Entry::default() };
+        }
+        f(e)
+    }
+
+    /// The instance's server info, from the cache or its directory.
+    pub async fn server_info(&self, instance: &str, addr: &str) -> Result<Arc<ServerInfo>, ClientError> {
+        if let Some(info) = self.with_entry(instance, addr, |e| e.info.clone()) {
+            return Ok(info);
+        }
+        let info = Arc::new(self.client.server_info(addr).await?);
+        self.with_entry(instance, addr, |e| e.info = Some(info.clone()));
+        Ok(info)
+    }
+
+    /// One rank's transfer endpoint, from the cache or the directory.
+    pub async fn rank(&self, instance: &str, addr: &str, key: RankKey) -> Result<RankAddr, ClientError> {
+        if let Some(r) = self.with_entry(instance, addr, |e| e.ranks.get(&key).cloned()) {
+            return Ok(r);
+        }
+        let (dp, cp, tp, pp) = key;
+        let r = self.client.rank(addr, dp, cp, tp, pp).await?;
+        self.with_entry(instance, addr, |e| e.ranks.insert(key, r.clone()));
+        Ok(r)
+    }
+
+    /// Forgets everything cached about `instance`.
+    pub fn invalidate(&self, instance: &str) {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).remove(instance);
+    }
+
+    /// Instances cached.
+    pub fn len(&self) -> usize {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

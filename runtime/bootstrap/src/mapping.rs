@@ -1,0 +1,134 @@
+//! Rank mapping between a prefill instance's topology and a decode's, as SGLang computes it:
+//! which prefill ranks a decode rank reads from, how many decode peers a prefill rank waits
+//! for, and which KV heads travel between a pair of ranks. Pure functions, checked against
+//! the golden rows of BOOTSTRAP.md.
+
+use std::ops::Range;
+
+use crate::BootstrapError;
+
+/// The prefill ranks one decode rank reads from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankPlan {
+    /// Prefill tp ranks to read from.
+    pub tp_ranks: Vec<usize>,
+    /// Prefill pp ranks to read from.
+    pub pp_ranks: Vec<usize>,
+    /// Prefill cp ranks to read from.
+    pub cp_ranks: Vec<usize>,
+    /// Decode peers each of those prefill ranks waits for.
+    pub peers: usize,
+    /// Completion notices the decode rank waits for.
+    pub responses: usize,
+}
+
+/// Parallel sizes of one side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Parallel {
+    /// Attention tensor-parallel size.
+    pub tp: usize,
+    /// Pipeline-parallel size.
+    pub pp: usize,
+    /// Context-parallel size.
+    pub cp: usize,
+}
+
+/// Plans which prefill ranks decode rank (`tp_rank`, `pp_rank`) reads from.
+/// `kv_cp_sharded`: the prefill shards KV across its cp ranks (then every cp rank sends).
+pub fn plan_ranks(
+    prefill: Parallel,
+    decode: Parallel,
+    tp_rank: usize,
+    pp_rank: usize,
+    kv_cp_sharded: bool,
+) -> Result<RankPlan, BootstrapError> {
+    let (p, d) = (prefill.tp, decode.tp);
+    if p == 0 || d == 0 || prefill.pp == 0 || decode.pp == 0 || prefill.cp == 0 {
+        return Err(BootstrapError::Topology("parallel sizes must be positive".into()));
+    }
+    if tp_rank >= d || pp_rank >= decode.pp {
+        return Err(BootstrapError::Topology(format!(
+            "decode rank tp {tp_rank} pp {pp_rank} outside tp {d} pp {}",
+            decode.pp
+        )));
+    }
+    if p.max(d) % p.min(d) != 0 {
+        return Err(BootstrapError::Topology(format!("tp sizes {p} and {d} do not divide")));
+    }
+    let (tp_ranks, peers, mut responses) = if d == p {
+        (vec![tp_rank], 1, 1)
+    } else if d > p {
+        (vec![tp_rank / (d / p)], d / p, 1)
+    } else {
+        let k = p / d;
+        ((tp_rank * k..(tp_rank + 1) * k).collect(), 1, k)
+    };
+    let pp_ranks = if prefill.pp == decode.pp {
+        vec![pp_rank]
+    } else if decode.pp == 1 {
+        responses *= prefill.pp;
+        (0..prefill.pp).collect()
+    } else {
+        return Err(BootstrapError::Topology(format!(
+            "prefill pp {} to decode pp {} is not supported",
+            prefill.pp, decode.pp
+        )));
+    };
+    let cp_ranks = if prefill.cp > 1 && kv_cp_sharded {
+        responses *= prefill.cp;
+        (0..prefill.cp).collect()
+    } else {
+        vec![0]
+    };
+    Ok(RankPlan { tp_ranks, pp_ranks, cp_ranks, peers, responses })
+}
+
+/// Which KV heads go from prefill tp rank `src_rank` to decode tp rank `dst_rank` (non-MLA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadSlice {
+    /// First head, in the prefill rank's local heads.
+    pub src_start: usize,
+    /// Heads sent.
+    pub count: usize,
+    /// Where they land, in the decode rank's local heads.
+    pub dst_start: usize,
+}
+
+/// KV heads held by each rank of a tp group over `total_heads` heads.
+pub fn heads_per_rank(tp: usize, total_heads: usize) -> usize {
+    (total_heads / tp).max(1)
+}
+
+/// The global KV heads tp rank `rank` of a tp group holds (replicated when tp > heads).
+pub fn rank_heads(tp: usize, total_heads: usize, rank: usize) -> Range<usize> {
+    let n = heads_per_rank(tp, total_heads);
+    let start = (rank / (tp / total_heads).max(1)) * n;
+    start..start + n
+}
+
+/// SGLang's head slicing between prefill tp `p_tp` and decode tp `d_tp`.
+pub fn head_slice(
+    p_tp: usize,
+    d_tp: usize,
+    src_rank: usize,
+    dst_rank: usize,
+    total_heads: usize,
+) -> HeadSlice {
+    let src_heads = heads_per_rank(p_tp, total_heads);
+    let dst_heads = heads_per_rank(d_tp, total_heads);
+    if p_tp > d_tp {
+        let unique = (src_rank % p_tp) / (p_tp / total_heads).max(1);
+        HeadSlice { src_start: 0, count: src_heads, dst_start: (unique * src_heads) % dst_heads }
+    } else {
+        let unique = (dst_rank % d_tp) / (d_tp / total_heads).max(1);
+        HeadSlice { src_start: (unique * dst_heads) % src_heads, count: dst_heads, dst_start: 0 }
+    }
+}
+
+/// The layers pipeline rank `pp_rank` of `pp` holds, out of `layers`.
+pub fn pp_layers(layers: usize, pp: usize, pp_rank: usize) -> Range<usize> {
+    pp_rank * layers / pp..(pp_rank + 1) * layers / pp
+}
+
+#[cfg(test)]
+mod tests;

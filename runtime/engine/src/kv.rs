@@ -1,0 +1,139 @@
+//! The canonical KV layout: `[layer][k|v][head][token][head_bytes]`, head-major so that one
+//! (layer, k|v, head) run of tokens is contiguous. Shards by KV head (tp) and by layer (pp)
+//! are then lists of contiguous runs, which is what the transfer seam moves.
+
+use std::ops::Range;
+
+use crate::EngineError;
+
+/// The shape of one token's KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvShape {
+    /// Transformer layers.
+    pub layers: usize,
+    /// KV heads (after grouped-query sharing).
+    pub kv_heads: usize,
+    /// Bytes of one head of one token (head_dim x element size).
+    pub head_bytes: usize,
+}
+
+impl KvShape {
+    /// Bytes of one token's KV across all layers and heads.
+    pub fn token_bytes(&self) -> usize {
+        self.layers * 2 * self.kv_heads * self.head_bytes
+    }
+}
+
+/// The KV of a run of tokens, in the canonical layout.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Kv {
+    shape: KvShape,
+    tokens: usize,
+    data: Vec<u8>,
+}
+
+impl std::fmt::Debug for Kv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kv").field("shape", &self.shape).field("tokens", &self.tokens).finish()
+    }
+}
+
+impl Kv {
+    /// Zeroed KV for `tokens` tokens.
+    pub fn zeroed(shape: KvShape, tokens: usize) -> Self {
+        Kv { shape, tokens, data: vec![0; shape.token_bytes() * tokens] }
+    }
+
+    /// Wraps bytes already in the canonical layout.
+    pub fn from_bytes(shape: KvShape, tokens: usize, data: Vec<u8>) -> Result<Self, EngineError> {
+        if data.len() != shape.token_bytes() * tokens {
+            return Err(EngineError::KvShape(format!(
+                "{} bytes for {tokens} tokens of {} bytes each",
+                data.len(),
+                shape.token_bytes()
+            )));
+        }
+        Ok(Kv { shape, tokens, data })
+    }
+
+    /// The shape of one token.
+    pub fn shape(&self) -> KvShape {
+        self.shape
+    }
+
+    /// Number of tokens.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// All bytes, canonical layout.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// Byte range of the run (layer, k|v, head) for tokens `toks`.
+    pub fn run_range(&self, layer: usize, kv: usize, head: usize, toks: Range<usize>) -> Range<usize> {
+        let hb = self.shape.head_bytes;
+        let base = ((layer * 2 + kv) * self.shape.kv_heads + head) * self.tokens * hb;
+        base + toks.start * hb..base + toks.end * hb
+    }
+
+    /// The bytes of one (layer, k|v, head) run over all tokens.
+    pub fn run(&self, layer: usize, kv: usize, head: usize) -> &[u8] {
+        &self.data[self.run_range(layer, kv, head, 0..self.tokens)]
+    }
+
+    /// Mutable bytes of one (layer, k|v, head) run over all tokens.
+    pub fn run_mut(&mut self, layer: usize, kv: usize, head: usize) -> &mut [u8] {
+        let r = self.run_range(layer, kv, head, 0..self.tokens);
+        &mut self.data[r]
+    }
+
+    /// A copy of tokens `toks`.
+    pub fn slice_tokens(&self, toks: Range<usize>) -> Kv {
+        let mut out = Kv::zeroed(self.shape, toks.len());
+        self.for_each_run(|l, k, h| {
+            let src = &self.data[self.run_range(l, k, h, toks.clone())];
+            out.run_mut(l, k, h).copy_from_slice(src);
+        });
+        out
+    }
+
+    /// Concatenates KV runs of consecutive tokens.
+    pub fn concat(shape: KvShape, parts: &[&Kv]) -> Result<Kv, EngineError> {
+        if let Some(p) = parts.iter().find(|p| p.shape != shape) {
+            return Err(EngineError::KvShape(format!("{:?} != {:?}", p.shape, shape)));
+        }
+        let tokens = parts.iter().map(|p| p.tokens).sum();
+        let mut out = Kv::zeroed(shape, tokens);
+        let hb = shape.head_bytes;
+        for l in 0..shape.layers {
+            for k in 0..2 {
+                for h in 0..shape.kv_heads {
+                    let dst = out.run_mut(l, k, h);
+                    let mut at = 0;
+                    for p in parts {
+                        let src = p.run(l, k, h);
+                        dst[at..at + src.len()].copy_from_slice(src);
+                        at += p.tokens * hb;
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Calls `f(layer, k|v, head)` for every run, in layout order.
+    pub fn for_each_run(&self, mut f: impl FnMut(usize, usize, usize)) {
+        for l in 0..self.shape.layers {
+            for k in 0..2 {
+                for h in 0..self.shape.kv_heads {
+                    f(l, k, h);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,21 @@
+use super::*;
+
+fn numbered(shape: KvShape, tokens: usize) -> Kv {
+    let data = (0..shape.token_bytes() * tokens).map(|i| (i % 251) as u8).collect();
+    Kv::from_bytes(shape, tokens, data).unwrap()
+}
+
+#[test]
+fn slicing_then_concatenating_gives_back_the_same_bytes() {
+    let shape = KvShape { layers: 3, kv_heads: 2, head_bytes: 4 };
+    let kv = numbered(shape, 10);
+    let a = kv.slice_tokens(0..4);
+    let b = kv.slice_tokens(4..10);
+    assert_eq!(Kv::concat(shape, &[&a, &b]).unwrap(), kv);
+}
+
+#[test]
+fn from_bytes_rejects_wrong_length() {
+    let shape = KvShape { layers: 1, kv_heads: 1, head_bytes: 4 };
+    assert!(Kv::from_bytes(shape, 2, vec![0; 15]).is_err());
+}

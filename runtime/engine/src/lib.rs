@@ -1,0 +1,105 @@
+//! The engine seam: what handoff needs from a model runtime.
+//!
+//! - [`Engine`] / [`Decoder`] (this file): model info, tokenization, prefill over an optional
+//!   cached prefix, and decoding from imported KV.
+//! - [`kv`]: [`Kv`], the canonical KV layout every engine exports and imports.
+//! - [`mock`]: [`MockEngine`], a timing model whose KV bytes are a pure function of (token,
+//!   position, layer, head), so every byte received can be checked.
+
+mod error;
+pub mod kv;
+pub mod mock;
+
+use async_trait::async_trait;
+
+pub use error::EngineError;
+pub use kv::{Kv, KvShape};
+pub use mock::{MockConfig, MockEngine};
+
+/// What a model is, as far as KV handoff is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// The name clients ask for.
+    pub name: String,
+    /// Shape of one token's KV.
+    pub shape: KvShape,
+    /// Tokens per KV page (and per block hash).
+    pub page_size: usize,
+    /// Vocabulary size.
+    pub vocab: u32,
+    /// Longest sequence (prompt plus generated tokens).
+    pub max_context: usize,
+    /// End-of-sequence token, if the model has one.
+    pub eos: Option<u32>,
+}
+
+/// Sampling settings an engine honours.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Sampling {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// Nucleus sampling mass; 0 or 1 means off.
+    pub top_p: f32,
+    /// 0 means off.
+    pub top_k: u32,
+    /// Seed for sampled (non-greedy) decoding.
+    pub seed: u64,
+}
+
+/// A chat message for [`Engine::chat_prompt`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+/// The result of a prefill: the KV of the whole prompt and the first generated token.
+#[derive(Debug, Clone)]
+pub struct Prefilled {
+    /// KV of every prompt token (cached prefix included).
+    pub kv: Kv,
+    /// The first generated token.
+    pub first_token: u32,
+}
+
+/// A model runtime.
+#[async_trait]
+pub trait Engine: Send + Sync + 'static {
+    /// The model's shape and limits.
+    fn info(&self) -> &ModelInfo;
+
+    /// Text to token ids.
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError>;
+
+    /// Token ids to text.
+    fn detokenize(&self, tokens: &[u32]) -> String;
+
+    /// Renders chat messages with the model's chat template, ready to tokenize.
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError>;
+
+    /// Computes the KV of `tokens`, reusing `prefix` (the KV of `tokens[..prefix.tokens()]`)
+    /// and computing only the rest, and samples the first generated token.
+    async fn prefill(
+        &self,
+        tokens: &[u32],
+        prefix: Option<Kv>,
+        sampling: &Sampling,
+    ) -> Result<Prefilled, EngineError>;
+
+    /// Starts decoding after `last_token`, from the KV of everything before it.
+    fn decoder(
+        &self,
+        kv: Kv,
+        last_token: u32,
+        sampling: &Sampling,
+    ) -> Result<Box<dyn Decoder>, EngineError>;
+}
+
+/// One sequence being decoded.
+#[async_trait]
+pub trait Decoder: Send {
+    /// Feeds the previous token and returns the next one.
+    async fn step(&mut self) -> Result<u32, EngineError>;
+}
