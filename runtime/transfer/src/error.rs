@@ -1,0 +1,37 @@
+use thiserror::Error;
+
+use crate::{AgentAddr, RegionId};
+
+/// Errors of the transfer seam.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum TransferError {
+    /// A peer could not be reached or the connection broke.
+    #[error("peer {peer}: {reason}")]
+    Io {
+        /// The peer.
+        peer: AgentAddr,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A frame or request that violates the protocol.
+    #[error("malformed: {0}")]
+    Malformed(String),
+    /// The peer refused: its answer says why.
+    #[error("rejected by peer: {0}")]
+    Rejected(String),
+    /// A handshake without the configured token.
+    #[error("unauthorized handshake")]
+    Unauthorized,
+    /// A table is full.
+    #[error("{0} table full")]
+    Full(&'static str),
+    /// No such region (never registered, expired or already taken).
+    #[error("unknown region {0:?}")]
+    UnknownRegion(RegionId),
+    /// The room's transfer failed at verification or in flight.
+    #[error("transfer failed: {0}")]
+    Failed(String),
+    /// A wait ran past its deadline.
+    #[error("timed out {0}")]
+    Timeout(String),
+}

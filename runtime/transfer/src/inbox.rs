@@ -1,0 +1,365 @@
+//! The receiving side of every backend.
+//!
+//! As a receiver, an inbox holds one region per room: the bytes written so far, per sender a
+//! running byte count and checksum, and the notices received. A notice is verified on arrival:
+//! its room must be the region's room, and its byte count and checksum must match what that
+//! sender actually wrote. The region reaches `Success` when every expected sender's notice has
+//! verified; any violation fails it (terminal). As a sender, an inbox holds the handshakes
+//! (`ConnectRequest`s) that receivers sent for rooms the sender will compute.
+//!
+//! Every table is bounded; regions are removed when their waiter takes them or gives up.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use handoff_core::Room;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+use tracing::debug;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::{ConnectRequest, KvPoll, Notice, RegionId, SenderId, TransferError};
+
+/// Bounds of an inbox.
+#[derive(Debug, Clone)]
+pub struct InboxConfig {
+    /// When set, handshakes must carry this token.
+    pub token: Option<String>,
+    /// Most regions registered at once.
+    pub max_regions: usize,
+    /// Largest region.
+    pub max_region_bytes: u64,
+    /// Most rooms with pending handshakes.
+    pub max_pending_rooms: usize,
+    /// Most handshakes per room.
+    pub max_connects_per_room: usize,
+    /// How long a handshake waits for its room's prefill before it is dropped.
+    pub pending_ttl: Duration,
+}
+
+impl Default for InboxConfig {
+    fn default() -> Self {
+        InboxConfig {
+            token: None,
+            max_regions: 16_384,
+            max_region_bytes: 4 << 30,
+            max_pending_rooms: 16_384,
+            max_connects_per_room: 256,
+            pending_ttl: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A verified region, taken out of the inbox.
+#[derive(Debug)]
+pub struct Received {
+    /// The room it was registered for.
+    pub room: Room,
+    /// The bytes, as the senders wrote them.
+    pub buf: Vec<u8>,
+    /// Every sender's verified notice.
+    pub notices: Vec<Notice>,
+}
+
+struct Progress {
+    bytes: u64,
+    hasher: Xxh3,
+}
+
+struct Region {
+    room: Room,
+    buf: Vec<u8>,
+    expected: HashMap<SenderId, u64>,
+    progress: HashMap<SenderId, Progress>,
+    notices: Vec<Notice>,
+    state: watch::Sender<KvPoll>,
+    error: Option<String>,
+}
+
+impl Region {
+    fn advance(&mut self, to: KvPoll) {
+        self.state.send_if_modified(|s| {
+            let forward = *s != KvPoll::Failed && *s != KvPoll::Success && to > *s;
+            if forward {
+                *s = to;
+            }
+            forward
+        });
+    }
+
+    fn fail(&mut self, reason: String) {
+        if matches!(*self.state.borrow(), KvPoll::Success | KvPoll::Failed) {
+            return;
+        }
+        debug!(room = %self.room, %reason, "KV transfer failed");
+        self.error = Some(reason);
+        self.state.send_replace(KvPoll::Failed);
+    }
+}
+
+struct Pending {
+    reqs: Vec<ConnectRequest>,
+    since: Instant,
+}
+
+/// The receiving side of a transfer agent (see the module docs).
+pub struct Inbox {
+    cfg: InboxConfig,
+    next_region: AtomicU64,
+    regions: Mutex<HashMap<RegionId, Region>>,
+    pending: Mutex<HashMap<Room, Pending>>,
+    pending_changed: Notify,
+}
+
+impl std::fmt::Debug for Inbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbox").field("cfg", &self.cfg).finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Inbox {
+    /// An empty inbox.
+    pub fn new(cfg: InboxConfig) -> Self {
+        Inbox {
+            cfg,
+            next_region: AtomicU64::new(1),
+            regions: Mutex::default(),
+            pending: Mutex::default(),
+            pending_changed: Notify::new(),
+        }
+    }
+
+    // === receiver side ===
+
+    /// Registers a zeroed region of `len` bytes for `room`, expecting a notice from each of
+    /// `expected` senders after exactly that many bytes.
+    pub fn register_region(
+        &self,
+        room: Room,
+        len: u64,
+        expected: impl IntoIterator<Item = (SenderId, u64)>,
+    ) -> Result<RegionId, TransferError> {
+        if len > self.cfg.max_region_bytes {
+            return Err(TransferError::Malformed(format!(
+                "region of {len} bytes exceeds {}",
+                self.cfg.max_region_bytes
+            )));
+        }
+        let mut regions = lock(&self.regions);
+        if regions.len() >= self.cfg.max_regions {
+            return Err(TransferError::Full("region"));
+        }
+        let id = RegionId(self.next_region.fetch_add(1, Ordering::Relaxed));
+        let region = Region {
+            room,
+            buf: vec![0; len as usize],
+            expected: expected.into_iter().collect(),
+            progress: HashMap::new(),
+            notices: Vec::new(),
+            state: watch::Sender::new(KvPoll::Bootstrapping),
+            error: None,
+        };
+        regions.insert(id, region);
+        Ok(id)
+    }
+
+    /// The region's state; an unknown region reads as `Failed`.
+    pub fn poll(&self, id: RegionId) -> KvPoll {
+        lock(&self.regions).get(&id).map_or(KvPoll::Failed, |r| *r.state.borrow())
+    }
+
+    /// Marks the handshake for `id` done.
+    pub fn mark_connected(&self, id: RegionId) {
+        if let Some(r) = lock(&self.regions).get_mut(&id) {
+            r.advance(KvPoll::WaitingForInput);
+        }
+    }
+
+    /// Fails a region (e.g. its sender vanished).
+    pub fn fail(&self, id: RegionId, reason: impl Into<String>) {
+        if let Some(r) = lock(&self.regions).get_mut(&id) {
+            r.fail(reason.into());
+        }
+    }
+
+    /// Drops a region without waiting for it.
+    pub fn release(&self, id: RegionId) {
+        lock(&self.regions).remove(&id);
+    }
+
+    /// Regions registered.
+    pub fn regions(&self) -> usize {
+        lock(&self.regions).len()
+    }
+
+    /// Waits until the region succeeds or fails, or `deadline`; the region is removed
+    /// either way.
+    pub async fn wait(&self, id: RegionId, deadline: Instant) -> Result<Received, TransferError> {
+        let mut rx = {
+            let regions = lock(&self.regions);
+            regions.get(&id).ok_or(TransferError::UnknownRegion(id))?.state.subscribe()
+        };
+        let done = rx.wait_for(|s| matches!(s, KvPoll::Success | KvPoll::Failed));
+        let timed_out = tokio::time::timeout_at(deadline, done).await.is_err();
+        let region = lock(&self.regions).remove(&id).ok_or(TransferError::UnknownRegion(id))?;
+        let state = *region.state.borrow();
+        match state {
+            KvPoll::Success => {
+                Ok(Received { room: region.room, buf: region.buf, notices: region.notices })
+            }
+            KvPoll::Failed => Err(TransferError::Failed(region.error.unwrap_or_default())),
+            s if timed_out => Err(TransferError::Timeout(format!("waiting for KV in state {s:?}"))),
+            s => Err(TransferError::Failed(format!("region closed in state {s:?}"))),
+        }
+    }
+
+    /// Applies written segments `(offset, bytes)` from `sender`. A write out of bounds or
+    /// from a sender the region does not expect fails the region.
+    pub fn on_write(
+        &self,
+        id: RegionId,
+        sender: SenderId,
+        segments: &[(u64, &[u8])],
+    ) -> Result<(), TransferError> {
+        let mut regions = lock(&self.regions);
+        let r = regions.get_mut(&id).ok_or(TransferError::UnknownRegion(id))?;
+        if matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success) {
+            return Err(TransferError::Failed(format!("region {id:?} is closed")));
+        }
+        let Some(&want) = r.expected.get(&sender) else {
+            let reason = format!("write from unexpected sender {sender:?}");
+            r.fail(reason.clone());
+            return Err(TransferError::Failed(reason));
+        };
+        let len = r.buf.len() as u64;
+        let p = r.progress.entry(sender).or_insert_with(|| Progress { bytes: 0, hasher: Xxh3::new() });
+        for &(off, bytes) in segments {
+            let end = off.checked_add(bytes.len() as u64).filter(|&e| e <= len);
+            let fits = end.is_some() && p.bytes + bytes.len() as u64 <= want;
+            if !fits {
+                let reason = format!(
+                    "write of {} bytes at {off} outside region of {len} (or over the {want} \
+                     bytes expected from {sender:?})",
+                    bytes.len()
+                );
+                r.fail(reason.clone());
+                return Err(TransferError::Failed(reason));
+            }
+            r.buf[off as usize..off as usize + bytes.len()].copy_from_slice(bytes);
+            p.hasher.update(bytes);
+            p.bytes += bytes.len() as u64;
+        }
+        r.advance(KvPoll::Transferring);
+        Ok(())
+    }
+
+    /// Verifies a notice. A notice whose room, byte count or checksum does not match fails
+    /// the region (`bootstrap_room mismatch`, `short transfer`, `checksum mismatch`).
+    pub fn on_notice(&self, id: RegionId, n: Notice) -> Result<(), TransferError> {
+        let mut regions = lock(&self.regions);
+        let r = regions.get_mut(&id).ok_or(TransferError::UnknownRegion(id))?;
+        if matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success) {
+            return Err(TransferError::Failed(format!("region {id:?} is closed")));
+        }
+        let reason = if n.room != r.room {
+            Some(format!("bootstrap_room mismatch: expected {}, got {}", r.room, n.room))
+        } else if r.notices.iter().any(|m| m.sender == n.sender) {
+            Some(format!("duplicate notice from {:?}", n.sender))
+        } else {
+            let want = r.expected.get(&n.sender).copied();
+            let (got, sum) =
+                r.progress.get(&n.sender).map_or((0, Xxh3::new().digest()), |p| (p.bytes, p.hasher.digest()));
+            match want {
+                None => Some(format!("notice from unexpected sender {:?}", n.sender)),
+                Some(w) if got != w || n.bytes != w => Some(format!(
+                    "short transfer from {:?}: expected {w} bytes, received {got}, notice says {}",
+                    n.sender, n.bytes
+                )),
+                Some(_) if sum != n.checksum => Some(format!(
+                    "checksum mismatch from {:?}: computed {sum:016x}, notice says {:016x}",
+                    n.sender, n.checksum
+                )),
+                Some(_) => None,
+            }
+        };
+        if let Some(reason) = reason {
+            r.fail(reason.clone());
+            return Err(TransferError::Failed(reason));
+        }
+        r.notices.push(n);
+        if r.notices.len() == r.expected.len() {
+            r.advance(KvPoll::Success);
+        }
+        Ok(())
+    }
+
+    // === sender side ===
+
+    /// Accepts a receiver's handshake for a room this agent will send.
+    pub fn on_connect(&self, req: ConnectRequest) -> Result<(), TransferError> {
+        if let Some(t) = &self.cfg.token
+            && req.token.as_deref() != Some(t.as_str())
+        {
+            return Err(TransferError::Unauthorized);
+        }
+        let mut pending = lock(&self.pending);
+        if pending.len() >= self.cfg.max_pending_rooms && !pending.contains_key(&req.room) {
+            let ttl = self.cfg.pending_ttl;
+            pending.retain(|_, p| p.since.elapsed() < ttl);
+            if pending.len() >= self.cfg.max_pending_rooms {
+                return Err(TransferError::Full("pending handshake"));
+            }
+        }
+        let entry = pending
+            .entry(req.room)
+            .or_insert_with(|| Pending { reqs: Vec::new(), since: Instant::now() });
+        if entry.reqs.len() >= self.cfg.max_connects_per_room {
+            return Err(TransferError::Full("handshakes per room"));
+        }
+        entry.reqs.push(req);
+        drop(pending);
+        self.pending_changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Waits until `count` handshakes for `room` have arrived, and takes them.
+    pub async fn accept(
+        &self,
+        room: Room,
+        count: usize,
+        deadline: Instant,
+    ) -> Result<Vec<ConnectRequest>, TransferError> {
+        loop {
+            let changed = self.pending_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut pending = lock(&self.pending);
+                if pending.get(&room).is_some_and(|p| p.reqs.len() >= count) {
+                    let p = pending.remove(&room).map(|p| p.reqs).unwrap_or_default();
+                    return Ok(p);
+                }
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                let have = lock(&self.pending).remove(&room).map_or(0, |p| p.reqs.len());
+                return Err(TransferError::Timeout(format!(
+                    "waiting for {count} handshakes for room {room}, {have} arrived"
+                )));
+            }
+        }
+    }
+
+    /// Rooms with pending handshakes.
+    pub fn pending_rooms(&self) -> usize {
+        lock(&self.pending).len()
+    }
+}
+
+#[cfg(test)]
+mod tests;

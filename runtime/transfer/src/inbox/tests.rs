@@ -1,0 +1,133 @@
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use super::*;
+use crate::WriteRequest;
+
+fn room(n: u64) -> Room {
+    Room::try_from(n).unwrap()
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(2)
+}
+
+fn write(inbox: &Inbox, region: RegionId, w: &WriteRequest) -> Result<(), TransferError> {
+    let segs: Vec<(u64, &[u8])> = w.pairs.iter().map(|(b, o)| (*o, &b[..])).collect();
+    inbox.on_write(region, w.sender, &segs)?;
+    inbox.on_notice(region, w.notice.unwrap())
+}
+
+fn req(region: RegionId, r: Room, sender: u16, off: u64, data: &[u8]) -> WriteRequest {
+    let pairs = vec![(Bytes::copy_from_slice(data), off)];
+    WriteRequest::new(region, pairs, r, SenderId::new(sender, 0), 7, 4, 0)
+}
+
+#[tokio::test]
+async fn region_succeeds_once_every_sender_verified() {
+    let inbox = Inbox::new(InboxConfig::default());
+    let (a, b) = (SenderId::new(0, 0), SenderId::new(1, 0));
+    let id = inbox.register_region(room(9), 8, [(a, 4), (b, 4)]).unwrap();
+    assert_eq!(inbox.poll(id), KvPoll::Bootstrapping);
+    inbox.mark_connected(id);
+    write(&inbox, id, &req(id, room(9), 1, 4, b"5678")).unwrap();
+    assert_eq!(inbox.poll(id), KvPoll::Transferring);
+    write(&inbox, id, &req(id, room(9), 0, 0, b"1234")).unwrap();
+    assert_eq!(inbox.poll(id), KvPoll::Success);
+    let got = inbox.wait(id, soon()).await.unwrap();
+    assert_eq!(got.buf, b"12345678");
+    assert_eq!(got.notices.len(), 2);
+    assert_eq!(inbox.regions(), 0, "taken regions are removed");
+}
+
+#[tokio::test]
+async fn each_verification_failure_is_terminal_with_its_reason() {
+    let inbox = Inbox::new(InboxConfig::default());
+    let s = SenderId::new(0, 0);
+    let cases: Vec<(Box<dyn Fn(RegionId) -> WriteRequest>, &str)> = vec![
+        (Box::new(|id| req(id, room(8), 0, 0, b"abcd")), "bootstrap_room mismatch"),
+        (
+            Box::new(|id| {
+                let mut w = req(id, room(9), 0, 0, b"abcd");
+                w.pairs[0].0 = Bytes::from_static(b"abce");
+                w
+            }),
+            "checksum mismatch",
+        ),
+        (
+            Box::new(|id| {
+                let mut w = req(id, room(9), 0, 0, b"abcd");
+                w.pairs[0].0 = Bytes::from_static(b"ab");
+                w
+            }),
+            "short transfer",
+        ),
+        (Box::new(|id| req(id, room(9), 0, 2, b"abcd")), "outside region"),
+        (Box::new(|id| req(id, room(9), 3, 0, b"abcd")), "unexpected sender"),
+    ];
+    for (make, want) in cases {
+        let id = inbox.register_region(room(9), 4, [(s, 4)]).unwrap();
+        assert!(write(&inbox, id, &make(id)).is_err());
+        assert_eq!(inbox.poll(id), KvPoll::Failed);
+        // Failed is terminal: a correct write afterwards does not revive it.
+        assert!(write(&inbox, id, &req(id, room(9), 0, 0, b"abcd")).is_err());
+        let err = inbox.wait(id, soon()).await.unwrap_err().to_string();
+        assert!(err.contains(want), "{err} should say {want}");
+    }
+}
+
+#[tokio::test]
+async fn wait_times_out_and_removes_the_region() {
+    let inbox = Inbox::new(InboxConfig::default());
+    let id = inbox.register_region(room(1), 4, [(SenderId::new(0, 0), 4)]).unwrap();
+    let err = inbox.wait(id, Instant::now() + Duration::from_millis(20)).await.unwrap_err();
+    assert!(matches!(err, TransferError::Timeout(_)));
+    assert_eq!(inbox.regions(), 0);
+    assert_eq!(inbox.poll(id), KvPoll::Failed);
+}
+
+fn connect(r: Room, token: Option<&str>) -> ConnectRequest {
+    ConnectRequest {
+        room: r,
+        receiver: crate::AgentAddr { ip: "127.0.0.1".into(), port: 1 },
+        region: RegionId(1),
+        region_len: 4,
+        dst_tp_size: 1,
+        dst_tp_rank: 0,
+        tokens: 1,
+        token: token.map(str::to_owned),
+    }
+}
+
+#[tokio::test]
+async fn accept_waits_for_every_handshake_of_its_room() {
+    let inbox = std::sync::Arc::new(Inbox::new(InboxConfig::default()));
+    let i2 = inbox.clone();
+    let waiter = tokio::spawn(async move { i2.accept(room(5), 2, soon()).await });
+    inbox.on_connect(connect(room(5), None)).unwrap();
+    inbox.on_connect(connect(room(6), None)).unwrap();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(!waiter.is_finished());
+    inbox.on_connect(connect(room(5), None)).unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap().len(), 2);
+    assert_eq!(inbox.pending_rooms(), 1);
+    let err = inbox.accept(room(7), 1, Instant::now() + Duration::from_millis(10)).await;
+    assert!(matches!(err, Err(TransferError::Timeout(_))));
+}
+
+#[test]
+fn handshakes_need_the_token_and_tables_are_bounded() {
+    let cfg = InboxConfig { token: Some("k".into()), max_pending_rooms: 3, max_regions: 2, ..Default::default() };
+    let inbox = Inbox::new(cfg);
+    assert_eq!(inbox.on_connect(connect(room(1), None)), Err(TransferError::Unauthorized));
+    assert_eq!(inbox.on_connect(connect(room(1), Some("x"))), Err(TransferError::Unauthorized));
+    for r in 1..=3 {
+        inbox.on_connect(connect(room(r), Some("k"))).unwrap();
+    }
+    assert_eq!(inbox.on_connect(connect(room(4), Some("k"))), Err(TransferError::Full("pending handshake")));
+    inbox.register_region(room(1), 1, []).unwrap();
+    inbox.register_region(room(1), 1, []).unwrap();
+    assert_eq!(inbox.register_region(room(1), 1, []), Err(TransferError::Full("region")));
+}

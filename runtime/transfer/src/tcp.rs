@@ -1,0 +1,264 @@
+//! The `tcp` backend: real bytes over TCP. Each agent listens on its own port (the rank port
+//! a directory publishes); senders keep a pool of connections per peer and run one exchange
+//! at a time on a connection (frames, then the peer's ack). A connection that breaks or
+//! sends a malformed frame is closed, and every region it was filling is failed.
+
+mod wire;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use handoff_core::Tasks;
+use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tracing::{debug, warn};
+
+use crate::{AgentAddr, ConnectRequest, Inbox, RegionId, TransferBackend, TransferError, WriteRequest};
+use wire::Frame;
+
+/// Settings of the tcp backend.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// Largest frame accepted or sent.
+    pub max_frame: usize,
+    /// Time to establish a connection.
+    pub connect_timeout: Duration,
+    /// Time for one exchange (a handshake, or a whole write and its ack).
+    pub io_timeout: Duration,
+    /// Idle connections kept per peer.
+    pub max_idle_per_peer: usize,
+    /// Inbound connections served at once.
+    pub max_inbound: usize,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            max_frame: 64 << 20,
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(60),
+            max_idle_per_peer: 32,
+            max_inbound: 1024,
+        }
+    }
+}
+
+/// A tcp agent (see the module docs).
+#[derive(Debug)]
+pub struct TcpTransfer {
+    addr: AgentAddr,
+    cfg: TcpConfig,
+    idle: Mutex<HashMap<AgentAddr, Vec<TcpStream>>>,
+}
+
+impl TcpTransfer {
+    /// Serves `listener` into `inbox` on `tasks` until they shut down. `advertise_ip` is the
+    /// IP peers should dial (defaults to the listener's).
+    pub fn serve(
+        listener: TcpListener,
+        advertise_ip: Option<String>,
+        inbox: Arc<Inbox>,
+        cfg: TcpConfig,
+        tasks: &Tasks,
+    ) -> std::io::Result<Self> {
+        let local = listener.local_addr()?;
+        let addr = AgentAddr { ip: advertise_ip.unwrap_or_else(|| local.ip().to_string()), port: local.port() };
+        let t = tasks.clone();
+        let max_frame = cfg.max_frame;
+        let limit = Arc::new(Semaphore::new(cfg.max_inbound));
+        tasks.spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = t.shutdown_requested() => break,
+                    a = listener.accept() => a,
+                };
+                let (stream, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        warn!(error = %e, "transfer accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = limit.clone().try_acquire_owned() else {
+                    warn!(%peer, "too many transfer connections; refusing");
+                    continue;
+                };
+                let inbox = inbox.clone();
+                let t2 = t.clone();
+                t.spawn(async move {
+                    tokio::select! {
+                        _ = t2.shutdown_requested() => {}
+                        _ = serve_conn(stream, peer, inbox, max_frame) => {}
+                    }
+                    drop(permit);
+                });
+            }
+        });
+        Ok(TcpTransfer { addr, cfg, idle: Mutex::default() })
+    }
+
+    /// Binds `bind` and serves it (see [`TcpTransfer::serve`]).
+    pub async fn bind(
+        bind: SocketAddr,
+        inbox: Arc<Inbox>,
+        cfg: TcpConfig,
+        tasks: &Tasks,
+    ) -> std::io::Result<Self> {
+        Self::serve(TcpListener::bind(bind).await?, None, inbox, cfg, tasks)
+    }
+
+    fn io_err(peer: &AgentAddr, e: impl std::fmt::Display) -> TransferError {
+        TransferError::Io { peer: peer.clone(), reason: e.to_string() }
+    }
+
+    async fn checkout(&self, peer: &AgentAddr) -> Result<TcpStream, TransferError> {
+        loop {
+            let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).get_mut(peer).and_then(Vec::pop);
+            let Some(s) = pooled else { break };
+            // An idle connection must have nothing to read: data or EOF means it is stale.
+            let mut probe = [0u8; 1];
+            if matches!(s.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock) {
+                return Ok(s);
+            }
+        }
+        let dial = TcpStream::connect((peer.ip.as_str(), peer.port));
+        let s = tokio::time::timeout(self.cfg.connect_timeout, dial)
+            .await
+            .map_err(|_| Self::io_err(peer, "connect timed out"))?
+            .map_err(|e| Self::io_err(peer, e))?;
+        s.set_nodelay(true).map_err(|e| Self::io_err(peer, e))?;
+        Ok(s)
+    }
+
+    fn checkin(&self, peer: &AgentAddr, s: TcpStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let v = idle.entry(peer.clone()).or_default();
+        if v.len() < self.cfg.max_idle_per_peer {
+            v.push(s);
+        }
+    }
+
+    async fn read_ack(&self, peer: &AgentAddr, s: &mut TcpStream) -> Result<(), TransferError> {
+        match wire::read_frame(s, self.cfg.max_frame).await? {
+            Some(Frame::Ack(Ok(()))) => Ok(()),
+            Some(Frame::Ack(Err(reason))) => Err(TransferError::Rejected(reason)),
+            Some(other) => Err(TransferError::Malformed(format!("expected an ack, got {other:?}"))),
+            None => Err(Self::io_err(peer, "connection closed before the ack")),
+        }
+    }
+}
+
+#[async_trait]
+impl TransferBackend for TcpTransfer {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn local_addr(&self) -> AgentAddr {
+        self.addr.clone()
+    }
+
+    async fn connect(&self, peer: &AgentAddr, req: ConnectRequest) -> Result<(), TransferError> {
+        let mut s = self.checkout(peer).await?;
+        let exchange = async {
+            wire::write_connect(&mut s, &req).await.map_err(|e| Self::io_err(peer, e))?;
+            self.read_ack(peer, &mut s).await
+        };
+        let res = tokio::time::timeout(self.cfg.io_timeout, exchange)
+            .await
+            .map_err(|_| TransferError::Timeout(format!("handshake with {peer}")))?;
+        if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
+            self.checkin(peer, s);
+        }
+        res
+    }
+
+    async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError> {
+        let mut s = self.checkout(peer).await?;
+        let max_frame = self.cfg.max_frame;
+        let exchange = async {
+            let mut w = BufWriter::with_capacity(256 << 10, &mut s);
+            let io = |e| Self::io_err(peer, e);
+            wire::write_pairs(&mut w, req.region, req.sender, &req.pairs, max_frame).await.map_err(io)?;
+            if let Some(n) = &req.notice {
+                wire::write_notice(&mut w, req.region, n).await.map_err(io)?;
+            }
+            w.flush().await.map_err(io)?;
+            drop(w);
+            match req.notice {
+                Some(_) => self.read_ack(peer, &mut s).await,
+                None => Ok(()),
+            }
+        };
+        let res = tokio::time::timeout(self.cfg.io_timeout, exchange)
+            .await
+            .map_err(|_| TransferError::Timeout(format!("write to {peer}")))?;
+        if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
+            self.checkin(peer, s);
+        }
+        res
+    }
+}
+
+/// Serves one inbound connection until it closes or breaks the protocol.
+async fn serve_conn(stream: TcpStream, peer: SocketAddr, inbox: Arc<Inbox>, max_frame: usize) {
+    let _ = stream.set_nodelay(true);
+    let (r, mut w) = stream.into_split();
+    let mut r = BufReader::with_capacity(256 << 10, r);
+    // Regions this connection wrote into and has not yet sent the notice for.
+    let mut open: HashSet<RegionId> = HashSet::new();
+    let reason = loop {
+        let frame = match wire::read_frame(&mut r, max_frame).await {
+            Ok(Some(f)) => f,
+            Ok(None) => break "sender connection closed mid-transfer".to_owned(),
+            Err(e) => {
+                debug!(%peer, error = %e, "bad transfer frame; closing");
+                let _ = wire::write_ack(&mut w, &Err(e.to_string())).await;
+                break format!("sender connection broke mid-transfer: {e}");
+            }
+        };
+        let reply = match frame {
+            Frame::Connect(req) => Some(inbox.on_connect(req)),
+            Frame::Write { region, sender, segments, payload } => {
+                let mut at = 0usize;
+                let segs: Vec<(u64, &[u8])> = segments
+                    .iter()
+                    .map(|&(off, len)| {
+                        let s = (off, &payload[at..at + len as usize]);
+                        at += len as usize;
+                        s
+                    })
+                    .collect();
+                // A rejected write fails its region; the sender learns it at the notice.
+                if inbox.on_write(region, sender, &segs).is_ok() {
+                    open.insert(region);
+                }
+                None
+            }
+            Frame::Notice { region, notice } => {
+                open.remove(&region);
+                Some(inbox.on_notice(region, notice))
+            }
+            Frame::Ack(_) => {
+                let _ = wire::write_ack(&mut w, &Err("unexpected ack".into())).await;
+                break "protocol violation: unexpected ack".to_owned();
+            }
+        };
+        if let Some(res) = reply
+            && wire::write_ack(&mut w, &res.map_err(|e| e.to_string())).await.is_err()
+        {
+            break "sender connection lost".to_owned();
+        }
+    };
+    for region in open {
+        inbox.fail(region, reason.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests;

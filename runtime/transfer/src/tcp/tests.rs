@@ -1,0 +1,160 @@
+use std::time::Duration;
+
+use bytes::Bytes;
+use handoff_core::Room;
+use tokio::io::AsyncWriteExt;
+use tokio::time::Instant;
+
+use super::*;
+use crate::{Agent, Fault, FaultyTransfer, InboxConfig, KvPoll, SenderId};
+
+struct Pair {
+    tasks: Tasks,
+    tx: Agent,
+    rx: Agent,
+}
+
+async fn pair(cfg: TcpConfig) -> Pair {
+    let tasks = Tasks::new();
+    let mk = |cfg: TcpConfig| {
+        let tasks = tasks.clone();
+        async move {
+            let inbox = Arc::new(Inbox::new(InboxConfig::default()));
+            let t = TcpTransfer::bind("127.0.0.1:0".parse().unwrap(), inbox.clone(), cfg, &tasks).await.unwrap();
+            Agent::new(Arc::new(t), inbox)
+        }
+    };
+    Pair { tx: mk(cfg.clone()).await, rx: mk(cfg).await, tasks }
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(5)
+}
+
+fn room() -> Room {
+    Room::mint()
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect::<Vec<_>>().into()
+}
+
+#[tokio::test]
+async fn bytes_arrive_exact_across_split_frames_and_senders() {
+    // A tiny max frame forces writes to be split over many frames.
+    let p = pair(TcpConfig { max_frame: 4096, ..Default::default() }).await;
+    let r = room();
+    let (a, b) = (SenderId::new(0, 0), SenderId::new(1, 0));
+    let half = 50_000u64;
+    let id = p.rx.inbox().register_region(r, 2 * half, [(a, half), (b, half)]).unwrap();
+    let chunks = |seed: u8, base: u64| -> Vec<(Bytes, u64)> {
+        (0..50).map(|i| (pattern(1000, seed + i as u8), base + i * 1000)).collect()
+    };
+    for (s, base, seed) in [(a, 0, 1u8), (b, half, 100u8)] {
+        let w = WriteRequest::new(id, chunks(seed, base), r, s, 42, 10, 3);
+        p.tx.post_write(&p.rx.addr(), w).await.unwrap();
+    }
+    let got = p.rx.inbox().wait(id, deadline()).await.unwrap();
+    let want: Vec<u8> = chunks(1, 0).into_iter().chain(chunks(100, half)).flat_map(|(b, _)| b.to_vec()).collect();
+    assert_eq!(got.buf, want);
+    assert!(got.notices.iter().all(|n| n.first_token == 42 && n.room == r));
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn handshake_reaches_the_sender_and_marks_the_region_connected() {
+    let p = pair(TcpConfig::default()).await;
+    let r = room();
+    let id = p.rx.inbox().register_region(r, 8, [(SenderId::new(0, 0), 8)]).unwrap();
+    let req = ConnectRequest {
+        room: r,
+        receiver: p.rx.addr(),
+        region: id,
+        region_len: 8,
+        dst_tp_size: 1,
+        dst_tp_rank: 0,
+        tokens: 1,
+        token: None,
+    };
+    p.rx.connect(&p.tx.addr(), req.clone()).await.unwrap();
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::WaitingForInput);
+    assert_eq!(p.tx.inbox().accept(r, 1, deadline()).await.unwrap(), vec![req]);
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn injected_faults_fail_the_region_at_verify() {
+    let p = pair(TcpConfig::default()).await;
+    let tasks = Tasks::new();
+    let inbox = Arc::new(Inbox::new(InboxConfig::default()));
+    let inner = TcpTransfer::bind("127.0.0.1:0".parse().unwrap(), inbox, TcpConfig::default(), &tasks).await.unwrap();
+    let faulty = FaultyTransfer::new(Arc::new(inner));
+    let s = SenderId::new(0, 0);
+    for (fault, want) in [
+        (Fault::WrongRoom, "bootstrap_room mismatch"),
+        (Fault::FlipByte, "checksum mismatch"),
+        (Fault::Truncate, "short transfer"),
+        (Fault::SenderGone, "timed out"),
+    ] {
+        let r = room();
+        let id = p.rx.inbox().register_region(r, 4000, [(s, 4000)]).unwrap();
+        let pairs = (0..4).map(|i| (pattern(1000, i), u64::from(i) * 1000)).collect();
+        faulty.arm(fault, 1);
+        let sent = faulty.post_write(&p.rx.addr(), WriteRequest::new(id, pairs, r, s, 1, 1, 0)).await;
+        assert!(sent.is_err(), "{fault:?} must fail the sender's post too");
+        let end = Instant::now() + Duration::from_millis(300);
+        let err = p.rx.inbox().wait(id, end).await.unwrap_err().to_string();
+        assert!(err.contains(want), "{fault:?}: {err}");
+    }
+    tasks.shutdown().await;
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn truncated_and_garbage_frames_close_only_their_connection() {
+    let p = pair(TcpConfig::default()).await;
+    let r = room();
+    let s = SenderId::new(0, 0);
+    let id = p.rx.inbox().register_region(r, 100, [(s, 100)]).unwrap();
+    let addr = p.rx.addr();
+
+    // A write frame that promises 100 payload bytes, then the sender dies after 10.
+    let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&(1u32 + 16 + 12 + 100).to_le_bytes());
+    frame.push(2);
+    frame.extend_from_slice(&id.0.to_le_bytes());
+    frame.extend_from_slice(&s.0.to_le_bytes());
+    frame.extend_from_slice(&1u32.to_le_bytes());
+    frame.extend_from_slice(&0u64.to_le_bytes());
+    frame.extend_from_slice(&100u32.to_le_bytes());
+    frame.extend_from_slice(&[7u8; 10]);
+    raw.write_all(&frame).await.unwrap();
+    drop(raw);
+    let err = p.rx.inbox().wait(id, Instant::now() + Duration::from_millis(500)).await.unwrap_err();
+    assert!(matches!(err, TransferError::Timeout(_)), "nothing applied from a truncated frame: {err}");
+
+    // Half a region written, then the connection closes with no notice: failed, fast.
+    let id = p.rx.inbox().register_region(r, 100, [(s, 100)]).unwrap();
+    let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
+    let mut w = Vec::new();
+    wire::write_pairs(&mut w, id, s, &[(Bytes::from_static(&[1; 50]), 0)], 1 << 20).await.unwrap();
+    raw.write_all(&w).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(raw);
+    let err = p.rx.inbox().wait(id, deadline()).await.unwrap_err().to_string();
+    assert!(err.contains("closed mid-transfer"), "{err}");
+
+    // Garbage: an absurd frame length.
+    let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
+    raw.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+    let ack = wire::read_frame(&mut raw, 1 << 20).await.unwrap();
+    assert!(matches!(ack, Some(Frame::Ack(Err(m))) if m.contains("frame length")));
+
+    // The agent still serves well-formed peers.
+    let id = p.rx.inbox().register_region(r, 4, [(s, 4)]).unwrap();
+    let w = WriteRequest::new(id, vec![(Bytes::from_static(b"okok"), 0)], r, s, 1, 1, 0);
+    p.tx.post_write(&addr, w).await.unwrap();
+    assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
+    p.tasks.shutdown().await;
+}

@@ -1,0 +1,169 @@
+//! Frames of the tcp backend: `[u32 LE length][u8 kind][body]`, length counting kind and
+//! body. Bodies are little-endian binary, except the rare handshake, which is JSON.
+
+use bytes::{Buf, Bytes};
+use handoff_core::Room;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::{ConnectRequest, Notice, RegionId, SenderId, TransferError};
+
+const CONNECT: u8 = 1;
+const WRITE: u8 = 2;
+const NOTICE: u8 = 3;
+const ACK: u8 = 4;
+const NOTICE_LEN: usize = 48;
+
+/// A decoded frame.
+#[derive(Debug)]
+pub(super) enum Frame {
+    Connect(ConnectRequest),
+    Write { region: RegionId, sender: SenderId, segments: Vec<(u64, u32)>, payload: Bytes },
+    Notice { region: RegionId, notice: Notice },
+    Ack(Result<(), String>),
+}
+
+fn malformed(s: impl Into<String>) -> TransferError {
+    TransferError::Malformed(s.into())
+}
+
+async fn header<W: AsyncWrite + Unpin>(w: &mut W, kind: u8, body: usize) -> std::io::Result<()> {
+    w.write_u32_le((body + 1) as u32).await?;
+    w.write_u8(kind).await
+}
+
+pub(super) async fn write_connect<W: AsyncWrite + Unpin>(w: &mut W, req: &ConnectRequest) -> std::io::Result<()> {
+    let body = serde_json::to_vec(req).map_err(std::io::Error::other)?;
+    header(w, CONNECT, body.len()).await?;
+    w.write_all(&body).await
+}
+
+/// Writes `pairs` as one or more write frames of at most `max_frame` bytes each.
+pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    region: RegionId,
+    sender: SenderId,
+    pairs: &[(Bytes, u64)],
+    max_frame: usize,
+) -> std::io::Result<()> {
+    let mut rest = pairs;
+    while !rest.is_empty() {
+        // Take pairs while the frame stays under max_frame (always at least one).
+        let mut n = 0;
+        let mut size = 1 + 16;
+        while n < rest.len() && (n == 0 || size + 12 + rest[n].0.len() <= max_frame) {
+            size += 12 + rest[n].0.len();
+            n += 1;
+        }
+        let (now, later) = rest.split_at(n);
+        let mut head = Vec::with_capacity(16 + 12 * n);
+        head.extend_from_slice(&region.0.to_le_bytes());
+        head.extend_from_slice(&sender.0.to_le_bytes());
+        head.extend_from_slice(&(n as u32).to_le_bytes());
+        for (b, off) in now {
+            head.extend_from_slice(&off.to_le_bytes());
+            head.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        }
+        header(w, WRITE, size - 1).await?;
+        w.write_all(&head).await?;
+        for (b, _) in now {
+            w.write_all(b).await?;
+        }
+        rest = later;
+    }
+    Ok(())
+}
+
+pub(super) async fn write_notice<W: AsyncWrite + Unpin>(w: &mut W, region: RegionId, n: &Notice) -> std::io::Result<()> {
+    let mut b = Vec::with_capacity(NOTICE_LEN);
+    b.extend_from_slice(&region.0.to_le_bytes());
+    b.extend_from_slice(&n.room.get().to_le_bytes());
+    b.extend_from_slice(&n.sender.0.to_le_bytes());
+    b.extend_from_slice(&n.first_token.to_le_bytes());
+    b.extend_from_slice(&n.tokens.to_le_bytes());
+    b.extend_from_slice(&n.cached_tokens.to_le_bytes());
+    b.extend_from_slice(&n.bytes.to_le_bytes());
+    b.extend_from_slice(&n.checksum.to_le_bytes());
+    header(w, NOTICE, b.len()).await?;
+    w.write_all(&b).await
+}
+
+pub(super) async fn write_ack<W: AsyncWrite + Unpin>(w: &mut W, res: &Result<(), String>) -> std::io::Result<()> {
+    let msg = res.as_ref().err().map(String::as_bytes).unwrap_or_default();
+    let msg = &msg[..msg.len().min(4096)];
+    header(w, ACK, 1 + msg.len()).await?;
+    w.write_u8(u8::from(res.is_ok())).await?;
+    w.write_all(msg).await
+}
+
+/// Reads one frame; `Ok(None)` at a clean end of stream between frames.
+pub(super) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_frame: usize) -> Result<Option<Frame>, TransferError> {
+    let len = match r.read_u32_le().await {
+        Ok(l) => l as usize,
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(malformed(format!("reading frame length: {e}"))),
+    };
+    if len == 0 || len > max_frame {
+        return Err(malformed(format!("frame length {len} outside 1..={max_frame}")));
+    }
+    let mut buf = vec![0u8; len];
+    r.read_exact(&mut buf)
+        .await
+        .map_err(|e| malformed(format!("truncated frame of {len} bytes: {e}")))?;
+    let mut body = Bytes::from(buf);
+    let kind = body.get_u8();
+    decode(kind, body).map(Some)
+}
+
+fn decode(kind: u8, mut b: Bytes) -> Result<Frame, TransferError> {
+    match kind {
+        CONNECT => serde_json::from_slice(&b)
+            .map(Frame::Connect)
+            .map_err(|e| malformed(format!("handshake: {e}"))),
+        WRITE => {
+            if b.len() < 16 {
+                return Err(malformed("write frame shorter than its header"));
+            }
+            let region = RegionId(b.get_u64_le());
+            let sender = SenderId(b.get_u32_le());
+            let n = b.get_u32_le() as usize;
+            if n.checked_mul(12).is_none_or(|h| h > b.len()) {
+                return Err(malformed(format!("write frame claims {n} segments")));
+            }
+            let segments: Vec<(u64, u32)> = (0..n).map(|_| (b.get_u64_le(), b.get_u32_le())).collect();
+            let want: u64 = segments.iter().map(|s| u64::from(s.1)).sum();
+            if want != b.len() as u64 {
+                return Err(malformed(format!(
+                    "write frame payload is {} bytes, its segments say {want}",
+                    b.len()
+                )));
+            }
+            Ok(Frame::Write { region, sender, segments, payload: b })
+        }
+        NOTICE => {
+            if b.len() != NOTICE_LEN {
+                return Err(malformed(format!("notice of {} bytes, want {NOTICE_LEN}", b.len())));
+            }
+            let region = RegionId(b.get_u64_le());
+            let room = b.get_u64_le();
+            let room = Room::try_from(room).map_err(|e| malformed(e.to_string()))?;
+            let notice = Notice {
+                room,
+                sender: SenderId(b.get_u32_le()),
+                first_token: b.get_u32_le(),
+                tokens: b.get_u32_le(),
+                cached_tokens: b.get_u32_le(),
+                bytes: b.get_u64_le(),
+                checksum: b.get_u64_le(),
+            };
+            Ok(Frame::Notice { region, notice })
+        }
+        ACK => {
+            if b.is_empty() {
+                return Err(malformed("empty ack"));
+            }
+            let ok = b.get_u8() == 1;
+            Ok(Frame::Ack(if ok { Ok(()) } else { Err(String::from_utf8_lossy(&b).into_owned()) }))
+        }
+        k => Err(malformed(format!("unknown frame kind {k}"))),
+    }
+}
