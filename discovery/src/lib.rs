@@ -1,1 +1,112 @@
-//! placeholder while the workspace bootstraps
+//! handoff's discovery seams.
+//!
+//! - [`Registry`] (this file): instances with leases; a watch is a stream of
+//!   [`Update::Reset`] / [`Update::Add`] / [`Update::Remove`].
+//! - [`EventBus`] (this file): publish/subscribe by subject prefix.
+//! - [`events`] — what travels on the bus (KV events) and the subject layout.
+//! - [`memory`] — in-process backends, the real backend of single-node mode.
+
+mod error;
+pub mod events;
+pub mod memory;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use handoff_core::InstanceId;
+use serde::{Deserialize, Serialize};
+
+pub use error::DiscoveryError;
+pub use events::{KvEvent, KvEventKind};
+pub use memory::{MemoryBus, MemoryRegistry};
+
+/// What an instance does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// A prefill instance.
+    Prefill,
+    /// A decode frontend.
+    Frontend,
+    /// A scheduler.
+    Scheduler,
+}
+
+/// An instance's parallel topology.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Topology {
+    /// Data-parallel ranks.
+    pub dp: u32,
+    /// Tensor-parallel ranks.
+    pub tp: u32,
+    /// Pipeline ranks.
+    pub pp: u32,
+    /// Context-parallel ranks.
+    pub cp: u32,
+}
+
+/// One registered instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Instance {
+    /// Its id.
+    pub id: InstanceId,
+    /// What it does.
+    pub role: Role,
+    /// The model it serves.
+    pub model: String,
+    /// host:port of its bootstrap directory (prefill).
+    pub bootstrap_addr: String,
+    /// host:port of its gRPC service.
+    pub grpc_addr: String,
+    /// Its ranks.
+    pub topology: Topology,
+    /// Tokens per KV page.
+    pub page_size: u32,
+    /// Bumped on every re-registration, so caches keyed by it are invalidated.
+    pub version: u64,
+}
+
+/// A change in the set of instances of one role.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Update {
+    /// The complete set, replacing whatever the watcher knew (first update; after a
+    /// reconnect or missed updates).
+    Reset(Vec<Instance>),
+    /// An instance appeared or changed.
+    Add(Instance),
+    /// An instance is gone.
+    Remove(InstanceId),
+}
+
+/// A registry of instances.
+#[async_trait]
+pub trait Registry: Send + Sync + 'static {
+    /// Registers (or re-registers) an instance; it stays until deregistered or its lease
+    /// lapses.
+    async fn register(&self, instance: Instance) -> Result<(), DiscoveryError>;
+
+    /// Removes an instance.
+    async fn deregister(&self, id: &InstanceId) -> Result<(), DiscoveryError>;
+
+    /// The instances of `role`: a `Reset` first, then changes.
+    async fn watch(&self, role: Role) -> Result<BoxStream<'static, Update>, DiscoveryError>;
+}
+
+/// A message on the bus.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// Its subject.
+    pub subject: String,
+    /// Its payload.
+    pub payload: Bytes,
+}
+
+/// Publish/subscribe.
+#[async_trait]
+pub trait EventBus: Send + Sync + 'static {
+    /// Publishes `payload` on `subject`.
+    async fn publish(&self, subject: String, payload: Bytes) -> Result<(), DiscoveryError>;
+
+    /// Messages whose subject starts with `prefix`, from now on.
+    async fn subscribe(&self, prefix: &str) -> Result<BoxStream<'static, Message>, DiscoveryError>;
+}

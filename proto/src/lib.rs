@@ -1,7 +1,7 @@
 //! handoff's gRPC API, package `handoff.v1`: the public `Generate` service, the `Scheduler`
 //! and the `Prefill` service. Generated at build time from `handoff/v1/*.proto`.
 
-#![expect(missing_docs, unreachable_pub, reason = "generated code")]
+#![expect(missing_docs, reason = "generated code")]
 #![expect(clippy::all, reason = "generated code")]
 
 /// `handoff.v1`.

@@ -43,14 +43,17 @@ impl DirectoryClient {
         body: Option<Vec<u8>>,
     ) -> Result<(StatusCode, Bytes), ClientError> {
         let bad = |reason: String| ClientError::Address { addr: addr.to_owned(), reason };
-        let mut req = Request::builder().method(method).uri(format!("http://{addr}{path_and_query}"));
+        let mut req =
+            Request::builder().method(method).uri(format!("http://{addr}{path_and_query}"));
         if body.is_some() {
             req = req.header(header::CONTENT_TYPE, "application/json");
             if let Some(t) = &self.token {
                 req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
             }
         }
-        let req = req.body(Full::new(Bytes::from(body.unwrap_or_default()))).map_err(|e| bad(e.to_string()))?;
+        let req = req
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| bad(e.to_string()))?;
         let resp = self
             .http
             .request(req)
@@ -73,12 +76,15 @@ impl DirectoryClient {
             StatusCode::SERVICE_UNAVAILABLE => {
                 Err(ClientError::NotReady { addr: addr.to_owned(), body: text() })
             }
-            s => Err(ClientError::Status { addr: addr.to_owned(), status: s.as_u16(), body: text() }),
+            s => {
+                Err(ClientError::Status { addr: addr.to_owned(), status: s.as_u16(), body: text() })
+            }
         }
     }
 
     fn parse<T: serde::de::DeserializeOwned>(addr: &str, body: &Bytes) -> Result<T, ClientError> {
-        serde_json::from_slice(body).map_err(|source| ClientError::Malformed { addr: addr.to_owned(), source })
+        serde_json::from_slice(body)
+            .map_err(|source| ClientError::Malformed { addr: addr.to_owned(), source })
     }
 
     /// The instance's server info (the all `-1` query).
@@ -87,7 +93,8 @@ impl DirectoryClient {
         let (status, body) = self.call(addr, Method::GET, q, None).await?;
         Self::expect_ok(addr, status, &body)?;
         let info: ServerInfo = Self::parse(addr, &body)?;
-        let sizes = [info.attn_tp_size, info.attn_cp_size, info.dp_size, info.pp_size, info.page_size];
+        let sizes =
+            [info.attn_tp_size, info.attn_cp_size, info.dp_size, info.pp_size, info.page_size];
         if sizes.iter().any(|&s| !(1..=1 << 16).contains(&s)) {
             return Err(ClientError::Unusable {
                 addr: addr.to_owned(),
@@ -116,7 +123,8 @@ impl DirectoryClient {
 
     /// Registers one rank.
     pub async fn register(&self, addr: &str, reg: &Registration) -> Result<(), ClientError> {
-        let body = serde_json::to_vec(reg).map_err(|source| ClientError::Malformed { addr: addr.to_owned(), source })?;
+        let body = serde_json::to_vec(reg)
+            .map_err(|source| ClientError::Malformed { addr: addr.to_owned(), source })?;
         let (status, body) = self.call(addr, Method::PUT, "/route", Some(body)).await?;
         Self::expect_ok(addr, status, &body)
     }
@@ -162,7 +170,11 @@ impl DirectoryCache {
     }
 
     /// The instance's server info, from the cache or its directory.
-    pub async fn server_info(&self, instance: &str, addr: &str) -> Result<Arc<ServerInfo>, ClientError> {
+    pub async fn server_info(
+        &self,
+        instance: &str,
+        addr: &str,
+    ) -> Result<Arc<ServerInfo>, ClientError> {
         if let Some(info) = self.with_entry(instance, addr, |e| e.info.clone()) {
             return Ok(info);
         }
@@ -172,7 +184,12 @@ impl DirectoryCache {
     }
 
     /// One rank's transfer endpoint, from the cache or the directory.
-    pub async fn rank(&self, instance: &str, addr: &str, key: RankKey) -> Result<RankAddr, ClientError> {
+    pub async fn rank(
+        &self,
+        instance: &str,
+        addr: &str,
+        key: RankKey,
+    ) -> Result<RankAddr, ClientError> {
         if let Some(r) = self.with_entry(instance, addr, |e| e.ranks.get(&key).cloned()) {
             return Ok(r);
         }

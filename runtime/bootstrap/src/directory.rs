@@ -222,9 +222,7 @@ impl Directory {
             required_prefill_response_num: None,
             enable_dsa_cache_layer_split: since(PeerVersion::V0_5_19)
                 .then_some(f.enable_dsa_cache_layer_split),
-            prefill_http_port: since(PeerVersion::V0_5_19)
-                .then_some(f.prefill_http_port)
-                .flatten(),
+            prefill_http_port: since(PeerVersion::V0_5_19).then_some(f.prefill_http_port).flatten(),
             decode_allocation_policy: since(PeerVersion::V0_5_23)
                 .then(|| f.allocation_policy().to_owned()),
             enable_kv_cache_sharding: since(PeerVersion::V0_5_23)
@@ -240,7 +238,12 @@ impl Directory {
     pub fn rank(&self, dp: i64, cp: i64, tp: i64, pp: i64) -> Result<RankAddr, BootstrapError> {
         let inner = self.lock();
         Self::ready(&inner)?;
-        inner.rows.get(&(dp, cp, tp, pp)).cloned().ok_or(BootstrapError::NotFound { dp, cp, tp, pp })
+        inner.rows.get(&(dp, cp, tp, pp)).cloned().ok_or(BootstrapError::NotFound {
+            dp,
+            cp,
+            tp,
+            pp,
+        })
     }
 
     /// Records which dp rank serves `room`.

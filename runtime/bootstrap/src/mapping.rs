@@ -52,7 +52,7 @@ pub fn plan_ranks(
             decode.pp
         )));
     }
-    if p.max(d) % p.min(d) != 0 {
+    if !tp_compatible(p, d) {
         return Err(BootstrapError::Topology(format!("tp sizes {p} and {d} do not divide")));
     }
     let (tp_ranks, peers, mut responses) = if d == p {
@@ -132,3 +132,87 @@ pub fn pp_layers(layers: usize, pp: usize, pp_rank: usize) -> Range<usize> {
 
 #[cfg(test)]
 mod tests;
+
+/// How one prefill rank's KV shard lands in one decode rank's receive region.
+///
+/// A region holds the decode rank's heads for every layer, laid out
+/// `[layer][k|v][local head][token][head_bytes]`; the shard is the runs
+/// (layer in `layers`, k|v, head `src_head + i` -> local head `dst_head + i`, i < `heads`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shard {
+    /// Layers the prefill rank holds (its pp slice).
+    pub layers: Range<usize>,
+    /// First global KV head sent.
+    pub src_head: usize,
+    /// First local head it lands on in the decode rank's region.
+    pub dst_head: usize,
+    /// Heads sent.
+    pub heads: usize,
+}
+
+/// The receive region of one decode rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionLayout {
+    /// All layers of the model.
+    pub layers: usize,
+    /// Heads per decode rank.
+    pub heads: usize,
+    /// Prompt tokens.
+    pub tokens: usize,
+    /// Bytes of one head of one token.
+    pub head_bytes: usize,
+}
+
+impl RegionLayout {
+    /// The region's size.
+    pub fn len(&self) -> u64 {
+        (self.layers * 2 * self.heads * self.tokens * self.head_bytes) as u64
+    }
+
+    /// Whether the region holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Byte offset of the run (layer, k|v, local head).
+    pub fn run_offset(&self, layer: usize, kv: usize, head: usize) -> u64 {
+        (((layer * 2 + kv) * self.heads + head) * self.tokens * self.head_bytes) as u64
+    }
+
+    /// Bytes of one run.
+    pub fn run_len(&self) -> usize {
+        self.tokens * self.head_bytes
+    }
+
+    /// Bytes a shard writes into this region.
+    pub fn shard_bytes(&self, s: &Shard) -> u64 {
+        (s.layers.len() * 2 * s.heads) as u64 * self.run_len() as u64
+    }
+}
+
+/// The shard prefill rank (`src_tp`, `src_pp`) of tp `prefill.tp` / pp `prefill.pp` sends to
+/// decode tp rank `dst_tp` of `decode_tp`, for a model of `layers` layers and `total_heads`
+/// KV heads.
+pub fn shard(
+    prefill: Parallel,
+    decode_tp: usize,
+    src_tp: usize,
+    src_pp: usize,
+    dst_tp: usize,
+    total_heads: usize,
+    layers: usize,
+) -> Shard {
+    let s = head_slice(prefill.tp, decode_tp, src_tp, dst_tp, total_heads);
+    Shard {
+        layers: pp_layers(layers, prefill.pp, src_pp),
+        src_head: rank_heads(prefill.tp, total_heads, src_tp).start + s.src_start,
+        dst_head: s.dst_start,
+        heads: s.count,
+    }
+}
+
+/// Whether two tp sizes can be mapped onto each other: both positive, the larger a multiple
+/// of the smaller.
+pub fn tp_compatible(a: usize, b: usize) -> bool {
+    a > 0 && b > 0 && a.max(b).is_multiple_of(a.min(b))
+}

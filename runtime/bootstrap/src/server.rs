@@ -128,7 +128,8 @@ fn int_field(body: &Value, name: &str) -> Result<i64, BootstrapError> {
 }
 
 fn json_body(body: &[u8]) -> Result<Value, BootstrapError> {
-    serde_json::from_slice(body).map_err(|e| BootstrapError::BadRequest(format!("invalid JSON: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| BootstrapError::BadRequest(format!("invalid JSON: {e}")))
 }
 
 async fn register_dp_rank(
@@ -141,7 +142,9 @@ async fn register_dp_rank(
     let room = int_field(&v, "bootstrap_room")?;
     let dp = int_field(&v, "dp_rank")?;
     if room < 1 {
-        return Err(BootstrapError::BadRequest(format!("bootstrap_room must be positive, got {room}")));
+        return Err(BootstrapError::BadRequest(format!(
+            "bootstrap_room must be positive, got {room}"
+        )));
     }
     let dp = u32::try_from(dp)
         .map_err(|_| BootstrapError::BadRequest(format!("dp_rank must be >= 0, got {dp}")))?;

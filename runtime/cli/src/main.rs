@@ -1,1 +1,18 @@
-fn main() {}
+//! `handoff`: one binary for every process of a handoff deployment.
+
+use clap::Parser;
+use handoff::args::{Cli, Command};
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Up(args) => handoff::cmd::up::run(args).await,
+    }
+}

@@ -1,9 +1,9 @@
 //! Shared vocabulary of handoff's crates.
 //!
-//! - [`ids`]: newtypes for the ids that bind a request end to end ([`Room`], [`InstanceId`],
+//! - [`ids`] — newtypes for the ids that bind a request end to end ([`Room`], [`InstanceId`],
 //!   [`BlockHash`]).
-//! - [`hash`]: the chained block hashes of a prompt, the same function on every side.
-//! - [`tasks`]: owned background tasks and a shutdown signal (no detached tasks).
+//! - [`hash`] — the chained block hashes of a prompt, the same function on every side.
+//! - [`tasks`] — owned background tasks and a shutdown signal (no detached tasks).
 
 pub mod hash;
 pub mod ids;

@@ -72,10 +72,19 @@ impl Kv {
     }
 
     /// Byte range of the run (layer, k|v, head) for tokens `toks`.
-    pub fn run_range(&self, layer: usize, kv: usize, head: usize, toks: Range<usize>) -> Range<usize> {
-        let hb = self.shape.head_bytes;
-        let base = ((layer * 2 + kv) * self.shape.kv_heads + head) * self.tokens * hb;
-        base + toks.start * hb..base + toks.end * hb
+    pub fn run_range(
+        &self,
+        layer: usize,
+        kv: usize,
+        head: usize,
+        toks: Range<usize>,
+    ) -> Range<usize> {
+        run_range(self.shape, self.tokens, layer, kv, head, toks)
+    }
+
+    /// The bytes, canonical layout.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.data
     }
 
     /// The bytes of one (layer, k|v, head) run over all tokens.
@@ -133,6 +142,21 @@ impl Kv {
             }
         }
     }
+}
+
+/// Byte range of the run (layer, k|v, head), tokens `toks`, in the canonical layout of
+/// `tokens` tokens of `shape`.
+pub fn run_range(
+    shape: KvShape,
+    tokens: usize,
+    layer: usize,
+    kv: usize,
+    head: usize,
+    toks: Range<usize>,
+) -> Range<usize> {
+    let hb = shape.head_bytes;
+    let base = ((layer * 2 + kv) * shape.kv_heads + head) * tokens * hb;
+    base + toks.start * hb..base + toks.end * hb
 }
 
 #[cfg(test)]

@@ -2,8 +2,8 @@
 //!
 //! - [`Engine`] / [`Decoder`] (this file): model info, tokenization, prefill over an optional
 //!   cached prefix, and decoding from imported KV.
-//! - [`kv`]: [`Kv`], the canonical KV layout every engine exports and imports.
-//! - [`mock`]: [`MockEngine`], a timing model whose KV bytes are a pure function of (token,
+//! - [`kv`] — [`Kv`], the canonical KV layout every engine exports and imports.
+//! - [`mock`] — [`MockEngine`], a timing model whose KV bytes are a pure function of (token,
 //!   position, layer, head), so every byte received can be checked.
 
 mod error;

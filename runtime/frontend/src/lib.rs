@@ -1,1 +1,23 @@
-//! placeholder while the workspace bootstraps
+//! The decode frontend: the public `handoff.v1.Generate` service.
+//!
+//! - [`config`] — [`FrontendConfig`].
+//! - [`input`] — a `GenerateRequest` checked and turned into a [`input::Plan`] (tokens,
+//!   sampling, limits, deadline); every bad input is `INVALID_ARGUMENT` with a reason.
+//! - [`attempt`] — one attempt at the request path on one prefill instance: resolve the
+//!   topology and rank addresses (cached), register receive regions, connect, prefill,
+//!   verify, reassemble the KV. Each stage is timed.
+//! - [`path`] — [`Frontend`]: scheduler selection, fresh room per attempt, retries before the
+//!   first token, and outcomes reported back.
+//! - [`service`] — the gRPC service: streams the first token and the decoded ones.
+
+pub mod attempt;
+pub mod config;
+mod error;
+pub mod input;
+pub mod path;
+pub mod service;
+
+pub use config::FrontendConfig;
+pub use error::FrontendError;
+pub use path::Frontend;
+pub use service::GenerateService;

@@ -1,1 +1,23 @@
-//! placeholder while the workspace bootstraps
+//! One prefill instance.
+//!
+//! - [`config`] — [`PrefillConfig`], its topology, addresses and bounds.
+//! - [`cache`] — [`PrefixCache`], KV pages keyed by block hash, LRU under a byte budget,
+//!   one per dp rank.
+//! - [`rank`] — a rank (dp, cp, tp, pp) with its transfer agent; sends its KV shard to the
+//!   decode ranks that connected for a room.
+//! - [`service`] — the `handoff.v1.Prefill` gRPC service: prefix reuse, compute, KV events,
+//!   and the ranks' sends.
+//! - [`instance`] — [`PrefillInstance::start`]: binds the directory, the ranks and the gRPC
+//!   service, registers the ranks in the directory and the instance in discovery.
+
+pub mod cache;
+pub mod config;
+mod error;
+pub mod instance;
+pub mod rank;
+pub mod service;
+
+pub use cache::PrefixCache;
+pub use config::PrefillConfig;
+pub use error::PrefillError;
+pub use instance::PrefillInstance;

@@ -42,7 +42,11 @@ impl Agent {
     }
 
     /// Sends a handshake to a sender rank, and marks the region connected once it is accepted.
-    pub async fn connect(&self, peer: &AgentAddr, req: ConnectRequest) -> Result<(), TransferError> {
+    pub async fn connect(
+        &self,
+        peer: &AgentAddr,
+        req: ConnectRequest,
+    ) -> Result<(), TransferError> {
         let region = req.region;
         self.backend.connect(peer, req).await?;
         self.inbox.mark_connected(region);
@@ -50,7 +54,62 @@ impl Agent {
     }
 
     /// Posts a write to a receiver.
-    pub async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError> {
+    pub async fn post_write(
+        &self,
+        peer: &AgentAddr,
+        req: WriteRequest,
+    ) -> Result<(), TransferError> {
         self.backend.post_write(peer, req).await
+    }
+}
+
+/// Which backend an agent runs on.
+#[derive(Debug, Clone)]
+pub enum TransferKind {
+    /// Real sockets: listen on `bind_ip` (an ephemeral port), advertise `advertise_ip`.
+    Tcp {
+        /// Where to listen.
+        bind_ip: std::net::IpAddr,
+        /// What peers dial (defaults to `bind_ip`).
+        advertise_ip: Option<String>,
+    },
+    /// In-process, on this fake network.
+    Fake(Arc<crate::FakeNetwork>),
+}
+
+impl TransferKind {
+    /// Real sockets on loopback.
+    pub fn loopback() -> Self {
+        TransferKind::Tcp { bind_ip: std::net::Ipv4Addr::LOCALHOST.into(), advertise_ip: None }
+    }
+
+    /// Starts an agent on this backend, its tasks on `tasks`; with `faults`, its writes go
+    /// through a [`crate::FaultyTransfer`].
+    pub async fn start(
+        &self,
+        inbox: crate::InboxConfig,
+        tasks: &handoff_core::Tasks,
+        faults: Option<Arc<crate::FaultSwitch>>,
+    ) -> std::io::Result<Agent> {
+        let inbox = Arc::new(Inbox::new(inbox));
+        let backend: Arc<dyn TransferBackend> = match self {
+            TransferKind::Tcp { bind_ip, advertise_ip } => {
+                let l = tokio::net::TcpListener::bind((*bind_ip, 0)).await?;
+                let cfg = crate::tcp::TcpConfig::default();
+                Arc::new(crate::TcpTransfer::serve(
+                    l,
+                    advertise_ip.clone(),
+                    inbox.clone(),
+                    cfg,
+                    tasks,
+                )?)
+            }
+            TransferKind::Fake(net) => Arc::new(crate::FakeTransfer::new(net, &inbox)),
+        };
+        let backend = match faults {
+            Some(sw) => Arc::new(crate::FaultyTransfer::new(backend, sw)),
+            None => backend,
+        };
+        Ok(Agent::new(backend, inbox))
     }
 }

@@ -44,7 +44,10 @@ impl FakeTransfer {
     pub fn new(net: &Arc<FakeNetwork>, inbox: &Arc<Inbox>) -> Self {
         let port = net.next_port.fetch_add(1, Ordering::Relaxed).max(1);
         let addr = AgentAddr { ip: "127.0.0.1".into(), port };
-        net.agents.lock().unwrap_or_else(|e| e.into_inner()).insert(addr.clone(), Arc::downgrade(inbox));
+        net.agents
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(addr.clone(), Arc::downgrade(inbox));
         FakeTransfer { net: net.clone(), addr }
     }
 }

@@ -22,27 +22,28 @@ pub enum Fault {
     SenderGone,
 }
 
-/// A backend that injects [`Fault`]s into the next writes it posts.
-pub struct FaultyTransfer {
-    inner: Arc<dyn TransferBackend>,
+/// The armed fault, shared by every [`FaultyTransfer`] made with it (e.g. all ranks of one
+/// instance), so a test can arm it from outside.
+#[derive(Debug, Default)]
+pub struct FaultSwitch {
     armed: Mutex<Option<(Fault, usize)>>,
 }
 
-impl std::fmt::Debug for FaultyTransfer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FaultyTransfer").field("armed", &self.armed).finish_non_exhaustive()
-    }
-}
-
-impl FaultyTransfer {
-    /// Wraps `inner`, with no fault armed.
-    pub fn new(inner: Arc<dyn TransferBackend>) -> Self {
-        FaultyTransfer { inner, armed: Mutex::new(None) }
+impl FaultSwitch {
+    /// A switch with nothing armed.
+    pub fn new() -> Arc<Self> {
+        Arc::default()
     }
 
-    /// Injects `fault` into the next `times` writes.
+    /// Injects `fault` into the next `times` writes through this switch.
     pub fn arm(&self, fault: Fault, times: usize) {
-        *self.armed.lock().unwrap_or_else(|e| e.into_inner()) = Some((fault, times));
+        *self.armed.lock().unwrap_or_else(|e| e.into_inner()) =
+            (times > 0).then_some((fault, times));
+    }
+
+    /// Writes still to be faulted.
+    pub fn remaining(&self) -> usize {
+        self.armed.lock().unwrap_or_else(|e| e.into_inner()).map_or(0, |a| a.1)
     }
 
     fn take(&self) -> Option<Fault> {
@@ -54,6 +55,26 @@ impl FaultyTransfer {
             *armed = None;
         }
         Some(f)
+    }
+}
+
+/// A backend that injects the faults armed on its [`FaultSwitch`] into the writes it posts.
+#[derive(Debug)]
+pub struct FaultyTransfer {
+    inner: Arc<dyn TransferBackend>,
+    switch: Arc<FaultSwitch>,
+}
+
+impl std::fmt::Debug for dyn TransferBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}@{}", self.name(), self.local_addr())
+    }
+}
+
+impl FaultyTransfer {
+    /// Wraps `inner`, faulting what `switch` arms.
+    pub fn new(inner: Arc<dyn TransferBackend>, switch: Arc<FaultSwitch>) -> Self {
+        FaultyTransfer { inner, switch }
     }
 }
 
@@ -75,8 +96,12 @@ impl TransferBackend for FaultyTransfer {
         self.inner.connect(peer, req).await
     }
 
-    async fn post_write(&self, peer: &AgentAddr, mut req: WriteRequest) -> Result<(), TransferError> {
-        match self.take() {
+    async fn post_write(
+        &self,
+        peer: &AgentAddr,
+        mut req: WriteRequest,
+    ) -> Result<(), TransferError> {
+        match self.switch.take() {
             None => {}
             Some(Fault::WrongRoom) => {
                 if let Some(n) = req.notice.as_mut() {
@@ -100,7 +125,10 @@ impl TransferBackend for FaultyTransfer {
                 req.pairs.truncate(half);
                 req.notice = None;
                 self.inner.post_write(peer, req).await?;
-                return Err(TransferError::Io { peer: peer.clone(), reason: "sender gone mid-transfer".into() });
+                return Err(TransferError::Io {
+                    peer: peer.clone(),
+                    reason: "sender gone mid-transfer".into(),
+                });
             }
         }
         self.inner.post_write(peer, req).await

@@ -10,8 +10,8 @@
 //! Every table is bounded; regions are removed when their waiter takes them or gives up.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use handoff_core::Room;
@@ -238,7 +238,8 @@ impl Inbox {
             return Err(TransferError::Failed(reason));
         };
         let len = r.buf.len() as u64;
-        let p = r.progress.entry(sender).or_insert_with(|| Progress { bytes: 0, hasher: Xxh3::new() });
+        let p =
+            r.progress.entry(sender).or_insert_with(|| Progress { bytes: 0, hasher: Xxh3::new() });
         for &(off, bytes) in segments {
             let end = off.checked_add(bytes.len() as u64).filter(|&e| e <= len);
             let fits = end.is_some() && p.bytes + bytes.len() as u64 <= want;
@@ -273,8 +274,10 @@ impl Inbox {
             Some(format!("duplicate notice from {:?}", n.sender))
         } else {
             let want = r.expected.get(&n.sender).copied();
-            let (got, sum) =
-                r.progress.get(&n.sender).map_or((0, Xxh3::new().digest()), |p| (p.bytes, p.hasher.digest()));
+            let (got, sum) = r
+                .progress
+                .get(&n.sender)
+                .map_or((0, Xxh3::new().digest()), |p| (p.bytes, p.hasher.digest()));
             match want {
                 None => Some(format!("notice from unexpected sender {:?}", n.sender)),
                 Some(w) if got != w || n.bytes != w => Some(format!(

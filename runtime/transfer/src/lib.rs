@@ -9,12 +9,12 @@
 //!
 //! - [`TransferBackend`] (this file): the seam a backend implements: move a handshake and a
 //!   write to a peer. A new backend (real NIXL, Mooncake) is one file implementing it.
-//! - [`inbox`]: the receiving side every backend delivers into: regions, verification,
+//! - [`inbox`] — the receiving side every backend delivers into: regions, verification,
 //!   states, and the sender's table of pending handshakes. Bounded.
-//! - [`agent`]: [`Agent`], a backend plus its inbox: what ranks and the frontend use.
-//! - [`tcp`]: real bytes over TCP sockets, pooled connections, length-prefixed frames.
-//! - [`fake`]: in-process, no sockets: for control-plane tests and single-process setups.
-//! - [`faulty`]: a wrapper that injects faults into any backend (wrong room, flipped byte,
+//! - [`agent`] — [`Agent`], a backend plus its inbox: what ranks and the frontend use.
+//! - [`tcp`] — real bytes over TCP sockets, pooled connections, length-prefixed frames.
+//! - [`fake`] — in-process, no sockets: for control-plane tests and single-process setups.
+//! - [`faulty`] — a wrapper that injects faults into any backend (wrong room, flipped byte,
 //!   truncated frame, sender gone mid-transfer).
 
 pub mod agent;
@@ -31,10 +31,10 @@ use bytes::Bytes;
 use handoff_core::Room;
 use serde::{Deserialize, Serialize};
 
-pub use agent::Agent;
+pub use agent::{Agent, TransferKind};
 pub use error::TransferError;
 pub use fake::{FakeNetwork, FakeTransfer};
-pub use faulty::{Fault, FaultyTransfer};
+pub use faulty::{Fault, FaultSwitch, FaultyTransfer};
 pub use inbox::{Inbox, InboxConfig, Received};
 pub use tcp::TcpTransfer;
 

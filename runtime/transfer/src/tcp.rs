@@ -17,7 +17,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
-use crate::{AgentAddr, ConnectRequest, Inbox, RegionId, TransferBackend, TransferError, WriteRequest};
+use crate::{
+    AgentAddr, ConnectRequest, Inbox, RegionId, TransferBackend, TransferError, WriteRequest,
+};
 use wire::Frame;
 
 /// Settings of the tcp backend.
@@ -66,7 +68,10 @@ impl TcpTransfer {
         tasks: &Tasks,
     ) -> std::io::Result<Self> {
         let local = listener.local_addr()?;
-        let addr = AgentAddr { ip: advertise_ip.unwrap_or_else(|| local.ip().to_string()), port: local.port() };
+        let addr = AgentAddr {
+            ip: advertise_ip.unwrap_or_else(|| local.ip().to_string()),
+            port: local.port(),
+        };
         let t = tasks.clone();
         let max_frame = cfg.max_frame;
         let limit = Arc::new(Semaphore::new(cfg.max_inbound));
@@ -118,11 +123,17 @@ impl TcpTransfer {
 
     async fn checkout(&self, peer: &AgentAddr) -> Result<TcpStream, TransferError> {
         loop {
-            let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).get_mut(peer).and_then(Vec::pop);
+            let pooled = self
+                .idle
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_mut(peer)
+                .and_then(Vec::pop);
             let Some(s) = pooled else { break };
             // An idle connection must have nothing to read: data or EOF means it is stale.
             let mut probe = [0u8; 1];
-            if matches!(s.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock) {
+            if matches!(s.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+            {
                 return Ok(s);
             }
         }
@@ -184,7 +195,9 @@ impl TransferBackend for TcpTransfer {
         let exchange = async {
             let mut w = BufWriter::with_capacity(256 << 10, &mut s);
             let io = |e| Self::io_err(peer, e);
-            wire::write_pairs(&mut w, req.region, req.sender, &req.pairs, max_frame).await.map_err(io)?;
+            wire::write_pairs(&mut w, req.region, req.sender, &req.pairs, max_frame)
+                .await
+                .map_err(io)?;
             if let Some(n) = &req.notice {
                 wire::write_notice(&mut w, req.region, n).await.map_err(io)?;
             }

@@ -4,10 +4,13 @@ fn par(tp: usize, pp: usize) -> Parallel {
     Parallel { tp, pp, cp: 1 }
 }
 
+/// p_tp, d_tp, d_rank, p_pp, d_pp, d_pp_rank -> tp ranks, pp ranks, peers, responses.
+type GoldenRow = (usize, usize, usize, usize, usize, usize, Vec<usize>, Vec<usize>, usize, usize);
+
 #[test]
 fn golden_rank_rows_match_sglang() {
     // p_tp d_tp d_rank pp(p/d) -> tp ranks, pp ranks, peers, responses
-    let rows: [(usize, usize, usize, usize, usize, usize, Vec<usize>, Vec<usize>, usize, usize); 5] = [
+    let rows: [GoldenRow; 5] = [
         (4, 4, 1, 1, 1, 0, vec![1], vec![0], 1, 1),
         (2, 8, 5, 1, 1, 0, vec![1], vec![0], 4, 1),
         (8, 2, 1, 1, 1, 0, vec![4, 5, 6, 7], vec![0], 1, 4),

@@ -10,7 +10,13 @@ use tower::ServiceExt;
 use super::*;
 use crate::DirectoryConfig;
 
-async fn call(app: &Router, method: Method, uri: &str, body: Option<Value>, token: Option<&str>) -> (u16, String, String) {
+async fn call(
+    app: &Router,
+    method: Method,
+    uri: &str,
+    body: Option<Value>,
+    token: Option<&str>,
+) -> (u16, String, String) {
     let mut req = Request::builder().method(method).uri(uri);
     if let Some(t) = token {
         req = req.header("authorization", format!("Bearer {t}"));
@@ -36,7 +42,8 @@ fn reg(tp_rank: i64, port: i64) -> Value {
     })
 }
 
-const ALL: &str = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
+const ALL: &str =
+    "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
 
 fn rank_uri(tp: i64) -> String {
     format!("/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank={tp}&target_pp_rank=0")
@@ -45,7 +52,8 @@ fn rank_uri(tp: i64) -> String {
 #[tokio::test]
 async fn sglang_transcript_is_reproduced() {
     let app = router(Arc::new(Directory::new(DirectoryConfig::default())));
-    let not_ready = |n| format!("Prefill server not fully registered yet ({n} workers registered).");
+    let not_ready =
+        |n| format!("Prefill server not fully registered yet ({n} workers registered).");
 
     let (s, b, ct) = call(&app, Method::GET, "/health", None, None).await;
     assert_eq!((s, b.as_str(), ct.as_str()), (200, "OK", "text/plain; charset=utf-8"));
@@ -79,9 +87,15 @@ async fn sglang_transcript_is_reproduced() {
                "required_prefill_response_num": null})
     );
     let (s, b, _) = call(&app, Method::GET, &rank_uri(1), None, None).await;
-    assert_eq!((s, serde_json::from_str::<Value>(&b).unwrap()), (200, json!({"rank_ip": "127.0.0.1", "rank_port": 40001})));
+    assert_eq!(
+        (s, serde_json::from_str::<Value>(&b).unwrap()),
+        (200, json!({"rank_ip": "127.0.0.1", "rank_port": 40001}))
+    );
     let (s, b, _) = call(&app, Method::GET, &rank_uri(7), None, None).await;
-    assert_eq!((s, b.as_str()), (404, "Bootstrap info not found for dp_rank=0 cp_rank=0 tp_rank=7 pp_rank=0"));
+    assert_eq!(
+        (s, b.as_str()),
+        (404, "Bootstrap info not found for dp_rank=0 cp_rank=0 tp_rank=7 pp_rank=0")
+    );
 
     assert_eq!(call(&app, Method::PUT, "/route", Some(reg(0, 40002)), None).await.0, 200);
     let (_, b, _) = call(&app, Method::GET, &rank_uri(0), None, None).await;
@@ -92,7 +106,10 @@ async fn sglang_transcript_is_reproduced() {
     assert_eq!((s, b.as_str()), (200, "OK"));
     let body = json!({"bootstrap_rooms": [12345678901234u64, 42, 7]});
     let (s, b, _) = call(&app, Method::POST, "/query_dp_ranks", Some(body), None).await;
-    assert_eq!((s, serde_json::from_str::<Value>(&b).unwrap()), (200, json!({"12345678901234": 1})));
+    assert_eq!(
+        (s, serde_json::from_str::<Value>(&b).unwrap()),
+        (200, json!({"12345678901234": 1}))
+    );
     assert_eq!(call(&app, Method::GET, "/register_dp_rank", None, None).await.0, 405);
 }
 
@@ -104,7 +121,10 @@ async fn malformed_inputs_get_400_with_a_reason() {
     assert_eq!(s, 400);
     assert!(b.contains("prefill_dp_rank must be an integer"), "{b}");
     let uri = "/route?prefill_dp_rank=&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0";
-    assert_eq!(call(&app, Method::GET, uri, None, None).await.1, "Missing inputs for bootstrap server.");
+    assert_eq!(
+        call(&app, Method::GET, uri, None, None).await.1,
+        "Missing inputs for bootstrap server."
+    );
 
     let mut missing = reg(0, 40000);
     missing.as_object_mut().unwrap().remove("rank_port");
@@ -114,11 +134,20 @@ async fn malformed_inputs_get_400_with_a_reason() {
     let (s, _, _) = call(&app, Method::PUT, "/route", Some(json!("nope")), None).await;
     assert_eq!(s, 400);
 
-    for body in [json!({"dp_rank": 1}), json!({"bootstrap_room": "abc", "dp_rank": 1}), json!({"bootstrap_room": 5, "dp_rank": -1}), json!({"bootstrap_room": 0, "dp_rank": 1})] {
+    for body in [
+        json!({"dp_rank": 1}),
+        json!({"bootstrap_room": "abc", "dp_rank": 1}),
+        json!({"bootstrap_room": 5, "dp_rank": -1}),
+        json!({"bootstrap_room": 0, "dp_rank": 1}),
+    ] {
         assert_eq!(call(&app, Method::POST, "/register_dp_rank", Some(body), None).await.0, 400);
     }
     let body = json!({"bootstrap_room": "77", "dp_rank": "2"});
-    assert_eq!(call(&app, Method::POST, "/register_dp_rank", Some(body), None).await.0, 200, "decimal strings accepted");
+    assert_eq!(
+        call(&app, Method::POST, "/register_dp_rank", Some(body), None).await.0,
+        200,
+        "decimal strings accepted"
+    );
     for body in [json!({}), json!({"bootstrap_rooms": 5}), json!({"bootstrap_rooms": [1.5]})] {
         assert_eq!(call(&app, Method::POST, "/query_dp_ranks", Some(body), None).await.0, 400);
     }
@@ -137,7 +166,10 @@ async fn writes_need_the_token_when_configured() {
     assert_eq!(call(&app, Method::PUT, "/route", Some(reg(0, 40000)), Some("wrong")).await.0, 401);
     assert_eq!(call(&app, Method::PUT, "/route", Some(reg(0, 40000)), Some("t0k")).await.0, 200);
     let body = json!({"bootstrap_room": 5, "dp_rank": 0});
-    assert_eq!(call(&app, Method::POST, "/register_dp_rank", Some(body.clone()), None).await.0, 401);
+    assert_eq!(
+        call(&app, Method::POST, "/register_dp_rank", Some(body.clone()), None).await.0,
+        401
+    );
     assert_eq!(call(&app, Method::POST, "/register_dp_rank", Some(body), Some("t0k")).await.0, 200);
     // Reads stay open, as in SGLang.
     assert_eq!(call(&app, Method::GET, ALL, None, None).await.0, 503);
@@ -149,7 +181,9 @@ async fn client_reads_a_directory_over_a_real_socket() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(run(listener, dir, async { let _ = rx.await; }));
+    let server = tokio::spawn(run(listener, dir, async {
+        let _ = rx.await;
+    }));
     let client = crate::DirectoryClient::default();
     assert!(matches!(client.server_info(&addr).await, Err(crate::ClientError::NotReady { .. })));
     for (tp, port) in [(0, 40000), (1, 40001)] {

@@ -5,7 +5,8 @@ fn hashes_chain_over_full_pages_only() {
     let toks: Vec<u32> = (0..10).collect();
     let h = block_hashes(&toks, 4);
     assert_eq!(h.len(), 2);
-    let first = xxh3_64_with_seed(&[0u8, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0], BLOCK_HASH_SEED);
+    let first =
+        xxh3_64_with_seed(&[0u8, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0], BLOCK_HASH_SEED);
     assert_eq!(h[0], BlockHash(first));
 }
 

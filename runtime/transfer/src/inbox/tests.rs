@@ -46,7 +46,8 @@ async fn region_succeeds_once_every_sender_verified() {
 async fn each_verification_failure_is_terminal_with_its_reason() {
     let inbox = Inbox::new(InboxConfig::default());
     let s = SenderId::new(0, 0);
-    let cases: Vec<(Box<dyn Fn(RegionId) -> WriteRequest>, &str)> = vec![
+    type MakeWrite = Box<dyn Fn(RegionId) -> WriteRequest>;
+    let cases: Vec<(MakeWrite, &str)> = vec![
         (Box::new(|id| req(id, room(8), 0, 0, b"abcd")), "bootstrap_room mismatch"),
         (
             Box::new(|id| {
@@ -119,14 +120,22 @@ async fn accept_waits_for_every_handshake_of_its_room() {
 
 #[test]
 fn handshakes_need_the_token_and_tables_are_bounded() {
-    let cfg = InboxConfig { token: Some("k".into()), max_pending_rooms: 3, max_regions: 2, ..Default::default() };
+    let cfg = InboxConfig {
+        token: Some("k".into()),
+        max_pending_rooms: 3,
+        max_regions: 2,
+        ..Default::default()
+    };
     let inbox = Inbox::new(cfg);
     assert_eq!(inbox.on_connect(connect(room(1), None)), Err(TransferError::Unauthorized));
     assert_eq!(inbox.on_connect(connect(room(1), Some("x"))), Err(TransferError::Unauthorized));
     for r in 1..=3 {
         inbox.on_connect(connect(room(r), Some("k"))).unwrap();
     }
-    assert_eq!(inbox.on_connect(connect(room(4), Some("k"))), Err(TransferError::Full("pending handshake")));
+    assert_eq!(
+        inbox.on_connect(connect(room(4), Some("k"))),
+        Err(TransferError::Full("pending handshake"))
+    );
     inbox.register_region(room(1), 1, []).unwrap();
     inbox.register_region(room(1), 1, []).unwrap();
     assert_eq!(inbox.register_region(room(1), 1, []), Err(TransferError::Full("region")));

@@ -6,7 +6,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::time::Instant;
 
 use super::*;
-use crate::{Agent, Fault, FaultyTransfer, InboxConfig, KvPoll, SenderId};
+use crate::{Agent, Fault, FaultSwitch, FaultyTransfer, InboxConfig, KvPoll, SenderId};
 
 struct Pair {
     tasks: Tasks,
@@ -20,7 +20,9 @@ async fn pair(cfg: TcpConfig) -> Pair {
         let tasks = tasks.clone();
         async move {
             let inbox = Arc::new(Inbox::new(InboxConfig::default()));
-            let t = TcpTransfer::bind("127.0.0.1:0".parse().unwrap(), inbox.clone(), cfg, &tasks).await.unwrap();
+            let t = TcpTransfer::bind("127.0.0.1:0".parse().unwrap(), inbox.clone(), cfg, &tasks)
+                .await
+                .unwrap();
             Agent::new(Arc::new(t), inbox)
         }
     };
@@ -55,7 +57,8 @@ async fn bytes_arrive_exact_across_split_frames_and_senders() {
         p.tx.post_write(&p.rx.addr(), w).await.unwrap();
     }
     let got = p.rx.inbox().wait(id, deadline()).await.unwrap();
-    let want: Vec<u8> = chunks(1, 0).into_iter().chain(chunks(100, half)).flat_map(|(b, _)| b.to_vec()).collect();
+    let want: Vec<u8> =
+        chunks(1, 0).into_iter().chain(chunks(100, half)).flat_map(|(b, _)| b.to_vec()).collect();
     assert_eq!(got.buf, want);
     assert!(got.notices.iter().all(|n| n.first_token == 42 && n.room == r));
     p.tasks.shutdown().await;
@@ -87,8 +90,12 @@ async fn injected_faults_fail_the_region_at_verify() {
     let p = pair(TcpConfig::default()).await;
     let tasks = Tasks::new();
     let inbox = Arc::new(Inbox::new(InboxConfig::default()));
-    let inner = TcpTransfer::bind("127.0.0.1:0".parse().unwrap(), inbox, TcpConfig::default(), &tasks).await.unwrap();
-    let faulty = FaultyTransfer::new(Arc::new(inner));
+    let inner =
+        TcpTransfer::bind("127.0.0.1:0".parse().unwrap(), inbox, TcpConfig::default(), &tasks)
+            .await
+            .unwrap();
+    let switch = FaultSwitch::new();
+    let faulty = FaultyTransfer::new(Arc::new(inner), switch.clone());
     let s = SenderId::new(0, 0);
     for (fault, want) in [
         (Fault::WrongRoom, "bootstrap_room mismatch"),
@@ -99,8 +106,9 @@ async fn injected_faults_fail_the_region_at_verify() {
         let r = room();
         let id = p.rx.inbox().register_region(r, 4000, [(s, 4000)]).unwrap();
         let pairs = (0..4).map(|i| (pattern(1000, i), u64::from(i) * 1000)).collect();
-        faulty.arm(fault, 1);
-        let sent = faulty.post_write(&p.rx.addr(), WriteRequest::new(id, pairs, r, s, 1, 1, 0)).await;
+        switch.arm(fault, 1);
+        let sent =
+            faulty.post_write(&p.rx.addr(), WriteRequest::new(id, pairs, r, s, 1, 1, 0)).await;
         assert!(sent.is_err(), "{fault:?} must fail the sender's post too");
         let end = Instant::now() + Duration::from_millis(300);
         let err = p.rx.inbox().wait(id, end).await.unwrap_err().to_string();
@@ -132,7 +140,10 @@ async fn truncated_and_garbage_frames_close_only_their_connection() {
     raw.write_all(&frame).await.unwrap();
     drop(raw);
     let err = p.rx.inbox().wait(id, Instant::now() + Duration::from_millis(500)).await.unwrap_err();
-    assert!(matches!(err, TransferError::Timeout(_)), "nothing applied from a truncated frame: {err}");
+    assert!(
+        matches!(err, TransferError::Timeout(_)),
+        "nothing applied from a truncated frame: {err}"
+    );
 
     // Half a region written, then the connection closes with no notice: failed, fast.
     let id = p.rx.inbox().register_region(r, 100, [(s, 100)]).unwrap();

@@ -31,7 +31,10 @@ async fn header<W: AsyncWrite + Unpin>(w: &mut W, kind: u8, body: usize) -> std:
     w.write_u8(kind).await
 }
 
-pub(super) async fn write_connect<W: AsyncWrite + Unpin>(w: &mut W, req: &ConnectRequest) -> std::io::Result<()> {
+pub(super) async fn write_connect<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    req: &ConnectRequest,
+) -> std::io::Result<()> {
     let body = serde_json::to_vec(req).map_err(std::io::Error::other)?;
     header(w, CONNECT, body.len()).await?;
     w.write_all(&body).await
@@ -73,7 +76,11 @@ pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-pub(super) async fn write_notice<W: AsyncWrite + Unpin>(w: &mut W, region: RegionId, n: &Notice) -> std::io::Result<()> {
+pub(super) async fn write_notice<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    region: RegionId,
+    n: &Notice,
+) -> std::io::Result<()> {
     let mut b = Vec::with_capacity(NOTICE_LEN);
     b.extend_from_slice(&region.0.to_le_bytes());
     b.extend_from_slice(&n.room.get().to_le_bytes());
@@ -87,7 +94,10 @@ pub(super) async fn write_notice<W: AsyncWrite + Unpin>(w: &mut W, region: Regio
     w.write_all(&b).await
 }
 
-pub(super) async fn write_ack<W: AsyncWrite + Unpin>(w: &mut W, res: &Result<(), String>) -> std::io::Result<()> {
+pub(super) async fn write_ack<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    res: &Result<(), String>,
+) -> std::io::Result<()> {
     let msg = res.as_ref().err().map(String::as_bytes).unwrap_or_default();
     let msg = &msg[..msg.len().min(4096)];
     header(w, ACK, 1 + msg.len()).await?;
@@ -96,7 +106,10 @@ pub(super) async fn write_ack<W: AsyncWrite + Unpin>(w: &mut W, res: &Result<(),
 }
 
 /// Reads one frame; `Ok(None)` at a clean end of stream between frames.
-pub(super) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_frame: usize) -> Result<Option<Frame>, TransferError> {
+pub(super) async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_frame: usize,
+) -> Result<Option<Frame>, TransferError> {
     let len = match r.read_u32_le().await {
         Ok(l) => l as usize,
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
@@ -129,7 +142,8 @@ fn decode(kind: u8, mut b: Bytes) -> Result<Frame, TransferError> {
             if n.checked_mul(12).is_none_or(|h| h > b.len()) {
                 return Err(malformed(format!("write frame claims {n} segments")));
             }
-            let segments: Vec<(u64, u32)> = (0..n).map(|_| (b.get_u64_le(), b.get_u32_le())).collect();
+            let segments: Vec<(u64, u32)> =
+                (0..n).map(|_| (b.get_u64_le(), b.get_u32_le())).collect();
             let want: u64 = segments.iter().map(|s| u64::from(s.1)).sum();
             if want != b.len() as u64 {
                 return Err(malformed(format!(

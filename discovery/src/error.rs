@@ -1,0 +1,12 @@
+use thiserror::Error;
+
+/// Errors of discovery backends.
+#[derive(Debug, Error)]
+pub enum DiscoveryError {
+    /// The backend could not be reached.
+    #[error("discovery backend unavailable: {0}")]
+    Unavailable(String),
+    /// A payload that does not decode.
+    #[error("malformed discovery payload: {0}")]
+    Malformed(#[from] serde_json::Error),
+}

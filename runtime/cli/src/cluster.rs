@@ -1,0 +1,191 @@
+//! A whole handoff cluster in one process: a scheduler, prefill instances and a frontend,
+//! over in-memory discovery and real sockets (gRPC, bootstrap HTTP, tcp transfer).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use handoff_core::{InstanceId, Tasks};
+use handoff_discovery::{EventBus, MemoryBus, MemoryRegistry, Registry};
+use handoff_engine::Engine;
+use handoff_frontend::{Frontend, FrontendConfig};
+use handoff_prefill::{PrefillConfig, PrefillInstance};
+use handoff_scheduler::{Scheduler, SchedulerConfig, service};
+use handoff_transfer::{FaultSwitch, TransferKind};
+use tokio::net::TcpListener;
+use tracing::warn;
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// Prefill instances.
+    pub prefills: usize,
+    /// Their dp size.
+    pub prefill_dp: u32,
+    /// Their tp size.
+    pub prefill_tp: u32,
+    /// Their pp size.
+    pub prefill_pp: u32,
+    /// The frontend's decode tp size.
+    pub decode_tp: u32,
+    /// Transfer backend of every agent.
+    pub transfer: TransferKind,
+    /// Frontend gRPC listener.
+    pub frontend_bind: SocketAddr,
+    /// Scheduler gRPC listener.
+    pub scheduler_bind: SocketAddr,
+    /// First prefill's bootstrap port (the i-th uses +i); 0 for ephemeral.
+    pub bootstrap_port: u16,
+    /// First prefill's gRPC port (the i-th uses +i); 0 for ephemeral.
+    pub prefill_port: u16,
+    /// Scheduler settings.
+    pub scheduler: SchedulerConfig,
+    /// Frontend settings (its `decode_tp` and `transfer` are taken from above).
+    pub frontend: FrontendConfig,
+    /// Per prefill instance, a fault switch on its ranks' writes (tests).
+    pub faults: Vec<Option<Arc<FaultSwitch>>>,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            prefills: 2,
+            prefill_dp: 1,
+            prefill_tp: 2,
+            prefill_pp: 1,
+            decode_tp: 1,
+            transfer: TransferKind::loopback(),
+            frontend_bind: ([127, 0, 0, 1], 50051).into(),
+            scheduler_bind: ([127, 0, 0, 1], 50052).into(),
+            bootstrap_port: 8998,
+            prefill_port: 50060,
+            scheduler: SchedulerConfig::default(),
+            frontend: FrontendConfig::default(),
+            faults: Vec::new(),
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// Everything on ephemeral loopback ports (tests, benchmarks).
+    pub fn ephemeral() -> Self {
+        ClusterConfig {
+            frontend_bind: ([127, 0, 0, 1], 0).into(),
+            scheduler_bind: ([127, 0, 0, 1], 0).into(),
+            bootstrap_port: 0,
+            prefill_port: 0,
+            ..Self::default()
+        }
+    }
+}
+
+/// A running cluster.
+pub struct Cluster {
+    /// Every task of the cluster.
+    pub tasks: Tasks,
+    /// The frontend's gRPC address.
+    pub frontend_addr: SocketAddr,
+    /// The scheduler's gRPC address.
+    pub scheduler_addr: SocketAddr,
+    /// The prefill instances.
+    pub prefills: Vec<PrefillInstance>,
+    /// The frontend.
+    pub frontend: Arc<Frontend>,
+    /// The scheduler.
+    pub scheduler: Scheduler,
+    /// The discovery registry.
+    pub registry: Arc<dyn Registry>,
+}
+
+fn port_plus(base: u16, i: usize) -> u16 {
+    if base == 0 { 0 } else { base + i as u16 }
+}
+
+impl Cluster {
+    /// Starts every part and waits until the scheduler sees every prefill instance.
+    pub async fn start(cfg: ClusterConfig, engine: Arc<dyn Engine>) -> anyhow::Result<Cluster> {
+        let tasks = Tasks::new();
+        let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
+        let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+
+        let scheduler =
+            Scheduler::start(cfg.scheduler.clone(), registry.clone(), bus.clone(), &tasks).await?;
+        let sl = TcpListener::bind(cfg.scheduler_bind)
+            .await
+            .with_context(|| format!("scheduler on {}", cfg.scheduler_bind))?;
+        let scheduler_addr = sl.local_addr()?;
+        let (t, state) = (tasks.clone(), scheduler.state().clone());
+        tasks.spawn(async move {
+            if let Err(e) = service::serve(sl, state, t.shutdown_requested()).await {
+                warn!(error = %e, "scheduler stopped");
+            }
+        });
+
+        let mut prefills = Vec::new();
+        for i in 0..cfg.prefills {
+            let pc = PrefillConfig {
+                id: InstanceId::try_from(format!("prefill-{i}"))?,
+                dp: cfg.prefill_dp,
+                tp: cfg.prefill_tp,
+                pp: cfg.prefill_pp,
+                bootstrap_bind: ([127, 0, 0, 1], port_plus(cfg.bootstrap_port, i)).into(),
+                grpc_bind: ([127, 0, 0, 1], port_plus(cfg.prefill_port, i)).into(),
+                transfer: cfg.transfer.clone(),
+                ..PrefillConfig::default()
+            };
+            let faults = cfg.faults.get(i).cloned().flatten();
+            let p = PrefillInstance::start(
+                pc,
+                engine.clone(),
+                registry.clone(),
+                bus.clone(),
+                &tasks,
+                faults,
+            )
+            .await
+            .with_context(|| format!("prefill instance {i}"))?;
+            prefills.push(p);
+        }
+
+        let fc = FrontendConfig {
+            decode_tp: cfg.decode_tp,
+            transfer: cfg.transfer.clone(),
+            ..cfg.frontend.clone()
+        };
+        let frontend = Frontend::new(fc, engine, &scheduler_addr.to_string(), &tasks).await?;
+        let fl = TcpListener::bind(cfg.frontend_bind)
+            .await
+            .with_context(|| format!("frontend on {}", cfg.frontend_bind))?;
+        let frontend_addr = fl.local_addr()?;
+        let (t, fe) = (tasks.clone(), frontend.clone());
+        tasks.spawn(async move {
+            if let Err(e) = handoff_frontend::service::serve(fl, fe, t.shutdown_requested()).await {
+                warn!(error = %e, "frontend stopped");
+            }
+        });
+
+        let ready = async {
+            while scheduler.state().instances().len() < cfg.prefills {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(10), ready).await.is_err() {
+            bail!("the scheduler did not see every prefill instance within 10 s");
+        }
+        Ok(Cluster {
+            tasks,
+            frontend_addr,
+            scheduler_addr,
+            prefills,
+            frontend,
+            scheduler,
+            registry,
+        })
+    }
+
+    /// Stops every part and waits for its tasks.
+    pub async fn shutdown(self) {
+        self.tasks.shutdown().await;
+    }
+}

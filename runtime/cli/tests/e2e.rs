@@ -1,0 +1,9 @@
+//! End-to-end tests: whole clusters in one process on port 0, real sockets.
+
+mod e2e {
+    pub(crate) mod faults;
+    pub(crate) mod load;
+    pub(crate) mod path;
+    pub(crate) mod reassembly;
+    pub(crate) mod support;
+}

@@ -1,0 +1,67 @@
+//! Faults injected through the transfer seam: every one fails its attempt before a token is
+//! decoded from it, the request is retried on the other instance with a fresh room, and the
+//! client still gets the right tokens. With no instance left: a clear error, not a hang.
+
+use std::time::{Duration, Instant};
+
+use handoff::ClusterConfig;
+use handoff_transfer::{Fault, FaultSwitch};
+
+use super::support::*;
+
+#[tokio::test]
+async fn each_fault_is_caught_and_the_request_retried_elsewhere() {
+    for (fault, reason) in [
+        (Fault::WrongRoom, "bootstrap_room mismatch"),
+        (Fault::FlipByte, "checksum mismatch"),
+        (Fault::Truncate, "short transfer"),
+        (Fault::SenderGone, "sender gone"),
+    ] {
+        let switch = FaultSwitch::new();
+        switch.arm(fault, usize::MAX);
+        let cfg = ClusterConfig {
+            faults: vec![Some(switch.clone()), None],
+            ..ClusterConfig::ephemeral()
+        };
+        let c = cluster(cfg).await;
+        let mut cl = client(&c).await;
+        let mut retried = 0;
+        for seed in 0..6 {
+            let p = prompt(seed, 50);
+            let (tokens, done) =
+                generate(&mut cl, &p, 6).await.unwrap_or_else(|e| panic!("{fault:?}: {e}"));
+            assert_eq!(tokens, aggregated(&*engine(), &p, 6).await, "{fault:?}: right tokens");
+            let ev = done.evidence.unwrap();
+            assert_eq!(ev.instance_id, "prefill-1", "{fault:?}: served by the healthy instance");
+            for a in &ev.failed_attempts {
+                retried += 1;
+                assert_eq!(a.instance_id, "prefill-0");
+                assert_ne!(a.bootstrap_room, ev.bootstrap_room, "a fresh room per attempt");
+                assert!(a.error.contains(reason), "{fault:?}: {}", a.error);
+            }
+        }
+        assert!(retried > 0, "{fault:?}: some request was first sent to the faulty instance");
+        assert!(switch.remaining() < usize::MAX, "{fault:?}: the fault was exercised");
+        c.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn with_no_healthy_instance_the_client_gets_a_clear_error() {
+    let (a, b) = (FaultSwitch::new(), FaultSwitch::new());
+    a.arm(Fault::FlipByte, usize::MAX);
+    b.arm(Fault::SenderGone, usize::MAX);
+    let cfg = ClusterConfig { faults: vec![Some(a), Some(b)], ..ClusterConfig::ephemeral() };
+    let c = cluster(cfg).await;
+    let mut cl = client(&c).await;
+    let started = Instant::now();
+    let err = generate(&mut cl, &prompt(1, 40), 4).await.expect_err("no instance can serve");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+    assert!(
+        err.message().contains("checksum mismatch") && err.message().contains("sender gone"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10), "failed fast, not at a deadline");
+    assert_eq!(c.frontend.agent().inbox().regions(), 0);
+    c.shutdown().await;
+}

@@ -1,0 +1,127 @@
+//! The request path: disaggregated tokens equal aggregated ones, rooms are fresh, every stage
+//! is recorded, prefixes are reused, bad input is refused.
+
+use std::collections::HashSet;
+
+use futures::StreamExt;
+use handoff::ClusterConfig;
+use handoff_proto::v1::generate_request::Input;
+use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
+use handoff_transfer::{FakeNetwork, TransferKind};
+
+use super::support::*;
+
+#[tokio::test]
+async fn disaggregated_tokens_equal_aggregated_and_rooms_are_fresh() {
+    let c = cluster(ClusterConfig::ephemeral()).await;
+    let engine = engine();
+    let mut cl = client(&c).await;
+    for seed in 0..5 {
+        let p = prompt(seed, 40 + seed as usize * 13);
+        let (tokens, done) = generate(&mut cl, &p, 10).await.unwrap();
+        assert_eq!(tokens, aggregated(&*engine, &p, 10).await, "prompt {seed}");
+        assert_eq!(done.usage.unwrap().completion_tokens, 10);
+    }
+
+    // 1000 requests, 16 at a time: rooms non-zero and distinct, every stage recorded.
+    let mut rooms = HashSet::new();
+    let results = futures::stream::iter(0..1000u32)
+        .map(|i| {
+            let mut cl = cl.clone();
+            async move { generate(&mut cl, &prompt(i, 20 + (i as usize % 50)), 2).await }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<_>>()
+        .await;
+    for r in results {
+        let (_, done) = r.expect("request succeeds");
+        let ev = done.evidence.unwrap();
+        assert_ne!(ev.bootstrap_room, 0);
+        assert!(rooms.insert(ev.bootstrap_room), "room {} reused", ev.bootstrap_room);
+        let s = ev.stages.unwrap();
+        let stages = [
+            s.resolve_topology_us,
+            s.resolve_rank_us,
+            s.register_us,
+            s.connect_us,
+            s.verify_us,
+            s.consume_us,
+        ];
+        assert!(stages.iter().all(|&t| t > 0), "every stage recorded: {s:?}");
+        assert!(ev.instance_id.starts_with("prefill-"));
+    }
+    assert_eq!(rooms.len(), 1000);
+    assert_eq!(c.frontend.agent().inbox().regions(), 0, "no receive region left behind");
+    c.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_shared_prefix_is_served_from_cache_with_the_same_tokens() {
+    let c = cluster(ClusterConfig::ephemeral()).await;
+    let engine = engine();
+    let mut cl = client(&c).await;
+    let first = prompt(1, 100);
+    let (_, done) = generate(&mut cl, &first, 4).await.unwrap();
+    assert_eq!(done.usage.unwrap().cached_tokens, 0);
+    let mut second = first[..96].to_vec();
+    second.extend(prompt(2, 30));
+    // Let the KV events reach the scheduler.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let (tokens, done) = generate(&mut cl, &second, 6).await.unwrap();
+    assert_eq!(done.usage.unwrap().cached_tokens, 96, "six cached pages of 16");
+    assert_eq!(tokens, aggregated(&*engine, &second, 6).await);
+    assert_eq!(done.evidence.unwrap().instance_id, done_instance(&c, &first).await);
+    c.shutdown().await;
+}
+
+async fn done_instance(c: &handoff::Cluster, p: &[u32]) -> String {
+    let mut cl = client(c).await;
+    generate(&mut cl, p, 1).await.unwrap().1.evidence.unwrap().instance_id
+}
+
+#[tokio::test]
+async fn the_fake_backend_runs_the_same_path() {
+    let cfg = ClusterConfig {
+        transfer: TransferKind::Fake(FakeNetwork::new()),
+        ..ClusterConfig::ephemeral()
+    };
+    let c = cluster(cfg).await;
+    let mut cl = client(&c).await;
+    let p = prompt(9, 77);
+    assert_eq!(generate(&mut cl, &p, 5).await.unwrap().0, aggregated(&*engine(), &p, 5).await);
+    c.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_requests_get_invalid_argument_and_the_frontend_keeps_serving() {
+    let c = cluster(ClusterConfig::ephemeral()).await;
+    let mut cl = client(&c).await;
+    let ids = |ids: Vec<u32>| Some(Input::TokenIds(TokenIds { ids }));
+    let bad = [
+        GenerateRequest { input: None, ..Default::default() },
+        GenerateRequest { input: ids(vec![]), ..Default::default() },
+        GenerateRequest { input: ids(vec![5, 999_999]), ..Default::default() },
+        GenerateRequest { input: ids(vec![5; 9000]), ..Default::default() },
+        GenerateRequest { input: ids(vec![5]), policy: 77, ..Default::default() },
+        GenerateRequest {
+            input: ids(vec![5]),
+            sampling: Some(SamplingParams { temperature: f32::NAN, ..Default::default() }),
+            ..Default::default()
+        },
+        GenerateRequest {
+            input: ids(vec![5]),
+            sampling: Some(SamplingParams { max_tokens: 100_000, ..Default::default() }),
+            ..Default::default()
+        },
+    ];
+    for req in bad {
+        let err = cl.generate(req.clone()).await.expect_err("refused");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{req:?}: {err}");
+        assert!(!err.message().is_empty());
+    }
+    let unknown =
+        GenerateRequest { model: "gpt-9".into(), input: ids(vec![5]), ..Default::default() };
+    assert_eq!(cl.generate(unknown).await.unwrap_err().code(), tonic::Code::NotFound);
+    assert!(generate(&mut cl, &prompt(3, 20), 3).await.is_ok());
+    c.shutdown().await;
+}

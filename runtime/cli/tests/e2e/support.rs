@@ -1,0 +1,64 @@
+//! Helpers: a client call that collects a stream, and the aggregated reference.
+
+use std::sync::Arc;
+
+use handoff::{Cluster, ClusterConfig};
+use handoff_engine::{Engine, MockConfig, MockEngine, Sampling};
+use handoff_proto::v1::generate_client::GenerateClient;
+use handoff_proto::v1::generate_request::Input;
+use handoff_proto::v1::generate_response::Event;
+use handoff_proto::v1::{Complete, GenerateRequest, SamplingParams, TokenIds};
+use tonic::transport::Channel;
+
+pub(crate) fn engine() -> Arc<MockEngine> {
+    Arc::new(MockEngine::new(MockConfig::default()))
+}
+
+pub(crate) async fn cluster(cfg: ClusterConfig) -> Cluster {
+    Cluster::start(cfg, engine()).await.expect("cluster starts")
+}
+
+pub(crate) async fn client(c: &Cluster) -> GenerateClient<Channel> {
+    GenerateClient::connect(format!("http://{}", c.frontend_addr))
+        .await
+        .expect("frontend reachable")
+}
+
+/// A prompt of `n` token ids, distinct per `seed`.
+pub(crate) fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 2 + (seed * 7919 + i * 104_729) % 31_000).collect()
+}
+
+/// Generates through the frontend: the streamed tokens and the final message.
+pub(crate) async fn generate(
+    client: &mut GenerateClient<Channel>,
+    tokens: &[u32],
+    max_tokens: u32,
+) -> Result<(Vec<u32>, Complete), tonic::Status> {
+    let req = GenerateRequest {
+        input: Some(Input::TokenIds(TokenIds { ids: tokens.to_vec() })),
+        sampling: Some(SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    };
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = stream.message().await? {
+        match m.event {
+            Some(Event::Chunk(c)) => out.extend(c.token_ids),
+            Some(Event::Complete(c)) => return Ok((out, c)),
+            None => {}
+        }
+    }
+    Err(tonic::Status::internal("stream ended without Complete"))
+}
+
+/// What the same engine generates aggregated: prefill and decode in one place, no transfer.
+pub(crate) async fn aggregated(engine: &dyn Engine, tokens: &[u32], n: usize) -> Vec<u32> {
+    let p = engine.prefill(tokens, None, &Sampling::default()).await.unwrap();
+    let mut out = vec![p.first_token];
+    let mut d = engine.decoder(p.kv, p.first_token, &Sampling::default()).unwrap();
+    while out.len() < n {
+        out.push(d.step().await.unwrap());
+    }
+    out
+}

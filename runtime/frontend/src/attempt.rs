@@ -1,0 +1,291 @@
+//! One attempt at the request path on one prefill instance (DESIGN.md steps 5 to 10):
+//! resolve-topology, resolve-rank, register, connect, prefill, verify, consume. Each stage
+//! proves only its own step and records when it completed.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures::future::try_join_all;
+use handoff_bootstrap::DirectoryCache;
+use handoff_bootstrap::mapping::{self, Parallel, RegionLayout};
+use handoff_core::Room;
+use handoff_engine::{Engine, Kv};
+use handoff_proto::v1::prefill_client::PrefillClient;
+use handoff_proto::v1::{PrefillRequest, SamplingParams, StageTimings};
+use handoff_transfer::{Agent, ConnectRequest, Inbox, RegionId, SenderId};
+use tokio::time::Instant;
+use tonic::transport::Channel;
+
+use crate::FrontendError;
+
+/// When each stage completed, in microseconds since the attempt started.
+#[derive(Debug, Clone, Copy)]
+pub struct Stages {
+    start: Instant,
+    /// The timings so far.
+    pub timings: StageTimings,
+}
+
+impl Stages {
+    /// Starts the clock.
+    pub fn start() -> Self {
+        Stages { start: Instant::now(), timings: StageTimings::default() }
+    }
+
+    pub(crate) fn mark(&self) -> u64 {
+        (self.start.elapsed().as_micros() as u64).max(1)
+    }
+}
+
+/// Where this attempt goes.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// Instance id.
+    pub instance: String,
+    /// Its dp rank for this request.
+    pub dp_rank: u32,
+    /// Its directory.
+    pub bootstrap_addr: String,
+    /// Its Prefill service.
+    pub prefill: PrefillClient<Channel>,
+}
+
+/// The verified result of a successful attempt.
+#[derive(Debug)]
+pub struct Prefilled {
+    /// The whole prompt's KV, reassembled in the engine's layout.
+    pub kv: Kv,
+    /// First generated token.
+    pub first_token: u32,
+    /// Prompt tokens the prefill took from its cache.
+    pub cached_tokens: u32,
+    /// KV bytes received and verified.
+    pub kv_bytes: u64,
+}
+
+/// Releases a receive region unless it was taken.
+struct RegionGuard {
+    inbox: Arc<Inbox>,
+    id: RegionId,
+}
+
+impl Drop for RegionGuard {
+    fn drop(&mut self) {
+        self.inbox.release(self.id);
+    }
+}
+
+/// What an attempt needs from the frontend.
+pub struct AttemptCtx<'a> {
+    /// The decode engine.
+    pub engine: &'a dyn Engine,
+    /// The frontend's transfer agent.
+    pub agent: &'a Agent,
+    /// Topology and rank-address cache.
+    pub directory: &'a DirectoryCache,
+    /// Decode tp size.
+    pub decode_tp: usize,
+    /// Bearer token for handshakes.
+    pub transfer_token: Option<String>,
+}
+
+async fn before<T, E: std::fmt::Display>(
+    deadline: Instant,
+    stage: &'static str,
+    f: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, FrontendError> {
+    match tokio::time::timeout_at(deadline, f).await {
+        Ok(r) => r.map_err(|e| FrontendError::at(stage, e)),
+        Err(_) => Err(FrontendError::at(stage, "attempt deadline passed")),
+    }
+}
+
+/// Runs one attempt with `room` on `target`.
+pub async fn run(
+    ctx: &AttemptCtx<'_>,
+    target: Target,
+    room: Room,
+    tokens: &[u32],
+    sampling: &SamplingParams,
+    deadline: Instant,
+    stages: &mut Stages,
+) -> Result<Prefilled, FrontendError> {
+    let info = ctx.engine.info();
+    let shape = info.shape;
+    let t = tokens.len();
+    let d = ctx.decode_tp;
+
+    // resolve-topology
+    let server = before(
+        deadline,
+        "resolve-topology",
+        ctx.directory.server_info(&target.instance, &target.bootstrap_addr),
+    )
+    .await?;
+    if server.page_size as usize != info.page_size || server.kv_cache_dtype != "auto" {
+        return Err(FrontendError::at(
+            "resolve-topology",
+            format!(
+                "instance pages {} of {:?}, decode needs {} of \"auto\"",
+                server.page_size, server.kv_cache_dtype, info.page_size
+            ),
+        ));
+    }
+    if i64::from(target.dp_rank) >= server.dp_size {
+        return Err(FrontendError::at(
+            "resolve-topology",
+            format!("dp rank {} outside dp size {}", target.dp_rank, server.dp_size),
+        ));
+    }
+    let prefill = Parallel {
+        tp: server.attn_tp_size as usize,
+        pp: server.pp_size as usize,
+        cp: server.attn_cp_size as usize,
+    };
+    stages.timings.resolve_topology_us = stages.mark();
+
+    // resolve-rank
+    let decode = Parallel { tp: d, pp: 1, cp: 1 };
+    let plans = (0..d)
+        .map(|r| mapping::plan_ranks(prefill, decode, r, 0, false))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| FrontendError::at("resolve-rank", e))?;
+    let mut needed: Vec<(usize, usize)> = plans
+        .iter()
+        .flat_map(|p| p.tp_ranks.iter().flat_map(|&tp| p.pp_ranks.iter().map(move |&pp| (tp, pp))))
+        .collect();
+    needed.sort_unstable();
+    needed.dedup();
+    let lookups = needed.iter().map(|&(tp, pp)| {
+        ctx.directory.rank(
+            &target.instance,
+            &target.bootstrap_addr,
+            (target.dp_rank, 0, tp as u32, pp as u32),
+        )
+    });
+    let addrs = before(deadline, "resolve-rank", try_join_all(lookups)).await?;
+    let addrs: BTreeMap<(usize, usize), _> = needed.iter().copied().zip(addrs).collect();
+    stages.timings.resolve_rank_us = stages.mark();
+
+    // register
+    let layout = RegionLayout {
+        layers: shape.layers,
+        heads: mapping::heads_per_rank(d, shape.kv_heads),
+        tokens: t,
+        head_bytes: shape.head_bytes,
+    };
+    let inbox = ctx.agent.inbox();
+    let mut regions = Vec::with_capacity(d);
+    for (r, plan) in plans.iter().enumerate() {
+        let expected: Vec<(SenderId, u64)> = plan
+            .tp_ranks
+            .iter()
+            .flat_map(|&tp| plan.pp_ranks.iter().map(move |&pp| (tp, pp)))
+            .map(|(tp, pp)| {
+                let s = mapping::shard(prefill, d, tp, pp, r, shape.kv_heads, shape.layers);
+                (SenderId::new(tp as u16, pp as u16), layout.shard_bytes(&s))
+            })
+            .collect();
+        let id = inbox
+            .register_region(room, layout.len(), expected)
+            .map_err(|e| FrontendError::at("register", e))?;
+        regions.push(RegionGuard { inbox: inbox.clone(), id });
+    }
+    stages.timings.register_us = stages.mark();
+
+    // connect
+    let connects = plans.iter().enumerate().flat_map(|(r, plan)| {
+        let region = regions[r].id;
+        let addrs = &addrs;
+        plan.tp_ranks
+            .iter()
+            .flat_map(move |&tp| plan.pp_ranks.iter().map(move |&pp| (r, region, tp, pp)))
+            .map(move |(r, region, tp, pp)| {
+                let a = &addrs[&(tp, pp)];
+                let peer = handoff_transfer::AgentAddr { ip: a.rank_ip.clone(), port: a.rank_port };
+                let req = ConnectRequest {
+                    room,
+                    receiver: ctx.agent.addr(),
+                    region,
+                    region_len: layout.len(),
+                    dst_tp_size: d as u32,
+                    dst_tp_rank: r as u32,
+                    tokens: t as u32,
+                    token: ctx.transfer_token.clone(),
+                };
+                async move { ctx.agent.connect(&peer, req).await }
+            })
+    });
+    before(deadline, "connect", try_join_all(connects)).await?;
+    stages.timings.connect_us = stages.mark();
+
+    // prefill, and the KV it sends
+    let left = deadline.saturating_duration_since(Instant::now());
+    let mut client = target.prefill.clone();
+    let req = PrefillRequest {
+        bootstrap_room: room.get(),
+        token_ids: tokens.to_vec(),
+        dp_rank: target.dp_rank,
+        sampling: Some(sampling.clone()),
+        deadline_ms: left.as_millis().min(u128::from(u32::MAX)) as u32,
+    };
+    let rpc = async {
+        client
+            .prefill(req)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| FrontendError::at("prefill", format!("{}: {}", s.code(), s.message())))
+    };
+    let waits = async {
+        let w = regions.iter().map(|g| inbox.wait(g.id, deadline));
+        try_join_all(w).await.map_err(|e| FrontendError::at("verify", e))
+    };
+    let (resp, received) = tokio::try_join!(rpc, waits)?;
+
+    // verify: every notice of every region names our room, one first token, our prompt.
+    let mut kv_bytes = 0;
+    for rec in &received {
+        for n in &rec.notices {
+            if n.room != room || rec.room != room {
+                return Err(FrontendError::at(
+                    "verify",
+                    format!("bootstrap_room mismatch: expected {room}, got {}", n.room),
+                ));
+            }
+            if n.first_token != resp.first_token || n.tokens as usize != t {
+                return Err(FrontendError::at(
+                    "verify",
+                    format!(
+                        "notice says first token {} over {} tokens; prefill answered {} over {t}",
+                        n.first_token, n.tokens, resp.first_token
+                    ),
+                ));
+            }
+            kv_bytes += n.bytes;
+        }
+    }
+    stages.timings.verify_us = stages.mark();
+
+    // consume: reassemble the decode ranks' regions into the engine's layout.
+    let mut kv = Kv::zeroed(shape, t);
+    let mut filled = vec![false; shape.kv_heads];
+    for (r, rec) in received.iter().enumerate() {
+        for local in 0..layout.heads {
+            let g = mapping::rank_heads(d, shape.kv_heads, r).start + local;
+            if g >= shape.kv_heads || filled[g] {
+                continue;
+            }
+            filled[g] = true;
+            for l in 0..shape.layers {
+                for k in 0..2 {
+                    let off = layout.run_offset(l, k, local) as usize;
+                    kv.run_mut(l, k, g).copy_from_slice(&rec.buf[off..off + layout.run_len()]);
+                }
+            }
+        }
+    }
+    if filled.iter().any(|f| !f) {
+        return Err(FrontendError::at("consume", "some KV heads were not received"));
+    }
+    Ok(Prefilled { kv, first_token: resp.first_token, cached_tokens: resp.cached_tokens, kv_bytes })
+}

@@ -1,0 +1,45 @@
+//! Settings of the frontend.
+
+use std::time::Duration;
+
+use handoff_transfer::{InboxConfig, TransferKind};
+
+/// Settings of the frontend.
+#[derive(Debug, Clone)]
+pub struct FrontendConfig {
+    /// The decode's own attention tp size: KV arrives split across this many receive
+    /// regions, one per decode rank, as a tp-sharded decode would hold it.
+    pub decode_tp: u32,
+    /// Attempts per request before the first token (each on another instance, fresh room).
+    pub max_attempts: u32,
+    /// Whole-request deadline when the request names none.
+    pub request_timeout: Duration,
+    /// Deadline of one attempt (bounded by the request's).
+    pub attempt_timeout: Duration,
+    /// Tokens generated when the request names no `max_tokens`.
+    pub default_max_tokens: u32,
+    /// Requests served at once; more get `RESOURCE_EXHAUSTED`.
+    pub max_concurrent: usize,
+    /// The frontend's transfer backend.
+    pub transfer: TransferKind,
+    /// Bounds of its receive inbox.
+    pub inbox: InboxConfig,
+    /// Bearer token sent in transfer handshakes.
+    pub transfer_token: Option<String>,
+}
+
+impl Default for FrontendConfig {
+    fn default() -> Self {
+        FrontendConfig {
+            decode_tp: 1,
+            max_attempts: 3,
+            request_timeout: Duration::from_secs(60),
+            attempt_timeout: Duration::from_secs(15),
+            default_max_tokens: 16,
+            max_concurrent: 4096,
+            transfer: TransferKind::loopback(),
+            inbox: InboxConfig::default(),
+            transfer_token: None,
+        }
+    }
+}

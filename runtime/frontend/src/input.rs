@@ -1,0 +1,125 @@
+//! Turning a `GenerateRequest` into a plan, rejecting bad input with a reason.
+
+use std::time::Duration;
+
+use handoff_engine::{ChatMessage, Engine};
+use handoff_proto::v1::generate_request::Input;
+use handoff_proto::v1::{GenerateRequest, Policy, SamplingParams};
+use tokio::time::Instant;
+
+use crate::{FrontendConfig, FrontendError};
+
+/// Most stop strings per request.
+pub const MAX_STOP: usize = 8;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_LEN: usize = 256;
+/// Longest text or chat input, in bytes.
+pub const MAX_INPUT_BYTES: usize = 4 << 20;
+
+/// A checked request.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Prompt token ids.
+    pub tokens: Vec<u32>,
+    /// Sampling settings, as sent to the prefill.
+    pub sampling: SamplingParams,
+    /// Tokens to generate, the first included.
+    pub max_tokens: u32,
+    /// Scheduling policy (`Unspecified` = the scheduler's).
+    pub policy: Policy,
+    /// Whole-request deadline.
+    pub deadline: Instant,
+}
+
+fn invalid(s: impl Into<String>) -> FrontendError {
+    FrontendError::Invalid(s.into())
+}
+
+/// Checks `req` against the engine and the frontend's limits.
+pub fn plan(
+    req: GenerateRequest,
+    engine: &dyn Engine,
+    cfg: &FrontendConfig,
+) -> Result<Plan, FrontendError> {
+    let info = engine.info();
+    if !req.model.is_empty() && req.model != info.name {
+        return Err(FrontendError::UnknownModel(req.model));
+    }
+    let tokens = match req.input {
+        None => return Err(invalid("input is required: text, chat or token_ids")),
+        Some(Input::Text(t)) => {
+            if t.len() > MAX_INPUT_BYTES {
+                return Err(invalid(format!("text exceeds {MAX_INPUT_BYTES} bytes")));
+            }
+            engine.tokenize(&t).map_err(|e| invalid(e.to_string()))?
+        }
+        Some(Input::Chat(c)) => {
+            let bytes: usize = c.messages.iter().map(|m| m.content.len() + m.role.len()).sum();
+            if bytes > MAX_INPUT_BYTES {
+                return Err(invalid(format!("chat exceeds {MAX_INPUT_BYTES} bytes")));
+            }
+            if let Some(m) = c
+                .messages
+                .iter()
+                .find(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant"))
+            {
+                return Err(invalid(format!(
+                    "chat role must be system, user or assistant, got {:?}",
+                    m.role
+                )));
+            }
+            let msgs: Vec<ChatMessage> = c
+                .messages
+                .into_iter()
+                .map(|m| ChatMessage { role: m.role, content: m.content })
+                .collect();
+            let text = engine.chat_prompt(&msgs).map_err(|e| invalid(e.to_string()))?;
+            engine.tokenize(&text).map_err(|e| invalid(e.to_string()))?
+        }
+        Some(Input::TokenIds(t)) => {
+            if let Some(bad) = t.ids.iter().find(|&&i| i >= info.vocab) {
+                return Err(invalid(format!(
+                    "token id {bad} outside the vocabulary of {}",
+                    info.vocab
+                )));
+            }
+            t.ids
+        }
+    };
+    if tokens.is_empty() {
+        return Err(invalid("the prompt is empty"));
+    }
+    let sampling = req.sampling.unwrap_or_default();
+    if !sampling.temperature.is_finite() || !(0.0..=2.0).contains(&sampling.temperature) {
+        return Err(invalid(format!(
+            "temperature must be in [0, 2], got {}",
+            sampling.temperature
+        )));
+    }
+    if !sampling.top_p.is_finite() || !(0.0..=1.0).contains(&sampling.top_p) {
+        return Err(invalid(format!("top_p must be in [0, 1], got {}", sampling.top_p)));
+    }
+    if sampling.stop.len() > MAX_STOP
+        || sampling.stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_LEN)
+    {
+        return Err(invalid(format!(
+            "at most {MAX_STOP} stop strings of 1 to {MAX_STOP_LEN} bytes"
+        )));
+    }
+    let max_tokens =
+        if sampling.max_tokens == 0 { cfg.default_max_tokens } else { sampling.max_tokens };
+    if tokens.len() + max_tokens as usize > info.max_context {
+        return Err(invalid(format!(
+            "prompt of {} tokens plus max_tokens {max_tokens} exceeds the context of {}",
+            tokens.len(),
+            info.max_context
+        )));
+    }
+    let policy = Policy::try_from(req.policy)
+        .map_err(|_| invalid(format!("unknown policy {}", req.policy)))?;
+    let budget = match req.deadline_ms {
+        0 => cfg.request_timeout,
+        ms => Duration::from_millis(u64::from(ms)),
+    };
+    Ok(Plan { tokens, sampling, max_tokens, policy, deadline: Instant::now() + budget })
+}

@@ -1,0 +1,142 @@
+//! The `handoff.v1.Generate` gRPC service: prefill (with retries) before the first token,
+//! then a stream of decoded tokens from an owned task.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use handoff_proto::v1::generate_response::Event;
+use handoff_proto::v1::generate_server::{Generate, GenerateServer};
+use handoff_proto::v1::{
+    Complete, FinishReason, GenerateRequest, GenerateResponse, TokenChunk, Usage,
+};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status};
+
+use crate::input::{self, Plan};
+use crate::path::Ready;
+use crate::{Frontend, FrontendError};
+
+/// The Generate service over a [`Frontend`].
+#[derive(Debug, Clone)]
+pub struct GenerateService {
+    frontend: Arc<Frontend>,
+}
+
+impl GenerateService {
+    /// A service over `frontend`.
+    pub fn new(frontend: Arc<Frontend>) -> Self {
+        GenerateService { frontend }
+    }
+
+    /// As a tonic service.
+    pub fn into_server(self) -> GenerateServer<Self> {
+        GenerateServer::new(self).max_decoding_message_size(16 << 20)
+    }
+}
+
+type Tx = mpsc::Sender<Result<GenerateResponse, Status>>;
+
+fn chunk(token: u32, text: String) -> Result<GenerateResponse, Status> {
+    Ok(GenerateResponse { event: Some(Event::Chunk(TokenChunk { token_ids: vec![token], text })) })
+}
+
+/// Streams `ready`'s tokens into `tx` until a finish condition, the deadline, the client
+/// leaving, or shutdown.
+async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: Tx) {
+    let eos = fe.engine.info().eos.filter(|_| !plan.sampling.ignore_eos);
+    let stops = &plan.sampling.stop;
+    let mut text = String::new();
+    let mut generated = 0u32;
+    let mut token = ready.first_token;
+    let finish = loop {
+        if Some(token) == eos {
+            break FinishReason::Eos;
+        }
+        let piece = fe.engine.detokenize(&[token]);
+        text.push_str(&piece);
+        generated += 1;
+        if tx.send(chunk(token, piece)).await.is_err() {
+            return; // the client left
+        }
+        if stops.iter().any(|s| text.contains(s.as_str())) {
+            break FinishReason::Stop;
+        }
+        if generated >= plan.max_tokens {
+            break FinishReason::Length;
+        }
+        if Instant::now() >= plan.deadline {
+            let _ = tx
+                .send(Err(Status::deadline_exceeded(format!(
+                    "deadline passed after {generated} tokens"
+                ))))
+                .await;
+            return;
+        }
+        let step = tokio::select! {
+            _ = fe.tasks.shutdown_requested() => {
+                let _ = tx.send(Err(Status::unavailable("frontend shutting down"))).await;
+                return;
+            }
+            s = ready.decoder.step() => s,
+        };
+        token = match step {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = tx.send(Err(FrontendError::Decode(e.to_string()).into())).await;
+                return;
+            }
+        };
+    };
+    let usage = Usage {
+        prompt_tokens: plan.tokens.len() as u32,
+        completion_tokens: generated,
+        cached_tokens: ready.cached_tokens,
+    };
+    let done = Complete {
+        finish_reason: finish as i32,
+        usage: Some(usage),
+        evidence: Some(ready.evidence),
+    };
+    let _ = tx.send(Ok(GenerateResponse { event: Some(Event::Complete(done)) })).await;
+}
+
+#[tonic::async_trait]
+impl Generate for GenerateService {
+    type GenerateStream = ReceiverStream<Result<GenerateResponse, Status>>;
+
+    async fn generate(
+        &self,
+        req: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let fe = &self.frontend;
+        let permit = fe
+            .limit
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| FrontendError::Overloaded(fe.cfg.max_concurrent))?;
+        let plan = input::plan(req.into_inner(), &*fe.engine, &fe.cfg)?;
+        let ready = fe.prefill(&plan).await?;
+        let (tx, rx) = mpsc::channel(64);
+        let fe = fe.clone();
+        self.frontend.tasks.spawn(async move {
+            stream(fe, plan, ready, tx).await;
+            drop(permit);
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Serves Generate (and standard gRPC health) on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    frontend: Arc<Frontend>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .add_service(GenerateService::new(frontend).into_server())
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
+}

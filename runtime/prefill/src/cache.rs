@@ -1,0 +1,134 @@
+//! The prefix cache of one dp rank: KV pages keyed by their chained block hash, least
+//! recently used first out under a byte budget. Because hashes are chained, the longest run
+//! of leading prompt hashes present is a reusable prefix.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use handoff_core::BlockHash;
+use handoff_engine::Kv;
+
+/// What a store changed, for KV events.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct CacheDelta {
+    /// Pages newly stored.
+    pub stored: Vec<BlockHash>,
+    /// Pages evicted.
+    pub removed: Vec<BlockHash>,
+}
+
+/// A prefix cache (see the module docs).
+#[derive(Debug)]
+pub struct PrefixCache {
+    budget: usize,
+    page_size: usize,
+    used: usize,
+    tick: u64,
+    pages: HashMap<BlockHash, (Arc<Kv>, u64)>,
+    lru: BTreeMap<u64, BlockHash>,
+}
+
+impl PrefixCache {
+    /// An empty cache of `budget` bytes for pages of `page_size` tokens.
+    pub fn new(budget: usize, page_size: usize) -> Self {
+        PrefixCache {
+            budget,
+            page_size,
+            used: 0,
+            tick: 0,
+            pages: HashMap::new(),
+            lru: BTreeMap::new(),
+        }
+    }
+
+    fn touch(&mut self, h: BlockHash) {
+        if let Some((_, t)) = self.pages.get_mut(&h) {
+            self.lru.remove(t);
+            self.tick += 1;
+            *t = self.tick;
+            self.lru.insert(self.tick, h);
+        }
+    }
+
+    /// The KV of the longest cached prefix of a prompt of `prompt_len` tokens with block
+    /// hashes `hashes`, leaving at least one token to compute.
+    pub fn lookup(&mut self, hashes: &[BlockHash], prompt_len: usize) -> Option<Kv> {
+        let max_pages = (prompt_len - 1) / self.page_size;
+        let hit: Vec<BlockHash> = hashes
+            .iter()
+            .take(max_pages)
+            .take_while(|h| self.pages.contains_key(h))
+            .copied()
+            .collect();
+        if hit.is_empty() {
+            return None;
+        }
+        for h in &hit {
+            self.touch(*h);
+        }
+        let pages: Vec<&Kv> = hit.iter().map(|h| &*self.pages[h].0).collect();
+        Kv::concat(pages[0].shape(), &pages).ok()
+    }
+
+    /// Stores the full pages of `kv` (the KV of a prompt with hashes `hashes`), evicting the
+    /// least recently used pages beyond the budget.
+    pub fn store(&mut self, hashes: &[BlockHash], kv: &Kv) -> CacheDelta {
+        let mut delta = CacheDelta::default();
+        for (i, &h) in hashes.iter().enumerate() {
+            let end = (i + 1) * self.page_size;
+            if end > kv.tokens() {
+                break;
+            }
+            if self.pages.contains_key(&h) {
+                self.touch(h);
+                continue;
+            }
+            let page = kv.slice_tokens(i * self.page_size..end);
+            let size = page.as_bytes().len();
+            if size > self.budget {
+                break;
+            }
+            self.tick += 1;
+            self.used += size;
+            self.pages.insert(h, (Arc::new(page), self.tick));
+            self.lru.insert(self.tick, h);
+            delta.stored.push(h);
+        }
+        while self.used > self.budget {
+            let Some((_, h)) = self.lru.pop_first() else { break };
+            if let Some((p, _)) = self.pages.remove(&h) {
+                self.used -= p.as_bytes().len();
+                delta.removed.push(h);
+            }
+        }
+        // A page stored and evicted in the same call is neither.
+        let both: Vec<BlockHash> =
+            delta.stored.iter().filter(|h| !self.pages.contains_key(h)).copied().collect();
+        delta.stored.retain(|h| !both.contains(h));
+        delta.removed.retain(|h| !both.contains(h));
+        delta
+    }
+
+    /// Pages held.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    /// Bytes held.
+    pub fn used_bytes(&self) -> usize {
+        self.used
+    }
+
+    /// Every cached block, for a snapshot.
+    pub fn blocks(&self) -> Vec<BlockHash> {
+        self.pages.keys().copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,62 @@
+//! Settings of a prefill instance.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use handoff_bootstrap::DirectoryConfig;
+use handoff_core::InstanceId;
+use handoff_transfer::{InboxConfig, TransferKind};
+
+/// Settings of a prefill instance.
+#[derive(Debug, Clone)]
+pub struct PrefillConfig {
+    /// Its id in discovery.
+    pub id: InstanceId,
+    /// Data-parallel ranks (each with its own prefix cache and engine slot).
+    pub dp: u32,
+    /// Tensor-parallel ranks (KV heads split between them).
+    pub tp: u32,
+    /// Pipeline ranks (layers split between them).
+    pub pp: u32,
+    /// Context-parallel ranks (register in the directory; cp rank 0 sends).
+    pub cp: u32,
+    /// Where the bootstrap directory listens.
+    pub bootstrap_bind: SocketAddr,
+    /// Where the Prefill gRPC service listens.
+    pub grpc_bind: SocketAddr,
+    /// Host other processes use to reach this instance's listeners.
+    pub advertise_host: String,
+    /// The ranks' transfer backend.
+    pub transfer: TransferKind,
+    /// Bounds and token of the ranks' transfer inboxes.
+    pub inbox: InboxConfig,
+    /// The directory's settings (token, peer version, bounds).
+    pub directory: DirectoryConfig,
+    /// Prefix cache budget per dp rank, in bytes.
+    pub cache_bytes_per_dp: usize,
+    /// Requests queued per dp rank before new ones are refused.
+    pub max_queue_per_dp: usize,
+    /// Longest a request may wait for its decode's handshakes.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for PrefillConfig {
+    fn default() -> Self {
+        PrefillConfig {
+            id: InstanceId::random("prefill"),
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            cp: 1,
+            bootstrap_bind: ([127, 0, 0, 1], 8998).into(),
+            grpc_bind: ([127, 0, 0, 1], 50060).into(),
+            advertise_host: "127.0.0.1".into(),
+            transfer: TransferKind::loopback(),
+            inbox: InboxConfig::default(),
+            directory: DirectoryConfig::default(),
+            cache_bytes_per_dp: 256 << 20,
+            max_queue_per_dp: 1024,
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}

@@ -1,0 +1,40 @@
+use thiserror::Error;
+
+/// Errors of a prefill instance.
+#[derive(Debug, Error)]
+pub enum PrefillError {
+    /// The request is malformed.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// Too many requests queued.
+    #[error("overloaded: {0}")]
+    Overloaded(String),
+    /// The request's deadline passed.
+    #[error("deadline exceeded: {0}")]
+    Deadline(String),
+    /// The engine failed.
+    #[error(transparent)]
+    Engine(#[from] handoff_engine::EngineError),
+    /// Sending the KV failed.
+    #[error("KV transfer: {0}")]
+    Transfer(#[from] handoff_transfer::TransferError),
+    /// Startup failed.
+    #[error("startup: {0}")]
+    Startup(String),
+}
+
+impl From<PrefillError> for tonic::Status {
+    fn from(e: PrefillError) -> Self {
+        use handoff_engine::EngineError;
+        let msg = e.to_string();
+        match e {
+            PrefillError::Invalid(_) | PrefillError::Engine(EngineError::InvalidInput(_)) => {
+                tonic::Status::invalid_argument(msg)
+            }
+            PrefillError::Overloaded(_) => tonic::Status::resource_exhausted(msg),
+            PrefillError::Deadline(_) => tonic::Status::deadline_exceeded(msg),
+            PrefillError::Transfer(_) => tonic::Status::unavailable(msg),
+            PrefillError::Engine(_) | PrefillError::Startup(_) => tonic::Status::internal(msg),
+        }
+    }
+}

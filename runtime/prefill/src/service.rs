@@ -1,0 +1,191 @@
+//! The `handoff.v1.Prefill` gRPC service.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::try_join_all;
+use handoff_bootstrap::Directory;
+use handoff_bootstrap::mapping::Parallel;
+use handoff_core::{InstanceId, Room, block_hashes};
+use handoff_discovery::{EventBus, KvEvent, KvEventKind, events::kv_subject};
+use handoff_engine::{Engine, Sampling};
+use handoff_proto::v1::prefill_server::{Prefill as PrefillRpc, PrefillServer};
+use handoff_proto::v1::{PrefillRequest, PrefillResponse, SamplingParams};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tonic::{Request, Response, Status};
+use tracing::{debug, warn};
+
+use crate::cache::CacheDelta;
+use crate::rank::{Rank, SendMeta, SharedKv};
+use crate::{PrefillError, PrefixCache};
+
+/// One dp rank's engine slot, queue and prefix cache.
+#[derive(Debug)]
+pub(crate) struct DpState {
+    pub(crate) cache: Mutex<PrefixCache>,
+    slot: Semaphore,
+    queued: AtomicUsize,
+    /// cp-0 ranks of this dp group: the ones that send.
+    pub(crate) senders: Vec<Rank>,
+}
+
+impl DpState {
+    pub(crate) fn new(cache: PrefixCache, senders: Vec<Rank>) -> Self {
+        DpState {
+            cache: Mutex::new(cache),
+            slot: Semaphore::new(1),
+            queued: AtomicUsize::new(0),
+            senders,
+        }
+    }
+}
+
+/// The Prefill service of one instance.
+#[derive(Clone)]
+pub struct PrefillService {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) id: InstanceId,
+    pub(crate) engine: Arc<dyn Engine>,
+    pub(crate) par: Parallel,
+    pub(crate) dps: Vec<DpState>,
+    pub(crate) directory: Arc<Directory>,
+    pub(crate) bus: Arc<dyn EventBus>,
+    pub(crate) seq: tokio::sync::Mutex<u64>,
+    pub(crate) max_queue: usize,
+    pub(crate) handshake_timeout: Duration,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sampling settings from the wire.
+pub fn sampling_from_wire(s: Option<&SamplingParams>) -> Sampling {
+    s.map(|s| Sampling { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, seed: s.seed })
+        .unwrap_or_default()
+}
+
+impl PrefillService {
+    pub(crate) fn new(inner: Inner) -> Self {
+        PrefillService { inner: Arc::new(inner) }
+    }
+
+    /// As a tonic service.
+    pub fn into_server(self) -> PrefillServer<Self> {
+        PrefillServer::new(self).max_decoding_message_size(64 << 20)
+    }
+
+    async fn publish(&self, dp_rank: u32, delta: CacheDelta) {
+        let me = &self.inner;
+        let mut kinds = Vec::new();
+        if !delta.stored.is_empty() {
+            kinds.push(KvEventKind::Stored { blocks: delta.stored });
+        }
+        if !delta.removed.is_empty() {
+            kinds.push(KvEventKind::Removed { blocks: delta.removed });
+        }
+        // One lock across numbering and publishing keeps events in sequence order.
+        let mut seq = me.seq.lock().await;
+        for kind in kinds {
+            *seq += 1;
+            let ev = KvEvent { instance: me.id.clone(), dp_rank, seq: *seq, kind };
+            let payload = match serde_json::to_vec(&ev) {
+                Ok(p) => Bytes::from(p),
+                Err(e) => {
+                    warn!(error = %e, "KV event not encodable");
+                    continue;
+                }
+            };
+            if let Err(e) = me.bus.publish(kv_subject(&me.id), payload).await {
+                warn!(error = %e, "KV event not published");
+            }
+        }
+    }
+
+    async fn run(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
+        let me = &self.inner;
+        let room =
+            Room::try_from(req.bootstrap_room).map_err(|e| PrefillError::Invalid(e.to_string()))?;
+        let dp = me.dps.get(req.dp_rank as usize).ok_or_else(|| {
+            PrefillError::Invalid(format!(
+                "dp_rank {} outside dp size {}",
+                req.dp_rank,
+                me.dps.len()
+            ))
+        })?;
+        let info = me.engine.info();
+        let tokens = req.token_ids;
+        if tokens.is_empty() {
+            return Err(PrefillError::Invalid("token_ids is empty".into()));
+        }
+        if tokens.len() >= info.max_context {
+            return Err(PrefillError::Invalid(format!(
+                "{} tokens exceed the context of {}",
+                tokens.len(),
+                info.max_context
+            )));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t >= info.vocab) {
+            return Err(PrefillError::Invalid(format!(
+                "token id {t} outside the vocabulary of {}",
+                info.vocab
+            )));
+        }
+        let budget = match req.deadline_ms {
+            0 => Duration::from_secs(30),
+            ms => Duration::from_millis(u64::from(ms)),
+        };
+        let deadline = Instant::now() + budget;
+        me.directory.register_dp_rank(room.get(), req.dp_rank);
+
+        if dp.queued.fetch_add(1, Ordering::AcqRel) >= me.max_queue {
+            dp.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(PrefillError::Overloaded(format!(
+                "dp rank {} has {} queued",
+                req.dp_rank, me.max_queue
+            )));
+        }
+        let permit = tokio::time::timeout_at(deadline, dp.slot.acquire()).await;
+        dp.queued.fetch_sub(1, Ordering::AcqRel);
+        let permit = permit
+            .map_err(|_| PrefillError::Deadline("waiting for the engine".into()))?
+            .map_err(|_| PrefillError::Startup("engine slot closed".into()))?;
+        let hashes = block_hashes(&tokens, info.page_size);
+        let prefix = lock(&dp.cache).lookup(&hashes, tokens.len());
+        let cached = prefix.as_ref().map_or(0, |p| p.tokens());
+        let sampling = sampling_from_wire(req.sampling.as_ref());
+        let out = me.engine.prefill(&tokens, prefix, &sampling).await?;
+        let delta = lock(&dp.cache).store(&hashes, &out.kv);
+        drop(permit);
+        self.publish(req.dp_rank, delta).await;
+
+        let kv = SharedKv::from(out.kv);
+        let meta = SendMeta { first_token: out.first_token, cached_tokens: cached as u32 };
+        let hs_deadline = deadline.min(Instant::now() + me.handshake_timeout);
+        let sends = dp.senders.iter().map(|r| r.send(me.par, room, &kv, meta, hs_deadline));
+        let served = try_join_all(sends).await?;
+        debug!(%room, dp_rank = req.dp_rank, cached, tokens = tokens.len(), "prefill sent");
+        Ok(PrefillResponse {
+            first_token: out.first_token,
+            cached_tokens: cached as u32,
+            computed_tokens: (tokens.len() - cached) as u32,
+            ranks_sent: served.iter().filter(|&&n| n > 0).count() as u32,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl PrefillRpc for PrefillService {
+    async fn prefill(
+        &self,
+        req: Request<PrefillRequest>,
+    ) -> Result<Response<PrefillResponse>, Status> {
+        Ok(Response::new(self.run(req.into_inner()).await?))
+    }
+}

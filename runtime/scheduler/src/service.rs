@@ -1,0 +1,119 @@
+//! The `handoff.v1.Scheduler` gRPC service.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use handoff_core::{BlockHash, InstanceId};
+use handoff_proto::v1::scheduler_server::{Scheduler as SchedulerRpc, SchedulerServer};
+use handoff_proto::v1::{
+    InstanceStatus, ListInstancesRequest, ListInstancesResponse, Policy, ReportOutcomeRequest,
+    ReportOutcomeResponse, SelectPrefillRequest, SelectPrefillResponse,
+};
+use tokio::net::TcpListener;
+use tonic::{Request, Response, Status};
+use tracing::debug;
+
+use crate::{PolicyKind, SchedulerState};
+
+/// The gRPC face of a [`SchedulerState`].
+#[derive(Debug, Clone)]
+pub struct SchedulerService {
+    state: Arc<SchedulerState>,
+}
+
+impl SchedulerService {
+    /// A service over `state`.
+    pub fn new(state: Arc<SchedulerState>) -> Self {
+        SchedulerService { state }
+    }
+
+    /// As a tonic service.
+    pub fn into_server(self) -> SchedulerServer<Self> {
+        SchedulerServer::new(self)
+    }
+}
+
+/// Maps the wire's policy to ours; `None` means the scheduler's default.
+pub fn policy_from_wire(p: i32) -> Result<Option<PolicyKind>, Status> {
+    match Policy::try_from(p) {
+        Ok(Policy::Unspecified) => Ok(None),
+        Ok(Policy::KvAware) => Ok(Some(PolicyKind::KvAware)),
+        Ok(Policy::RoundRobin) => Ok(Some(PolicyKind::RoundRobin)),
+        Err(_) => Err(Status::invalid_argument(format!("unknown policy {p}"))),
+    }
+}
+
+fn instance_id(s: &str) -> Result<InstanceId, Status> {
+    s.parse().map_err(|e: handoff_core::InvalidId| Status::invalid_argument(e.to_string()))
+}
+
+#[tonic::async_trait]
+impl SchedulerRpc for SchedulerService {
+    async fn select_prefill(
+        &self,
+        req: Request<SelectPrefillRequest>,
+    ) -> Result<Response<SelectPrefillResponse>, Status> {
+        let r = req.into_inner();
+        let policy = policy_from_wire(r.policy)?;
+        let exclude =
+            r.exclude_instances.iter().map(|s| instance_id(s)).collect::<Result<Vec<_>, _>>()?;
+        let hashes: Vec<BlockHash> = r.block_hashes.into_iter().map(BlockHash).collect();
+        let sel = self.state.select(&hashes, r.prompt_tokens, policy, &exclude)?;
+        debug!(instance = %sel.instance.id, dp_rank = sel.dp_rank, cached = sel.cached_blocks, "prefill selected");
+        Ok(Response::new(SelectPrefillResponse {
+            instance_id: sel.instance.id.to_string(),
+            dp_rank: sel.dp_rank,
+            bootstrap_addr: sel.instance.bootstrap_addr,
+            prefill_addr: sel.instance.grpc_addr,
+            cached_blocks: sel.cached_blocks,
+        }))
+    }
+
+    async fn report_outcome(
+        &self,
+        req: Request<ReportOutcomeRequest>,
+    ) -> Result<Response<ReportOutcomeResponse>, Status> {
+        let r = req.into_inner();
+        let id = instance_id(&r.instance_id)?;
+        self.state.report(&id, r.dp_rank, r.prompt_tokens);
+        if !r.success {
+            debug!(instance = %id, error = %r.error, "attempt failed");
+        }
+        Ok(Response::new(ReportOutcomeResponse {}))
+    }
+
+    async fn list_instances(
+        &self,
+        _req: Request<ListInstancesRequest>,
+    ) -> Result<Response<ListInstancesResponse>, Status> {
+        let instances = self
+            .state
+            .instances()
+            .into_iter()
+            .map(|s| InstanceStatus {
+                instance_id: s.instance.id.to_string(),
+                bootstrap_addr: s.instance.bootstrap_addr,
+                prefill_addr: s.instance.grpc_addr,
+                dp_size: s.instance.topology.dp,
+                in_flight: s.in_flight,
+                cached_blocks: s.cached_blocks,
+            })
+            .collect();
+        Ok(Response::new(ListInstancesResponse { instances }))
+    }
+}
+
+/// Serves the scheduler on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<SchedulerState>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .add_service(SchedulerService::new(state).into_server())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await
+}

@@ -1,0 +1,257 @@
+//! The scheduler's view of the fleet, and selection over it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use handoff_core::{BlockHash, InstanceId};
+use handoff_discovery::{Instance, KvEvent, KvEventKind, Update};
+use handoff_kv_index::{KvIndex, WorkerKey};
+use tracing::{debug, info, warn};
+
+use crate::SchedulerError;
+use crate::policy::{Candidate, KvAwareWeights, PolicyKind};
+
+/// Settings of a scheduler.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// The policy when a request names none.
+    pub default_policy: PolicyKind,
+    /// Weights of the kv_aware cost.
+    pub weights: KvAwareWeights,
+    /// Most block hashes one request may carry.
+    pub max_block_hashes: usize,
+    /// Most instances one request may exclude.
+    pub max_exclude: usize,
+    /// Most (block, worker) pairs the index holds.
+    pub max_index_entries: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            default_policy: PolicyKind::KvAware,
+            weights: KvAwareWeights::default(),
+            max_block_hashes: 1 << 16,
+            max_exclude: 64,
+            max_index_entries: 50_000_000,
+        }
+    }
+}
+
+/// Where a request goes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selection {
+    /// The prefill instance.
+    pub instance: Instance,
+    /// Its dp rank.
+    pub dp_rank: u32,
+    /// Leading prompt blocks it is expected to hold.
+    pub cached_blocks: u32,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Load {
+    in_flight: u32,
+    queued_tokens: u64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    instances: BTreeMap<InstanceId, Instance>,
+    index: KvIndex,
+    load: HashMap<WorkerKey, Load>,
+    seqs: HashMap<InstanceId, u64>,
+}
+
+impl Inner {
+    fn forget(&mut self, id: &InstanceId) {
+        self.index.remove_instance(id);
+        self.load.retain(|k, _| &k.instance != id);
+        self.seqs.remove(id);
+    }
+}
+
+/// The scheduler's state (see the module docs).
+#[derive(Debug)]
+pub struct SchedulerState {
+    cfg: SchedulerConfig,
+    inner: Mutex<Inner>,
+    tick: AtomicUsize,
+}
+
+/// Status of one instance, for `ListInstances` and operators.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstanceStatus {
+    /// The registration.
+    pub instance: Instance,
+    /// Requests in flight over all its dp ranks.
+    pub in_flight: u32,
+    /// Blocks indexed over all its dp ranks.
+    pub cached_blocks: u64,
+}
+
+impl SchedulerState {
+    /// An empty state.
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        let inner = Inner {
+            instances: BTreeMap::new(),
+            index: KvIndex::new(cfg.max_index_entries),
+            load: HashMap::new(),
+            seqs: HashMap::new(),
+        };
+        SchedulerState { cfg, inner: Mutex::new(inner), tick: AtomicUsize::new(0) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Applies a discovery update.
+    pub fn apply_update(&self, u: Update) {
+        let mut inner = self.lock();
+        match u {
+            Update::Reset(all) => {
+                let keep: BTreeMap<_, _> = all.into_iter().map(|i| (i.id.clone(), i)).collect();
+                let gone: Vec<_> =
+                    inner.instances.keys().filter(|k| !keep.contains_key(*k)).cloned().collect();
+                for id in &gone {
+                    inner.forget(id);
+                }
+                info!(instances = keep.len(), dropped = gone.len(), "prefill membership reset");
+                inner.instances = keep;
+            }
+            Update::Add(i) => {
+                let restarted =
+                    inner.instances.get(&i.id).is_some_and(|old| old.version != i.version);
+                if restarted {
+                    inner.forget(&i.id);
+                }
+                info!(instance = %i.id, bootstrap = %i.bootstrap_addr, "prefill instance added");
+                inner.instances.insert(i.id.clone(), i);
+            }
+            Update::Remove(id) => {
+                info!(instance = %id, "prefill instance removed");
+                inner.instances.remove(&id);
+                inner.forget(&id);
+            }
+        }
+    }
+
+    /// Applies a KV event from an instance.
+    pub fn apply_event(&self, ev: KvEvent) {
+        let mut inner = self.lock();
+        let Some(inst) = inner.instances.get(&ev.instance) else {
+            debug!(instance = %ev.instance, "KV event from an unknown instance dropped");
+            return;
+        };
+        if ev.dp_rank >= inst.topology.dp {
+            warn!(instance = %ev.instance, dp_rank = ev.dp_rank, "KV event for a dp rank the instance does not have");
+            return;
+        }
+        let last = inner.seqs.insert(ev.instance.clone(), ev.seq).unwrap_or(0);
+        if ev.seq != last + 1 {
+            warn!(instance = %ev.instance, last, seq = ev.seq, "KV event sequence gap");
+        }
+        let key = WorkerKey { instance: ev.instance, dp_rank: ev.dp_rank };
+        match ev.kind {
+            KvEventKind::Stored { blocks } => inner.index.store(&key, &blocks),
+            KvEventKind::Removed { blocks } => inner.index.remove(&key, &blocks),
+            KvEventKind::Cleared => inner.index.clear(&key),
+        }
+    }
+
+    /// Picks where a prompt goes, and counts it in flight there.
+    pub fn select(
+        &self,
+        hashes: &[BlockHash],
+        prompt_tokens: u32,
+        policy: Option<PolicyKind>,
+        exclude: &[InstanceId],
+    ) -> Result<Selection, SchedulerError> {
+        if prompt_tokens == 0 {
+            return Err(SchedulerError::Invalid("prompt_tokens must be positive".into()));
+        }
+        if hashes.len() > self.cfg.max_block_hashes {
+            return Err(SchedulerError::Invalid(format!(
+                "{} block hashes exceed the limit of {}",
+                hashes.len(),
+                self.cfg.max_block_hashes
+            )));
+        }
+        if exclude.len() > self.cfg.max_exclude {
+            return Err(SchedulerError::Invalid(format!(
+                "at most {} exclusions",
+                self.cfg.max_exclude
+            )));
+        }
+        let policy = policy.unwrap_or(self.cfg.default_policy);
+        let mut inner = self.lock();
+        let overlaps = inner.index.overlaps(hashes);
+        let mut candidates = Vec::new();
+        let mut page_size = 16;
+        for inst in inner.instances.values().filter(|i| !exclude.contains(&i.id)) {
+            page_size = inst.page_size as usize;
+            for dp_rank in 0..inst.topology.dp {
+                let key = WorkerKey { instance: inst.id.clone(), dp_rank };
+                let load = inner.load.get(&key).copied().unwrap_or_default();
+                let overlap_blocks = overlaps.get(&key).copied().unwrap_or(0);
+                candidates.push(Candidate {
+                    key,
+                    overlap_blocks,
+                    queued_tokens: load.queued_tokens,
+                    in_flight: load.in_flight,
+                });
+            }
+        }
+        let tick = self.tick.fetch_add(1, Ordering::Relaxed);
+        let Some(i) =
+            policy.pick(&candidates, prompt_tokens as usize, page_size, &self.cfg.weights, tick)
+        else {
+            let why = if exclude.is_empty() {
+                String::new()
+            } else {
+                format!(" (excluded {})", exclude.len())
+            };
+            return Err(SchedulerError::NoInstance(why));
+        };
+        let c = candidates.swap_remove(i);
+        let load = inner.load.entry(c.key.clone()).or_default();
+        load.in_flight += 1;
+        load.queued_tokens += u64::from(prompt_tokens);
+        let instance = inner.instances[&c.key.instance].clone();
+        Ok(Selection { instance, dp_rank: c.key.dp_rank, cached_blocks: c.overlap_blocks as u32 })
+    }
+
+    /// Ends a request's in-flight accounting on (instance, dp rank).
+    pub fn report(&self, instance: &InstanceId, dp_rank: u32, prompt_tokens: u32) {
+        let mut inner = self.lock();
+        let key = WorkerKey { instance: instance.clone(), dp_rank };
+        if let Some(l) = inner.load.get_mut(&key) {
+            l.in_flight = l.in_flight.saturating_sub(1);
+            l.queued_tokens = l.queued_tokens.saturating_sub(u64::from(prompt_tokens));
+        }
+    }
+
+    /// Every known instance with its load and indexed blocks.
+    pub fn instances(&self) -> Vec<InstanceStatus> {
+        let inner = self.lock();
+        inner
+            .instances
+            .values()
+            .map(|i| {
+                let keys =
+                    (0..i.topology.dp).map(|dp_rank| WorkerKey { instance: i.id.clone(), dp_rank });
+                let (mut in_flight, mut cached_blocks) = (0, 0);
+                for k in keys {
+                    in_flight += inner.load.get(&k).map_or(0, |l| l.in_flight);
+                    cached_blocks += inner.index.blocks_of(&k) as u64;
+                }
+                InstanceStatus { instance: i.clone(), in_flight, cached_blocks }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;
