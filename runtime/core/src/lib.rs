@@ -3,10 +3,12 @@
 //! - [`ids`] — newtypes for the ids that bind a request end to end ([`Room`], [`InstanceId`],
 //!   [`BlockHash`]).
 //! - [`hash`] — the chained block hashes of a prompt, the same function on every side.
+//! - [`net`] — listeners whose connections set `TCP_NODELAY`.
 //! - [`tasks`] — owned background tasks and a shutdown signal (no detached tasks).
 
 pub mod hash;
 pub mod ids;
+pub mod net;
 pub mod tasks;
 
 pub use hash::{BLOCK_HASH_SEED, block_hashes};

@@ -9,7 +9,6 @@ use handoff_discovery::{EventBus, Instance, Registry, Role, Topology};
 use handoff_engine::Engine;
 use handoff_transfer::FaultSwitch;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tracing::{info, warn};
 
 use crate::rank::Rank;
@@ -121,7 +120,10 @@ impl PrefillInstance {
         tasks.spawn(async move {
             let res = tonic::transport::Server::builder()
                 .add_service(svc.into_server())
-                .serve_with_incoming_shutdown(TcpListenerStream::new(gl), t.shutdown_requested())
+                .serve_with_incoming_shutdown(
+                    handoff_core::net::nodelay_incoming(gl),
+                    t.shutdown_requested(),
+                )
                 .await;
             if let Err(e) = res {
                 warn!(error = %e, "prefill gRPC stopped");
