@@ -65,7 +65,7 @@ async fn main() -> anyhow::Result<()> {
     base.sort();
     let base_p50 = pct(&base, 0.5);
 
-    let cluster = Cluster::start(ClusterConfig::ephemeral(), engine.clone()).await?;
+    let cluster = Cluster::start_shared(ClusterConfig::ephemeral(), engine.clone()).await?;
     let client = GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
     let mut out = std::io::stdout().lock();
     writeln!(

@@ -1,4 +1,5 @@
-//! The command line: the one place handoff reads its configuration.
+//! The command line: the one place handoff reads its configuration (flags, and the
+//! environment variables they name).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -33,13 +34,27 @@ pub enum TransferArg {
 /// Which engine serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum EngineArg {
+    /// SmolLM2-135M-Instruct from its GGUF file, on CPU.
+    Smollm,
     /// The mock engine: checkable KV, configurable timing.
     Mock,
 }
 
-/// Mock engine timing.
+/// The engine and its settings.
 #[derive(Debug, Clone, Args)]
-pub struct MockArgs {
+pub struct EngineArgs {
+    /// Engine.
+    #[arg(long, value_enum, default_value_t = EngineArg::Smollm)]
+    pub engine: EngineArg,
+    /// The GGUF model file (smollm); default: the cache `scripts/fetch-model` fills.
+    #[arg(long, env = "HANDOFF_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Model cache directory.
+    #[arg(long, env = "HANDOFF_MODEL_DIR")]
+    pub model_dir: Option<PathBuf>,
+    /// Longest sequence the smollm engine serves.
+    #[arg(long, default_value_t = 4096)]
+    pub max_context: usize,
     /// Mock prefill time per computed token, in microseconds.
     #[arg(long, default_value_t = 0)]
     pub mock_prefill_us: u64,
@@ -48,12 +63,32 @@ pub struct MockArgs {
     pub mock_decode_us: u64,
 }
 
+impl EngineArgs {
+    /// The model file: `--model`, else the cache.
+    pub fn model_path(&self) -> PathBuf {
+        if let Some(p) = &self.model {
+            return p.clone();
+        }
+        let dir = self.model_dir.clone().unwrap_or_else(|| {
+            let cache =
+                std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
+                });
+            cache.join("handoff/models")
+        });
+        dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
+    }
+}
+
 /// `handoff up`.
 #[derive(Debug, Clone, Args)]
 pub struct UpArgs {
     /// Frontend gRPC listener.
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub frontend_listen: SocketAddr,
+    /// Frontend HTTP (OpenAI API) listener.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub http_listen: SocketAddr,
     /// Scheduler gRPC listener.
     #[arg(long, default_value = "127.0.0.1:50052")]
     pub scheduler_listen: SocketAddr,
@@ -61,7 +96,7 @@ pub struct UpArgs {
     #[arg(long, default_value_t = 2)]
     pub prefills: usize,
     /// Prefill tp size.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 1)]
     pub prefill_tp: u32,
     /// Prefill dp size.
     #[arg(long, default_value_t = 1)]
@@ -78,13 +113,7 @@ pub struct UpArgs {
     /// Transfer backend.
     #[arg(long, value_enum, default_value_t = TransferArg::Tcp)]
     pub transfer: TransferArg,
-    /// Engine.
-    #[arg(long, value_enum, default_value_t = EngineArg::Mock)]
-    pub engine: EngineArg,
-    /// Model file (for real engines).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    /// Mock engine timing.
+    /// The engine.
     #[command(flatten)]
-    pub mock: MockArgs,
+    pub engine: EngineArgs,
 }

@@ -33,6 +33,8 @@ pub struct ClusterConfig {
     pub transfer: TransferKind,
     /// Frontend gRPC listener.
     pub frontend_bind: SocketAddr,
+    /// Frontend HTTP (OpenAI API) listener.
+    pub http_bind: SocketAddr,
     /// Scheduler gRPC listener.
     pub scheduler_bind: SocketAddr,
     /// First prefill's bootstrap port (the i-th uses +i); 0 for ephemeral.
@@ -57,6 +59,7 @@ impl Default for ClusterConfig {
             decode_tp: 1,
             transfer: TransferKind::loopback(),
             frontend_bind: ([127, 0, 0, 1], 50051).into(),
+            http_bind: ([127, 0, 0, 1], 8080).into(),
             scheduler_bind: ([127, 0, 0, 1], 50052).into(),
             bootstrap_port: 8998,
             prefill_port: 50060,
@@ -72,6 +75,7 @@ impl ClusterConfig {
     pub fn ephemeral() -> Self {
         ClusterConfig {
             frontend_bind: ([127, 0, 0, 1], 0).into(),
+            http_bind: ([127, 0, 0, 1], 0).into(),
             scheduler_bind: ([127, 0, 0, 1], 0).into(),
             bootstrap_port: 0,
             prefill_port: 0,
@@ -86,6 +90,8 @@ pub struct Cluster {
     pub tasks: Tasks,
     /// The frontend's gRPC address.
     pub frontend_addr: SocketAddr,
+    /// The frontend's HTTP address.
+    pub http_addr: SocketAddr,
     /// The scheduler's gRPC address.
     pub scheduler_addr: SocketAddr,
     /// The prefill instances.
@@ -103,8 +109,12 @@ fn port_plus(base: u16, i: usize) -> u16 {
 }
 
 impl Cluster {
-    /// Starts every part and waits until the scheduler sees every prefill instance.
-    pub async fn start(cfg: ClusterConfig, engine: Arc<dyn Engine>) -> anyhow::Result<Cluster> {
+    /// Starts every part, each with an engine from `engines`, and waits until the scheduler
+    /// sees every prefill instance.
+    pub async fn start(
+        cfg: ClusterConfig,
+        engines: &dyn Fn() -> anyhow::Result<Arc<dyn Engine>>,
+    ) -> anyhow::Result<Cluster> {
         let tasks = Tasks::new();
         let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
         let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
@@ -137,7 +147,7 @@ impl Cluster {
             let faults = cfg.faults.get(i).cloned().flatten();
             let p = PrefillInstance::start(
                 pc,
-                engine.clone(),
+                engines()?,
                 registry.clone(),
                 bus.clone(),
                 &tasks,
@@ -153,7 +163,7 @@ impl Cluster {
             transfer: cfg.transfer.clone(),
             ..cfg.frontend.clone()
         };
-        let frontend = Frontend::new(fc, engine, &scheduler_addr.to_string(), &tasks).await?;
+        let frontend = Frontend::new(fc, engines()?, &scheduler_addr.to_string(), &tasks).await?;
         let fl = TcpListener::bind(cfg.frontend_bind)
             .await
             .with_context(|| format!("frontend on {}", cfg.frontend_bind))?;
@@ -162,6 +172,20 @@ impl Cluster {
         tasks.spawn(async move {
             if let Err(e) = handoff_frontend::service::serve(fl, fe, t.shutdown_requested()).await {
                 warn!(error = %e, "frontend stopped");
+            }
+        });
+
+        let hl = TcpListener::bind(cfg.http_bind)
+            .await
+            .with_context(|| format!("HTTP on {}", cfg.http_bind))?;
+        let http_addr = hl.local_addr()?;
+        let (t, fe) = (tasks.clone(), frontend.clone());
+        tasks.spawn(async move {
+            if let Err(e) =
+                handoff_frontend::http::serve(hl, fe, async move { t.shutdown_requested().await })
+                    .await
+            {
+                warn!(error = %e, "frontend HTTP stopped");
             }
         });
 
@@ -176,12 +200,21 @@ impl Cluster {
         Ok(Cluster {
             tasks,
             frontend_addr,
+            http_addr,
             scheduler_addr,
             prefills,
             frontend,
             scheduler,
             registry,
         })
+    }
+
+    /// Starts a cluster where every part shares one engine (stateless engines: mock).
+    pub async fn start_shared(
+        cfg: ClusterConfig,
+        engine: Arc<dyn Engine>,
+    ) -> anyhow::Result<Cluster> {
+        Self::start(cfg, &move || Ok(engine.clone())).await
     }
 
     /// Stops every part and waits for its tasks.

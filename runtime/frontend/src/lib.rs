@@ -9,13 +9,17 @@
 //! - [`path`] — [`Frontend`]: scheduler selection, fresh room per attempt, retries before the
 //!   first token, and outcomes reported back.
 //! - [`service`] — the gRPC service: streams the first token and the decoded ones.
+//! - [`text`] — incremental detokenization and stop strings.
+//! - [`http`] — the OpenAI-compatible HTTP API, `/health` and `/metrics`.
 
 pub mod attempt;
 pub mod config;
 mod error;
+pub mod http;
 pub mod input;
 pub mod path;
 pub mod service;
+pub mod text;
 
 pub use config::FrontendConfig;
 pub use error::FrontendError;

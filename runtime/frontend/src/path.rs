@@ -42,6 +42,15 @@ pub struct Frontend {
     prefills: Mutex<HashMap<String, PrefillClient<Channel>>>,
     pub(crate) tasks: Tasks,
     pub(crate) limit: Arc<Semaphore>,
+    pub(crate) metrics: Metrics,
+}
+
+/// Counters served at `/metrics`.
+#[derive(Debug, Default)]
+pub(crate) struct Metrics {
+    pub(crate) requests: std::sync::atomic::AtomicU64,
+    pub(crate) failed: std::sync::atomic::AtomicU64,
+    pub(crate) tokens: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Frontend {
@@ -97,7 +106,13 @@ impl Frontend {
             scheduler,
             prefills: Mutex::default(),
             tasks: tasks.clone(),
+            metrics: Metrics::default(),
         }))
+    }
+
+    /// The model this frontend serves.
+    pub fn model_name(&self) -> &str {
+        &self.engine.info().name
     }
 
     /// The frontend's transfer agent.

@@ -17,6 +17,7 @@ use tonic::{Request, Response, Status};
 
 use crate::input::{self, Plan};
 use crate::path::Ready;
+use crate::text::TextAssembler;
 use crate::{Frontend, FrontendError};
 
 /// The Generate service over a [`Frontend`].
@@ -44,24 +45,22 @@ fn chunk(token: u32, text: String) -> Result<GenerateResponse, Status> {
 }
 
 /// Streams `ready`'s tokens into `tx` until a finish condition, the deadline, the client
-/// leaving, or shutdown.
-async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: Tx) {
+/// leaving, or shutdown. The last message is a `Complete`.
+pub(crate) async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: Tx) {
     let eos = fe.engine.info().eos.filter(|_| !plan.sampling.ignore_eos);
-    let stops = &plan.sampling.stop;
-    let mut text = String::new();
+    let mut text = TextAssembler::new(&plan.sampling.stop);
     let mut generated = 0u32;
     let mut token = ready.first_token;
     let finish = loop {
         if Some(token) == eos {
             break FinishReason::Eos;
         }
-        let piece = fe.engine.detokenize(&[token]);
-        text.push_str(&piece);
         generated += 1;
-        if tx.send(chunk(token, piece)).await.is_err() {
+        let released = text.push(&*fe.engine, token);
+        if tx.send(chunk(token, released.text)).await.is_err() {
             return; // the client left
         }
-        if stops.iter().any(|s| text.contains(s.as_str())) {
+        if released.stopped {
             break FinishReason::Stop;
         }
         if generated >= plan.max_tokens {
@@ -90,6 +89,20 @@ async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: Tx) {
             }
         };
     };
+    if finish != FinishReason::Stop {
+        let rest = text.finish();
+        if !rest.is_empty()
+            && tx
+                .send(Ok(GenerateResponse {
+                    event: Some(Event::Chunk(TokenChunk { token_ids: vec![], text: rest })),
+                }))
+                .await
+                .is_err()
+        {
+            return;
+        }
+    }
+    fe.metrics.tokens.fetch_add(u64::from(generated), std::sync::atomic::Ordering::Relaxed);
     let usage = Usage {
         prompt_tokens: plan.tokens.len() as u32,
         completion_tokens: generated,
@@ -101,6 +114,37 @@ async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: Tx) {
         evidence: Some(ready.evidence),
     };
     let _ = tx.send(Ok(GenerateResponse { event: Some(Event::Complete(done)) })).await;
+}
+
+/// Checks a request, prefills it (with retries) and starts streaming it on the frontend's
+/// tasks: the shared entry of the gRPC and HTTP APIs.
+pub(crate) async fn start(
+    fe: &Arc<Frontend>,
+    req: GenerateRequest,
+) -> Result<mpsc::Receiver<Result<GenerateResponse, Status>>, FrontendError> {
+    use std::sync::atomic::Ordering::Relaxed;
+    fe.metrics.requests.fetch_add(1, Relaxed);
+    let result = async {
+        let permit = fe
+            .limit
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| FrontendError::Overloaded(fe.cfg.max_concurrent))?;
+        let plan = input::plan(req, &*fe.engine, &fe.cfg)?;
+        let ready = fe.prefill(&plan).await?;
+        let (tx, rx) = mpsc::channel(64);
+        let f = fe.clone();
+        fe.tasks.spawn(async move {
+            stream(f, plan, ready, tx).await;
+            drop(permit);
+        });
+        Ok(rx)
+    }
+    .await;
+    if result.is_err() {
+        fe.metrics.failed.fetch_add(1, Relaxed);
+    }
+    result
 }
 
 #[tonic::async_trait]

@@ -4,22 +4,44 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use handoff_engine::{Engine, MockConfig, MockEngine};
+use handoff_smollm::{SmolConfig, SmolLm};
 use handoff_transfer::{FakeNetwork, TransferKind};
 
-use crate::args::{EngineArg, MockArgs, TransferArg, UpArgs};
+use crate::args::{EngineArg, EngineArgs, TransferArg, UpArgs};
 use crate::{Cluster, ClusterConfig};
 
-/// The engine the flags ask for.
-pub fn engine(kind: EngineArg, mock: &MockArgs) -> Arc<dyn Engine> {
-    match kind {
-        EngineArg::Mock => Arc::new(MockEngine::new(MockConfig {
-            prefill_per_token: Duration::from_micros(mock.mock_prefill_us),
-            decode_per_token: Duration::from_micros(mock.mock_decode_us),
-            ..MockConfig::default()
-        })),
-    }
+/// A source of engine handles: every part of a cluster gets its own (for smollm: shared
+/// weights, its own compute thread).
+pub type Engines = Box<dyn Fn() -> anyhow::Result<Arc<dyn Engine>>>;
+
+/// The engines the flags ask for.
+pub fn engines(args: &EngineArgs) -> anyhow::Result<Engines> {
+    Ok(match args.engine {
+        EngineArg::Mock => {
+            let mock: Arc<dyn Engine> = Arc::new(MockEngine::new(MockConfig {
+                prefill_per_token: Duration::from_micros(args.mock_prefill_us),
+                decode_per_token: Duration::from_micros(args.mock_decode_us),
+                ..MockConfig::default()
+            }));
+            Box::new(move || Ok(mock.clone()))
+        }
+        EngineArg::Smollm => {
+            let path = args.model_path();
+            if !path.exists() {
+                bail!(
+                    "model not found at {}: run scripts/fetch-model, pass --model PATH, or use --engine mock",
+                    path.display()
+                );
+            }
+            let mut cfg = SmolConfig::new(path);
+            cfg.max_context = args.max_context;
+            let base =
+                SmolLm::load(&cfg).with_context(|| format!("loading {}", cfg.path.display()))?;
+            Box::new(move || Ok(Arc::new(base.fork()?) as Arc<dyn Engine>))
+        }
+    })
 }
 
 /// The transfer backend the flags ask for.
@@ -32,9 +54,6 @@ pub fn transfer(kind: TransferArg) -> TransferKind {
 
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
-    if args.model.is_some() {
-        bail!("--model needs a real engine; this build serves --engine mock");
-    }
     let cfg = ClusterConfig {
         prefills: args.prefills,
         prefill_dp: args.prefill_dp,
@@ -42,12 +61,14 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         decode_tp: args.decode_tp,
         transfer: transfer(args.transfer),
         frontend_bind: args.frontend_listen,
+        http_bind: args.http_listen,
         scheduler_bind: args.scheduler_listen,
         bootstrap_port: args.bootstrap_port,
         prefill_port: args.prefill_port,
         ..ClusterConfig::default()
     };
-    let cluster = Cluster::start(cfg, engine(args.engine, &args.mock)).await?;
+    let engines = engines(&args.engine)?;
+    let cluster = Cluster::start(cfg, &*engines).await?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "scheduler  grpc://{}", cluster.scheduler_addr)?;
     for p in &cluster.prefills {
@@ -57,7 +78,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             p.id, p.bootstrap_addr, p.grpc_addr
         )?;
     }
-    writeln!(out, "frontend   grpc://{} (handoff.v1.Generate)", cluster.frontend_addr)?;
+    writeln!(
+        out,
+        "frontend   grpc://{} (handoff.v1.Generate)  http://{} (OpenAI API)",
+        cluster.frontend_addr, cluster.http_addr
+    )?;
     writeln!(
         out,
         "handoff ready: {} prefill instances, transfer {:?}",

@@ -62,7 +62,7 @@ async fn kv_is_reassembled_byte_exact_for_every_decode_tp() {
     for (prefill_tp, prefill_pp) in [(2, 1), (4, 2), (1, 1)] {
         let cfg =
             ClusterConfig { prefills: 1, prefill_tp, prefill_pp, ..ClusterConfig::ephemeral() };
-        let c = Cluster::start(cfg, engine() as Arc<dyn Engine>).await.unwrap();
+        let c = Cluster::start_shared(cfg, engine() as Arc<dyn Engine>).await.unwrap();
         for decode_tp in [1, 2, 4, 8] {
             let tokens = prompt(decode_tp as u32, 37);
             let kv = reassemble(&c, decode_tp, &tokens).await;

@@ -15,7 +15,7 @@ pub(crate) fn engine() -> Arc<MockEngine> {
 }
 
 pub(crate) async fn cluster(cfg: ClusterConfig) -> Cluster {
-    Cluster::start(cfg, engine()).await.expect("cluster starts")
+    Cluster::start_shared(cfg, engine()).await.expect("cluster starts")
 }
 
 pub(crate) async fn client(c: &Cluster) -> GenerateClient<Channel> {

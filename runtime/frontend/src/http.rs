@@ -1,0 +1,319 @@
+//! The OpenAI-compatible HTTP API: `POST /v1/chat/completions`, `POST /v1/completions`
+//! (streamed as server-sent events or not), `GET /v1/models`, plus `GET /health` and
+//! `GET /metrics`. Requests become `GenerateRequest`s and take the same path as gRPC.
+
+mod openai;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use handoff_proto::v1::generate_request::Input;
+use handoff_proto::v1::generate_response::Event;
+use handoff_proto::v1::{
+    ChatMessage, ChatMessages, FinishReason, GenerateRequest, GenerateResponse, SamplingParams,
+    TokenIds,
+};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::Frontend;
+use openai::{ApiError, CachedTokens, ChatRequest, CompletionRequest, Prompt, Usage};
+
+/// Largest request body.
+const MAX_BODY: usize = 4 << 20;
+
+/// The HTTP routes, for serving or for testing without a socket.
+pub fn router(fe: Arc<Frontend>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "OK" }))
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            ApiError {
+                status: StatusCode::NOT_FOUND,
+                kind: "invalid_request_error",
+                message: "no such route".into(),
+                param: None,
+                code: None,
+            }
+        })
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(fe)
+}
+
+/// Serves the HTTP API on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    fe: Arc<Frontend>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(fe)).with_graceful_shutdown(shutdown).await
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("invalid request body: {e}"), None))
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn sampling(s: &openai::Sampling) -> Result<SamplingParams, ApiError> {
+    if s.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+    }
+    let max_tokens = s.max_completion_tokens.or(s.max_tokens).unwrap_or(0);
+    if s.max_completion_tokens.or(s.max_tokens) == Some(0) {
+        return Err(ApiError::invalid("max_tokens must be at least 1", Some("max_tokens")));
+    }
+    Ok(SamplingParams {
+        max_tokens,
+        temperature: s.temperature.unwrap_or(0.0),
+        top_p: s.top_p.unwrap_or(1.0),
+        top_k: s.top_k.unwrap_or(0),
+        seed: s.seed.unwrap_or(0),
+        stop: s.stop.clone().map(openai::Stop::into_vec).unwrap_or_default(),
+        ignore_eos: false,
+    })
+}
+
+fn text_content(v: &Value) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        // Content parts: concatenate the text parts.
+        Value::Array(parts) => parts
+            .iter()
+            .map(|p| {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str))
+                {
+                    (Some("text"), Some(t)) => Ok(t.to_owned()),
+                    _ => Err(ApiError::invalid(
+                        "only text content parts are supported",
+                        Some("messages"),
+                    )),
+                }
+            })
+            .collect(),
+        _ => Err(ApiError::invalid(
+            "message content must be a string or text parts",
+            Some("messages"),
+        )),
+    }
+}
+
+async fn chat(State(fe): State<Arc<Frontend>>, body: Bytes) -> Response {
+    let run = async {
+        let req: ChatRequest = parse(&body)?;
+        if req.messages.is_empty() {
+            return Err(ApiError::invalid("messages must not be empty", Some("messages")));
+        }
+        let messages = req
+            .messages
+            .iter()
+            .map(|m| Ok(ChatMessage { role: m.role.clone(), content: text_content(&m.content)? }))
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        let g = GenerateRequest {
+            model: req.model.clone(),
+            input: Some(Input::Chat(ChatMessages { messages })),
+            sampling: Some(sampling(&req.sampling)?),
+            ..Default::default()
+        };
+        respond(&fe, g, &req.model, &req.sampling, true).await
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(State(fe): State<Arc<Frontend>>, body: Bytes) -> Response {
+    let run = async {
+        let req: CompletionRequest = parse(&body)?;
+        let input = match req.prompt.clone() {
+            Prompt::Text(t) => Input::Text(t),
+            Prompt::Tokens(ids) => Input::TokenIds(TokenIds { ids }),
+        };
+        let g = GenerateRequest {
+            model: req.model.clone(),
+            input: Some(input),
+            sampling: Some(sampling(&req.sampling)?),
+            ..Default::default()
+        };
+        respond(&fe, g, &req.model, &req.sampling, false).await
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+fn finish_reason(r: i32) -> &'static str {
+    match FinishReason::try_from(r) {
+        Ok(FinishReason::Length) => "length",
+        _ => "stop",
+    }
+}
+
+fn usage(u: Option<handoff_proto::v1::Usage>) -> Usage {
+    let u = u.unwrap_or_default();
+    Usage {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+        total_tokens: u.prompt_tokens + u.completion_tokens,
+        prompt_tokens_details: CachedTokens { cached_tokens: u.cached_tokens },
+    }
+}
+
+async fn respond(
+    fe: &Arc<Frontend>,
+    g: GenerateRequest,
+    model: &str,
+    s: &openai::Sampling,
+    chat: bool,
+) -> Result<Response, ApiError> {
+    let rx = crate::service::start(fe, g).await?;
+    let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_id());
+    if s.stream {
+        let include_usage = s.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        return Ok(sse(rx, id, model.to_owned(), chat, include_usage));
+    }
+    let (text, done) = collect(rx).await?;
+    let object = if chat { "chat.completion" } else { "text_completion" };
+    let choice = if chat {
+        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason(done.finish_reason), "logprobs": null})
+    } else {
+        json!({"index": 0, "text": text, "finish_reason": finish_reason(done.finish_reason), "logprobs": null})
+    };
+    let body = json!({"id": id, "object": object, "created": now(), "model": model, "choices": [choice], "usage": usage(done.usage)});
+    Ok(Json(body).into_response())
+}
+
+fn rand_id() -> u64 {
+    handoff_core::Room::mint().get()
+}
+
+async fn collect(
+    mut rx: mpsc::Receiver<Result<GenerateResponse, tonic::Status>>,
+) -> Result<(String, handoff_proto::v1::Complete), ApiError> {
+    let mut text = String::new();
+    while let Some(m) = rx.recv().await {
+        match m.map_err(status_error)?.event {
+            Some(Event::Chunk(c)) => text.push_str(&c.text),
+            Some(Event::Complete(c)) => return Ok((text, c)),
+            None => {}
+        }
+    }
+    Err(ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        kind: "server_error",
+        message: "generation ended early".into(),
+        param: None,
+        code: None,
+    })
+}
+
+fn status_error(s: tonic::Status) -> ApiError {
+    let status = match s.code() {
+        tonic::Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+        tonic::Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    ApiError {
+        status,
+        kind: "server_error",
+        message: s.message().to_owned(),
+        param: None,
+        code: None,
+    }
+}
+
+/// Server-sent events: one `data:` line per chunk, an error event if generation fails after
+/// the first token, and `data: [DONE]`.
+fn sse(
+    rx: mpsc::Receiver<Result<GenerateResponse, tonic::Status>>,
+    id: String,
+    model: String,
+    chat: bool,
+    include_usage: bool,
+) -> Response {
+    let created = now();
+    let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+    let frame = |v: Value| Bytes::from(format!("data: {v}\n\n"));
+    let chunk = move |delta: Option<&str>, finish: Option<&str>, first: bool| {
+        let choice = if chat {
+            let mut d = json!({});
+            if first {
+                d["role"] = json!("assistant");
+            }
+            if let Some(t) = delta {
+                d["content"] = json!(t);
+            }
+            json!({"index": 0, "delta": d, "finish_reason": finish, "logprobs": null})
+        } else {
+            json!({"index": 0, "text": delta.unwrap_or_default(), "finish_reason": finish, "logprobs": null})
+        };
+        json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]})
+    };
+    let mut first = true;
+    let events = tokio_stream::wrappers::ReceiverStream::new(rx).flat_map(move |m| {
+        let out = match m {
+            Ok(GenerateResponse { event: Some(Event::Chunk(c)) }) if !c.text.is_empty() || first => {
+                let f = frame(chunk(Some(&c.text), None, first));
+                first = false;
+                vec![f]
+            }
+            Ok(GenerateResponse { event: Some(Event::Complete(done)) }) => {
+                let mut v = vec![frame(chunk(None, Some(finish_reason(done.finish_reason)), first))];
+                if include_usage {
+                    let mut u = chunk(None, None, false);
+                    u["choices"] = json!([]);
+                    u["usage"] = serde_json::to_value(usage(done.usage)).unwrap_or_default();
+                    v.push(frame(u));
+                }
+                v.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                v
+            }
+            Ok(_) => vec![],
+            Err(s) => {
+                let e = status_error(s);
+                let body = json!({"error": {"message": e.message, "type": e.kind, "param": null, "code": null}});
+                vec![frame(body), Bytes::from_static(b"data: [DONE]\n\n")]
+            }
+        };
+        futures::stream::iter(out.into_iter().map(Ok::<_, std::convert::Infallible>))
+    });
+    let body = Body::from_stream(events);
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(body)
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+async fn models(State(fe): State<Arc<Frontend>>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": fe.engine.info().name, "object": "model", "created": 0, "owned_by": "handoff"}]}),
+    )
+}
+
+async fn metrics(State(fe): State<Arc<Frontend>>) -> impl IntoResponse {
+    let m = &fe.metrics;
+    let body = format!(
+        "# TYPE handoff_requests_total counter\nhandoff_requests_total {}\n# TYPE handoff_requests_failed_total counter\nhandoff_requests_failed_total {}\n# TYPE handoff_generated_tokens_total counter\nhandoff_generated_tokens_total {}\n# TYPE handoff_receive_regions gauge\nhandoff_receive_regions {}\n",
+        m.requests.load(Relaxed),
+        m.failed.load(Relaxed),
+        m.tokens.load(Relaxed),
+        fe.agent().inbox().regions()
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
+}
+
+#[cfg(test)]
+mod tests;

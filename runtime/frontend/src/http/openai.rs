@@ -1,0 +1,140 @@
+//! OpenAI wire types (the subset handoff serves) and the error body.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Json, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::FrontendError;
+
+/// `stop`: a string or a list of strings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub(crate) fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+/// Sampling fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub(crate) struct Sampling {
+    pub(crate) max_tokens: Option<u32>,
+    pub(crate) max_completion_tokens: Option<u32>,
+    pub(crate) temperature: Option<f32>,
+    pub(crate) top_p: Option<f32>,
+    pub(crate) top_k: Option<u32>,
+    pub(crate) seed: Option<u64>,
+    pub(crate) stop: Option<Stop>,
+    pub(crate) n: Option<u32>,
+    #[serde(default)]
+    pub(crate) stream: bool,
+    pub(crate) stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub(crate) struct StreamOptions {
+    #[serde(default)]
+    pub(crate) include_usage: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct ChatMessage {
+    pub(crate) role: String,
+    pub(crate) content: Value,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct ChatRequest {
+    pub(crate) model: String,
+    pub(crate) messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub(crate) sampling: Sampling,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct CompletionRequest {
+    pub(crate) model: String,
+    pub(crate) prompt: Prompt,
+    #[serde(flatten)]
+    pub(crate) sampling: Sampling,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Usage {
+    pub(crate) prompt_tokens: u32,
+    pub(crate) completion_tokens: u32,
+    pub(crate) total_tokens: u32,
+    pub(crate) prompt_tokens_details: CachedTokens,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct CachedTokens {
+    pub(crate) cached_tokens: u32,
+}
+
+/// An error as OpenAI shapes it.
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    pub(crate) status: StatusCode,
+    pub(crate) kind: &'static str,
+    pub(crate) message: String,
+    pub(crate) param: Option<&'static str>,
+    pub(crate) code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub(crate) fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param,
+            code: None,
+        }
+    }
+}
+
+impl From<FrontendError> for ApiError {
+    fn from(e: FrontendError) -> Self {
+        let message = e.to_string();
+        let (status, kind, code) = match e {
+            FrontendError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+            FrontendError::UnknownModel(_) => {
+                (StatusCode::BAD_REQUEST, "invalid_request_error", Some("model_not_found"))
+            }
+            FrontendError::Overloaded(_) => {
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", None)
+            }
+            FrontendError::Unavailable(_) | FrontendError::Attempt { .. } => {
+                (StatusCode::SERVICE_UNAVAILABLE, "server_error", None)
+            }
+            FrontendError::Deadline(_) => (StatusCode::GATEWAY_TIMEOUT, "server_error", None),
+            FrontendError::Decode(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        };
+        let param = matches!(code, Some("model_not_found")).then_some("model");
+        ApiError { status, kind, message, param, code }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
+        (self.status, Json(body)).into_response()
+    }
+}

@@ -1,0 +1,218 @@
+//! The forward pass, with our own KV cache and attention.
+//!
+//! Every step is row-local or computed one query row at a time: RMSNorm and RoPE per row,
+//! the projections through candle's Q8_0 matmul (which quantizes and dots each input row on
+//! its own), attention per (row, head) over exactly the keys at or before the row's position
+//! with a fixed summation order. So a row's result does not depend on how many other rows
+//! share its pass: a cached prefix plus a computed suffix gives the same KV and logits as a
+//! one-shot prefill, and decode steps batched across sequences equal steps run alone.
+
+use handoff_engine::{Kv, KvShape};
+
+use crate::SmolError;
+use crate::weights::{Hyper, Weights};
+
+/// One sequence's KV: per (layer, KV head) a growing `[token][head_dim]` run of keys and one
+/// of values.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Seq {
+    pub(crate) len: usize,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl Seq {
+    pub(crate) fn new(hp: &Hyper) -> Self {
+        let n = hp.layers * hp.kv_heads;
+        Seq { len: 0, k: vec![Vec::new(); n], v: vec![Vec::new(); n] }
+    }
+
+    pub(crate) fn shape(hp: &Hyper) -> KvShape {
+        KvShape { layers: hp.layers, kv_heads: hp.kv_heads, head_bytes: hp.head_dim * 4 }
+    }
+
+    /// Imports KV in the canonical layout (f32, little-endian).
+    pub(crate) fn from_kv(hp: &Hyper, kv: &Kv) -> Result<Self, SmolError> {
+        if kv.shape() != Self::shape(hp) {
+            return Err(SmolError::Shape(format!(
+                "KV of shape {:?}, model needs {:?}",
+                kv.shape(),
+                Self::shape(hp)
+            )));
+        }
+        let mut s = Seq::new(hp);
+        let floats = |b: &[u8]| {
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect::<Vec<_>>()
+        };
+        for l in 0..hp.layers {
+            for h in 0..hp.kv_heads {
+                s.k[l * hp.kv_heads + h] = floats(kv.run(l, 0, h));
+                s.v[l * hp.kv_heads + h] = floats(kv.run(l, 1, h));
+            }
+        }
+        s.len = kv.tokens();
+        Ok(s)
+    }
+
+    /// Exports the KV in the canonical layout.
+    pub(crate) fn to_kv(&self, hp: &Hyper) -> Kv {
+        let mut kv = Kv::zeroed(Self::shape(hp), self.len);
+        for l in 0..hp.layers {
+            for h in 0..hp.kv_heads {
+                for (kind, src) in [(0, &self.k), (1, &self.v)] {
+                    let dst = kv.run_mut(l, kind, h);
+                    for (d, x) in dst.chunks_exact_mut(4).zip(&src[l * hp.kv_heads + h]) {
+                        d.copy_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+        }
+        kv
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = a
+        .chunks_exact(8)
+        .remainder()
+        .iter()
+        .zip(b.chunks_exact(8).remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(w.len()) {
+        let ms = dot(row, row) / w.len() as f32;
+        let scale = 1.0 / (ms + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(a, b)| a * scale * b));
+    }
+    out
+}
+
+/// Rotates each `head_dim` chunk of `row` by position `pos` (interleaved pairs, as the GGUF
+/// conversion of Llama weights expects).
+fn rope(row: &mut [f32], head_dim: usize, pos: usize, table: &(Vec<f32>, Vec<f32>)) {
+    let half = head_dim / 2;
+    let (cos, sin) =
+        (&table.0[pos * half..(pos + 1) * half], &table.1[pos * half..(pos + 1) * half]);
+    for head in row.chunks_exact_mut(head_dim) {
+        for i in 0..half {
+            let (a, b) = (head[2 * i], head[2 * i + 1]);
+            head[2 * i] = a * cos[i] - b * sin[i];
+            head[2 * i + 1] = a * sin[i] + b * cos[i];
+        }
+    }
+}
+
+/// Runs `rows` (sequence index, token) through the model: rows of one sequence must be
+/// consecutive and in order, and are appended at its end. Returns the logits of the rows
+/// listed in `logits_for` (indices into `rows`), in that order.
+pub(crate) fn forward(
+    w: &Weights,
+    seqs: &mut [&mut Seq],
+    rows: &[(usize, u32)],
+    logits_for: &[usize],
+) -> Result<Vec<Vec<f32>>, SmolError> {
+    let hp = &w.hp;
+    let (n, dim, hd) = (rows.len(), hp.dim, hp.head_dim);
+    let kv_dim = hp.kv_heads * hd;
+    let group = hp.heads / hp.kv_heads;
+    // Positions: each sequence continues from its current length.
+    let mut next: Vec<usize> = seqs.iter().map(|s| s.len).collect();
+    let mut pos = Vec::with_capacity(n);
+    for &(si, tok) in rows {
+        if tok as usize >= hp.vocab {
+            return Err(SmolError::Input(format!(
+                "token {tok} outside the vocabulary of {}",
+                hp.vocab
+            )));
+        }
+        if next[si] >= hp.context {
+            return Err(SmolError::Input(format!(
+                "position {} beyond the context of {}",
+                next[si], hp.context
+            )));
+        }
+        pos.push(next[si]);
+        next[si] += 1;
+    }
+    let mut x = Vec::with_capacity(n * dim);
+    for &(_, tok) in rows {
+        x.extend_from_slice(&w.embed[tok as usize * dim..(tok as usize + 1) * dim]);
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut scores = Vec::new();
+    for (li, layer) in w.layers.iter().enumerate() {
+        let h = rms_norm(&x, &layer.attn_norm, hp.eps);
+        let mut q = layer.wq.apply(&h, n)?;
+        let mut k = layer.wk.apply(&h, n)?;
+        let v = layer.wv.apply(&h, n)?;
+        for r in 0..n {
+            rope(&mut q[r * dim..(r + 1) * dim], hd, pos[r], &w.rope);
+            rope(&mut k[r * kv_dim..(r + 1) * kv_dim], hd, pos[r], &w.rope);
+            let seq = &mut seqs[rows[r].0];
+            for kh in 0..hp.kv_heads {
+                let c = li * hp.kv_heads + kh;
+                seq.k[c].extend_from_slice(&k[r * kv_dim + kh * hd..r * kv_dim + (kh + 1) * hd]);
+                seq.v[c].extend_from_slice(&v[r * kv_dim + kh * hd..r * kv_dim + (kh + 1) * hd]);
+            }
+        }
+        let mut attn = vec![0f32; n * dim];
+        for r in 0..n {
+            let seq = &seqs[rows[r].0];
+            let upto = pos[r] + 1;
+            for head in 0..hp.heads {
+                let c = li * hp.kv_heads + head / group;
+                let (keys, vals) = (&seq.k[c], &seq.v[c]);
+                let qh = &q[r * dim + head * hd..r * dim + (head + 1) * hd];
+                scores.clear();
+                scores.extend((0..upto).map(|j| dot(qh, &keys[j * hd..(j + 1) * hd]) * scale));
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let out = &mut attn[r * dim + head * hd..r * dim + (head + 1) * hd];
+                for (j, p) in scores.iter().enumerate() {
+                    let p = p / sum;
+                    for (o, vv) in out.iter_mut().zip(&vals[j * hd..(j + 1) * hd]) {
+                        *o += p * vv;
+                    }
+                }
+            }
+        }
+        let o = layer.wo.apply(&attn, n)?;
+        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        let h2 = rms_norm(&x, &layer.ffn_norm, hp.eps);
+        let g = layer.w_gate.apply(&h2, n)?;
+        let u = layer.w_up.apply(&h2, n)?;
+        let a: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+        let d = layer.w_down.apply(&a, n)?;
+        x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+    }
+    for (si, s) in seqs.iter_mut().enumerate() {
+        s.len = next[si];
+    }
+    if logits_for.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut last = Vec::with_capacity(logits_for.len() * dim);
+    for &r in logits_for {
+        last.extend_from_slice(&x[r * dim..(r + 1) * dim]);
+    }
+    let normed = rms_norm(&last, &w.out_norm, hp.eps);
+    let logits = w.lm_head.apply(&normed, logits_for.len())?;
+    Ok(logits.chunks_exact(hp.vocab).map(<[f32]>::to_vec).collect())
+}

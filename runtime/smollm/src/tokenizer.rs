@@ -1,0 +1,82 @@
+//! The tokenizer and chat template, both read from the GGUF file: a byte-level BPE
+//! (`tokenizer.ggml.model = gpt2`) whose pre-tokenizer splits digits one by one (SmolLM's),
+//! control tokens as special tokens, and ChatML.
+
+use candle_core::quantized::gguf_file;
+use handoff_engine::ChatMessage;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, Tokenizer};
+
+use crate::SmolError;
+
+/// Token type of control tokens in GGUF metadata.
+const CONTROL: i32 = 3;
+
+/// SmolLM2's system prompt when the conversation has none (from its chat template).
+pub(crate) const DEFAULT_SYSTEM: &str =
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+
+fn strings(c: &gguf_file::Content, key: &str) -> Result<Vec<String>, SmolError> {
+    let v = c.metadata.get(key).ok_or_else(|| SmolError::Format(format!("missing {key}")))?;
+    v.to_vec()?.iter().map(|s| Ok(s.to_string()?.clone())).collect()
+}
+
+/// Builds the tokenizer from the GGUF metadata.
+pub(crate) fn build(c: &gguf_file::Content) -> Result<Tokenizer, SmolError> {
+    let model = c.metadata.get("tokenizer.ggml.model").map(|v| v.to_string().cloned());
+    if !matches!(model, Some(Ok(ref m)) if m == "gpt2") {
+        return Err(SmolError::Format(format!(
+            "tokenizer model {model:?}, expected gpt2 (byte-level BPE)"
+        )));
+    }
+    let tokens = strings(c, "tokenizer.ggml.tokens")?;
+    let merges = strings(c, "tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_owned(), b.to_owned()))
+                .ok_or_else(|| SmolError::Format(format!("merge {m:?}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let vocab: ahash::AHashMap<String, u32> =
+        tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| SmolError::Format(e.to_string()))?;
+    let mut tok = Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(Sequence::new(vec![
+        Digits::new(true).into(),
+        ByteLevel::new(false, true, true).into(),
+    ])));
+    tok.with_decoder(Some(ByteLevelDecoder::default()));
+    let types = c.metadata.get("tokenizer.ggml.token_type").map(|v| v.to_vec().cloned());
+    if let Some(Ok(types)) = types {
+        let special: Vec<AddedToken> = types
+            .iter()
+            .zip(&tokens)
+            .filter(|(t, _)| t.to_i32().is_ok_and(|t| t == CONTROL))
+            .map(|(_, s)| AddedToken::from(s.clone(), true))
+            .collect();
+        tok.add_special_tokens(&special);
+    }
+    Ok(tok)
+}
+
+/// Renders a conversation in ChatML, with SmolLM2's default system prompt when the first
+/// message is not a system message, and opens the assistant's turn.
+pub(crate) fn chatml(messages: &[ChatMessage]) -> String {
+    let mut s = String::new();
+    if messages.first().is_none_or(|m| m.role != "system") {
+        s.push_str(&format!("<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"));
+    }
+    for m in messages {
+        s.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
+    }
+    s.push_str("<|im_start|>assistant\n");
+    s
+}

@@ -1,0 +1,346 @@
+//! [`SmolLm`]: the engine handle and its compute thread.
+//!
+//! Each handle owns one OS thread that runs every forward pass of that handle: a prefill
+//! whole, and decode steps batched across all sequences that are waiting for a step
+//! (iteration-level interleaving: each pass advances every ready sequence by one token).
+//! Handles made with [`SmolLm::fork`] share the weights and get their own thread.
+//! Matrix products run on candle's thread pool (`CANDLE_NUM_THREADS`), which serializes its
+//! callers, so several handles in one process do not oversubscribe the cores.
+
+use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use handoff_engine::{
+    ChatMessage, Decoder, Engine, EngineError, Kv, ModelInfo, Prefilled, Sampling,
+};
+use tokenizers::Tokenizer;
+use tokio::sync::oneshot;
+use tracing::info;
+
+use crate::forward::{Seq, forward};
+use crate::sampling::sample;
+use crate::weights::{self, Weights};
+use crate::{SmolError, tokenizer};
+
+/// Settings of the smollm engine.
+#[derive(Debug, Clone)]
+pub struct SmolConfig {
+    /// The GGUF file.
+    pub path: PathBuf,
+    /// The name clients ask for.
+    pub name: String,
+    /// Tokens per KV page.
+    pub page_size: usize,
+    /// Longest sequence (capped by the model's own context).
+    pub max_context: usize,
+    /// Most sequences advanced in one decode pass.
+    pub max_batch: usize,
+}
+
+impl SmolConfig {
+    /// Defaults for the model at `path`.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        SmolConfig {
+            path: path.into(),
+            name: "SmolLM2-135M-Instruct".into(),
+            page_size: 16,
+            max_context: 4096,
+            max_batch: 32,
+        }
+    }
+}
+
+struct Shared {
+    weights: Weights,
+    tokenizer: Tokenizer,
+    info: ModelInfo,
+    max_batch: usize,
+}
+
+type StepReply = oneshot::Sender<(Box<Seq>, Result<u32, SmolError>)>;
+
+enum Job {
+    Prefill {
+        tokens: Vec<u32>,
+        prefix: Option<Kv>,
+        sampling: Sampling,
+        reply: oneshot::Sender<Result<Prefilled, SmolError>>,
+    },
+    Step {
+        seq: Box<Seq>,
+        last: u32,
+        index: u64,
+        sampling: Sampling,
+        reply: StepReply,
+    },
+}
+
+struct Worker {
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Worker {
+    fn start(shared: Arc<Shared>) -> Result<Arc<Self>, SmolError> {
+        let (tx, rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("smollm-engine".into())
+            .spawn(move || run(&shared, &rx))
+            .map_err(|e| SmolError::Io(format!("spawning the engine thread: {e}")))?;
+        Ok(Arc::new(Worker { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)) }))
+    }
+
+    fn send(&self, job: Job) -> Result<(), SmolError> {
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        tx.as_ref().ok_or(SmolError::Stopped)?.send(job).map_err(|_| SmolError::Stopped)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread once it has answered what it holds.
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(shared: &Shared, rx: &mpsc::Receiver<Job>) {
+    let mut pending = VecDeque::new();
+    loop {
+        let job = match pending.pop_front() {
+            Some(j) => j,
+            None => match rx.recv() {
+                Ok(j) => j,
+                Err(_) => return,
+            },
+        };
+        match job {
+            Job::Prefill { tokens, prefix, sampling, reply } => {
+                let r =
+                    catch_unwind(AssertUnwindSafe(|| prefill(shared, &tokens, prefix, &sampling)))
+                        .unwrap_or_else(|_| Err(SmolError::Format("prefill panicked".into())));
+                let _ = reply.send(r);
+            }
+            Job::Step { seq, last, index, sampling, reply } => {
+                let mut batch = vec![(seq, last, index, sampling, reply)];
+                while batch.len() < shared.max_batch {
+                    match rx.try_recv() {
+                        Ok(Job::Step { seq, last, index, sampling, reply }) => {
+                            batch.push((seq, last, index, sampling, reply))
+                        }
+                        Ok(other) => {
+                            pending.push_back(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                steps(shared, batch);
+            }
+        }
+    }
+}
+
+fn prefill(
+    shared: &Shared,
+    tokens: &[u32],
+    prefix: Option<Kv>,
+    sampling: &Sampling,
+) -> Result<Prefilled, SmolError> {
+    let hp = &shared.weights.hp;
+    if tokens.is_empty() {
+        return Err(SmolError::Input("empty prompt".into()));
+    }
+    if tokens.len() >= hp.context {
+        return Err(SmolError::Input(format!(
+            "prompt of {} tokens exceeds the context of {}",
+            tokens.len(),
+            hp.context
+        )));
+    }
+    let mut seq = match &prefix {
+        Some(kv) => Seq::from_kv(hp, kv)?,
+        None => Seq::new(hp),
+    };
+    if seq.len >= tokens.len() {
+        return Err(SmolError::Input("cached prefix covers the whole prompt".into()));
+    }
+    let rows: Vec<(usize, u32)> = tokens[seq.len..].iter().map(|&t| (0, t)).collect();
+    let logits = forward(&shared.weights, &mut [&mut seq], &rows, &[rows.len() - 1])?;
+    let first_token = sample(&logits[0], sampling, 0);
+    Ok(Prefilled { kv: seq.to_kv(hp), first_token })
+}
+
+fn steps(shared: &Shared, batch: Vec<(Box<Seq>, u32, u64, Sampling, StepReply)>) {
+    let context = shared.weights.hp.context;
+    let (mut ready, full): (Vec<_>, Vec<_>) =
+        batch.into_iter().partition(|b| b.0.len + 1 < context);
+    for (seq, .., reply) in full {
+        let _ = reply
+            .send((seq, Err(SmolError::Input(format!("context of {context} tokens is full")))));
+    }
+    if ready.is_empty() {
+        return;
+    }
+    let rows: Vec<(usize, u32)> = ready.iter().enumerate().map(|(i, b)| (i, b.1)).collect();
+    let all: Vec<usize> = (0..rows.len()).collect();
+    let result = {
+        let mut seqs: Vec<&mut Seq> = ready.iter_mut().map(|b| &mut *b.0).collect();
+        catch_unwind(AssertUnwindSafe(|| forward(&shared.weights, &mut seqs, &rows, &all)))
+            .unwrap_or_else(|_| Err(SmolError::Format("decode panicked".into())))
+    };
+    match result {
+        Ok(logits) => {
+            for ((seq, _, index, sampling, reply), l) in ready.into_iter().zip(logits) {
+                let t = sample(&l, &sampling, index);
+                let _ = reply.send((seq, Ok(t)));
+            }
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            for (seq, .., reply) in ready {
+                let _ = reply.send((seq, Err(SmolError::Format(msg.clone()))));
+            }
+        }
+    }
+}
+
+/// The smollm engine (see the module docs).
+#[derive(Clone)]
+pub struct SmolLm {
+    shared: Arc<Shared>,
+    worker: Arc<Worker>,
+}
+
+impl std::fmt::Debug for SmolLm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SmolLm").field("info", &self.shared.info).finish_non_exhaustive()
+    }
+}
+
+impl SmolLm {
+    /// Loads the model and starts its compute thread.
+    pub fn load(cfg: &SmolConfig) -> Result<Self, SmolError> {
+        let started = Instant::now();
+        let (weights, content) = weights::load(&cfg.path, cfg.max_context)?;
+        let tokenizer = tokenizer::build(&content)?;
+        let hp = weights.hp;
+        let eos = content.metadata.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok());
+        let info = ModelInfo {
+            name: cfg.name.clone(),
+            shape: Seq::shape(&hp),
+            page_size: cfg.page_size,
+            vocab: hp.vocab as u32,
+            max_context: hp.context,
+            eos,
+        };
+        info!(path = %cfg.path.display(), layers = hp.layers, context = hp.context, ms = started.elapsed().as_millis() as u64, "model loaded");
+        let shared = Arc::new(Shared { weights, tokenizer, info, max_batch: cfg.max_batch.max(1) });
+        let worker = Worker::start(shared.clone())?;
+        Ok(SmolLm { shared, worker })
+    }
+
+    /// Another handle on the same weights, with its own compute thread.
+    pub fn fork(&self) -> Result<Self, SmolError> {
+        Ok(SmolLm { shared: self.shared.clone(), worker: Worker::start(self.shared.clone())? })
+    }
+}
+
+#[async_trait]
+impl Engine for SmolLm {
+    fn info(&self) -> &ModelInfo {
+        &self.shared.info
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        let enc = self
+            .shared
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    fn detokenize(&self, tokens: &[u32]) -> String {
+        self.shared.tokenizer.decode(tokens, true).unwrap_or_default()
+    }
+
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        if messages.is_empty() {
+            return Err(EngineError::InvalidInput("no chat messages".into()));
+        }
+        Ok(tokenizer::chatml(messages))
+    }
+
+    async fn prefill(
+        &self,
+        tokens: &[u32],
+        prefix: Option<Kv>,
+        sampling: &Sampling,
+    ) -> Result<Prefilled, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.worker.send(Job::Prefill {
+            tokens: tokens.to_vec(),
+            prefix,
+            sampling: sampling.clone(),
+            reply,
+        })?;
+        Ok(rx.await.map_err(|_| SmolError::Stopped)??)
+    }
+
+    fn decoder(
+        &self,
+        kv: Kv,
+        last_token: u32,
+        sampling: &Sampling,
+    ) -> Result<Box<dyn Decoder>, EngineError> {
+        let seq = Seq::from_kv(&self.shared.weights.hp, &kv)?;
+        Ok(Box::new(SmolDecoder {
+            worker: self.worker.clone(),
+            seq: Some(Box::new(seq)),
+            last: last_token,
+            index: 1,
+            sampling: sampling.clone(),
+        }))
+    }
+}
+
+/// One sequence decoding on a [`SmolLm`].
+struct SmolDecoder {
+    worker: Arc<Worker>,
+    seq: Option<Box<Seq>>,
+    last: u32,
+    index: u64,
+    sampling: Sampling,
+}
+
+#[async_trait]
+impl Decoder for SmolDecoder {
+    async fn step(&mut self) -> Result<u32, EngineError> {
+        let seq = self.seq.take().ok_or(SmolError::Stopped)?;
+        let (reply, rx) = oneshot::channel();
+        self.worker.send(Job::Step {
+            seq,
+            last: self.last,
+            index: self.index,
+            sampling: self.sampling.clone(),
+            reply,
+        })?;
+        let (seq, token) = rx.await.map_err(|_| SmolError::Stopped)?;
+        self.seq = Some(seq);
+        let token = token?;
+        self.last = token;
+        self.index += 1;
+        Ok(token)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,114 @@
+//! Tests against the real model file (fetched by `scripts/fetch-model`; `HANDOFF_MODEL`
+//! overrides the path). They fail, never skip, when the model is missing.
+
+use std::sync::OnceLock;
+
+use super::*;
+
+pub(crate) fn model_path() -> PathBuf {
+    if let Ok(p) = std::env::var("HANDOFF_MODEL") {
+        return p.into();
+    }
+    let cache = std::env::var("HANDOFF_MODEL_DIR").map(PathBuf::from).unwrap_or_else(|_| {
+        let home = std::env::var("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache")
+        });
+        home.join("handoff/models")
+    });
+    let p = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "model not found at {}: run scripts/fetch-model", p.display());
+    p
+}
+
+fn engine() -> &'static SmolLm {
+    static E: OnceLock<SmolLm> = OnceLock::new();
+    E.get_or_init(|| SmolLm::load(&SmolConfig::new(model_path())).expect("model loads"))
+}
+
+async fn generate(
+    e: &SmolLm,
+    prompt: &[u32],
+    prefix: Option<Kv>,
+    n: usize,
+    s: &Sampling,
+) -> (Vec<u32>, Kv) {
+    let p = e.prefill(prompt, prefix, s).await.unwrap();
+    let kv = p.kv.clone();
+    let mut out = vec![p.first_token];
+    let mut d = e.decoder(p.kv, p.first_token, s).unwrap();
+    while out.len() < n {
+        out.push(d.step().await.unwrap());
+    }
+    (out, kv)
+}
+
+#[tokio::test]
+async fn answers_the_capital_of_france() {
+    let e = engine();
+    let msgs =
+        [ChatMessage { role: "user".into(), content: "What is the capital of France?".into() }];
+    let prompt = e.tokenize(&e.chat_prompt(&msgs).unwrap()).unwrap();
+    assert_eq!(prompt[0], 1, "<|im_start|> is one special token");
+    let (out, _) = generate(e, &prompt, None, 24, &Sampling::default()).await;
+    let text = e.detokenize(&out);
+    assert!(text.contains("Paris"), "{text:?}");
+}
+
+#[tokio::test]
+async fn cached_prefix_plus_suffix_equals_one_shot_prefill() {
+    let e = engine();
+    let prompt = e
+        .tokenize("The quick brown fox jumps over the lazy dog. Disaggregated serving moves the KV cache from prefill to decode, and every byte must match, whichever instance computed it and however the prompt was split into chunks along the way.")
+        .unwrap();
+    assert!(prompt.len() > 32);
+    let s = Sampling::default();
+    let (one_shot, kv) = generate(e, &prompt, None, 8, &s).await;
+    for cached in [16, 32] {
+        let (again, kv2) = generate(e, &prompt, Some(kv.slice_tokens(0..cached)), 8, &s).await;
+        assert!(kv2 == kv, "KV bytes differ with {cached} cached tokens");
+        assert_eq!(again, one_shot, "tokens differ with {cached} cached tokens");
+    }
+}
+
+#[tokio::test]
+async fn batched_decode_equals_decode_alone_and_sampling_is_seeded() {
+    let e = engine().fork().unwrap();
+    let s = Sampling { temperature: 0.8, top_p: 0.9, top_k: 40, seed: 7 };
+    let prompts = [
+        e.tokenize("Once upon a time").unwrap(),
+        e.tokenize("The best way to learn Rust is").unwrap(),
+    ];
+    let mut alone = Vec::new();
+    for p in &prompts {
+        alone.push(generate(&e, p, None, 10, &s).await.0);
+    }
+    let together = futures_join(&e, &prompts, &s).await;
+    assert_eq!(together, alone);
+}
+
+async fn futures_join(e: &SmolLm, prompts: &[Vec<u32>], s: &Sampling) -> Vec<Vec<u32>> {
+    let (a, b) =
+        tokio::join!(generate(e, &prompts[0], None, 10, s), generate(e, &prompts[1], None, 10, s));
+    vec![a.0, b.0]
+}
+
+#[tokio::test]
+async fn bad_input_is_an_error_not_a_panic() {
+    let e = engine();
+    assert!(matches!(
+        e.prefill(&[], None, &Sampling::default()).await,
+        Err(EngineError::InvalidInput(_))
+    ));
+    assert!(matches!(
+        e.prefill(&[5, 999_999], None, &Sampling::default()).await,
+        Err(EngineError::InvalidInput(_))
+    ));
+    let long = vec![5u32; 5000];
+    assert!(matches!(
+        e.prefill(&long, None, &Sampling::default()).await,
+        Err(EngineError::InvalidInput(_))
+    ));
+    let bad_kv = Kv::zeroed(handoff_engine::KvShape { layers: 1, kv_heads: 1, head_bytes: 4 }, 3);
+    assert!(e.decoder(bad_kv, 5, &Sampling::default()).is_err());
+    assert!(e.prefill(&[5, 6, 7], None, &Sampling::default()).await.is_ok(), "still serving");
+}
