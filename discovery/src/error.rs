@@ -6,6 +6,9 @@ pub enum DiscoveryError {
     /// The backend could not be reached.
     #[error("discovery backend unavailable: {0}")]
     Unavailable(String),
+    /// No answer in time.
+    #[error("no answer to {0} in time")]
+    Timeout(String),
     /// A payload that does not decode.
     #[error("malformed discovery payload: {0}")]
     Malformed(#[from] serde_json::Error),

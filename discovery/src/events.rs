@@ -42,3 +42,40 @@ pub struct KvEvent {
     /// What changed.
     pub kind: KvEventKind,
 }
+
+/// Subject prefix of heartbeats; an instance publishes on `{prefix}{instance_id}`.
+pub const LIVENESS_PREFIX: &str = "handoff.v1.liveness.";
+
+/// The subject of an instance's heartbeats.
+pub fn liveness_subject(id: &InstanceId) -> String {
+    format!("{LIVENESS_PREFIX}{id}")
+}
+
+/// The subject an instance answers KV snapshot requests on.
+pub fn snapshot_subject(id: &InstanceId) -> String {
+    format!("handoff.v1.kvsnapshot.{id}")
+}
+
+/// A heartbeat, with load.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// The instance.
+    pub instance: InstanceId,
+    /// Prompt tokens waiting for or in prefill.
+    pub queued_tokens: u64,
+    /// Requests being served.
+    pub running: u32,
+    /// Bytes held by the prefix caches.
+    pub kv_bytes: u64,
+}
+
+/// Everything an instance's prefix caches hold, as of KV event `seq`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvSnapshot {
+    /// The instance.
+    pub instance: InstanceId,
+    /// The last KV event sequence number the snapshot includes.
+    pub seq: u64,
+    /// Blocks per dp rank.
+    pub dp_blocks: Vec<Vec<BlockHash>>,
+}

@@ -5,10 +5,14 @@
 //! - [`EventBus`] (this file): publish/subscribe by subject prefix.
 //! - [`events`] — what travels on the bus (KV events) and the subject layout.
 //! - [`memory`] — in-process backends, the real backend of single-node mode.
+//! - [`etcd`] — [`EtcdRegistry`]: keys under leases kept alive, prefix watches from a snapshot.
+//! - [`nats`] — [`NatsBus`]: subjects with request/reply.
 
 mod error;
+pub mod etcd;
 pub mod events;
 pub mod memory;
+pub mod nats;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -17,8 +21,10 @@ use handoff_core::InstanceId;
 use serde::{Deserialize, Serialize};
 
 pub use error::DiscoveryError;
-pub use events::{KvEvent, KvEventKind};
+pub use etcd::EtcdRegistry;
+pub use events::{Heartbeat, KvEvent, KvEventKind, KvSnapshot};
 pub use memory::{MemoryBus, MemoryRegistry};
+pub use nats::NatsBus;
 
 /// What an instance does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -99,6 +105,8 @@ pub struct Message {
     pub subject: String,
     /// Its payload.
     pub payload: Bytes,
+    /// Where a request wants its answer.
+    pub reply: Option<String>,
 }
 
 /// Publish/subscribe.
@@ -107,6 +115,20 @@ pub trait EventBus: Send + Sync + 'static {
     /// Publishes `payload` on `subject`.
     async fn publish(&self, subject: String, payload: Bytes) -> Result<(), DiscoveryError>;
 
-    /// Messages whose subject starts with `prefix`, from now on.
+    /// Messages whose subject starts with `prefix` (a prefix ends with `.`; anything else is
+    /// one exact subject), from now on.
     async fn subscribe(&self, prefix: &str) -> Result<BoxStream<'static, Message>, DiscoveryError>;
+
+    /// Sends a request on `subject` and waits up to `timeout` for the first answer.
+    async fn request(
+        &self,
+        subject: String,
+        payload: Bytes,
+        timeout: std::time::Duration,
+    ) -> Result<Bytes, DiscoveryError>;
+}
+
+/// Whether `subject` is covered by a subscription to `prefix`.
+pub fn subject_matches(prefix: &str, subject: &str) -> bool {
+    if prefix.ends_with('.') { subject.starts_with(prefix) } else { subject == prefix }
 }

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -105,8 +106,23 @@ impl MemoryBus {
 #[async_trait]
 impl EventBus for MemoryBus {
     async fn publish(&self, subject: String, payload: Bytes) -> Result<(), DiscoveryError> {
-        let _ = self.tx.send(Message { subject, payload });
+        let _ = self.tx.send(Message { subject, payload, reply: None });
         Ok(())
+    }
+
+    async fn request(
+        &self,
+        subject: String,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, DiscoveryError> {
+        let inbox = format!("_INBOX.{:016x}", rand::random::<u64>());
+        let mut answers = self.subscribe(&inbox).await?;
+        let _ = self.tx.send(Message { subject: subject.clone(), payload, reply: Some(inbox) });
+        match tokio::time::timeout(timeout, answers.next()).await {
+            Ok(Some(m)) => Ok(m.payload),
+            _ => Err(DiscoveryError::Timeout(subject)),
+        }
     }
 
     async fn subscribe(&self, prefix: &str) -> Result<BoxStream<'static, Message>, DiscoveryError> {
@@ -117,7 +133,9 @@ impl EventBus for MemoryBus {
             async move {
                 loop {
                     match rx.recv().await {
-                        Ok(m) if m.subject.starts_with(&prefix) => return Some((m, rx)),
+                        Ok(m) if crate::subject_matches(&prefix, &m.subject) => {
+                            return Some((m, rx));
+                        }
                         Ok(_) | Err(RecvError::Lagged(_)) => continue,
                         Err(RecvError::Closed) => return None,
                     }

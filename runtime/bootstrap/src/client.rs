@@ -204,6 +204,11 @@ impl DirectoryCache {
         self.entries.lock().unwrap_or_else(|e| e.into_inner()).remove(instance);
     }
 
+    /// Forgets everything.
+    pub fn clear(&self) {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
     /// Instances cached.
     pub fn len(&self) -> usize {
         self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()

@@ -18,8 +18,102 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Scheduler, prefill instances and frontend in one process, in-memory discovery.
+    /// Scheduler, prefill instances and frontend in one process (in-memory discovery unless
+    /// --etcd/--nats are given).
     Up(UpArgs),
+    /// The KV-aware scheduler alone.
+    Scheduler(SchedulerArgs),
+    /// One prefill instance alone.
+    Prefill(PrefillArgs),
+    /// The decode frontend alone.
+    Frontend(FrontendArgs),
+}
+
+/// Where instances find each other.
+#[derive(Debug, Clone, Args)]
+pub struct DiscoveryArgs {
+    /// etcd endpoints (comma-separated URLs) for the registry; with --nats. Without both,
+    /// discovery is in-memory (one process).
+    #[arg(long, env = "HANDOFF_ETCD", requires = "nats")]
+    pub etcd: Option<String>,
+    /// NATS server URL for heartbeats and KV events; with --etcd.
+    #[arg(long, env = "HANDOFF_NATS", requires = "etcd")]
+    pub nats: Option<String>,
+    /// Lease TTL of registrations, in seconds (kept alive every TTL/3).
+    #[arg(long, default_value_t = 10)]
+    pub lease_ttl_secs: u64,
+}
+
+/// `handoff scheduler`.
+#[derive(Debug, Clone, Args)]
+pub struct SchedulerArgs {
+    /// gRPC listener.
+    #[arg(long, default_value = "127.0.0.1:50052")]
+    pub listen: SocketAddr,
+    /// Host other processes use to reach this one.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub advertise_host: String,
+    /// Discovery.
+    #[command(flatten)]
+    pub discovery: DiscoveryArgs,
+}
+
+/// `handoff prefill`.
+#[derive(Debug, Clone, Args)]
+pub struct PrefillArgs {
+    /// Instance id (default: random).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Bootstrap directory listener.
+    #[arg(long, default_value = "127.0.0.1:8998")]
+    pub bootstrap_listen: SocketAddr,
+    /// Prefill gRPC listener.
+    #[arg(long, default_value = "127.0.0.1:50060")]
+    pub grpc_listen: SocketAddr,
+    /// Host other processes use to reach this one.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub advertise_host: String,
+    /// tp size.
+    #[arg(long, default_value_t = 1)]
+    pub tp: u32,
+    /// dp size.
+    #[arg(long, default_value_t = 1)]
+    pub dp: u32,
+    /// pp size.
+    #[arg(long, default_value_t = 1)]
+    pub pp: u32,
+    /// Seconds in-flight requests get to finish on SIGTERM (drain).
+    #[arg(long, default_value_t = 30)]
+    pub drain_secs: u64,
+    /// Discovery.
+    #[command(flatten)]
+    pub discovery: DiscoveryArgs,
+    /// The engine.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// `handoff frontend`.
+#[derive(Debug, Clone, Args)]
+pub struct FrontendArgs {
+    /// gRPC listener.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// HTTP (OpenAI API) listener.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub http_listen: SocketAddr,
+    /// The scheduler (host:port); default: the one registered in discovery.
+    #[arg(long)]
+    pub scheduler: Option<String>,
+    /// Decode tp size.
+    #[arg(long, default_value_t = 1)]
+    pub decode_tp: u32,
+    /// Discovery.
+    #[command(flatten)]
+    pub discovery: DiscoveryArgs,
+    /// The engine.
+    #[command(flatten)]
+    pub engine: EngineArgs,
 }
 
 /// Which transfer backend agents use.
@@ -116,4 +210,7 @@ pub struct UpArgs {
     /// The engine.
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// Discovery.
+    #[command(flatten)]
+    pub discovery: DiscoveryArgs,
 }

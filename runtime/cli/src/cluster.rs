@@ -115,10 +115,19 @@ impl Cluster {
         cfg: ClusterConfig,
         engines: &dyn Fn() -> anyhow::Result<Arc<dyn Engine>>,
     ) -> anyhow::Result<Cluster> {
-        let tasks = Tasks::new();
         let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
         let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+        Self::start_with(cfg, engines, registry, bus, Tasks::new()).await
+    }
 
+    /// Like [`Cluster::start`], over the given discovery, with its tasks on `tasks`.
+    pub async fn start_with(
+        cfg: ClusterConfig,
+        engines: &dyn Fn() -> anyhow::Result<Arc<dyn Engine>>,
+        registry: Arc<dyn Registry>,
+        bus: Arc<dyn EventBus>,
+        tasks: Tasks,
+    ) -> anyhow::Result<Cluster> {
         let scheduler =
             Scheduler::start(cfg.scheduler.clone(), registry.clone(), bus.clone(), &tasks).await?;
         let sl = TcpListener::bind(cfg.scheduler_bind)
@@ -164,6 +173,7 @@ impl Cluster {
             ..cfg.frontend.clone()
         };
         let frontend = Frontend::new(fc, engines()?, &scheduler_addr.to_string(), &tasks).await?;
+        frontend.follow(registry.clone()).await?;
         let fl = TcpListener::bind(cfg.frontend_bind)
             .await
             .with_context(|| format!("frontend on {}", cfg.frontend_bind))?;

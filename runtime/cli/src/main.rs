@@ -14,5 +14,8 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Up(args) => handoff::cmd::up::run(args).await,
+        Command::Scheduler(args) => handoff::cmd::scheduler::run(args).await,
+        Command::Prefill(args) => handoff::cmd::prefill::run(args).await,
+        Command::Frontend(args) => handoff::cmd::frontend::run(args).await,
     }
 }

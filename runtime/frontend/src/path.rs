@@ -4,8 +4,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use futures::StreamExt;
 use handoff_bootstrap::{DirectoryCache, DirectoryClient};
 use handoff_core::{Room, Tasks, block_hashes};
+use handoff_discovery::{Registry, Role, Update};
 use handoff_engine::{Decoder, Engine};
 use handoff_proto::v1::prefill_client::PrefillClient;
 use handoff_proto::v1::scheduler_client::SchedulerClient;
@@ -108,6 +110,33 @@ impl Frontend {
             tasks: tasks.clone(),
             metrics: Metrics::default(),
         }))
+    }
+
+    /// Follows the prefill instances in `registry` on the frontend's tasks: an instance that
+    /// leaves or registers again loses its cached topology and rank addresses.
+    pub async fn follow(
+        self: &Arc<Self>,
+        registry: Arc<dyn Registry>,
+    ) -> Result<(), FrontendError> {
+        let mut updates = registry
+            .watch(Role::Prefill)
+            .await
+            .map_err(|e| FrontendError::Unavailable(e.to_string()))?;
+        let (me, t) = (self.clone(), self.tasks.clone());
+        self.tasks.spawn(async move {
+            loop {
+                let u = tokio::select! {
+                    _ = t.shutdown_requested() => break,
+                    u = updates.next() => match u { Some(u) => u, None => break },
+                };
+                match u {
+                    Update::Reset(_) => me.directory.clear(),
+                    Update::Add(i) => me.directory.invalidate(i.id.as_str()),
+                    Update::Remove(id) => me.directory.invalidate(id.as_str()),
+                }
+            }
+        });
+        Ok(())
     }
 
     /// The model this frontend serves.

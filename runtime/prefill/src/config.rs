@@ -38,6 +38,8 @@ pub struct PrefillConfig {
     pub max_queue_per_dp: usize,
     /// Longest a request may wait for its decode's handshakes.
     pub handshake_timeout: Duration,
+    /// How often the instance publishes a heartbeat with its load.
+    pub heartbeat_interval: Duration,
 }
 
 impl Default for PrefillConfig {
@@ -57,6 +59,7 @@ impl Default for PrefillConfig {
             cache_bytes_per_dp: 256 << 20,
             max_queue_per_dp: 1024,
             handshake_timeout: Duration::from_secs(10),
+            heartbeat_interval: Duration::from_secs(1),
         }
     }
 }

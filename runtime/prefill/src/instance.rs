@@ -2,9 +2,11 @@
 
 use std::sync::Arc;
 
+use futures::StreamExt;
 use handoff_bootstrap::mapping::{self, Parallel};
 use handoff_bootstrap::{Directory, DirectoryClient, Registration, server};
 use handoff_core::{InstanceId, Tasks};
+use handoff_discovery::events::{liveness_subject, snapshot_subject};
 use handoff_discovery::{EventBus, Instance, Registry, Role, Topology};
 use handoff_engine::Engine;
 use handoff_transfer::FaultSwitch;
@@ -16,7 +18,7 @@ use crate::service::{DpState, Inner, PrefillService};
 use crate::{PrefillConfig, PrefillError, PrefixCache};
 
 /// A running prefill instance.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PrefillInstance {
     /// Its id.
     pub id: InstanceId,
@@ -28,6 +30,16 @@ pub struct PrefillInstance {
     pub directory: Arc<Directory>,
     /// Its registration in discovery.
     pub registration: Instance,
+    service: PrefillService,
+    registry: Arc<dyn Registry>,
+}
+
+impl std::fmt::Debug for PrefillInstance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillInstance")
+            .field("registration", &self.registration)
+            .finish_non_exhaustive()
+    }
 }
 
 fn startup(e: impl std::fmt::Display) -> PrefillError {
@@ -108,11 +120,14 @@ impl PrefillInstance {
             par,
             dps,
             directory: directory.clone(),
-            bus,
+            bus: bus.clone(),
             seq: tokio::sync::Mutex::new(0),
             max_queue: cfg.max_queue_per_dp,
             handshake_timeout: cfg.handshake_timeout,
+            running: Default::default(),
+            queued_tokens: Default::default(),
         });
+        let service = svc.clone();
         let gl = TcpListener::bind(cfg.grpc_bind).await.map_err(startup)?;
         let grpc_addr =
             format!("{}:{}", cfg.advertise_host, gl.local_addr().map_err(startup)?.port());
@@ -140,16 +155,82 @@ impl PrefillInstance {
             page_size: info.page_size as u32,
             version: rand_version(),
         };
+        // Snapshot requests first, so a scheduler that hears of us can resync at once.
+        let mut asks = bus.subscribe(&snapshot_subject(&cfg.id)).await.map_err(startup)?;
+        let (t, svc, b) = (tasks.clone(), service.clone(), bus.clone());
+        tasks.spawn(async move {
+            loop {
+                let m = tokio::select! {
+                    _ = t.shutdown_requested() => break,
+                    m = asks.next() => match m { Some(m) => m, None => break },
+                };
+                let Some(reply) = m.reply else { continue };
+                match serde_json::to_vec(&svc.snapshot().await) {
+                    Ok(body) => {
+                        if let Err(e) = b.publish(reply, body.into()).await {
+                            warn!(error = %e, "KV snapshot not sent");
+                        }
+                    }
+                    Err(e) => warn!(error = %e, "KV snapshot not encodable"),
+                }
+            }
+        });
+        let (t, svc, b, every) =
+            (tasks.clone(), service.clone(), bus.clone(), cfg.heartbeat_interval);
+        let subject = liveness_subject(&cfg.id);
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            let mut failing = false;
+            loop {
+                tokio::select! {
+                    _ = t.shutdown_requested() => break,
+                    _ = tick.tick() => {}
+                }
+                let Ok(body) = serde_json::to_vec(&svc.heartbeat()) else { continue };
+                match b.publish(subject.clone(), body.into()).await {
+                    Ok(()) if failing => {
+                        info!("heartbeats delivered again");
+                        failing = false;
+                    }
+                    Ok(()) => {}
+                    Err(e) if !failing => {
+                        warn!(error = %e, "heartbeat not published; retrying every interval");
+                        failing = true;
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
         registry.register(registration.clone()).await.map_err(startup)?;
-        let (t, id) = (tasks.clone(), cfg.id.clone());
+        let (t, id, reg) = (tasks.clone(), cfg.id.clone(), registry.clone());
         tasks.spawn(async move {
             t.shutdown_requested().await;
-            if let Err(e) = registry.deregister(&id).await {
+            if let Err(e) = reg.deregister(&id).await {
                 warn!(instance = %id, error = %e, "deregistration failed");
             }
         });
         info!(instance = %cfg.id, %bootstrap_addr, %grpc_addr, dp = cfg.dp, tp = cfg.tp, pp = cfg.pp, "prefill instance ready");
-        Ok(PrefillInstance { id: cfg.id, bootstrap_addr, grpc_addr, directory, registration })
+        Ok(PrefillInstance {
+            id: cfg.id,
+            bootstrap_addr,
+            grpc_addr,
+            directory,
+            registration,
+            service,
+            registry,
+        })
+    }
+
+    /// A graceful drain: out of routing first (deregistered), then waits until the requests
+    /// in flight have finished (at most `grace`). Shut the instance's tasks down afterwards.
+    pub async fn drain(&self, grace: std::time::Duration) -> Result<(), PrefillError> {
+        self.registry.deregister(&self.id).await.map_err(startup)?;
+        let deadline = tokio::time::Instant::now() + grace;
+        while self.service.running() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        info!(instance = %self.id, left = self.service.running(), "drained");
+        Ok(())
     }
 }
 

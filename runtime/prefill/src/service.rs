@@ -9,7 +9,9 @@ use futures::future::try_join_all;
 use handoff_bootstrap::Directory;
 use handoff_bootstrap::mapping::Parallel;
 use handoff_core::{InstanceId, Room, block_hashes};
-use handoff_discovery::{EventBus, KvEvent, KvEventKind, events::kv_subject};
+use handoff_discovery::{
+    EventBus, Heartbeat, KvEvent, KvEventKind, KvSnapshot, events::kv_subject,
+};
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::v1::prefill_server::{Prefill as PrefillRpc, PrefillServer};
 use handoff_proto::v1::{PrefillRequest, PrefillResponse, SamplingParams};
@@ -59,6 +61,8 @@ pub(crate) struct Inner {
     pub(crate) seq: tokio::sync::Mutex<u64>,
     pub(crate) max_queue: usize,
     pub(crate) handshake_timeout: Duration,
+    pub(crate) running: AtomicUsize,
+    pub(crate) queued_tokens: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -108,7 +112,42 @@ impl PrefillService {
         }
     }
 
+    /// Everything the prefix caches hold, numbered with the last published KV event.
+    pub async fn snapshot(&self) -> KvSnapshot {
+        let me = &self.inner;
+        let seq = me.seq.lock().await;
+        let dp_blocks = me.dps.iter().map(|d| lock(&d.cache).blocks()).collect();
+        KvSnapshot { instance: me.id.clone(), seq: *seq, dp_blocks }
+    }
+
+    /// The current load, for heartbeats.
+    pub fn heartbeat(&self) -> Heartbeat {
+        let me = &self.inner;
+        Heartbeat {
+            instance: me.id.clone(),
+            queued_tokens: me.queued_tokens.load(Ordering::Relaxed),
+            running: me.running.load(Ordering::Relaxed) as u32,
+            kv_bytes: me.dps.iter().map(|d| lock(&d.cache).used_bytes() as u64).sum(),
+        }
+    }
+
+    /// Requests being served.
+    pub fn running(&self) -> usize {
+        self.inner.running.load(Ordering::Relaxed)
+    }
+
     async fn run(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
+        let me = &self.inner;
+        me.running.fetch_add(1, Ordering::Relaxed);
+        let n = req.token_ids.len() as u64;
+        me.queued_tokens.fetch_add(n, Ordering::Relaxed);
+        let out = self.serve(req).await;
+        me.queued_tokens.fetch_sub(n, Ordering::Relaxed);
+        me.running.fetch_sub(1, Ordering::Relaxed);
+        out
+    }
+
+    async fn serve(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
         let me = &self.inner;
         let room =
             Room::try_from(req.bootstrap_room).map_err(|e| PrefillError::Invalid(e.to_string()))?;

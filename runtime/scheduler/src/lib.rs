@@ -15,8 +15,10 @@ pub mod state;
 use std::sync::Arc;
 
 use futures::StreamExt;
+use handoff_core::InstanceId;
 use handoff_core::Tasks;
-use handoff_discovery::{EventBus, KvEvent, Registry, Role, events::KV_SUBJECT_PREFIX};
+use handoff_discovery::events::{KV_SUBJECT_PREFIX, LIVENESS_PREFIX, snapshot_subject};
+use handoff_discovery::{EventBus, Heartbeat, KvEvent, KvSnapshot, Registry, Role};
 use tracing::warn;
 
 pub use error::SchedulerError;
@@ -30,17 +32,21 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// Starts following `registry` (prefill instances) and `bus` (KV events) on `tasks`.
+    /// Starts following `registry` (prefill instances), and on `bus` their KV events and
+    /// heartbeats, on `tasks`. Instances whose heartbeats stop are swept out of routing;
+    /// gaps in KV events, and instances first heard of, are resynced from snapshots.
     pub async fn start(
         cfg: SchedulerConfig,
         registry: Arc<dyn Registry>,
         bus: Arc<dyn EventBus>,
         tasks: &Tasks,
     ) -> Result<Self, SchedulerError> {
+        let sweep_every = cfg.liveness_timeout / 12;
         let state = Arc::new(SchedulerState::new(cfg));
         let mut updates = registry.watch(Role::Prefill).await.map_err(SchedulerError::Discovery)?;
         let mut events =
             bus.subscribe(KV_SUBJECT_PREFIX).await.map_err(SchedulerError::Discovery)?;
+        let mut beats = bus.subscribe(LIVENESS_PREFIX).await.map_err(SchedulerError::Discovery)?;
         let (s, t) = (state.clone(), tasks.clone());
         tasks.spawn(async move {
             loop {
@@ -55,16 +61,41 @@ impl Scheduler {
         });
         let (s, t) = (state.clone(), tasks.clone());
         tasks.spawn(async move {
+            let mut sweep = tokio::time::interval(sweep_every.max(std::time::Duration::from_millis(50)));
             loop {
-                tokio::select! {
+                let resync = tokio::select! {
                     _ = t.shutdown_requested() => break,
+                    _ = sweep.tick() => {
+                        s.sweep();
+                        None
+                    }
                     m = events.next() => match m {
                         Some(m) => match serde_json::from_slice::<KvEvent>(&m.payload) {
-                            Ok(ev) => s.apply_event(ev),
-                            Err(e) => warn!(subject = %m.subject, error = %e, "malformed KV event dropped"),
+                            Ok(ev) => {
+                                let id = ev.instance.clone();
+                                s.apply_event(ev).then_some(id)
+                            }
+                            Err(e) => {
+                                warn!(subject = %m.subject, error = %e, "malformed KV event dropped");
+                                None
+                            }
                         },
                         None => break,
                     },
+                    m = beats.next() => match m {
+                        Some(m) => match serde_json::from_slice::<Heartbeat>(&m.payload) {
+                            Ok(hb) => s.heartbeat(&hb).then_some(hb.instance),
+                            Err(e) => {
+                                warn!(subject = %m.subject, error = %e, "malformed heartbeat dropped");
+                                None
+                            }
+                        },
+                        None => break,
+                    },
+                };
+                if let Some(id) = resync {
+                    let (s, b) = (s.clone(), bus.clone());
+                    t.spawn(async move { resync_from_snapshot(&s, &*b, id).await });
                 }
             }
         });
@@ -74,5 +105,27 @@ impl Scheduler {
     /// The state behind the service.
     pub fn state(&self) -> &Arc<SchedulerState> {
         &self.state
+    }
+}
+
+/// Asks an instance for its KV snapshot and applies it.
+async fn resync_from_snapshot(state: &SchedulerState, bus: &dyn EventBus, id: InstanceId) {
+    let asked = bus
+        .request(snapshot_subject(&id), Default::default(), std::time::Duration::from_secs(2))
+        .await;
+    match asked.map(|b| serde_json::from_slice::<KvSnapshot>(&b)) {
+        Ok(Ok(snap)) if snap.instance == id => state.apply_snapshot(snap),
+        Ok(Ok(_)) => {
+            warn!(instance = %id, "snapshot from another instance ignored");
+            state.resync_failed(&id);
+        }
+        Ok(Err(e)) => {
+            warn!(instance = %id, error = %e, "malformed KV snapshot");
+            state.resync_failed(&id);
+        }
+        Err(e) => {
+            warn!(instance = %id, error = %e, "KV snapshot not received; will retry on the next trigger");
+            state.resync_failed(&id);
+        }
     }
 }

@@ -97,6 +97,7 @@ impl SchedulerRpc for SchedulerService {
                 dp_size: s.instance.topology.dp,
                 in_flight: s.in_flight,
                 cached_blocks: s.cached_blocks,
+                routable: s.routable,
             })
             .collect();
         Ok(Response::new(ListInstancesResponse { instances }))

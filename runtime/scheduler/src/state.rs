@@ -1,11 +1,12 @@
 //! The scheduler's view of the fleet, and selection over it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use handoff_core::{BlockHash, InstanceId};
-use handoff_discovery::{Instance, KvEvent, KvEventKind, Update};
+use handoff_discovery::{Heartbeat, Instance, KvEvent, KvEventKind, KvSnapshot, Update};
 use handoff_kv_index::{KvIndex, WorkerKey};
 use tracing::{debug, info, warn};
 
@@ -25,6 +26,9 @@ pub struct SchedulerConfig {
     pub max_exclude: usize,
     /// Most (block, worker) pairs the index holds.
     pub max_index_entries: usize,
+    /// An instance not heard from for this long (3 missed 1 s heartbeats) is out of routing
+    /// and its index entries are dropped, before its lease expires.
+    pub liveness_timeout: Duration,
 }
 
 impl Default for SchedulerConfig {
@@ -35,6 +39,7 @@ impl Default for SchedulerConfig {
             max_block_hashes: 1 << 16,
             max_exclude: 64,
             max_index_entries: 50_000_000,
+            liveness_timeout: Duration::from_secs(3),
         }
     }
 }
@@ -62,6 +67,12 @@ struct Inner {
     index: KvIndex,
     load: HashMap<WorkerKey, Load>,
     seqs: HashMap<InstanceId, u64>,
+    /// When each instance was last heard from (registration counts).
+    seen: HashMap<InstanceId, Instant>,
+    /// Registered instances out of routing: heartbeats stopped.
+    silent: HashSet<InstanceId>,
+    /// Instances whose snapshot has been asked for and not yet applied.
+    resyncing: HashSet<InstanceId>,
 }
 
 impl Inner {
@@ -69,6 +80,10 @@ impl Inner {
         self.index.remove_instance(id);
         self.load.retain(|k, _| &k.instance != id);
         self.seqs.remove(id);
+    }
+
+    fn routable(&self, id: &InstanceId) -> bool {
+        !self.silent.contains(id)
     }
 }
 
@@ -89,6 +104,8 @@ pub struct InstanceStatus {
     pub in_flight: u32,
     /// Blocks indexed over all its dp ranks.
     pub cached_blocks: u64,
+    /// Whether requests are routed to it.
+    pub routable: bool,
 }
 
 impl SchedulerState {
@@ -99,6 +116,9 @@ impl SchedulerState {
             index: KvIndex::new(cfg.max_index_entries),
             load: HashMap::new(),
             seqs: HashMap::new(),
+            seen: HashMap::new(),
+            silent: HashSet::new(),
+            resyncing: HashSet::new(),
         };
         SchedulerState { cfg, inner: Mutex::new(inner), tick: AtomicUsize::new(0) }
     }
@@ -117,6 +137,12 @@ impl SchedulerState {
                     inner.instances.keys().filter(|k| !keep.contains_key(*k)).cloned().collect();
                 for id in &gone {
                     inner.forget(id);
+                    inner.seen.remove(id);
+                    inner.silent.remove(id);
+                }
+                let now = Instant::now();
+                for id in keep.keys() {
+                    inner.seen.entry(id.clone()).or_insert(now);
                 }
                 info!(instances = keep.len(), dropped = gone.len(), "prefill membership reset");
                 inner.instances = keep;
@@ -128,37 +154,113 @@ impl SchedulerState {
                     inner.forget(&i.id);
                 }
                 info!(instance = %i.id, bootstrap = %i.bootstrap_addr, "prefill instance added");
+                inner.seen.insert(i.id.clone(), Instant::now());
+                inner.silent.remove(&i.id);
                 inner.instances.insert(i.id.clone(), i);
             }
             Update::Remove(id) => {
                 info!(instance = %id, "prefill instance removed");
                 inner.instances.remove(&id);
                 inner.forget(&id);
+                inner.seen.remove(&id);
+                inner.silent.remove(&id);
             }
         }
     }
 
-    /// Applies a KV event from an instance.
-    pub fn apply_event(&self, ev: KvEvent) {
+    /// Applies a heartbeat. Returns whether the instance's index must be resynced from a
+    /// snapshot (first heartbeat heard, or heartbeats resumed after silence).
+    pub fn heartbeat(&self, hb: &Heartbeat) -> bool {
+        let mut inner = self.lock();
+        if !inner.instances.contains_key(&hb.instance) {
+            return false;
+        }
+        inner.seen.insert(hb.instance.clone(), Instant::now());
+        let resumed = inner.silent.remove(&hb.instance);
+        if resumed {
+            info!(instance = %hb.instance, "heartbeats resumed; back in routing");
+        }
+        let unsynced = !inner.seqs.contains_key(&hb.instance);
+        (resumed || unsynced) && inner.resyncing.insert(hb.instance.clone())
+    }
+
+    /// Takes instances not heard from within the liveness timeout out of routing and drops
+    /// their index entries. Returns the ones taken out now.
+    pub fn sweep(&self) -> Vec<InstanceId> {
+        let mut inner = self.lock();
+        let timeout = self.cfg.liveness_timeout;
+        let stale: Vec<InstanceId> = inner
+            .seen
+            .iter()
+            .filter(|(id, at)| at.elapsed() > timeout && !inner.silent.contains(*id))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &stale {
+            warn!(instance = %id, "no heartbeat for {timeout:?}; out of routing");
+            inner.forget(id);
+            inner.silent.insert(id.clone());
+        }
+        stale
+    }
+
+    /// Replaces an instance's index entries with a snapshot of its caches.
+    pub fn apply_snapshot(&self, snap: KvSnapshot) {
+        let mut inner = self.lock();
+        inner.resyncing.remove(&snap.instance);
+        let Some(dp) = inner.instances.get(&snap.instance).map(|i| i.topology.dp) else { return };
+        if inner.silent.contains(&snap.instance) {
+            return;
+        }
+        for (dp_rank, blocks) in snap.dp_blocks.iter().enumerate().take(dp as usize) {
+            let key = WorkerKey { instance: snap.instance.clone(), dp_rank: dp_rank as u32 };
+            inner.index.clear(&key);
+            inner.index.store(&key, blocks);
+        }
+        info!(instance = %snap.instance, seq = snap.seq, "KV index resynced from snapshot");
+        inner.seqs.insert(snap.instance, snap.seq);
+    }
+
+    /// Forgets a resync that failed, so the next trigger asks again.
+    pub fn resync_failed(&self, id: &InstanceId) {
+        self.lock().resyncing.remove(id);
+    }
+
+    /// Applies a KV event from an instance. Returns whether the instance must be resynced
+    /// from a snapshot (a gap in its sequence numbers, or nothing known of it yet).
+    pub fn apply_event(&self, ev: KvEvent) -> bool {
         let mut inner = self.lock();
         let Some(inst) = inner.instances.get(&ev.instance) else {
             debug!(instance = %ev.instance, "KV event from an unknown instance dropped");
-            return;
+            return false;
         };
         if ev.dp_rank >= inst.topology.dp {
             warn!(instance = %ev.instance, dp_rank = ev.dp_rank, "KV event for a dp rank the instance does not have");
-            return;
+            return false;
         }
-        let last = inner.seqs.insert(ev.instance.clone(), ev.seq).unwrap_or(0);
+        if !inner.routable(&ev.instance) {
+            return false;
+        }
+        let last = match inner.seqs.get(&ev.instance) {
+            Some(&l) => l,
+            // Nothing known yet: a first event applies as is, anything later needs a snapshot.
+            None if ev.seq == 1 => 0,
+            None => return inner.resyncing.insert(ev.instance.clone()),
+        };
+        if ev.seq <= last {
+            return false; // already in a snapshot
+        }
         if ev.seq != last + 1 {
-            warn!(instance = %ev.instance, last, seq = ev.seq, "KV event sequence gap");
+            warn!(instance = %ev.instance, last, seq = ev.seq, "KV event sequence gap; resyncing");
+            return inner.resyncing.insert(ev.instance.clone());
         }
+        inner.seqs.insert(ev.instance.clone(), ev.seq);
         let key = WorkerKey { instance: ev.instance, dp_rank: ev.dp_rank };
         match ev.kind {
             KvEventKind::Stored { blocks } => inner.index.store(&key, &blocks),
             KvEventKind::Removed { blocks } => inner.index.remove(&key, &blocks),
             KvEventKind::Cleared => inner.index.clear(&key),
         }
+        false
     }
 
     /// Picks where a prompt goes, and counts it in flight there.
@@ -190,7 +292,9 @@ impl SchedulerState {
         let overlaps = inner.index.overlaps(hashes);
         let mut candidates = Vec::new();
         let mut page_size = 16;
-        for inst in inner.instances.values().filter(|i| !exclude.contains(&i.id)) {
+        for inst in
+            inner.instances.values().filter(|i| !exclude.contains(&i.id) && inner.routable(&i.id))
+        {
             page_size = inst.page_size as usize;
             for dp_rank in 0..inst.topology.dp {
                 let key = WorkerKey { instance: inst.id.clone(), dp_rank };
@@ -247,7 +351,12 @@ impl SchedulerState {
                     in_flight += inner.load.get(&k).map_or(0, |l| l.in_flight);
                     cached_blocks += inner.index.blocks_of(&k) as u64;
                 }
-                InstanceStatus { instance: i.clone(), in_flight, cached_blocks }
+                InstanceStatus {
+                    instance: i.clone(),
+                    in_flight,
+                    cached_blocks,
+                    routable: inner.routable(&i.id),
+                }
             })
             .collect()
     }

@@ -68,7 +68,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         ..ClusterConfig::default()
     };
     let engines = engines(&args.engine)?;
-    let cluster = Cluster::start(cfg, &*engines).await?;
+    let tasks = handoff_core::Tasks::new();
+    let (registry, bus) = crate::cmd::discovery(&args.discovery, &tasks).await?;
+    let cluster = Cluster::start_with(cfg, &*engines, registry, bus, tasks).await?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "scheduler  grpc://{}", cluster.scheduler_addr)?;
     for p in &cluster.prefills {

@@ -1,0 +1,270 @@
+//! The etcd registry. Each instance is the key `/handoff/v1/instances/{role}/{id}` (its
+//! registration as JSON) under a lease of `ttl`, kept alive every `ttl / 3`; deleting the key
+//! or letting the lease lapse removes the instance everywhere. When etcd comes back after the
+//! lease lapsed, the instance registers again. A watch starts from a snapshot (`Reset`), then
+//! follows changes from the snapshot's revision; after a compaction, a cancelled watch or a
+//! lost connection it takes a new snapshot and says `Reset` again. While etcd is away,
+//! watchers keep their last state and the log says so once per outage, not per retry.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use handoff_core::{InstanceId, Tasks};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::{DiscoveryError, Instance, Registry, Role, Update};
+
+/// Where instances live in etcd.
+pub const KEY_PREFIX: &str = "/handoff/v1/instances/";
+
+fn role_dir(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "prefill",
+        Role::Frontend => "frontend",
+        Role::Scheduler => "scheduler",
+    }
+}
+
+fn key(i: &Instance) -> String {
+    format!("{KEY_PREFIX}{}/{}", role_dir(i.role), i.id)
+}
+
+fn unavailable(e: impl std::fmt::Display) -> DiscoveryError {
+    DiscoveryError::Unavailable(format!("etcd: {e}"))
+}
+
+/// A registry in etcd (see the module docs).
+pub struct EtcdRegistry {
+    client: Client,
+    ttl: Duration,
+    tasks: Tasks,
+    leases: Mutex<HashMap<InstanceId, CancellationToken>>,
+}
+
+impl std::fmt::Debug for EtcdRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdRegistry").field("ttl", &self.ttl).finish_non_exhaustive()
+    }
+}
+
+impl EtcdRegistry {
+    /// Connects to `endpoints` (comma-separated URLs); leases of `ttl`; keep-alives and
+    /// watches run on `tasks`.
+    pub async fn connect(
+        endpoints: &str,
+        ttl: Duration,
+        tasks: &Tasks,
+    ) -> Result<Self, DiscoveryError> {
+        let eps: Vec<&str> =
+            endpoints.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_timeout(Duration::from_secs(5))
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+        let client = Client::connect(eps, Some(opts)).await.map_err(unavailable)?;
+        Ok(EtcdRegistry {
+            client,
+            ttl: ttl.max(Duration::from_secs(2)),
+            tasks: tasks.clone(),
+            leases: Mutex::default(),
+        })
+    }
+
+    async fn put_with_lease(
+        client: &mut Client,
+        key: &str,
+        value: &[u8],
+        ttl: Duration,
+    ) -> Result<i64, DiscoveryError> {
+        let lease = client.lease_grant(ttl.as_secs() as i64, None).await.map_err(unavailable)?.id();
+        client
+            .put(key, value, Some(PutOptions::new().with_lease(lease)))
+            .await
+            .map_err(unavailable)?;
+        Ok(lease)
+    }
+}
+
+/// Keeps `lease` alive until `stop`; registers again if the lease lapses (etcd was away for
+/// longer than the TTL); revokes the lease on `stop`.
+async fn keep(
+    mut client: Client,
+    key: String,
+    value: Vec<u8>,
+    ttl: Duration,
+    mut lease: i64,
+    stop: CancellationToken,
+) {
+    let period = ttl / 3;
+    let mut outage = false;
+    loop {
+        let alive = async {
+            let (mut keeper, mut stream) =
+                client.lease_keep_alive(lease).await.map_err(unavailable)?;
+            loop {
+                keeper.keep_alive().await.map_err(unavailable)?;
+                match stream.message().await.map_err(unavailable)? {
+                    Some(r) if r.ttl() > 0 => {}
+                    _ => return Err::<(), _>(DiscoveryError::Unavailable("lease lapsed".into())),
+                }
+                if outage {
+                    info!(%key, "etcd reachable again; lease kept");
+                    outage = false;
+                }
+                tokio::time::sleep(period).await;
+            }
+        };
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            Err(e) = alive => {
+                if !outage {
+                    warn!(%key, error = %e, "etcd keep-alive failed; retrying, and registering again if the lease lapsed");
+                    outage = true;
+                }
+            }
+        }
+        // Back off, then try a new lease and put if the old one lapsed.
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+        let expired = match client.lease_time_to_live(lease, None).await {
+            Ok(r) => r.ttl() <= 0,
+            Err(_) => continue,
+        };
+        if expired && let Ok(l) = EtcdRegistry::put_with_lease(&mut client, &key, &value, ttl).await
+        {
+            info!(%key, "registered again after the lease lapsed");
+            lease = l;
+            outage = false;
+        }
+    }
+    let _ = client.lease_revoke(lease).await;
+}
+
+#[async_trait]
+impl Registry for EtcdRegistry {
+    async fn register(&self, instance: Instance) -> Result<(), DiscoveryError> {
+        let key = key(&instance);
+        let value = serde_json::to_vec(&instance)?;
+        let mut client = self.client.clone();
+        let lease = Self::put_with_lease(&mut client, &key, &value, self.ttl).await?;
+        let stop = self.tasks.shutdown_token().child_token();
+        if let Some(old) = self
+            .leases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(instance.id.clone(), stop.clone())
+        {
+            old.cancel();
+        }
+        self.tasks.spawn(keep(client, key, value, self.ttl, lease, stop));
+        Ok(())
+    }
+
+    async fn deregister(&self, id: &InstanceId) -> Result<(), DiscoveryError> {
+        if let Some(stop) = self.leases.lock().unwrap_or_else(|e| e.into_inner()).remove(id) {
+            stop.cancel();
+        }
+        let mut client = self.client.clone();
+        for role in [Role::Prefill, Role::Frontend, Role::Scheduler] {
+            client
+                .delete(format!("{KEY_PREFIX}{}/{id}", role_dir(role)), None)
+                .await
+                .map_err(unavailable)?;
+        }
+        Ok(())
+    }
+
+    async fn watch(&self, role: Role) -> Result<BoxStream<'static, Update>, DiscoveryError> {
+        let prefix = format!("{KEY_PREFIX}{}/", role_dir(role));
+        let (tx, rx) = mpsc::channel(256);
+        let client = self.client.clone();
+        let stop = self.tasks.shutdown_token();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = follow(client, prefix, tx) => {}
+            }
+        });
+        Ok(tokio_stream::wrappers::ReceiverStream::new(rx).boxed())
+    }
+}
+
+fn parse(value: &[u8]) -> Option<Instance> {
+    serde_json::from_slice(value)
+        .map_err(|e| warn!(error = %e, "malformed registration ignored"))
+        .ok()
+}
+
+/// Snapshot, then changes; a new snapshot after anything goes wrong. Ends when the watcher
+/// drops its stream.
+async fn follow(mut client: Client, prefix: String, tx: mpsc::Sender<Update>) {
+    let mut outage = false;
+    loop {
+        let run = async {
+            let snap = client
+                .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
+                .await
+                .map_err(unavailable)?;
+            let rev = snap.header().map_or(0, |h| h.revision());
+            let all = snap.kvs().iter().filter_map(|kv| parse(kv.value())).collect();
+            if tx.send(Update::Reset(all)).await.is_err() {
+                return Ok(());
+            }
+            if outage {
+                info!(%prefix, "etcd watch restored from a fresh snapshot");
+                outage = false;
+            }
+            let opts = WatchOptions::new().with_prefix().with_start_revision(rev + 1);
+            let mut stream =
+                client.watch(prefix.as_str(), Some(opts)).await.map_err(unavailable)?;
+            while let Some(resp) = stream.message().await.map_err(unavailable)? {
+                if resp.canceled() || resp.compact_revision() > 0 {
+                    return Err(DiscoveryError::Unavailable(format!(
+                        "watch cancelled: {}",
+                        resp.cancel_reason()
+                    )));
+                }
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    let update = match ev.event_type() {
+                        EventType::Put => parse(kv.value()).map(Update::Add),
+                        EventType::Delete => kv
+                            .key_str()
+                            .ok()
+                            .and_then(|k| k.rsplit('/').next())
+                            .and_then(|id| id.parse().ok())
+                            .map(Update::Remove),
+                    };
+                    if let Some(u) = update
+                        && tx.send(u).await.is_err()
+                    {
+                        return Ok(());
+                    }
+                }
+            }
+            Err(DiscoveryError::Unavailable("watch stream ended".into()))
+        };
+        match run.await {
+            Ok(()) => return,
+            Err(e) => {
+                if !outage {
+                    warn!(%prefix, error = %e, "etcd watch lost; keeping the last state and retrying");
+                    outage = true;
+                }
+                if tx.is_closed() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}

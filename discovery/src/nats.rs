@@ -1,0 +1,69 @@
+//! The NATS event bus: subjects map one to one; a prefix `a.b.` subscribes `a.b.>`. The
+//! client reconnects on its own; while the server is away, publishes fail and are logged by
+//! their callers, and subscriptions resume when it is back.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::BoxStream;
+
+use crate::{DiscoveryError, EventBus, Message};
+
+/// An event bus on a NATS server.
+#[derive(Debug, Clone)]
+pub struct NatsBus {
+    client: async_nats::Client,
+}
+
+fn unavailable(e: impl std::fmt::Display) -> DiscoveryError {
+    DiscoveryError::Unavailable(format!("nats: {e}"))
+}
+
+impl NatsBus {
+    /// Connects to `url` (e.g. `nats://127.0.0.1:4222`), retrying in the background if the
+    /// server is not up yet.
+    pub async fn connect(url: &str) -> Result<Self, DiscoveryError> {
+        let client = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connection_timeout(Duration::from_secs(2))
+            .max_reconnects(None)
+            .connect(url)
+            .await
+            .map_err(unavailable)?;
+        Ok(NatsBus { client })
+    }
+}
+
+#[async_trait]
+impl EventBus for NatsBus {
+    async fn publish(&self, subject: String, payload: Bytes) -> Result<(), DiscoveryError> {
+        self.client.publish(subject, payload).await.map_err(unavailable)
+    }
+
+    async fn subscribe(&self, prefix: &str) -> Result<BoxStream<'static, Message>, DiscoveryError> {
+        let subject = if prefix.ends_with('.') { format!("{prefix}>") } else { prefix.to_owned() };
+        let sub = self.client.subscribe(subject).await.map_err(unavailable)?;
+        Ok(sub
+            .map(|m| Message {
+                subject: m.subject.to_string(),
+                payload: m.payload,
+                reply: m.reply.map(|r| r.to_string()),
+            })
+            .boxed())
+    }
+
+    async fn request(
+        &self,
+        subject: String,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, DiscoveryError> {
+        match tokio::time::timeout(timeout, self.client.request(subject.clone(), payload)).await {
+            Ok(Ok(m)) => Ok(m.payload),
+            Ok(Err(e)) => Err(unavailable(e)),
+            Err(_) => Err(DiscoveryError::Timeout(subject)),
+        }
+    }
+}

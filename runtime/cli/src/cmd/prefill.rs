@@ -1,0 +1,40 @@
+//! `handoff prefill`: one prefill instance as its own process. SIGTERM drains it: out of
+//! routing first, then in-flight requests finish, then it stops.
+
+use std::time::Duration;
+
+use handoff_core::{InstanceId, Tasks};
+use handoff_prefill::{PrefillConfig, PrefillInstance};
+
+use crate::args::PrefillArgs;
+use crate::cmd::{discovery, up::engines, up::shutdown_signal};
+
+/// Runs until Ctrl-C or SIGTERM, then drains.
+pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
+    let tasks = Tasks::new();
+    let (registry, bus) = discovery(&args.discovery, &tasks).await?;
+    let engine = engines(&args.engine)?()?;
+    let id = match &args.id {
+        Some(s) => s.parse::<InstanceId>()?,
+        None => InstanceId::random("prefill"),
+    };
+    let cfg = PrefillConfig {
+        id,
+        dp: args.dp,
+        tp: args.tp,
+        pp: args.pp,
+        bootstrap_bind: args.bootstrap_listen,
+        grpc_bind: args.grpc_listen,
+        advertise_host: args.advertise_host.clone(),
+        ..PrefillConfig::default()
+    };
+    let p = PrefillInstance::start(cfg, engine, registry, bus, &tasks, None).await?;
+    crate::cmd::announce(&format!(
+        "prefill {} ready: bootstrap http://{} grpc://{}",
+        p.id, p.bootstrap_addr, p.grpc_addr
+    ))?;
+    shutdown_signal().await;
+    p.drain(Duration::from_secs(args.drain_secs)).await?;
+    tasks.shutdown().await;
+    Ok(())
+}

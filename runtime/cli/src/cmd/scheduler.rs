@@ -1,0 +1,50 @@
+//! `handoff scheduler`: the KV-aware scheduler as its own process. It registers itself (role
+//! scheduler) so frontends can find it.
+
+use anyhow::Context;
+use handoff_core::{InstanceId, Tasks};
+use handoff_discovery::{Instance, Role, Topology};
+use handoff_scheduler::{Scheduler, SchedulerConfig, service};
+use tokio::net::TcpListener;
+
+use crate::args::SchedulerArgs;
+use crate::cmd::{discovery, up::shutdown_signal};
+
+/// Runs until Ctrl-C or SIGTERM.
+pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
+    let tasks = Tasks::new();
+    let (registry, bus) = discovery(&args.discovery, &tasks).await?;
+    let scheduler =
+        Scheduler::start(SchedulerConfig::default(), registry.clone(), bus, &tasks).await?;
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    let addr = format!("{}:{}", args.advertise_host, listener.local_addr()?.port());
+    let id = InstanceId::random("scheduler");
+    let me = Instance {
+        id: id.clone(),
+        role: Role::Scheduler,
+        model: String::new(),
+        bootstrap_addr: String::new(),
+        grpc_addr: addr.clone(),
+        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+        page_size: 0,
+        version: 1,
+    };
+    registry.register(me).await?;
+    crate::cmd::announce(&format!("scheduler {id} ready: grpc://{addr}"))?;
+    let t = tasks.clone();
+    let serving =
+        service::serve(
+            listener,
+            scheduler.state().clone(),
+            async move { t.shutdown_requested().await },
+        );
+    tokio::select! {
+        r = serving => r?,
+        _ = shutdown_signal() => {}
+    }
+    let _ = registry.deregister(&id).await;
+    tasks.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,9 @@
+//! Separate processes on real etcd and NATS servers (started here on free loopback ports,
+//! data in a temporary directory, stopped at the end). Needs `etcd` and `nats-server`
+//! (scripts/test installs them); fails, never skips, without them.
+
+mod cluster {
+    pub(crate) mod discovery;
+    pub(crate) mod processes;
+    pub(crate) mod servers;
+}

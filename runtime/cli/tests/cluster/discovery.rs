@@ -1,0 +1,134 @@
+//! The etcd registry and the NATS bus against real servers.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use handoff_core::Tasks;
+use handoff_discovery::{
+    EtcdRegistry, EventBus, Instance, NatsBus, Registry, Role, Topology, Update,
+};
+
+use super::servers::{Handoff, Server};
+
+fn inst(id: &str) -> Instance {
+    Instance {
+        id: id.parse().unwrap(),
+        role: Role::Prefill,
+        model: "mock".into(),
+        bootstrap_addr: "127.0.0.1:1".into(),
+        grpc_addr: "127.0.0.1:2".into(),
+        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+        page_size: 16,
+        version: 1,
+    }
+}
+
+async fn next(w: &mut futures::stream::BoxStream<'static, Update>, within: Duration) -> Update {
+    tokio::time::timeout(within, w.next()).await.expect("an update in time").expect("watch open")
+}
+
+#[tokio::test]
+async fn register_watch_deregister_and_lease_expiry_on_etcd() {
+    let etcd = Server::etcd();
+    let nats = Server::nats();
+    let tasks = Tasks::new();
+    let reg = EtcdRegistry::connect(&etcd.url, Duration::from_secs(2), &tasks).await.unwrap();
+    let mut w = reg.watch(Role::Prefill).await.unwrap();
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Reset(vec![]));
+    reg.register(inst("p1")).await.unwrap();
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Add(inst("p1")));
+    // Kept alive past several TTLs.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    reg.deregister(&"p1".parse().unwrap()).await.unwrap();
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Remove("p1".parse().unwrap()));
+
+    // A process that dies without a word: its lease (TTL 2 s) expires.
+    let (mut p, _) = Handoff::spawn(&[
+        "prefill",
+        "--engine",
+        "mock",
+        "--id",
+        "doomed",
+        "--bootstrap-listen",
+        "127.0.0.1:0",
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--etcd",
+        &etcd.url,
+        "--nats",
+        &nats.url,
+        "--lease-ttl-secs",
+        "2",
+    ]);
+    assert!(
+        matches!(next(&mut w, Duration::from_secs(10)).await, Update::Add(i) if i.id.as_str() == "doomed")
+    );
+    let killed = Instant::now();
+    p.kill9();
+    assert_eq!(
+        next(&mut w, Duration::from_secs(10)).await,
+        Update::Remove("doomed".parse().unwrap())
+    );
+    let took = killed.elapsed();
+    assert!(took <= Duration::from_secs(3), "removed {took:?} after kill -9, lease TTL 2 s");
+    tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn etcd_restart_gives_watchers_a_reset_and_instances_register_again() {
+    let mut etcd = Server::etcd();
+    let tasks = Tasks::new();
+    let reg = EtcdRegistry::connect(&etcd.url, Duration::from_secs(2), &tasks).await.unwrap();
+    reg.register(inst("p1")).await.unwrap();
+    let mut w = reg.watch(Role::Prefill).await.unwrap();
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Reset(vec![inst("p1")]));
+    etcd.stop();
+    // Longer than the TTL: the lease lapses while etcd is away.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    etcd.start();
+    // The watcher reconnects with a fresh snapshot; the instance is registered again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let u = next(&mut w, deadline.saturating_duration_since(Instant::now())).await;
+        if matches!(&u, Update::Reset(all) if all.contains(&inst("p1")))
+            || u == Update::Add(inst("p1"))
+        {
+            break;
+        }
+    }
+    tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn nats_publish_subscribe_and_request_reply() {
+    let nats = Server::nats();
+    let bus = NatsBus::connect(&nats.url).await.unwrap();
+    let mut kv = bus.subscribe("handoff.v1.kv.").await.unwrap();
+    let mut asks = bus.subscribe("handoff.v1.kvsnapshot.p1").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    bus.publish("handoff.v1.liveness.p1".into(), Bytes::from_static(b"no")).await.unwrap();
+    bus.publish("handoff.v1.kv.p1".into(), Bytes::from_static(b"yes")).await.unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(5), kv.next()).await.unwrap().unwrap();
+    assert_eq!((m.subject.as_str(), &m.payload[..]), ("handoff.v1.kv.p1", &b"yes"[..]));
+    let b2 = bus.clone();
+    let answer = tokio::spawn(async move {
+        let m = asks.next().await.unwrap();
+        b2.publish(m.reply.unwrap(), Bytes::from_static(b"snapshot")).await.unwrap();
+    });
+    let got = bus
+        .request("handoff.v1.kvsnapshot.p1".into(), Bytes::new(), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(&got[..], b"snapshot");
+    answer.await.unwrap();
+    assert!(
+        bus.request(
+            "handoff.v1.kvsnapshot.nobody".into(),
+            Bytes::new(),
+            Duration::from_millis(300)
+        )
+        .await
+        .is_err()
+    );
+}

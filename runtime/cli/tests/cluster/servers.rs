@@ -1,0 +1,155 @@
+//! Real etcd and NATS servers for tests, and `handoff` child processes.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub(crate) fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn wait_for_port(port: u16, what: &str) {
+    let start = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{what} did not listen on {port} within 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn binary(name: &str) -> PathBuf {
+    for dir in ["/usr/bin", "/usr/sbin", "/usr/local/bin"] {
+        let p = PathBuf::from(dir).join(name);
+        if p.exists() {
+            return p;
+        }
+    }
+    panic!("{name} not found: scripts/test installs it (apt-get install etcd-server nats-server)");
+}
+
+/// A server process killed on drop.
+pub(crate) struct Server {
+    child: Option<Child>,
+    args: Vec<String>,
+    bin: PathBuf,
+    port: u16,
+    dir: Option<PathBuf>,
+    pub(crate) url: String,
+}
+
+impl Server {
+    fn spawn(
+        bin: PathBuf,
+        args: Vec<String>,
+        port: u16,
+        url: String,
+        dir: Option<PathBuf>,
+    ) -> Self {
+        let mut s = Server { child: None, args, bin, port, dir, url };
+        s.start();
+        s
+    }
+
+    /// (Re)starts the server on the same port and data.
+    pub(crate) fn start(&mut self) {
+        let child = Command::new(&self.bin)
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        wait_for_port(self.port, &self.bin.display().to_string());
+    }
+
+    /// Stops the server (SIGKILL).
+    pub(crate) fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub(crate) fn etcd() -> Self {
+        let (client, peer) = (free_port(), free_port());
+        let dir =
+            std::env::temp_dir().join(format!("handoff-etcd-{}-{client}", std::process::id()));
+        let c = format!("http://127.0.0.1:{client}");
+        let p = format!("http://127.0.0.1:{peer}");
+        let args = [
+            "--name",
+            "t",
+            "--data-dir",
+            dir.to_str().unwrap(),
+            "--listen-client-urls",
+            &c,
+            "--advertise-client-urls",
+            &c,
+            "--listen-peer-urls",
+            &p,
+            "--initial-advertise-peer-urls",
+            &p,
+            "--initial-cluster",
+            &format!("t={p}"),
+        ]
+        .map(String::from)
+        .to_vec();
+        Self::spawn(binary("etcd"), args, client, c, Some(dir))
+    }
+
+    pub(crate) fn nats() -> Self {
+        let port = free_port();
+        let args = ["-a", "127.0.0.1", "-p", &port.to_string()].map(String::from).to_vec();
+        Self::spawn(binary("nats-server"), args, port, format!("nats://127.0.0.1:{port}"), None)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+        if let Some(d) = &self.dir {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// A `handoff` child process; its stdout's first line is returned by `spawn`.
+pub(crate) struct Handoff {
+    pub(crate) child: Child,
+}
+
+impl Handoff {
+    /// Starts `handoff ARGS` and waits for its ready line.
+    pub(crate) fn spawn(args: &[&str]) -> (Self, String) {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        out.read_line(&mut line).unwrap();
+        assert!(!line.is_empty(), "handoff {args:?} exited before its ready line");
+        // Keep draining stdout so the child never writes into a closed pipe.
+        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+        (Handoff { child }, line)
+    }
+
+    /// SIGKILL, no goodbye.
+    pub(crate) fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Handoff {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
