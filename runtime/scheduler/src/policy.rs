@@ -1,8 +1,12 @@
 //! Selection policies, one file each, chosen by [`PolicyKind`].
 
 mod kv_aware;
+mod power_of_two;
+mod prefix_hash;
+mod random;
 mod round_robin;
 
+use handoff_core::BlockHash;
 use handoff_kv_index::WorkerKey;
 
 pub use kv_aware::KvAwareWeights;
@@ -15,6 +19,13 @@ pub enum PolicyKind {
     KvAware,
     /// Each candidate in turn.
     RoundRobin,
+    /// Uniformly at random.
+    Random,
+    /// The less loaded of two random candidates.
+    PowerOfTwo,
+    /// Consistent hashing of the prompt's first block, skipping candidates loaded beyond a
+    /// factor of the mean.
+    PrefixHash,
 }
 
 /// One (instance, dp rank) a request could go to.
@@ -30,24 +41,52 @@ pub struct Candidate {
     pub in_flight: u32,
 }
 
+/// Everything a policy sees of one request.
+#[derive(Debug)]
+pub struct Request<'a> {
+    /// Where it could go.
+    pub candidates: &'a [Candidate],
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Tokens per block.
+    pub page_size: usize,
+    /// The prompt's chained block hashes.
+    pub hashes: &'a [BlockHash],
+    /// Advances on every request (rotation, tie-breaks).
+    pub tick: usize,
+}
+
+/// Tunables of the policies.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolicyParams {
+    /// kv_aware weights and temperature.
+    pub kv_aware: KvAwareWeights,
+    /// prefix_hash: a candidate whose queued tokens exceed this factor of the mean (plus one
+    /// prompt) is skipped for the next on the ring.
+    pub load_factor: f64,
+}
+
+impl Default for PolicyParams {
+    fn default() -> Self {
+        PolicyParams { kv_aware: KvAwareWeights::default(), load_factor: 1.5 }
+    }
+}
+
 impl PolicyKind {
-    /// Picks a candidate's index. `tick` advances on every call (for rotation and ties).
-    pub fn pick(
-        self,
-        candidates: &[Candidate],
-        prompt_tokens: usize,
-        page_size: usize,
-        weights: &KvAwareWeights,
-        tick: usize,
-    ) -> Option<usize> {
-        if candidates.is_empty() {
+    /// Picks a candidate's index, `None` when there are none.
+    pub fn pick(self, req: &Request<'_>, params: &PolicyParams) -> Option<usize> {
+        if req.candidates.is_empty() {
             return None;
         }
         Some(match self {
-            PolicyKind::KvAware => {
-                kv_aware::pick(candidates, prompt_tokens, page_size, weights, tick)
-            }
-            PolicyKind::RoundRobin => round_robin::pick(candidates, tick),
+            PolicyKind::KvAware => kv_aware::pick(req, &params.kv_aware),
+            PolicyKind::RoundRobin => round_robin::pick(req),
+            PolicyKind::Random => random::pick(req),
+            PolicyKind::PowerOfTwo => power_of_two::pick(req),
+            PolicyKind::PrefixHash => prefix_hash::pick(req, params.load_factor),
         })
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -39,6 +39,9 @@ pub fn policy_from_wire(p: i32) -> Result<Option<PolicyKind>, Status> {
         Ok(Policy::Unspecified) => Ok(None),
         Ok(Policy::KvAware) => Ok(Some(PolicyKind::KvAware)),
         Ok(Policy::RoundRobin) => Ok(Some(PolicyKind::RoundRobin)),
+        Ok(Policy::Random) => Ok(Some(PolicyKind::Random)),
+        Ok(Policy::PowerOfTwo) => Ok(Some(PolicyKind::PowerOfTwo)),
+        Ok(Policy::PrefixHash) => Ok(Some(PolicyKind::PrefixHash)),
         Err(_) => Err(Status::invalid_argument(format!("unknown policy {p}"))),
     }
 }

@@ -11,15 +11,15 @@ use handoff_kv_index::{KvIndex, WorkerKey};
 use tracing::{debug, info, warn};
 
 use crate::SchedulerError;
-use crate::policy::{Candidate, KvAwareWeights, PolicyKind};
+use crate::policy::{Candidate, PolicyKind, PolicyParams, Request};
 
 /// Settings of a scheduler.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     /// The policy when a request names none.
     pub default_policy: PolicyKind,
-    /// Weights of the kv_aware cost.
-    pub weights: KvAwareWeights,
+    /// Policy tunables (kv_aware weights and temperature, prefix_hash load factor).
+    pub params: PolicyParams,
     /// Most block hashes one request may carry.
     pub max_block_hashes: usize,
     /// Most instances one request may exclude.
@@ -35,7 +35,7 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
             default_policy: PolicyKind::KvAware,
-            weights: KvAwareWeights::default(),
+            params: PolicyParams::default(),
             max_block_hashes: 1 << 16,
             max_exclude: 64,
             max_index_entries: 50_000_000,
@@ -309,9 +309,14 @@ impl SchedulerState {
             }
         }
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
-        let Some(i) =
-            policy.pick(&candidates, prompt_tokens as usize, page_size, &self.cfg.weights, tick)
-        else {
+        let req = Request {
+            candidates: &candidates,
+            prompt_tokens: prompt_tokens as usize,
+            page_size,
+            hashes,
+            tick,
+        };
+        let Some(i) = policy.pick(&req, &self.cfg.params) else {
             let why = if exclude.is_empty() {
                 String::new()
             } else {

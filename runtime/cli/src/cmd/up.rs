@@ -85,11 +85,17 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         "frontend   grpc://{} (handoff.v1.Generate)  http://{} (OpenAI API)",
         cluster.frontend_addr, cluster.http_addr
     )?;
+    let model = cluster.frontend.model_name().to_owned();
     writeln!(
         out,
-        "handoff ready: {} prefill instances, transfer {:?}",
+        "handoff ready: model {model}, {} prefill instances, transfer {:?}",
         cluster.prefills.len(),
         args.transfer
+    )?;
+    writeln!(
+        out,
+        "try: curl -s http://{}/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'",
+        cluster.http_addr
     )?;
     out.flush()?;
     drop(out);

@@ -1,7 +1,9 @@
 //! `kv_aware`: cost = prefill tokens left after the cached overlap x `prefill` weight + queued
-//! prefill tokens x `load` weight. Ties go to the fewest requests in flight, then rotate.
+//! prefill tokens x `load` weight. With `temperature` 0 the cheapest wins (ties: fewest in
+//! flight, then rotation); above 0, a candidate is drawn with probability
+//! softmax(-cost / (temperature x prompt tokens)), spreading load among near-equals.
 
-use super::Candidate;
+use super::{Candidate, Request};
 
 /// Weights of the kv_aware cost.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -10,30 +12,41 @@ pub struct KvAwareWeights {
     pub prefill: f64,
     /// Weight of the tokens already queued there.
     pub load: f64,
+    /// Softmax temperature, relative to the prompt length; 0 picks the cheapest.
+    pub temperature: f64,
 }
 
 impl Default for KvAwareWeights {
     fn default() -> Self {
-        KvAwareWeights { prefill: 1.0, load: 1.0 }
+        KvAwareWeights { prefill: 1.0, load: 1.0, temperature: 0.0 }
     }
 }
 
-pub(super) fn pick(
-    candidates: &[Candidate],
-    prompt_tokens: usize,
-    page_size: usize,
-    w: &KvAwareWeights,
-    tick: usize,
-) -> usize {
+pub(super) fn pick(req: &Request<'_>, w: &KvAwareWeights) -> usize {
     let cost = |c: &Candidate| {
-        let left = prompt_tokens.saturating_sub(c.overlap_blocks * page_size) as f64;
+        let left = req.prompt_tokens.saturating_sub(c.overlap_blocks * req.page_size) as f64;
         left * w.prefill + c.queued_tokens as f64 * w.load
     };
-    let n = candidates.len();
-    let mut best = tick % n;
+    let n = req.candidates.len();
+    if w.temperature > 0.0 {
+        let scale = w.temperature * req.prompt_tokens.max(1) as f64;
+        let costs: Vec<f64> = req.candidates.iter().map(cost).collect();
+        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let weights: Vec<f64> = costs.iter().map(|c| (-(c - min) / scale).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut x = rand::random::<f64>() * total;
+        for (i, wt) in weights.iter().enumerate() {
+            if x < *wt {
+                return i;
+            }
+            x -= wt;
+        }
+        return n - 1;
+    }
+    let mut best = req.tick % n;
     for off in 1..n {
-        let i = (tick + off) % n;
-        let (a, b) = (&candidates[i], &candidates[best]);
+        let i = (req.tick + off) % n;
+        let (a, b) = (&req.candidates[i], &req.candidates[best]);
         let (ca, cb) = (cost(a), cost(b));
         if ca < cb || (ca == cb && a.in_flight < b.in_flight) {
             best = i;

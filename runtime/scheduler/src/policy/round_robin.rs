@@ -1,7 +1,7 @@
 //! `round_robin`: each candidate in turn, blind to cache and load.
 
-use super::Candidate;
+use super::Request;
 
-pub(super) fn pick(candidates: &[Candidate], tick: usize) -> usize {
-    tick % candidates.len()
+pub(super) fn pick(req: &Request<'_>) -> usize {
+    req.tick % req.candidates.len()
 }

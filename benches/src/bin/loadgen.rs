@@ -1,0 +1,380 @@
+//! Load generator: a multi-turn chat workload against a live cluster, once per policy.
+//!
+//! Users share a few system prompts; each user's next turn is the whole conversation so far
+//! (system prompt, earlier questions and the answers the model actually gave) plus a new
+//! question, so later turns share long prefixes with earlier ones. Requests arrive open-loop
+//! (Poisson, `--rate` per second): an arrival takes the next turn of a user who is not
+//! waiting for an answer. Each policy runs on a fresh cluster of `--instances` prefill
+//! instances (mock engine, cold caches) with the same workload and seed.
+//!
+//! Prints, per policy, prefix cache hit rate, TTFT p50/p95/p99, inter-token latency,
+//! throughput and errors as a Markdown table, and writes an SVG plot.
+//!
+//! ```text
+//! cargo run --release -p handoff-benches --bin loadgen -- --rate 4 --seconds 40 --svg loadgen.svg
+//! ```
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use handoff::{Cluster, ClusterConfig};
+use handoff_engine::{Engine, MockConfig, MockEngine};
+use handoff_proto::v1::generate_client::GenerateClient;
+use handoff_proto::v1::generate_request::Input;
+use handoff_proto::v1::generate_response::Event;
+use handoff_proto::v1::{GenerateRequest, Policy, SamplingParams, TokenIds};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tonic::transport::Channel;
+
+#[derive(Debug, Clone)]
+struct Args {
+    instances: usize,
+    users: usize,
+    turns: usize,
+    systems: usize,
+    system_tokens: usize,
+    question_tokens: usize,
+    answer_tokens: u32,
+    rate: f64,
+    seconds: f64,
+    prefill_us: u64,
+    decode_us: u64,
+    svg: Option<String>,
+    policies: Vec<Policy>,
+}
+
+impl Args {
+    fn parse() -> anyhow::Result<Self> {
+        let mut a = Args {
+            instances: 8,
+            users: 48,
+            turns: 6,
+            systems: 4,
+            system_tokens: 384,
+            question_tokens: 48,
+            answer_tokens: 24,
+            rate: 4.0,
+            seconds: 40.0,
+            // Calibrated to SmolLM2 on this machine (the `model` bench: prefill ~240 tok/s,
+            // decode ~107 tok/s for one stream).
+            prefill_us: 4200,
+            decode_us: 9300,
+            svg: None,
+            policies: vec![
+                Policy::KvAware,
+                Policy::RoundRobin,
+                Policy::Random,
+                Policy::PowerOfTwo,
+                Policy::PrefixHash,
+            ],
+        };
+        let mut it = std::env::args().skip(1);
+        while let Some(flag) = it.next() {
+            let mut val = || it.next().ok_or_else(|| anyhow::anyhow!("{flag} needs a value"));
+            match flag.as_str() {
+                "--instances" => a.instances = val()?.parse()?,
+                "--users" => a.users = val()?.parse()?,
+                "--turns" => a.turns = val()?.parse()?,
+                "--systems" => a.systems = val()?.parse()?,
+                "--system-tokens" => a.system_tokens = val()?.parse()?,
+                "--question-tokens" => a.question_tokens = val()?.parse()?,
+                "--answer-tokens" => a.answer_tokens = val()?.parse()?,
+                "--rate" => a.rate = val()?.parse()?,
+                "--seconds" => a.seconds = val()?.parse()?,
+                "--prefill-us" => a.prefill_us = val()?.parse()?,
+                "--decode-us" => a.decode_us = val()?.parse()?,
+                "--svg" => a.svg = Some(val()?),
+                "--policies" => {
+                    a.policies = val()?
+                        .split(',')
+                        .map(|p| match p {
+                            "kv_aware" => Ok(Policy::KvAware),
+                            "round_robin" => Ok(Policy::RoundRobin),
+                            "random" => Ok(Policy::Random),
+                            "power_of_two" => Ok(Policy::PowerOfTwo),
+                            "prefix_hash" => Ok(Policy::PrefixHash),
+                            other => Err(anyhow::anyhow!("unknown policy {other}")),
+                        })
+                        .collect::<Result<_, _>>()?
+                }
+                other => anyhow::bail!("unknown flag {other}"),
+            }
+        }
+        Ok(a)
+    }
+}
+
+fn tokens(rng: &mut StdRng, n: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.random_range(2..30_000)).collect()
+}
+
+#[derive(Debug, Default)]
+struct Sample {
+    ttft: Duration,
+    itl: Option<Duration>,
+    prompt: u32,
+    cached: u32,
+    generated: u32,
+}
+
+#[derive(Debug, Default)]
+struct Report {
+    samples: Vec<Sample>,
+    errors: usize,
+    wall: Duration,
+}
+
+async fn turn(
+    client: &mut GenerateClient<Channel>,
+    prompt: Vec<u32>,
+    policy: Policy,
+    answer: u32,
+) -> anyhow::Result<(Sample, Vec<u32>)> {
+    let prompt_len = prompt.len() as u32;
+    let req = GenerateRequest {
+        input: Some(Input::TokenIds(TokenIds { ids: prompt })),
+        sampling: Some(SamplingParams {
+            max_tokens: answer,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        policy: policy as i32,
+        deadline_ms: 120_000,
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let mut s = client.generate(req).await?.into_inner();
+    let (mut out, mut ttft, mut cached) = (Vec::new(), None, 0);
+    while let Some(m) = s.message().await? {
+        match m.event {
+            Some(Event::Chunk(c)) => {
+                ttft.get_or_insert_with(|| start.elapsed());
+                out.extend(c.token_ids);
+            }
+            Some(Event::Complete(c)) => cached = c.usage.map_or(0, |u| u.cached_tokens),
+            None => {}
+        }
+    }
+    let ttft = ttft.ok_or_else(|| anyhow::anyhow!("no token"))?;
+    let itl = (out.len() > 1).then(|| (start.elapsed() - ttft) / (out.len() as u32 - 1));
+    Ok((Sample { ttft, itl, prompt: prompt_len, cached, generated: out.len() as u32 }, out))
+}
+
+async fn run_policy(a: &Args, policy: Policy) -> anyhow::Result<Report> {
+    let engine: Arc<dyn Engine> = Arc::new(MockEngine::new(MockConfig {
+        prefill_per_token: Duration::from_micros(a.prefill_us),
+        decode_per_token: Duration::from_micros(a.decode_us),
+        ..MockConfig::default()
+    }));
+    let cfg = ClusterConfig { prefills: a.instances, prefill_tp: 1, ..ClusterConfig::ephemeral() };
+    let cluster = Cluster::start_shared(cfg, engine).await?;
+    let client = GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
+
+    // The same workload for every policy.
+    let mut rng = StdRng::seed_from_u64(42);
+    let systems: Vec<Vec<u32>> =
+        (0..a.systems).map(|_| tokens(&mut rng, a.system_tokens)).collect();
+    let users: Vec<Mutex<(Vec<u32>, usize, bool)>> =
+        (0..a.users).map(|u| Mutex::new((systems[u % a.systems].clone(), 0, false))).collect();
+    let users = Arc::new(users);
+    let report = Arc::new(Mutex::new(Report::default()));
+    let start = Instant::now();
+    let mut inflight = tokio::task::JoinSet::new();
+    let mut order: VecDeque<usize> = (0..a.users).collect();
+    while start.elapsed().as_secs_f64() < a.seconds {
+        // Poisson arrivals.
+        let gap = -rng.random::<f64>().max(1e-9).ln() / a.rate;
+        tokio::time::sleep(Duration::from_secs_f64(gap)).await;
+        let ready = (0..order.len()).find(|&k| {
+            let u = users[order[k]].lock().unwrap_or_else(|e| e.into_inner());
+            !u.2 && u.1 < a.turns
+        });
+        let Some(k) = ready else { continue };
+        let u = order.remove(k).unwrap_or_default();
+        order.push_back(u);
+        let question = tokens(&mut rng, a.question_tokens);
+        let prompt = {
+            let mut s = users[u].lock().unwrap_or_else(|e| e.into_inner());
+            s.0.extend(&question);
+            s.2 = true;
+            s.0.clone()
+        };
+        let (mut c, users, report, answer) =
+            (client.clone(), users.clone(), report.clone(), a.answer_tokens);
+        inflight.spawn(async move {
+            let r = turn(&mut c, prompt, policy, answer).await;
+            let mut s = users[u].lock().unwrap_or_else(|e| e.into_inner());
+            s.2 = false;
+            s.1 += 1;
+            let mut rep = report.lock().unwrap_or_else(|e| e.into_inner());
+            match r {
+                Ok((sample, out)) => {
+                    s.0.extend(out);
+                    rep.samples.push(sample);
+                }
+                Err(_) => rep.errors += 1,
+            }
+        });
+    }
+    while inflight.join_next().await.is_some() {}
+    let wall = start.elapsed();
+    cluster.shutdown().await;
+    let mut r = std::mem::take(&mut *report.lock().unwrap_or_else(|e| e.into_inner()));
+    r.wall = wall;
+    Ok(r)
+}
+
+fn pct(v: &mut [Duration], p: f64) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    v.sort();
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn name(p: Policy) -> &'static str {
+    match p {
+        Policy::KvAware => "kv_aware",
+        Policy::RoundRobin => "round_robin",
+        Policy::Random => "random",
+        Policy::PowerOfTwo => "power_of_two",
+        Policy::PrefixHash => "prefix_hash",
+        Policy::Unspecified => "default",
+    }
+}
+
+struct Row {
+    policy: &'static str,
+    hit: f64,
+    ttft: [Duration; 3],
+    itl: Duration,
+    tps: f64,
+    requests: usize,
+    errors: usize,
+}
+
+fn svg(rows: &[Row]) -> String {
+    let (w, h, pad) = (720.0, 360.0, 60.0);
+    let max_ttft = rows.iter().map(|r| r.ttft[0].as_secs_f64()).fold(0.0, f64::max).max(1e-3);
+    let bw = (w - 2.0 * pad) / rows.len() as f64;
+    let mut s = format!(
+        "<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='12'>\n"
+    );
+    let _ = writeln!(
+        s,
+        "<text x='{pad}' y='20'>TTFT p50 (bars, left axis) and prefix cache hit rate (dots, right axis) per policy</text>"
+    );
+    for (i, r) in rows.iter().enumerate() {
+        let x = pad + i as f64 * bw;
+        let bh = (h - 2.0 * pad) * r.ttft[0].as_secs_f64() / max_ttft;
+        let _ = writeln!(
+            s,
+            "<rect x='{:.1}' y='{:.1}' width='{:.1}' height='{:.1}' fill='#4a7bd0'/>",
+            x + bw * 0.2,
+            h - pad - bh,
+            bw * 0.6,
+            bh
+        );
+        let _ = writeln!(
+            s,
+            "<text x='{:.1}' y='{:.1}' text-anchor='middle'>{:.0} ms</text>",
+            x + bw / 2.0,
+            h - pad - bh - 4.0,
+            r.ttft[0].as_secs_f64() * 1e3
+        );
+        let hy = h - pad - (h - 2.0 * pad) * r.hit;
+        let _ = writeln!(
+            s,
+            "<circle cx='{:.1}' cy='{hy:.1}' r='5' fill='#d0504a'/><text x='{:.1}' y='{:.1}' fill='#d0504a'>{:.0} %</text>",
+            x + bw / 2.0,
+            x + bw / 2.0 + 8.0,
+            hy + 4.0,
+            r.hit * 100.0
+        );
+        let _ = writeln!(
+            s,
+            "<text x='{:.1}' y='{:.1}' text-anchor='middle'>{}</text>",
+            x + bw / 2.0,
+            h - pad + 18.0,
+            r.policy
+        );
+    }
+    let _ = writeln!(
+        s,
+        "<line x1='{pad}' y1='{}' x2='{}' y2='{}' stroke='black'/>",
+        h - pad,
+        w - pad,
+        h - pad
+    );
+    s.push_str("</svg>\n");
+    s
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let a = Args::parse()?;
+    let mut rows = Vec::new();
+    for &p in &a.policies {
+        let mut r = run_policy(&a, p).await?;
+        let prompt: u64 = r.samples.iter().map(|s| u64::from(s.prompt)).sum();
+        let cached: u64 = r.samples.iter().map(|s| u64::from(s.cached)).sum();
+        let generated: u64 = r.samples.iter().map(|s| u64::from(s.generated)).sum();
+        let mut ttft: Vec<Duration> = r.samples.iter().map(|s| s.ttft).collect();
+        let mut itl: Vec<Duration> = r.samples.iter().filter_map(|s| s.itl).collect();
+        rows.push(Row {
+            policy: name(p),
+            hit: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+            ttft: [pct(&mut ttft, 0.5), pct(&mut ttft, 0.95), pct(&mut ttft, 0.99)],
+            itl: pct(&mut itl, 0.5),
+            tps: generated as f64 / r.wall.as_secs_f64(),
+            requests: r.samples.len(),
+            errors: std::mem::take(&mut r.errors),
+        });
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{} instances, {} users x {} turns, {} system prompts of {} tokens, {}-token questions, {}-token answers, {} req/s for {} s; mock prefill {} us/token, decode {} us/token\n",
+        a.instances,
+        a.users,
+        a.turns,
+        a.systems,
+        a.system_tokens,
+        a.question_tokens,
+        a.answer_tokens,
+        a.rate,
+        a.seconds,
+        a.prefill_us,
+        a.decode_us
+    )?;
+    writeln!(
+        out,
+        "| policy | hit rate | TTFT p50 (ms) | TTFT p95 (ms) | TTFT p99 (ms) | ITL p50 (ms) | tokens/s | requests | errors |"
+    )?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    for r in &rows {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        writeln!(
+            out,
+            "| {} | {:.1} % | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} |",
+            r.policy,
+            r.hit * 100.0,
+            ms(r.ttft[0]),
+            ms(r.ttft[1]),
+            ms(r.ttft[2]),
+            ms(r.itl),
+            r.tps,
+            r.requests,
+            r.errors
+        )?;
+    }
+    if let Some(path) = &a.svg {
+        std::fs::write(path, svg(&rows))?;
+        writeln!(out, "\nplot: {path}")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,77 @@
+use handoff_core::block_hashes;
+
+use super::*;
+
+fn cands(n: usize) -> Vec<Candidate> {
+    (0..n)
+        .map(|i| Candidate {
+            key: WorkerKey { instance: format!("p{i}").parse().unwrap(), dp_rank: 0 },
+            overlap_blocks: 0,
+            queued_tokens: 0,
+            in_flight: 0,
+        })
+        .collect()
+}
+
+fn req<'a>(c: &'a [Candidate], hashes: &'a [BlockHash], tick: usize) -> Request<'a> {
+    Request { candidates: c, prompt_tokens: 256, page_size: 16, hashes, tick }
+}
+
+#[test]
+fn every_policy_picks_a_candidate_and_none_from_nothing() {
+    let c = cands(5);
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    for p in [
+        PolicyKind::KvAware,
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+        PolicyKind::PowerOfTwo,
+        PolicyKind::PrefixHash,
+    ] {
+        for t in 0..20 {
+            assert!(p.pick(&req(&c, &h, t), &PolicyParams::default()).unwrap() < 5);
+        }
+        assert_eq!(p.pick(&req(&[], &h, 0), &PolicyParams::default()), None);
+    }
+}
+
+#[test]
+fn power_of_two_never_picks_the_most_loaded_of_two() {
+    let mut c = cands(2);
+    c[0].queued_tokens = 10_000;
+    for _ in 0..50 {
+        assert_eq!(
+            PolicyKind::PowerOfTwo.pick(&req(&c, &[], 0), &PolicyParams::default()),
+            Some(1)
+        );
+    }
+}
+
+#[test]
+fn prefix_hash_is_sticky_per_prefix_and_sheds_overload() {
+    let mut c = cands(8);
+    let a = block_hashes(&(0..64).collect::<Vec<_>>(), 16);
+    let first = PolicyKind::PrefixHash.pick(&req(&c, &a, 0), &PolicyParams::default()).unwrap();
+    for t in 1..10 {
+        assert_eq!(
+            PolicyKind::PrefixHash.pick(&req(&c, &a, t), &PolicyParams::default()),
+            Some(first)
+        );
+    }
+    c[first].queued_tokens = 100_000;
+    assert_ne!(PolicyKind::PrefixHash.pick(&req(&c, &a, 0), &PolicyParams::default()), Some(first));
+}
+
+#[test]
+fn kv_aware_with_temperature_still_prefers_the_cached_candidate() {
+    let mut c = cands(4);
+    c[2].overlap_blocks = 15;
+    let params = PolicyParams {
+        kv_aware: KvAwareWeights { temperature: 0.1, ..Default::default() },
+        ..Default::default()
+    };
+    let hits = (0..200)
+        .filter(|&t| PolicyKind::KvAware.pick(&req(&c, &[], t), &params) == Some(2))
+        .count();
+    assert!(hits > 180, "{hits}/200");
+}
