@@ -14,7 +14,6 @@
 //! cargo run --release -p handoff-benches --bin loadgen -- --rate 4 --seconds 40 --svg loadgen.svg
 //! ```
 
-use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -184,18 +183,22 @@ async fn run_policy(a: &Args, policy: Policy) -> anyhow::Result<Report> {
     let report = Arc::new(Mutex::new(Report::default()));
     let start = Instant::now();
     let mut inflight = tokio::task::JoinSet::new();
-    let mut order: VecDeque<usize> = (0..a.users).collect();
     while start.elapsed().as_secs_f64() < a.seconds {
         // Poisson arrivals.
         let gap = -rng.random::<f64>().max(1e-9).ln() / a.rate;
         tokio::time::sleep(Duration::from_secs_f64(gap)).await;
-        let ready = (0..order.len()).find(|&k| {
-            let u = users[order[k]].lock().unwrap_or_else(|e| e.into_inner());
-            !u.2 && u.1 < a.turns
-        });
-        let Some(k) = ready else { continue };
-        let u = order.remove(k).unwrap_or_default();
-        order.push_back(u);
+        // A random user who is not waiting for an answer and has turns left (a fixed order
+        // would line users up with round-robin's rotation).
+        let ready: Vec<usize> = (0..a.users)
+            .filter(|&u| {
+                let s = users[u].lock().unwrap_or_else(|e| e.into_inner());
+                !s.2 && s.1 < a.turns
+            })
+            .collect();
+        if ready.is_empty() {
+            continue;
+        }
+        let u = ready[rng.random_range(0..ready.len())];
         let question = tokens(&mut rng, a.question_tokens);
         let prompt = {
             let mut s = users[u].lock().unwrap_or_else(|e| e.into_inner());

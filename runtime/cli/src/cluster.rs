@@ -102,6 +102,8 @@ pub struct Cluster {
     pub scheduler: Scheduler,
     /// The discovery registry.
     pub registry: Arc<dyn Registry>,
+    /// The event bus.
+    pub bus: Arc<dyn EventBus>,
 }
 
 fn port_plus(base: u16, i: usize) -> u16 {
@@ -216,6 +218,7 @@ impl Cluster {
             frontend,
             scheduler,
             registry,
+            bus,
         })
     }
 

@@ -6,5 +6,6 @@ mod e2e {
     pub(crate) mod model;
     pub(crate) mod path;
     pub(crate) mod reassembly;
+    pub(crate) mod resync;
     pub(crate) mod support;
 }

@@ -12,6 +12,11 @@ pub struct FrontendConfig {
     pub decode_tp: u32,
     /// Attempts per request before the first token (each on another instance, fresh room).
     pub max_attempts: u32,
+    /// Wait before the second attempt; each later one waits 1.5x longer (+-20 % jitter),
+    /// up to `max_backoff`, and never past the deadline.
+    pub backoff: Duration,
+    /// Longest wait between attempts.
+    pub max_backoff: Duration,
     /// Whole-request deadline when the request names none.
     pub request_timeout: Duration,
     /// Deadline of one attempt (bounded by the request's).
@@ -32,7 +37,9 @@ impl Default for FrontendConfig {
     fn default() -> Self {
         FrontendConfig {
             decode_tp: 1,
-            max_attempts: 3,
+            max_attempts: 5,
+            backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(30),
             request_timeout: Duration::from_secs(60),
             attempt_timeout: Duration::from_secs(15),
             default_max_tokens: 16,

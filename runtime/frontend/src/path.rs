@@ -162,20 +162,37 @@ impl Frontend {
         Ok(c)
     }
 
-    fn report(&self, instance: String, dp_rank: u32, prompt_tokens: u32, error: Option<String>) {
+    fn report(
+        &self,
+        instance: String,
+        dp_rank: u32,
+        prompt_tokens: u32,
+        error: Option<&FrontendError>,
+    ) {
         let mut client = self.scheduler.clone();
+        // Registering receive memory and loading the KV are the decode's own steps: their
+        // failures must not open the prefill's circuit breaker.
+        let decode_fault =
+            matches!(error, Some(FrontendError::Attempt { stage: "register" | "consume", .. }));
+        let req = ReportOutcomeRequest {
+            instance_id: instance,
+            dp_rank,
+            success: error.is_none(),
+            prompt_tokens,
+            error: error.map(ToString::to_string).unwrap_or_default(),
+            decode_fault,
+        };
         self.tasks.spawn(async move {
-            let req = ReportOutcomeRequest {
-                instance_id: instance,
-                dp_rank,
-                success: error.is_none(),
-                prompt_tokens,
-                error: error.unwrap_or_default(),
-            };
             if let Err(e) = client.report_outcome(req).await {
                 debug!(error = %e, "outcome not reported");
             }
         });
+    }
+
+    fn backoff(&self, failures: usize) -> std::time::Duration {
+        let base = self.cfg.backoff.as_secs_f64() * 1.5f64.powi(failures.saturating_sub(1) as i32);
+        let jittered = base.min(self.cfg.max_backoff.as_secs_f64()) * rand::random_range(0.8..1.2);
+        std::time::Duration::from_secs_f64(jittered)
     }
 
     /// Runs attempts until one yields verified KV loaded into a decoder, or the attempts,
@@ -195,6 +212,10 @@ impl Frontend {
         let mut failed: Vec<Attempt> = Vec::new();
         let mut exclude: Vec<String> = Vec::new();
         for _ in 0..self.cfg.max_attempts {
+            if !failed.is_empty() {
+                let wake = (Instant::now() + self.backoff(failed.len())).min(plan.deadline);
+                tokio::time::sleep_until(wake).await;
+            }
             if Instant::now() >= plan.deadline {
                 return Err(FrontendError::Deadline(summary(&failed)));
             }
@@ -271,12 +292,7 @@ impl Frontend {
                 }
                 Err(e) => {
                     warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed; retrying elsewhere");
-                    self.report(
-                        sel.instance_id.clone(),
-                        sel.dp_rank,
-                        prompt_tokens,
-                        Some(e.to_string()),
-                    );
+                    self.report(sel.instance_id.clone(), sel.dp_rank, prompt_tokens, Some(&e));
                     self.directory.invalidate(&sel.instance_id);
                     exclude.push(sel.instance_id.clone());
                     failed.push(Attempt {

@@ -142,6 +142,14 @@ impl KvIndex {
             .map_or(0, |w| w.blocks.len())
     }
 
+    /// The blocks `key` holds.
+    pub fn blocks(&self, key: &WorkerKey) -> Vec<BlockHash> {
+        self.slots
+            .get(key)
+            .and_then(|&s| self.workers[s as usize].as_ref())
+            .map_or_else(Vec::new, |w| w.blocks.iter().copied().collect())
+    }
+
     /// (block, worker) pairs held.
     pub fn len(&self) -> usize {
         self.entries

@@ -221,6 +221,11 @@ impl PrefillInstance {
         })
     }
 
+    /// What the instance's prefix caches hold (what it answers snapshot requests with).
+    pub async fn snapshot(&self) -> handoff_discovery::KvSnapshot {
+        self.service.snapshot().await
+    }
+
     /// A graceful drain: out of routing first (deregistered), then waits until the requests
     /// in flight have finished (at most `grace`). Shut the instance's tasks down afterwards.
     pub async fn drain(&self, grace: std::time::Duration) -> Result<(), PrefillError> {

@@ -78,7 +78,14 @@ impl SchedulerRpc for SchedulerService {
     ) -> Result<Response<ReportOutcomeResponse>, Status> {
         let r = req.into_inner();
         let id = instance_id(&r.instance_id)?;
-        self.state.report(&id, r.dp_rank, r.prompt_tokens);
+        let outcome = if r.success {
+            Some(true)
+        } else if r.decode_fault {
+            None
+        } else {
+            Some(false)
+        };
+        self.state.report(&id, r.dp_rank, r.prompt_tokens, outcome);
         if !r.success {
             debug!(instance = %id, error = %r.error, "attempt failed");
         }

@@ -29,6 +29,33 @@ pub struct SchedulerConfig {
     /// An instance not heard from for this long (3 missed 1 s heartbeats) is out of routing
     /// and its index entries are dropped, before its lease expires.
     pub liveness_timeout: Duration,
+    /// The per-instance circuit breaker.
+    pub breaker: BreakerConfig,
+}
+
+/// Circuit breaker settings (defaults: SGLang's router).
+#[derive(Debug, Clone, Copy)]
+pub struct BreakerConfig {
+    /// Consecutive prefill-side failures that open the breaker.
+    pub failures: u32,
+    /// Successful probes that close it again.
+    pub successes: u32,
+    /// How long it stays open before probes are let through (half-open).
+    pub cooldown: Duration,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig { failures: 10, successes: 3, cooldown: Duration::from_secs(60) }
+    }
+}
+
+/// One instance's breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Breaker {
+    Closed { failures: u32 },
+    Open { until: Instant },
+    HalfOpen { successes: u32, probing: bool },
 }
 
 impl Default for SchedulerConfig {
@@ -40,6 +67,7 @@ impl Default for SchedulerConfig {
             max_exclude: 64,
             max_index_entries: 50_000_000,
             liveness_timeout: Duration::from_secs(3),
+            breaker: BreakerConfig::default(),
         }
     }
 }
@@ -73,6 +101,11 @@ struct Inner {
     silent: HashSet<InstanceId>,
     /// Instances whose snapshot has been asked for and not yet applied.
     resyncing: HashSet<InstanceId>,
+    /// When any instance was last heard from: while nothing is heard from anyone, the bus is
+    /// presumed down and nobody is swept out of routing.
+    last_beat: Option<Instant>,
+    bus_quiet: bool,
+    breakers: HashMap<InstanceId, Breaker>,
 }
 
 impl Inner {
@@ -84,6 +117,26 @@ impl Inner {
 
     fn routable(&self, id: &InstanceId) -> bool {
         !self.silent.contains(id)
+    }
+
+    /// Whether the breaker lets a request through now (turning open into half-open after the
+    /// cooldown; half-open lets one probe at a time).
+    fn admits(&mut self, id: &InstanceId, probe: bool) -> bool {
+        let b = self.breakers.entry(id.clone()).or_insert(Breaker::Closed { failures: 0 });
+        match *b {
+            Breaker::Closed { .. } => true,
+            Breaker::Open { until } if Instant::now() >= until => {
+                *b = Breaker::HalfOpen { successes: 0, probing: probe };
+                true
+            }
+            Breaker::Open { .. } => false,
+            Breaker::HalfOpen { probing, successes } => {
+                if probe && !probing {
+                    *b = Breaker::HalfOpen { successes, probing: true };
+                }
+                !probing
+            }
+        }
     }
 }
 
@@ -119,6 +172,9 @@ impl SchedulerState {
             seen: HashMap::new(),
             silent: HashSet::new(),
             resyncing: HashSet::new(),
+            last_beat: None,
+            bus_quiet: false,
+            breakers: HashMap::new(),
         };
         SchedulerState { cfg, inner: Mutex::new(inner), tick: AtomicUsize::new(0) }
     }
@@ -175,7 +231,13 @@ impl SchedulerState {
         if !inner.instances.contains_key(&hb.instance) {
             return false;
         }
-        inner.seen.insert(hb.instance.clone(), Instant::now());
+        let now = Instant::now();
+        inner.seen.insert(hb.instance.clone(), now);
+        inner.last_beat = Some(now);
+        if inner.bus_quiet {
+            info!("heartbeats heard again; liveness checks resume");
+            inner.bus_quiet = false;
+        }
         let resumed = inner.silent.remove(&hb.instance);
         if resumed {
             info!(instance = %hb.instance, "heartbeats resumed; back in routing");
@@ -189,6 +251,17 @@ impl SchedulerState {
     pub fn sweep(&self) -> Vec<InstanceId> {
         let mut inner = self.lock();
         let timeout = self.cfg.liveness_timeout;
+        // Silence from everyone at once is the bus, not the fleet: keep routing on the last
+        // known state (leases still remove instances that are really gone).
+        if inner.last_beat.is_none_or(|t| t.elapsed() > timeout) {
+            if inner.last_beat.is_some() && !inner.bus_quiet {
+                warn!(
+                    "no heartbeat from any instance for {timeout:?}; the bus may be down; routing on the last known state"
+                );
+                inner.bus_quiet = true;
+            }
+            return Vec::new();
+        }
         let stale: Vec<InstanceId> = inner
             .seen
             .iter()
@@ -292,9 +365,13 @@ impl SchedulerState {
         let overlaps = inner.index.overlaps(hashes);
         let mut candidates = Vec::new();
         let mut page_size = 16;
-        for inst in
-            inner.instances.values().filter(|i| !exclude.contains(&i.id) && inner.routable(&i.id))
-        {
+        let ids: Vec<InstanceId> = inner.instances.keys().cloned().collect();
+        let admitted: HashSet<InstanceId> =
+            ids.into_iter().filter(|id| inner.admits(id, false)).collect();
+        let usable = |i: &&Instance| {
+            !exclude.contains(&i.id) && inner.routable(&i.id) && admitted.contains(&i.id)
+        };
+        for inst in inner.instances.values().filter(usable) {
             page_size = inst.page_size as usize;
             for dp_rank in 0..inst.topology.dp {
                 let key = WorkerKey { instance: inst.id.clone(), dp_rank };
@@ -325,6 +402,7 @@ impl SchedulerState {
             return Err(SchedulerError::NoInstance(why));
         };
         let c = candidates.swap_remove(i);
+        inner.admits(&c.key.instance, true);
         let load = inner.load.entry(c.key.clone()).or_default();
         load.in_flight += 1;
         load.queued_tokens += u64::from(prompt_tokens);
@@ -332,14 +410,50 @@ impl SchedulerState {
         Ok(Selection { instance, dp_rank: c.key.dp_rank, cached_blocks: c.overlap_blocks as u32 })
     }
 
-    /// Ends a request's in-flight accounting on (instance, dp rank).
-    pub fn report(&self, instance: &InstanceId, dp_rank: u32, prompt_tokens: u32) {
+    /// Ends a request's in-flight accounting on (instance, dp rank) and feeds the instance's
+    /// circuit breaker: `Some(true)` success, `Some(false)` a prefill-side failure, `None` a
+    /// failure that is not the prefill's (it does not count).
+    pub fn report(
+        &self,
+        instance: &InstanceId,
+        dp_rank: u32,
+        prompt_tokens: u32,
+        outcome: Option<bool>,
+    ) {
         let mut inner = self.lock();
         let key = WorkerKey { instance: instance.clone(), dp_rank };
         if let Some(l) = inner.load.get_mut(&key) {
             l.in_flight = l.in_flight.saturating_sub(1);
             l.queued_tokens = l.queued_tokens.saturating_sub(u64::from(prompt_tokens));
         }
+        let Some(ok) = outcome else { return };
+        let cfg = self.cfg.breaker;
+        let b = inner.breakers.entry(instance.clone()).or_insert(Breaker::Closed { failures: 0 });
+        let next = match (*b, ok) {
+            (Breaker::Closed { .. }, true) => Breaker::Closed { failures: 0 },
+            (Breaker::Closed { failures }, false) if failures + 1 >= cfg.failures => {
+                warn!(%instance, failures = failures + 1, "circuit breaker open");
+                Breaker::Open { until: Instant::now() + cfg.cooldown }
+            }
+            (Breaker::Closed { failures }, false) => Breaker::Closed { failures: failures + 1 },
+            (Breaker::HalfOpen { successes, .. }, true) if successes + 1 >= cfg.successes => {
+                info!(%instance, "circuit breaker closed");
+                Breaker::Closed { failures: 0 }
+            }
+            (Breaker::HalfOpen { successes, .. }, true) => {
+                Breaker::HalfOpen { successes: successes + 1, probing: false }
+            }
+            (Breaker::HalfOpen { .. }, false) => {
+                Breaker::Open { until: Instant::now() + cfg.cooldown }
+            }
+            (open @ Breaker::Open { .. }, _) => open,
+        };
+        *b = next;
+    }
+
+    /// The blocks indexed for (instance, dp rank).
+    pub fn indexed_blocks(&self, instance: &InstanceId, dp_rank: u32) -> Vec<BlockHash> {
+        self.lock().index.blocks(&WorkerKey { instance: instance.clone(), dp_rank })
     }
 
     /// Every known instance with its load and indexed blocks.

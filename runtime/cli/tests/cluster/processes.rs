@@ -59,96 +59,195 @@ async fn one(
     Ok(instance)
 }
 
+/// etcd, NATS, a scheduler, two prefills and a frontend, as separate processes.
+struct Fleet {
+    etcd: Server,
+    nats: Server,
+    victim: Handoff,
+    _others: Vec<Handoff>,
+    sched: SchedulerClient<tonic::transport::Channel>,
+    client: GenerateClient<tonic::transport::Channel>,
+}
+
+impl Fleet {
+    async fn start() -> Fleet {
+        let etcd = Server::etcd();
+        let nats = Server::nats();
+        let (sched_p, line) = Handoff::spawn(&[
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--etcd",
+            &etcd.url,
+            "--nats",
+            &nats.url,
+        ]);
+        let sched_addr = addr_after(&line, "grpc://");
+        let victim = prefill(&etcd, &nats, "victim");
+        let survivor = prefill(&etcd, &nats, "survivor");
+        let (fe, line) = Handoff::spawn(&[
+            "frontend",
+            "--engine",
+            "mock",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--etcd",
+            &etcd.url,
+            "--nats",
+            &nats.url,
+        ]);
+        let fe_addr = addr_after(&line, "grpc://");
+        let sched = SchedulerClient::connect(format!("http://{sched_addr}")).await.unwrap();
+        let client = GenerateClient::connect(format!("http://{fe_addr}")).await.unwrap();
+        let fleet =
+            Fleet { etcd, nats, victim, _others: vec![sched_p, survivor, fe], sched, client };
+        fleet.wait_routable(2, Duration::from_secs(20)).await;
+        fleet
+    }
+
+    async fn routable(&self) -> Vec<String> {
+        let all = self
+            .sched
+            .clone()
+            .list_instances(ListInstancesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .instances;
+        all.into_iter().filter(|i| i.routable).map(|i| i.instance_id).collect()
+    }
+
+    async fn wait_routable(&self, n: usize, within: Duration) {
+        let start = Instant::now();
+        while self.routable().await.len() < n {
+            assert!(start.elapsed() < within, "{n} prefills routable within {within:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Four clients sending requests back to back until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+    workers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(client: &GenerateClient<tonic::transport::Channel>) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let workers = (0..4u32)
+            .map(|w| {
+                let (stop, ok, failed, mut c) =
+                    (stop.clone(), ok.clone(), failed.clone(), client.clone());
+                tokio::spawn(async move {
+                    let mut i = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        match one(&mut c, 1000 + w * 100_000 + i).await {
+                            Ok(_) => ok.fetch_add(1, Ordering::Relaxed),
+                            Err(e) => {
+                                eprintln!("lost: {e}");
+                                failed.fetch_add(1, Ordering::Relaxed)
+                            }
+                        };
+                        i += 1;
+                    }
+                })
+            })
+            .collect();
+        Load { stop, ok, failed, workers }
+    }
+
+    /// Stops and returns (ok, failed).
+    async fn finish(self) -> (usize, usize) {
+        self.stop.store(true, Ordering::Relaxed);
+        for w in self.workers {
+            w.await.unwrap();
+        }
+        (self.ok.load(Ordering::Relaxed), self.failed.load(Ordering::Relaxed))
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn processes_find_each_other_and_a_killed_prefill_leaves_routing_without_losing_requests() {
-    let etcd = Server::etcd();
-    let nats = Server::nats();
-    let (_sched, line) = Handoff::spawn(&[
-        "scheduler",
-        "--listen",
-        "127.0.0.1:0",
-        "--etcd",
-        &etcd.url,
-        "--nats",
-        &nats.url,
-    ]);
-    let sched_addr = addr_after(&line, "grpc://");
-    let mut victim = prefill(&etcd, &nats, "victim");
-    let _survivor = prefill(&etcd, &nats, "survivor");
-    let (_fe, line) = Handoff::spawn(&[
-        "frontend",
-        "--engine",
-        "mock",
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--etcd",
-        &etcd.url,
-        "--nats",
-        &nats.url,
-    ]);
-    let fe_addr = addr_after(&line, "grpc://");
-    let mut sched = SchedulerClient::connect(format!("http://{sched_addr}")).await.unwrap();
-    let routable = |sched: &mut SchedulerClient<tonic::transport::Channel>| {
-        let mut s = sched.clone();
-        async move {
-            let all =
-                s.list_instances(ListInstancesRequest {}).await.unwrap().into_inner().instances;
-            all.into_iter().filter(|i| i.routable).map(|i| i.instance_id).collect::<Vec<_>>()
-        }
-    };
-    let start = Instant::now();
-    while routable(&mut sched).await.len() < 2 {
-        assert!(start.elapsed() < Duration::from_secs(20), "both prefills routable");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let client = GenerateClient::connect(format!("http://{fe_addr}")).await.unwrap();
+    let mut f = Fleet::start().await;
     let mut served = std::collections::HashSet::new();
     for seed in 0..20 {
-        served.insert(one(&mut client.clone(), seed).await.expect("requests flow"));
+        served.insert(one(&mut f.client.clone(), seed).await.expect("requests flow"));
     }
     assert_eq!(served.len(), 2, "both prefills serve: {served:?}");
 
-    // Steady load, then kill -9 one prefill.
-    let stop = Arc::new(AtomicBool::new(false));
-    let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let mut load = Vec::new();
-    for w in 0..4u32 {
-        let (stop, ok, failed, mut c) = (stop.clone(), ok.clone(), failed.clone(), client.clone());
-        load.push(tokio::spawn(async move {
-            let mut i = 0;
-            while !stop.load(Ordering::Relaxed) {
-                match one(&mut c, 1000 + w * 10_000 + i).await {
-                    Ok(_) => ok.fetch_add(1, Ordering::Relaxed),
-                    Err(e) => {
-                        eprintln!("lost: {e}");
-                        failed.fetch_add(1, Ordering::Relaxed)
-                    }
-                };
-                i += 1;
-            }
-        }));
-    }
+    let load = Load::start(&f.client);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let killed = Instant::now();
-    victim.kill9();
-    while routable(&mut sched).await.contains(&"victim".to_owned()) {
+    f.victim.kill9();
+    while f.routable().await.contains(&"victim".to_owned()) {
         assert!(killed.elapsed() < Duration::from_secs(10), "victim still routable");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     let out_after = killed.elapsed();
     tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.store(true, Ordering::Relaxed);
-    for l in load {
-        l.await.unwrap();
-    }
-    eprintln!(
-        "out of routing {out_after:?} after kill -9; {} ok, {} failed",
-        ok.load(Ordering::Relaxed),
-        failed.load(Ordering::Relaxed)
-    );
+    let (ok, failed) = load.finish().await;
+    eprintln!("out of routing {out_after:?} after kill -9; {ok} ok, {failed} failed");
     assert!(out_after <= Duration::from_millis(3500), "out of routing after {out_after:?}");
-    assert_eq!(failed.load(Ordering::Relaxed), 0, "no request lost");
-    assert!(ok.load(Ordering::Relaxed) > 10);
+    assert_eq!(failed, 0, "no request lost");
+    assert!(ok > 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_and_nats_restarts_under_load_lose_no_request() {
+    let mut f = Fleet::start().await;
+    let load = Load::start(&f.client);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // etcd away for 3 s: registrations and watches ride it out.
+    f.etcd.stop();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    f.etcd.start();
+    // NATS away for 5 s, longer than the 3 s liveness timeout: silence from every instance
+    // at once is the bus, so nobody is taken out of routing.
+    f.nats.stop();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(f.routable().await.len(), 2, "routing goes on with the last known state");
+    f.nats.start();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    f.wait_routable(2, Duration::from_secs(10)).await;
+    let (ok, failed) = load.finish().await;
+    eprintln!("etcd and NATS restarts: {ok} ok, {failed} failed");
+    assert_eq!(failed, 0, "no request lost");
+    assert!(ok > 50);
+    // Requests keep flowing to both instances afterwards.
+    let mut served = std::collections::HashSet::new();
+    for seed in 0..20 {
+        served.insert(one(&mut f.client.clone(), 5_000_000 + seed).await.expect("requests flow"));
+    }
+    assert_eq!(served.len(), 2, "{served:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_a_prefill_without_failing_a_request() {
+    let mut f = Fleet::start().await;
+    let load = Load::start(&f.client);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = f.victim.child.id().to_string();
+    let status = std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(status.success());
+    let start = Instant::now();
+    while f.routable().await.contains(&"victim".to_owned()) {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "a draining prefill leaves routing at once"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let exited = tokio::task::spawn_blocking(move || f.victim.child.wait()).await.unwrap().unwrap();
+    assert!(exited.success(), "drained and exited cleanly: {exited:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (ok, failed) = load.finish().await;
+    eprintln!("drain: out of routing in {:?}; {ok} ok, {failed} failed", start.elapsed());
+    assert_eq!(failed, 0, "no request failed");
 }

@@ -30,7 +30,7 @@ fn kv_aware_goes_where_the_prefix_is_cached() {
     for _ in 0..5 {
         let sel = s.select(&h, 256, None, &[]).unwrap();
         assert_eq!((sel.instance.id.as_str(), sel.dp_rank, sel.cached_blocks), ("b", 1, 12));
-        s.report(&sel.instance.id, sel.dp_rank, 256);
+        s.report(&sel.instance.id, sel.dp_rank, 256, Some(true));
     }
 }
 
@@ -81,4 +81,80 @@ fn removed_or_restarted_instances_lose_their_index() {
     assert_eq!(s.instances()[0].cached_blocks, 0, "dp rank out of range ignored");
     s.apply_event(stored("zz", 0, 1, h));
     assert_eq!(s.instances().len(), 1, "events from unknown instances ignored");
+}
+
+#[test]
+fn breaker_opens_on_prefill_faults_only_and_recovers_through_probes() {
+    let cfg = SchedulerConfig {
+        breaker: BreakerConfig {
+            failures: 3,
+            successes: 2,
+            cooldown: std::time::Duration::from_millis(50),
+        },
+        ..SchedulerConfig::default()
+    };
+    let s = SchedulerState::new(cfg);
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
+    let a: InstanceId = "a".parse().unwrap();
+    // Decode-side failures never count.
+    for _ in 0..10 {
+        s.report(&a, 0, 10, None);
+    }
+    let picks = |n| {
+        (0..n)
+            .map(|_| {
+                s.select(&[], 10, Some(PolicyKind::RoundRobin), &[])
+                    .unwrap()
+                    .instance
+                    .id
+                    .to_string()
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(picks(4).contains(&"a".to_owned()));
+    for _ in 0..3 {
+        s.report(&a, 0, 10, Some(false));
+    }
+    assert!(!picks(6).contains(&"a".to_owned()), "open: a gets nothing");
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    // Half-open: one probe at a time.
+    let p = picks(6);
+    assert_eq!(p.iter().filter(|i| *i == "a").count(), 1, "{p:?}");
+    s.report(&a, 0, 10, Some(true));
+    assert_eq!(picks(6).iter().filter(|i| *i == "a").count(), 1);
+    s.report(&a, 0, 10, Some(true));
+    assert!(picks(6).iter().filter(|i| *i == "a").count() >= 2, "closed again");
+}
+
+#[test]
+fn silence_from_everyone_is_the_bus_not_the_fleet() {
+    let cfg = SchedulerConfig {
+        liveness_timeout: std::time::Duration::from_millis(100),
+        ..SchedulerConfig::default()
+    };
+    let s = SchedulerState::new(cfg);
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
+    let hb = |id: &str| handoff_discovery::Heartbeat {
+        instance: id.parse().unwrap(),
+        queued_tokens: 0,
+        running: 0,
+        kv_bytes: 0,
+    };
+    for id in ["a", "b"] {
+        assert!(s.heartbeat(&hb(id)), "first heartbeat asks for a snapshot");
+        s.apply_snapshot(handoff_discovery::KvSnapshot {
+            instance: id.parse().unwrap(),
+            seq: 0,
+            dp_blocks: vec![vec![]],
+        });
+    }
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    s.heartbeat(&hb("b"));
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    assert_eq!(s.sweep(), vec!["a".parse::<InstanceId>().unwrap()], "a went quiet while b did not");
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    assert!(s.sweep().is_empty(), "everyone quiet: keep routing on the last state");
+    assert_eq!(s.select(&[], 10, None, &[]).unwrap().instance.id.as_str(), "b");
+    // a's heartbeats resume: routed again, after a resync is asked for.
+    assert!(s.heartbeat(&hb("a")));
 }

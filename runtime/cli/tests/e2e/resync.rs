@@ -1,0 +1,86 @@
+//! KV events with a gap: the scheduler notices, asks the instance for a snapshot, and its
+//! view of the instance then equals the instance's own.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use handoff::ClusterConfig;
+use handoff_core::BlockHash;
+use handoff_discovery::events::kv_subject;
+use handoff_discovery::{KvEvent, KvEventKind};
+
+use super::support::*;
+
+#[tokio::test]
+async fn an_event_gap_is_resynced_to_the_instances_own_view() {
+    let c =
+        cluster(ClusterConfig { prefills: 1, prefill_tp: 1, ..ClusterConfig::ephemeral() }).await;
+    let mut cl = client(&c).await;
+    for seed in 0..4 {
+        generate(&mut cl, &prompt(seed, 70), 2).await.unwrap();
+    }
+    let p = &c.prefills[0];
+    let state = c.scheduler.state();
+    let view = || state.indexed_blocks(&p.id, 0).into_iter().collect::<BTreeSet<_>>();
+    let own = || async { p.snapshot().await.dp_blocks[0].iter().copied().collect::<BTreeSet<_>>() };
+    let wait_equal = |what: &'static str| async move {
+        let start = Instant::now();
+        loop {
+            let (v, o) = (view(), own().await);
+            if v == o && !o.is_empty() {
+                return v;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "{what}: scheduler {} blocks, instance {}",
+                v.len(),
+                o.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let before = wait_equal("in step").await;
+    assert_eq!(before.len(), 16, "4 prompts of 4 full pages");
+
+    // Make the scheduler's view wrong, as lost events would: a correctly numbered event that
+    // the instance never sent removes four blocks from the scheduler's view only.
+    let seq = p.snapshot().await.seq;
+    let lost: Vec<BlockHash> = before.iter().take(4).copied().collect();
+    let publish = |ev: KvEvent| {
+        let bus = c.bus.clone();
+        async move {
+            bus.publish(kv_subject(&ev.instance), serde_json::to_vec(&ev).unwrap().into())
+                .await
+                .unwrap()
+        }
+    };
+    publish(KvEvent {
+        instance: p.id.clone(),
+        dp_rank: 0,
+        seq: seq + 1,
+        kind: KvEventKind::Removed { blocks: lost },
+    })
+    .await;
+    let start = Instant::now();
+    while view().len() != 12 {
+        assert!(start.elapsed() < Duration::from_secs(5), "the scheduler applied the removal");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Now an event far ahead: a gap. Its own content must not be applied; the snapshot
+    // it triggers must repair the view.
+    let bogus = BlockHash(0xdead_beef);
+    publish(KvEvent {
+        instance: p.id.clone(),
+        dp_rank: 0,
+        seq: seq + 10,
+        kind: KvEventKind::Stored { blocks: vec![bogus] },
+    })
+    .await;
+    let after = wait_equal("after the gap").await;
+    assert!(!after.contains(&bogus), "the gapped event was not applied");
+    assert_eq!(after, before, "the snapshot restored the lost blocks");
+    // Events after the resync apply in order again.
+    generate(&mut cl, &prompt(100, 40), 2).await.unwrap();
+    assert_eq!(wait_equal("after the resync").await.len(), 18);
+    c.shutdown().await;
+}
