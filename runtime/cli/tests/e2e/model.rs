@@ -6,21 +6,14 @@ use std::sync::{Arc, OnceLock};
 use bytes::Bytes;
 use handoff::cmd::up::engines;
 use handoff::{Cluster, ClusterConfig};
-use handoff_bootstrap::{DirectoryCache, DirectoryClient};
-use handoff_core::{Room, Tasks};
 use handoff_engine::{Engine, Sampling};
-use handoff_frontend::attempt::{self, AttemptCtx, Stages, Target};
-use handoff_proto::v1::SamplingParams;
-use handoff_proto::v1::prefill_client::PrefillClient;
 use handoff_smollm::{SmolConfig, SmolLm};
-use handoff_transfer::{InboxConfig, TransferKind};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
-use tokio::time::{Duration, Instant};
 
-use super::support::{aggregated, client, generate};
+use super::support::{aggregated, client, direct_attempt, generate};
 
 fn model() -> &'static SmolLm {
     static M: OnceLock<SmolLm> = OnceLock::new();
@@ -53,9 +46,6 @@ async fn disaggregated_tp3_to_tp1_equals_aggregated_and_kv_bytes_match() {
     let m = model();
     let c =
         cluster(ClusterConfig { prefills: 1, prefill_tp: 3, ..ClusterConfig::ephemeral() }).await;
-    let tasks = Tasks::new();
-    let agent = TransferKind::loopback().start(InboxConfig::default(), &tasks, None).await.unwrap();
-    let directory = DirectoryCache::new(DirectoryClient::default());
     let mut cl = client(&c).await;
     for text in
         ["The capital of Japan is", "Rust's ownership model means that", "def fibonacci(n):"]
@@ -63,39 +53,13 @@ async fn disaggregated_tp3_to_tp1_equals_aggregated_and_kv_bytes_match() {
         let prompt = m.tokenize(text).unwrap();
         let exported = m.prefill(&prompt, None, &Sampling::default()).await.unwrap();
         // The bytes the decode imports, through the tp 3 instance's three ranks.
-        let ctx = AttemptCtx {
-            engine: m,
-            agent: &agent,
-            directory: &directory,
-            decode_tp: 1,
-            transfer_token: None,
-        };
-        let p = &c.prefills[0];
-        let target = Target {
-            instance: p.id.to_string(),
-            dp_rank: 0,
-            bootstrap_addr: p.bootstrap_addr.clone(),
-            prefill: PrefillClient::connect(format!("http://{}", p.grpc_addr)).await.unwrap(),
-        };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let got = attempt::run(
-            &ctx,
-            target,
-            Room::mint(),
-            &prompt,
-            &SamplingParams::default(),
-            deadline,
-            &mut Stages::start(),
-        )
-        .await
-        .unwrap();
+        let got = direct_attempt(&c, m, 1, &prompt).await;
         assert!(got.kv == exported.kv, "{text:?}: imported KV bytes differ from exported");
         assert_eq!(got.first_token, exported.first_token);
         // Token for token through the frontend.
         let (tokens, _) = generate(&mut cl, &prompt, 12).await.unwrap();
         assert_eq!(tokens, aggregated(m, &prompt, 12).await, "{text:?}");
     }
-    tasks.shutdown().await;
     c.shutdown().await;
 }
 

@@ -5,54 +5,17 @@
 use std::sync::Arc;
 
 use handoff::{Cluster, ClusterConfig};
-use handoff_bootstrap::{DirectoryCache, DirectoryClient};
-use handoff_core::{Room, Tasks};
 use handoff_engine::{Engine, MockEngine};
-use handoff_frontend::attempt::{self, AttemptCtx, Stages, Target};
-use handoff_proto::v1::SamplingParams;
-use handoff_proto::v1::prefill_client::PrefillClient;
-use handoff_transfer::{InboxConfig, TransferKind};
-use tokio::time::{Duration, Instant};
 
 use super::support::*;
 
 async fn reassemble(c: &Cluster, decode_tp: usize, tokens: &[u32]) -> handoff_engine::Kv {
     let engine = engine();
-    let tasks = Tasks::new();
-    let agent = TransferKind::loopback().start(InboxConfig::default(), &tasks, None).await.unwrap();
-    let directory = DirectoryCache::new(DirectoryClient::default());
-    let ctx = AttemptCtx {
-        engine: &*engine,
-        agent: &agent,
-        directory: &directory,
-        decode_tp,
-        transfer_token: None,
-    };
-    let p = &c.prefills[0];
-    let target = Target {
-        instance: p.id.to_string(),
-        dp_rank: 0,
-        bootstrap_addr: p.bootstrap_addr.clone(),
-        prefill: PrefillClient::connect(format!("http://{}", p.grpc_addr)).await.unwrap(),
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut stages = Stages::start();
-    let got = attempt::run(
-        &ctx,
-        target,
-        Room::mint(),
-        tokens,
-        &SamplingParams::default(),
-        deadline,
-        &mut stages,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("decode tp {decode_tp}: {e}"));
+    let got = direct_attempt(c, &*engine, decode_tp, tokens).await;
     let heads = engine.info().shape.kv_heads;
     let replicas = (decode_tp / heads).max(1) as u64;
     let one_copy = (tokens.len() * engine.info().shape.token_bytes()) as u64;
     assert_eq!(got.kv_bytes, one_copy * replicas, "decode tp {decode_tp}: bytes received");
-    tasks.shutdown().await;
     got.kv
 }
 

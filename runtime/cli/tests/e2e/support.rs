@@ -62,3 +62,50 @@ pub(crate) async fn aggregated(engine: &dyn Engine, tokens: &[u32], n: usize) ->
     }
     out
 }
+
+/// One attempt of the request path run directly against the cluster's first prefill
+/// instance, as a decode of tp `decode_tp` with its own agent: the verified, reassembled KV.
+pub(crate) async fn direct_attempt(
+    c: &Cluster,
+    engine: &dyn Engine,
+    decode_tp: usize,
+    tokens: &[u32],
+) -> handoff_frontend::attempt::Prefilled {
+    use handoff_bootstrap::{DirectoryCache, DirectoryClient};
+    use handoff_frontend::attempt::{self, AttemptCtx, Stages, Target};
+    use handoff_proto::v1::prefill_client::PrefillClient;
+    use handoff_transfer::{InboxConfig, TransferKind};
+
+    let tasks = handoff_core::Tasks::new();
+    let agent = TransferKind::loopback().start(InboxConfig::default(), &tasks, None).await.unwrap();
+    let directory = DirectoryCache::new(DirectoryClient::default());
+    let ctx = AttemptCtx {
+        engine,
+        agent: &agent,
+        directory: &directory,
+        decode_tp,
+        transfer_token: None,
+    };
+    let p = &c.prefills[0];
+    let target = Target {
+        instance: p.id.to_string(),
+        dp_rank: 0,
+        bootstrap_addr: p.bootstrap_addr.clone(),
+        prefill: PrefillClient::connect(format!("http://{}", p.grpc_addr)).await.unwrap(),
+    };
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    let room = handoff_core::Room::mint();
+    let got = attempt::run(
+        &ctx,
+        target,
+        room,
+        tokens,
+        &SamplingParams::default(),
+        deadline,
+        &mut Stages::start(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("decode tp {decode_tp}: {e}"));
+    tasks.shutdown().await;
+    got
+}
