@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::num::NonZeroU64;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -65,15 +66,16 @@ impl fmt::Debug for Room {
     }
 }
 
-/// The id of one instance (a prefill instance, a frontend, a scheduler).
+/// The id of one instance (a prefill instance, a frontend, a scheduler). Cheap to clone: the
+/// scheduler copies ids on every selection.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
-pub struct InstanceId(String);
+pub struct InstanceId(Arc<str>);
 
 impl InstanceId {
     /// A fresh random id with a readable prefix, e.g. `prefill-3f2a9c1d`.
     pub fn random(prefix: &str) -> Self {
-        InstanceId(format!("{prefix}-{:08x}", rand::random::<u32>()))
+        InstanceId(Arc::from(format!("{prefix}-{:08x}", rand::random::<u32>())))
     }
 
     /// The id as text.
@@ -88,7 +90,7 @@ impl TryFrom<String> for InstanceId {
         let ok = !s.is_empty()
             && s.len() <= 128
             && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-        if ok { Ok(InstanceId(s)) } else { Err(InvalidId::Instance(s)) }
+        if ok { Ok(InstanceId(Arc::from(s))) } else { Err(InvalidId::Instance(s)) }
     }
 }
 
@@ -101,7 +103,7 @@ impl std::str::FromStr for InstanceId {
 
 impl From<InstanceId> for String {
     fn from(id: InstanceId) -> String {
-        id.0
+        id.0.to_string()
     }
 }
 

@@ -160,35 +160,58 @@ impl KvIndex {
         self.entries == 0
     }
 
-    /// For every worker holding at least the first block of `hashes`, how many leading
-    /// blocks it holds.
-    pub fn overlaps(&self, hashes: &[BlockHash]) -> HashMap<WorkerKey, usize> {
-        let mut out = HashMap::new();
-        let Some(first) = hashes.first().and_then(|h| self.holders.get(h)) else { return out };
-        let mut active = first.clone();
-        let mut depth = hashes.len();
-        for (i, h) in hashes.iter().enumerate().skip(1) {
-            let Some(holders) = self.holders.get(h) else {
-                depth = i;
-                break;
-            };
-            active.retain(|w| {
-                let keep = holders.contains(w);
-                if !keep && let Some(wk) = &self.workers[*w as usize] {
-                    out.insert(wk.key.clone(), i);
+    /// How many leading blocks of `hashes` each worker holds (see [`Overlaps`]). One pass
+    /// over the holders of each prompt block: linear in the (block, worker) pairs touched.
+    pub fn overlaps(&self, hashes: &[BlockHash]) -> Overlaps<'_> {
+        let mut run = vec![0u32; self.workers.len()];
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(holders) = self.holders.get(h) else { break };
+            let mut extended = false;
+            for &w in holders {
+                // Extends only a run that reached this block without a gap.
+                if run[w as usize] == i as u32 {
+                    run[w as usize] = i as u32 + 1;
+                    extended = true;
                 }
-                keep
-            });
-            if active.is_empty() {
-                return out;
+            }
+            if !extended {
+                break;
             }
         }
-        for w in active {
-            if let Some(wk) = &self.workers[w as usize] {
-                out.insert(wk.key.clone(), depth);
-            }
-        }
-        out
+        Overlaps { index: self, run }
+    }
+}
+
+/// The result of [`KvIndex::overlaps`]: leading blocks held, per worker.
+#[derive(Debug)]
+pub struct Overlaps<'a> {
+    index: &'a KvIndex,
+    run: Vec<u32>,
+}
+
+impl Overlaps<'_> {
+    /// Leading blocks `key` holds (0 for unknown workers).
+    pub fn get(&self, key: &WorkerKey) -> usize {
+        self.index.slots.get(key).map_or(0, |&s| self.run[s as usize] as usize)
+    }
+
+    /// Every worker holding at least the first block, with its run.
+    pub fn iter(&self) -> impl Iterator<Item = (&WorkerKey, usize)> {
+        self.run
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| **r > 0)
+            .filter_map(|(s, &r)| self.index.workers[s].as_ref().map(|w| (&w.key, r as usize)))
+    }
+
+    /// Workers holding at least the first block.
+    pub fn len(&self) -> usize {
+        self.iter().count()
+    }
+
+    /// Whether no worker holds the first block.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

@@ -362,12 +362,12 @@ impl SchedulerState {
         }
         let policy = policy.unwrap_or(self.cfg.default_policy);
         let mut inner = self.lock();
-        let overlaps = inner.index.overlaps(hashes);
-        let mut candidates = Vec::new();
-        let mut page_size = 16;
         let ids: Vec<InstanceId> = inner.instances.keys().cloned().collect();
         let admitted: HashSet<InstanceId> =
             ids.into_iter().filter(|id| inner.admits(id, false)).collect();
+        let overlaps = inner.index.overlaps(hashes);
+        let mut candidates = Vec::new();
+        let mut page_size = 16;
         let usable = |i: &&Instance| {
             !exclude.contains(&i.id) && inner.routable(&i.id) && admitted.contains(&i.id)
         };
@@ -376,7 +376,7 @@ impl SchedulerState {
             for dp_rank in 0..inst.topology.dp {
                 let key = WorkerKey { instance: inst.id.clone(), dp_rank };
                 let load = inner.load.get(&key).copied().unwrap_or_default();
-                let overlap_blocks = overlaps.get(&key).copied().unwrap_or(0);
+                let overlap_blocks = overlaps.get(&key);
                 candidates.push(Candidate {
                     key,
                     overlap_blocks,
