@@ -42,6 +42,10 @@ pub struct DiscoveryArgs {
     /// Lease TTL of registrations, in seconds (kept alive every TTL/3).
     #[arg(long, default_value_t = 10)]
     pub lease_ttl_secs: u64,
+    /// Shared secret: required as a bearer token on bootstrap directory writes and on KV
+    /// transfer handshakes, and sent by this process on its own.
+    #[arg(long, env = "HANDOFF_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 /// `handoff scheduler`.

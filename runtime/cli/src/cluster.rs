@@ -47,6 +47,8 @@ pub struct ClusterConfig {
     pub frontend: FrontendConfig,
     /// Per prefill instance, a fault switch on its ranks' writes (tests).
     pub faults: Vec<Option<Arc<FaultSwitch>>>,
+    /// Shared secret for directory writes and transfer handshakes.
+    pub token: Option<String>,
 }
 
 impl Default for ClusterConfig {
@@ -66,6 +68,7 @@ impl Default for ClusterConfig {
             scheduler: SchedulerConfig::default(),
             frontend: FrontendConfig::default(),
             faults: Vec::new(),
+            token: None,
         }
     }
 }
@@ -154,7 +157,8 @@ impl Cluster {
                 grpc_bind: ([127, 0, 0, 1], port_plus(cfg.prefill_port, i)).into(),
                 transfer: cfg.transfer.clone(),
                 ..PrefillConfig::default()
-            };
+            }
+            .with_token(cfg.token.clone());
             let faults = cfg.faults.get(i).cloned().flatten();
             let p = PrefillInstance::start(
                 pc,
@@ -172,6 +176,7 @@ impl Cluster {
         let fc = FrontendConfig {
             decode_tp: cfg.decode_tp,
             transfer: cfg.transfer.clone(),
+            transfer_token: cfg.frontend.transfer_token.clone().or(cfg.token.clone()),
             ..cfg.frontend.clone()
         };
         let frontend = Frontend::new(fc, engines()?, &scheduler_addr.to_string(), &tasks).await?;

@@ -42,6 +42,16 @@ pub struct PrefillConfig {
     pub heartbeat_interval: Duration,
 }
 
+impl PrefillConfig {
+    /// Requires `token` on directory writes and transfer handshakes (and uses it for the
+    /// ranks' own registrations).
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.directory.token = token.clone();
+        self.inbox.token = token;
+        self
+    }
+}
+
 impl Default for PrefillConfig {
     fn default() -> Self {
         PrefillConfig {

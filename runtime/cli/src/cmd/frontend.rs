@@ -42,7 +42,11 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         Some(s) => s.clone(),
         None => find_scheduler(&*registry).await?,
     };
-    let cfg = FrontendConfig { decode_tp: args.decode_tp, ..FrontendConfig::default() };
+    let cfg = FrontendConfig {
+        decode_tp: args.decode_tp,
+        transfer_token: args.discovery.token.clone(),
+        ..FrontendConfig::default()
+    };
     let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &scheduler, &tasks).await?;
     frontend.follow(registry).await?;
     let grpc = TcpListener::bind(args.listen)

@@ -27,7 +27,8 @@ pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
         grpc_bind: args.grpc_listen,
         advertise_host: args.advertise_host.clone(),
         ..PrefillConfig::default()
-    };
+    }
+    .with_token(args.discovery.token.clone());
     let p = PrefillInstance::start(cfg, engine, registry, bus, &tasks, None).await?;
     crate::cmd::announce(&format!(
         "prefill {} ready: bootstrap http://{} grpc://{}",

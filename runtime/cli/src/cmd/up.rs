@@ -65,6 +65,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         scheduler_bind: args.scheduler_listen,
         bootstrap_port: args.bootstrap_port,
         prefill_port: args.prefill_port,
+        token: args.discovery.token.clone(),
         ..ClusterConfig::default()
     };
     let engines = engines(&args.engine)?;

@@ -65,3 +65,23 @@ async fn with_no_healthy_instance_the_client_gets_a_clear_error() {
     assert_eq!(c.frontend.agent().inbox().regions(), 0);
     c.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_token_guards_handshakes_and_the_right_one_passes() {
+    let cfg = ClusterConfig { token: Some("s3cret".into()), ..ClusterConfig::ephemeral() };
+    let c = cluster(cfg).await;
+    let mut cl = client(&c).await;
+    let p = prompt(5, 40);
+    assert_eq!(generate(&mut cl, &p, 4).await.unwrap().0, aggregated(&*engine(), &p, 4).await);
+    c.shutdown().await;
+
+    // A frontend with the wrong token never gets KV: every attempt is refused at connect.
+    let mut cfg = ClusterConfig { token: Some("s3cret".into()), ..ClusterConfig::ephemeral() };
+    cfg.frontend.transfer_token = Some("wrong".into());
+    let c = cluster(cfg).await;
+    let mut cl = client(&c).await;
+    let err = generate(&mut cl, &p, 4).await.expect_err("refused");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+    assert!(err.message().contains("unauthorized"), "{err}");
+    c.shutdown().await;
+}
