@@ -36,7 +36,7 @@ measure() {
 echo "| phase | NATS msgs/s per prefill instance | etcd requests/s (whole fleet, 4 processes) |"
 echo "|---|---:|---:|"
 measure idle
-( end=$((SECONDS+secs+1)); i=0; while [ $SECONDS -lt $end ]; do $client "http://127.0.0.1:$fp" "load $i words to prefill here" >/dev/null; i=$((i+1)); done; echo "$i" >"$tmp/count" ) &
+( end=$((SECONDS+secs+1)); i=0; while [ $SECONDS -lt $end ]; do $client "http://127.0.0.1:$fp" "request $i: a prompt long enough to fill a few pages of the prefix cache, so that every request stores blocks and publishes KV events like real traffic does, over and over again" >/dev/null; i=$((i+1)); done; echo "$i" >"$tmp/count" ) &
 measure "load (sequential requests)"
 wait $! 2>/dev/null || true
 echo "requests during load: $(cat "$tmp/count" 2>/dev/null || echo ?)"

@@ -67,7 +67,9 @@ impl EtcdRegistry {
         let opts = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(5))
-            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+            // etcd closes connections that ping more often than its --grpc-keepalive-min-time
+            // (5 s by default), which would break every watch: ping every 10 s.
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
         let client = Client::connect(eps, Some(opts)).await.map_err(unavailable)?;
         Ok(EtcdRegistry {
             client,
