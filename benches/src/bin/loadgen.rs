@@ -44,6 +44,7 @@ struct Args {
     decode_us: u64,
     svg: Option<String>,
     policies: Vec<Policy>,
+    load_weight: f64,
 }
 
 impl Args {
@@ -63,6 +64,7 @@ impl Args {
             prefill_us: 4200,
             decode_us: 9300,
             svg: None,
+            load_weight: 1.0,
             policies: vec![
                 Policy::KvAware,
                 Policy::RoundRobin,
@@ -87,6 +89,7 @@ impl Args {
                 "--prefill-us" => a.prefill_us = val()?.parse()?,
                 "--decode-us" => a.decode_us = val()?.parse()?,
                 "--svg" => a.svg = Some(val()?),
+                "--load-weight" => a.load_weight = val()?.parse()?,
                 "--policies" => {
                     a.policies = val()?
                         .split(',')
@@ -169,7 +172,9 @@ async fn run_policy(a: &Args, policy: Policy) -> anyhow::Result<Report> {
         decode_per_token: Duration::from_micros(a.decode_us),
         ..MockConfig::default()
     }));
-    let cfg = ClusterConfig { prefills: a.instances, prefill_tp: 1, ..ClusterConfig::ephemeral() };
+    let mut cfg =
+        ClusterConfig { prefills: a.instances, prefill_tp: 1, ..ClusterConfig::ephemeral() };
+    cfg.scheduler.params.kv_aware.load = a.load_weight;
     let cluster = Cluster::start_shared(cfg, engine).await?;
     let client = GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
 

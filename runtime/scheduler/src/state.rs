@@ -227,11 +227,15 @@ impl SchedulerState {
     /// Applies a heartbeat. Returns whether the instance's index must be resynced from a
     /// snapshot (first heartbeat heard, or heartbeats resumed after silence).
     pub fn heartbeat(&self, hb: &Heartbeat) -> bool {
+        self.heartbeat_at(hb, Instant::now())
+    }
+
+    /// [`SchedulerState::heartbeat`] as of `now`.
+    pub fn heartbeat_at(&self, hb: &Heartbeat, now: Instant) -> bool {
         let mut inner = self.lock();
         if !inner.instances.contains_key(&hb.instance) {
             return false;
         }
-        let now = Instant::now();
         inner.seen.insert(hb.instance.clone(), now);
         inner.last_beat = Some(now);
         if inner.bus_quiet {
@@ -249,12 +253,22 @@ impl SchedulerState {
     /// Takes instances not heard from within the liveness timeout out of routing and drops
     /// their index entries. Returns the ones taken out now.
     pub fn sweep(&self) -> Vec<InstanceId> {
+        self.sweep_at(Instant::now())
+    }
+
+    /// [`SchedulerState::sweep`] as of `now`.
+    pub fn sweep_at(&self, now: Instant) -> Vec<InstanceId> {
         let mut inner = self.lock();
         let timeout = self.cfg.liveness_timeout;
         // Silence from everyone at once is the bus, not the fleet: keep routing on the last
-        // known state (leases still remove instances that are really gone).
-        if inner.last_beat.is_none_or(|t| t.elapsed() > timeout) {
-            if inner.last_beat.is_some() && !inner.bus_quiet {
+        // known state (leases still remove instances that are really gone). Someone must have
+        // been heard within half the timeout: when the bus stops, the instances' last beats
+        // are spread over one interval, so the first to look stale must not be swept while
+        // the others' last beats still look recent.
+        let quiet = inner.last_beat.is_none_or(|t| now.saturating_duration_since(t) > timeout / 2);
+        if quiet {
+            let long = inner.last_beat.is_some_and(|t| now.saturating_duration_since(t) > timeout);
+            if long && !inner.bus_quiet {
                 warn!(
                     "no heartbeat from any instance for {timeout:?}; the bus may be down; routing on the last known state"
                 );
@@ -265,7 +279,9 @@ impl SchedulerState {
         let stale: Vec<InstanceId> = inner
             .seen
             .iter()
-            .filter(|(id, at)| at.elapsed() > timeout && !inner.silent.contains(*id))
+            .filter(|(id, at)| {
+                now.saturating_duration_since(**at) > timeout && !inner.silent.contains(*id)
+            })
             .map(|(id, _)| id.clone())
             .collect();
         for id in &stale {

@@ -128,10 +128,9 @@ fn breaker_opens_on_prefill_faults_only_and_recovers_through_probes() {
 
 #[test]
 fn silence_from_everyone_is_the_bus_not_the_fleet() {
-    let cfg = SchedulerConfig {
-        liveness_timeout: std::time::Duration::from_millis(100),
-        ..SchedulerConfig::default()
-    };
+    use std::time::{Duration, Instant};
+    let cfg =
+        SchedulerConfig { liveness_timeout: Duration::from_secs(3), ..SchedulerConfig::default() };
     let s = SchedulerState::new(cfg);
     s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
     let hb = |id: &str| handoff_discovery::Heartbeat {
@@ -140,21 +139,40 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
         running: 0,
         kv_bytes: 0,
     };
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
     for id in ["a", "b"] {
-        assert!(s.heartbeat(&hb(id)), "first heartbeat asks for a snapshot");
+        assert!(s.heartbeat_at(&hb(id), at(0)), "first heartbeat asks for a snapshot");
         s.apply_snapshot(handoff_discovery::KvSnapshot {
             instance: id.parse().unwrap(),
             seq: 0,
             dp_blocks: vec![vec![]],
         });
     }
-    std::thread::sleep(std::time::Duration::from_millis(60));
-    s.heartbeat(&hb("b"));
-    std::thread::sleep(std::time::Duration::from_millis(60));
-    assert_eq!(s.sweep(), vec!["a".parse::<InstanceId>().unwrap()], "a went quiet while b did not");
-    std::thread::sleep(std::time::Duration::from_millis(150));
-    assert!(s.sweep().is_empty(), "everyone quiet: keep routing on the last state");
-    assert_eq!(s.select(&[], 10, None, &[]).unwrap().instance.id.as_str(), "b");
-    // a's heartbeats resume: routed again, after a resync is asked for.
-    assert!(s.heartbeat(&hb("a")));
+    // a dies; b keeps beating every second.
+    for sec in 1..=4 {
+        s.heartbeat_at(&hb("b"), at(sec * 1000));
+        let swept = s.sweep_at(at(sec * 1000 + 100));
+        if sec < 3 {
+            assert!(swept.is_empty(), "a is not stale yet at {sec} s");
+        } else if sec == 3 {
+            assert_eq!(swept, vec!["a".parse::<InstanceId>().unwrap()], "a out after 3 s");
+        }
+    }
+    // The bus stops: last beats were a second apart, then nothing from anyone.
+    assert!(s.heartbeat_at(&hb("a"), at(5000)), "a resumes: resync asked");
+    s.apply_snapshot(handoff_discovery::KvSnapshot {
+        instance: "a".parse().unwrap(),
+        seq: 0,
+        dp_blocks: vec![vec![]],
+    });
+    s.heartbeat_at(&hb("b"), at(5900));
+    for ms in [8100, 8500, 9000, 12_000, 30_000] {
+        assert!(s.sweep_at(at(ms)).is_empty(), "nobody swept while everyone is quiet ({ms} ms)");
+    }
+    assert_eq!(s.instances().iter().filter(|i| i.routable).count(), 2, "both still routed");
+    // Beats resume; a dies again later: swept once others are heard.
+    s.heartbeat_at(&hb("b"), at(31_000));
+    assert_eq!(s.sweep_at(at(31_100)), vec!["a".parse::<InstanceId>().unwrap()]);
+    assert!(s.heartbeat_at(&hb("a"), at(31_200)), "a back: routed again after a resync");
 }
