@@ -1,0 +1,151 @@
+//! handoff's KV index against `dynamo-kv-router` 1.6.1 in the same run, on the same shapes:
+//! W instances each storing sequences of D blocks that share a P-block prefix; 20k queries.
+//! Match: ours vs Dynamo's concurrent compressed radix tree (its fastest); ingest: ours vs
+//! its single-threaded radix tree. Prints per-operation times and ratios.
+//!
+//! ```text
+//! cargo run --release -p handoff-benches --bin vs_dynamo
+//! ```
+
+use std::hint::black_box;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use dynamo_kv_router::ConcurrentRadixTreeCompressed;
+use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
+use dynamo_kv_router::protocols::{
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData,
+    KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+};
+use dynamo_kv_router::radix_tree::RadixTree;
+use handoff_core::{BlockHash, InstanceId};
+use handoff_kv_index::{KvIndex, WorkerKey};
+
+const DEPTH: u64 = 64;
+const PREFIX: u64 = 32;
+const PER_WORKER: u64 = 16;
+const QUERIES: usize = 20_000;
+
+/// Block `d` of sequence `s` of worker `w`: shared for the first PREFIX blocks.
+fn block(w: u64, s: u64, d: u64) -> u64 {
+    if d < PREFIX { d + 1 } else { (w + 1) << 40 | (s + 1) << 16 | d }
+}
+
+fn dynamo_event(w: u64, s: u64, id: u64) -> RouterEvent {
+    let blocks = (0..DEPTH)
+        .map(|d| KvCacheStoredBlockData {
+            block_hash: ExternalSequenceBlockHash(block(w, s, d)),
+            tokens_hash: LocalBlockHash(block(w, s, d)),
+            mm_extra_info: None,
+        })
+        .collect();
+    let data = KvCacheEventData::Stored(KvCacheStoreData {
+        parent_hash: None,
+        start_position: None,
+        blocks,
+    });
+    RouterEvent::new(w, KvCacheEvent { event_id: id, data, dp_rank: 0 })
+}
+
+fn ours_key(w: u64) -> WorkerKey {
+    WorkerKey {
+        instance: InstanceId::try_from(format!("w{w}")).unwrap_or_else(|_| unreachable!()),
+        dp_rank: 0,
+    }
+}
+
+/// Median over batches of the mean time per call.
+fn p50_per_call(mut f: impl FnMut(usize)) -> Duration {
+    let batch = 100;
+    let mut samples: Vec<Duration> = (0..QUERIES / batch)
+        .map(|b| {
+            let t = Instant::now();
+            for q in 0..batch {
+                f(b * batch + q);
+            }
+            t.elapsed() / batch as u32
+        })
+        .collect();
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "shapes: W workers x {PER_WORKER} sequences of {DEPTH} blocks sharing a {PREFIX}-block prefix; {QUERIES} queries\n"
+    )?;
+    writeln!(
+        out,
+        "| W | match: handoff | match: Dynamo concurrent | ratio | ingest: handoff | ingest: Dynamo radix | ratio |"
+    )?;
+    writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|")?;
+    for w_count in [16u64, 128, 512] {
+        // Ingest, ours.
+        let t = Instant::now();
+        let mut ours = KvIndex::default();
+        for w in 0..w_count {
+            let key = ours_key(w);
+            for s in 0..PER_WORKER {
+                let seq: Vec<BlockHash> = (0..DEPTH).map(|d| BlockHash(block(w, s, d))).collect();
+                ours.store(&key, &seq);
+            }
+        }
+        let ours_ingest = t.elapsed();
+        // Ingest, Dynamo's single-threaded radix tree.
+        let events: Vec<RouterEvent> = (0..w_count)
+            .flat_map(|w| (0..PER_WORKER).map(move |s| dynamo_event(w, s, s + 1)))
+            .collect();
+        let t = Instant::now();
+        let mut tree = RadixTree::new();
+        for ev in events.clone() {
+            tree.apply_event(ev).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        }
+        let dyn_ingest = t.elapsed();
+        let blocks = (w_count * PER_WORKER * DEPTH) as f64;
+        // Dynamo's concurrent compressed tree, fed through its thread-pool indexer.
+        let concurrent = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, 16);
+        for ev in events {
+            concurrent.apply_event_and_wait(ev).await?;
+        }
+        let queries: Vec<(Vec<BlockHash>, Vec<LocalBlockHash>)> = (0..QUERIES as u64)
+            .map(|q| {
+                let (w, s) = (q % w_count, q % PER_WORKER);
+                let ours = (0..DEPTH).map(|d| BlockHash(block(w, s, d))).collect();
+                let theirs = (0..DEPTH).map(|d| LocalBlockHash(block(w, s, d))).collect();
+                (ours, theirs)
+            })
+            .collect();
+        let backend = concurrent.backend();
+        // Same answer first: the full-depth match for the query's own worker.
+        let (o, d) = (ours.overlaps(&queries[0].0), backend.find_matches(&queries[0].1, false));
+        let theirs_best = d.scores.values().map(|s| *s as usize).max().unwrap_or(0);
+        anyhow::ensure!(
+            o.get(&ours_key(0)) == DEPTH as usize && theirs_best == DEPTH as usize,
+            "indexes disagree"
+        );
+        let ours_match = p50_per_call(|q| {
+            black_box(ours.overlaps(&queries[q].0).get(&ours_key(q as u64 % w_count)));
+        });
+        let dyn_match = p50_per_call(|q| {
+            black_box(backend.find_matches(&queries[q].1, false).scores.len());
+        });
+        writeln!(
+            out,
+            "| {w_count} | {:.2} us | {:.2} us | {:.2}x | {:.1} M blocks/s | {:.1} M blocks/s | {:.2}x |",
+            ours_match.as_secs_f64() * 1e6,
+            dyn_match.as_secs_f64() * 1e6,
+            ours_match.as_secs_f64() / dyn_match.as_secs_f64(),
+            blocks / ours_ingest.as_secs_f64() / 1e6,
+            blocks / dyn_ingest.as_secs_f64() / 1e6,
+            (blocks / ours_ingest.as_secs_f64()) / (blocks / dyn_ingest.as_secs_f64()),
+        )?;
+    }
+    writeln!(
+        out,
+        "\nmatch ratio < 1: handoff faster (target <= 0.5); ingest ratio > 1: handoff faster (target >= 1)"
+    )?;
+    Ok(())
+}
