@@ -9,7 +9,7 @@ use handoff_discovery::{
     EtcdRegistry, EventBus, Instance, NatsBus, Registry, Role, Topology, Update,
 };
 
-use super::servers::{Handoff, Server};
+use super::servers::Server;
 
 fn inst(id: &str) -> Instance {
     Instance {
@@ -44,23 +44,7 @@ async fn register_watch_deregister_and_lease_expiry_on_etcd() {
     assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Remove("p1".parse().unwrap()));
 
     // A process that dies without a word: its lease (TTL 2 s) expires.
-    let (mut p, _) = Handoff::spawn(&[
-        "prefill",
-        "--engine",
-        "mock",
-        "--id",
-        "doomed",
-        "--bootstrap-listen",
-        "127.0.0.1:0",
-        "--grpc-listen",
-        "127.0.0.1:0",
-        "--etcd",
-        &etcd.url,
-        "--nats",
-        &nats.url,
-        "--lease-ttl-secs",
-        "2",
-    ]);
+    let mut p = super::servers::prefill(&etcd, &nats, "doomed", &["--lease-ttl-secs", "2"]);
     assert!(
         matches!(next(&mut w, Duration::from_secs(10)).await, Update::Add(i) if i.id.as_str() == "doomed")
     );

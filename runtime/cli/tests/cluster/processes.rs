@@ -18,24 +18,7 @@ fn addr_after(line: &str, scheme: &str) -> String {
 }
 
 fn prefill(etcd: &Server, nats: &Server, id: &str) -> Handoff {
-    Handoff::spawn(&[
-        "prefill",
-        "--engine",
-        "mock",
-        "--id",
-        id,
-        "--tp",
-        "2",
-        "--bootstrap-listen",
-        "127.0.0.1:0",
-        "--grpc-listen",
-        "127.0.0.1:0",
-        "--etcd",
-        &etcd.url,
-        "--nats",
-        &nats.url,
-    ])
-    .0
+    super::servers::prefill(etcd, nats, id, &["--tp", "2"])
 }
 
 async fn one(

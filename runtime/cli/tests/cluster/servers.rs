@@ -153,3 +153,24 @@ impl Drop for Handoff {
         self.kill9();
     }
 }
+
+/// A `handoff prefill` (mock engine, ephemeral ports) on `etcd` and `nats`, with `extra` flags.
+pub(crate) fn prefill(etcd: &Server, nats: &Server, id: &str, extra: &[&str]) -> Handoff {
+    let mut args = vec![
+        "prefill",
+        "--engine",
+        "mock",
+        "--id",
+        id,
+        "--bootstrap-listen",
+        "127.0.0.1:0",
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--etcd",
+        &etcd.url,
+        "--nats",
+        &nats.url,
+    ];
+    args.extend_from_slice(extra);
+    Handoff::spawn(&args).0
+}
