@@ -240,7 +240,7 @@ pub async fn run(
         let w = regions.iter().map(|g| inbox.wait(g.id, deadline));
         try_join_all(w).await.map_err(|e| FrontendError::at("verify", e))
     };
-    let (resp, received) = tokio::try_join!(rpc, waits)?;
+    let (resp, mut received) = tokio::try_join!(rpc, waits)?;
 
     // verify: every notice of every region names our room, one first token, our prompt.
     let mut kv_bytes = 0;
@@ -266,7 +266,20 @@ pub async fn run(
     }
     stages.timings.verify_us = stages.mark();
 
-    // consume: reassemble the decode ranks' regions into the engine's layout.
+    // consume: a single region holding every head is already the engine's layout; several
+    // decode ranks' regions are reassembled into it.
+    if let [only] = &mut received[..]
+        && layout.heads == shape.kv_heads
+    {
+        let kv = Kv::from_bytes(shape, t, std::mem::take(&mut only.buf))
+            .map_err(|e| FrontendError::at("consume", e))?;
+        return Ok(Prefilled {
+            kv,
+            first_token: resp.first_token,
+            cached_tokens: resp.cached_tokens,
+            kv_bytes,
+        });
+    }
     let mut kv = Kv::zeroed(shape, t);
     let mut filled = vec![false; shape.kv_heads];
     for (r, rec) in received.iter().enumerate() {

@@ -18,6 +18,9 @@ pub enum PrefillError {
     /// Sending the KV failed.
     #[error("KV transfer: {0}")]
     Transfer(#[from] handoff_transfer::TransferError),
+    /// Discovery failed (e.g. deregistering while draining).
+    #[error("discovery: {0}")]
+    Discovery(#[from] handoff_discovery::DiscoveryError),
     /// Startup failed.
     #[error("startup: {0}")]
     Startup(String),
@@ -33,7 +36,9 @@ impl From<PrefillError> for tonic::Status {
             }
             PrefillError::Overloaded(_) => tonic::Status::resource_exhausted(msg),
             PrefillError::Deadline(_) => tonic::Status::deadline_exceeded(msg),
-            PrefillError::Transfer(_) => tonic::Status::unavailable(msg),
+            PrefillError::Transfer(_) | PrefillError::Discovery(_) => {
+                tonic::Status::unavailable(msg)
+            }
             PrefillError::Engine(_) | PrefillError::Startup(_) => tonic::Status::internal(msg),
         }
     }

@@ -229,7 +229,7 @@ impl PrefillInstance {
     /// A graceful drain: out of routing first (deregistered), then waits until the requests
     /// in flight have finished (at most `grace`). Shut the instance's tasks down afterwards.
     pub async fn drain(&self, grace: std::time::Duration) -> Result<(), PrefillError> {
-        self.registry.deregister(&self.id).await.map_err(startup)?;
+        self.registry.deregister(&self.id).await?;
         let deadline = tokio::time::Instant::now() + grace;
         while self.service.running() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;

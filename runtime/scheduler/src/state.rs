@@ -118,24 +118,24 @@ impl Inner {
     fn routable(&self, id: &InstanceId) -> bool {
         !self.silent.contains(id)
     }
+}
 
-    /// Whether the breaker lets a request through now (turning open into half-open after the
-    /// cooldown; half-open lets one probe at a time).
-    fn admits(&mut self, id: &InstanceId, probe: bool) -> bool {
-        let b = self.breakers.entry(id.clone()).or_insert(Breaker::Closed { failures: 0 });
-        match *b {
-            Breaker::Closed { .. } => true,
-            Breaker::Open { until } if Instant::now() >= until => {
-                *b = Breaker::HalfOpen { successes: 0, probing: probe };
-                true
+/// Whether the breaker lets a request through now (turning open into half-open after the
+/// cooldown; half-open lets one probe at a time).
+fn admits(breakers: &mut HashMap<InstanceId, Breaker>, id: &InstanceId, probe: bool) -> bool {
+    let b = breakers.entry(id.clone()).or_insert(Breaker::Closed { failures: 0 });
+    match *b {
+        Breaker::Closed { .. } => true,
+        Breaker::Open { until } if Instant::now() >= until => {
+            *b = Breaker::HalfOpen { successes: 0, probing: probe };
+            true
+        }
+        Breaker::Open { .. } => false,
+        Breaker::HalfOpen { probing, successes } => {
+            if probe && !probing {
+                *b = Breaker::HalfOpen { successes, probing: true };
             }
-            Breaker::Open { .. } => false,
-            Breaker::HalfOpen { probing, successes } => {
-                if probe && !probing {
-                    *b = Breaker::HalfOpen { successes, probing: true };
-                }
-                !probing
-            }
+            !probing
         }
     }
 }
@@ -378,20 +378,22 @@ impl SchedulerState {
         }
         let policy = policy.unwrap_or(self.cfg.default_policy);
         let mut inner = self.lock();
-        let ids: Vec<InstanceId> = inner.instances.keys().cloned().collect();
-        let admitted: HashSet<InstanceId> =
-            ids.into_iter().filter(|id| inner.admits(id, false)).collect();
-        let overlaps = inner.index.overlaps(hashes);
+        // Disjoint borrows: the breakers change (open -> half-open) while the rest is read.
+        let Inner { instances, index, load, silent, breakers, .. } = &mut *inner;
+        let overlaps = index.overlaps(hashes);
         let mut candidates = Vec::new();
         let mut page_size = 16;
-        let usable = |i: &&Instance| {
-            !exclude.contains(&i.id) && inner.routable(&i.id) && admitted.contains(&i.id)
-        };
-        for inst in inner.instances.values().filter(usable) {
+        for inst in instances.values() {
+            let usable = !exclude.contains(&inst.id)
+                && !silent.contains(&inst.id)
+                && admits(breakers, &inst.id, false);
+            if !usable {
+                continue;
+            }
             page_size = inst.page_size as usize;
             for dp_rank in 0..inst.topology.dp {
                 let key = WorkerKey { instance: inst.id.clone(), dp_rank };
-                let load = inner.load.get(&key).copied().unwrap_or_default();
+                let load = load.get(&key).copied().unwrap_or_default();
                 let overlap_blocks = overlaps.get(&key);
                 candidates.push(Candidate {
                     key,
@@ -418,7 +420,7 @@ impl SchedulerState {
             return Err(SchedulerError::NoInstance(why));
         };
         let c = candidates.swap_remove(i);
-        inner.admits(&c.key.instance, true);
+        admits(&mut inner.breakers, &c.key.instance, true);
         let load = inner.load.entry(c.key.clone()).or_default();
         load.in_flight += 1;
         load.queued_tokens += u64::from(prompt_tokens);
