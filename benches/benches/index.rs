@@ -9,7 +9,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use handoff_core::{BlockHash, InstanceId};
-use handoff_discovery::{Instance, Role, Topology, Update};
+use handoff_discovery::{Instance, KvEvent, KvEventKind, Role, Topology, Update};
 use handoff_kv_index::{KvIndex, WorkerKey};
 use handoff_scheduler::{SchedulerConfig, SchedulerState};
 
@@ -38,7 +38,7 @@ fn filled(workers: usize, blocks: usize) -> KvIndex {
     let per = (blocks / workers / DEPTH).max(1);
     for w in 0..workers {
         for s in 0..per {
-            idx.store(&key(w), &sequence(w, s));
+            idx.store(&key(w), None, &sequence(w, s));
         }
     }
     idx
@@ -75,7 +75,7 @@ fn matching(c: &mut Criterion) {
 
 fn selection(c: &mut Criterion) {
     let mut g = c.benchmark_group("select_kv_aware");
-    for workers in [16usize, 128, 1024] {
+    for workers in [16usize, 128, 512, 1024] {
         let state = SchedulerState::new(SchedulerConfig::default());
         let all = (0..workers)
             .map(|i| Instance {
@@ -90,6 +90,17 @@ fn selection(c: &mut Criterion) {
             })
             .collect();
         state.apply_update(Update::Reset(all));
+        // The same shapes as the match bench: every instance holds 16 sequences.
+        for w in 0..workers {
+            for s in 0..16 {
+                state.apply_event(KvEvent {
+                    instance: key(w).instance,
+                    dp_rank: 0,
+                    seq: s as u64 + 1,
+                    kind: KvEventKind::Stored { parent: None, blocks: sequence(w, s) },
+                });
+            }
+        }
         let query = sequence(0, 0);
         g.bench_with_input(BenchmarkId::from_parameter(workers), &workers, |b, _| {
             b.iter(|| {

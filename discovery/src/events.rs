@@ -18,6 +18,10 @@ pub fn kv_subject(id: &InstanceId) -> String {
 pub enum KvEventKind {
     /// These blocks (chained hashes, in prefix order) are now cached.
     Stored {
+        /// The block before the first one, when it is not the first of its prompt (lets the
+        /// index hang the run under its prefix; optional on the wire).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent: Option<BlockHash>,
         /// The blocks.
         blocks: Vec<BlockHash>,
     },

@@ -4,10 +4,20 @@
 //!
 //! Because hashes are chained, a block hash names a whole prefix; a worker's overlap with a
 //! prompt is the number of leading prompt blocks it holds without a gap.
+//!
+//! Workers live in dense *slots* (reused after a worker leaves), so callers can keep their
+//! own per-worker state in plain vectors and read a match result by slot. Blocks live in a
+//! compressed radix tree ([`tree`]) whose edges carry the set of slots holding them.
 
-use std::collections::{HashMap, HashSet};
+mod hasher;
+mod slot_set;
+mod tree;
+
+use std::collections::HashMap;
 
 use handoff_core::{BlockHash, InstanceId};
+
+use crate::tree::Tree;
 
 /// One (instance, dp rank): the unit the scheduler routes to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -18,19 +28,26 @@ pub struct WorkerKey {
     pub dp_rank: u32,
 }
 
-#[derive(Debug)]
-struct Worker {
-    key: WorkerKey,
-    blocks: HashSet<BlockHash>,
+/// A worker's dense id in the index, valid until its instance is removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Slot(u32);
+
+impl Slot {
+    /// The slot as a vector index.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
 }
 
 /// The index (see the crate docs).
 #[derive(Debug)]
 pub struct KvIndex {
-    workers: Vec<Option<Worker>>,
+    tree: Tree,
+    keys: Vec<Option<WorkerKey>>,
+    /// Blocks held, per slot.
+    held: Vec<usize>,
     free: Vec<u32>,
     slots: HashMap<WorkerKey, u32>,
-    holders: HashMap<BlockHash, Vec<u32>>,
     entries: usize,
     max_entries: usize,
 }
@@ -46,108 +63,139 @@ impl KvIndex {
     /// that are dropped (the index then underestimates overlap, which only costs a miss).
     pub fn new(max_entries: usize) -> Self {
         KvIndex {
-            workers: Vec::new(),
+            tree: Tree::default(),
+            keys: Vec::new(),
+            held: Vec::new(),
             free: Vec::new(),
             slots: HashMap::new(),
-            holders: HashMap::new(),
             entries: 0,
             max_entries,
         }
     }
 
-    fn slot(&mut self, key: &WorkerKey) -> u32 {
+    /// The slot of `key`, allocating one if it has none.
+    pub fn register(&mut self, key: &WorkerKey) -> Slot {
         if let Some(&s) = self.slots.get(key) {
-            return s;
+            return Slot(s);
         }
-        let w = Worker { key: key.clone(), blocks: HashSet::new() };
         let s = match self.free.pop() {
             Some(s) => {
-                self.workers[s as usize] = Some(w);
+                self.keys[s as usize] = Some(key.clone());
                 s
             }
             None => {
-                self.workers.push(Some(w));
-                (self.workers.len() - 1) as u32
+                self.keys.push(Some(key.clone()));
+                self.held.push(0);
+                (self.keys.len() - 1) as u32
             }
         };
         self.slots.insert(key.clone(), s);
-        s
+        Slot(s)
     }
 
-    /// Records that `key` now holds `blocks`.
-    pub fn store(&mut self, key: &WorkerKey, blocks: &[BlockHash]) {
-        let s = self.slot(key);
-        let Some(w) = self.workers[s as usize].as_mut() else { return };
-        for &b in blocks {
-            if self.entries >= self.max_entries {
-                break;
-            }
-            if w.blocks.insert(b) {
-                self.holders.entry(b).or_default().push(s);
-                self.entries += 1;
-            }
+    /// The slot of `key`, if it has one.
+    pub fn slot(&self, key: &WorkerKey) -> Option<Slot> {
+        self.slots.get(key).map(|&s| Slot(s))
+    }
+
+    /// The worker in `slot`.
+    pub fn key(&self, slot: Slot) -> Option<&WorkerKey> {
+        self.keys.get(slot.index()).and_then(Option::as_ref)
+    }
+
+    /// One past the highest slot ever handed out: the length of per-slot vectors.
+    pub fn slot_capacity(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Records that `key` now holds the chained run `blocks`, whose first block follows
+    /// `parent` (`None` when it starts a prompt or is not known). Any list is accepted; a
+    /// chained run with its parent keeps the tree compressed.
+    pub fn store(&mut self, key: &WorkerKey, parent: Option<BlockHash>, blocks: &[BlockHash]) {
+        let slot = self.register(key);
+        self.store_at(slot, parent, blocks);
+    }
+
+    /// [`KvIndex::store`] by slot.
+    pub fn store_at(&mut self, slot: Slot, parent: Option<BlockHash>, blocks: &[BlockHash]) {
+        if self.key(slot).is_none() {
+            return;
         }
+        let budget = self.max_entries.saturating_sub(self.entries);
+        let added = self.tree.store(slot.0, parent, blocks, budget);
+        self.entries += added;
+        self.held[slot.index()] += added;
     }
 
     /// Records that `key` evicted `blocks`.
     pub fn remove(&mut self, key: &WorkerKey, blocks: &[BlockHash]) {
-        let Some(&s) = self.slots.get(key) else { return };
-        let Some(w) = self.workers[s as usize].as_mut() else { return };
-        for b in blocks {
-            if w.blocks.remove(b) {
-                Self::unhold(&mut self.holders, *b, s);
-                self.entries -= 1;
-            }
+        if let Some(slot) = self.slot(key) {
+            self.remove_at(slot, blocks);
         }
     }
 
-    fn unhold(holders: &mut HashMap<BlockHash, Vec<u32>>, b: BlockHash, s: u32) {
-        if let Some(v) = holders.get_mut(&b) {
-            v.retain(|&x| x != s);
-            if v.is_empty() {
-                holders.remove(&b);
-            }
+    /// [`KvIndex::remove`] by slot.
+    pub fn remove_at(&mut self, slot: Slot, blocks: &[BlockHash]) {
+        if self.key(slot).is_none() {
+            return;
         }
+        let removed = self.tree.remove(slot.0, blocks);
+        self.entries -= removed;
+        self.held[slot.index()] -= removed;
     }
 
-    /// Forgets everything `key` held (it cleared its cache), keeping it as a worker.
+    /// Forgets everything `key` held (it cleared its cache), keeping its slot.
     pub fn clear(&mut self, key: &WorkerKey) {
-        let Some(&s) = self.slots.get(key) else { return };
-        if let Some(w) = self.workers[s as usize].as_mut() {
-            for b in w.blocks.drain() {
-                Self::unhold(&mut self.holders, b, s);
-                self.entries -= 1;
-            }
+        if let Some(slot) = self.slot(key) {
+            self.clear_at(slot);
         }
     }
 
-    /// Drops every dp rank of `instance` (it left).
+    /// [`KvIndex::clear`] by slot.
+    pub fn clear_at(&mut self, slot: Slot) {
+        if self.held.get(slot.index()).is_none_or(|&h| h == 0) {
+            return;
+        }
+        let removed = self.tree.clear(slot.0);
+        self.entries -= removed;
+        self.held[slot.index()] = 0;
+    }
+
+    fn slots_of(&self, instance: &InstanceId) -> Vec<Slot> {
+        self.slots.iter().filter(|(k, _)| &k.instance == instance).map(|(_, &s)| Slot(s)).collect()
+    }
+
+    /// Forgets everything every dp rank of `instance` held, keeping their slots.
+    pub fn clear_instance(&mut self, instance: &InstanceId) {
+        for slot in self.slots_of(instance) {
+            self.clear_at(slot);
+        }
+    }
+
+    /// Drops every dp rank of `instance` (it left); their slots are reused.
     pub fn remove_instance(&mut self, instance: &InstanceId) {
-        let keys: Vec<WorkerKey> =
-            self.slots.keys().filter(|k| &k.instance == instance).cloned().collect();
-        for k in keys {
-            self.clear(&k);
-            if let Some(s) = self.slots.remove(&k) {
-                self.workers[s as usize] = None;
-                self.free.push(s);
+        for slot in self.slots_of(instance) {
+            self.clear_at(slot);
+            if let Some(key) = self.keys[slot.index()].take() {
+                self.slots.remove(&key);
+                self.free.push(slot.0);
             }
         }
     }
 
     /// Blocks `key` holds.
     pub fn blocks_of(&self, key: &WorkerKey) -> usize {
-        self.slots
-            .get(key)
-            .and_then(|&s| self.workers[s as usize].as_ref())
-            .map_or(0, |w| w.blocks.len())
+        self.slot(key).map_or(0, |s| self.held_at(s))
+    }
+
+    /// Blocks the worker in `slot` holds.
+    pub fn held_at(&self, slot: Slot) -> usize {
+        self.held.get(slot.index()).copied().unwrap_or(0)
     }
 
     /// The blocks `key` holds.
     pub fn blocks(&self, key: &WorkerKey) -> Vec<BlockHash> {
-        self.slots
-            .get(key)
-            .and_then(|&s| self.workers[s as usize].as_ref())
-            .map_or_else(Vec::new, |w| w.blocks.iter().copied().collect())
+        self.slot(key).map_or_else(Vec::new, |s| self.tree.blocks(s.0))
     }
 
     /// (block, worker) pairs held.
@@ -160,25 +208,21 @@ impl KvIndex {
         self.entries == 0
     }
 
-    /// How many leading blocks of `hashes` each worker holds (see [`Overlaps`]). One pass
-    /// over the holders of each prompt block: linear in the (block, worker) pairs touched.
+    /// How many leading blocks of `hashes` each worker holds (see [`Overlaps`]).
     pub fn overlaps(&self, hashes: &[BlockHash]) -> Overlaps<'_> {
-        let mut run = vec![0u32; self.workers.len()];
-        for (i, h) in hashes.iter().enumerate() {
-            let Some(holders) = self.holders.get(h) else { break };
-            let mut extended = false;
-            for &w in holders {
-                // Extends only a run that reached this block without a gap.
-                if run[w as usize] == i as u32 {
-                    run[w as usize] = i as u32 + 1;
-                    extended = true;
-                }
-            }
-            if !extended {
-                break;
-            }
-        }
+        let mut run = Vec::new();
+        self.overlaps_into(hashes, &mut run);
         Overlaps { index: self, run }
+    }
+
+    /// [`KvIndex::overlaps`] into a caller's buffer: afterwards `run[slot.index()]` is the
+    /// leading blocks held by the worker in that slot, for every slot below
+    /// [`KvIndex::slot_capacity`]. One map lookup and one pass over the holders per tree
+    /// edge the prompt crosses.
+    pub fn overlaps_into(&self, hashes: &[BlockHash], run: &mut Vec<u32>) {
+        run.clear();
+        run.resize(self.keys.len(), 0);
+        self.tree.overlaps(hashes, run);
     }
 }
 
@@ -192,7 +236,12 @@ pub struct Overlaps<'a> {
 impl Overlaps<'_> {
     /// Leading blocks `key` holds (0 for unknown workers).
     pub fn get(&self, key: &WorkerKey) -> usize {
-        self.index.slots.get(key).map_or(0, |&s| self.run[s as usize] as usize)
+        self.index.slot(key).map_or(0, |s| self.at(s))
+    }
+
+    /// Leading blocks the worker in `slot` holds.
+    pub fn at(&self, slot: Slot) -> usize {
+        self.run.get(slot.index()).map_or(0, |&r| r as usize)
     }
 
     /// Every worker holding at least the first block, with its run.
@@ -201,7 +250,7 @@ impl Overlaps<'_> {
             .iter()
             .enumerate()
             .filter(|(_, r)| **r > 0)
-            .filter_map(|(s, &r)| self.index.workers[s].as_ref().map(|w| (&w.key, r as usize)))
+            .filter_map(|(s, &r)| self.index.keys[s].as_ref().map(|k| (k, r as usize)))
     }
 
     /// Workers holding at least the first block.

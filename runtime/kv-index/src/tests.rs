@@ -1,4 +1,9 @@
+use std::collections::{BTreeSet, HashMap, HashSet};
+
 use handoff_core::block_hashes;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
 
 use super::*;
 
@@ -11,9 +16,9 @@ fn overlap_is_the_gapless_leading_run() {
     let mut idx = KvIndex::default();
     let prompt: Vec<u32> = (0..64).collect();
     let h = block_hashes(&prompt, 16);
-    idx.store(&key("a", 0), &h[..3]);
-    idx.store(&key("b", 1), &h[..1]);
-    idx.store(&key("c", 0), &h[1..4]); // no first block: no overlap
+    idx.store(&key("a", 0), None, &h[..3]);
+    idx.store(&key("b", 1), None, &h[..1]);
+    idx.store(&key("c", 0), None, &h[1..4]); // no first block: no overlap
     let o = idx.overlaps(&h);
     assert_eq!(o.get(&key("a", 0)), 3);
     assert_eq!(o.get(&key("b", 1)), 1);
@@ -21,31 +26,145 @@ fn overlap_is_the_gapless_leading_run() {
     assert_eq!(o.len(), 2);
     idx.remove(&key("a", 0), &h[1..2]);
     assert_eq!(idx.overlaps(&h).get(&key("a", 0)), 1);
+    idx.tree.check();
 }
 
 #[test]
 fn clear_and_instance_removal_forget_blocks() {
     let mut idx = KvIndex::default();
     let h = block_hashes(&(0..64).collect::<Vec<_>>(), 16);
-    idx.store(&key("a", 0), &h);
-    idx.store(&key("a", 1), &h);
-    idx.store(&key("b", 0), &h);
+    idx.store(&key("a", 0), None, &h);
+    idx.store(&key("a", 1), None, &h);
+    idx.store(&key("b", 0), None, &h);
     assert_eq!(idx.len(), 12);
     idx.clear(&key("a", 1));
     assert_eq!(idx.blocks_of(&key("a", 1)), 0);
     idx.remove_instance(&"a".parse().unwrap());
     assert_eq!(idx.len(), 4);
     assert_eq!(idx.overlaps(&h).len(), 1);
-    idx.store(&key("d", 0), &h[..1]);
+    idx.store(&key("d", 0), None, &h[..1]);
     assert_eq!(idx.overlaps(&h).get(&key("d", 0)), 1, "slot reuse is clean");
+    idx.tree.check();
 }
 
 #[test]
 fn entries_are_bounded() {
     let mut idx = KvIndex::new(10);
     let h = block_hashes(&(0..1600).collect::<Vec<_>>(), 16);
-    idx.store(&key("a", 0), &h);
+    idx.store(&key("a", 0), None, &h);
     assert_eq!(idx.len(), 10);
-    idx.store(&key("a", 0), &h); // re-storing known blocks changes nothing
+    idx.store(&key("a", 0), None, &h); // re-storing known blocks changes nothing
     assert_eq!(idx.len(), 10);
+    idx.store(&key("b", 0), None, &h);
+    assert_eq!(idx.len(), 10);
+    idx.tree.check();
+}
+
+#[test]
+fn shared_prefixes_stay_compressed() {
+    let mut idx = KvIndex::default();
+    let base: Vec<u32> = (0..32 * 16).collect();
+    for w in 0..8u32 {
+        let mut tokens = base.clone();
+        tokens.extend((0..32 * 16).map(|t| t + 10_000 * (w + 1)));
+        // Stored the way a prefill reports: the prompt in pieces, in order.
+        let h = block_hashes(&tokens, 16);
+        for (i, piece) in h.chunks(5).enumerate() {
+            let parent = (i > 0).then(|| h[i * 5 - 1]);
+            idx.store(&key(&format!("w{w}"), 0), parent, piece);
+        }
+    }
+    // One shared edge, one edge per worker.
+    assert_eq!(idx.tree.node_count(), 9);
+    // A worker evicting its tail and storing it again leaves the same shape.
+    let mut tokens = base.clone();
+    tokens.extend((0..32 * 16).map(|t| t + 10_000));
+    let h = block_hashes(&tokens, 16);
+    idx.remove(&key("w0", 0), &h[40..]);
+    idx.store(&key("w0", 0), Some(h[39]), &h[40..]);
+    assert_eq!(idx.tree.node_count(), 9);
+    idx.tree.check();
+}
+
+/// Chained hashes of bit strings: short alphabets make sequences share prefixes often.
+fn universe(rng: &mut StdRng) -> Vec<Vec<BlockHash>> {
+    (0..24)
+        .map(|_| {
+            let len = rng.random_range(1..14);
+            let bits: Vec<u32> = (0..len).map(|_| rng.random_range(0..2)).collect();
+            block_hashes(&bits, 1)
+        })
+        .collect()
+}
+
+fn model_run(
+    model: &HashMap<WorkerKey, HashSet<BlockHash>>,
+    k: &WorkerKey,
+    p: &[BlockHash],
+) -> usize {
+    model.get(k).map_or(0, |held| p.iter().take_while(|h| held.contains(h)).count())
+}
+
+/// Random stores, removes, clears and departures, checked against plain per-worker sets.
+#[test]
+fn matches_a_set_model_under_random_operations() {
+    for seed in 0..40u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let seqs = universe(&mut rng);
+        let workers: Vec<WorkerKey> =
+            (0..6).map(|i| key(&format!("i{}", i / 2), (i % 2) as u32)).collect();
+        let mut idx = KvIndex::default();
+        let mut model: HashMap<WorkerKey, HashSet<BlockHash>> = HashMap::new();
+        for step in 0..400 {
+            let w = &workers[rng.random_range(0..workers.len())];
+            let seq = &seqs[rng.random_range(0..seqs.len())];
+            let a = if rng.random_bool(0.7) { 0 } else { rng.random_range(0..seq.len()) };
+            let b = rng.random_range(a + 1..=seq.len());
+            match rng.random_range(0..20) {
+                0..=10 => {
+                    let mut run = seq[a..b].to_vec();
+                    if rng.random_bool(0.1) {
+                        run.shuffle(&mut rng); // bad input: not a chain
+                    }
+                    let parent =
+                        if a > 0 && rng.random_bool(0.8) { Some(seq[a - 1]) } else { None };
+                    idx.store(w, parent, &run);
+                    model.entry(w.clone()).or_default().extend(run);
+                }
+                11..=16 => {
+                    let mut run = seq[a..b].to_vec();
+                    if rng.random_bool(0.5) {
+                        run.reverse(); // leaf-first eviction order
+                    }
+                    idx.remove(w, &run);
+                    if let Some(m) = model.get_mut(w) {
+                        run.iter().for_each(|h| _ = m.remove(h));
+                    }
+                }
+                17 | 18 => {
+                    idx.clear(w);
+                    model.remove(w);
+                }
+                _ => {
+                    idx.remove_instance(&w.instance);
+                    model.retain(|k, _| k.instance != w.instance);
+                }
+            }
+            idx.tree.check();
+            let total: usize = model.values().map(HashSet::len).sum();
+            assert_eq!(idx.len(), total, "seed {seed} step {step}: entries");
+            for k in &workers {
+                let want: BTreeSet<_> = model.get(k).into_iter().flatten().copied().collect();
+                let got: BTreeSet<_> = idx.blocks(k).into_iter().collect();
+                assert_eq!(got, want, "seed {seed} step {step}: blocks of {k:?}");
+                assert_eq!(idx.blocks_of(k), want.len());
+            }
+            for p in seqs.iter().take(8) {
+                let o = idx.overlaps(p);
+                for k in &workers {
+                    assert_eq!(o.get(k), model_run(&model, k, p), "seed {seed} step {step}: {k:?}");
+                }
+            }
+        }
+    }
 }

@@ -11,8 +11,10 @@ use handoff_engine::Kv;
 /// What a store changed, for KV events.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct CacheDelta {
-    /// Pages newly stored.
+    /// Pages newly stored, in prompt order.
     pub stored: Vec<BlockHash>,
+    /// The prompt's page before the first stored one, if any.
+    pub parent: Option<BlockHash>,
     /// Pages evicted.
     pub removed: Vec<BlockHash>,
 }
@@ -106,6 +108,8 @@ impl PrefixCache {
             delta.stored.iter().filter(|h| !self.pages.contains_key(h)).copied().collect();
         delta.stored.retain(|h| !both.contains(h));
         delta.removed.retain(|h| !both.contains(h));
+        let first = delta.stored.first().and_then(|f| hashes.iter().position(|h| h == f));
+        delta.parent = first.and_then(|i| i.checked_sub(1)).map(|i| hashes[i]);
         delta
     }
 

@@ -89,7 +89,7 @@ impl PrefillService {
         let me = &self.inner;
         let mut kinds = Vec::new();
         if !delta.stored.is_empty() {
-            kinds.push(KvEventKind::Stored { blocks: delta.stored });
+            kinds.push(KvEventKind::Stored { parent: delta.parent, blocks: delta.stored });
         }
         if !delta.removed.is_empty() {
             kinds.push(KvEventKind::Removed { blocks: delta.removed });

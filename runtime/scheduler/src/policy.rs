@@ -7,7 +7,7 @@ mod random;
 mod round_robin;
 
 use handoff_core::BlockHash;
-use handoff_kv_index::WorkerKey;
+use handoff_kv_index::Slot;
 
 pub use kv_aware::KvAwareWeights;
 
@@ -31,8 +31,10 @@ pub enum PolicyKind {
 /// One (instance, dp rank) a request could go to.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
-    /// Where.
-    pub key: WorkerKey,
+    /// Where: the (instance, dp rank) in this index slot.
+    pub slot: Slot,
+    /// Its point on the prefix_hash ring (a hash of its instance and dp rank).
+    pub ring: u64,
     /// Leading prompt blocks it holds.
     pub overlap_blocks: usize,
     /// Prefill tokens already queued on it.

@@ -1,8 +1,11 @@
 //! The scheduler's view of the fleet, and selection over it.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+mod member;
+mod select;
+
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
 use handoff_core::{BlockHash, InstanceId};
@@ -10,8 +13,8 @@ use handoff_discovery::{Heartbeat, Instance, KvEvent, KvEventKind, KvSnapshot, U
 use handoff_kv_index::{KvIndex, WorkerKey};
 use tracing::{debug, info, warn};
 
-use crate::SchedulerError;
-use crate::policy::{Candidate, PolicyKind, PolicyParams, Request};
+use crate::policy::{Candidate, PolicyKind, PolicyParams};
+use member::Member;
 
 /// Settings of a scheduler.
 #[derive(Debug, Clone)]
@@ -50,14 +53,6 @@ impl Default for BreakerConfig {
     }
 }
 
-/// One instance's breaker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Breaker {
-    Closed { failures: u32 },
-    Open { until: Instant },
-    HalfOpen { successes: u32, probing: bool },
-}
-
 impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
@@ -91,52 +86,68 @@ struct Load {
 
 #[derive(Debug)]
 struct Inner {
-    instances: BTreeMap<InstanceId, Instance>,
+    members: BTreeMap<InstanceId, Member>,
     index: KvIndex,
-    load: HashMap<WorkerKey, Load>,
-    seqs: HashMap<InstanceId, u64>,
-    /// When each instance was last heard from (registration counts).
-    seen: HashMap<InstanceId, Instant>,
-    /// Registered instances out of routing: heartbeats stopped.
-    silent: HashSet<InstanceId>,
+    /// In-flight load, by index slot.
+    load: Vec<Load>,
     /// Instances whose snapshot has been asked for and not yet applied.
     resyncing: HashSet<InstanceId>,
     /// When any instance was last heard from: while nothing is heard from anyone, the bus is
     /// presumed down and nobody is swept out of routing.
     last_beat: Option<Instant>,
     bus_quiet: bool,
-    breakers: HashMap<InstanceId, Breaker>,
+    /// Reused by every selection: overlap per slot, and the candidate list.
+    run: Vec<u32>,
+    candidates: Vec<Candidate>,
 }
 
 impl Inner {
-    fn forget(&mut self, id: &InstanceId) {
-        self.index.remove_instance(id);
-        self.load.retain(|k, _| &k.instance != id);
-        self.seqs.remove(id);
-    }
-
-    fn routable(&self, id: &InstanceId) -> bool {
-        !self.silent.contains(id)
-    }
-}
-
-/// Whether the breaker lets a request through now (turning open into half-open after the
-/// cooldown; half-open lets one probe at a time).
-fn admits(breakers: &mut HashMap<InstanceId, Breaker>, id: &InstanceId, probe: bool) -> bool {
-    let b = breakers.entry(id.clone()).or_insert(Breaker::Closed { failures: 0 });
-    match *b {
-        Breaker::Closed { .. } => true,
-        Breaker::Open { until } if Instant::now() >= until => {
-            *b = Breaker::HalfOpen { successes: 0, probing: probe };
-            true
+    /// Registers `instance` (fresh slots and load), or refreshes it when known: a new
+    /// version (a restart) or a new topology starts it over, keeping its breaker.
+    fn admit(&mut self, instance: Instance, now: Instant) {
+        let known = self.members.get(&instance.id);
+        let same = known.is_some_and(|m| {
+            m.instance.version == instance.version && m.instance.topology == instance.topology
+        });
+        if same {
+            let m = self.members.get_mut(&instance.id).unwrap_or_else(|| unreachable!());
+            m.instance = instance;
+            m.seen = now;
+            m.silent = false;
+            return;
         }
-        Breaker::Open { .. } => false,
-        Breaker::HalfOpen { probing, successes } => {
-            if probe && !probing {
-                *b = Breaker::HalfOpen { successes, probing: true };
+        let breaker = known.map(|m| m.breaker);
+        self.drop_member(&instance.id);
+        let mut m = Member::new(instance, &mut self.index, now);
+        if let Some(b) = breaker {
+            m.breaker = b;
+        }
+        if self.load.len() < self.index.slot_capacity() {
+            self.load.resize(self.index.slot_capacity(), Load::default());
+        }
+        self.members.insert(m.instance.id.clone(), m);
+    }
+
+    /// Forgets an instance entirely (it left); its slots are reused.
+    fn drop_member(&mut self, id: &InstanceId) {
+        if let Some(m) = self.members.remove(id) {
+            for s in &m.slots {
+                self.load[s.index()] = Load::default();
             }
-            !probing
+            self.index.remove_instance(id);
         }
+        self.resyncing.remove(id);
+    }
+
+    /// Forgets what an instance holds and has in flight, keeping it registered (it went
+    /// silent): it is resynced from a snapshot when heard again.
+    fn forget_state(&mut self, id: &InstanceId) {
+        let Some(m) = self.members.get_mut(id) else { return };
+        m.seq = None;
+        for s in &m.slots {
+            self.load[s.index()] = Load::default();
+        }
+        self.index.clear_instance(id);
     }
 }
 
@@ -165,16 +176,14 @@ impl SchedulerState {
     /// An empty state.
     pub fn new(cfg: SchedulerConfig) -> Self {
         let inner = Inner {
-            instances: BTreeMap::new(),
+            members: BTreeMap::new(),
             index: KvIndex::new(cfg.max_index_entries),
-            load: HashMap::new(),
-            seqs: HashMap::new(),
-            seen: HashMap::new(),
-            silent: HashSet::new(),
+            load: Vec::new(),
             resyncing: HashSet::new(),
             last_beat: None,
             bus_quiet: false,
-            breakers: HashMap::new(),
+            run: Vec::new(),
+            candidates: Vec::new(),
         };
         SchedulerState { cfg, inner: Mutex::new(inner), tick: AtomicUsize::new(0) }
     }
@@ -186,40 +195,31 @@ impl SchedulerState {
     /// Applies a discovery update.
     pub fn apply_update(&self, u: Update) {
         let mut inner = self.lock();
+        let now = Instant::now();
         match u {
             Update::Reset(all) => {
-                let keep: BTreeMap<_, _> = all.into_iter().map(|i| (i.id.clone(), i)).collect();
+                let keep: HashSet<InstanceId> = all.iter().map(|i| i.id.clone()).collect();
                 let gone: Vec<_> =
-                    inner.instances.keys().filter(|k| !keep.contains_key(*k)).cloned().collect();
+                    inner.members.keys().filter(|k| !keep.contains(*k)).cloned().collect();
                 for id in &gone {
-                    inner.forget(id);
-                    inner.seen.remove(id);
-                    inner.silent.remove(id);
-                }
-                let now = Instant::now();
-                for id in keep.keys() {
-                    inner.seen.entry(id.clone()).or_insert(now);
+                    inner.drop_member(id);
                 }
                 info!(instances = keep.len(), dropped = gone.len(), "prefill membership reset");
-                inner.instances = keep;
+                for i in all {
+                    // A reset re-lists everyone: not news from a known instance itself.
+                    match inner.members.get_mut(&i.id) {
+                        Some(m) if m.instance.version == i.version => m.instance = i,
+                        _ => inner.admit(i, now),
+                    }
+                }
             }
             Update::Add(i) => {
-                let restarted =
-                    inner.instances.get(&i.id).is_some_and(|old| old.version != i.version);
-                if restarted {
-                    inner.forget(&i.id);
-                }
                 info!(instance = %i.id, bootstrap = %i.bootstrap_addr, "prefill instance added");
-                inner.seen.insert(i.id.clone(), Instant::now());
-                inner.silent.remove(&i.id);
-                inner.instances.insert(i.id.clone(), i);
+                inner.admit(i, now);
             }
             Update::Remove(id) => {
                 info!(instance = %id, "prefill instance removed");
-                inner.instances.remove(&id);
-                inner.forget(&id);
-                inner.seen.remove(&id);
-                inner.silent.remove(&id);
+                inner.drop_member(&id);
             }
         }
     }
@@ -233,20 +233,18 @@ impl SchedulerState {
     /// [`SchedulerState::heartbeat`] as of `now`.
     pub fn heartbeat_at(&self, hb: &Heartbeat, now: Instant) -> bool {
         let mut inner = self.lock();
-        if !inner.instances.contains_key(&hb.instance) {
-            return false;
+        let Some(m) = inner.members.get_mut(&hb.instance) else { return false };
+        m.seen = now;
+        let resumed = std::mem::replace(&mut m.silent, false);
+        let unsynced = m.seq.is_none();
+        if resumed {
+            info!(instance = %hb.instance, "heartbeats resumed; back in routing");
         }
-        inner.seen.insert(hb.instance.clone(), now);
         inner.last_beat = Some(now);
         if inner.bus_quiet {
             info!("heartbeats heard again; liveness checks resume");
             inner.bus_quiet = false;
         }
-        let resumed = inner.silent.remove(&hb.instance);
-        if resumed {
-            info!(instance = %hb.instance, "heartbeats resumed; back in routing");
-        }
-        let unsynced = !inner.seqs.contains_key(&hb.instance);
         (resumed || unsynced) && inner.resyncing.insert(hb.instance.clone())
     }
 
@@ -277,17 +275,17 @@ impl SchedulerState {
             return Vec::new();
         }
         let stale: Vec<InstanceId> = inner
-            .seen
-            .iter()
-            .filter(|(id, at)| {
-                now.saturating_duration_since(**at) > timeout && !inner.silent.contains(*id)
-            })
-            .map(|(id, _)| id.clone())
+            .members
+            .values()
+            .filter(|m| now.saturating_duration_since(m.seen) > timeout && !m.silent)
+            .map(|m| m.instance.id.clone())
             .collect();
         for id in &stale {
             warn!(instance = %id, "no heartbeat for {timeout:?}; out of routing");
-            inner.forget(id);
-            inner.silent.insert(id.clone());
+            inner.forget_state(id);
+            if let Some(m) = inner.members.get_mut(id) {
+                m.silent = true;
+            }
         }
         stale
     }
@@ -296,17 +294,17 @@ impl SchedulerState {
     pub fn apply_snapshot(&self, snap: KvSnapshot) {
         let mut inner = self.lock();
         inner.resyncing.remove(&snap.instance);
-        let Some(dp) = inner.instances.get(&snap.instance).map(|i| i.topology.dp) else { return };
-        if inner.silent.contains(&snap.instance) {
+        let Inner { members, index, .. } = &mut *inner;
+        let Some(m) = members.get_mut(&snap.instance) else { return };
+        if m.silent {
             return;
         }
-        for (dp_rank, blocks) in snap.dp_blocks.iter().enumerate().take(dp as usize) {
-            let key = WorkerKey { instance: snap.instance.clone(), dp_rank: dp_rank as u32 };
-            inner.index.clear(&key);
-            inner.index.store(&key, blocks);
+        for (slot, blocks) in m.slots.iter().zip(&snap.dp_blocks) {
+            index.clear_at(*slot);
+            index.store_at(*slot, None, blocks);
         }
         info!(instance = %snap.instance, seq = snap.seq, "KV index resynced from snapshot");
-        inner.seqs.insert(snap.instance, snap.seq);
+        m.seq = Some(snap.seq);
     }
 
     /// Forgets a resync that failed, so the next trigger asks again.
@@ -318,155 +316,38 @@ impl SchedulerState {
     /// from a snapshot (a gap in its sequence numbers, or nothing known of it yet).
     pub fn apply_event(&self, ev: KvEvent) -> bool {
         let mut inner = self.lock();
-        let Some(inst) = inner.instances.get(&ev.instance) else {
+        let Inner { members, index, resyncing, .. } = &mut *inner;
+        let Some(m) = members.get_mut(&ev.instance) else {
             debug!(instance = %ev.instance, "KV event from an unknown instance dropped");
             return false;
         };
-        if ev.dp_rank >= inst.topology.dp {
+        let Some(&slot) = m.slots.get(ev.dp_rank as usize) else {
             warn!(instance = %ev.instance, dp_rank = ev.dp_rank, "KV event for a dp rank the instance does not have");
             return false;
-        }
-        if !inner.routable(&ev.instance) {
+        };
+        if !m.routable() {
             return false;
         }
-        let last = match inner.seqs.get(&ev.instance) {
-            Some(&l) => l,
+        let last = match m.seq {
+            Some(l) => l,
             // Nothing known yet: a first event applies as is, anything later needs a snapshot.
             None if ev.seq == 1 => 0,
-            None => return inner.resyncing.insert(ev.instance.clone()),
+            None => return resyncing.insert(ev.instance),
         };
         if ev.seq <= last {
             return false; // already in a snapshot
         }
         if ev.seq != last + 1 {
             warn!(instance = %ev.instance, last, seq = ev.seq, "KV event sequence gap; resyncing");
-            return inner.resyncing.insert(ev.instance.clone());
+            return resyncing.insert(ev.instance);
         }
-        inner.seqs.insert(ev.instance.clone(), ev.seq);
-        let key = WorkerKey { instance: ev.instance, dp_rank: ev.dp_rank };
+        m.seq = Some(ev.seq);
         match ev.kind {
-            KvEventKind::Stored { blocks } => inner.index.store(&key, &blocks),
-            KvEventKind::Removed { blocks } => inner.index.remove(&key, &blocks),
-            KvEventKind::Cleared => inner.index.clear(&key),
+            KvEventKind::Stored { parent, blocks } => index.store_at(slot, parent, &blocks),
+            KvEventKind::Removed { blocks } => index.remove_at(slot, &blocks),
+            KvEventKind::Cleared => index.clear_at(slot),
         }
         false
-    }
-
-    /// Picks where a prompt goes, and counts it in flight there.
-    pub fn select(
-        &self,
-        hashes: &[BlockHash],
-        prompt_tokens: u32,
-        policy: Option<PolicyKind>,
-        exclude: &[InstanceId],
-    ) -> Result<Selection, SchedulerError> {
-        if prompt_tokens == 0 {
-            return Err(SchedulerError::Invalid("prompt_tokens must be positive".into()));
-        }
-        if hashes.len() > self.cfg.max_block_hashes {
-            return Err(SchedulerError::Invalid(format!(
-                "{} block hashes exceed the limit of {}",
-                hashes.len(),
-                self.cfg.max_block_hashes
-            )));
-        }
-        if exclude.len() > self.cfg.max_exclude {
-            return Err(SchedulerError::Invalid(format!(
-                "at most {} exclusions",
-                self.cfg.max_exclude
-            )));
-        }
-        let policy = policy.unwrap_or(self.cfg.default_policy);
-        let mut inner = self.lock();
-        // Disjoint borrows: the breakers change (open -> half-open) while the rest is read.
-        let Inner { instances, index, load, silent, breakers, .. } = &mut *inner;
-        let overlaps = index.overlaps(hashes);
-        let mut candidates = Vec::new();
-        let mut page_size = 16;
-        for inst in instances.values() {
-            let usable = !exclude.contains(&inst.id)
-                && !silent.contains(&inst.id)
-                && admits(breakers, &inst.id, false);
-            if !usable {
-                continue;
-            }
-            page_size = inst.page_size as usize;
-            for dp_rank in 0..inst.topology.dp {
-                let key = WorkerKey { instance: inst.id.clone(), dp_rank };
-                let load = load.get(&key).copied().unwrap_or_default();
-                let overlap_blocks = overlaps.get(&key);
-                candidates.push(Candidate {
-                    key,
-                    overlap_blocks,
-                    queued_tokens: load.queued_tokens,
-                    in_flight: load.in_flight,
-                });
-            }
-        }
-        let tick = self.tick.fetch_add(1, Ordering::Relaxed);
-        let req = Request {
-            candidates: &candidates,
-            prompt_tokens: prompt_tokens as usize,
-            page_size,
-            hashes,
-            tick,
-        };
-        let Some(i) = policy.pick(&req, &self.cfg.params) else {
-            let why = if exclude.is_empty() {
-                String::new()
-            } else {
-                format!(" (excluded {})", exclude.len())
-            };
-            return Err(SchedulerError::NoInstance(why));
-        };
-        let c = candidates.swap_remove(i);
-        admits(&mut inner.breakers, &c.key.instance, true);
-        let load = inner.load.entry(c.key.clone()).or_default();
-        load.in_flight += 1;
-        load.queued_tokens += u64::from(prompt_tokens);
-        let instance = inner.instances[&c.key.instance].clone();
-        Ok(Selection { instance, dp_rank: c.key.dp_rank, cached_blocks: c.overlap_blocks as u32 })
-    }
-
-    /// Ends a request's in-flight accounting on (instance, dp rank) and feeds the instance's
-    /// circuit breaker: `Some(true)` success, `Some(false)` a prefill-side failure, `None` a
-    /// failure that is not the prefill's (it does not count).
-    pub fn report(
-        &self,
-        instance: &InstanceId,
-        dp_rank: u32,
-        prompt_tokens: u32,
-        outcome: Option<bool>,
-    ) {
-        let mut inner = self.lock();
-        let key = WorkerKey { instance: instance.clone(), dp_rank };
-        if let Some(l) = inner.load.get_mut(&key) {
-            l.in_flight = l.in_flight.saturating_sub(1);
-            l.queued_tokens = l.queued_tokens.saturating_sub(u64::from(prompt_tokens));
-        }
-        let Some(ok) = outcome else { return };
-        let cfg = self.cfg.breaker;
-        let b = inner.breakers.entry(instance.clone()).or_insert(Breaker::Closed { failures: 0 });
-        let next = match (*b, ok) {
-            (Breaker::Closed { .. }, true) => Breaker::Closed { failures: 0 },
-            (Breaker::Closed { failures }, false) if failures + 1 >= cfg.failures => {
-                warn!(%instance, failures = failures + 1, "circuit breaker open");
-                Breaker::Open { until: Instant::now() + cfg.cooldown }
-            }
-            (Breaker::Closed { failures }, false) => Breaker::Closed { failures: failures + 1 },
-            (Breaker::HalfOpen { successes, .. }, true) if successes + 1 >= cfg.successes => {
-                info!(%instance, "circuit breaker closed");
-                Breaker::Closed { failures: 0 }
-            }
-            (Breaker::HalfOpen { successes, .. }, true) => {
-                Breaker::HalfOpen { successes: successes + 1, probing: false }
-            }
-            (Breaker::HalfOpen { .. }, false) => {
-                Breaker::Open { until: Instant::now() + cfg.cooldown }
-            }
-            (open @ Breaker::Open { .. }, _) => open,
-        };
-        *b = next;
     }
 
     /// The blocks indexed for (instance, dp rank).
@@ -478,21 +359,19 @@ impl SchedulerState {
     pub fn instances(&self) -> Vec<InstanceStatus> {
         let inner = self.lock();
         inner
-            .instances
+            .members
             .values()
-            .map(|i| {
-                let keys =
-                    (0..i.topology.dp).map(|dp_rank| WorkerKey { instance: i.id.clone(), dp_rank });
+            .map(|m| {
                 let (mut in_flight, mut cached_blocks) = (0, 0);
-                for k in keys {
-                    in_flight += inner.load.get(&k).map_or(0, |l| l.in_flight);
-                    cached_blocks += inner.index.blocks_of(&k) as u64;
+                for s in &m.slots {
+                    in_flight += inner.load[s.index()].in_flight;
+                    cached_blocks += inner.index.held_at(*s) as u64;
                 }
                 InstanceStatus {
-                    instance: i.clone(),
+                    instance: m.instance.clone(),
                     in_flight,
                     cached_blocks,
-                    routable: inner.routable(&i.id),
+                    routable: m.routable(),
                 }
             })
             .collect()

@@ -73,7 +73,7 @@ async fn an_event_gap_is_resynced_to_the_instances_own_view() {
         instance: p.id.clone(),
         dp_rank: 0,
         seq: seq + 10,
-        kind: KvEventKind::Stored { blocks: vec![bogus] },
+        kind: KvEventKind::Stored { parent: None, blocks: vec![bogus] },
     })
     .await;
     let after = wait_equal("after the gap").await;

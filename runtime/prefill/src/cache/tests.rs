@@ -16,6 +16,11 @@ fn lookup_returns_the_longest_cached_prefix_but_leaves_a_token() {
     let h = block_hashes(&p, 4);
     let d = c.store(&h, &kv(&p));
     assert_eq!(d.stored.len(), 4);
+    assert_eq!(d.parent, None, "the run starts the prompt");
+    let longer: Vec<u32> = (0..20).collect();
+    let hl = block_hashes(&longer, 4);
+    let d = c.store(&hl, &kv(&longer));
+    assert_eq!((d.parent, d.stored), (Some(h[3]), vec![hl[4]]), "the run hangs under its prefix");
     let hit = c.lookup(&h, 16).unwrap();
     assert_eq!(hit.tokens(), 12, "one token must be left to compute");
     assert_eq!(hit, kv(&p).slice_tokens(0..12));

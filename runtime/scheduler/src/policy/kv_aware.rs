@@ -43,13 +43,14 @@ pub(super) fn pick(req: &Request<'_>, w: &KvAwareWeights) -> usize {
         }
         return n - 1;
     }
-    let mut best = req.tick % n;
-    for off in 1..n {
-        let i = (req.tick + off) % n;
-        let (a, b) = (&req.candidates[i], &req.candidates[best]);
-        let (ca, cb) = (cost(a), cost(b));
-        if ca < cb || (ca == cb && a.in_flight < b.in_flight) {
-            best = i;
+    // Scan from a rotating start so exact ties spread; strict improvement keeps the first.
+    let start = req.tick % n;
+    let (mut best, mut best_cost) = (start, cost(&req.candidates[start]));
+    for i in (start + 1..n).chain(0..start) {
+        let c = &req.candidates[i];
+        let ca = cost(c);
+        if ca < best_cost || (ca == best_cost && c.in_flight < req.candidates[best].in_flight) {
+            (best, best_cost) = (i, ca);
         }
     }
     best

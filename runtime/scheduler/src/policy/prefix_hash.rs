@@ -4,21 +4,12 @@
 //! candidate loaded beyond `load_factor` x the mean queued tokens (plus one prompt) is passed
 //! over for the next on the ring. Prompts shorter than a block hash their length instead.
 
-use xxhash_rust::xxh3::xxh3_64;
-
 use super::Request;
 
 pub(super) fn pick(req: &Request<'_>, load_factor: f64) -> usize {
     let key = req.hashes.first().map_or(req.prompt_tokens as u64, |h| h.0);
-    let mut ring: Vec<(u64, usize)> = req
-        .candidates
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let id = format!("{}#{}", c.key.instance, c.key.dp_rank);
-            (xxh3_64(id.as_bytes()), i)
-        })
-        .collect();
+    let mut ring: Vec<(u64, usize)> =
+        req.candidates.iter().enumerate().map(|(i, c)| (c.ring, i)).collect();
     ring.sort_unstable();
     let start = ring.partition_point(|(h, _)| *h < key) % ring.len();
     let mean =

@@ -3,9 +3,15 @@ use handoff_core::block_hashes;
 use super::*;
 
 fn cands(n: usize) -> Vec<Candidate> {
+    let mut index = handoff_kv_index::KvIndex::default();
+    let mut slot = |i: usize| {
+        let instance = format!("p{i}").parse().unwrap();
+        index.register(&handoff_kv_index::WorkerKey { instance, dp_rank: 0 })
+    };
     (0..n)
         .map(|i| Candidate {
-            key: WorkerKey { instance: format!("p{i}").parse().unwrap(), dp_rank: 0 },
+            slot: slot(i),
+            ring: xxhash_rust::xxh3::xxh3_64(format!("p{i}#0").as_bytes()),
             overlap_blocks: 0,
             queued_tokens: 0,
             in_flight: 0,

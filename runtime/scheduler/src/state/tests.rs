@@ -2,6 +2,7 @@ use handoff_core::block_hashes;
 use handoff_discovery::{Role, Topology};
 
 use super::*;
+use crate::SchedulerError;
 
 fn inst(id: &str, dp: u32) -> Instance {
     Instance {
@@ -17,7 +18,12 @@ fn inst(id: &str, dp: u32) -> Instance {
 }
 
 fn stored(id: &str, dp_rank: u32, seq: u64, blocks: Vec<BlockHash>) -> KvEvent {
-    KvEvent { instance: id.parse().unwrap(), dp_rank, seq, kind: KvEventKind::Stored { blocks } }
+    KvEvent {
+        instance: id.parse().unwrap(),
+        dp_rank,
+        seq,
+        kind: KvEventKind::Stored { parent: None, blocks },
+    }
 }
 
 #[test]

@@ -1,0 +1,40 @@
+//! The hasher of the block map. Block hashes are already xxh3 outputs, but callers (and
+//! benchmarks) may hand in structured ones, so the key is still mixed: one 64x64->128-bit
+//! multiply folded to 64 bits, which spreads low and high input bits over the whole word.
+
+use std::hash::{BuildHasherDefault, Hasher};
+
+const K: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// A folded-multiply hasher for u64 keys.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct FoldHasher(u64);
+
+impl FoldHasher {
+    fn mix(&mut self, x: u64) {
+        let p = u128::from(self.0 ^ x ^ K) * u128::from(K.rotate_left(17) | 1);
+        self.0 = (p as u64) ^ ((p >> 64) as u64);
+    }
+}
+
+impl Hasher for FoldHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.mix(u64::from_le_bytes(b));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.mix(x);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A map keyed by block hash.
+pub(crate) type BlockMap<V> =
+    std::collections::HashMap<handoff_core::BlockHash, V, BuildHasherDefault<FoldHasher>>;

@@ -1,0 +1,385 @@
+//! The radix tree under the index. Each node is an edge: a run of chained block hashes held
+//! by the same set of workers. A map from every block hash to (node, position) finds any
+//! block in one lookup, so a match walks a prompt one *node* at a time: one lookup and a
+//! slice comparison per edge, then one pass over that edge's holders. A prefix shared by a
+//! thousand workers is walked once, not once per worker per block.
+//!
+//! Links are a parent id and a child count: enough to delete emptied leaves upward and to
+//! merge a node into its only child when both have the same holders. A split keeps the id on
+//! the tail so the tail's children keep pointing at it; only the head's map entries move.
+//! A stored run whose parent block is unknown starts a detached root; matches still find it
+//! through the map (hashes are chained, so a block names its whole prefix).
+
+use std::collections::hash_map::Entry;
+
+use handoff_core::BlockHash;
+
+use crate::hasher::BlockMap;
+use crate::slot_set::SlotSet;
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug)]
+struct Node {
+    /// The edge; empty only while the node is free.
+    blocks: Vec<BlockHash>,
+    /// Position of `blocks[0]` along the path from this node's root.
+    start: u32,
+    parent: u32,
+    children: u32,
+    holders: SlotSet,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Loc {
+    node: u32,
+    pos: u32,
+}
+
+/// See the module docs.
+#[derive(Debug, Default)]
+pub(crate) struct Tree {
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    map: BlockMap<Loc>,
+}
+
+/// How many leading hashes `a` and `b` share: eight at a time while whole chunks match (the
+/// common case: a prompt running along an edge), then one at a time.
+fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let same = a.chunks_exact(8).zip(b.chunks_exact(8)).take_while(|(x, y)| x == y).count() * 8;
+    same + a[same..].iter().zip(&b[same..]).take_while(|(x, y)| x == y).count()
+}
+
+impl Tree {
+    fn alloc(&mut self, node: Node) -> u32 {
+        match self.free.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = node;
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        }
+    }
+
+    fn node(&self, id: u32) -> &Node {
+        &self.nodes[id as usize]
+    }
+
+    fn node_mut(&mut self, id: u32) -> &mut Node {
+        &mut self.nodes[id as usize]
+    }
+
+    /// The node holding `h`, and `h`'s offset in its edge.
+    fn find(&self, h: BlockHash) -> Option<(u32, usize)> {
+        let loc = self.map.get(&h)?;
+        Some((loc.node, (loc.pos - self.node(loc.node).start) as usize))
+    }
+
+    /// Splits `id` before edge offset `k` (0 < k < edge length). The head becomes a new node;
+    /// `id` keeps the tail, so its children stay attached. Returns the head.
+    fn split(&mut self, id: u32, k: usize) -> u32 {
+        let n = self.node_mut(id);
+        let head = Node {
+            blocks: n.blocks.drain(..k).collect(),
+            start: n.start,
+            parent: n.parent,
+            children: 1,
+            holders: n.holders.clone(),
+        };
+        n.start += k as u32;
+        let hid = self.alloc(head);
+        self.node_mut(id).parent = hid;
+        let Tree { nodes, map, .. } = self;
+        for b in &nodes[hid as usize].blocks {
+            if let Some(l) = map.get_mut(b) {
+                l.node = hid;
+            }
+        }
+        hid
+    }
+
+    /// Makes edge offsets `[off, off + n)` of `id` a node of its own; returns it.
+    fn isolate(&mut self, mut id: u32, off: usize, n: usize) -> u32 {
+        if off > 0 {
+            self.split(id, off);
+        }
+        if n < self.node(id).blocks.len() {
+            id = self.split(id, n);
+        }
+        id
+    }
+
+    /// Folds `id`'s parent into it while that parent has no other child and the same holders.
+    fn merge_up(&mut self, id: u32) {
+        loop {
+            let p = self.node(id).parent;
+            if p == NIL {
+                return;
+            }
+            let (parent, node) = (self.node(p), self.node(id));
+            if parent.children != 1 || parent.holders != node.holders {
+                return;
+            }
+            let parent = std::mem::replace(
+                self.node_mut(p),
+                Node {
+                    blocks: Vec::new(),
+                    start: 0,
+                    parent: NIL,
+                    children: 0,
+                    holders: SlotSet::default(),
+                },
+            );
+            self.free.push(p);
+            for b in &parent.blocks {
+                if let Some(l) = self.map.get_mut(b) {
+                    l.node = id;
+                }
+            }
+            let n = self.node_mut(id);
+            let mut blocks = parent.blocks;
+            blocks.extend_from_slice(&n.blocks);
+            n.blocks = blocks;
+            n.start = parent.start;
+            n.parent = parent.parent;
+        }
+    }
+
+    /// Deletes `id` if nobody holds it and it has no children, then its parent likewise.
+    fn prune(&mut self, mut id: u32) {
+        while id != NIL {
+            let n = self.node(id);
+            if n.blocks.is_empty() || !n.holders.is_empty() || n.children > 0 {
+                return;
+            }
+            let parent = n.parent;
+            let blocks = std::mem::take(&mut self.node_mut(id).blocks);
+            for b in &blocks {
+                self.map.remove(b);
+            }
+            self.free.push(id);
+            if parent != NIL {
+                self.node_mut(parent).children -= 1;
+            }
+            id = parent;
+        }
+    }
+
+    /// Adds `slot` as a holder of the chained run `blocks`, whose first block follows
+    /// `parent` (`None`: it starts a prompt, or the parent is unknown), adding at most
+    /// `budget` (block, holder) pairs. Returns the pairs added.
+    pub(crate) fn store(
+        &mut self,
+        slot: u32,
+        parent: Option<BlockHash>,
+        blocks: &[BlockHash],
+        budget: usize,
+    ) -> usize {
+        let (mut added, mut i) = (0, 0);
+        let mut prev = parent;
+        while i < blocks.len() && added < budget {
+            let n = if let Some((id, off)) = self.find(blocks[i]) {
+                let node = self.node(id);
+                let mut n = common_prefix(&node.blocks[off..], &blocks[i..]);
+                if !node.holders.contains(slot) {
+                    n = n.min(budget - added);
+                    let t = self.isolate(id, off, n);
+                    self.node_mut(t).holders.insert(slot);
+                    added += n;
+                    self.merge_up(t);
+                }
+                n
+            } else {
+                let n = self.grow(slot, prev, &blocks[i..], budget - added);
+                added += n;
+                n
+            };
+            prev = Some(blocks[i + n - 1]);
+            i += n;
+        }
+        added
+    }
+
+    /// Places the leading unknown blocks of `blocks` (at least one, at most `room`) after
+    /// `prev`: appended to its edge when that edge is a leaf held by `slot` alone (a worker
+    /// extending its own sequence), else as a new node under it. Returns how many it took.
+    fn grow(
+        &mut self,
+        slot: u32,
+        prev: Option<BlockHash>,
+        blocks: &[BlockHash],
+        room: usize,
+    ) -> usize {
+        let at = prev.and_then(|h| self.find(h));
+        let (id, appending) = match at {
+            Some((id, off)) if off + 1 == self.node(id).blocks.len() => {
+                let n = self.node(id);
+                if n.children == 0 && n.holders.is_only(slot) {
+                    (id, true)
+                } else {
+                    (self.new_node(slot, id), false)
+                }
+            }
+            Some((id, off)) => {
+                let head = self.split(id, off + 1);
+                (self.new_node(slot, head), false)
+            }
+            None => (self.new_node(slot, NIL), false),
+        };
+        let Tree { nodes, map, .. } = self;
+        let node = &mut nodes[id as usize];
+        let before = node.blocks.len();
+        for &b in blocks.iter().take(room) {
+            match map.entry(b) {
+                Entry::Vacant(v) => {
+                    v.insert(Loc { node: id, pos: node.start + node.blocks.len() as u32 });
+                    node.blocks.push(b);
+                }
+                Entry::Occupied(_) => break,
+            }
+        }
+        let n = node.blocks.len() - before;
+        if !appending {
+            self.merge_up(id);
+        }
+        n
+    }
+
+    /// An empty leaf held by `slot` under `parent` (its edge is filled by the caller).
+    fn new_node(&mut self, slot: u32, parent: u32) -> u32 {
+        let start = match parent {
+            NIL => 0,
+            p => {
+                let p = self.node_mut(p);
+                p.children += 1;
+                p.start + p.blocks.len() as u32
+            }
+        };
+        self.alloc(Node {
+            blocks: Vec::new(),
+            start,
+            parent,
+            children: 0,
+            holders: SlotSet::one(slot),
+        })
+    }
+
+    /// Drops `slot` as a holder of `blocks`. Returns the (block, holder) pairs removed.
+    pub(crate) fn remove(&mut self, slot: u32, blocks: &[BlockHash]) -> usize {
+        let (mut removed, mut i) = (0, 0);
+        while i < blocks.len() {
+            let Some((id, off)) = self.find(blocks[i]) else {
+                i += 1;
+                continue;
+            };
+            let node = self.node(id);
+            let n = common_prefix(&node.blocks[off..], &blocks[i..]);
+            if node.holders.contains(slot) {
+                let t = self.isolate(id, off, n);
+                self.node_mut(t).holders.remove(slot);
+                removed += n;
+                if self.node(t).holders.is_empty() {
+                    self.prune(t);
+                } else {
+                    self.merge_up(t);
+                }
+            }
+            i += n;
+        }
+        removed
+    }
+
+    /// Drops `slot` as a holder everywhere. Returns the (block, holder) pairs removed.
+    pub(crate) fn clear(&mut self, slot: u32) -> usize {
+        let mut removed = 0;
+        let mut emptied = Vec::new();
+        for (id, n) in self.nodes.iter_mut().enumerate() {
+            if n.holders.remove(slot) {
+                removed += n.blocks.len();
+                if n.holders.is_empty() {
+                    emptied.push(id as u32);
+                }
+            }
+        }
+        for id in emptied {
+            self.prune(id);
+        }
+        removed
+    }
+
+    /// The blocks `slot` holds.
+    pub(crate) fn blocks(&self, slot: u32) -> Vec<BlockHash> {
+        self.nodes
+            .iter()
+            .filter(|n| n.holders.contains(slot))
+            .flat_map(|n| n.blocks.iter().copied())
+            .collect()
+    }
+
+    /// For each slot, how many leading blocks of `hashes` it holds without a gap, into `run`
+    /// (zeroed, one entry per slot).
+    pub(crate) fn overlaps(&self, hashes: &[BlockHash], run: &mut [u32]) {
+        let mut i = 0;
+        while i < hashes.len() {
+            let Some((id, off)) = self.find(hashes[i]) else { break };
+            let node = self.node(id);
+            let n = common_prefix(&node.blocks[off..], &hashes[i..]);
+            let (from, to) = (i as u32, (i + n) as u32);
+            let mut extended = false;
+            node.holders.for_each(|s| {
+                let r = &mut run[s];
+                if *r == from {
+                    *r = to;
+                    extended = true;
+                }
+            });
+            if !extended {
+                break;
+            }
+            i += n;
+        }
+    }
+
+    /// Live nodes (for tests of compression).
+    #[cfg(test)]
+    pub(crate) fn node_count(&self) -> usize {
+        self.nodes.len() - self.free.len()
+    }
+
+    /// Checks the links and the map against the nodes (for tests).
+    #[cfg(test)]
+    pub(crate) fn check(&self) {
+        let mut children = vec![0u32; self.nodes.len()];
+        let mut blocks = 0;
+        for (id, n) in self.nodes.iter().enumerate() {
+            if n.blocks.is_empty() {
+                continue;
+            }
+            blocks += n.blocks.len();
+            assert!(!n.holders.is_empty() || n.children > 0, "node {id} is empty and a leaf");
+            if n.parent != NIL {
+                let p = self.node(n.parent);
+                assert!(!p.blocks.is_empty(), "node {id} has a freed parent");
+                assert_eq!(p.start + p.blocks.len() as u32, n.start, "node {id} not contiguous");
+                children[n.parent as usize] += 1;
+            }
+            for (k, b) in n.blocks.iter().enumerate() {
+                let l = self.map[b];
+                assert_eq!((l.node, l.pos), (id as u32, n.start + k as u32), "map of node {id}");
+            }
+        }
+        assert_eq!(blocks, self.map.len(), "map has stray blocks");
+        for (id, n) in self.nodes.iter().enumerate() {
+            if !n.blocks.is_empty() {
+                assert_eq!(n.children, children[id], "child count of node {id}");
+            }
+        }
+        let _ = self.node_count();
+    }
+}

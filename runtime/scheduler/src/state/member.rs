@@ -1,0 +1,106 @@
+//! One registered prefill instance as the scheduler keeps it: its index slots (one per dp
+//! rank), liveness, KV event sequence and circuit breaker. Everything selection reads per
+//! candidate is here or in a slot-indexed vector, so choosing among a thousand instances is
+//! a walk over plain memory.
+
+use std::time::Instant;
+
+use handoff_discovery::Instance;
+use handoff_kv_index::{KvIndex, Slot, WorkerKey};
+use tracing::{info, warn};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::BreakerConfig;
+
+/// One instance's circuit breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Breaker {
+    Closed { failures: u32 },
+    Open { until: Instant },
+    HalfOpen { successes: u32, probing: bool },
+}
+
+impl Breaker {
+    /// Whether a request may go through now (turning open into half-open after the
+    /// cooldown; half-open lets one probe at a time, taken when `probe`).
+    pub(super) fn admits(&mut self, probe: bool) -> bool {
+        match *self {
+            Breaker::Closed { .. } => true,
+            Breaker::Open { until } if Instant::now() >= until => {
+                *self = Breaker::HalfOpen { successes: 0, probing: probe };
+                true
+            }
+            Breaker::Open { .. } => false,
+            Breaker::HalfOpen { probing, successes } => {
+                if probe && !probing {
+                    *self = Breaker::HalfOpen { successes, probing: true };
+                }
+                !probing
+            }
+        }
+    }
+
+    /// Feeds an outcome: success, or a prefill-side failure.
+    pub(super) fn record(&mut self, ok: bool, cfg: &BreakerConfig, instance: &str) {
+        *self = match (*self, ok) {
+            (Breaker::Closed { .. }, true) => Breaker::Closed { failures: 0 },
+            (Breaker::Closed { failures }, false) if failures + 1 >= cfg.failures => {
+                warn!(%instance, failures = failures + 1, "circuit breaker open");
+                Breaker::Open { until: Instant::now() + cfg.cooldown }
+            }
+            (Breaker::Closed { failures }, false) => Breaker::Closed { failures: failures + 1 },
+            (Breaker::HalfOpen { successes, .. }, true) if successes + 1 >= cfg.successes => {
+                info!(%instance, "circuit breaker closed");
+                Breaker::Closed { failures: 0 }
+            }
+            (Breaker::HalfOpen { successes, .. }, true) => {
+                Breaker::HalfOpen { successes: successes + 1, probing: false }
+            }
+            (Breaker::HalfOpen { .. }, false) => {
+                Breaker::Open { until: Instant::now() + cfg.cooldown }
+            }
+            (open @ Breaker::Open { .. }, _) => open,
+        };
+    }
+}
+
+/// A registered prefill instance (see the module docs).
+#[derive(Debug)]
+pub(super) struct Member {
+    pub(super) instance: Instance,
+    /// Index slot of each dp rank.
+    pub(super) slots: Vec<Slot>,
+    /// prefix_hash ring point of each dp rank.
+    pub(super) ring: Vec<u64>,
+    /// When it was last heard from (registration counts).
+    pub(super) seen: Instant,
+    /// Out of routing: its heartbeats stopped.
+    pub(super) silent: bool,
+    /// Last KV event applied; `None` until a snapshot or first event syncs it.
+    pub(super) seq: Option<u64>,
+    pub(super) breaker: Breaker,
+}
+
+impl Member {
+    /// A member for `instance`, with slots registered in `index`.
+    pub(super) fn new(instance: Instance, index: &mut KvIndex, now: Instant) -> Self {
+        let dp = instance.topology.dp;
+        let keys = (0..dp).map(|dp_rank| WorkerKey { instance: instance.id.clone(), dp_rank });
+        let slots = keys.map(|k| index.register(&k)).collect();
+        let ring = (0..dp).map(|d| xxh3_64(format!("{}#{d}", instance.id).as_bytes())).collect();
+        Member {
+            instance,
+            slots,
+            ring,
+            seen: now,
+            silent: false,
+            seq: None,
+            breaker: Breaker::Closed { failures: 0 },
+        }
+    }
+
+    /// Whether requests may be routed to it.
+    pub(super) fn routable(&self) -> bool {
+        !self.silent
+    }
+}

@@ -1,0 +1,125 @@
+//! Selection and outcomes: the hot path. One lock, one index match into a reused per-slot
+//! buffer, one pass over the members building a reused candidate list; no per-candidate
+//! map lookups or allocations.
+
+use std::sync::atomic::Ordering;
+
+use handoff_core::{BlockHash, InstanceId};
+
+use super::{Inner, Load, SchedulerState, Selection};
+use crate::SchedulerError;
+use crate::policy::{Candidate, PolicyKind, Request};
+
+impl SchedulerState {
+    fn check_request(
+        &self,
+        hashes: &[BlockHash],
+        prompt_tokens: u32,
+        exclude: &[InstanceId],
+    ) -> Result<(), SchedulerError> {
+        if prompt_tokens == 0 {
+            return Err(SchedulerError::Invalid("prompt_tokens must be positive".into()));
+        }
+        if hashes.len() > self.cfg.max_block_hashes {
+            return Err(SchedulerError::Invalid(format!(
+                "{} block hashes exceed the limit of {}",
+                hashes.len(),
+                self.cfg.max_block_hashes
+            )));
+        }
+        if exclude.len() > self.cfg.max_exclude {
+            return Err(SchedulerError::Invalid(format!(
+                "at most {} exclusions",
+                self.cfg.max_exclude
+            )));
+        }
+        Ok(())
+    }
+
+    /// Picks where a prompt goes, and counts it in flight there.
+    pub fn select(
+        &self,
+        hashes: &[BlockHash],
+        prompt_tokens: u32,
+        policy: Option<PolicyKind>,
+        exclude: &[InstanceId],
+    ) -> Result<Selection, SchedulerError> {
+        self.check_request(hashes, prompt_tokens, exclude)?;
+        let policy = policy.unwrap_or(self.cfg.default_policy);
+        let mut inner = self.lock();
+        let Inner { members, index, load, run, candidates, .. } = &mut *inner;
+        index.overlaps_into(hashes, run);
+        candidates.clear();
+        let mut page_size = 16;
+        for m in members.values_mut() {
+            let usable = m.routable()
+                && (exclude.is_empty() || !exclude.contains(&m.instance.id))
+                && m.breaker.admits(false);
+            if !usable {
+                continue;
+            }
+            page_size = m.instance.page_size as usize;
+            for (&slot, &ring) in m.slots.iter().zip(&m.ring) {
+                let l = load[slot.index()];
+                candidates.push(Candidate {
+                    slot,
+                    ring,
+                    overlap_blocks: run[slot.index()] as usize,
+                    queued_tokens: l.queued_tokens,
+                    in_flight: l.in_flight,
+                });
+            }
+        }
+        let tick = self.tick.fetch_add(1, Ordering::Relaxed);
+        let req =
+            Request { candidates, prompt_tokens: prompt_tokens as usize, page_size, hashes, tick };
+        let Some(i) = policy.pick(&req, &self.cfg.params) else {
+            let why = if exclude.is_empty() {
+                String::new()
+            } else {
+                format!(" (excluded {})", exclude.len())
+            };
+            return Err(SchedulerError::NoInstance(why));
+        };
+        let c = candidates[i].clone();
+        let key = index
+            .key(c.slot)
+            .cloned()
+            .ok_or_else(|| SchedulerError::NoInstance(" (the chosen slot was freed)".into()))?;
+        let m = members
+            .get_mut(&key.instance)
+            .ok_or_else(|| SchedulerError::NoInstance(" (the chosen instance left)".into()))?;
+        m.breaker.admits(true);
+        let l = &mut load[c.slot.index()];
+        l.in_flight += 1;
+        l.queued_tokens += u64::from(prompt_tokens);
+        Ok(Selection {
+            instance: m.instance.clone(),
+            dp_rank: key.dp_rank,
+            cached_blocks: c.overlap_blocks as u32,
+        })
+    }
+
+    /// Ends a request's in-flight accounting on (instance, dp rank) and feeds the instance's
+    /// circuit breaker: `Some(true)` success, `Some(false)` a prefill-side failure, `None` a
+    /// failure that is not the prefill's (it does not count). Unknown instances are ignored.
+    pub fn report(
+        &self,
+        instance: &InstanceId,
+        dp_rank: u32,
+        prompt_tokens: u32,
+        outcome: Option<bool>,
+    ) {
+        let mut inner = self.lock();
+        let Inner { members, load, .. } = &mut *inner;
+        let Some(m) = members.get_mut(instance) else { return };
+        if let Some(slot) = m.slots.get(dp_rank as usize) {
+            let l: &mut Load = &mut load[slot.index()];
+            l.in_flight = l.in_flight.saturating_sub(1);
+            l.queued_tokens = l.queued_tokens.saturating_sub(u64::from(prompt_tokens));
+        }
+        if let Some(ok) = outcome {
+            m.breaker.record(ok, &self.cfg.breaker, instance.as_str());
+        }
+    }
+}
