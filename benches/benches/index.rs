@@ -11,7 +11,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use handoff_core::{BlockHash, InstanceId};
 use handoff_discovery::{Instance, KvEvent, KvEventKind, Role, Topology, Update};
 use handoff_kv_index::{KvIndex, WorkerKey};
-use handoff_scheduler::{SchedulerConfig, SchedulerState};
+use handoff_scheduler::{SchedulerConfig, SchedulerState, Work};
 
 const DEPTH: usize = 64;
 const PREFIX: usize = 32;
@@ -105,7 +105,12 @@ fn selection(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::from_parameter(workers), &workers, |b, _| {
             b.iter(|| {
                 let s = state.select(&query, (DEPTH * 16) as u32, None, &[]).unwrap();
-                state.report(&s.instance.id, s.dp_rank, (DEPTH * 16) as u32, Some(true));
+                state.report(
+                    &s.instance.id,
+                    s.dp_rank,
+                    Work::new((DEPTH * 16) as u32, s.cached_blocks),
+                    Some(true),
+                );
                 black_box(s.dp_rank)
             })
         });

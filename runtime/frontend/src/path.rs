@@ -166,7 +166,7 @@ impl Frontend {
         &self,
         instance: String,
         dp_rank: u32,
-        prompt_tokens: u32,
+        work: (u32, u32),
         error: Option<&FrontendError>,
     ) {
         let mut client = self.scheduler.clone();
@@ -178,7 +178,8 @@ impl Frontend {
             instance_id: instance,
             dp_rank,
             success: error.is_none(),
-            prompt_tokens,
+            prompt_tokens: work.0,
+            cached_blocks: work.1,
             error: error.map(ToString::to_string).unwrap_or_default(),
             decode_fault,
         };
@@ -244,6 +245,8 @@ impl Frontend {
                     break;
                 }
             };
+            // What the selection queued on the instance, for the report that takes it off.
+            let work = (prompt_tokens, sel.cached_blocks);
             let room = Room::mint();
             let mut stages = Stages::start();
             let deadline = plan.deadline.min(Instant::now() + self.cfg.attempt_timeout);
@@ -279,7 +282,7 @@ impl Frontend {
             match outcome {
                 Ok((decoder, first_token, cached_tokens, kv_bytes)) => {
                     stages.timings.consume_us = stages.mark();
-                    self.report(sel.instance_id.clone(), sel.dp_rank, prompt_tokens, None);
+                    self.report(sel.instance_id.clone(), sel.dp_rank, work, None);
                     let evidence = Evidence {
                         bootstrap_room: room.get(),
                         instance_id: sel.instance_id,
@@ -292,7 +295,7 @@ impl Frontend {
                 }
                 Err(e) => {
                     warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed; retrying elsewhere");
-                    self.report(sel.instance_id.clone(), sel.dp_rank, prompt_tokens, Some(&e));
+                    self.report(sel.instance_id.clone(), sel.dp_rank, work, Some(&e));
                     self.directory.invalidate(&sel.instance_id);
                     exclude.push(sel.instance_id.clone());
                     failed.push(Attempt {

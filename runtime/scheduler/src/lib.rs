@@ -23,7 +23,7 @@ use tracing::warn;
 
 pub use error::SchedulerError;
 pub use policy::PolicyKind;
-pub use state::{BreakerConfig, SchedulerConfig, SchedulerState, Selection};
+pub use state::{BreakerConfig, SchedulerConfig, SchedulerState, Selection, Work};
 
 /// A running scheduler: its state, kept current by owned watch tasks.
 #[derive(Debug, Clone)]

@@ -85,7 +85,12 @@ impl SchedulerRpc for SchedulerService {
         } else {
             Some(false)
         };
-        self.state.report(&id, r.dp_rank, r.prompt_tokens, outcome);
+        self.state.report(
+            &id,
+            r.dp_rank,
+            crate::Work::new(r.prompt_tokens, r.cached_blocks),
+            outcome,
+        );
         if !r.success {
             debug!(instance = %id, error = %r.error, "attempt failed");
         }

@@ -3,6 +3,8 @@
 mod member;
 mod select;
 
+pub use select::Work;
+
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::AtomicUsize;

@@ -10,6 +10,30 @@ use super::{Inner, Load, SchedulerState, Selection};
 use crate::SchedulerError;
 use crate::policy::{Candidate, PolicyKind, Request};
 
+/// The prefill work a request queues on an instance: its prompt less the blocks the
+/// selection expected cached there. A cached instance with many short suffixes queued is
+/// less busy than its raw prompt lengths say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Work {
+    /// Prompt length.
+    pub prompt_tokens: u32,
+    /// Blocks the selection expected cached ([`Selection::cached_blocks`]).
+    pub cached_blocks: u32,
+}
+
+impl Work {
+    /// The work of a prompt with `cached_blocks` expected cached.
+    pub fn new(prompt_tokens: u32, cached_blocks: u32) -> Self {
+        Work { prompt_tokens, cached_blocks }
+    }
+
+    /// Tokens to compute, with pages of `page_size` tokens.
+    pub fn tokens(self, page_size: u32) -> u64 {
+        let cached = u64::from(self.cached_blocks) * u64::from(page_size);
+        u64::from(self.prompt_tokens).saturating_sub(cached)
+    }
+}
+
 impl SchedulerState {
     fn check_request(
         &self,
@@ -90,9 +114,10 @@ impl SchedulerState {
             .get_mut(&key.instance)
             .ok_or_else(|| SchedulerError::NoInstance(" (the chosen instance left)".into()))?;
         m.breaker.admits(true);
+        let work = Work::new(prompt_tokens, c.overlap_blocks as u32).tokens(m.instance.page_size);
         let l = &mut load[c.slot.index()];
         l.in_flight += 1;
-        l.queued_tokens += u64::from(prompt_tokens);
+        l.queued_tokens += work;
         Ok(Selection {
             instance: m.instance.clone(),
             dp_rank: key.dp_rank,
@@ -100,23 +125,18 @@ impl SchedulerState {
         })
     }
 
-    /// Ends a request's in-flight accounting on (instance, dp rank) and feeds the instance's
-    /// circuit breaker: `Some(true)` success, `Some(false)` a prefill-side failure, `None` a
-    /// failure that is not the prefill's (it does not count). Unknown instances are ignored.
-    pub fn report(
-        &self,
-        instance: &InstanceId,
-        dp_rank: u32,
-        prompt_tokens: u32,
-        outcome: Option<bool>,
-    ) {
+    /// Ends a request's in-flight accounting on (instance, dp rank) — `work` as selected —
+    /// and feeds the instance's circuit breaker: `Some(true)` success, `Some(false)` a
+    /// prefill-side failure, `None` a failure that is not the prefill's (it does not count).
+    /// Unknown instances are ignored.
+    pub fn report(&self, instance: &InstanceId, dp_rank: u32, work: Work, outcome: Option<bool>) {
         let mut inner = self.lock();
         let Inner { members, load, .. } = &mut *inner;
         let Some(m) = members.get_mut(instance) else { return };
         if let Some(slot) = m.slots.get(dp_rank as usize) {
             let l: &mut Load = &mut load[slot.index()];
             l.in_flight = l.in_flight.saturating_sub(1);
-            l.queued_tokens = l.queued_tokens.saturating_sub(u64::from(prompt_tokens));
+            l.queued_tokens = l.queued_tokens.saturating_sub(work.tokens(m.instance.page_size));
         }
         if let Some(ok) = outcome {
             m.breaker.record(ok, &self.cfg.breaker, instance.as_str());

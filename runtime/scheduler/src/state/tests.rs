@@ -36,7 +36,7 @@ fn kv_aware_goes_where_the_prefix_is_cached() {
     for _ in 0..5 {
         let sel = s.select(&h, 256, None, &[]).unwrap();
         assert_eq!((sel.instance.id.as_str(), sel.dp_rank, sel.cached_blocks), ("b", 1, 12));
-        s.report(&sel.instance.id, sel.dp_rank, 256, Some(true));
+        s.report(&sel.instance.id, sel.dp_rank, Work::new(256, sel.cached_blocks), Some(true));
     }
 }
 
@@ -104,7 +104,7 @@ fn breaker_opens_on_prefill_faults_only_and_recovers_through_probes() {
     let a: InstanceId = "a".parse().unwrap();
     // Decode-side failures never count.
     for _ in 0..10 {
-        s.report(&a, 0, 10, None);
+        s.report(&a, 0, Work::new(10, 0), None);
     }
     let picks = |n| {
         (0..n)
@@ -119,16 +119,16 @@ fn breaker_opens_on_prefill_faults_only_and_recovers_through_probes() {
     };
     assert!(picks(4).contains(&"a".to_owned()));
     for _ in 0..3 {
-        s.report(&a, 0, 10, Some(false));
+        s.report(&a, 0, Work::new(10, 0), Some(false));
     }
     assert!(!picks(6).contains(&"a".to_owned()), "open: a gets nothing");
     std::thread::sleep(std::time::Duration::from_millis(60));
     // Half-open: one probe at a time.
     let p = picks(6);
     assert_eq!(p.iter().filter(|i| *i == "a").count(), 1, "{p:?}");
-    s.report(&a, 0, 10, Some(true));
+    s.report(&a, 0, Work::new(10, 0), Some(true));
     assert_eq!(picks(6).iter().filter(|i| *i == "a").count(), 1);
-    s.report(&a, 0, 10, Some(true));
+    s.report(&a, 0, Work::new(10, 0), Some(true));
     assert!(picks(6).iter().filter(|i| *i == "a").count() >= 2, "closed again");
 }
 
@@ -181,4 +181,21 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
     s.heartbeat_at(&hb("b"), at(31_000));
     assert_eq!(s.sweep_at(at(31_100)), vec!["a".parse::<InstanceId>().unwrap()]);
     assert!(s.heartbeat_at(&hb("a"), at(31_200)), "a back: routed again after a resync");
+}
+
+#[test]
+fn queued_load_is_the_uncached_work_and_reports_take_it_off() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    s.apply_event(stored("a", 0, 1, h[..12].to_vec()));
+    // Each request queues 64 uncached tokens on a, not 256: a stays cheaper than cold b
+    // (256 to compute) until its queue reaches 192.
+    let picks: Vec<_> = (0..3).map(|_| s.select(&h, 256, None, &[]).unwrap()).collect();
+    assert!(picks.iter().all(|p| p.instance.id.as_str() == "a" && p.cached_blocks == 12));
+    assert_eq!(s.select(&h, 256, None, &[]).unwrap().instance.id.as_str(), "b", "a is full");
+    for p in &picks {
+        s.report(&p.instance.id, 0, Work::new(256, p.cached_blocks), Some(true));
+    }
+    assert_eq!(s.select(&h, 256, None, &[]).unwrap().instance.id.as_str(), "a", "drained");
 }
