@@ -83,3 +83,34 @@ pub struct KvSnapshot {
     /// Blocks per dp rank.
     pub dp_blocks: Vec<Vec<BlockHash>>,
 }
+
+/// Subject prefix of scheduler load reports; a replica publishes on `{prefix}{replica}`.
+pub const LOAD_PREFIX: &str = "handoff.v1.load.";
+
+/// The subject of a scheduler replica's load reports.
+pub fn load_subject(replica: &str) -> String {
+    format!("{LOAD_PREFIX}{replica}")
+}
+
+/// What one scheduler replica has in flight, so replicas routing the same fleet do not pile
+/// onto one instance. Absolute values, not deltas: a lost report is healed by the next.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadReport {
+    /// The replica (random per process).
+    pub replica: String,
+    /// Its in-flight load per (instance, dp rank); workers it has nothing on are left out.
+    pub loads: Vec<WorkerLoad>,
+}
+
+/// One replica's load on one (instance, dp rank).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerLoad {
+    /// The instance.
+    pub instance: InstanceId,
+    /// Its dp rank.
+    pub dp_rank: u32,
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// Prefill tokens queued (uncached work).
+    pub queued_tokens: u64,
+}

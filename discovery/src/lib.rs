@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 
 pub use error::DiscoveryError;
 pub use etcd::EtcdRegistry;
-pub use events::{Heartbeat, KvEvent, KvEventKind, KvSnapshot};
+pub use events::{Heartbeat, KvEvent, KvEventKind, KvSnapshot, LoadReport, WorkerLoad};
 pub use memory::{MemoryBus, MemoryRegistry};
 pub use nats::NatsBus;
 

@@ -17,8 +17,10 @@ use std::sync::Arc;
 use futures::StreamExt;
 use handoff_core::InstanceId;
 use handoff_core::Tasks;
-use handoff_discovery::events::{KV_SUBJECT_PREFIX, LIVENESS_PREFIX, snapshot_subject};
-use handoff_discovery::{EventBus, Heartbeat, KvEvent, KvSnapshot, Registry, Role};
+use handoff_discovery::events::{
+    KV_SUBJECT_PREFIX, LIVENESS_PREFIX, LOAD_PREFIX, load_subject, snapshot_subject,
+};
+use handoff_discovery::{EventBus, Heartbeat, KvEvent, KvSnapshot, LoadReport, Registry, Role};
 use tracing::warn;
 
 pub use error::SchedulerError;
@@ -29,12 +31,14 @@ pub use state::{BreakerConfig, SchedulerConfig, SchedulerState, Selection, Work}
 #[derive(Debug, Clone)]
 pub struct Scheduler {
     state: Arc<SchedulerState>,
+    replica: Arc<str>,
 }
 
 impl Scheduler {
     /// Starts following `registry` (prefill instances), and on `bus` their KV events and
     /// heartbeats, on `tasks`. Instances whose heartbeats stop are swept out of routing;
-    /// gaps in KV events, and instances first heard of, are resynced from snapshots.
+    /// gaps in KV events, and instances first heard of, are resynced from snapshots. Other
+    /// scheduler replicas on the same bus share their in-flight load with this one.
     pub async fn start(
         cfg: SchedulerConfig,
         registry: Arc<dyn Registry>,
@@ -47,6 +51,10 @@ impl Scheduler {
         let mut events =
             bus.subscribe(KV_SUBJECT_PREFIX).await.map_err(SchedulerError::Discovery)?;
         let mut beats = bus.subscribe(LIVENESS_PREFIX).await.map_err(SchedulerError::Discovery)?;
+        let mut peers = bus.subscribe(LOAD_PREFIX).await.map_err(SchedulerError::Discovery)?;
+        let replica: Arc<str> = format!("{:016x}", rand::random::<u64>()).into();
+        let share_every = cfg_share_interval(&state);
+        let load_bus = bus.clone();
         let (s, t) = (state.clone(), tasks.clone());
         tasks.spawn(async move {
             loop {
@@ -99,13 +107,52 @@ impl Scheduler {
                 }
             }
         });
-        Ok(Scheduler { state })
+        let (s, t, b, me) = (state.clone(), tasks.clone(), load_bus, replica.clone());
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(share_every);
+            let mut ticks = 0u64;
+            let keepalive = (1000 / share_every.as_millis().max(1)).max(1) as u64;
+            loop {
+                tokio::select! {
+                    _ = t.shutdown_requested() => break,
+                    _ = tick.tick() => {
+                        ticks += 1;
+                        let Some(report) = s.load_report(&me, ticks % keepalive == 0) else { continue };
+                        match serde_json::to_vec(&report) {
+                            Ok(p) => {
+                                if let Err(e) = b.publish(load_subject(&me), p.into()).await {
+                                    warn!(error = %e, "load report not published");
+                                }
+                            }
+                            Err(e) => warn!(error = %e, "load report not encodable"),
+                        }
+                    }
+                    m = peers.next() => match m {
+                        Some(m) => match serde_json::from_slice::<LoadReport>(&m.payload) {
+                            Ok(r) => s.apply_load_report(r, &me),
+                            Err(e) => warn!(subject = %m.subject, error = %e, "malformed load report dropped"),
+                        },
+                        None => break,
+                    },
+                }
+            }
+        });
+        Ok(Scheduler { state, replica })
+    }
+
+    /// This replica's name on the bus.
+    pub fn replica(&self) -> &str {
+        &self.replica
     }
 
     /// The state behind the service.
     pub fn state(&self) -> &Arc<SchedulerState> {
         &self.state
     }
+}
+
+fn cfg_share_interval(state: &SchedulerState) -> std::time::Duration {
+    state.config().load_share_interval.max(std::time::Duration::from_millis(1))
 }
 
 /// Asks an instance for its KV snapshot and applies it.

@@ -1,8 +1,10 @@
 //! The scheduler's view of the fleet, and selection over it.
 
 mod member;
+mod replicas;
 mod select;
 
+pub use replicas::MAX_REPLICAS;
 pub use select::Work;
 
 use std::collections::{BTreeMap, HashSet};
@@ -36,6 +38,9 @@ pub struct SchedulerConfig {
     pub liveness_timeout: Duration,
     /// The per-instance circuit breaker.
     pub breaker: BreakerConfig,
+    /// How often this replica tells other replicas its in-flight load when it changed (at
+    /// least once a second regardless, as a keep-alive).
+    pub load_share_interval: Duration,
 }
 
 /// Circuit breaker settings (defaults: SGLang's router).
@@ -65,6 +70,7 @@ impl Default for SchedulerConfig {
             max_index_entries: 50_000_000,
             liveness_timeout: Duration::from_secs(3),
             breaker: BreakerConfig::default(),
+            load_share_interval: Duration::from_millis(25),
         }
     }
 }
@@ -90,8 +96,12 @@ struct Load {
 struct Inner {
     members: BTreeMap<InstanceId, Member>,
     index: KvIndex,
-    /// In-flight load, by index slot.
+    /// In-flight load, by index slot: this replica's own, and the sum of the others'.
     load: Vec<Load>,
+    remote_load: Vec<Load>,
+    remote: replicas::Remotes,
+    /// Own load changed since the last load report.
+    load_dirty: bool,
     /// Instances whose snapshot has been asked for and not yet applied.
     resyncing: HashSet<InstanceId>,
     /// When any instance was last heard from: while nothing is heard from anyone, the bus is
@@ -126,6 +136,7 @@ impl Inner {
         }
         if self.load.len() < self.index.slot_capacity() {
             self.load.resize(self.index.slot_capacity(), Load::default());
+            self.remote_load.resize(self.index.slot_capacity(), Load::default());
         }
         self.members.insert(m.instance.id.clone(), m);
     }
@@ -137,6 +148,8 @@ impl Inner {
                 self.load[s.index()] = Load::default();
             }
             self.index.remove_instance(id);
+            self.forget_remote_slots(&m.slots);
+            self.load_dirty = true;
         }
         self.resyncing.remove(id);
     }
@@ -149,6 +162,7 @@ impl Inner {
         for s in &m.slots {
             self.load[s.index()] = Load::default();
         }
+        self.load_dirty = true;
         self.index.clear_instance(id);
     }
 }
@@ -181,6 +195,9 @@ impl SchedulerState {
             members: BTreeMap::new(),
             index: KvIndex::new(cfg.max_index_entries),
             load: Vec::new(),
+            remote_load: Vec::new(),
+            remote: Default::default(),
+            load_dirty: false,
             resyncing: HashSet::new(),
             last_beat: None,
             bus_quiet: false,
@@ -188,6 +205,11 @@ impl SchedulerState {
             candidates: Vec::new(),
         };
         SchedulerState { cfg, inner: Mutex::new(inner), tick: AtomicUsize::new(0) }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -260,6 +282,9 @@ impl SchedulerState {
     pub fn sweep_at(&self, now: Instant) -> Vec<InstanceId> {
         let mut inner = self.lock();
         let timeout = self.cfg.liveness_timeout;
+        if let Some(before) = now.checked_sub(timeout) {
+            inner.expire_replicas(before);
+        }
         // Silence from everyone at once is the bus, not the fleet: keep routing on the last
         // known state (leases still remove instances that are really gone). Someone must have
         // been heard within half the timeout: when the bus stops, the instances' last beats

@@ -71,7 +71,8 @@ impl SchedulerState {
         self.check_request(hashes, prompt_tokens, exclude)?;
         let policy = policy.unwrap_or(self.cfg.default_policy);
         let mut inner = self.lock();
-        let Inner { members, index, load, run, candidates, .. } = &mut *inner;
+        let Inner { members, index, load, remote_load, run, candidates, load_dirty, .. } =
+            &mut *inner;
         index.overlaps_into(hashes, run);
         candidates.clear();
         let mut page_size = 16;
@@ -84,13 +85,13 @@ impl SchedulerState {
             }
             page_size = m.instance.page_size as usize;
             for (&slot, &ring) in m.slots.iter().zip(&m.ring) {
-                let l = load[slot.index()];
+                let (l, r) = (load[slot.index()], remote_load[slot.index()]);
                 candidates.push(Candidate {
                     slot,
                     ring,
                     overlap_blocks: run[slot.index()] as usize,
-                    queued_tokens: l.queued_tokens,
-                    in_flight: l.in_flight,
+                    queued_tokens: l.queued_tokens + r.queued_tokens,
+                    in_flight: l.in_flight + r.in_flight,
                 });
             }
         }
@@ -118,6 +119,7 @@ impl SchedulerState {
         let l = &mut load[c.slot.index()];
         l.in_flight += 1;
         l.queued_tokens += work;
+        *load_dirty = true;
         Ok(Selection {
             instance: m.instance.clone(),
             dp_rank: key.dp_rank,
@@ -131,12 +133,13 @@ impl SchedulerState {
     /// Unknown instances are ignored.
     pub fn report(&self, instance: &InstanceId, dp_rank: u32, work: Work, outcome: Option<bool>) {
         let mut inner = self.lock();
-        let Inner { members, load, .. } = &mut *inner;
+        let Inner { members, load, load_dirty, .. } = &mut *inner;
         let Some(m) = members.get_mut(instance) else { return };
         if let Some(slot) = m.slots.get(dp_rank as usize) {
             let l: &mut Load = &mut load[slot.index()];
             l.in_flight = l.in_flight.saturating_sub(1);
             l.queued_tokens = l.queued_tokens.saturating_sub(work.tokens(m.instance.page_size));
+            *load_dirty = true;
         }
         if let Some(ok) = outcome {
             m.breaker.record(ok, &self.cfg.breaker, instance.as_str());

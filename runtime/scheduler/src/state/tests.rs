@@ -199,3 +199,37 @@ fn queued_load_is_the_uncached_work_and_reports_take_it_off() {
     }
     assert_eq!(s.select(&h, 256, None, &[]).unwrap().instance.id.as_str(), "a", "drained");
 }
+
+#[test]
+fn replicas_price_each_others_load_and_forget_silent_ones() {
+    let (a, b) = (
+        SchedulerState::new(SchedulerConfig::default()),
+        SchedulerState::new(SchedulerConfig::default()),
+    );
+    for s in [&a, &b] {
+        s.apply_update(Update::Reset(vec![inst("x", 1), inst("y", 1)]));
+    }
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    let first = a.select(&h, 256, None, &[]).unwrap().instance.id;
+    // Alone, b would make the same first choice; with a's load it goes elsewhere.
+    let report = a.load_report("ra", false).unwrap();
+    assert_eq!(report.loads.len(), 1);
+    assert!(a.load_report("ra", false).is_none(), "unchanged: nothing to say");
+    b.apply_load_report(report.clone(), "rb");
+    assert_ne!(b.select(&h, 256, None, &[]).unwrap().instance.id, first);
+    // Its own report, a bad name, or unknown workers change nothing.
+    b.apply_load_report(report.clone(), "ra");
+    let mut bad = report.clone();
+    bad.replica = "r".repeat(65);
+    b.apply_load_report(bad, "rb");
+    let mut unknown = report.clone();
+    unknown.loads[0].instance = "zz".parse().unwrap();
+    unknown.replica = "rc".into();
+    b.apply_load_report(unknown, "rb");
+    // A replica not heard from within the liveness timeout is forgotten.
+    let c = SchedulerState::new(SchedulerConfig::default());
+    c.apply_update(Update::Reset(vec![inst("x", 1), inst("y", 1)]));
+    c.apply_load_report(report, "rc");
+    c.sweep_at(std::time::Instant::now() + std::time::Duration::from_secs(4));
+    assert_eq!(c.select(&h, 256, None, &[]).unwrap().instance.id, first, "a's load forgotten");
+}

@@ -1,0 +1,54 @@
+//! Two running scheduler replicas on one bus share their in-flight load: requests split
+//! across them still spread over the fleet instead of piling onto the instance each alone
+//! would think idle.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_core::{Tasks, block_hashes};
+use handoff_discovery::{EventBus, Instance, MemoryBus, MemoryRegistry, Registry, Role, Topology};
+use handoff_scheduler::{Scheduler, SchedulerConfig};
+
+fn inst(id: &str) -> Instance {
+    Instance {
+        id: id.parse().unwrap(),
+        role: Role::Prefill,
+        model: "mock".into(),
+        bootstrap_addr: format!("{id}:1"),
+        grpc_addr: format!("{id}:2"),
+        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+        page_size: 16,
+        version: 1,
+    }
+}
+
+#[tokio::test]
+async fn replicas_on_one_bus_spread_requests_between_them() {
+    let registry = Arc::new(MemoryRegistry::new());
+    let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+    for id in ["p0", "p1", "p2", "p3"] {
+        registry.register(inst(id)).await.unwrap();
+    }
+    let tasks = Tasks::new();
+    let cfg =
+        SchedulerConfig { load_share_interval: Duration::from_millis(5), ..Default::default() };
+    let start = |r: Arc<MemoryRegistry>| {
+        let (bus, cfg, tasks) = (bus.clone(), cfg.clone(), tasks.clone());
+        async move { Scheduler::start(cfg, r, bus, &tasks).await.unwrap() }
+    };
+    let (a, b) = (start(registry.clone()).await, start(registry.clone()).await);
+    assert_ne!(a.replica(), b.replica());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    // Alternate replicas; each waits for the other's report before choosing.
+    let mut chosen = Vec::new();
+    for i in 0..4 {
+        let s = if i % 2 == 0 { &a } else { &b };
+        chosen.push(s.state().select(&h, 256, None, &[]).unwrap().instance.id.to_string());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    chosen.sort();
+    chosen.dedup();
+    assert_eq!(chosen.len(), 4, "every instance got one request: {chosen:?}");
+    tasks.shutdown().await;
+}
