@@ -117,7 +117,7 @@ impl Scheduler {
                     _ = t.shutdown_requested() => break,
                     _ = tick.tick() => {
                         ticks += 1;
-                        let Some(report) = s.load_report(&me, ticks % keepalive == 0) else { continue };
+                        let Some(report) = s.load_report(&me, ticks.is_multiple_of(keepalive)) else { continue };
                         match serde_json::to_vec(&report) {
                             Ok(p) => {
                                 if let Err(e) = b.publish(load_subject(&me), p.into()).await {
