@@ -8,18 +8,28 @@
 //! instances (mock engine, cold caches) with the same workload and seed.
 //!
 //! Prints, per policy, prefix cache hit rate, TTFT p50/p95/p99, inter-token latency,
-//! throughput and errors as a Markdown table, and writes an SVG plot.
+//! throughput and errors as a Markdown table, and writes an SVG plot. The hit rate's
+//! *ceiling* is what one infinite cache would have hit: per request, the full pages of its
+//! prompt that the prompts prefilled before it (first token back earlier) began with. A
+//! prefill caches prompts, not answers, so a policy can pass it only by the odd race.
+//!
+//! With `--frontend host:port` it drives a cluster already running (say `handoff up`, with
+//! the real model) instead: the policies run one after another on the same instances, each
+//! with its own system prompts (another seed) so one policy's cache does not serve the next.
 //!
 //! ```text
 //! cargo run --release -p handoff-benches --bin loadgen -- --rate 4 --seconds 40 --svg loadgen.svg
+//! cargo run --release -p handoff-benches --bin loadgen -- --frontend 127.0.0.1:50051 --rate 0.5
 //! ```
 
+use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use handoff::{Cluster, ClusterConfig};
+use handoff_core::{BlockHash, block_hashes};
 use handoff_engine::{Engine, MockConfig, MockEngine};
 use handoff_proto::v1::generate_client::GenerateClient;
 use handoff_proto::v1::generate_request::Input;
@@ -45,6 +55,8 @@ struct Args {
     svg: Option<String>,
     policies: Vec<Policy>,
     load_weight: f64,
+    frontend: Option<String>,
+    page_size: usize,
 }
 
 impl Args {
@@ -64,7 +76,9 @@ impl Args {
             prefill_us: 4200,
             decode_us: 9300,
             svg: None,
-            load_weight: 1.0,
+            load_weight: handoff_scheduler::policy::KvAwareWeights::default().load,
+            frontend: None,
+            page_size: 16,
             policies: vec![
                 Policy::KvAware,
                 Policy::RoundRobin,
@@ -90,6 +104,8 @@ impl Args {
                 "--decode-us" => a.decode_us = val()?.parse()?,
                 "--svg" => a.svg = Some(val()?),
                 "--load-weight" => a.load_weight = val()?.parse()?,
+                "--frontend" => a.frontend = Some(val()?),
+                "--page-size" => a.page_size = val()?.parse()?,
                 "--policies" => {
                     a.policies = val()?
                         .split(',')
@@ -120,6 +136,8 @@ struct Sample {
     itl: Option<Duration>,
     prompt: u32,
     cached: u32,
+    /// Tokens one infinite cache would have held (see the module docs).
+    ceiling: u32,
     generated: u32,
 }
 
@@ -130,13 +148,22 @@ struct Report {
     wall: Duration,
 }
 
+/// Every full page of every prompt whose first token came back: what one infinite cache
+/// would hold.
+type Seen = Mutex<HashSet<BlockHash>>;
+
 async fn turn(
     client: &mut GenerateClient<Channel>,
     prompt: Vec<u32>,
     policy: Policy,
     answer: u32,
+    (seen, page): (&Seen, usize),
 ) -> anyhow::Result<(Sample, Vec<u32>)> {
     let prompt_len = prompt.len() as u32;
+    let hashes = block_hashes(&prompt, page);
+    // Like the prefill, leave at least one token to compute.
+    let usable = (prompt.len() - 1) / page;
+    let mut ceiling = 0;
     let req = GenerateRequest {
         input: Some(Input::TokenIds(TokenIds { ids: prompt })),
         sampling: Some(SamplingParams {
@@ -154,7 +181,13 @@ async fn turn(
     while let Some(m) = s.message().await? {
         match m.event {
             Some(Event::Chunk(c)) => {
-                ttft.get_or_insert_with(|| start.elapsed());
+                if ttft.is_none() {
+                    ttft = Some(start.elapsed());
+                    let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
+                    let held = hashes.iter().take(usable).take_while(|h| seen.contains(h));
+                    ceiling = (held.count() * page) as u32;
+                    seen.extend(&hashes);
+                }
                 out.extend(c.token_ids);
             }
             Some(Event::Complete(c)) => cached = c.usage.map_or(0, |u| u.cached_tokens),
@@ -163,23 +196,38 @@ async fn turn(
     }
     let ttft = ttft.ok_or_else(|| anyhow::anyhow!("no token"))?;
     let itl = (out.len() > 1).then(|| (start.elapsed() - ttft) / (out.len() as u32 - 1));
-    Ok((Sample { ttft, itl, prompt: prompt_len, cached, generated: out.len() as u32 }, out))
+    let generated = out.len() as u32;
+    Ok((Sample { ttft, itl, prompt: prompt_len, cached, ceiling, generated }, out))
 }
 
-async fn run_policy(a: &Args, policy: Policy) -> anyhow::Result<Report> {
-    let engine: Arc<dyn Engine> = Arc::new(MockEngine::new(MockConfig {
-        prefill_per_token: Duration::from_micros(a.prefill_us),
-        decode_per_token: Duration::from_micros(a.decode_us),
-        ..MockConfig::default()
-    }));
-    let mut cfg =
-        ClusterConfig { prefills: a.instances, prefill_tp: 1, ..ClusterConfig::ephemeral() };
-    cfg.scheduler.params.kv_aware.load = a.load_weight;
-    let cluster = Cluster::start_shared(cfg, engine).await?;
-    let client = GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
+async fn run_policy(a: &Args, policy: Policy, seed: u64) -> anyhow::Result<Report> {
+    let cluster = match &a.frontend {
+        Some(_) => None,
+        None => {
+            let engine: Arc<dyn Engine> = Arc::new(MockEngine::new(MockConfig {
+                prefill_per_token: Duration::from_micros(a.prefill_us),
+                decode_per_token: Duration::from_micros(a.decode_us),
+                ..MockConfig::default()
+            }));
+            let mut cfg = ClusterConfig {
+                prefills: a.instances,
+                prefill_tp: 1,
+                ..ClusterConfig::ephemeral()
+            };
+            cfg.scheduler.params.kv_aware.load = a.load_weight;
+            Some(Cluster::start_shared(cfg, engine).await?)
+        }
+    };
+    let addr = match (&a.frontend, &cluster) {
+        (Some(f), _) => f.clone(),
+        (None, Some(c)) => c.frontend_addr.to_string(),
+        (None, None) => unreachable!("a cluster was started"),
+    };
+    let client = GenerateClient::connect(format!("http://{addr}")).await?;
+    let seen: Arc<Seen> = Arc::default();
 
-    // The same workload for every policy.
-    let mut rng = StdRng::seed_from_u64(42);
+    // The same workload shape for every policy (the same tokens on fresh clusters).
+    let mut rng = StdRng::seed_from_u64(seed);
     let systems: Vec<Vec<u32>> =
         (0..a.systems).map(|_| tokens(&mut rng, a.system_tokens)).collect();
     let users: Vec<Mutex<(Vec<u32>, usize, bool)>> =
@@ -211,10 +259,16 @@ async fn run_policy(a: &Args, policy: Policy) -> anyhow::Result<Report> {
             s.2 = true;
             s.0.clone()
         };
-        let (mut c, users, report, answer) =
-            (client.clone(), users.clone(), report.clone(), a.answer_tokens);
+        let (mut c, users, report, answer, seen, page) = (
+            client.clone(),
+            users.clone(),
+            report.clone(),
+            a.answer_tokens,
+            seen.clone(),
+            a.page_size,
+        );
         inflight.spawn(async move {
-            let r = turn(&mut c, prompt, policy, answer).await;
+            let r = turn(&mut c, prompt, policy, answer, (&seen, page)).await;
             let mut s = users[u].lock().unwrap_or_else(|e| e.into_inner());
             s.2 = false;
             s.1 += 1;
@@ -230,7 +284,9 @@ async fn run_policy(a: &Args, policy: Policy) -> anyhow::Result<Report> {
     }
     while inflight.join_next().await.is_some() {}
     let wall = start.elapsed();
-    cluster.shutdown().await;
+    if let Some(cluster) = cluster {
+        cluster.shutdown().await;
+    }
     let mut r = std::mem::take(&mut *report.lock().unwrap_or_else(|e| e.into_inner()));
     r.wall = wall;
     Ok(r)
@@ -258,6 +314,7 @@ fn name(p: Policy) -> &'static str {
 struct Row {
     policy: &'static str,
     hit: f64,
+    ceiling: f64,
     ttft: [Duration; 3],
     itl: Duration,
     tps: f64,
@@ -326,16 +383,20 @@ fn svg(rows: &[Row]) -> String {
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse()?;
     let mut rows = Vec::new();
-    for &p in &a.policies {
-        let mut r = run_policy(&a, p).await?;
+    for (i, &p) in a.policies.iter().enumerate() {
+        // A live cluster keeps its caches between policies: give each its own prompts.
+        let seed = if a.frontend.is_some() { 42 + i as u64 } else { 42 };
+        let mut r = run_policy(&a, p, seed).await?;
         let prompt: u64 = r.samples.iter().map(|s| u64::from(s.prompt)).sum();
         let cached: u64 = r.samples.iter().map(|s| u64::from(s.cached)).sum();
+        let ceiling: u64 = r.samples.iter().map(|s| u64::from(s.ceiling)).sum();
         let generated: u64 = r.samples.iter().map(|s| u64::from(s.generated)).sum();
         let mut ttft: Vec<Duration> = r.samples.iter().map(|s| s.ttft).collect();
         let mut itl: Vec<Duration> = r.samples.iter().filter_map(|s| s.itl).collect();
         rows.push(Row {
             policy: name(p),
             hit: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+            ceiling: if prompt == 0 { 0.0 } else { ceiling as f64 / prompt as f64 },
             ttft: [pct(&mut ttft, 0.5), pct(&mut ttft, 0.95), pct(&mut ttft, 0.99)],
             itl: pct(&mut itl, 0.5),
             tps: generated as f64 / r.wall.as_secs_f64(),
@@ -361,16 +422,17 @@ async fn main() -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "| policy | hit rate | TTFT p50 (ms) | TTFT p95 (ms) | TTFT p99 (ms) | ITL p50 (ms) | tokens/s | requests | errors |"
+        "| policy | hit rate | ceiling | TTFT p50 (ms) | TTFT p95 (ms) | TTFT p99 (ms) | ITL p50 (ms) | tokens/s | requests | errors |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     for r in &rows {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         writeln!(
             out,
-            "| {} | {:.1} % | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} |",
+            "| {} | {:.1} % | {:.1} % | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} |",
             r.policy,
             r.hit * 100.0,
+            r.ceiling * 100.0,
             ms(r.ttft[0]),
             ms(r.ttft[1]),
             ms(r.ttft[2]),

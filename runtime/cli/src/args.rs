@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use handoff_scheduler::policy::{KvAwareWeights, PolicyParams};
+use handoff_scheduler::{PolicyKind, SchedulerConfig};
 
 /// handoff: prefill/decode disaggregated LLM serving, entered from the decode side.
 #[derive(Debug, Parser)]
@@ -57,9 +59,79 @@ pub struct SchedulerArgs {
     /// Host other processes use to reach this one.
     #[arg(long, default_value = "127.0.0.1")]
     pub advertise_host: String,
+    /// Selection.
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Discovery.
     #[command(flatten)]
     pub discovery: DiscoveryArgs,
+}
+
+/// The selection policies (each request may name its own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PolicyArg {
+    /// Least cost: prefill tokens left after the cached prefix, plus queued prefill work.
+    KvAware,
+    /// Each instance in turn.
+    RoundRobin,
+    /// Uniformly at random.
+    Random,
+    /// The less loaded of two random instances.
+    PowerOfTwo,
+    /// Consistent hashing of the prompt's first block, with a load factor.
+    PrefixHash,
+}
+
+/// How the scheduler picks prefill instances.
+#[derive(Debug, Clone, Args)]
+pub struct PolicyArgs {
+    /// The policy for requests that name none.
+    #[arg(long, value_enum, default_value_t = PolicyArg::KvAware)]
+    pub policy: PolicyArg,
+    /// kv_aware: weight of the prefill tokens a request would compute on a candidate.
+    #[arg(long, value_parser = weight, default_value_t = KvAwareWeights::default().prefill)]
+    pub kv_prefill_weight: f64,
+    /// kv_aware: weight of the prefill work already queued on a candidate.
+    #[arg(long, value_parser = weight, default_value_t = KvAwareWeights::default().load)]
+    pub kv_load_weight: f64,
+    /// kv_aware: softmax temperature, relative to the prompt length (0: the cheapest wins).
+    #[arg(long, value_parser = weight, default_value_t = KvAwareWeights::default().temperature)]
+    pub kv_temperature: f64,
+    /// prefix_hash: a candidate queued beyond this factor of the mean is passed over.
+    #[arg(long, value_parser = weight, default_value_t = PolicyParams::default().load_factor)]
+    pub prefix_load_factor: f64,
+}
+
+/// A finite, non-negative number.
+fn weight(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("{s} must be finite and at least 0"))
+    }
+}
+
+impl PolicyArgs {
+    /// The scheduler settings these flags give.
+    pub fn config(&self) -> SchedulerConfig {
+        let default_policy = match self.policy {
+            PolicyArg::KvAware => PolicyKind::KvAware,
+            PolicyArg::RoundRobin => PolicyKind::RoundRobin,
+            PolicyArg::Random => PolicyKind::Random,
+            PolicyArg::PowerOfTwo => PolicyKind::PowerOfTwo,
+            PolicyArg::PrefixHash => PolicyKind::PrefixHash,
+        };
+        let params = PolicyParams {
+            kv_aware: KvAwareWeights {
+                prefill: self.kv_prefill_weight,
+                load: self.kv_load_weight,
+                temperature: self.kv_temperature,
+            },
+            load_factor: self.prefix_load_factor,
+        };
+        SchedulerConfig { default_policy, params, ..SchedulerConfig::default() }
+    }
 }
 
 /// `handoff prefill`.
@@ -211,6 +283,9 @@ pub struct UpArgs {
     /// Transfer backend.
     #[arg(long, value_enum, default_value_t = TransferArg::Tcp)]
     pub transfer: TransferArg,
+    /// Selection.
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// The engine.
     #[command(flatten)]
     pub engine: EngineArgs,
@@ -218,3 +293,6 @@ pub struct UpArgs {
     #[command(flatten)]
     pub discovery: DiscoveryArgs,
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,9 +1,11 @@
 //! The scheduler's view of the fleet, and selection over it.
 
 mod member;
+mod pending;
 mod replicas;
 mod select;
 
+pub use pending::MAX_PENDING_BLOCKS;
 pub use replicas::MAX_REPLICAS;
 pub use select::Work;
 
@@ -102,6 +104,8 @@ struct Inner {
     remote: replicas::Remotes,
     /// Own load changed since the last load report.
     load_dirty: bool,
+    /// Prompts routed and not yet reported, priced as cached where they went.
+    pending: pending::Pending,
     /// Instances whose snapshot has been asked for and not yet applied.
     resyncing: HashSet<InstanceId>,
     /// When any instance was last heard from: while nothing is heard from anyone, the bus is
@@ -149,6 +153,7 @@ impl Inner {
             }
             self.index.remove_instance(id);
             self.forget_remote_slots(&m.slots);
+            self.pending.forget(&m.slots);
             self.load_dirty = true;
         }
         self.resyncing.remove(id);
@@ -162,6 +167,7 @@ impl Inner {
         for s in &m.slots {
             self.load[s.index()] = Load::default();
         }
+        self.pending.forget(&m.slots);
         self.load_dirty = true;
         self.index.clear_instance(id);
     }
@@ -198,6 +204,7 @@ impl SchedulerState {
             remote_load: Vec::new(),
             remote: Default::default(),
             load_dirty: false,
+            pending: Default::default(),
             resyncing: HashSet::new(),
             last_beat: None,
             bus_quiet: false,
@@ -285,6 +292,7 @@ impl SchedulerState {
         if let Some(before) = now.checked_sub(timeout) {
             inner.expire_replicas(before);
         }
+        inner.pending.expire(now);
         // Silence from everyone at once is the bus, not the fleet: keep routing on the last
         // known state (leases still remove instances that are really gone). Someone must have
         // been heard within half the timeout: when the bus stops, the instances' last beats

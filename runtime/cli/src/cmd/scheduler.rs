@@ -4,7 +4,7 @@
 use anyhow::Context;
 use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::{Instance, Role, Topology};
-use handoff_scheduler::{Scheduler, SchedulerConfig, service};
+use handoff_scheduler::{Scheduler, service};
 use tokio::net::TcpListener;
 
 use crate::args::SchedulerArgs;
@@ -14,8 +14,7 @@ use crate::cmd::{discovery, up::shutdown_signal};
 pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
-    let scheduler =
-        Scheduler::start(SchedulerConfig::default(), registry.clone(), bus, &tasks).await?;
+    let scheduler = Scheduler::start(args.policy.config(), registry.clone(), bus, &tasks).await?;
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;

@@ -66,6 +66,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         bootstrap_port: args.bootstrap_port,
         prefill_port: args.prefill_port,
         token: args.discovery.token.clone(),
+        scheduler: args.policy.config(),
         ..ClusterConfig::default()
     };
     let engines = engines(&args.engine)?;

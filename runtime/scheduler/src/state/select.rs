@@ -3,6 +3,7 @@
 //! map lookups or allocations.
 
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use handoff_core::{BlockHash, InstanceId};
 
@@ -71,9 +72,11 @@ impl SchedulerState {
         self.check_request(hashes, prompt_tokens, exclude)?;
         let policy = policy.unwrap_or(self.cfg.default_policy);
         let mut inner = self.lock();
-        let Inner { members, index, load, remote_load, run, candidates, load_dirty, .. } =
-            &mut *inner;
+        let Inner {
+            members, index, load, remote_load, run, candidates, load_dirty, pending, ..
+        } = &mut *inner;
         index.overlaps_into(hashes, run);
+        pending.overlay(hashes, run);
         candidates.clear();
         let mut page_size = 16;
         for m in members.values_mut() {
@@ -120,6 +123,7 @@ impl SchedulerState {
         l.in_flight += 1;
         l.queued_tokens += work;
         *load_dirty = true;
+        pending.note(c.slot, hashes, Instant::now());
         Ok(Selection {
             instance: m.instance.clone(),
             dp_rank: key.dp_rank,
@@ -133,13 +137,14 @@ impl SchedulerState {
     /// Unknown instances are ignored.
     pub fn report(&self, instance: &InstanceId, dp_rank: u32, work: Work, outcome: Option<bool>) {
         let mut inner = self.lock();
-        let Inner { members, load, load_dirty, .. } = &mut *inner;
+        let Inner { members, load, load_dirty, pending, .. } = &mut *inner;
         let Some(m) = members.get_mut(instance) else { return };
         if let Some(slot) = m.slots.get(dp_rank as usize) {
             let l: &mut Load = &mut load[slot.index()];
             l.in_flight = l.in_flight.saturating_sub(1);
             l.queued_tokens = l.queued_tokens.saturating_sub(work.tokens(m.instance.page_size));
             *load_dirty = true;
+            pending.done(*slot);
         }
         if let Some(ok) = outcome {
             m.breaker.record(ok, &self.cfg.breaker, instance.as_str());

@@ -44,9 +44,10 @@ fn kv_aware_goes_where_the_prefix_is_cached() {
 fn load_spreads_requests_without_a_cached_prefix() {
     let s = SchedulerState::new(SchedulerConfig::default());
     s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
-    let h = block_hashes(&(0..64).collect::<Vec<_>>(), 16);
+    // Unrelated prompts: nothing cached or pending draws them anywhere.
+    let h = |i: u32| block_hashes(&(64 * i..64 * (i + 1)).collect::<Vec<_>>(), 16);
     let picks: Vec<String> =
-        (0..4).map(|_| s.select(&h, 64, None, &[]).unwrap().instance.id.to_string()).collect();
+        (0..4).map(|i| s.select(&h(i), 64, None, &[]).unwrap().instance.id.to_string()).collect();
     assert_eq!(picks.iter().filter(|p| *p == "a").count(), 2, "{picks:?}");
 }
 
@@ -185,19 +186,26 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
 
 #[test]
 fn queued_load_is_the_uncached_work_and_reports_take_it_off() {
-    let s = SchedulerState::new(SchedulerConfig::default());
+    let mut cfg = SchedulerConfig::default();
+    cfg.params.kv_aware.load = 1.0;
+    let s = SchedulerState::new(cfg);
     s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
-    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
-    s.apply_event(stored("a", 0, 1, h[..12].to_vec()));
+    // Prompts sharing 12 blocks, each with 4 of its own.
+    let prompt = |i: u32| {
+        let tokens: Vec<u32> = (0..192).chain((0..64).map(|t| 1000 * (i + 1) + t)).collect();
+        block_hashes(&tokens, 16)
+    };
+    s.apply_event(stored("a", 0, 1, prompt(0)[..12].to_vec()));
     // Each request queues 64 uncached tokens on a, not 256: a stays cheaper than cold b
     // (256 to compute) until its queue reaches 192.
-    let picks: Vec<_> = (0..3).map(|_| s.select(&h, 256, None, &[]).unwrap()).collect();
+    let picks: Vec<_> = (1..4).map(|i| s.select(&prompt(i), 256, None, &[]).unwrap()).collect();
     assert!(picks.iter().all(|p| p.instance.id.as_str() == "a" && p.cached_blocks == 12));
-    assert_eq!(s.select(&h, 256, None, &[]).unwrap().instance.id.as_str(), "b", "a is full");
+    let full = s.select(&prompt(4), 256, None, &[]).unwrap();
+    assert_eq!(full.instance.id.as_str(), "b", "a is full");
     for p in &picks {
         s.report(&p.instance.id, 0, Work::new(256, p.cached_blocks), Some(true));
     }
-    assert_eq!(s.select(&h, 256, None, &[]).unwrap().instance.id.as_str(), "a", "drained");
+    assert_eq!(s.select(&prompt(5), 256, None, &[]).unwrap().instance.id.as_str(), "a", "drained");
 }
 
 #[test]
@@ -232,4 +240,28 @@ fn replicas_price_each_others_load_and_forget_silent_ones() {
     c.apply_load_report(report, "rc");
     c.sweep_at(std::time::Instant::now() + std::time::Duration::from_secs(4));
     assert_eq!(c.select(&h, 256, None, &[]).unwrap().instance.id, first, "a's load forgotten");
+}
+
+#[test]
+fn a_routed_prefix_draws_the_next_request_until_reported() {
+    let mut cfg = SchedulerConfig::default();
+    cfg.params.kv_aware.load = 0.5;
+    let s = SchedulerState::new(cfg);
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    let first = s.select(&h, 256, None, &[]).unwrap();
+    assert_eq!(first.cached_blocks, 0);
+    // Nothing is stored yet, but the prompt is on its way to `first`: the same prefix is
+    // cheaper there (behind it) than computed cold on the idle instance.
+    let second = s.select(&h, 256, None, &[]).unwrap();
+    assert_eq!((second.instance.id.clone(), second.cached_blocks), (first.instance.id.clone(), 16));
+    for sel in [&first, &second] {
+        s.report(&sel.instance.id, 0, Work::new(256, sel.cached_blocks), Some(true));
+    }
+    assert_eq!(s.lock().pending.blocks(), 0, "reported prompts are no longer pending");
+    // A departed instance takes its pending prompts along.
+    let third = s.select(&h, 256, None, &[]).unwrap();
+    assert_eq!(s.lock().pending.blocks(), 16);
+    s.apply_update(Update::Remove(third.instance.id));
+    assert_eq!(s.lock().pending.blocks(), 0);
 }

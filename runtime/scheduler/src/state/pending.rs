@@ -1,0 +1,149 @@
+//! Prompts routed but not yet cached: a prefix the scheduler just sent to an instance is
+//! priced there as cached before the instance reports storing it, so the next requests
+//! sharing it queue behind it (the prefill serves a dp rank in order, and finds the pages
+//! stored by then) instead of each computing its own cold copy elsewhere.
+//!
+//! An entry lives until its request is reported (oldest first per slot, the order the
+//! prefill serves them), or its TTL passes when reports are lost. At most
+//! [`MAX_PENDING_BLOCKS`] hashes are held; beyond that new prompts are not noted.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use handoff_core::BlockHash;
+use handoff_kv_index::Slot;
+
+/// Most block hashes held over all pending prompts.
+pub const MAX_PENDING_BLOCKS: usize = 1 << 20;
+
+/// How long an unreported prompt is presumed in progress.
+const TTL: Duration = Duration::from_secs(30);
+
+/// Most pending prompts compared per selection (the most recent sharing the first block).
+const SCAN: usize = 256;
+
+/// Leading hashes `a` and `b` share, by binary search: hashes are chained, so equal hashes
+/// at one position mean equal prefixes up to it. (Hashes that are not chained only misprice
+/// their own request.)
+fn shared_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
+    let (mut lo, mut hi) = (0, a.len().min(b.len()));
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if a[mid - 1] == b[mid - 1] {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+#[derive(Debug)]
+struct Entry {
+    slot: Slot,
+    hashes: Box<[BlockHash]>,
+    until: Instant,
+}
+
+/// See the module docs.
+#[derive(Debug, Default)]
+pub(super) struct Pending {
+    entries: HashMap<u64, Entry>,
+    /// Entry ids by their prompt's first block.
+    by_first: HashMap<BlockHash, Vec<u64>>,
+    /// Entry ids by slot, oldest first.
+    by_slot: HashMap<Slot, VecDeque<u64>>,
+    next: u64,
+    blocks: usize,
+}
+
+impl Pending {
+    /// Notes that a prompt with `hashes` was routed to `slot`.
+    pub(super) fn note(&mut self, slot: Slot, hashes: &[BlockHash], now: Instant) {
+        let Some(&first) = hashes.first() else { return };
+        if self.blocks + hashes.len() > MAX_PENDING_BLOCKS {
+            self.expire(now);
+            if self.blocks + hashes.len() > MAX_PENDING_BLOCKS {
+                return;
+            }
+        }
+        let id = self.next;
+        self.next += 1;
+        self.blocks += hashes.len();
+        self.entries.insert(id, Entry { slot, hashes: hashes.into(), until: now + TTL });
+        self.by_first.entry(first).or_default().push(id);
+        self.by_slot.entry(slot).or_default().push_back(id);
+    }
+
+    fn unlink(&mut self, id: u64) -> Option<Entry> {
+        let e = self.entries.remove(&id)?;
+        self.blocks -= e.hashes.len();
+        let first = e.hashes[0];
+        if let Some(v) = self.by_first.get_mut(&first) {
+            v.retain(|&x| x != id);
+            if v.is_empty() {
+                self.by_first.remove(&first);
+            }
+        }
+        Some(e)
+    }
+
+    /// The oldest prompt routed to `slot` is done.
+    pub(super) fn done(&mut self, slot: Slot) {
+        let Some(q) = self.by_slot.get_mut(&slot) else { return };
+        let id = q.pop_front();
+        if q.is_empty() {
+            self.by_slot.remove(&slot);
+        }
+        if let Some(id) = id {
+            self.unlink(id);
+        }
+    }
+
+    /// Drops every prompt routed to `slots` (their instance left or went silent).
+    pub(super) fn forget(&mut self, slots: &[Slot]) {
+        for s in slots {
+            for id in self.by_slot.remove(s).unwrap_or_default() {
+                self.unlink(id);
+            }
+        }
+    }
+
+    /// Drops entries past their TTL.
+    pub(super) fn expire(&mut self, now: Instant) {
+        let old: Vec<(u64, Slot)> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.until <= now)
+            .map(|(&id, e)| (id, e.slot))
+            .collect();
+        for (id, slot) in old {
+            self.unlink(id);
+            if let Some(q) = self.by_slot.get_mut(&slot) {
+                q.retain(|&x| x != id);
+                if q.is_empty() {
+                    self.by_slot.remove(&slot);
+                }
+            }
+        }
+    }
+
+    /// Raises `run[slot]` to the leading blocks of `hashes` pending on each slot, looking at
+    /// the [`SCAN`] most recent prompts that share the first block.
+    pub(super) fn overlay(&self, hashes: &[BlockHash], run: &mut [u32]) {
+        let Some(ids) = hashes.first().and_then(|f| self.by_first.get(f)) else { return };
+        for id in ids.iter().rev().take(SCAN) {
+            let Some(e) = self.entries.get(id) else { continue };
+            let n = shared_prefix(&e.hashes, hashes) as u32;
+            if let Some(r) = run.get_mut(e.slot.index()) {
+                *r = (*r).max(n);
+            }
+        }
+    }
+
+    /// Hashes held (for tests).
+    #[cfg(test)]
+    pub(super) fn blocks(&self) -> usize {
+        self.blocks
+    }
+}
