@@ -114,3 +114,6 @@ pub struct WorkerLoad {
     /// Prefill tokens queued (uncached work).
     pub queued_tokens: u64,
 }
+
+#[cfg(test)]
+mod tests;

@@ -18,7 +18,7 @@
 //! with its own system prompts (another seed) so one policy's cache does not serve the next.
 //!
 //! ```text
-//! cargo run --release -p handoff-benches --bin loadgen -- --rate 4 --seconds 40 --svg loadgen.svg
+//! cargo run --release -p handoff-benches --bin loadgen -- --svg loadgen.svg
 //! cargo run --release -p handoff-benches --bin loadgen -- --frontend 127.0.0.1:50051 --rate 0.5
 //! ```
 
@@ -62,15 +62,18 @@ struct Args {
 impl Args {
     fn parse() -> anyhow::Result<Self> {
         let mut a = Args {
+            // Long shared system prompts, short turns: the shape SGLang's cache-aware
+            // routing numbers come from. `--users 48 --turns 6 --systems 4 --system-tokens
+            // 384 --question-tokens 48 --answer-tokens 24 --seconds 40` is a short-prompt one.
             instances: 8,
-            users: 48,
-            turns: 6,
-            systems: 4,
-            system_tokens: 384,
-            question_tokens: 48,
-            answer_tokens: 24,
+            users: 64,
+            turns: 8,
+            systems: 8,
+            system_tokens: 1024,
+            question_tokens: 32,
+            answer_tokens: 16,
             rate: 4.0,
-            seconds: 40.0,
+            seconds: 60.0,
             // Calibrated to SmolLM2 on this machine (the `model` bench: prefill ~240 tok/s,
             // decode ~107 tok/s for one stream).
             prefill_us: 4200,
@@ -405,10 +408,16 @@ async fn main() -> anyhow::Result<()> {
         });
     }
     let mut out = std::io::stdout().lock();
+    let cluster = match &a.frontend {
+        Some(f) => format!("the cluster at {f}"),
+        None => format!(
+            "{} instances (mock prefill {} us/token, decode {} us/token)",
+            a.instances, a.prefill_us, a.decode_us
+        ),
+    };
     writeln!(
         out,
-        "{} instances, {} users x {} turns, {} system prompts of {} tokens, {}-token questions, {}-token answers, {} req/s for {} s; mock prefill {} us/token, decode {} us/token\n",
-        a.instances,
+        "{cluster}; {} users x {} turns, {} system prompts of {} tokens, {}-token questions, {}-token answers, {} req/s for {} s\n",
         a.users,
         a.turns,
         a.systems,
@@ -417,8 +426,6 @@ async fn main() -> anyhow::Result<()> {
         a.answer_tokens,
         a.rate,
         a.seconds,
-        a.prefill_us,
-        a.decode_us
     )?;
     writeln!(
         out,

@@ -93,6 +93,11 @@ impl KvIndex {
         Slot(s)
     }
 
+    /// The slot at vector index `i` (whether or not a worker holds it now).
+    pub fn slot_at(&self, i: usize) -> Slot {
+        Slot(i as u32)
+    }
+
     /// The slot of `key`, if it has one.
     pub fn slot(&self, key: &WorkerKey) -> Option<Slot> {
         self.slots.get(key).map(|&s| Slot(s))

@@ -332,12 +332,12 @@ impl Tree {
             let n = common_prefix(&node.blocks[off..], &hashes[i..]);
             let (from, to) = (i as u32, (i + n) as u32);
             let mut extended = false;
+            // Branch-free: whether a holder extends is data, not control flow.
             node.holders.for_each(|s| {
                 let r = &mut run[s];
-                if *r == from {
-                    *r = to;
-                    extended = true;
-                }
+                let hit = *r == from;
+                *r = if hit { to } else { *r };
+                extended |= hit;
             });
             if !extended {
                 break;

@@ -20,7 +20,7 @@ use handoff_kv_index::{KvIndex, WorkerKey};
 use tracing::{debug, info, warn};
 
 use crate::policy::{Candidate, PolicyKind, PolicyParams};
-use member::Member;
+use member::{Member, Route};
 
 /// Settings of a scheduler.
 #[derive(Debug, Clone)]
@@ -98,6 +98,8 @@ struct Load {
 struct Inner {
     members: BTreeMap<InstanceId, Member>,
     index: KvIndex,
+    /// What selection reads of each slot, mirrored from the members.
+    routes: Vec<Route>,
     /// In-flight load, by index slot: this replica's own, and the sum of the others'.
     load: Vec<Load>,
     remote_load: Vec<Load>,
@@ -126,10 +128,12 @@ impl Inner {
             m.instance.version == instance.version && m.instance.topology == instance.topology
         });
         if same {
-            let m = self.members.get_mut(&instance.id).unwrap_or_else(|| unreachable!());
+            let id = instance.id.clone();
+            let m = self.members.get_mut(&id).unwrap_or_else(|| unreachable!());
             m.instance = instance;
             m.seen = now;
             m.silent = false;
+            self.sync(&id);
             return;
         }
         let breaker = known.map(|m| m.breaker);
@@ -141,8 +145,19 @@ impl Inner {
         if self.load.len() < self.index.slot_capacity() {
             self.load.resize(self.index.slot_capacity(), Load::default());
             self.remote_load.resize(self.index.slot_capacity(), Load::default());
+            self.routes.resize(self.index.slot_capacity(), Route::default());
         }
-        self.members.insert(m.instance.id.clone(), m);
+        let id = m.instance.id.clone();
+        self.members.insert(id.clone(), m);
+        self.sync(&id);
+    }
+
+    /// Mirrors a member's state into its slots' routes (after any change to it).
+    fn sync(&mut self, id: &InstanceId) {
+        let Some(m) = self.members.get(id) else { return };
+        for (slot, route) in m.routes() {
+            self.routes[slot.index()] = route;
+        }
     }
 
     /// Forgets an instance entirely (it left); its slots are reused.
@@ -150,6 +165,7 @@ impl Inner {
         if let Some(m) = self.members.remove(id) {
             for s in &m.slots {
                 self.load[s.index()] = Load::default();
+                self.routes[s.index()] = Route::default();
             }
             self.index.remove_instance(id);
             self.forget_remote_slots(&m.slots);
@@ -200,6 +216,7 @@ impl SchedulerState {
         let inner = Inner {
             members: BTreeMap::new(),
             index: KvIndex::new(cfg.max_index_entries),
+            routes: Vec::new(),
             load: Vec::new(),
             remote_load: Vec::new(),
             remote: Default::default(),
@@ -239,7 +256,11 @@ impl SchedulerState {
                 for i in all {
                     // A reset re-lists everyone: not news from a known instance itself.
                     match inner.members.get_mut(&i.id) {
-                        Some(m) if m.instance.version == i.version => m.instance = i,
+                        Some(m) if m.instance.version == i.version => {
+                            let id = i.id.clone();
+                            m.instance = i;
+                            inner.sync(&id);
+                        }
                         _ => inner.admit(i, now),
                     }
                 }
@@ -275,6 +296,9 @@ impl SchedulerState {
         if inner.bus_quiet {
             info!("heartbeats heard again; liveness checks resume");
             inner.bus_quiet = false;
+        }
+        if resumed {
+            inner.sync(&hb.instance);
         }
         (resumed || unsynced) && inner.resyncing.insert(hb.instance.clone())
     }
@@ -321,6 +345,7 @@ impl SchedulerState {
             if let Some(m) = inner.members.get_mut(id) {
                 m.silent = true;
             }
+            inner.sync(id);
         }
         stale
     }

@@ -12,6 +12,44 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::BreakerConfig;
 
+/// What selection reads of one slot, mirrored from its member whenever the member changes,
+/// so choosing among a thousand workers walks dense vectors by slot.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Route {
+    /// The slot belongs to a registered instance in routing (not silent).
+    pub(super) live: bool,
+    /// Its instance's breaker, summarized.
+    pub(super) gate: Gate,
+    /// prefix_hash ring point.
+    pub(super) ring: u64,
+    /// Tokens per block.
+    pub(super) page_size: u32,
+}
+
+/// A breaker as selection sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) enum Gate {
+    /// Requests go through (closed, or half-open with no probe out).
+    #[default]
+    Pass,
+    /// Open until then; after it, a request goes through as the half-open probe.
+    Until(Instant),
+    /// Half-open with its probe out.
+    Shut,
+}
+
+impl Gate {
+    /// Whether a request may go through at `now` (asked only for `Until`).
+    #[inline]
+    pub(super) fn passes(self, now: &mut Option<Instant>) -> bool {
+        match self {
+            Gate::Pass => true,
+            Gate::Shut => false,
+            Gate::Until(t) => *now.get_or_insert_with(Instant::now) >= t,
+        }
+    }
+}
+
 /// One instance's circuit breaker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Breaker {
@@ -21,6 +59,15 @@ pub(super) enum Breaker {
 }
 
 impl Breaker {
+    /// How selection sees it.
+    pub(super) fn gate(&self) -> Gate {
+        match *self {
+            Breaker::Closed { .. } | Breaker::HalfOpen { probing: false, .. } => Gate::Pass,
+            Breaker::Open { until } => Gate::Until(until),
+            Breaker::HalfOpen { probing: true, .. } => Gate::Shut,
+        }
+    }
+
     /// Whether a request may go through now (turning open into half-open after the
     /// cooldown; half-open lets one probe at a time, taken when `probe`).
     pub(super) fn admits(&mut self, probe: bool) -> bool {
@@ -102,5 +149,15 @@ impl Member {
     /// Whether requests may be routed to it.
     pub(super) fn routable(&self) -> bool {
         !self.silent
+    }
+
+    /// Its slots with what selection reads of them.
+    pub(super) fn routes(&self) -> impl Iterator<Item = (Slot, Route)> + '_ {
+        let (live, gate, page_size) =
+            (self.routable(), self.breaker.gate(), self.instance.page_size);
+        self.slots
+            .iter()
+            .zip(&self.ring)
+            .map(move |(&s, &ring)| (s, Route { live, gate, ring, page_size }))
     }
 }

@@ -73,30 +73,41 @@ impl SchedulerState {
         let policy = policy.unwrap_or(self.cfg.default_policy);
         let mut inner = self.lock();
         let Inner {
-            members, index, load, remote_load, run, candidates, load_dirty, pending, ..
+            members,
+            index,
+            routes,
+            load,
+            remote_load,
+            run,
+            candidates,
+            load_dirty,
+            pending,
+            ..
         } = &mut *inner;
         index.overlaps_into(hashes, run);
         pending.overlay(hashes, run);
         candidates.clear();
         let mut page_size = 16;
-        for m in members.values_mut() {
-            let usable = m.routable()
-                && (exclude.is_empty() || !exclude.contains(&m.instance.id))
-                && m.breaker.admits(false);
-            if !usable {
+        let mut now = None;
+        // Dense by slot: routes, loads and overlaps are walked in step.
+        let slots = routes.iter().zip(load.iter()).zip(remote_load.iter()).zip(run.iter());
+        for (s, (((route, l), r), &overlap)) in slots.enumerate() {
+            if !route.live || !route.gate.passes(&mut now) {
                 continue;
             }
-            page_size = m.instance.page_size as usize;
-            for (&slot, &ring) in m.slots.iter().zip(&m.ring) {
-                let (l, r) = (load[slot.index()], remote_load[slot.index()]);
-                candidates.push(Candidate {
-                    slot,
-                    ring,
-                    overlap_blocks: run[slot.index()] as usize,
-                    queued_tokens: l.queued_tokens + r.queued_tokens,
-                    in_flight: l.in_flight + r.in_flight,
-                });
+            let slot = index.slot_at(s);
+            if !exclude.is_empty() && index.key(slot).is_some_and(|k| exclude.contains(&k.instance))
+            {
+                continue;
             }
+            page_size = route.page_size as usize;
+            candidates.push(Candidate {
+                slot,
+                ring: route.ring,
+                overlap_blocks: overlap as usize,
+                queued_tokens: l.queued_tokens + r.queued_tokens,
+                in_flight: l.in_flight + r.in_flight,
+            });
         }
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
         let req =
@@ -118,17 +129,22 @@ impl SchedulerState {
             .get_mut(&key.instance)
             .ok_or_else(|| SchedulerError::NoInstance(" (the chosen instance left)".into()))?;
         m.breaker.admits(true);
+        let route_changed = m.breaker.gate() != routes[c.slot.index()].gate;
         let work = Work::new(prompt_tokens, c.overlap_blocks as u32).tokens(m.instance.page_size);
         let l = &mut load[c.slot.index()];
         l.in_flight += 1;
         l.queued_tokens += work;
         *load_dirty = true;
         pending.note(c.slot, hashes, Instant::now());
-        Ok(Selection {
+        let selection = Selection {
             instance: m.instance.clone(),
             dp_rank: key.dp_rank,
             cached_blocks: c.overlap_blocks as u32,
-        })
+        };
+        if route_changed {
+            inner.sync(&key.instance);
+        }
+        Ok(selection)
     }
 
     /// Ends a request's in-flight accounting on (instance, dp rank) — `work` as selected —
@@ -148,6 +164,7 @@ impl SchedulerState {
         }
         if let Some(ok) = outcome {
             m.breaker.record(ok, &self.cfg.breaker, instance.as_str());
+            inner.sync(instance);
         }
     }
 }

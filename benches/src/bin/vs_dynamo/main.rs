@@ -1,7 +1,8 @@
-//! handoff's KV index against `dynamo-kv-router` 1.6.1 in the same run, on the same shapes:
-//! W instances each storing sequences of D blocks that share a P-block prefix; 20k queries.
-//! Match: ours vs Dynamo's concurrent compressed radix tree (its fastest); ingest: ours vs
-//! its single-threaded radix tree. Prints per-operation times and ratios.
+//! handoff's KV index and selection against `dynamo-kv-router` 1.6.1 in the same run, on the
+//! same shapes: W instances each storing sequences of D blocks that share a P-block prefix;
+//! 20k queries. Match: ours vs Dynamo's concurrent compressed radix tree (its fastest);
+//! ingest: ours vs its single-threaded radix tree; selection: see [`selection`]. Prints
+//! per-operation times and ratios.
 //!
 //! ```text
 //! cargo run --release -p handoff-benches --bin vs_dynamo
@@ -20,6 +21,8 @@ use dynamo_kv_router::protocols::{
 use dynamo_kv_router::radix_tree::RadixTree;
 use handoff_core::{BlockHash, InstanceId};
 use handoff_kv_index::{KvIndex, WorkerKey};
+
+mod selection;
 
 const DEPTH: u64 = 64;
 const PREFIX: u64 = 32;
@@ -82,7 +85,8 @@ async fn main() -> anyhow::Result<()> {
         "| W | match: handoff | match: Dynamo concurrent | ratio | ingest: handoff | ingest: Dynamo radix | ratio |"
     )?;
     writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|")?;
-    for w_count in [16u64, 128, 512] {
+    let mut selections = Vec::new();
+    for w_count in [16u64, 128, 512, 1024] {
         // Ingest, ours.
         let t = Instant::now();
         let mut ours = KvIndex::default();
@@ -136,6 +140,14 @@ async fn main() -> anyhow::Result<()> {
         let dyn_match = p50_per_call(|q| {
             black_box(backend.find_matches(&queries[q].1, false).scores.len());
         });
+        let ours_state = selection::ours(w_count);
+        let ours_queries: Vec<Vec<BlockHash>> = queries.iter().map(|q| q.0.clone()).collect();
+        let their_queries: Vec<Vec<LocalBlockHash>> = queries.iter().map(|q| q.1.clone()).collect();
+        selections.push((
+            w_count,
+            selection::time_ours(&ours_state, &ours_queries),
+            selection::time_dynamo(backend, w_count, &their_queries),
+        ));
         writeln!(
             out,
             "| {w_count} | {:.2} us | {:.2} us | {:.2}x | {:.1} M blocks/s | {:.1} M blocks/s | {:.2}x |",
@@ -151,5 +163,17 @@ async fn main() -> anyhow::Result<()> {
         out,
         "\nmatch ratio < 1: handoff faster (target <= 0.5); ingest ratio > 1: handoff faster (target >= 1)"
     )?;
+    writeln!(out, "\n| W | select: handoff | select: Dynamo | ratio |")?;
+    writeln!(out, "|---:|---:|---:|---:|")?;
+    for (w, ours, theirs) in selections {
+        writeln!(
+            out,
+            "| {w} | {:.2} us | {:.2} us | {:.2}x |",
+            ours.as_secs_f64() * 1e6,
+            theirs.as_secs_f64() * 1e6,
+            ours.as_secs_f64() / theirs.as_secs_f64()
+        )?;
+    }
+    writeln!(out, "\nselect: handoff target <= 10 us at 1024 instances")?;
     Ok(())
 }
