@@ -1,6 +1,8 @@
 //! The prefix cache of one dp rank: KV pages keyed by their chained block hash, least
 //! recently used first out under a byte budget. Because hashes are chained, the longest run
-//! of leading prompt hashes present is a reusable prefix.
+//! of leading prompt hashes present is a reusable prefix. A prompt's pages are touched last
+//! page first, so within a prompt the tail is older than the head: eviction takes leaves
+//! before the prefixes other prompts share (a prefix without its head is useless).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -65,7 +67,7 @@ impl PrefixCache {
         if hit.is_empty() {
             return None;
         }
-        for h in &hit {
+        for h in hit.iter().rev() {
             self.touch(*h);
         }
         let pages: Vec<&Kv> = hit.iter().map(|h| &*self.pages[h].0).collect();
@@ -95,6 +97,11 @@ impl PrefixCache {
             self.pages.insert(h, (Arc::new(page), self.tick));
             self.lru.insert(self.tick, h);
             delta.stored.push(h);
+        }
+        // Head newest: the prompt's own tail goes before its prefix.
+        let present = hashes.iter().take_while(|h| self.pages.contains_key(h)).count();
+        for h in hashes[..present].iter().rev() {
+            self.touch(*h);
         }
         while self.used > self.budget {
             let Some((_, h)) = self.lru.pop_first() else { break };

@@ -12,13 +12,18 @@ use tokio::net::TcpListener;
 use crate::args::FrontendArgs;
 use crate::cmd::{discovery, up::engines, up::shutdown_signal};
 
-/// The first scheduler registered in discovery.
+/// A scheduler registered in discovery: one at random of those already there (frontends
+/// spread over scheduler replicas, which share their in-flight load), else the first to come.
 async fn find_scheduler(registry: &dyn Registry) -> anyhow::Result<String> {
     let mut watch = registry.watch(Role::Scheduler).await?;
     let found = async {
         while let Some(u) = watch.next().await {
             let first = match u {
-                Update::Reset(all) => all.into_iter().next(),
+                Update::Reset(all) if all.is_empty() => None,
+                Update::Reset(mut all) => {
+                    let i = rand::random_range(0..all.len());
+                    Some(all.swap_remove(i))
+                }
                 Update::Add(i) => Some(i),
                 Update::Remove(_) => None,
             };
