@@ -116,3 +116,37 @@ async fn nats_publish_subscribe_and_request_reply() {
         .is_err()
     );
 }
+
+/// Two scheduler replicas on one real NATS server share their in-flight load: requests
+/// alternating between them still land on four different instances.
+#[tokio::test]
+async fn scheduler_replicas_share_in_flight_load_over_nats() {
+    use handoff_scheduler::{Scheduler, SchedulerConfig};
+    let nats = Server::nats();
+    let registry = std::sync::Arc::new(handoff_discovery::MemoryRegistry::new());
+    for id in ["p0", "p1", "p2", "p3"] {
+        registry.register(inst(id)).await.unwrap();
+    }
+    let tasks = Tasks::new();
+    let cfg =
+        SchedulerConfig { load_share_interval: Duration::from_millis(5), ..Default::default() };
+    let mut replicas = Vec::new();
+    for _ in 0..2 {
+        let bus: std::sync::Arc<dyn EventBus> =
+            std::sync::Arc::new(NatsBus::connect(&nats.url).await.unwrap());
+        replicas.push(Scheduler::start(cfg.clone(), registry.clone(), bus, &tasks).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let prompt =
+        |i: u32| handoff_core::block_hashes(&(256 * i..256 * (i + 1)).collect::<Vec<_>>(), 16);
+    let mut chosen = Vec::new();
+    for i in 0..4u32 {
+        let s = replicas[i as usize % 2].state();
+        chosen.push(s.select(&prompt(i), 256, None, &[]).unwrap().instance.id.to_string());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    chosen.sort();
+    chosen.dedup();
+    assert_eq!(chosen.len(), 4, "each instance got one request: {chosen:?}");
+    tasks.shutdown().await;
+}
