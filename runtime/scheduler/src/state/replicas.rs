@@ -118,8 +118,23 @@ impl SchedulerState {
         }
         loads.sort_by_key(|(s, _)| *s);
         loads.dedup_by_key(|(s, _)| *s);
-        inner.remote.insert(report.replica, Remote { seen: Instant::now(), loads });
-        inner.rebuild_remote();
+        // Swap this replica's contribution: take its last report off, put this one on.
+        let old = inner
+            .remote
+            .insert(report.replica, Remote { seen: Instant::now(), loads: loads.clone() });
+        let Inner { remote_load, .. } = &mut *inner;
+        for (slot, l) in old.map(|r| r.loads).unwrap_or_default() {
+            if let Some(t) = remote_load.get_mut(slot.index()) {
+                t.in_flight = t.in_flight.saturating_sub(l.in_flight);
+                t.queued_tokens = t.queued_tokens.saturating_sub(l.queued_tokens);
+            }
+        }
+        for (slot, l) in loads {
+            if let Some(t) = remote_load.get_mut(slot.index()) {
+                t.in_flight += l.in_flight;
+                t.queued_tokens += l.queued_tokens;
+            }
+        }
     }
 }
 
