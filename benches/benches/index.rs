@@ -8,37 +8,16 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use handoff_core::{BlockHash, InstanceId};
-use handoff_discovery::{Instance, KvEvent, KvEventKind, Role, Topology, Update};
-use handoff_kv_index::{KvIndex, WorkerKey};
-use handoff_scheduler::{SchedulerConfig, SchedulerState, Work};
+use handoff_benches::{DEPTH, PAGE, PER_WORKER, fleet, sequence, worker};
+use handoff_kv_index::KvIndex;
+use handoff_scheduler::Work;
 
-const DEPTH: usize = 64;
-const PREFIX: usize = 32;
-
-fn key(i: usize) -> WorkerKey {
-    WorkerKey { instance: InstanceId::try_from(format!("p{i}")).unwrap(), dp_rank: 0 }
-}
-
-/// Sequence `s` of worker `w`: the shared prefix, then blocks of its own.
-fn sequence(w: usize, s: usize) -> Vec<BlockHash> {
-    (0..DEPTH as u64)
-        .map(|d| {
-            if (d as usize) < PREFIX {
-                BlockHash(d)
-            } else {
-                BlockHash((w as u64) << 40 | (s as u64) << 16 | d)
-            }
-        })
-        .collect()
-}
-
-fn filled(workers: usize, blocks: usize) -> KvIndex {
+fn filled(workers: u64, blocks: u64) -> KvIndex {
     let mut idx = KvIndex::default();
     let per = (blocks / workers / DEPTH).max(1);
     for w in 0..workers {
         for s in 0..per {
-            idx.store(&key(w), None, &sequence(w, s));
+            idx.store(&worker(w), None, &sequence(w, s));
         }
     }
     idx
@@ -46,8 +25,8 @@ fn filled(workers: usize, blocks: usize) -> KvIndex {
 
 fn ingest(c: &mut Criterion) {
     let mut g = c.benchmark_group("index_ingest");
-    for blocks in [10_000usize, 100_000, 1_000_000] {
-        g.throughput(Throughput::Elements(blocks as u64));
+    for blocks in [10_000u64, 100_000, 1_000_000] {
+        g.throughput(Throughput::Elements(blocks));
         g.bench_with_input(BenchmarkId::from_parameter(blocks), &blocks, |b, &n| {
             b.iter(|| black_box(filled(16, n).len()))
         });
@@ -57,16 +36,16 @@ fn ingest(c: &mut Criterion) {
 
 fn matching(c: &mut Criterion) {
     let mut g = c.benchmark_group("index_match");
-    for workers in [16usize, 128, 512, 1024] {
-        let blocks = (workers * DEPTH * 16).min(1_000_000);
-        let idx = filled(workers, blocks);
-        let queries: Vec<Vec<BlockHash>> =
-            (0..20_000).map(|q| sequence(q % workers, q % 16)).collect();
-        let mut q = 0;
+    for workers in [16u64, 128, 512, 1024] {
+        let idx = filled(workers, (workers * DEPTH * PER_WORKER).min(1_000_000));
+        let queries: Vec<_> =
+            (0..20_000u64).map(|q| sequence(q % workers, q % PER_WORKER)).collect();
+        let (mut q, mut run) = (0, Vec::new());
         g.bench_with_input(BenchmarkId::from_parameter(workers), &workers, |b, _| {
             b.iter(|| {
                 q = (q + 1) % queries.len();
-                black_box(idx.overlaps(&queries[q]).len())
+                idx.overlaps_into(&queries[q], &mut run);
+                black_box(run.iter().filter(|&&r| r > 0).count())
             })
         });
     }
@@ -75,42 +54,15 @@ fn matching(c: &mut Criterion) {
 
 fn selection(c: &mut Criterion) {
     let mut g = c.benchmark_group("select_kv_aware");
-    for workers in [16usize, 128, 512, 1024] {
-        let state = SchedulerState::new(SchedulerConfig::default());
-        let all = (0..workers)
-            .map(|i| Instance {
-                id: key(i).instance,
-                role: Role::Prefill,
-                model: "m".into(),
-                bootstrap_addr: "127.0.0.1:1".into(),
-                grpc_addr: "127.0.0.1:2".into(),
-                topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-                page_size: 16,
-                version: 1,
-            })
-            .collect();
-        state.apply_update(Update::Reset(all));
-        // The same shapes as the match bench: every instance holds 16 sequences.
-        for w in 0..workers {
-            for s in 0..16 {
-                state.apply_event(KvEvent {
-                    instance: key(w).instance,
-                    dp_rank: 0,
-                    seq: s as u64 + 1,
-                    kind: KvEventKind::Stored { parent: None, blocks: sequence(w, s) },
-                });
-            }
-        }
+    for workers in [16u64, 128, 512, 1024] {
+        let state = fleet(workers);
         let query = sequence(0, 0);
+        let tokens = DEPTH as u32 * PAGE;
         g.bench_with_input(BenchmarkId::from_parameter(workers), &workers, |b, _| {
             b.iter(|| {
-                let s = state.select(&query, (DEPTH * 16) as u32, None, &[]).unwrap();
-                state.report(
-                    &s.instance.id,
-                    s.dp_rank,
-                    Work::new((DEPTH * 16) as u32, s.cached_blocks),
-                    Some(true),
-                );
+                let s = state.select(&query, tokens, None, &[]).unwrap();
+                let work = Work::new(tokens, s.cached_blocks);
+                state.report(&s.instance.id, s.dp_rank, work, Some(true));
                 black_box(s.dp_rank)
             })
         });

@@ -19,20 +19,13 @@ use dynamo_kv_router::protocols::{
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
 };
 use dynamo_kv_router::radix_tree::RadixTree;
-use handoff_core::{BlockHash, InstanceId};
-use handoff_kv_index::{KvIndex, WorkerKey};
+use handoff_benches::{DEPTH, PER_WORKER, PREFIX, block, worker};
+use handoff_core::BlockHash;
+use handoff_kv_index::KvIndex;
 
 mod selection;
 
-const DEPTH: u64 = 64;
-const PREFIX: u64 = 32;
-const PER_WORKER: u64 = 16;
 const QUERIES: usize = 20_000;
-
-/// Block `d` of sequence `s` of worker `w`: shared for the first PREFIX blocks.
-fn block(w: u64, s: u64, d: u64) -> u64 {
-    if d < PREFIX { d + 1 } else { (w + 1) << 40 | (s + 1) << 16 | d }
-}
 
 fn dynamo_event(w: u64, s: u64, id: u64) -> RouterEvent {
     let blocks = (0..DEPTH)
@@ -48,13 +41,6 @@ fn dynamo_event(w: u64, s: u64, id: u64) -> RouterEvent {
         blocks,
     });
     RouterEvent::new(w, KvCacheEvent { event_id: id, data, dp_rank: 0 })
-}
-
-fn ours_key(w: u64) -> WorkerKey {
-    WorkerKey {
-        instance: InstanceId::try_from(format!("w{w}")).unwrap_or_else(|_| unreachable!()),
-        dp_rank: 0,
-    }
 }
 
 /// Median over batches of the mean time per call.
@@ -91,9 +77,9 @@ async fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         let mut ours = KvIndex::default();
         for w in 0..w_count {
-            let key = ours_key(w);
+            let key = worker(w);
             for s in 0..PER_WORKER {
-                let seq: Vec<BlockHash> = (0..DEPTH).map(|d| BlockHash(block(w, s, d))).collect();
+                let seq = handoff_benches::sequence(w, s);
                 ours.store(&key, None, &seq);
             }
         }
@@ -117,7 +103,7 @@ async fn main() -> anyhow::Result<()> {
         let queries: Vec<(Vec<BlockHash>, Vec<LocalBlockHash>)> = (0..QUERIES as u64)
             .map(|q| {
                 let (w, s) = (q % w_count, q % PER_WORKER);
-                let ours = (0..DEPTH).map(|d| BlockHash(block(w, s, d))).collect();
+                let ours = handoff_benches::sequence(w, s);
                 let theirs = (0..DEPTH).map(|d| LocalBlockHash(block(w, s, d))).collect();
                 (ours, theirs)
             })
@@ -127,11 +113,11 @@ async fn main() -> anyhow::Result<()> {
         let (o, d) = (ours.overlaps(&queries[0].0), backend.find_matches(&queries[0].1, false));
         let theirs_best = d.scores.values().map(|s| *s as usize).max().unwrap_or(0);
         anyhow::ensure!(
-            o.get(&ours_key(0)) == DEPTH as usize && theirs_best == DEPTH as usize,
+            o.get(&worker(0)) == DEPTH as usize && theirs_best == DEPTH as usize,
             "indexes disagree"
         );
         // The scheduler's way: one reused buffer, read by slot.
-        let slots: Vec<_> = (0..w_count).map(|w| ours.slot(&ours_key(w))).collect();
+        let slots: Vec<_> = (0..w_count).map(|w| ours.slot(&worker(w))).collect();
         let mut run = Vec::new();
         let ours_match = p50_per_call(|q| {
             ours.overlaps_into(&queries[q].0, &mut run);
@@ -140,7 +126,7 @@ async fn main() -> anyhow::Result<()> {
         let dyn_match = p50_per_call(|q| {
             black_box(backend.find_matches(&queries[q].1, false).scores.len());
         });
-        let ours_state = selection::ours(w_count);
+        let ours_state = handoff_benches::fleet(w_count);
         let ours_queries: Vec<Vec<BlockHash>> = queries.iter().map(|q| q.0.clone()).collect();
         let their_queries: Vec<Vec<LocalBlockHash>> = queries.iter().map(|q| q.1.clone()).collect();
         selections.push((

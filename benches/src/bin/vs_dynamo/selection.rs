@@ -18,44 +18,12 @@ use dynamo_kv_router::protocols::{LocalBlockHash, RoutingConstraints, WorkerWith
 use dynamo_kv_router::scheduling::{OverlapSignals, ScheduleMode, SchedulingRequest};
 use dynamo_kv_router::selector::{DefaultWorkerSelector, WorkerSelectionInput, WorkerSelector};
 use dynamo_kv_router::test_utils::SimpleWorkerConfig;
+use handoff_benches::{DEPTH, PAGE};
 use handoff_core::BlockHash;
-use handoff_discovery::{Instance, KvEvent, KvEventKind, Role, Topology, Update};
-use handoff_scheduler::{SchedulerConfig, SchedulerState, Work};
+use handoff_scheduler::{SchedulerState, Work};
 use rustc_hash::FxHashMap;
 
-use crate::{DEPTH, PER_WORKER, block, ours_key, p50_per_call};
-
-const PAGE: u32 = 16;
-
-/// Our scheduler over `w_count` instances holding the same shapes.
-pub(crate) fn ours(w_count: u64) -> SchedulerState {
-    let state = SchedulerState::new(SchedulerConfig::default());
-    let all = (0..w_count)
-        .map(|w| Instance {
-            id: ours_key(w).instance,
-            role: Role::Prefill,
-            model: "m".into(),
-            bootstrap_addr: "127.0.0.1:1".into(),
-            grpc_addr: "127.0.0.1:2".into(),
-            topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-            page_size: PAGE,
-            version: 1,
-        })
-        .collect();
-    state.apply_update(Update::Reset(all));
-    for w in 0..w_count {
-        for s in 0..PER_WORKER {
-            let blocks = (0..DEPTH).map(|d| BlockHash(block(w, s, d))).collect();
-            state.apply_event(KvEvent {
-                instance: ours_key(w).instance,
-                dp_rank: 0,
-                seq: s + 1,
-                kind: KvEventKind::Stored { parent: None, blocks },
-            });
-        }
-    }
-    state
-}
+use crate::p50_per_call;
 
 /// p50 per selection, ours.
 pub(crate) fn time_ours(state: &SchedulerState, queries: &[Vec<BlockHash>]) -> Duration {
