@@ -80,8 +80,12 @@ pub struct KvSnapshot {
     pub instance: InstanceId,
     /// The last KV event sequence number the snapshot includes.
     pub seq: u64,
-    /// Blocks per dp rank.
+    /// Blocks per dp rank, parents before children.
     pub dp_blocks: Vec<Vec<BlockHash>>,
+    /// The block before each one in its prompt, per dp rank (parallel to `dp_blocks`; lets
+    /// the index rebuild its tree compressed). Optional on the wire.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dp_parents: Vec<Vec<Option<BlockHash>>>,
 }
 
 /// Subject prefix of scheduler load reports; a replica publishes on `{prefix}{replica}`.

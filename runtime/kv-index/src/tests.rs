@@ -168,3 +168,33 @@ fn matches_a_set_model_under_random_operations() {
         }
     }
 }
+
+/// A snapshot's way: every block alone under its parent, parents first (by depth).
+#[test]
+fn blocks_stored_one_by_one_under_their_parents_compress() {
+    let mut idx = KvIndex::default();
+    let shared: Vec<u32> = (0..8 * 16).collect();
+    let prompts: Vec<Vec<BlockHash>> = (0..3u32)
+        .map(|p| {
+            let mut t = shared.clone();
+            t.extend((0..8 * 16).map(|x| 100_000 * (p + 1) + x));
+            block_hashes(&t, 16)
+        })
+        .collect();
+    let mut all: Vec<(usize, Option<BlockHash>, BlockHash)> = prompts
+        .iter()
+        .flat_map(|h| h.iter().enumerate().map(|(d, b)| (d, d.checked_sub(1).map(|p| h[p]), *b)))
+        .collect();
+    all.sort_by_key(|(d, _, b)| (*d, *b));
+    all.dedup();
+    let w = key("a", 0);
+    for (_, parent, b) in all {
+        idx.store(&w, parent, &[b]);
+    }
+    // The shared 8 blocks, then one edge per prompt.
+    assert_eq!(idx.tree.node_count(), 4);
+    for h in &prompts {
+        assert_eq!(idx.overlaps(h).get(&w), 16);
+    }
+    idx.tree.check();
+}

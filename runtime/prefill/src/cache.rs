@@ -21,6 +21,17 @@ pub struct CacheDelta {
     pub removed: Vec<BlockHash>,
 }
 
+/// One cached page.
+#[derive(Debug)]
+struct Page {
+    kv: Arc<Kv>,
+    /// Its LRU tick.
+    tick: u64,
+    /// The prompt page before it, and its index in the prompt.
+    parent: Option<BlockHash>,
+    depth: u32,
+}
+
 /// A prefix cache (see the module docs).
 #[derive(Debug)]
 pub struct PrefixCache {
@@ -28,7 +39,7 @@ pub struct PrefixCache {
     page_size: usize,
     used: usize,
     tick: u64,
-    pages: HashMap<BlockHash, (Arc<Kv>, u64)>,
+    pages: HashMap<BlockHash, Page>,
     lru: BTreeMap<u64, BlockHash>,
 }
 
@@ -46,10 +57,10 @@ impl PrefixCache {
     }
 
     fn touch(&mut self, h: BlockHash) {
-        if let Some((_, t)) = self.pages.get_mut(&h) {
-            self.lru.remove(t);
+        if let Some(p) = self.pages.get_mut(&h) {
+            self.lru.remove(&p.tick);
             self.tick += 1;
-            *t = self.tick;
+            p.tick = self.tick;
             self.lru.insert(self.tick, h);
         }
     }
@@ -70,7 +81,7 @@ impl PrefixCache {
         for h in hit.iter().rev() {
             self.touch(*h);
         }
-        let pages: Vec<&Kv> = hit.iter().map(|h| &*self.pages[h].0).collect();
+        let pages: Vec<&Kv> = hit.iter().map(|h| &*self.pages[h].kv).collect();
         Kv::concat(pages[0].shape(), &pages).ok()
     }
 
@@ -94,7 +105,9 @@ impl PrefixCache {
             }
             self.tick += 1;
             self.used += size;
-            self.pages.insert(h, (Arc::new(page), self.tick));
+            let parent = i.checked_sub(1).map(|j| hashes[j]);
+            let page = Page { kv: Arc::new(page), tick: self.tick, parent, depth: i as u32 };
+            self.pages.insert(h, page);
             self.lru.insert(self.tick, h);
             delta.stored.push(h);
         }
@@ -105,8 +118,8 @@ impl PrefixCache {
         }
         while self.used > self.budget {
             let Some((_, h)) = self.lru.pop_first() else { break };
-            if let Some((p, _)) = self.pages.remove(&h) {
-                self.used -= p.as_bytes().len();
+            if let Some(p) = self.pages.remove(&h) {
+                self.used -= p.kv.as_bytes().len();
                 delta.removed.push(h);
             }
         }
@@ -135,9 +148,13 @@ impl PrefixCache {
         self.used
     }
 
-    /// Every cached block, for a snapshot.
-    pub fn blocks(&self) -> Vec<BlockHash> {
-        self.pages.keys().copied().collect()
+    /// Every cached block with the prompt page before it, parents before children (by
+    /// depth in the prompt), for a snapshot.
+    pub fn blocks(&self) -> Vec<(Option<BlockHash>, BlockHash)> {
+        let mut all: Vec<(u32, Option<BlockHash>, BlockHash)> =
+            self.pages.iter().map(|(h, p)| (p.depth, p.parent, *h)).collect();
+        all.sort_unstable_by_key(|(d, _, h)| (*d, *h));
+        all.into_iter().map(|(_, parent, h)| (parent, h)).collect()
     }
 }
 

@@ -116,8 +116,13 @@ impl PrefillService {
     pub async fn snapshot(&self) -> KvSnapshot {
         let me = &self.inner;
         let seq = me.seq.lock().await;
-        let dp_blocks = me.dps.iter().map(|d| lock(&d.cache).blocks()).collect();
-        KvSnapshot { instance: me.id.clone(), seq: *seq, dp_blocks }
+        let (mut dp_blocks, mut dp_parents) = (Vec::new(), Vec::new());
+        for d in &me.dps {
+            let (parents, blocks) = lock(&d.cache).blocks().into_iter().unzip();
+            dp_blocks.push(blocks);
+            dp_parents.push(parents);
+        }
+        KvSnapshot { instance: me.id.clone(), seq: *seq, dp_blocks, dp_parents }
     }
 
     /// The current load, for heartbeats.

@@ -359,9 +359,17 @@ impl SchedulerState {
         if m.silent {
             return;
         }
-        for (slot, blocks) in m.slots.iter().zip(&snap.dp_blocks) {
+        for (dp, (slot, blocks)) in m.slots.iter().zip(&snap.dp_blocks).enumerate() {
             index.clear_at(*slot);
-            index.store_at(*slot, None, blocks);
+            match snap.dp_parents.get(dp).filter(|p| p.len() == blocks.len()) {
+                // Each block under its parent (listed first): the tree comes out compressed.
+                Some(parents) => {
+                    for (parent, block) in parents.iter().zip(blocks) {
+                        index.store_at(*slot, *parent, std::slice::from_ref(block));
+                    }
+                }
+                None => index.store_at(*slot, None, blocks),
+            }
         }
         info!(instance = %snap.instance, seq = snap.seq, "KV index resynced from snapshot");
         m.seq = Some(snap.seq);

@@ -203,12 +203,18 @@ async fn etcd_and_nats_restarts_under_load_lose_no_request() {
     eprintln!("etcd and NATS restarts: {ok} ok, {failed} failed");
     assert_eq!(failed, 0, "no request lost");
     assert!(ok > 50);
-    // Requests keep flowing to both instances afterwards.
+    // Requests keep flowing, to both instances. (An instance whose NATS client reconnects
+    // later than the other's is briefly out of routing, and back at its next heartbeat.)
     let mut served = std::collections::HashSet::new();
-    for seed in 0..20 {
+    let since = Instant::now();
+    for seed in 0.. {
         served.insert(one(&mut f.client.clone(), 5_000_000 + seed).await.expect("requests flow"));
+        if served.len() == 2 {
+            break;
+        }
+        assert!(since.elapsed() < Duration::from_secs(15), "only {served:?} served");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(served.len(), 2, "{served:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,6 +21,9 @@ fn lookup_returns_the_longest_cached_prefix_but_leaves_a_token() {
     let hl = block_hashes(&longer, 4);
     let d = c.store(&hl, &kv(&longer));
     assert_eq!((d.parent, d.stored), (Some(h[3]), vec![hl[4]]), "the run hangs under its prefix");
+    // A snapshot lists each page after its parent.
+    let chain: Vec<_> = (0..5usize).map(|i| (i.checked_sub(1).map(|p| hl[p]), hl[i])).collect();
+    assert_eq!(c.blocks(), chain);
     let hit = c.lookup(&h, 16).unwrap();
     assert_eq!(hit.tokens(), 12, "one token must be left to compute");
     assert_eq!(hit, kv(&p).slice_tokens(0..12));

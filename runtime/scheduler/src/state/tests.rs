@@ -154,6 +154,7 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
             instance: id.parse().unwrap(),
             seq: 0,
             dp_blocks: vec![vec![]],
+            dp_parents: vec![],
         });
     }
     // a dies; b keeps beating every second.
@@ -172,6 +173,7 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
         instance: "a".parse().unwrap(),
         seq: 0,
         dp_blocks: vec![vec![]],
+        dp_parents: vec![],
     });
     s.heartbeat_at(&hb("b"), at(5900));
     for ms in [8100, 8500, 9000, 12_000, 30_000] {
@@ -264,4 +266,28 @@ fn a_routed_prefix_draws_the_next_request_until_reported() {
     assert_eq!(s.lock().pending.blocks(), 16);
     s.apply_update(Update::Remove(third.instance.id));
     assert_eq!(s.lock().pending.blocks(), 0);
+}
+
+#[test]
+fn a_snapshot_with_parents_rebuilds_the_index() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    let parents = (0..h.len()).map(|i| i.checked_sub(1).map(|p| h[p])).collect();
+    s.apply_snapshot(handoff_discovery::KvSnapshot {
+        instance: "b".parse().unwrap(),
+        seq: 3,
+        dp_blocks: vec![h.clone()],
+        dp_parents: vec![parents],
+    });
+    let sel = s.select(&h, 256, None, &[]).unwrap();
+    assert_eq!((sel.instance.id.as_str(), sel.cached_blocks), ("b", 16));
+    // A snapshot without parents (an older sender) indexes the same blocks.
+    s.apply_snapshot(handoff_discovery::KvSnapshot {
+        instance: "a".parse().unwrap(),
+        seq: 1,
+        dp_blocks: vec![h[..8].to_vec()],
+        dp_parents: vec![],
+    });
+    assert_eq!(s.indexed_blocks(&"a".parse().unwrap(), 0).len(), 8);
 }
