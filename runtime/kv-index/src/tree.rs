@@ -234,6 +234,7 @@ impl Tree {
         };
         let Tree { nodes, map, .. } = self;
         let node = &mut nodes[id as usize];
+        node.blocks.reserve(blocks.len().min(room));
         let before = node.blocks.len();
         for &b in blocks.iter().take(room) {
             match map.entry(b) {
