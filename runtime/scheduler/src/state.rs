@@ -175,10 +175,11 @@ impl Inner {
         self.resyncing.remove(id);
     }
 
-    /// Forgets what an instance holds and has in flight, keeping it registered (it went
-    /// silent): it is resynced from a snapshot when heard again.
-    fn forget_state(&mut self, id: &InstanceId) {
+    /// Takes a registered instance out of routing (its heartbeats stopped), forgetting what
+    /// it holds and has in flight: it is resynced from a snapshot when heard again.
+    fn silence(&mut self, id: &InstanceId) {
         let Some(m) = self.members.get_mut(id) else { return };
+        m.silent = true;
         m.seq = None;
         for s in &m.slots {
             self.load[s.index()] = Load::default();
@@ -186,6 +187,7 @@ impl Inner {
         self.pending.forget(&m.slots);
         self.load_dirty = true;
         self.index.clear_instance(id);
+        self.sync(id);
     }
 }
 
@@ -291,14 +293,12 @@ impl SchedulerState {
         let unsynced = m.seq.is_none();
         if resumed {
             info!(instance = %hb.instance, "heartbeats resumed; back in routing");
+            inner.sync(&hb.instance);
         }
         inner.last_beat = Some(now);
         if inner.bus_quiet {
             info!("heartbeats heard again; liveness checks resume");
             inner.bus_quiet = false;
-        }
-        if resumed {
-            inner.sync(&hb.instance);
         }
         (resumed || unsynced) && inner.resyncing.insert(hb.instance.clone())
     }
@@ -341,11 +341,7 @@ impl SchedulerState {
             .collect();
         for id in &stale {
             warn!(instance = %id, "no heartbeat for {timeout:?}; out of routing");
-            inner.forget_state(id);
-            if let Some(m) = inner.members.get_mut(id) {
-                m.silent = true;
-            }
-            inner.sync(id);
+            inner.silence(id);
         }
         stale
     }
