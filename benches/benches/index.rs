@@ -10,7 +10,7 @@ use std::hint::black_box;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use handoff_benches::{DEPTH, PAGE, PER_WORKER, fleet, sequence, worker};
 use handoff_kv_index::KvIndex;
-use handoff_scheduler::Work;
+use handoff_scheduler::{Ask, Outcome};
 
 fn filled(workers: u64, blocks: u64) -> KvIndex {
     let mut idx = KvIndex::default();
@@ -60,9 +60,8 @@ fn selection(c: &mut Criterion) {
         let tokens = DEPTH as u32 * PAGE;
         g.bench_with_input(BenchmarkId::from_parameter(workers), &workers, |b, _| {
             b.iter(|| {
-                let s = state.select(&query, tokens, None, &[]).unwrap();
-                let work = Work::new(tokens, s.cached_blocks);
-                state.report(&s.instance.id, s.dp_rank, work, Some(true));
+                let s = state.select(&Ask::new(&query, tokens)).unwrap();
+                state.report(s.booking, Outcome::Success);
                 black_box(s.dp_rank)
             })
         });

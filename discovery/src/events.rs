@@ -71,6 +71,10 @@ pub struct Heartbeat {
     pub running: u32,
     /// Bytes held by the prefix caches.
     pub kv_bytes: u64,
+    /// Measured prefill cost, in nanoseconds per computed token (0: not measured yet). The
+    /// scheduler prices queue waits with it. Optional on the wire.
+    #[serde(default)]
+    pub prefill_ns_per_token: u64,
 }
 
 /// Everything an instance's prefix caches hold, as of KV event `seq`.

@@ -7,12 +7,15 @@
 //! - [`memory`] — in-process backends, the real backend of single-node mode.
 //! - [`etcd`] — [`EtcdRegistry`]: keys under leases kept alive, prefix watches from a snapshot.
 //! - [`nats`] — [`NatsBus`]: subjects with request/reply.
+//! - [`publisher`] — [`Publisher`]: a bounded queue in front of a bus, drained by one task
+//!   with a publish timeout, so no caller waits on the bus.
 
 mod error;
 pub mod etcd;
 pub mod events;
 pub mod memory;
 pub mod nats;
+pub mod publisher;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -25,6 +28,7 @@ pub use etcd::EtcdRegistry;
 pub use events::{Heartbeat, KvEvent, KvEventKind, KvSnapshot, LoadReport, WorkerLoad};
 pub use memory::{MemoryBus, MemoryRegistry};
 pub use nats::NatsBus;
+pub use publisher::Publisher;
 
 /// What an instance does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

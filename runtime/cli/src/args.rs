@@ -100,6 +100,11 @@ pub struct PolicyArgs {
     /// prefix_hash: a candidate queued beyond this factor of the mean is passed over.
     #[arg(long, value_parser = weight, default_value_t = PolicyParams::default().load_factor)]
     pub prefix_load_factor: f64,
+    /// Admission bound: the longest prefill queue wait a request is admitted to, in ms (work
+    /// queued on the instance times its measured cost per token). Beyond it, and beyond a
+    /// request's own deadline, requests are refused at once (HTTP 429 with Retry-After).
+    #[arg(long, default_value_t = SchedulerConfig::default().max_queue_wait.as_millis() as u64)]
+    pub max_queue_wait_ms: u64,
 }
 
 /// A finite, non-negative number.
@@ -130,7 +135,12 @@ impl PolicyArgs {
             },
             load_factor: self.prefix_load_factor,
         };
-        SchedulerConfig { default_policy, params, ..SchedulerConfig::default() }
+        SchedulerConfig {
+            default_policy,
+            params,
+            max_queue_wait: std::time::Duration::from_millis(self.max_queue_wait_ms),
+            ..SchedulerConfig::default()
+        }
     }
 }
 
@@ -178,9 +188,10 @@ pub struct FrontendArgs {
     /// HTTP (OpenAI API) listener.
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub http_listen: SocketAddr,
-    /// The scheduler (host:port); default: the one registered in discovery.
-    #[arg(long)]
-    pub scheduler: Option<String>,
+    /// Scheduler replicas (host:port, comma-separated); default: every replica registered
+    /// in discovery, followed as they come and go.
+    #[arg(long, value_delimiter = ',')]
+    pub scheduler: Vec<String>,
     /// Decode tp size.
     #[arg(long, default_value_t = 1)]
     pub decode_tp: u32,
@@ -265,6 +276,10 @@ pub struct UpArgs {
     /// Prefill instances.
     #[arg(long, default_value_t = 2)]
     pub prefills: usize,
+    /// Scheduler replicas (the first on --scheduler-listen, the others on ephemeral ports);
+    /// the frontend fails over between them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub schedulers: u16,
     /// Prefill tp size.
     #[arg(long, default_value_t = 1)]
     pub prefill_tp: u32,

@@ -21,6 +21,8 @@ use tracing::warn;
 pub struct ClusterConfig {
     /// Prefill instances.
     pub prefills: usize,
+    /// Scheduler replicas (at least one).
+    pub schedulers: usize,
     /// Their dp size.
     pub prefill_dp: u32,
     /// Their tp size.
@@ -55,6 +57,7 @@ impl Default for ClusterConfig {
     fn default() -> Self {
         ClusterConfig {
             prefills: 2,
+            schedulers: 1,
             prefill_dp: 1,
             prefill_tp: 2,
             prefill_pp: 1,
@@ -87,6 +90,16 @@ impl ClusterConfig {
     }
 }
 
+/// One scheduler replica of a cluster, with its own tasks (stop them to take it down).
+pub struct SchedulerReplica {
+    /// The first scheduler replica.
+    pub scheduler: Scheduler,
+    /// Its gRPC address.
+    pub addr: SocketAddr,
+    /// Its tasks (its watches and its server).
+    pub tasks: Tasks,
+}
+
 /// A running cluster.
 pub struct Cluster {
     /// Every task of the cluster.
@@ -95,13 +108,15 @@ pub struct Cluster {
     pub frontend_addr: SocketAddr,
     /// The frontend's HTTP address.
     pub http_addr: SocketAddr,
-    /// The scheduler's gRPC address.
+    /// The first scheduler replica's gRPC address.
     pub scheduler_addr: SocketAddr,
+    /// Every scheduler replica.
+    pub schedulers: Vec<SchedulerReplica>,
     /// The prefill instances.
     pub prefills: Vec<PrefillInstance>,
     /// The frontend.
     pub frontend: Arc<Frontend>,
-    /// The scheduler.
+    /// The first scheduler replica.
     pub scheduler: Scheduler,
     /// The discovery registry.
     pub registry: Arc<dyn Registry>,
@@ -133,18 +148,14 @@ impl Cluster {
         bus: Arc<dyn EventBus>,
         tasks: Tasks,
     ) -> anyhow::Result<Cluster> {
-        let scheduler =
-            Scheduler::start(cfg.scheduler.clone(), registry.clone(), bus.clone(), &tasks).await?;
-        let sl = TcpListener::bind(cfg.scheduler_bind)
-            .await
-            .with_context(|| format!("scheduler on {}", cfg.scheduler_bind))?;
-        let scheduler_addr = sl.local_addr()?;
-        let (t, state) = (tasks.clone(), scheduler.state().clone());
-        tasks.spawn(async move {
-            if let Err(e) = service::serve(sl, state, t.shutdown_requested()).await {
-                warn!(error = %e, "scheduler stopped");
-            }
-        });
+        let mut schedulers = Vec::new();
+        for i in 0..cfg.schedulers.max(1) {
+            let bind =
+                if i == 0 { cfg.scheduler_bind } else { (cfg.scheduler_bind.ip(), 0).into() };
+            schedulers.push(start_scheduler(&cfg.scheduler, bind, &registry, &bus, &tasks).await?);
+        }
+        let scheduler_addr = schedulers[0].addr;
+        let scheduler = schedulers[0].scheduler.clone();
 
         let mut prefills = Vec::new();
         for i in 0..cfg.prefills {
@@ -179,7 +190,8 @@ impl Cluster {
             transfer_token: cfg.frontend.transfer_token.clone().or(cfg.token.clone()),
             ..cfg.frontend.clone()
         };
-        let frontend = Frontend::new(fc, engines()?, &scheduler_addr.to_string(), &tasks).await?;
+        let addrs: Vec<String> = schedulers.iter().map(|s| s.addr.to_string()).collect();
+        let frontend = Frontend::new(fc, engines()?, &addrs, &tasks).await?;
         frontend.follow(registry.clone()).await?;
         let fl = TcpListener::bind(cfg.frontend_bind)
             .await
@@ -219,6 +231,7 @@ impl Cluster {
             frontend_addr,
             http_addr,
             scheduler_addr,
+            schedulers,
             prefills,
             frontend,
             scheduler,
@@ -238,5 +251,29 @@ impl Cluster {
     /// Stops every part and waits for its tasks.
     pub async fn shutdown(self) {
         self.tasks.shutdown().await;
+        for s in &self.schedulers {
+            s.tasks.shutdown().await;
+        }
     }
+}
+
+/// Starts one scheduler replica on its own tasks (a child of `parent`), serving on `bind`.
+async fn start_scheduler(
+    cfg: &SchedulerConfig,
+    bind: SocketAddr,
+    registry: &Arc<dyn Registry>,
+    bus: &Arc<dyn EventBus>,
+    parent: &Tasks,
+) -> anyhow::Result<SchedulerReplica> {
+    let tasks = parent.child();
+    let scheduler = Scheduler::start(cfg.clone(), registry.clone(), bus.clone(), &tasks).await?;
+    let sl = TcpListener::bind(bind).await.with_context(|| format!("scheduler on {bind}"))?;
+    let addr = sl.local_addr()?;
+    let (t, state) = (tasks.clone(), scheduler.state().clone());
+    tasks.spawn(async move {
+        if let Err(e) = service::serve(sl, state, t.shutdown_requested()).await {
+            warn!(error = %e, "scheduler stopped");
+        }
+    });
+    Ok(SchedulerReplica { scheduler, addr, tasks })
 }

@@ -4,6 +4,7 @@ mod e2e {
     pub(crate) mod faults;
     pub(crate) mod load;
     pub(crate) mod model;
+    pub(crate) mod overload;
     pub(crate) mod path;
     pub(crate) mod reassembly;
     pub(crate) mod resync;

@@ -16,7 +16,7 @@ use handoff_transfer::{Agent, ConnectRequest, Inbox, RegionId, SenderId};
 use tokio::time::Instant;
 use tonic::transport::Channel;
 
-use crate::FrontendError;
+use crate::{Cause, FrontendError};
 
 /// When each stage completed, in microseconds since the attempt started.
 #[derive(Debug, Clone, Copy)]
@@ -96,7 +96,7 @@ async fn before<T, E: std::fmt::Display>(
 ) -> Result<T, FrontendError> {
     match tokio::time::timeout_at(deadline, f).await {
         Ok(r) => r.map_err(|e| FrontendError::at(stage, e)),
-        Err(_) => Err(FrontendError::at(stage, "attempt deadline passed")),
+        Err(_) => Err(FrontendError::because(stage, Cause::Deadline, "attempt deadline passed")),
     }
 }
 
@@ -216,7 +216,16 @@ pub async fn run(
                 async move { ctx.agent.connect(&peer, req).await }
             })
     });
-    before(deadline, "connect", try_join_all(connects)).await?;
+    match tokio::time::timeout_at(deadline, try_join_all(connects)).await {
+        Ok(r) => r.map_err(|e| FrontendError::transfer("connect", e))?,
+        Err(_) => {
+            return Err(FrontendError::because(
+                "connect",
+                Cause::Deadline,
+                "attempt deadline passed",
+            ));
+        }
+    };
     stages.timings.connect_us = stages.mark();
 
     // prefill, and the KV it sends
@@ -234,11 +243,11 @@ pub async fn run(
             .prefill(req)
             .await
             .map(tonic::Response::into_inner)
-            .map_err(|s| FrontendError::at("prefill", format!("{}: {}", s.code(), s.message())))
+            .map_err(|s| FrontendError::prefill_status(&s))
     };
     let waits = async {
         let w = regions.iter().map(|g| inbox.wait(g.id, deadline));
-        try_join_all(w).await.map_err(|e| FrontendError::at("verify", e))
+        try_join_all(w).await.map_err(|e| FrontendError::transfer("verify", e))
     };
     let (resp, mut received) = tokio::try_join!(rpc, waits)?;
 

@@ -19,11 +19,14 @@ pub struct FrontendConfig {
     pub max_backoff: Duration,
     /// Whole-request deadline when the request names none.
     pub request_timeout: Duration,
-    /// Deadline of one attempt (bounded by the request's).
+    /// Deadline of one attempt beyond the queue wait the scheduler expects for it (bounded by
+    /// the request's deadline): queueing is not failure, a silent instance is.
     pub attempt_timeout: Duration,
+    /// Longest wait for one scheduler replica's selection before asking another.
+    pub select_timeout: Duration,
     /// Tokens generated when the request names no `max_tokens`.
     pub default_max_tokens: u32,
-    /// Requests served at once; more get `RESOURCE_EXHAUSTED`.
+    /// Requests served at once; more are refused at once (429 / `RESOURCE_EXHAUSTED`).
     pub max_concurrent: usize,
     /// The frontend's transfer backend.
     pub transfer: TransferKind,
@@ -42,6 +45,7 @@ impl Default for FrontendConfig {
             max_backoff: Duration::from_secs(30),
             request_timeout: Duration::from_secs(60),
             attempt_timeout: Duration::from_secs(15),
+            select_timeout: Duration::from_secs(1),
             default_max_tokens: 16,
             max_concurrent: 4096,
             transfer: TransferKind::loopback(),

@@ -1,6 +1,25 @@
+use std::time::Duration;
+
 use thiserror::Error;
 
-/// Errors of the frontend, mapped to gRPC status at the edge.
+/// Whose fault a failed attempt was: only [`Cause::Instance`] counts against the prefill
+/// instance's circuit breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// The instance failed: refused or reset connections, a transfer that failed
+    /// verification, an internal error.
+    Instance,
+    /// The instance refused for overload.
+    Overloaded,
+    /// The attempt's or the request's deadline passed.
+    Deadline,
+    /// The request was invalid.
+    Invalid,
+    /// The decode's own step failed (registering receive memory, loading the KV).
+    Decode,
+}
+
+/// Errors of the frontend, mapped to gRPC status and HTTP codes at the edge.
 #[derive(Debug, Error)]
 pub enum FrontendError {
     /// Bad input: the text says what and why.
@@ -9,13 +28,18 @@ pub enum FrontendError {
     /// The request names a model this frontend does not serve.
     #[error("model {0:?} is not served here")]
     UnknownModel(String),
-    /// Too many requests at once.
-    #[error("too many concurrent requests ({0})")]
-    Overloaded(usize),
-    /// Every attempt failed before the first token.
+    /// Over capacity: the request was refused at once, and may be retried after a while.
+    #[error("overloaded: {reason}")]
+    Overloaded {
+        /// When trying again could succeed.
+        retry_after: Duration,
+        /// Why.
+        reason: String,
+    },
+    /// No prefill instance is registered and healthy (or every one failed the request).
     #[error("no prefill attempt succeeded: {0}")]
     Unavailable(String),
-    /// The deadline passed.
+    /// The request's deadline passed.
     #[error("deadline exceeded: {0}")]
     Deadline(String),
     /// One attempt failed (retried by the caller).
@@ -25,6 +49,8 @@ pub enum FrontendError {
         stage: &'static str,
         /// Why.
         reason: String,
+        /// Whose fault it was.
+        cause: Cause,
     },
     /// The engine failed after the first token.
     #[error("decode failed: {0}")]
@@ -32,10 +58,53 @@ pub enum FrontendError {
 }
 
 impl FrontendError {
+    /// An attempt's failure at `stage`: the decode's own at its own stages, else the
+    /// instance's.
     pub(crate) fn at(stage: &'static str, e: impl std::fmt::Display) -> Self {
-        FrontendError::Attempt { stage, reason: e.to_string() }
+        let cause = match stage {
+            "register" | "consume" => Cause::Decode,
+            _ => Cause::Instance,
+        };
+        Self::because(stage, cause, e)
+    }
+
+    /// An attempt's failure at `stage` with its cause.
+    pub(crate) fn because(stage: &'static str, cause: Cause, e: impl std::fmt::Display) -> Self {
+        FrontendError::Attempt { stage, reason: e.to_string(), cause }
+    }
+
+    /// A transfer failure at `stage`: a timeout is the deadline's, anything else the
+    /// instance's.
+    pub(crate) fn transfer(stage: &'static str, e: handoff_transfer::TransferError) -> Self {
+        let cause = match e {
+            handoff_transfer::TransferError::Timeout(_) => Cause::Deadline,
+            _ => Cause::Instance,
+        };
+        Self::because(stage, cause, e)
+    }
+
+    /// A failed call to the prefill instance, classified by its status code.
+    pub(crate) fn prefill_status(s: &tonic::Status) -> Self {
+        let cause = match s.code() {
+            tonic::Code::ResourceExhausted => Cause::Overloaded,
+            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => Cause::Deadline,
+            tonic::Code::InvalidArgument => Cause::Invalid,
+            _ => Cause::Instance,
+        };
+        Self::because("prefill", cause, format!("{}: {}", s.code(), s.message()))
+    }
+
+    /// Whose fault an attempt's failure was (`None` for errors that are not an attempt's).
+    pub fn cause(&self) -> Option<Cause> {
+        match self {
+            FrontendError::Attempt { cause, .. } => Some(*cause),
+            _ => None,
+        }
     }
 }
+
+/// The gRPC metadata key (and the HTTP header's source) saying when to retry, in ms.
+pub const RETRY_AFTER_MS: &str = "retry-after-ms";
 
 impl From<FrontendError> for tonic::Status {
     fn from(e: FrontendError) -> Self {
@@ -43,10 +112,20 @@ impl From<FrontendError> for tonic::Status {
         match e {
             FrontendError::Invalid(_) => tonic::Status::invalid_argument(msg),
             FrontendError::UnknownModel(_) => tonic::Status::not_found(msg),
-            FrontendError::Overloaded(_) => tonic::Status::resource_exhausted(msg),
-            FrontendError::Unavailable(_) | FrontendError::Attempt { .. } => {
-                tonic::Status::unavailable(msg)
+            FrontendError::Overloaded { retry_after, .. } => {
+                let mut s = tonic::Status::resource_exhausted(msg);
+                if let Ok(v) = retry_after.as_millis().max(1).to_string().parse() {
+                    s.metadata_mut().insert(RETRY_AFTER_MS, v);
+                }
+                s
             }
+            FrontendError::Unavailable(_) => tonic::Status::unavailable(msg),
+            FrontendError::Attempt { cause, .. } => match cause {
+                Cause::Overloaded => tonic::Status::resource_exhausted(msg),
+                Cause::Deadline => tonic::Status::deadline_exceeded(msg),
+                Cause::Invalid => tonic::Status::invalid_argument(msg),
+                Cause::Instance | Cause::Decode => tonic::Status::unavailable(msg),
+            },
             FrontendError::Deadline(_) => tonic::Status::deadline_exceeded(msg),
             FrontendError::Decode(_) => tonic::Status::internal(msg),
         }

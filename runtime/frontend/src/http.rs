@@ -41,13 +41,7 @@ pub fn router(fe: Arc<Frontend>) -> Router {
         .route("/health", get(|| async { "OK" }))
         .route("/metrics", get(metrics))
         .fallback(|| async {
-            ApiError {
-                status: StatusCode::NOT_FOUND,
-                kind: "invalid_request_error",
-                message: "no such route".into(),
-                param: None,
-                code: None,
-            }
+            ApiError { status: StatusCode::NOT_FOUND, ..ApiError::invalid("no such route", None) }
         })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(fe)
@@ -210,13 +204,7 @@ async fn collect(
             None => {}
         }
     }
-    Err(ApiError {
-        status: StatusCode::INTERNAL_SERVER_ERROR,
-        kind: "server_error",
-        message: "generation ended early".into(),
-        param: None,
-        code: None,
-    })
+    Err(ApiError::server(StatusCode::INTERNAL_SERVER_ERROR, "generation ended early"))
 }
 
 fn status_error(s: tonic::Status) -> ApiError {
@@ -225,13 +213,7 @@ fn status_error(s: tonic::Status) -> ApiError {
         tonic::Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    ApiError {
-        status,
-        kind: "server_error",
-        message: s.message().to_owned(),
-        param: None,
-        code: None,
-    }
+    ApiError::server(status, s.message())
 }
 
 /// Server-sent events: one `data:` line per chunk, an error event if generation fails after
@@ -306,9 +288,12 @@ async fn models(State(fe): State<Arc<Frontend>>) -> Json<Value> {
 async fn metrics(State(fe): State<Arc<Frontend>>) -> impl IntoResponse {
     let m = &fe.metrics;
     let body = format!(
-        "# TYPE handoff_requests_total counter\nhandoff_requests_total {}\n# TYPE handoff_requests_failed_total counter\nhandoff_requests_failed_total {}\n# TYPE handoff_generated_tokens_total counter\nhandoff_generated_tokens_total {}\n# TYPE handoff_receive_regions gauge\nhandoff_receive_regions {}\n",
+        "# TYPE handoff_requests_total counter\nhandoff_requests_total {}\n# TYPE handoff_requests_failed_total counter\nhandoff_requests_failed_total {}\n# TYPE handoff_requests_refused_total counter\nhandoff_requests_refused_total {}\n# TYPE handoff_requests_expired_total counter\nhandoff_requests_expired_total {}\n# TYPE handoff_requests_cancelled_total counter\nhandoff_requests_cancelled_total {}\n# TYPE handoff_generated_tokens_total counter\nhandoff_generated_tokens_total {}\n# TYPE handoff_receive_regions gauge\nhandoff_receive_regions {}\n",
         m.requests.load(Relaxed),
         m.failed.load(Relaxed),
+        m.refused.load(Relaxed),
+        m.expired.load(Relaxed),
+        m.cancelled.load(Relaxed),
         m.tokens.load(Relaxed),
         fe.agent().inbox().regions()
     );

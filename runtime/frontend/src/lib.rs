@@ -6,8 +6,10 @@
 //! - [`attempt`] — one attempt at the request path on one prefill instance: resolve the
 //!   topology and rank addresses (cached), register receive regions, connect, prefill,
 //!   verify, reassemble the KV. Each stage is timed.
-//! - [`path`] — [`Frontend`]: scheduler selection, fresh room per attempt, retries before the
-//!   first token, and outcomes reported back.
+//! - [`schedulers`] — [`Schedulers`]: the scheduler replicas, followed through discovery;
+//!   a selection fails over from a replica that does not answer to another.
+//! - [`path`] — [`Frontend`]: scheduler selection (a booking), fresh room per attempt,
+//!   retries before the first token, and outcomes reported back (cancelled when dropped).
 //! - [`service`] — the gRPC service: streams the first token and the decoded ones.
 //! - [`text`] — incremental detokenization and stop strings.
 //! - [`http`] — the OpenAI-compatible HTTP API, `/health` and `/metrics`.
@@ -18,10 +20,12 @@ mod error;
 pub mod http;
 pub mod input;
 pub mod path;
+pub mod schedulers;
 pub mod service;
 pub mod text;
 
 pub use config::FrontendConfig;
-pub use error::FrontendError;
+pub use error::{Cause, FrontendError, RETRY_AFTER_MS};
 pub use path::Frontend;
+pub use schedulers::Schedulers;
 pub use service::GenerateService;

@@ -1,5 +1,7 @@
-//! [`Frontend`]: the request path around attempts: ask the scheduler, mint a fresh room,
-//! run the attempt, and on failure before the first token retry on another instance.
+//! [`Frontend`]: the request path around attempts: ask a scheduler replica (booking the
+//! instance), mint a fresh room, run the attempt, report the booking's outcome, and on
+//! failure before the first token retry on another instance. A request dropped midway (its
+//! client left) reports its booking cancelled through [`Lease`]'s drop.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -10,8 +12,7 @@ use handoff_core::{Room, Tasks, block_hashes};
 use handoff_discovery::{Registry, Role, Update};
 use handoff_engine::{Decoder, Engine};
 use handoff_proto::v1::prefill_client::PrefillClient;
-use handoff_proto::v1::scheduler_client::SchedulerClient;
-use handoff_proto::v1::{Attempt, Evidence, ReportOutcomeRequest, SelectPrefillRequest};
+use handoff_proto::v1::{Attempt, Evidence, Outcome, ReportOutcomeRequest, SelectPrefillRequest};
 use handoff_transfer::Agent;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -20,7 +21,8 @@ use tracing::{debug, warn};
 
 use crate::attempt::{self, AttemptCtx, Stages, Target};
 use crate::input::Plan;
-use crate::{FrontendConfig, FrontendError};
+use crate::schedulers::{SelectFailure, Selected};
+use crate::{Cause, FrontendConfig, FrontendError, Schedulers};
 
 /// A request whose KV is verified and loaded: ready to stream.
 pub struct Ready {
@@ -40,19 +42,78 @@ pub struct Frontend {
     pub(crate) engine: Arc<dyn Engine>,
     agent: Agent,
     directory: DirectoryCache,
-    scheduler: SchedulerClient<Channel>,
+    schedulers: Arc<Schedulers>,
     prefills: Mutex<HashMap<String, PrefillClient<Channel>>>,
     pub(crate) tasks: Tasks,
     pub(crate) limit: Arc<Semaphore>,
     pub(crate) metrics: Metrics,
 }
 
-/// Counters served at `/metrics`.
+/// Counters served at `/metrics`, shared by the gRPC and HTTP entry points.
 #[derive(Debug, Default)]
 pub(crate) struct Metrics {
     pub(crate) requests: std::sync::atomic::AtomicU64,
     pub(crate) failed: std::sync::atomic::AtomicU64,
+    /// Refused at once for overload (429 / RESOURCE_EXHAUSTED).
+    pub(crate) refused: std::sync::atomic::AtomicU64,
+    /// Past their own deadline (504 / DEADLINE_EXCEEDED).
+    pub(crate) expired: std::sync::atomic::AtomicU64,
+    /// Clients that went away before their request finished.
+    pub(crate) cancelled: std::sync::atomic::AtomicU64,
     pub(crate) tokens: std::sync::atomic::AtomicU64,
+}
+
+/// A booking held on a scheduler replica: ended with its outcome, or, if dropped first (the
+/// client went away), reported cancelled.
+pub(crate) struct Lease {
+    schedulers: Arc<Schedulers>,
+    tasks: Tasks,
+    replica: String,
+    booking: u64,
+    open: bool,
+}
+
+impl Lease {
+    /// Reports the outcome (on the frontend's tasks: the request does not wait for it).
+    fn end(mut self, outcome: Outcome, error: String) {
+        self.open = false;
+        self.send(outcome, error);
+    }
+
+    fn send(&self, outcome: Outcome, error: String) {
+        let req = ReportOutcomeRequest { booking_id: self.booking, outcome: outcome as i32, error };
+        let (s, replica) = (self.schedulers.clone(), self.replica.clone());
+        self.tasks.spawn(async move { s.report(&replica, req).await });
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.open {
+            self.send(Outcome::Cancelled, "the client went away".into());
+        }
+    }
+}
+
+/// What a failed attempt tells the scheduler.
+fn outcome_of(e: &FrontendError) -> Outcome {
+    match e.cause() {
+        Some(Cause::Instance) | None => Outcome::InstanceFault,
+        Some(Cause::Overloaded) => Outcome::Overloaded,
+        Some(Cause::Deadline) => Outcome::Deadline,
+        Some(Cause::Invalid) => Outcome::Invalid,
+        Some(Cause::Decode) => Outcome::DecodeFault,
+    }
+}
+
+fn retry_after(s: &tonic::Status) -> std::time::Duration {
+    let ms = s
+        .metadata()
+        .get(crate::error::RETRY_AFTER_MS)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1000);
+    std::time::Duration::from_millis(ms)
 }
 
 impl std::fmt::Debug for Frontend {
@@ -67,18 +128,19 @@ impl std::fmt::Debug for Frontend {
 fn channel(addr: &str) -> Result<Channel, FrontendError> {
     let ep = Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|e| FrontendError::Invalid(format!("address {addr:?}: {e}")))?;
-    Ok(ep.tcp_nodelay(true).connect_lazy())
+    Ok(ep.tcp_nodelay(true).connect_timeout(std::time::Duration::from_secs(2)).connect_lazy())
 }
 
 const MAX_PREFILL_CLIENTS: usize = 4096;
 
 impl Frontend {
-    /// A frontend that asks the scheduler at `scheduler_addr` (host:port); its transfer
-    /// agent and reports run on `tasks`.
+    /// A frontend that asks the scheduler replicas at `scheduler_addrs` (host:port; more
+    /// can come from [`Frontend::follow_schedulers`]); its transfer agent and reports run on
+    /// `tasks`.
     pub async fn new(
         cfg: FrontendConfig,
         engine: Arc<dyn Engine>,
-        scheduler_addr: &str,
+        scheduler_addrs: &[String],
         tasks: &Tasks,
     ) -> Result<Arc<Self>, FrontendError> {
         if cfg.decode_tp == 0 || cfg.max_attempts == 0 {
@@ -98,14 +160,15 @@ impl Frontend {
             .start(cfg.inbox.clone(), tasks, None)
             .await
             .map_err(|e| FrontendError::Invalid(format!("transfer agent: {e}")))?;
-        let scheduler = SchedulerClient::new(channel(scheduler_addr)?);
+        let schedulers = Arc::new(Schedulers::new(cfg.select_timeout));
+        schedulers.reset(scheduler_addrs)?;
         Ok(Arc::new(Frontend {
             limit: Arc::new(Semaphore::new(cfg.max_concurrent)),
             cfg,
             engine,
             agent,
             directory: DirectoryCache::new(DirectoryClient::default()),
-            scheduler,
+            schedulers,
             prefills: Mutex::default(),
             tasks: tasks.clone(),
             metrics: Metrics::default(),
@@ -139,6 +202,55 @@ impl Frontend {
         Ok(())
     }
 
+    /// Follows the scheduler replicas in `registry` on the frontend's tasks: selections go
+    /// to the replicas registered there (besides none given at start).
+    pub async fn follow_schedulers(
+        self: &Arc<Self>,
+        registry: Arc<dyn Registry>,
+    ) -> Result<(), FrontendError> {
+        let mut updates = registry
+            .watch(Role::Scheduler)
+            .await
+            .map_err(|e| FrontendError::Unavailable(e.to_string()))?;
+        let (s, t) = (self.schedulers.clone(), self.tasks.clone());
+        let mut addrs: HashMap<String, String> = HashMap::new();
+        self.tasks.spawn(async move {
+            loop {
+                let u = tokio::select! {
+                    _ = t.shutdown_requested() => break,
+                    u = updates.next() => match u { Some(u) => u, None => break },
+                };
+                let res = match u {
+                    Update::Reset(all) => {
+                        addrs = all.into_iter().map(|i| (i.id.to_string(), i.grpc_addr)).collect();
+                        s.reset(&addrs.values().cloned().collect::<Vec<_>>())
+                    }
+                    Update::Add(i) => {
+                        if let Some(old) = addrs.insert(i.id.to_string(), i.grpc_addr.clone()) {
+                            s.remove(&old);
+                        }
+                        s.add(&i.grpc_addr)
+                    }
+                    Update::Remove(id) => {
+                        if let Some(a) = addrs.remove(id.as_str()) {
+                            s.remove(&a);
+                        }
+                        Ok(())
+                    }
+                };
+                if let Err(e) = res {
+                    warn!(error = %e, "scheduler registration ignored");
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// The scheduler replicas this frontend asks.
+    pub fn schedulers(&self) -> &Schedulers {
+        &self.schedulers
+    }
+
     /// The model this frontend serves.
     pub fn model_name(&self) -> &str {
         &self.engine.info().name
@@ -162,47 +274,78 @@ impl Frontend {
         Ok(c)
     }
 
-    fn report(
-        &self,
-        instance: String,
-        dp_rank: u32,
-        work: (u32, u32),
-        error: Option<&FrontendError>,
-    ) {
-        let mut client = self.scheduler.clone();
-        // Registering receive memory and loading the KV are the decode's own steps: their
-        // failures must not open the prefill's circuit breaker.
-        let decode_fault =
-            matches!(error, Some(FrontendError::Attempt { stage: "register" | "consume", .. }));
-        let req = ReportOutcomeRequest {
-            instance_id: instance,
-            dp_rank,
-            success: error.is_none(),
-            prompt_tokens: work.0,
-            cached_blocks: work.1,
-            error: error.map(ToString::to_string).unwrap_or_default(),
-            decode_fault,
-        };
-        self.tasks.spawn(async move {
-            if let Err(e) = client.report_outcome(req).await {
-                debug!(error = %e, "outcome not reported");
-            }
-        });
-    }
-
     fn backoff(&self, failures: usize) -> std::time::Duration {
         let base = self.cfg.backoff.as_secs_f64() * 1.5f64.powi(failures.saturating_sub(1) as i32);
         let jittered = base.min(self.cfg.max_backoff.as_secs_f64()) * rand::random_range(0.8..1.2);
         std::time::Duration::from_secs_f64(jittered)
     }
 
+    /// Asks a scheduler replica where the prompt goes, booking it there.
+    async fn select(
+        &self,
+        plan: &Plan,
+        hashes: &[u64],
+        exclude: &[String],
+        failed: &[Attempt],
+    ) -> Result<(Lease, Selected), FrontendError> {
+        let left = plan.deadline.saturating_duration_since(Instant::now());
+        let req = SelectPrefillRequest {
+            block_hashes: hashes.to_vec(),
+            prompt_tokens: plan.tokens.len() as u32,
+            policy: plan.policy as i32,
+            exclude_instances: exclude.to_vec(),
+            deadline_ms: left.as_millis().clamp(1, u128::from(u32::MAX)) as u32,
+        };
+        // The call runs on its own task and wraps its booking in a lease there: if this
+        // request is dropped while the scheduler books it, the lease is dropped with the
+        // task's output and the booking reported cancelled, not left to expire.
+        let (schedulers, tasks, deadline) =
+            (self.schedulers.clone(), self.tasks.clone(), plan.deadline);
+        let call = self.tasks.spawn(async move {
+            let sel = schedulers.select(req, deadline).await?;
+            let lease = Lease {
+                schedulers,
+                tasks,
+                replica: sel.replica.clone(),
+                booking: sel.selection.booking_id,
+                open: true,
+            };
+            Ok::<_, SelectFailure>((lease, sel))
+        });
+        let answer = call.await.unwrap_or_else(|e| {
+            Err(SelectFailure::NoReplica(Some(tonic::Status::internal(format!(
+                "selection task: {e}"
+            )))))
+        });
+        match answer {
+            Ok(booked) => Ok(booked),
+            Err(SelectFailure::Answer(s)) => Err(match s.code() {
+                tonic::Code::InvalidArgument => FrontendError::Invalid(s.message().to_owned()),
+                tonic::Code::ResourceExhausted => FrontendError::Overloaded {
+                    retry_after: retry_after(&s),
+                    reason: s.message().to_owned(),
+                },
+                _ => FrontendError::Unavailable(format!("scheduler: {}", s.message())),
+            }),
+            Err(SelectFailure::NoReplica(_)) if Instant::now() >= plan.deadline => {
+                Err(FrontendError::Deadline(summary(failed)))
+            }
+            Err(SelectFailure::NoReplica(s)) => {
+                let why = s.map_or("no scheduler replica known".to_owned(), |s| {
+                    format!("no scheduler replica answered: {}", s.message())
+                });
+                Err(FrontendError::Unavailable(why))
+            }
+        }
+    }
+
     /// Runs attempts until one yields verified KV loaded into a decoder, or the attempts,
-    /// the instances or the deadline run out.
+    /// the instances or the deadline run out. Queueing is not failure: an attempt may take
+    /// the queue wait the scheduler expects plus `attempt_timeout`.
     pub async fn prefill(&self, plan: &Plan) -> Result<Ready, FrontendError> {
         let info = self.engine.info();
         let hashes: Vec<u64> =
             block_hashes(&plan.tokens, info.page_size).into_iter().map(|h| h.0).collect();
-        let prompt_tokens = plan.tokens.len() as u32;
         let ctx = AttemptCtx {
             engine: &*self.engine,
             agent: &self.agent,
@@ -212,6 +355,7 @@ impl Frontend {
         };
         let mut failed: Vec<Attempt> = Vec::new();
         let mut exclude: Vec<String> = Vec::new();
+        let mut last: Option<FrontendError> = None;
         for _ in 0..self.cfg.max_attempts {
             if !failed.is_empty() {
                 let wake = (Instant::now() + self.backoff(failed.len())).min(plan.deadline);
@@ -220,36 +364,20 @@ impl Frontend {
             if Instant::now() >= plan.deadline {
                 return Err(FrontendError::Deadline(summary(&failed)));
             }
-            let select = SelectPrefillRequest {
-                block_hashes: hashes.clone(),
-                prompt_tokens,
-                policy: plan.policy as i32,
-                exclude_instances: exclude.clone(),
-            };
-            let sel = match tokio::time::timeout_at(
-                plan.deadline,
-                self.scheduler.clone().select_prefill(select),
-            )
-            .await
-            {
-                Err(_) => return Err(FrontendError::Deadline(summary(&failed))),
-                Ok(Ok(r)) => r.into_inner(),
-                Ok(Err(s)) if s.code() == tonic::Code::InvalidArgument => {
-                    return Err(FrontendError::Invalid(s.message().to_owned()));
-                }
-                Ok(Err(s)) if failed.is_empty() => {
-                    return Err(FrontendError::Unavailable(format!("scheduler: {}", s.message())));
-                }
-                Ok(Err(s)) => {
-                    debug!(error = %s.message(), "no other instance to retry on");
-                    break;
-                }
-            };
-            // What the selection queued on the instance, for the report that takes it off.
-            let work = (prompt_tokens, sel.cached_blocks);
+            let (lease, Selected { selection: sel, .. }) =
+                match self.select(plan, &hashes, &exclude, &failed).await {
+                    Ok(s) => s,
+                    // Nothing else to retry on: the earlier attempt's failure is the answer.
+                    Err(FrontendError::Unavailable(why)) if !failed.is_empty() => {
+                        debug!(%why, "no other instance to retry on");
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                };
             let room = Room::mint();
             let mut stages = Stages::start();
-            let deadline = plan.deadline.min(Instant::now() + self.cfg.attempt_timeout);
+            let wait = std::time::Duration::from_millis(u64::from(sel.expected_wait_ms));
+            let deadline = plan.deadline.min(Instant::now() + wait + self.cfg.attempt_timeout);
             let result = match self.prefill_client(&sel.prefill_addr) {
                 Ok(prefill) => {
                     let target = Target {
@@ -282,7 +410,7 @@ impl Frontend {
             match outcome {
                 Ok((decoder, first_token, cached_tokens, kv_bytes)) => {
                     stages.timings.consume_us = stages.mark();
-                    self.report(sel.instance_id.clone(), sel.dp_rank, work, None);
+                    lease.end(Outcome::Success, String::new());
                     let evidence = Evidence {
                         bootstrap_room: room.get(),
                         instance_id: sel.instance_id,
@@ -294,21 +422,36 @@ impl Frontend {
                     return Ok(Ready { decoder, first_token, cached_tokens, evidence });
                 }
                 Err(e) => {
-                    warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed; retrying elsewhere");
-                    self.report(sel.instance_id.clone(), sel.dp_rank, work, Some(&e));
-                    self.directory.invalidate(&sel.instance_id);
-                    exclude.push(sel.instance_id.clone());
+                    warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed");
+                    lease.end(outcome_of(&e), e.to_string());
                     failed.push(Attempt {
                         bootstrap_room: room.get(),
-                        instance_id: sel.instance_id,
+                        instance_id: sel.instance_id.clone(),
                         dp_rank: sel.dp_rank,
                         stages: Some(stages.timings),
                         error: e.to_string(),
                     });
+                    match e.cause() {
+                        Some(Cause::Invalid) => return Err(FrontendError::Invalid(e.to_string())),
+                        Some(Cause::Deadline) if Instant::now() >= plan.deadline => {
+                            return Err(FrontendError::Deadline(summary(&failed)));
+                        }
+                        Some(Cause::Instance) => self.directory.invalidate(&sel.instance_id),
+                        _ => {}
+                    }
+                    exclude.push(sel.instance_id);
+                    last = Some(e);
                 }
             }
         }
-        Err(FrontendError::Unavailable(summary(&failed)))
+        // Every attempt failed: overload refuses, anything else is unavailable.
+        Err(match last.and_then(|e| e.cause()) {
+            Some(Cause::Overloaded) => FrontendError::Overloaded {
+                retry_after: std::time::Duration::from_secs(1),
+                reason: summary(&failed),
+            },
+            _ => FrontendError::Unavailable(summary(&failed)),
+        })
     }
 }
 

@@ -116,20 +116,32 @@ pub(crate) async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: 
     let _ = tx.send(Ok(GenerateResponse { event: Some(Event::Complete(done)) })).await;
 }
 
+/// Counts a request that was dropped before it was answered (its client went away).
+struct Unanswered<'a>(Option<&'a Frontend>);
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some(fe) = self.0 {
+            fe.metrics.cancelled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
 /// Checks a request, prefills it (with retries) and starts streaming it on the frontend's
-/// tasks: the shared entry of the gRPC and HTTP APIs.
+/// tasks: the one entry of the gRPC and HTTP APIs, and the one place their counters move.
 pub(crate) async fn start(
     fe: &Arc<Frontend>,
     req: GenerateRequest,
 ) -> Result<mpsc::Receiver<Result<GenerateResponse, Status>>, FrontendError> {
     use std::sync::atomic::Ordering::Relaxed;
     fe.metrics.requests.fetch_add(1, Relaxed);
+    let mut unanswered = Unanswered(Some(&**fe));
     let result = async {
-        let permit = fe
-            .limit
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| FrontendError::Overloaded(fe.cfg.max_concurrent))?;
+        let permit =
+            fe.limit.clone().try_acquire_owned().map_err(|_| FrontendError::Overloaded {
+                retry_after: std::time::Duration::from_secs(1),
+                reason: format!("{} requests in progress", fe.cfg.max_concurrent),
+            })?;
         let plan = input::plan(req, &*fe.engine, &fe.cfg)?;
         let ready = fe.prefill(&plan).await?;
         let (tx, rx) = mpsc::channel(64);
@@ -141,8 +153,19 @@ pub(crate) async fn start(
         Ok(rx)
     }
     .await;
-    if result.is_err() {
-        fe.metrics.failed.fetch_add(1, Relaxed);
+    unanswered.0 = None;
+    match &result {
+        Ok(_) => {}
+        Err(FrontendError::Overloaded { .. }) => {
+            fe.metrics.refused.fetch_add(1, Relaxed);
+        }
+        Err(FrontendError::Deadline(_)) => {
+            fe.metrics.expired.fetch_add(1, Relaxed);
+            fe.metrics.failed.fetch_add(1, Relaxed);
+        }
+        Err(_) => {
+            fe.metrics.failed.fetch_add(1, Relaxed);
+        }
     }
     result
 }
@@ -155,20 +178,7 @@ impl Generate for GenerateService {
         &self,
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let fe = &self.frontend;
-        let permit = fe
-            .limit
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| FrontendError::Overloaded(fe.cfg.max_concurrent))?;
-        let plan = input::plan(req.into_inner(), &*fe.engine, &fe.cfg)?;
-        let ready = fe.prefill(&plan).await?;
-        let (tx, rx) = mpsc::channel(64);
-        let fe = fe.clone();
-        self.frontend.tasks.spawn(async move {
-            stream(fe, plan, ready, tx).await;
-            drop(permit);
-        });
+        let rx = start(&self.frontend, req.into_inner()).await?;
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }

@@ -40,6 +40,11 @@ pub struct PrefillConfig {
     pub handshake_timeout: Duration,
     /// How often the instance publishes a heartbeat with its load.
     pub heartbeat_interval: Duration,
+    /// KV events and heartbeats waiting to be published; beyond it they are dropped (a
+    /// dropped KV event shows as a sequence gap and schedulers resync).
+    pub publish_queue: usize,
+    /// Longest one publish may take before the next message is tried.
+    pub publish_timeout: Duration,
 }
 
 impl PrefillConfig {
@@ -70,6 +75,8 @@ impl Default for PrefillConfig {
             max_queue_per_dp: 1024,
             handshake_timeout: Duration::from_secs(10),
             heartbeat_interval: Duration::from_secs(1),
+            publish_queue: 4096,
+            publish_timeout: Duration::from_secs(1),
         }
     }
 }

@@ -7,7 +7,7 @@ use handoff_bootstrap::mapping::{self, Parallel};
 use handoff_bootstrap::{Directory, DirectoryClient, Registration, server};
 use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::events::{liveness_subject, snapshot_subject};
-use handoff_discovery::{EventBus, Instance, Registry, Role, Topology};
+use handoff_discovery::{EventBus, Instance, Publisher, Registry, Role, Topology};
 use handoff_engine::Engine;
 use handoff_transfer::FaultSwitch;
 use tokio::net::TcpListener;
@@ -114,20 +114,24 @@ impl PrefillInstance {
         }
 
         let par = Parallel { tp: cfg.tp as usize, pp: cfg.pp as usize, cp: cfg.cp as usize };
+        let publisher =
+            Publisher::start(bus.clone(), cfg.publish_queue, cfg.publish_timeout, tasks);
         let svc = PrefillService::new(Inner {
             id: cfg.id.clone(),
-            engine,
+            engine: engine.clone(),
             par,
             dps,
             directory: directory.clone(),
-            bus: bus.clone(),
-            seq: tokio::sync::Mutex::new(0),
+            publisher: publisher.clone(),
+            seq: Default::default(),
+            cost: Default::default(),
             max_queue: cfg.max_queue_per_dp,
             handshake_timeout: cfg.handshake_timeout,
             running: Default::default(),
             queued_tokens: Default::default(),
         });
         let service = svc.clone();
+        warm_up(&service, &*engine).await?;
         let gl = TcpListener::bind(cfg.grpc_bind).await.map_err(startup)?;
         let grpc_addr =
             format!("{}:{}", cfg.advertise_host, gl.local_addr().map_err(startup)?.port());
@@ -165,40 +169,33 @@ impl PrefillInstance {
                     m = asks.next() => match m { Some(m) => m, None => break },
                 };
                 let Some(reply) = m.reply else { continue };
-                match serde_json::to_vec(&svc.snapshot().await) {
+                match serde_json::to_vec(&svc.snapshot()) {
                     Ok(body) => {
-                        if let Err(e) = b.publish(reply, body.into()).await {
-                            warn!(error = %e, "KV snapshot not sent");
+                        let sent = tokio::time::timeout(
+                            std::time::Duration::from_secs(2),
+                            b.publish(reply, body.into()),
+                        );
+                        match sent.await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => warn!(error = %e, "KV snapshot not sent"),
+                            Err(_) => warn!("KV snapshot not sent: the bus timed out"),
                         }
                     }
                     Err(e) => warn!(error = %e, "KV snapshot not encodable"),
                 }
             }
         });
-        let (t, svc, b, every) =
-            (tasks.clone(), service.clone(), bus.clone(), cfg.heartbeat_interval);
+        let (t, svc, every) = (tasks.clone(), service.clone(), cfg.heartbeat_interval);
         let subject = liveness_subject(&cfg.id);
         tasks.spawn(async move {
             let mut tick = tokio::time::interval(every);
-            let mut failing = false;
             loop {
                 tokio::select! {
                     _ = t.shutdown_requested() => break,
                     _ = tick.tick() => {}
                 }
                 let Ok(body) = serde_json::to_vec(&svc.heartbeat()) else { continue };
-                match b.publish(subject.clone(), body.into()).await {
-                    Ok(()) if failing => {
-                        info!("heartbeats delivered again");
-                        failing = false;
-                    }
-                    Ok(()) => {}
-                    Err(e) if !failing => {
-                        warn!(error = %e, "heartbeat not published; retrying every interval");
-                        failing = true;
-                    }
-                    Err(_) => {}
-                }
+                publisher.try_publish(subject.clone(), body.into());
             }
         });
         registry.register(registration.clone()).await.map_err(startup)?;
@@ -222,8 +219,13 @@ impl PrefillInstance {
     }
 
     /// What the instance's prefix caches hold (what it answers snapshot requests with).
-    pub async fn snapshot(&self) -> handoff_discovery::KvSnapshot {
-        self.service.snapshot().await
+    pub fn snapshot(&self) -> handoff_discovery::KvSnapshot {
+        self.service.snapshot()
+    }
+
+    /// Requests being served (queued or computing or sending).
+    pub fn running(&self) -> usize {
+        self.service.running()
     }
 
     /// A graceful drain: out of routing first (deregistered), then waits until the requests
@@ -237,6 +239,24 @@ impl PrefillInstance {
         info!(instance = %self.id, left = self.service.running(), "drained");
         Ok(())
     }
+}
+
+/// Tokens of the warm-up prefill.
+const WARM_UP_TOKENS: u32 = 64;
+
+/// Runs one prefill before the instance registers, so the engine is warm and the first
+/// heartbeat already says what a token costs (the scheduler's admission prices queues
+/// with it from the first request on).
+async fn warm_up(service: &PrefillService, engine: &dyn Engine) -> Result<(), PrefillError> {
+    let vocab = engine.info().vocab.max(2);
+    let n = WARM_UP_TOKENS.min(engine.info().max_context.saturating_sub(1) as u32).max(1);
+    let tokens: Vec<u32> = (0..n).map(|i| 1 + (i * 7919) % (vocab - 1)).collect();
+    let started = tokio::time::Instant::now();
+    engine.prefill(&tokens, None, &Default::default()).await?;
+    let took = started.elapsed();
+    service.measured(tokens.len(), took);
+    info!(tokens = tokens.len(), ?took, "engine warmed up");
+    Ok(())
 }
 
 fn rand_version() -> u64 {

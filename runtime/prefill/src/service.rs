@@ -10,7 +10,7 @@ use handoff_bootstrap::Directory;
 use handoff_bootstrap::mapping::Parallel;
 use handoff_core::{InstanceId, Room, block_hashes};
 use handoff_discovery::{
-    EventBus, Heartbeat, KvEvent, KvEventKind, KvSnapshot, events::kv_subject,
+    Heartbeat, KvEvent, KvEventKind, KvSnapshot, Publisher, events::kv_subject,
 };
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::v1::prefill_server::{Prefill as PrefillRpc, PrefillServer};
@@ -57,12 +57,73 @@ pub(crate) struct Inner {
     pub(crate) par: Parallel,
     pub(crate) dps: Vec<DpState>,
     pub(crate) directory: Arc<Directory>,
-    pub(crate) bus: Arc<dyn EventBus>,
-    pub(crate) seq: tokio::sync::Mutex<u64>,
+    /// KV events leave through it, never waiting on the bus.
+    pub(crate) publisher: Publisher,
+    /// Last KV event number given out.
+    pub(crate) seq: Mutex<u64>,
+    /// Measured prefill cost.
+    pub(crate) cost: Mutex<TokenCost>,
     pub(crate) max_queue: usize,
     pub(crate) handshake_timeout: Duration,
     pub(crate) running: AtomicUsize,
     pub(crate) queued_tokens: std::sync::atomic::AtomicU64,
+}
+
+/// Prefill compute time per computed token: a token-weighted moving average (each new
+/// prefill's weight is its token count, older ones decay by [`TokenCost::DECAY`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct TokenCost {
+    micros: f64,
+    tokens: f64,
+}
+
+impl TokenCost {
+    const DECAY: f64 = 0.9;
+
+    /// Adds a prefill of `tokens` computed tokens that took `took`.
+    pub(crate) fn add(&mut self, tokens: usize, took: Duration) {
+        if tokens == 0 {
+            return;
+        }
+        self.micros = self.micros * Self::DECAY + took.as_secs_f64() * 1e6;
+        self.tokens = self.tokens * Self::DECAY + tokens as f64;
+    }
+
+    /// Microseconds per token (0 before any prefill).
+    pub(crate) fn per_token_us(&self) -> f64 {
+        if self.tokens > 0.0 { self.micros / self.tokens } else { 0.0 }
+    }
+}
+
+/// Counts a request as running (and its tokens as queued) until dropped, even when the
+/// request is cancelled midway.
+struct Running<'a> {
+    inner: &'a Inner,
+    tokens: u64,
+}
+
+impl<'a> Running<'a> {
+    fn new(inner: &'a Inner, tokens: u64) -> Self {
+        inner.running.fetch_add(1, Ordering::Relaxed);
+        inner.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
+        Running { inner, tokens }
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.inner.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        self.inner.running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Holds a place in a dp rank's queue until dropped.
+struct Queued<'a>(&'a AtomicUsize);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -85,7 +146,7 @@ impl PrefillService {
         PrefillServer::new(self).max_decoding_message_size(64 << 20)
     }
 
-    async fn publish(&self, dp_rank: u32, delta: CacheDelta) {
+    fn publish(&self, dp_rank: u32, delta: CacheDelta) {
         let me = &self.inner;
         let mut kinds = Vec::new();
         if !delta.stored.is_empty() {
@@ -94,8 +155,9 @@ impl PrefillService {
         if !delta.removed.is_empty() {
             kinds.push(KvEventKind::Removed { blocks: delta.removed });
         }
-        // One lock across numbering and publishing keeps events in sequence order.
-        let mut seq = me.seq.lock().await;
+        // One lock across numbering and queueing keeps events in sequence order. A full queue
+        // drops the event: its number is used, so schedulers see the gap and resync.
+        let mut seq = lock(&me.seq);
         for kind in kinds {
             *seq += 1;
             let ev = KvEvent { instance: me.id.clone(), dp_rank, seq: *seq, kind };
@@ -106,16 +168,14 @@ impl PrefillService {
                     continue;
                 }
             };
-            if let Err(e) = me.bus.publish(kv_subject(&me.id), payload).await {
-                warn!(error = %e, "KV event not published");
-            }
+            me.publisher.try_publish(kv_subject(&me.id), payload);
         }
     }
 
     /// Everything the prefix caches hold, numbered with the last published KV event.
-    pub async fn snapshot(&self) -> KvSnapshot {
+    pub fn snapshot(&self) -> KvSnapshot {
         let me = &self.inner;
-        let seq = me.seq.lock().await;
+        let seq = lock(&me.seq);
         let (mut dp_blocks, mut dp_parents) = (Vec::new(), Vec::new());
         for d in &me.dps {
             let (parents, blocks) = lock(&d.cache).blocks().into_iter().unzip();
@@ -133,6 +193,7 @@ impl PrefillService {
             queued_tokens: me.queued_tokens.load(Ordering::Relaxed),
             running: me.running.load(Ordering::Relaxed) as u32,
             kv_bytes: me.dps.iter().map(|d| lock(&d.cache).used_bytes() as u64).sum(),
+            prefill_ns_per_token: (lock(&me.cost).per_token_us() * 1e3) as u64,
         }
     }
 
@@ -141,15 +202,14 @@ impl PrefillService {
         self.inner.running.load(Ordering::Relaxed)
     }
 
+    /// Records a prefill's measured cost (the warm-up at start, and every request).
+    pub(crate) fn measured(&self, tokens: usize, took: Duration) {
+        lock(&self.inner.cost).add(tokens, took);
+    }
+
     async fn run(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
-        let me = &self.inner;
-        me.running.fetch_add(1, Ordering::Relaxed);
-        let n = req.token_ids.len() as u64;
-        me.queued_tokens.fetch_add(n, Ordering::Relaxed);
-        let out = self.serve(req).await;
-        me.queued_tokens.fetch_sub(n, Ordering::Relaxed);
-        me.running.fetch_sub(1, Ordering::Relaxed);
-        out
+        let _running = Running::new(&self.inner, req.token_ids.len() as u64);
+        self.serve(req).await
     }
 
     async fn serve(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
@@ -188,15 +248,17 @@ impl PrefillService {
         let deadline = Instant::now() + budget;
         me.directory.register_dp_rank(room.get(), req.dp_rank);
 
+        let queued = Queued(&dp.queued);
         if dp.queued.fetch_add(1, Ordering::AcqRel) >= me.max_queue {
-            dp.queued.fetch_sub(1, Ordering::AcqRel);
             return Err(PrefillError::Overloaded(format!(
                 "dp rank {} has {} queued",
                 req.dp_rank, me.max_queue
             )));
         }
+        // Dropped while waiting here (the decode went away): the place is given up and
+        // nothing is computed.
         let permit = tokio::time::timeout_at(deadline, dp.slot.acquire()).await;
-        dp.queued.fetch_sub(1, Ordering::AcqRel);
+        drop(queued);
         let permit = permit
             .map_err(|_| PrefillError::Deadline("waiting for the engine".into()))?
             .map_err(|_| PrefillError::Startup("engine slot closed".into()))?;
@@ -204,10 +266,12 @@ impl PrefillService {
         let prefix = lock(&dp.cache).lookup(&hashes, tokens.len());
         let cached = prefix.as_ref().map_or(0, |p| p.tokens());
         let sampling = sampling_from_wire(req.sampling.as_ref());
+        let started = Instant::now();
         let out = me.engine.prefill(&tokens, prefix, &sampling).await?;
+        self.measured(tokens.len() - cached, started.elapsed());
         let delta = lock(&dp.cache).store(&hashes, &out.kv);
         drop(permit);
-        self.publish(req.dp_rank, delta).await;
+        self.publish(req.dp_rank, delta);
 
         let kv = SharedKv::from(out.kv);
         let meta = SendMeta { first_token: out.first_token, cached_tokens: cached as u32 };

@@ -23,9 +23,11 @@ use handoff_discovery::events::{
 use handoff_discovery::{EventBus, Heartbeat, KvEvent, KvSnapshot, LoadReport, Registry, Role};
 use tracing::warn;
 
-pub use error::SchedulerError;
+pub use error::{RETRY_AFTER_MS, SchedulerError};
 pub use policy::PolicyKind;
-pub use state::{BreakerConfig, SchedulerConfig, SchedulerState, Selection, Work};
+pub use state::{
+    Ask, BookingId, BreakerConfig, Outcome, SchedulerConfig, SchedulerState, Selection, Work,
+};
 
 /// A running scheduler: its state, kept current by owned watch tasks.
 #[derive(Debug, Clone)]

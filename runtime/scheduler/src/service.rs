@@ -6,13 +6,14 @@ use std::sync::Arc;
 use handoff_core::{BlockHash, InstanceId};
 use handoff_proto::v1::scheduler_server::{Scheduler as SchedulerRpc, SchedulerServer};
 use handoff_proto::v1::{
-    InstanceStatus, ListInstancesRequest, ListInstancesResponse, Policy, ReportOutcomeRequest,
-    ReportOutcomeResponse, SelectPrefillRequest, SelectPrefillResponse,
+    InstanceStatus, ListInstancesRequest, ListInstancesResponse, Outcome as WireOutcome, Policy,
+    ReportOutcomeRequest, ReportOutcomeResponse, SelectPrefillRequest, SelectPrefillResponse,
 };
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
+use crate::state::{Ask, BookingId, Outcome};
 use crate::{PolicyKind, SchedulerState};
 
 /// The gRPC face of a [`SchedulerState`].
@@ -46,6 +47,22 @@ pub fn policy_from_wire(p: i32) -> Result<Option<PolicyKind>, Status> {
     }
 }
 
+/// Maps the wire's outcome to ours.
+pub fn outcome_from_wire(o: i32) -> Result<Outcome, Status> {
+    match WireOutcome::try_from(o) {
+        Ok(WireOutcome::Success) => Ok(Outcome::Success),
+        Ok(WireOutcome::InstanceFault) => Ok(Outcome::InstanceFault),
+        Ok(WireOutcome::Overloaded) => Ok(Outcome::Overloaded),
+        Ok(WireOutcome::Deadline) => Ok(Outcome::Deadline),
+        Ok(WireOutcome::Cancelled) => Ok(Outcome::Cancelled),
+        Ok(WireOutcome::Invalid) => Ok(Outcome::Invalid),
+        Ok(WireOutcome::DecodeFault) => Ok(Outcome::DecodeFault),
+        Ok(WireOutcome::Unspecified) | Err(_) => {
+            Err(Status::invalid_argument(format!("unknown outcome {o}")))
+        }
+    }
+}
+
 fn instance_id(s: &str) -> Result<InstanceId, Status> {
     s.parse().map_err(|e: handoff_core::InvalidId| Status::invalid_argument(e.to_string()))
 }
@@ -61,7 +78,15 @@ impl SchedulerRpc for SchedulerService {
         let exclude =
             r.exclude_instances.iter().map(|s| instance_id(s)).collect::<Result<Vec<_>, _>>()?;
         let hashes: Vec<BlockHash> = r.block_hashes.into_iter().map(BlockHash).collect();
-        let sel = self.state.select(&hashes, r.prompt_tokens, policy, &exclude)?;
+        let ask = Ask {
+            hashes: &hashes,
+            prompt_tokens: r.prompt_tokens,
+            policy,
+            exclude: &exclude,
+            deadline: (r.deadline_ms > 0)
+                .then(|| std::time::Duration::from_millis(u64::from(r.deadline_ms))),
+        };
+        let sel = self.state.select(&ask)?;
         debug!(instance = %sel.instance.id, dp_rank = sel.dp_rank, cached = sel.cached_blocks, "prefill selected");
         Ok(Response::new(SelectPrefillResponse {
             instance_id: sel.instance.id.to_string(),
@@ -69,6 +94,8 @@ impl SchedulerRpc for SchedulerService {
             bootstrap_addr: sel.instance.bootstrap_addr,
             prefill_addr: sel.instance.grpc_addr,
             cached_blocks: sel.cached_blocks,
+            booking_id: sel.booking.0,
+            expected_wait_ms: sel.expected_wait.as_millis().min(u128::from(u32::MAX)) as u32,
         }))
     }
 
@@ -77,24 +104,15 @@ impl SchedulerRpc for SchedulerService {
         req: Request<ReportOutcomeRequest>,
     ) -> Result<Response<ReportOutcomeResponse>, Status> {
         let r = req.into_inner();
-        let id = instance_id(&r.instance_id)?;
-        let outcome = if r.success {
-            Some(true)
-        } else if r.decode_fault {
-            None
-        } else {
-            Some(false)
-        };
-        self.state.report(
-            &id,
-            r.dp_rank,
-            crate::Work::new(r.prompt_tokens, r.cached_blocks),
-            outcome,
-        );
-        if !r.success {
-            debug!(instance = %id, error = %r.error, "attempt failed");
+        if r.booking_id == 0 {
+            return Err(Status::invalid_argument("booking_id is required"));
         }
-        Ok(Response::new(ReportOutcomeResponse {}))
+        let outcome = outcome_from_wire(r.outcome)?;
+        let closed = self.state.report(BookingId(r.booking_id), outcome);
+        if outcome != Outcome::Success {
+            debug!(booking = r.booking_id, ?outcome, error = %r.error, "attempt failed");
+        }
+        Ok(Response::new(ReportOutcomeResponse { closed }))
     }
 
     async fn list_instances(
@@ -113,6 +131,8 @@ impl SchedulerRpc for SchedulerService {
                 in_flight: s.in_flight,
                 cached_blocks: s.cached_blocks,
                 routable: s.routable,
+                prefill_ns_per_token: (f64::from(s.token_cost_us) * 1e3) as u64,
+                breaker_closed: s.breaker_closed,
             })
             .collect();
         Ok(Response::new(ListInstancesResponse { instances }))

@@ -1,13 +1,16 @@
 //! The scheduler's view of the fleet, and selection over it.
 
+mod admission;
+mod bookings;
 mod member;
 mod pending;
 mod replicas;
 mod select;
 
+pub use bookings::BookingId;
 pub use pending::MAX_PENDING_BLOCKS;
 pub use replicas::MAX_REPLICAS;
-pub use select::Work;
+pub use select::{Ask, Outcome, Work};
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Mutex;
@@ -43,6 +46,19 @@ pub struct SchedulerConfig {
     /// How often this replica tells other replicas its in-flight load when it changed (at
     /// least once a second regardless, as a keep-alive).
     pub load_share_interval: Duration,
+    /// Longest queue wait a request is admitted to: prefill work queued ahead of it on the
+    /// chosen (instance, dp rank) times the instance's measured cost per token. Requests that
+    /// would wait longer, or not finish their prefill before their deadline, are refused at
+    /// once (RESOURCE_EXHAUSTED, with when to retry).
+    pub max_queue_wait: Duration,
+    /// Most open bookings (requests selected and not yet reported).
+    pub max_bookings: usize,
+    /// How long a booking of a request without a deadline stays open unreported.
+    pub booking_ttl: Duration,
+    /// How long past its request's deadline a booking stays open unreported.
+    pub booking_grace: Duration,
+    /// Longest any booking stays open unreported.
+    pub booking_ttl_max: Duration,
 }
 
 /// Circuit breaker settings (defaults: SGLang's router).
@@ -73,6 +89,11 @@ impl Default for SchedulerConfig {
             liveness_timeout: Duration::from_secs(3),
             breaker: BreakerConfig::default(),
             load_share_interval: Duration::from_millis(25),
+            max_queue_wait: Duration::from_secs(30),
+            max_bookings: 1 << 18,
+            booking_ttl: Duration::from_secs(120),
+            booking_grace: Duration::from_secs(10),
+            booking_ttl_max: Duration::from_secs(600),
         }
     }
 }
@@ -86,6 +107,10 @@ pub struct Selection {
     pub dp_rank: u32,
     /// Leading prompt blocks it is expected to hold.
     pub cached_blocks: u32,
+    /// The lease on it: report the outcome under this id.
+    pub booking: BookingId,
+    /// Estimated prefill work queued ahead of the request there.
+    pub expected_wait: Duration,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -108,6 +133,8 @@ struct Inner {
     load_dirty: bool,
     /// Prompts routed and not yet reported, priced as cached where they went.
     pending: pending::Pending,
+    /// Open selections, each holding its load until it ends.
+    bookings: bookings::Bookings,
     /// Instances whose snapshot has been asked for and not yet applied.
     resyncing: HashSet<InstanceId>,
     /// When any instance was last heard from: while nothing is heard from anyone, the bus is
@@ -170,6 +197,7 @@ impl Inner {
             self.index.remove_instance(id);
             self.forget_remote_slots(&m.slots);
             self.pending.forget(&m.slots);
+            self.bookings.forget_instance(id);
             self.load_dirty = true;
         }
         self.resyncing.remove(id);
@@ -185,6 +213,7 @@ impl Inner {
             self.load[s.index()] = Load::default();
         }
         self.pending.forget(&m.slots);
+        self.bookings.forget_instance(id);
         self.load_dirty = true;
         self.index.clear_instance(id);
         self.sync(id);
@@ -210,6 +239,10 @@ pub struct InstanceStatus {
     pub cached_blocks: u64,
     /// Whether requests are routed to it.
     pub routable: bool,
+    /// Its measured prefill cost per computed token, in microseconds (0: not known yet).
+    pub token_cost_us: f32,
+    /// Whether its circuit breaker is closed (not open or half-open).
+    pub breaker_closed: bool,
 }
 
 impl SchedulerState {
@@ -224,6 +257,7 @@ impl SchedulerState {
             remote: Default::default(),
             load_dirty: false,
             pending: Default::default(),
+            bookings: Default::default(),
             resyncing: HashSet::new(),
             last_beat: None,
             bus_quiet: false,
@@ -291,8 +325,15 @@ impl SchedulerState {
         m.seen = now;
         let resumed = std::mem::replace(&mut m.silent, false);
         let unsynced = m.seq.is_none();
+        let cost = hb.prefill_ns_per_token as f32 / 1e3;
+        let cost_changed = cost.is_finite() && cost >= 0.0 && cost != m.token_cost_us;
+        if cost_changed {
+            m.token_cost_us = cost;
+        }
         if resumed {
             info!(instance = %hb.instance, "heartbeats resumed; back in routing");
+        }
+        if resumed || cost_changed {
             inner.sync(&hb.instance);
         }
         inner.last_beat = Some(now);
@@ -316,6 +357,7 @@ impl SchedulerState {
         if let Some(before) = now.checked_sub(timeout) {
             inner.expire_replicas(before);
         }
+        inner.expire_bookings(now);
         inner.pending.expire(now);
         // Silence from everyone at once is the bus, not the fleet: keep routing on the last
         // known state (leases still remove instances that are really gone). Someone must have
@@ -436,11 +478,15 @@ impl SchedulerState {
                     in_flight,
                     cached_blocks,
                     routable: m.routable(),
+                    token_cost_us: m.token_cost_us,
+                    breaker_closed: m.breaker.is_closed(),
                 }
             })
             .collect()
     }
 }
 
+#[cfg(test)]
+mod lease_tests;
 #[cfg(test)]
 mod tests;

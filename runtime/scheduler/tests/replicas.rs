@@ -45,7 +45,14 @@ async fn replicas_on_one_bus_spread_requests_between_them() {
     let mut chosen = Vec::new();
     for i in 0..4 {
         let s = if i % 2 == 0 { &a } else { &b };
-        chosen.push(s.state().select(&h(i), 256, None, &[]).unwrap().instance.id.to_string());
+        chosen.push(
+            s.state()
+                .select(&handoff_scheduler::Ask::new(&h(i), 256))
+                .unwrap()
+                .instance
+                .id
+                .to_string(),
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     chosen.sort();

@@ -122,6 +122,8 @@ fn run(shared: &Shared, rx: &mpsc::Receiver<Job>) {
             },
         };
         match job {
+            // Nobody waits for it any more (the request was cancelled): not computed.
+            Job::Prefill { reply, .. } if reply.is_closed() => {}
             Job::Prefill { tokens, prefix, sampling, reply } => {
                 let r =
                     catch_unwind(AssertUnwindSafe(|| prefill(shared, &tokens, prefix, &sampling)))

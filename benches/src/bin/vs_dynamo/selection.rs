@@ -20,7 +20,7 @@ use dynamo_kv_router::selector::{DefaultWorkerSelector, WorkerSelectionInput, Wo
 use dynamo_kv_router::test_utils::SimpleWorkerConfig;
 use handoff_benches::{DEPTH, PAGE};
 use handoff_core::BlockHash;
-use handoff_scheduler::{SchedulerState, Work};
+use handoff_scheduler::{Ask, Outcome, SchedulerState};
 use rustc_hash::FxHashMap;
 
 use crate::p50_per_call;
@@ -29,8 +29,8 @@ use crate::p50_per_call;
 pub(crate) fn time_ours(state: &SchedulerState, queries: &[Vec<BlockHash>]) -> Duration {
     let tokens = DEPTH as u32 * PAGE;
     p50_per_call(|q| {
-        let s = state.select(&queries[q], tokens, None, &[]).unwrap_or_else(|e| panic!("{e}"));
-        state.report(&s.instance.id, s.dp_rank, Work::new(tokens, s.cached_blocks), Some(true));
+        let s = state.select(&Ask::new(&queries[q], tokens)).unwrap_or_else(|e| panic!("{e}"));
+        state.report(s.booking, Outcome::Success);
         black_box(s.dp_rank);
     })
 }

@@ -3,39 +3,23 @@
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use futures::StreamExt;
 use handoff_core::Tasks;
-use handoff_discovery::{Registry, Role, Update};
 use handoff_frontend::{Frontend, FrontendConfig};
 use tokio::net::TcpListener;
 
 use crate::args::FrontendArgs;
 use crate::cmd::{discovery, up::engines, up::shutdown_signal};
 
-/// A scheduler registered in discovery: one at random of those already there (frontends
-/// spread over scheduler replicas, which share their in-flight load), else the first to come.
-async fn find_scheduler(registry: &dyn Registry) -> anyhow::Result<String> {
-    let mut watch = registry.watch(Role::Scheduler).await?;
+/// Waits until at least one scheduler replica is registered in discovery.
+async fn await_scheduler(fe: &Frontend) -> anyhow::Result<()> {
     let found = async {
-        while let Some(u) = watch.next().await {
-            let first = match u {
-                Update::Reset(all) if all.is_empty() => None,
-                Update::Reset(mut all) => {
-                    let i = rand::random_range(0..all.len());
-                    Some(all.swap_remove(i))
-                }
-                Update::Add(i) => Some(i),
-                Update::Remove(_) => None,
-            };
-            if let Some(i) = first {
-                return Some(i.grpc_addr);
-            }
+        while fe.schedulers().addrs().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        None
     };
     match tokio::time::timeout(Duration::from_secs(30), found).await {
-        Ok(Some(addr)) => Ok(addr),
-        _ => bail!("no scheduler registered in discovery within 30 s (or pass --scheduler)"),
+        Ok(()) => Ok(()),
+        Err(_) => bail!("no scheduler registered in discovery within 30 s (or pass --scheduler)"),
     }
 }
 
@@ -43,17 +27,18 @@ async fn find_scheduler(registry: &dyn Registry) -> anyhow::Result<String> {
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let tasks = Tasks::new();
     let (registry, _bus) = discovery(&args.discovery, &tasks).await?;
-    let scheduler = match &args.scheduler {
-        Some(s) => s.clone(),
-        None => find_scheduler(&*registry).await?,
-    };
     let cfg = FrontendConfig {
         decode_tp: args.decode_tp,
         transfer_token: args.discovery.token.clone(),
         ..FrontendConfig::default()
     };
-    let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &scheduler, &tasks).await?;
+    let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, &tasks).await?;
+    if args.scheduler.is_empty() {
+        frontend.follow_schedulers(registry.clone()).await?;
+        await_scheduler(&frontend).await?;
+    }
     frontend.follow(registry).await?;
+    let scheduler = frontend.schedulers().addrs().join(",");
     let grpc = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;

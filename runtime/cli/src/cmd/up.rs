@@ -56,6 +56,7 @@ pub fn transfer(kind: TransferArg) -> TransferKind {
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let cfg = ClusterConfig {
         prefills: args.prefills,
+        schedulers: usize::from(args.schedulers),
         prefill_dp: args.prefill_dp,
         prefill_tp: args.prefill_tp,
         decode_tp: args.decode_tp,
@@ -74,7 +75,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let (registry, bus) = crate::cmd::discovery(&args.discovery, &tasks).await?;
     let cluster = Cluster::start_with(cfg, &*engines, registry, bus, tasks).await?;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "scheduler  grpc://{}", cluster.scheduler_addr)?;
+    for s in &cluster.schedulers {
+        writeln!(out, "scheduler  grpc://{} (replica {})", s.addr, s.scheduler.replica())?;
+    }
     for p in &cluster.prefills {
         writeln!(
             out,

@@ -142,7 +142,13 @@ async fn scheduler_replicas_share_in_flight_load_over_nats() {
     let mut chosen = Vec::new();
     for i in 0..4u32 {
         let s = replicas[i as usize % 2].state();
-        chosen.push(s.select(&prompt(i), 256, None, &[]).unwrap().instance.id.to_string());
+        chosen.push(
+            s.select(&handoff_scheduler::Ask::new(&prompt(i), 256))
+                .unwrap()
+                .instance
+                .id
+                .to_string(),
+        );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     chosen.sort();

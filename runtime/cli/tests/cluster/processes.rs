@@ -1,5 +1,5 @@
 //! Separate `handoff` processes finding each other through etcd and NATS, with no other
-//! address flag; a prefill killed with SIGKILL under load.
+//! address flag; a prefill, or one of two scheduler replicas, killed with SIGKILL under load.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -42,30 +42,41 @@ async fn one(
     Ok(instance)
 }
 
-/// etcd, NATS, a scheduler, two prefills and a frontend, as separate processes.
+/// etcd, NATS, schedulers, two prefills and a frontend, as separate processes.
 struct Fleet {
     etcd: Server,
     nats: Server,
     victim: Handoff,
+    /// The second scheduler replica, when there are two.
+    second_scheduler: Option<Handoff>,
     _others: Vec<Handoff>,
     sched: SchedulerClient<tonic::transport::Channel>,
     client: GenerateClient<tonic::transport::Channel>,
 }
 
+fn scheduler(etcd: &Server, nats: &Server) -> (Handoff, String) {
+    let (p, line) = Handoff::spawn(&[
+        "scheduler",
+        "--listen",
+        "127.0.0.1:0",
+        "--etcd",
+        &etcd.url,
+        "--nats",
+        &nats.url,
+    ]);
+    (p, addr_after(&line, "grpc://"))
+}
+
 impl Fleet {
     async fn start() -> Fleet {
+        Self::start_with(1).await
+    }
+
+    async fn start_with(schedulers: usize) -> Fleet {
         let etcd = Server::etcd();
         let nats = Server::nats();
-        let (sched_p, line) = Handoff::spawn(&[
-            "scheduler",
-            "--listen",
-            "127.0.0.1:0",
-            "--etcd",
-            &etcd.url,
-            "--nats",
-            &nats.url,
-        ]);
-        let sched_addr = addr_after(&line, "grpc://");
+        let (sched_p, sched_addr) = scheduler(&etcd, &nats);
+        let second_scheduler = (schedulers > 1).then(|| scheduler(&etcd, &nats).0);
         let victim = prefill(&etcd, &nats, "victim");
         let survivor = prefill(&etcd, &nats, "survivor");
         let (fe, line) = Handoff::spawn(&[
@@ -84,8 +95,15 @@ impl Fleet {
         let fe_addr = addr_after(&line, "grpc://");
         let sched = SchedulerClient::connect(format!("http://{sched_addr}")).await.unwrap();
         let client = GenerateClient::connect(format!("http://{fe_addr}")).await.unwrap();
-        let fleet =
-            Fleet { etcd, nats, victim, _others: vec![sched_p, survivor, fe], sched, client };
+        let fleet = Fleet {
+            etcd,
+            nats,
+            victim,
+            second_scheduler,
+            _others: vec![sched_p, survivor, fe],
+            sched,
+            client,
+        };
         fleet.wait_routable(2, Duration::from_secs(20)).await;
         fleet
     }
@@ -239,4 +257,30 @@ async fn sigterm_drains_a_prefill_without_failing_a_request() {
     let (ok, failed) = load.finish().await;
     eprintln!("drain: out of routing in {:?}; {ok} ok, {failed} failed", start.elapsed());
     assert_eq!(failed, 0, "no request failed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_scheduler_replica_costs_no_request() {
+    let f = Fleet::start_with(2).await;
+    // The frontend follows both replicas (each registered in etcd) and spreads over them.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let load = Load::start(&f.client);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = load.ok.load(Ordering::Relaxed);
+    let killed = Instant::now();
+    let mut second = f.second_scheduler.expect("two replicas");
+    second.kill9();
+    // Served again: the first request to complete after the kill.
+    while load.ok.load(Ordering::Relaxed) <= before + 4 {
+        assert!(killed.elapsed() < Duration::from_secs(10), "requests resume");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let resumed = killed.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (ok, failed) = load.finish().await;
+    eprintln!(
+        "scheduler replica killed: 4 requests served {resumed:?} after; {ok} ok, {failed} failed"
+    );
+    assert_eq!(failed, 0, "no request lost");
+    assert!(ok > before + 20, "requests kept flowing");
 }

@@ -22,7 +22,7 @@ async fn an_event_gap_is_resynced_to_the_instances_own_view() {
     let p = &c.prefills[0];
     let state = c.scheduler.state();
     let view = || state.indexed_blocks(&p.id, 0).into_iter().collect::<BTreeSet<_>>();
-    let own = || async { p.snapshot().await.dp_blocks[0].iter().copied().collect::<BTreeSet<_>>() };
+    let own = || async { p.snapshot().dp_blocks[0].iter().copied().collect::<BTreeSet<_>>() };
     let wait_equal = |what: &'static str| async move {
         let start = Instant::now();
         loop {
@@ -44,7 +44,7 @@ async fn an_event_gap_is_resynced_to_the_instances_own_view() {
 
     // Make the scheduler's view wrong, as lost events would: a correctly numbered event that
     // the instance never sent removes four blocks from the scheduler's view only.
-    let seq = p.snapshot().await.seq;
+    let seq = p.snapshot().seq;
     let lost: Vec<BlockHash> = before.iter().take(4).copied().collect();
     let publish = |ev: KvEvent| {
         let bus = c.bus.clone();

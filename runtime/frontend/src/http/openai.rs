@@ -5,7 +5,7 @@ use axum::response::{IntoResponse, Json, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::FrontendError;
+use crate::{Cause, FrontendError};
 
 /// `stop`: a string or a list of strings.
 #[derive(Debug, Clone, Deserialize)]
@@ -96,6 +96,8 @@ pub(crate) struct ApiError {
     pub(crate) message: String,
     pub(crate) param: Option<&'static str>,
     pub(crate) code: Option<&'static str>,
+    /// Seconds after which a refused request may be retried (`Retry-After`).
+    pub(crate) retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -106,6 +108,19 @@ impl ApiError {
             message: message.into(),
             param,
             code: None,
+            retry_after: None,
+        }
+    }
+
+    /// A failure of the server's, with its HTTP status.
+    pub(crate) fn server(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            kind: "server_error",
+            message: message.into(),
+            param: None,
+            code: None,
+            retry_after: None,
         }
     }
 }
@@ -113,28 +128,43 @@ impl ApiError {
 impl From<FrontendError> for ApiError {
     fn from(e: FrontendError) -> Self {
         let message = e.to_string();
+        let mut retry_after = None;
         let (status, kind, code) = match e {
             FrontendError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
             FrontendError::UnknownModel(_) => {
-                (StatusCode::BAD_REQUEST, "invalid_request_error", Some("model_not_found"))
+                (StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"))
             }
-            FrontendError::Overloaded(_) => {
-                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", None)
+            FrontendError::Overloaded { retry_after: after, .. } => {
+                retry_after = Some(after.as_millis().div_ceil(1000).max(1) as u64);
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some("overloaded"))
+            }
+            FrontendError::Attempt { cause: Cause::Overloaded, .. } => {
+                retry_after = Some(1);
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some("overloaded"))
+            }
+            FrontendError::Attempt { cause: Cause::Invalid, .. } => {
+                (StatusCode::BAD_REQUEST, "invalid_request_error", None)
+            }
+            FrontendError::Deadline(_) | FrontendError::Attempt { cause: Cause::Deadline, .. } => {
+                (StatusCode::GATEWAY_TIMEOUT, "server_error", None)
             }
             FrontendError::Unavailable(_) | FrontendError::Attempt { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "server_error", None)
             }
-            FrontendError::Deadline(_) => (StatusCode::GATEWAY_TIMEOUT, "server_error", None),
             FrontendError::Decode(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
         };
         let param = matches!(code, Some("model_not_found")).then_some("model");
-        ApiError { status, kind, message, param, code }
+        ApiError { status, kind, message, param, code, retry_after }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
-        (self.status, Json(body)).into_response()
+        let mut r = (self.status, Json(body)).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        r
     }
 }

@@ -1,5 +1,5 @@
-//! The HTTP edge without a socket: bad requests get 400 with an OpenAI error body before
-//! anything reaches a scheduler.
+//! The HTTP edge without a socket: bad requests get 400 (an unknown model 404) with an
+//! OpenAI error body before anything reaches a scheduler.
 
 use axum::body::Body;
 use axum::http::{Method, Request};
@@ -9,7 +9,7 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 
 use super::*;
-use crate::FrontendConfig;
+use crate::{FrontendConfig, FrontendError};
 
 async fn call(app: &Router, method: Method, uri: &str, body: &str) -> (u16, Value) {
     let req = Request::builder()
@@ -29,16 +29,13 @@ async fn bad_requests_get_400_with_an_openai_error_body() {
     let tasks = Tasks::new();
     let engine = Arc::new(MockEngine::new(MockConfig::default()));
     // No scheduler listens there: every case below must be refused before one is needed.
-    let fe = Frontend::new(FrontendConfig::default(), engine, "127.0.0.1:9", &tasks).await.unwrap();
+    let fe = Frontend::new(FrontendConfig::default(), engine, &["127.0.0.1:9".into()], &tasks)
+        .await
+        .unwrap();
     let app = router(fe);
     let cases = [
         ("/v1/chat/completions", r#"{"model": "mock", "messages": []}"#, "messages"),
         ("/v1/chat/completions", r#"{"model": "mock"}"#, "messages"),
-        (
-            "/v1/chat/completions",
-            r#"{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}"#,
-            "gpt-9",
-        ),
         (
             "/v1/chat/completions",
             r#"{"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}"#,
@@ -74,7 +71,46 @@ async fn bad_requests_get_400_with_an_openai_error_body() {
         assert!(msg.contains(want), "{body}: {msg}");
         assert_eq!(v["error"]["type"], "invalid_request_error");
     }
+    // An unknown model is 404, as OpenAI answers it.
+    let body = r#"{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}"#;
+    let (status, v) = call(&app, Method::POST, "/v1/chat/completions", body).await;
+    assert_eq!((status, v["error"]["code"].as_str()), (404, Some("model_not_found")), "{v}");
     let (status, v) = call(&app, Method::GET, "/v1/models", "").await;
     assert_eq!((status, v["data"][0]["id"].as_str()), (200, Some("mock")));
     tasks.shutdown().await;
+}
+
+#[test]
+fn each_failure_has_its_status_and_overload_says_when_to_retry() {
+    use crate::Cause;
+    use std::time::Duration;
+    let status = |e: FrontendError| openai::ApiError::from(e).into_response();
+    let r = status(FrontendError::Overloaded {
+        retry_after: Duration::from_millis(1500),
+        reason: "busy".into(),
+    });
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.headers()[header::RETRY_AFTER], "2", "whole seconds, rounded up");
+    let attempt = |cause| FrontendError::Attempt { stage: "prefill", reason: "x".into(), cause };
+    let cases = [
+        (FrontendError::Invalid("x".into()), StatusCode::BAD_REQUEST),
+        (FrontendError::UnknownModel("x".into()), StatusCode::NOT_FOUND),
+        (FrontendError::Unavailable("x".into()), StatusCode::SERVICE_UNAVAILABLE),
+        (FrontendError::Deadline("x".into()), StatusCode::GATEWAY_TIMEOUT),
+        (attempt(Cause::Overloaded), StatusCode::TOO_MANY_REQUESTS),
+        (attempt(Cause::Deadline), StatusCode::GATEWAY_TIMEOUT),
+        (attempt(Cause::Invalid), StatusCode::BAD_REQUEST),
+        (attempt(Cause::Instance), StatusCode::SERVICE_UNAVAILABLE),
+    ];
+    for (e, want) in cases {
+        let text = e.to_string();
+        assert_eq!(status(e).status(), want, "{text}");
+    }
+    // gRPC says the same.
+    let s = tonic::Status::from(FrontendError::Overloaded {
+        retry_after: Duration::from_millis(1500),
+        reason: "busy".into(),
+    });
+    assert_eq!(s.code(), tonic::Code::ResourceExhausted);
+    assert_eq!(s.metadata().get(crate::RETRY_AFTER_MS).unwrap(), "1500");
 }

@@ -24,6 +24,8 @@ pub(super) struct Route {
     pub(super) ring: u64,
     /// Tokens per block.
     pub(super) page_size: u32,
+    /// Its instance's measured prefill cost, in microseconds per computed token (0: unknown).
+    pub(super) token_cost_us: f32,
 }
 
 /// A breaker as selection sees it.
@@ -87,6 +89,18 @@ impl Breaker {
         }
     }
 
+    /// Closed: requests go through and nothing is being probed.
+    pub(super) fn is_closed(&self) -> bool {
+        matches!(self, Breaker::Closed { .. })
+    }
+
+    /// A probe ended without a verdict (cancelled, overloaded, ...): the next request probes.
+    pub(super) fn release_probe(&mut self) {
+        if let Breaker::HalfOpen { successes, probing: true } = *self {
+            *self = Breaker::HalfOpen { successes, probing: false };
+        }
+    }
+
     /// Feeds an outcome: success, or a prefill-side failure.
     pub(super) fn record(&mut self, ok: bool, cfg: &BreakerConfig, instance: &str) {
         *self = match (*self, ok) {
@@ -126,6 +140,8 @@ pub(super) struct Member {
     /// Last KV event applied; `None` until a snapshot or first event syncs it.
     pub(super) seq: Option<u64>,
     pub(super) breaker: Breaker,
+    /// Prefill cost per computed token, in microseconds, as its heartbeats last said.
+    pub(super) token_cost_us: f32,
 }
 
 impl Member {
@@ -143,6 +159,7 @@ impl Member {
             silent: false,
             seq: None,
             breaker: Breaker::Closed { failures: 0 },
+            token_cost_us: 0.0,
         }
     }
 
@@ -153,11 +170,11 @@ impl Member {
 
     /// Its slots with what selection reads of them.
     pub(super) fn routes(&self) -> impl Iterator<Item = (Slot, Route)> + '_ {
-        let (live, gate, page_size) =
-            (self.routable(), self.breaker.gate(), self.instance.page_size);
+        let (live, gate, page_size, token_cost_us) =
+            (self.routable(), self.breaker.gate(), self.instance.page_size, self.token_cost_us);
         self.slots
             .iter()
             .zip(&self.ring)
-            .map(move |(&s, &ring)| (s, Route { live, gate, ring, page_size }))
+            .map(move |(&s, &ring)| (s, Route { live, gate, ring, page_size, token_cost_us }))
     }
 }

@@ -3,8 +3,8 @@
 //! sharing it queue behind it (the prefill serves a dp rank in order, and finds the pages
 //! stored by then) instead of each computing its own cold copy elsewhere.
 //!
-//! An entry lives until its request is reported (oldest first per slot, the order the
-//! prefill serves them), or its TTL passes when reports are lost. At most
+//! An entry lives until its booking ends (reported, expired, or its instance gone), or its
+//! TTL passes. At most
 //! [`MAX_PENDING_BLOCKS`] hashes are held; beyond that new prompts are not noted.
 
 use std::collections::{HashMap, VecDeque};
@@ -58,13 +58,14 @@ pub(super) struct Pending {
 }
 
 impl Pending {
-    /// Notes that a prompt with `hashes` was routed to `slot`.
-    pub(super) fn note(&mut self, slot: Slot, hashes: &[BlockHash], now: Instant) {
-        let Some(&first) = hashes.first() else { return };
+    /// Notes that a prompt with `hashes` was routed to `slot`; returns the entry's id, or
+    /// `None` when nothing was noted (no full page, or the table is full).
+    pub(super) fn note(&mut self, slot: Slot, hashes: &[BlockHash], now: Instant) -> Option<u64> {
+        let &first = hashes.first()?;
         if self.blocks + hashes.len() > MAX_PENDING_BLOCKS {
             self.expire(now);
             if self.blocks + hashes.len() > MAX_PENDING_BLOCKS {
-                return;
+                return None;
             }
         }
         let id = self.next;
@@ -73,6 +74,7 @@ impl Pending {
         self.entries.insert(id, Entry { slot, hashes: hashes.into(), until: now + TTL });
         self.by_first.entry(first).or_default().push(id);
         self.by_slot.entry(slot).or_default().push_back(id);
+        Some(id)
     }
 
     fn unlink(&mut self, id: u64) -> Option<Entry> {
@@ -88,15 +90,19 @@ impl Pending {
         Some(e)
     }
 
-    /// The oldest prompt routed to `slot` is done.
-    pub(super) fn done(&mut self, slot: Slot) {
-        let Some(q) = self.by_slot.get_mut(&slot) else { return };
-        let id = q.pop_front();
-        if q.is_empty() {
-            self.by_slot.remove(&slot);
+    /// Entry `id` is done (its booking ended); nothing if it already expired.
+    pub(super) fn remove(&mut self, id: u64) {
+        if let Some(e) = self.unlink(id) {
+            self.unqueue(e.slot, id);
         }
-        if let Some(id) = id {
-            self.unlink(id);
+    }
+
+    fn unqueue(&mut self, slot: Slot, id: u64) {
+        if let Some(q) = self.by_slot.get_mut(&slot) {
+            q.retain(|&x| x != id);
+            if q.is_empty() {
+                self.by_slot.remove(&slot);
+            }
         }
     }
 
@@ -119,12 +125,7 @@ impl Pending {
             .collect();
         for (id, slot) in old {
             self.unlink(id);
-            if let Some(q) = self.by_slot.get_mut(&slot) {
-                q.retain(|&x| x != id);
-                if q.is_empty() {
-                    self.by_slot.remove(&slot);
-                }
-            }
+            self.unqueue(slot, id);
         }
     }
 

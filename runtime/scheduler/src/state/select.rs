@@ -3,13 +3,70 @@
 //! map lookups or allocations.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use handoff_core::{BlockHash, InstanceId};
+use tracing::debug;
 
-use super::{Inner, Load, SchedulerState, Selection};
+use super::admission::{self, Budget};
+use super::bookings::{Booking, BookingId};
+use super::{Inner, SchedulerState, Selection};
 use crate::SchedulerError;
 use crate::policy::{Candidate, PolicyKind, Request};
+
+/// How an attempt ended, as far as its instance is concerned (the wire's `Outcome`). Only
+/// [`Outcome::InstanceFault`] counts against the instance's circuit breaker: overload,
+/// deadlines, cancellation, bad input and the decode's own faults say nothing about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// KV verified and loaded.
+    Success,
+    /// Refused or reset connections, a transfer that failed verification, an internal error.
+    InstanceFault,
+    /// The instance refused for overload.
+    Overloaded,
+    /// The request's own deadline passed.
+    Deadline,
+    /// The client went away.
+    Cancelled,
+    /// The request was invalid.
+    Invalid,
+    /// The decode's own step failed.
+    DecodeFault,
+}
+
+impl Outcome {
+    /// What the breaker hears: success, a fault, or nothing.
+    fn breaker(self) -> Option<bool> {
+        match self {
+            Outcome::Success => Some(true),
+            Outcome::InstanceFault => Some(false),
+            _ => None,
+        }
+    }
+}
+
+/// One selection request.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    /// The prompt's chained block hashes.
+    pub hashes: &'a [BlockHash],
+    /// Prompt length.
+    pub prompt_tokens: u32,
+    /// The policy, `None` for the scheduler's default.
+    pub policy: Option<PolicyKind>,
+    /// Instances not to pick.
+    pub exclude: &'a [InstanceId],
+    /// Time left before the request's deadline, if it has one.
+    pub deadline: Option<Duration>,
+}
+
+impl<'a> Ask<'a> {
+    /// A request for `hashes` of a `prompt_tokens`-token prompt, default policy, no deadline.
+    pub fn new(hashes: &'a [BlockHash], prompt_tokens: u32) -> Self {
+        Ask { hashes, prompt_tokens, policy: None, exclude: &[], deadline: None }
+    }
+}
 
 /// The prefill work a request queues on an instance: its prompt less the blocks the
 /// selection expected cached there. A cached instance with many short suffixes queued is
@@ -36,23 +93,18 @@ impl Work {
 }
 
 impl SchedulerState {
-    fn check_request(
-        &self,
-        hashes: &[BlockHash],
-        prompt_tokens: u32,
-        exclude: &[InstanceId],
-    ) -> Result<(), SchedulerError> {
-        if prompt_tokens == 0 {
+    fn check_request(&self, ask: &Ask<'_>) -> Result<(), SchedulerError> {
+        if ask.prompt_tokens == 0 {
             return Err(SchedulerError::Invalid("prompt_tokens must be positive".into()));
         }
-        if hashes.len() > self.cfg.max_block_hashes {
+        if ask.hashes.len() > self.cfg.max_block_hashes {
             return Err(SchedulerError::Invalid(format!(
                 "{} block hashes exceed the limit of {}",
-                hashes.len(),
+                ask.hashes.len(),
                 self.cfg.max_block_hashes
             )));
         }
-        if exclude.len() > self.cfg.max_exclude {
+        if ask.exclude.len() > self.cfg.max_exclude {
             return Err(SchedulerError::Invalid(format!(
                 "at most {} exclusions",
                 self.cfg.max_exclude
@@ -61,17 +113,26 @@ impl SchedulerState {
         Ok(())
     }
 
-    /// Picks where a prompt goes, and counts it in flight there.
-    pub fn select(
-        &self,
-        hashes: &[BlockHash],
-        prompt_tokens: u32,
-        policy: Option<PolicyKind>,
-        exclude: &[InstanceId],
-    ) -> Result<Selection, SchedulerError> {
-        self.check_request(hashes, prompt_tokens, exclude)?;
-        let policy = policy.unwrap_or(self.cfg.default_policy);
+    /// Picks where a prompt goes and books it there (its load counted until the booking
+    /// ends), or refuses it at once when no candidate can start it in time.
+    pub fn select(&self, ask: &Ask<'_>) -> Result<Selection, SchedulerError> {
+        self.select_at(ask, Instant::now())
+    }
+
+    /// [`SchedulerState::select`] as of `now`.
+    pub fn select_at(&self, ask: &Ask<'_>, now: Instant) -> Result<Selection, SchedulerError> {
+        self.check_request(ask)?;
+        let policy = ask.policy.unwrap_or(self.cfg.default_policy);
         let mut inner = self.lock();
+        if inner.bookings.len() >= self.cfg.max_bookings {
+            inner.expire_bookings(now);
+            if inner.bookings.len() >= self.cfg.max_bookings {
+                return Err(SchedulerError::Overloaded {
+                    retry_after: Duration::from_secs(1),
+                    reason: format!("{} requests in flight", self.cfg.max_bookings),
+                });
+            }
+        }
         let Inner {
             members,
             index,
@@ -82,45 +143,76 @@ impl SchedulerState {
             candidates,
             load_dirty,
             pending,
+            bookings,
             ..
         } = &mut *inner;
+        let hashes = ask.hashes;
         index.overlaps_into(hashes, run);
         pending.overlay(hashes, run);
         candidates.clear();
         let mut page_size = 16;
-        let mut now = None;
-        // Dense by slot: routes, loads and overlaps are walked in step.
-        let slots = routes.iter().zip(load.iter()).zip(remote_load.iter()).zip(run.iter());
-        for (s, (((route, l), r), &overlap)) in slots.enumerate() {
-            if !route.live || !route.gate.passes(&mut now) {
-                continue;
+        let mut clock = Some(now);
+        let (mut live, mut ejected) = (0usize, 0usize);
+        // Dense by slot: routes, loads and overlaps are walked in step. Slots whose breaker
+        // is open are counted, not offered, unless they are the majority (below).
+        for pass in [false, true] {
+            let slots = routes.iter().zip(load.iter()).zip(remote_load.iter()).zip(run.iter());
+            for (s, (((route, l), r), &overlap)) in slots.enumerate() {
+                if !route.live {
+                    continue;
+                }
+                let passes = route.gate.passes(&mut clock);
+                if !pass {
+                    live += 1;
+                    ejected += usize::from(!passes);
+                }
+                if passes == pass {
+                    continue; // first pass: the passing ones; second: the ejected ones
+                }
+                let slot = index.slot_at(s);
+                if !ask.exclude.is_empty()
+                    && index.key(slot).is_some_and(|k| ask.exclude.contains(&k.instance))
+                {
+                    continue;
+                }
+                page_size = route.page_size as usize;
+                candidates.push(Candidate {
+                    slot,
+                    ring: route.ring,
+                    overlap_blocks: overlap as usize,
+                    queued_tokens: l.queued_tokens + r.queued_tokens,
+                    in_flight: l.in_flight + r.in_flight,
+                });
             }
-            let slot = index.slot_at(s);
-            if !exclude.is_empty() && index.key(slot).is_some_and(|k| exclude.contains(&k.instance))
-            {
-                continue;
+            // Panic threshold: failures alone never eject more than half of the fleet; past
+            // that, breakers are ignored and traffic spreads over every live instance.
+            if ejected == 0 || ejected * 2 <= live {
+                break;
             }
-            page_size = route.page_size as usize;
-            candidates.push(Candidate {
-                slot,
-                ring: route.ring,
-                overlap_blocks: overlap as usize,
-                queued_tokens: l.queued_tokens + r.queued_tokens,
-                in_flight: l.in_flight + r.in_flight,
-            });
         }
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
-        let req =
-            Request { candidates, prompt_tokens: prompt_tokens as usize, page_size, hashes, tick };
-        let Some(i) = policy.pick(&req, &self.cfg.params) else {
-            let why = if exclude.is_empty() {
-                String::new()
-            } else {
-                format!(" (excluded {})", exclude.len())
+        let req = Request {
+            candidates,
+            prompt_tokens: ask.prompt_tokens as usize,
+            page_size,
+            hashes,
+            tick,
+        };
+        let Some(pick) = policy.pick(&req, &self.cfg.params) else {
+            let why = match (live, ask.exclude.len()) {
+                (0, _) => " (none registered and live)".to_owned(),
+                (_, 0) => String::new(),
+                (_, n) => format!(" (excluded {n})"),
             };
             return Err(SchedulerError::NoInstance(why));
         };
-        let c = candidates[i].clone();
+        let budget = Budget { max_wait: self.cfg.max_queue_wait, deadline: ask.deadline };
+        let admitted = admission::admit(candidates, pick, ask.prompt_tokens, budget, |c| {
+            let r = &routes[c.slot.index()];
+            (r.token_cost_us, r.page_size)
+        })
+        .map_err(|r| SchedulerError::Overloaded { retry_after: r.retry_after, reason: r.reason })?;
+        let c = candidates[admitted.index].clone();
         let key = index
             .key(c.slot)
             .cloned()
@@ -130,16 +222,27 @@ impl SchedulerState {
             .ok_or_else(|| SchedulerError::NoInstance(" (the chosen instance left)".into()))?;
         m.breaker.admits(true);
         let route_changed = m.breaker.gate() != routes[c.slot.index()].gate;
-        let work = Work::new(prompt_tokens, c.overlap_blocks as u32).tokens(m.instance.page_size);
+        let work =
+            Work::new(ask.prompt_tokens, c.overlap_blocks as u32).tokens(m.instance.page_size);
         let l = &mut load[c.slot.index()];
         l.in_flight += 1;
         l.queued_tokens += work;
         *load_dirty = true;
-        pending.note(c.slot, hashes, Instant::now());
+        let noted = pending.note(c.slot, hashes, now);
+        let ttl = ask.deadline.unwrap_or(self.cfg.booking_ttl) + self.cfg.booking_grace;
+        let booking = bookings.open(Booking {
+            slot: c.slot,
+            instance: key.instance.clone(),
+            tokens: work,
+            pending: noted,
+            until: now + ttl.min(self.cfg.booking_ttl_max),
+        });
         let selection = Selection {
             instance: m.instance.clone(),
             dp_rank: key.dp_rank,
             cached_blocks: c.overlap_blocks as u32,
+            booking,
+            expected_wait: admitted.wait,
         };
         if route_changed {
             inner.sync(&key.instance);
@@ -147,24 +250,53 @@ impl SchedulerState {
         Ok(selection)
     }
 
-    /// Ends a request's in-flight accounting on (instance, dp rank) — `work` as selected —
-    /// and feeds the instance's circuit breaker: `Some(true)` success, `Some(false)` a
-    /// prefill-side failure, `None` a failure that is not the prefill's (it does not count).
-    /// Unknown instances are ignored.
-    pub fn report(&self, instance: &InstanceId, dp_rank: u32, work: Work, outcome: Option<bool>) {
+    /// Ends `booking`: its load and pending prefix come off its instance, and its outcome
+    /// feeds the instance's circuit breaker. Idempotent: returns `false` (and changes
+    /// nothing) when the booking is not open: reported before, expired, or its instance gone.
+    pub fn report(&self, booking: BookingId, outcome: Outcome) -> bool {
         let mut inner = self.lock();
-        let Inner { members, load, load_dirty, pending, .. } = &mut *inner;
-        let Some(m) = members.get_mut(instance) else { return };
-        if let Some(slot) = m.slots.get(dp_rank as usize) {
-            let l: &mut Load = &mut load[slot.index()];
-            l.in_flight = l.in_flight.saturating_sub(1);
-            l.queued_tokens = l.queued_tokens.saturating_sub(work.tokens(m.instance.page_size));
-            *load_dirty = true;
-            pending.done(*slot);
+        let Some(b) = inner.bookings.close(booking) else {
+            debug!(booking = booking.0, ?outcome, "report for a booking that is not open");
+            return false;
+        };
+        inner.release(&b);
+        if let Some(m) = inner.members.get_mut(&b.instance) {
+            match outcome.breaker() {
+                Some(ok) => m.breaker.record(ok, &self.cfg.breaker, b.instance.as_str()),
+                None => m.breaker.release_probe(),
+            }
+            inner.sync(&b.instance);
         }
-        if let Some(ok) = outcome {
-            m.breaker.record(ok, &self.cfg.breaker, instance.as_str());
-            inner.sync(instance);
+        true
+    }
+
+    /// Open bookings (requests selected and not yet reported).
+    pub fn open_bookings(&self) -> usize {
+        self.lock().bookings.len()
+    }
+}
+
+impl Inner {
+    /// Takes a closed booking's load and pending prefix off its slot.
+    pub(super) fn release(&mut self, b: &Booking) {
+        if let Some(l) = self.load.get_mut(b.slot.index()) {
+            l.in_flight = l.in_flight.saturating_sub(1);
+            l.queued_tokens = l.queued_tokens.saturating_sub(b.tokens);
+            self.load_dirty = true;
+        }
+        if let Some(id) = b.pending {
+            self.pending.remove(id);
+        }
+    }
+
+    /// Ends every booking past its time: their requests were never reported.
+    pub(super) fn expire_bookings(&mut self, now: Instant) {
+        let expired = self.bookings.expire(now);
+        if !expired.is_empty() {
+            debug!(n = expired.len(), "bookings expired unreported");
+        }
+        for b in &expired {
+            self.release(b);
         }
     }
 }

@@ -34,9 +34,9 @@ fn kv_aware_goes_where_the_prefix_is_cached() {
     let h = block_hashes(&prompt, 16);
     s.apply_event(stored("b", 1, 1, h[..12].to_vec()));
     for _ in 0..5 {
-        let sel = s.select(&h, 256, None, &[]).unwrap();
+        let sel = s.select(&Ask::new(&h, 256)).unwrap();
         assert_eq!((sel.instance.id.as_str(), sel.dp_rank, sel.cached_blocks), ("b", 1, 12));
-        s.report(&sel.instance.id, sel.dp_rank, Work::new(256, sel.cached_blocks), Some(true));
+        s.report(sel.booking, Outcome::Success);
     }
 }
 
@@ -47,7 +47,7 @@ fn load_spreads_requests_without_a_cached_prefix() {
     // Unrelated prompts: nothing cached or pending draws them anywhere.
     let h = |i: u32| block_hashes(&(64 * i..64 * (i + 1)).collect::<Vec<_>>(), 16);
     let picks: Vec<String> =
-        (0..4).map(|i| s.select(&h(i), 64, None, &[]).unwrap().instance.id.to_string()).collect();
+        (0..4).map(|i| s.select(&Ask::new(&h(i), 64)).unwrap().instance.id.to_string()).collect();
     assert_eq!(picks.iter().filter(|p| *p == "a").count(), 2, "{picks:?}");
 }
 
@@ -58,19 +58,34 @@ fn exclusion_removal_and_bad_requests() {
     let a: InstanceId = "a".parse().unwrap();
     for _ in 0..4 {
         assert_eq!(
-            s.select(&[], 10, Some(PolicyKind::RoundRobin), std::slice::from_ref(&a))
-                .unwrap()
-                .instance
-                .id
-                .as_str(),
+            s.select(&Ask {
+                hashes: &[],
+                prompt_tokens: 10,
+                policy: Some(PolicyKind::RoundRobin),
+                exclude: std::slice::from_ref(&a),
+                deadline: None
+            })
+            .unwrap()
+            .instance
+            .id
+            .as_str(),
             "b"
         );
     }
     s.apply_update(Update::Remove("b".parse().unwrap()));
-    assert!(matches!(s.select(&[], 10, None, &[a]), Err(SchedulerError::NoInstance(_))));
-    assert!(matches!(s.select(&[], 0, None, &[]), Err(SchedulerError::Invalid(_))));
+    assert!(matches!(
+        s.select(&Ask {
+            hashes: &[],
+            prompt_tokens: 10,
+            policy: None,
+            exclude: &[a],
+            deadline: None
+        }),
+        Err(SchedulerError::NoInstance(_))
+    ));
+    assert!(matches!(s.select(&Ask::new(&[], 0)), Err(SchedulerError::Invalid(_))));
     let too_many = vec![BlockHash(1); (1 << 16) + 1];
-    assert!(matches!(s.select(&too_many, 10, None, &[]), Err(SchedulerError::Invalid(_))));
+    assert!(matches!(s.select(&Ask::new(&too_many, 10)), Err(SchedulerError::Invalid(_))));
 }
 
 #[test]
@@ -90,6 +105,21 @@ fn removed_or_restarted_instances_lose_their_index() {
     assert_eq!(s.instances().len(), 1, "events from unknown instances ignored");
 }
 
+/// Books a request on `on`, the other instances excluded.
+fn book(s: &SchedulerState, on: &str, others: &[InstanceId]) -> Selection {
+    let sel = s
+        .select(&Ask {
+            hashes: &[],
+            prompt_tokens: 10,
+            policy: Some(PolicyKind::RoundRobin),
+            exclude: others,
+            deadline: None,
+        })
+        .unwrap();
+    assert_eq!(sel.instance.id.as_str(), on);
+    sel
+}
+
 #[test]
 fn breaker_opens_on_prefill_faults_only_and_recovers_through_probes() {
     let cfg = SchedulerConfig {
@@ -101,35 +131,48 @@ fn breaker_opens_on_prefill_faults_only_and_recovers_through_probes() {
         ..SchedulerConfig::default()
     };
     let s = SchedulerState::new(cfg);
-    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
-    let a: InstanceId = "a".parse().unwrap();
-    // Decode-side failures never count.
-    for _ in 0..10 {
-        s.report(&a, 0, Work::new(10, 0), None);
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1), inst("c", 1)]));
+    let others: Vec<InstanceId> = vec!["b".parse().unwrap(), "c".parse().unwrap()];
+    // Overload, deadlines, cancellation, bad input and the decode's own faults never count.
+    for outcome in [
+        Outcome::Overloaded,
+        Outcome::Deadline,
+        Outcome::Cancelled,
+        Outcome::Invalid,
+        Outcome::DecodeFault,
+    ] {
+        for _ in 0..5 {
+            assert!(s.report(book(&s, "a", &others).booking, outcome));
+        }
     }
     let picks = |n| {
         (0..n)
             .map(|_| {
-                s.select(&[], 10, Some(PolicyKind::RoundRobin), &[])
-                    .unwrap()
-                    .instance
-                    .id
-                    .to_string()
+                let sel = s
+                    .select(&Ask { policy: Some(PolicyKind::RoundRobin), ..Ask::new(&[], 10) })
+                    .unwrap();
+                s.report(sel.booking, Outcome::Cancelled);
+                sel.instance.id.to_string()
             })
             .collect::<Vec<_>>()
     };
-    assert!(picks(4).contains(&"a".to_owned()));
+    assert!(picks(6).contains(&"a".to_owned()));
     for _ in 0..3 {
-        s.report(&a, 0, Work::new(10, 0), Some(false));
+        s.report(book(&s, "a", &others).booking, Outcome::InstanceFault);
     }
     assert!(!picks(6).contains(&"a".to_owned()), "open: a gets nothing");
     std::thread::sleep(std::time::Duration::from_millis(60));
     // Half-open: one probe at a time.
-    let p = picks(6);
-    assert_eq!(p.iter().filter(|i| *i == "a").count(), 1, "{p:?}");
-    s.report(&a, 0, Work::new(10, 0), Some(true));
-    assert_eq!(picks(6).iter().filter(|i| *i == "a").count(), 1);
-    s.report(&a, 0, Work::new(10, 0), Some(true));
+    let probe = s.select(&Ask { policy: Some(PolicyKind::RoundRobin), ..Ask::new(&[], 10) });
+    let mut probe = probe.unwrap();
+    while probe.instance.id.as_str() != "a" {
+        s.report(probe.booking, Outcome::Cancelled);
+        probe =
+            s.select(&Ask { policy: Some(PolicyKind::RoundRobin), ..Ask::new(&[], 10) }).unwrap();
+    }
+    assert!(!picks(6).contains(&"a".to_owned()), "one probe out: a gets nothing else");
+    s.report(probe.booking, Outcome::Success);
+    s.report(book(&s, "a", &others).booking, Outcome::Success);
     assert!(picks(6).iter().filter(|i| *i == "a").count() >= 2, "closed again");
 }
 
@@ -145,6 +188,7 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
         queued_tokens: 0,
         running: 0,
         kv_bytes: 0,
+        prefill_ns_per_token: 0,
     };
     let t0 = Instant::now();
     let at = |ms: u64| t0 + Duration::from_millis(ms);
@@ -200,14 +244,14 @@ fn queued_load_is_the_uncached_work_and_reports_take_it_off() {
     s.apply_event(stored("a", 0, 1, prompt(0)[..12].to_vec()));
     // Each request queues 64 uncached tokens on a, not 256: a stays cheaper than cold b
     // (256 to compute) until its queue reaches 192.
-    let picks: Vec<_> = (1..4).map(|i| s.select(&prompt(i), 256, None, &[]).unwrap()).collect();
+    let picks: Vec<_> = (1..4).map(|i| s.select(&Ask::new(&prompt(i), 256)).unwrap()).collect();
     assert!(picks.iter().all(|p| p.instance.id.as_str() == "a" && p.cached_blocks == 12));
-    let full = s.select(&prompt(4), 256, None, &[]).unwrap();
+    let full = s.select(&Ask::new(&prompt(4), 256)).unwrap();
     assert_eq!(full.instance.id.as_str(), "b", "a is full");
     for p in &picks {
-        s.report(&p.instance.id, 0, Work::new(256, p.cached_blocks), Some(true));
+        s.report(p.booking, Outcome::Success);
     }
-    assert_eq!(s.select(&prompt(5), 256, None, &[]).unwrap().instance.id.as_str(), "a", "drained");
+    assert_eq!(s.select(&Ask::new(&prompt(5), 256)).unwrap().instance.id.as_str(), "a", "drained");
 }
 
 #[test]
@@ -220,13 +264,13 @@ fn replicas_price_each_others_load_and_forget_silent_ones() {
         s.apply_update(Update::Reset(vec![inst("x", 1), inst("y", 1)]));
     }
     let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
-    let first = a.select(&h, 256, None, &[]).unwrap().instance.id;
+    let first = a.select(&Ask::new(&h, 256)).unwrap().instance.id;
     // Alone, b would make the same first choice; with a's load it goes elsewhere.
     let report = a.load_report("ra", false).unwrap();
     assert_eq!(report.loads.len(), 1);
     assert!(a.load_report("ra", false).is_none(), "unchanged: nothing to say");
     b.apply_load_report(report.clone(), "rb");
-    assert_ne!(b.select(&h, 256, None, &[]).unwrap().instance.id, first);
+    assert_ne!(b.select(&Ask::new(&h, 256)).unwrap().instance.id, first);
     // Its own report, a bad name, or unknown workers change nothing.
     b.apply_load_report(report.clone(), "ra");
     let mut bad = report.clone();
@@ -241,7 +285,7 @@ fn replicas_price_each_others_load_and_forget_silent_ones() {
     c.apply_update(Update::Reset(vec![inst("x", 1), inst("y", 1)]));
     c.apply_load_report(report, "rc");
     c.sweep_at(std::time::Instant::now() + std::time::Duration::from_secs(4));
-    assert_eq!(c.select(&h, 256, None, &[]).unwrap().instance.id, first, "a's load forgotten");
+    assert_eq!(c.select(&Ask::new(&h, 256)).unwrap().instance.id, first, "a's load forgotten");
 }
 
 #[test]
@@ -251,18 +295,18 @@ fn a_routed_prefix_draws_the_next_request_until_reported() {
     let s = SchedulerState::new(cfg);
     s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
     let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
-    let first = s.select(&h, 256, None, &[]).unwrap();
+    let first = s.select(&Ask::new(&h, 256)).unwrap();
     assert_eq!(first.cached_blocks, 0);
     // Nothing is stored yet, but the prompt is on its way to `first`: the same prefix is
     // cheaper there (behind it) than computed cold on the idle instance.
-    let second = s.select(&h, 256, None, &[]).unwrap();
+    let second = s.select(&Ask::new(&h, 256)).unwrap();
     assert_eq!((second.instance.id.clone(), second.cached_blocks), (first.instance.id.clone(), 16));
     for sel in [&first, &second] {
-        s.report(&sel.instance.id, 0, Work::new(256, sel.cached_blocks), Some(true));
+        s.report(sel.booking, Outcome::Success);
     }
     assert_eq!(s.lock().pending.blocks(), 0, "reported prompts are no longer pending");
     // A departed instance takes its pending prompts along.
-    let third = s.select(&h, 256, None, &[]).unwrap();
+    let third = s.select(&Ask::new(&h, 256)).unwrap();
     assert_eq!(s.lock().pending.blocks(), 16);
     s.apply_update(Update::Remove(third.instance.id));
     assert_eq!(s.lock().pending.blocks(), 0);
@@ -280,7 +324,7 @@ fn a_snapshot_with_parents_rebuilds_the_index() {
         dp_blocks: vec![h.clone()],
         dp_parents: vec![parents],
     });
-    let sel = s.select(&h, 256, None, &[]).unwrap();
+    let sel = s.select(&Ask::new(&h, 256)).unwrap();
     assert_eq!((sel.instance.id.as_str(), sel.cached_blocks), ("b", 16));
     // A snapshot without parents (an older sender) indexes the same blocks.
     s.apply_snapshot(handoff_discovery::KvSnapshot {

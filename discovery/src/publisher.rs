@@ -1,0 +1,82 @@
+//! [`Publisher`]: keeps the bus off the request path. Messages go into a bounded queue that
+//! one owned task drains, each publish bounded by a timeout; a caller never waits on the bus.
+//! When the queue is full the message is dropped and counted: KV events carry sequence
+//! numbers, so a dropped one shows up as a gap and schedulers resync from a snapshot, and a
+//! dropped heartbeat is followed by the next one.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use handoff_core::Tasks;
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use crate::EventBus;
+
+/// A bounded, non-blocking publishing queue (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Publisher {
+    tx: mpsc::Sender<(String, Bytes)>,
+    dropped: Arc<AtomicU64>,
+}
+
+impl Publisher {
+    /// Starts the draining task on `tasks`: at most `capacity` messages wait, and each
+    /// publish may take at most `timeout`.
+    pub fn start(
+        bus: Arc<dyn EventBus>,
+        capacity: usize,
+        timeout: Duration,
+        tasks: &Tasks,
+    ) -> Self {
+        let (tx, mut rx) = mpsc::channel::<(String, Bytes)>(capacity.max(1));
+        let t = tasks.clone();
+        tasks.spawn(async move {
+            let mut failing = false;
+            loop {
+                let (subject, payload) = tokio::select! {
+                    _ = t.shutdown_requested() => break,
+                    m = rx.recv() => match m { Some(m) => m, None => break },
+                };
+                let sent = tokio::time::timeout(timeout, bus.publish(subject, payload)).await;
+                match sent {
+                    Ok(Ok(())) if failing => {
+                        info!("bus publishing works again");
+                        failing = false;
+                    }
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) if !failing => {
+                        warn!(error = %e, "bus publish failed; messages are dropped until it works");
+                        failing = true;
+                    }
+                    Err(_) if !failing => {
+                        warn!(?timeout, "bus publish timed out; messages are dropped until it works");
+                        failing = true;
+                    }
+                    _ => {}
+                }
+            }
+        });
+        Publisher { tx, dropped: Arc::default() }
+    }
+
+    /// Queues `payload` on `subject`; `false` (and the message dropped) when the queue is
+    /// full or the drainer stopped.
+    pub fn try_publish(&self, subject: String, payload: Bytes) -> bool {
+        let queued = self.tx.try_send((subject, payload)).is_ok();
+        if !queued {
+            let n = self.dropped.fetch_add(1, Ordering::Relaxed);
+            if n.is_power_of_two() {
+                warn!(dropped = n + 1, "bus queue full; message dropped");
+            }
+        }
+        queued
+    }
+
+    /// Messages dropped so far because the queue was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,229 @@
+//! A burst over capacity is queued or refused at once, never turned into an outage; every
+//! booking ends, whatever happens to its request; a scheduler replica going away costs no
+//! request.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use futures::future::join_all;
+use handoff::{Cluster, ClusterConfig};
+use handoff_engine::{MockConfig, MockEngine};
+use handoff_proto::v1::generate_request::Input;
+use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
+use handoff_scheduler::SchedulerConfig;
+
+use super::support::*;
+
+/// A cluster whose mock engine charges real time per token.
+async fn timed_cluster(cfg: ClusterConfig, prefill_per_token: Duration) -> Cluster {
+    let engine = Arc::new(MockEngine::new(MockConfig {
+        prefill_per_token,
+        decode_per_token: Duration::from_millis(1),
+        ..MockConfig::default()
+    }));
+    let c = Cluster::start_shared(cfg, engine).await.expect("cluster starts");
+    // The instances' first heartbeats carry their warm-up's cost per token.
+    let since = Instant::now();
+    for s in &c.schedulers {
+        while s.scheduler.state().instances().iter().any(|i| i.token_cost_us == 0.0) {
+            assert!(since.elapsed() < Duration::from_secs(10), "costs heard within 10 s");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    c
+}
+
+/// Every scheduler replica's load is back to zero, the prefills serve nothing, no receive
+/// region is left (waits for the last reports, which travel after the answers).
+async fn assert_settles(c: &Cluster) {
+    let since = Instant::now();
+    loop {
+        let booked: usize = c.schedulers.iter().map(|s| s.scheduler.state().open_bookings()).sum();
+        let in_flight: u32 = c
+            .schedulers
+            .iter()
+            .flat_map(|s| s.scheduler.state().instances())
+            .map(|i| i.in_flight)
+            .sum();
+        let running: usize = c.prefills.iter().map(|p| p.running()).sum();
+        let regions = c.frontend.agent().inbox().regions();
+        if booked == 0 && in_flight == 0 && running == 0 && regions == 0 {
+            return;
+        }
+        assert!(
+            since.elapsed() < Duration::from_secs(30),
+            "not settled: {booked} bookings, {in_flight} in flight, {running} running, {regions} regions"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_over_capacity_is_queued_or_refused_at_once_and_the_service_stays_up() {
+    let cfg = ClusterConfig {
+        scheduler: SchedulerConfig {
+            max_queue_wait: Duration::from_millis(300),
+            ..SchedulerConfig::default()
+        },
+        ..ClusterConfig::ephemeral()
+    };
+    // 64-token prompts at 1 ms a token: 64 ms of prefill each, about 5 queued per instance.
+    let c = timed_cluster(cfg, Duration::from_millis(1)).await;
+    let cl = client(&c).await;
+    let calls = (0..120u32).map(|i| {
+        let mut cl = cl.clone();
+        async move {
+            let started = Instant::now();
+            let r = generate(&mut cl, &prompt(i, 64), 4).await;
+            (r, started.elapsed())
+        }
+    });
+    let (mut served, mut refused) = (0, 0);
+    for (r, took) in join_all(calls).await {
+        match r {
+            Ok(_) => served += 1,
+            Err(e) if e.code() == tonic::Code::ResourceExhausted => {
+                refused += 1;
+                let after = e.metadata().get(handoff_frontend::RETRY_AFTER_MS);
+                assert!(after.is_some(), "a refusal says when to retry: {e:?}");
+                assert!(
+                    took < Duration::from_secs(5),
+                    "refused at once, not after a wait: {took:?}"
+                );
+            }
+            Err(e) => panic!("only answers or refusals in a burst, got {e:?}"),
+        }
+    }
+    eprintln!("burst of 120: {served} served, {refused} refused");
+    assert!(served >= 8, "what fits is served: {served}");
+    assert!(refused > 0, "what does not fit is refused");
+    // Overload opened no breaker, and the service answers right away.
+    for i in c.scheduler.state().instances() {
+        assert!(i.routable && i.breaker_closed, "{} still healthy", i.instance.id);
+    }
+    let mut cl = client(&c).await;
+    generate(&mut cl, &prompt(999, 64), 4).await.expect("served right after the burst");
+    assert_settles(&c).await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_booking_ends_whatever_happens_to_its_request() {
+    let cfg = ClusterConfig { schedulers: 2, ..ClusterConfig::ephemeral() };
+    let c = timed_cluster(cfg, Duration::from_micros(100)).await;
+    let cl = client(&c).await;
+    let outcomes = Arc::new([(); 5].map(|_| AtomicUsize::new(0)));
+    let requests = futures::stream::iter(0..1000u32).map(|i| {
+        let (mut cl, outcomes) = (cl.clone(), outcomes.clone());
+        async move {
+            let mut ids = prompt(i % 97, 32 + (i as usize * 13) % 96);
+            let mut deadline_ms = 0;
+            match i % 10 {
+                0 => ids.push(1 << 30), // outside the vocabulary: 400
+                1 => deadline_ms = 1,   // its deadline passes on the way
+                _ => {}
+            }
+            let req = GenerateRequest {
+                input: Some(Input::TokenIds(TokenIds { ids })),
+                sampling: Some(SamplingParams {
+                    max_tokens: 1 + i % 24,
+                    ignore_eos: true,
+                    ..Default::default()
+                }),
+                deadline_ms,
+                ..Default::default()
+            };
+            // A third of the clients go away at a random stage: selection, prefill,
+            // transfer or the middle of the stream.
+            let cancel_at =
+                (i % 3 == 2).then(|| Duration::from_micros(u64::from(i * 7919 % 40_000)));
+            let call = async {
+                let mut s = cl.generate(req).await?.into_inner();
+                while s.message().await?.is_some() {}
+                Ok::<_, tonic::Status>(())
+            };
+            let slot = match cancel_at {
+                Some(t) => match tokio::time::timeout(t, call).await {
+                    Err(_) => 4,
+                    Ok(r) => code_slot(r),
+                },
+                None => code_slot(call.await),
+            };
+            outcomes[slot].fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    requests.buffer_unordered(48).collect::<Vec<()>>().await;
+    let n: Vec<usize> = outcomes.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+    eprintln!(
+        "ok {}, invalid {}, deadline or refused {}, other {}, cancelled {}",
+        n[0], n[1], n[2], n[3], n[4]
+    );
+    assert_eq!(n[3], 0, "no request failed for another reason");
+    assert!(n[0] > 300 && n[1] >= 100 && n[4] > 50, "{n:?}");
+    assert_settles(&c).await;
+    c.shutdown().await;
+}
+
+fn code_slot(r: Result<(), tonic::Status>) -> usize {
+    match r {
+        Ok(()) => 0,
+        Err(e) if e.code() == tonic::Code::InvalidArgument => 1,
+        // A deadline shorter than the prefill itself is refused up front; a longer one
+        // passes on the way.
+        Err(e)
+            if matches!(
+                e.code(),
+                tonic::Code::DeadlineExceeded | tonic::Code::ResourceExhausted
+            ) =>
+        {
+            2
+        }
+        Err(e) => {
+            eprintln!("unexpected: {e:?}");
+            3
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduler_replica_going_away_costs_no_request() {
+    let cfg = ClusterConfig { schedulers: 2, ..ClusterConfig::ephemeral() };
+    let mut c = timed_cluster(cfg, Duration::from_micros(50)).await;
+    let cl = client(&c).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let workers: Vec<_> = (0..4u32)
+        .map(|w| {
+            let (mut cl, stop, ok, failed) = (cl.clone(), stop.clone(), ok.clone(), failed.clone());
+            tokio::spawn(async move {
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    match generate(&mut cl, &prompt(w * 10_000 + i, 40), 4).await {
+                        Ok(_) => ok.fetch_add(1, Ordering::Relaxed),
+                        Err(e) => {
+                            eprintln!("lost: {e}");
+                            failed.fetch_add(1, Ordering::Relaxed)
+                        }
+                    };
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let gone = c.schedulers.pop().expect("two replicas");
+    gone.tasks.shutdown().await;
+    let before = ok.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await.unwrap();
+    }
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    eprintln!("replica stopped under load: {ok} ok ({} after), {failed} failed", ok - before);
+    assert_eq!(failed, 0, "no request lost");
+    assert!(ok > before, "requests kept being served");
+    c.shutdown().await;
+}

@@ -1,0 +1,174 @@
+//! [`Schedulers`]: the scheduler replicas a frontend may ask, kept current from discovery
+//! (or fixed by flag). A selection goes to a replica at random; a replica that cannot be
+//! reached, or does not answer within the selection timeout, is passed over for the next one
+//! and is avoided for a while. Each booking is reported to the replica that made it.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use handoff_proto::v1::scheduler_client::SchedulerClient;
+use handoff_proto::v1::{ReportOutcomeRequest, SelectPrefillRequest, SelectPrefillResponse};
+use tonic::transport::{Channel, Endpoint};
+use tracing::{debug, info, warn};
+
+use crate::FrontendError;
+
+/// How long a replica that failed a call is tried only after the others.
+const SUSPECT_FOR: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone)]
+struct Replica {
+    client: SchedulerClient<Channel>,
+    /// Failed a call recently: tried after the others until then.
+    suspect_until: Option<Instant>,
+}
+
+/// The scheduler replicas (see the module docs).
+#[derive(Debug, Default)]
+pub struct Schedulers {
+    replicas: Mutex<BTreeMap<String, Replica>>,
+    /// Longest wait for one replica's answer before trying the next.
+    select_timeout: Duration,
+}
+
+/// A selection, and the replica that holds its booking.
+#[derive(Debug, Clone)]
+pub struct Selected {
+    /// The replica's address.
+    pub replica: String,
+    /// Its answer.
+    pub selection: SelectPrefillResponse,
+}
+
+/// Whether a failed call says the replica is unreachable or broken (try another one), as
+/// opposed to an answer from a working replica.
+fn replica_failed(s: &tonic::Status) -> bool {
+    use tonic::Code::*;
+    matches!(s.code(), Unavailable | Unknown | Cancelled | Internal | DeadlineExceeded)
+}
+
+fn channel(addr: &str) -> Result<Channel, FrontendError> {
+    let ep = Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| FrontendError::Invalid(format!("address {addr:?}: {e}")))?;
+    Ok(ep.tcp_nodelay(true).connect_timeout(Duration::from_secs(1)).connect_lazy())
+}
+
+impl Schedulers {
+    /// No replicas yet; each call to one waits at most `select_timeout`.
+    pub fn new(select_timeout: Duration) -> Self {
+        Schedulers { replicas: Mutex::default(), select_timeout }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Replica>> {
+        self.replicas.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds the replica at `addr` (host:port); known ones are kept as they are.
+    pub fn add(&self, addr: &str) -> Result<(), FrontendError> {
+        let mut map = self.lock();
+        if !map.contains_key(addr) {
+            let client = SchedulerClient::new(channel(addr)?);
+            map.insert(addr.to_owned(), Replica { client, suspect_until: None });
+            info!(scheduler = addr, replicas = map.len(), "scheduler replica added");
+        }
+        Ok(())
+    }
+
+    /// Removes the replica at `addr`.
+    pub fn remove(&self, addr: &str) {
+        let mut map = self.lock();
+        if map.remove(addr).is_some() {
+            info!(scheduler = addr, replicas = map.len(), "scheduler replica removed");
+        }
+    }
+
+    /// Keeps exactly `addrs`.
+    pub fn reset(&self, addrs: &[String]) -> Result<(), FrontendError> {
+        self.lock().retain(|a, _| addrs.contains(a));
+        addrs.iter().try_for_each(|a| self.add(a))
+    }
+
+    /// The replicas' addresses.
+    pub fn addrs(&self) -> Vec<String> {
+        self.lock().keys().cloned().collect()
+    }
+
+    /// Replicas in the order to try them: healthy ones first from a random start, then the
+    /// suspect ones.
+    fn order(&self, now: Instant) -> Vec<(String, SchedulerClient<Channel>)> {
+        let map = self.lock();
+        let n = map.len();
+        if n == 0 {
+            return Vec::new();
+        }
+        let start = rand::random_range(0..n);
+        let mut all: Vec<_> = map.iter().cycle().skip(start).take(n).collect();
+        all.sort_by_key(|(_, r)| r.suspect_until.is_some_and(|t| t > now));
+        all.into_iter().map(|(a, r)| (a.clone(), r.client.clone())).collect()
+    }
+
+    fn suspect(&self, addr: &str, now: Instant) {
+        if let Some(r) = self.lock().get_mut(addr) {
+            r.suspect_until = Some(now + SUSPECT_FOR);
+        }
+    }
+
+    /// Asks the replicas in turn until one answers `req` (before `deadline`). A replica's
+    /// own answer (a selection, or a refusal) ends the search; one that is unreachable or
+    /// does not answer in time is passed over.
+    pub async fn select(
+        &self,
+        req: SelectPrefillRequest,
+        deadline: tokio::time::Instant,
+    ) -> Result<Selected, SelectFailure> {
+        let mut last = None;
+        for (addr, mut client) in self.order(Instant::now()) {
+            let wait = (tokio::time::Instant::now() + self.select_timeout).min(deadline);
+            match tokio::time::timeout_at(wait, client.select_prefill(req.clone())).await {
+                Ok(Ok(r)) => return Ok(Selected { replica: addr, selection: r.into_inner() }),
+                Ok(Err(s)) if !replica_failed(&s) => return Err(SelectFailure::Answer(s)),
+                Ok(Err(s)) => {
+                    warn!(scheduler = %addr, error = %s.message(), "scheduler replica failed; trying another");
+                    last = Some(s);
+                }
+                Err(_) => {
+                    warn!(scheduler = %addr, "scheduler replica did not answer in time; trying another");
+                    last = Some(tonic::Status::deadline_exceeded(format!(
+                        "scheduler {addr} did not answer in time"
+                    )));
+                }
+            }
+            self.suspect(&addr, Instant::now());
+            if tokio::time::Instant::now() >= deadline {
+                break;
+            }
+        }
+        Err(SelectFailure::NoReplica(last))
+    }
+
+    /// Reports a booking's outcome to the replica that made it (best effort: a booking
+    /// whose report is lost expires there).
+    pub async fn report(&self, replica: &str, req: ReportOutcomeRequest) {
+        let client = self.lock().get(replica).map(|r| r.client.clone());
+        let Some(mut client) = client else {
+            debug!(scheduler = replica, "outcome not reported: replica gone");
+            return;
+        };
+        let call = tokio::time::timeout(self.select_timeout * 2, client.report_outcome(req));
+        match call.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => debug!(scheduler = replica, error = %e, "outcome not reported"),
+            Err(_) => debug!(scheduler = replica, "outcome report timed out"),
+        }
+    }
+}
+
+/// Why no selection was made.
+#[derive(Debug)]
+pub enum SelectFailure {
+    /// A replica answered with this refusal or error.
+    Answer(tonic::Status),
+    /// No replica answered (the last failure, if any replica was tried).
+    NoReplica(Option<tonic::Status>),
+}

@@ -1,0 +1,220 @@
+//! Bookings, admission and the panic threshold.
+
+use std::time::{Duration, Instant};
+
+use handoff_core::block_hashes;
+use handoff_discovery::{Heartbeat, Role, Topology};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+use crate::SchedulerError;
+
+fn inst(id: &str, dp: u32) -> Instance {
+    Instance {
+        id: id.parse().unwrap(),
+        role: Role::Prefill,
+        model: "mock".into(),
+        bootstrap_addr: format!("{id}:1"),
+        grpc_addr: format!("{id}:2"),
+        topology: Topology { dp, tp: 1, pp: 1, cp: 1 },
+        page_size: 16,
+        version: 1,
+    }
+}
+
+fn beat(id: &str, ns_per_token: u64) -> Heartbeat {
+    Heartbeat {
+        instance: id.parse().unwrap(),
+        queued_tokens: 0,
+        running: 0,
+        kv_bytes: 0,
+        prefill_ns_per_token: ns_per_token,
+    }
+}
+
+fn prompt(i: u32) -> Vec<BlockHash> {
+    block_hashes(&(1000 * i..1000 * i + 256).collect::<Vec<_>>(), 16)
+}
+
+/// Every replica-visible load is zero: nothing in flight, nothing queued, nothing booked.
+fn idle(s: &SchedulerState) -> bool {
+    s.instances().iter().all(|i| i.in_flight == 0)
+        && s.load_report("me", true).is_some_and(|r| r.loads.is_empty())
+        && s.open_bookings() == 0
+        && s.lock().pending.blocks() == 0
+}
+
+#[test]
+fn a_booking_ends_once_whatever_reports_it() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
+    let sel = s.select(&Ask::new(&prompt(1), 256)).unwrap();
+    assert_eq!(s.open_bookings(), 1);
+    assert!(s.report(sel.booking, Outcome::Success));
+    assert!(idle(&s));
+    // A second report, a report of a booking never made: nothing changes.
+    let other = s.select(&Ask::new(&prompt(2), 256)).unwrap();
+    assert!(!s.report(sel.booking, Outcome::InstanceFault), "reported twice");
+    assert!(!s.report(BookingId(42), Outcome::Success), "never booked");
+    assert_eq!(s.instances().iter().map(|i| i.in_flight).sum::<u32>(), 1, "other's load kept");
+    assert!(s.report(other.booking, Outcome::Cancelled));
+    assert!(idle(&s));
+}
+
+#[test]
+fn an_unreported_booking_expires_after_its_deadline() {
+    let cfg = SchedulerConfig { booking_grace: Duration::from_secs(5), ..Default::default() };
+    let s = SchedulerState::new(cfg);
+    s.apply_update(Update::Reset(vec![inst("a", 1)]));
+    let t0 = Instant::now();
+    let p1 = prompt(1);
+    let ask = Ask { deadline: Some(Duration::from_secs(10)), ..Ask::new(&p1, 256) };
+    let sel = s.select_at(&ask, t0).unwrap();
+    let lasting = s.select_at(&Ask::new(&prompt(2), 256), t0).unwrap(); // default TTL 120 s
+    s.sweep_at(t0 + Duration::from_secs(14));
+    assert_eq!(s.open_bookings(), 2, "not before deadline + grace");
+    s.sweep_at(t0 + Duration::from_secs(16));
+    assert_eq!(s.open_bookings(), 1, "expired");
+    assert!(!s.report(sel.booking, Outcome::Success), "a late report finds nothing");
+    assert!(s.report(lasting.booking, Outcome::Success));
+    assert!(idle(&s));
+}
+
+#[test]
+fn a_departed_instance_takes_its_bookings_along() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("a", 1)]));
+    let old = s.select(&Ask::new(&prompt(1), 256)).unwrap();
+    s.apply_update(Update::Remove("a".parse().unwrap()));
+    assert_eq!(s.open_bookings(), 0);
+    // Its slot is reused by a newcomer; the old report must not take the newcomer's load.
+    s.apply_update(Update::Add(inst("b", 1)));
+    let new = s.select(&Ask::new(&prompt(2), 256)).unwrap();
+    assert!(!s.report(old.booking, Outcome::Success));
+    assert_eq!(s.instances()[0].in_flight, 1);
+    assert!(s.report(new.booking, Outcome::Success));
+    assert!(idle(&s));
+}
+
+#[test]
+fn load_returns_to_zero_after_any_mix_of_outcomes() {
+    for seed in 0..10u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let s = SchedulerState::new(SchedulerConfig::default());
+        s.apply_update(Update::Reset(vec![inst("a", 2), inst("b", 1), inst("c", 1)]));
+        let t0 = Instant::now();
+        let mut open: Vec<Selection> = Vec::new();
+        let mut ended = Vec::new();
+        for i in 0..1000u32 {
+            match rng.random_range(0..10) {
+                0..=4 => {
+                    let p = prompt(rng.random_range(0..20) * 7 + i % 3);
+                    let deadline = rng.random_bool(0.5).then(|| Duration::from_secs(5));
+                    let ask = Ask { deadline, ..Ask::new(&p, 256) };
+                    open.extend(s.select_at(&ask, t0).ok());
+                }
+                5..=8 if !open.is_empty() => {
+                    let sel = open.swap_remove(rng.random_range(0..open.len()));
+                    let outcome = [
+                        Outcome::Success,
+                        Outcome::InstanceFault,
+                        Outcome::Overloaded,
+                        Outcome::Deadline,
+                        Outcome::Cancelled,
+                        Outcome::DecodeFault,
+                    ][rng.random_range(0..6)];
+                    assert!(s.report(sel.booking, outcome));
+                    ended.push(sel.booking);
+                }
+                // Duplicate reports of ended bookings change nothing.
+                _ if !ended.is_empty() => {
+                    let b = ended[rng.random_range(0..ended.len())];
+                    assert!(!s.report(b, Outcome::Success));
+                }
+                _ => {}
+            }
+        }
+        // Half of what is still open is reported; the rest is lost and expires.
+        for sel in open.drain(..).filter(|_| rng.random_bool(0.5)) {
+            s.report(sel.booking, Outcome::Cancelled);
+        }
+        s.sweep_at(t0 + Duration::from_secs(600) + Duration::from_secs(20));
+        assert!(idle(&s), "seed {seed}: load back to zero");
+    }
+}
+
+#[test]
+fn failures_alone_never_eject_more_than_half_of_the_fleet() {
+    let cfg = SchedulerConfig {
+        breaker: BreakerConfig { failures: 1, successes: 1, cooldown: Duration::from_secs(600) },
+        ..Default::default()
+    };
+    let s = SchedulerState::new(cfg);
+    let ids = ["a", "b", "c", "d"];
+    s.apply_update(Update::Reset(ids.iter().map(|i| inst(i, 1)).collect()));
+    let served = |s: &SchedulerState| {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..8 {
+            let sel = s
+                .select(&Ask { policy: Some(PolicyKind::RoundRobin), ..Ask::new(&[], 16) })
+                .unwrap();
+            seen.insert(sel.instance.id.to_string());
+            s.report(sel.booking, Outcome::Cancelled);
+        }
+        seen
+    };
+    // Fail one instance at a time (each booked with the others excluded).
+    let fail = |s: &SchedulerState, on: &str| {
+        let others: Vec<InstanceId> =
+            ids.iter().filter(|i| **i != on).map(|i| i.parse().unwrap()).collect();
+        let ask = Ask { exclude: &others, ..Ask::new(&[], 16) };
+        s.report(s.select(&ask).unwrap().booking, Outcome::InstanceFault);
+    };
+    fail(&s, "a");
+    fail(&s, "b");
+    assert_eq!(served(&s).len(), 2, "half ejected: the other half serves");
+    fail(&s, "c");
+    assert_eq!(served(&s).len(), 4, "past half: ejection ignored, traffic over all of them");
+}
+
+#[test]
+fn overload_is_refused_at_once_with_when_to_retry() {
+    let cfg = SchedulerConfig { max_queue_wait: Duration::from_secs(1), ..Default::default() };
+    let s = SchedulerState::new(cfg);
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
+    // 1 ms per token: each 256-token prompt queues 256 ms of work.
+    for id in ["a", "b"] {
+        s.heartbeat(&beat(id, 1_000_000));
+    }
+    let mut admitted = Vec::new();
+    let refusal = loop {
+        match s.select(&Ask::new(&prompt(admitted.len() as u32), 256)) {
+            Ok(sel) => admitted.push(sel),
+            Err(e) => break e,
+        }
+        assert!(admitted.len() < 100, "never refused");
+    };
+    // Each instance takes work until the wait ahead would pass 1 s: waits of 0, 256, 512
+    // and 768 ms; the next would wait 1024 ms.
+    assert_eq!(admitted.len(), 8, "4 per instance");
+    let SchedulerError::Overloaded { retry_after, reason } = refusal else {
+        panic!("refused as overload: {refusal}")
+    };
+    assert_eq!(retry_after, Duration::from_millis(24), "when 24 ms of work has drained");
+    assert!(reason.contains("queued"), "{reason}");
+    assert!(
+        admitted.iter().all(|a| a.expected_wait <= Duration::from_secs(1)),
+        "nobody admitted beyond the bound"
+    );
+    // A short deadline is refused even though the queue bound has room.
+    s.report(admitted.pop().unwrap().booking, Outcome::Success);
+    let p500 = prompt(500);
+    let short = Ask { deadline: Some(Duration::from_millis(300)), ..Ask::new(&p500, 256) };
+    assert!(matches!(s.select(&short), Err(SchedulerError::Overloaded { .. })));
+    // Reports drain the queues; then requests are admitted again.
+    for a in admitted {
+        s.report(a.booking, Outcome::Success);
+    }
+    assert!(s.select(&short).is_ok());
+}
