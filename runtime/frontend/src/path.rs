@@ -61,6 +61,25 @@ pub(crate) struct Metrics {
     /// Clients that went away before their request finished.
     pub(crate) cancelled: std::sync::atomic::AtomicU64,
     pub(crate) tokens: std::sync::atomic::AtomicU64,
+    /// Moving average of one decode step, in nanoseconds (0: none measured yet).
+    pub(crate) step_ns: std::sync::atomic::AtomicU64,
+}
+
+impl Metrics {
+    /// Adds a decode step's duration to the moving average.
+    pub(crate) fn note_step(&self, took: std::time::Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let sample = took.as_nanos().min(u128::from(u64::MAX)) as u64;
+        let old = self.step_ns.load(Relaxed);
+        let new = if old == 0 { sample } else { (old * 15 + sample) / 16 };
+        self.step_ns.store(new, Relaxed);
+    }
+
+    /// Time `tokens` decode steps are expected to take.
+    pub(crate) fn decode_time(&self, tokens: u32) -> std::time::Duration {
+        let step = self.step_ns.load(std::sync::atomic::Ordering::Relaxed);
+        std::time::Duration::from_nanos(step.saturating_mul(u64::from(tokens)))
+    }
 }
 
 /// A booking held on a scheduler replica: ended with its outcome, or, if dropped first (the
@@ -288,7 +307,9 @@ impl Frontend {
         exclude: &[String],
         failed: &[Attempt],
     ) -> Result<(Lease, Selected), FrontendError> {
+        // The prefill must leave the decode its time before the deadline.
         let left = plan.deadline.saturating_duration_since(Instant::now());
+        let left = left.saturating_sub(self.metrics.decode_time(plan.max_tokens.saturating_sub(1)));
         let req = SelectPrefillRequest {
             block_hashes: hashes.to_vec(),
             prompt_tokens: plan.tokens.len() as u32,

@@ -79,7 +79,12 @@ pub(crate) async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: 
                 let _ = tx.send(Err(Status::unavailable("frontend shutting down"))).await;
                 return;
             }
-            s = ready.decoder.step() => s,
+            s = async {
+                let started = Instant::now();
+                let s = ready.decoder.step().await;
+                fe.metrics.note_step(started.elapsed());
+                s
+            } => s,
         };
         token = match step {
             Ok(t) => t,

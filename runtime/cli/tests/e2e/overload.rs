@@ -161,7 +161,7 @@ async fn every_booking_ends_whatever_happens_to_its_request() {
         n[0], n[1], n[2], n[3], n[4]
     );
     assert_eq!(n[3], 0, "no request failed for another reason");
-    assert!(n[0] > 300 && n[1] >= 100 && n[4] > 50, "{n:?}");
+    assert!(n[0] > 300 && n[1] > 50 && n[4] > 50, "{n:?}");
     assert_settles(&c).await;
     c.shutdown().await;
 }
