@@ -3,25 +3,13 @@
 use std::time::{Duration, Instant};
 
 use handoff_core::block_hashes;
-use handoff_discovery::{Heartbeat, Role, Topology};
+use handoff_discovery::Heartbeat;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use super::tests::inst;
 use super::*;
 use crate::SchedulerError;
-
-fn inst(id: &str, dp: u32) -> Instance {
-    Instance {
-        id: id.parse().unwrap(),
-        role: Role::Prefill,
-        model: "mock".into(),
-        bootstrap_addr: format!("{id}:1"),
-        grpc_addr: format!("{id}:2"),
-        topology: Topology { dp, tp: 1, pp: 1, cp: 1 },
-        page_size: 16,
-        version: 1,
-    }
-}
 
 fn beat(id: &str, ns_per_token: u64) -> Heartbeat {
     Heartbeat {

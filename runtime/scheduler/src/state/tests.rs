@@ -4,7 +4,7 @@ use handoff_discovery::{Role, Topology};
 use super::*;
 use crate::SchedulerError;
 
-fn inst(id: &str, dp: u32) -> Instance {
+pub(super) fn inst(id: &str, dp: u32) -> Instance {
     Instance {
         id: id.parse().unwrap(),
         role: Role::Prefill,
