@@ -88,6 +88,13 @@ pub trait Engine: Send + Sync + 'static {
         sampling: &Sampling,
     ) -> Result<Prefilled, EngineError>;
 
+    /// How many engine handles take turns on this one's compute, itself included (1: it has
+    /// its compute to itself). A cost measured while it ran alone is this many times too
+    /// low once all of them are busy; the prefill prices its queue with that in mind.
+    fn compute_shared_by(&self) -> usize {
+        1
+    }
+
     /// Starts decoding after `last_token`, from the KV of everything before it.
     fn decoder(
         &self,

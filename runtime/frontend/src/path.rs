@@ -344,7 +344,8 @@ impl Frontend {
                 tonic::Code::InvalidArgument => FrontendError::Invalid(s.message().to_owned()),
                 tonic::Code::ResourceExhausted => FrontendError::Overloaded {
                     retry_after: retry_after(&s),
-                    reason: s.message().to_owned(),
+                    // Said once: the error's own display says it is overload.
+                    reason: s.message().trim_start_matches("overloaded: ").to_owned(),
                 },
                 _ => FrontendError::Unavailable(format!("scheduler: {}", s.message())),
             }),

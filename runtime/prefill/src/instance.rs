@@ -254,7 +254,7 @@ async fn warm_up(service: &PrefillService, engine: &dyn Engine) -> Result<(), Pr
     let started = tokio::time::Instant::now();
     engine.prefill(&tokens, None, &Default::default()).await?;
     let took = started.elapsed();
-    service.measured(tokens.len(), took);
+    service.measured_solo(tokens.len(), took);
     info!(tokens = tokens.len(), ?took, "engine warmed up");
     Ok(())
 }

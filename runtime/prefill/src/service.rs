@@ -70,11 +70,16 @@ pub(crate) struct Inner {
 }
 
 /// Prefill compute time per computed token: a token-weighted moving average (each new
-/// prefill's weight is its token count, older ones decay by [`TokenCost::DECAY`]).
+/// prefill's weight is its token count, older ones decay by [`TokenCost::DECAY`]), never
+/// below the warm-up's solo cost times the engines sharing the compute. A burst is priced
+/// by the cost of the moment it arrives; measured alone, that would be the solo cost,
+/// however many engines are about to compete for the same cores.
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct TokenCost {
     micros: f64,
     tokens: f64,
+    /// The warm-up's cost per token, measured with the engine to itself.
+    solo_us: f64,
 }
 
 impl TokenCost {
@@ -89,9 +94,19 @@ impl TokenCost {
         self.tokens = self.tokens * Self::DECAY + tokens as f64;
     }
 
-    /// Microseconds per token (0 before any prefill).
-    pub(crate) fn per_token_us(&self) -> f64 {
-        if self.tokens > 0.0 { self.micros / self.tokens } else { 0.0 }
+    /// Adds the warm-up: a prefill of `tokens` that took `took` with the engine to itself.
+    pub(crate) fn add_solo(&mut self, tokens: usize, took: Duration) {
+        if tokens > 0 {
+            self.solo_us = took.as_secs_f64() * 1e6 / tokens as f64;
+        }
+        self.add(tokens, took);
+    }
+
+    /// Microseconds per token when `shared_by` engines take turns on the compute (0 before
+    /// any prefill).
+    pub(crate) fn per_token_us(&self, shared_by: usize) -> f64 {
+        let measured = if self.tokens > 0.0 { self.micros / self.tokens } else { 0.0 };
+        measured.max(self.solo_us * shared_by.max(1) as f64)
     }
 }
 
@@ -193,7 +208,8 @@ impl PrefillService {
             queued_tokens: me.queued_tokens.load(Ordering::Relaxed),
             running: me.running.load(Ordering::Relaxed) as u32,
             kv_bytes: me.dps.iter().map(|d| lock(&d.cache).used_bytes() as u64).sum(),
-            prefill_ns_per_token: (lock(&me.cost).per_token_us() * 1e3) as u64,
+            prefill_ns_per_token: (lock(&me.cost).per_token_us(me.engine.compute_shared_by()) * 1e3)
+                as u64,
         }
     }
 
@@ -202,9 +218,14 @@ impl PrefillService {
         self.inner.running.load(Ordering::Relaxed)
     }
 
-    /// Records a prefill's measured cost (the warm-up at start, and every request).
+    /// Records a prefill's measured cost.
     pub(crate) fn measured(&self, tokens: usize, took: Duration) {
         lock(&self.inner.cost).add(tokens, took);
+    }
+
+    /// Records the warm-up's cost, measured with the engine to itself.
+    pub(crate) fn measured_solo(&self, tokens: usize, took: Duration) {
+        lock(&self.inner.cost).add_solo(tokens, took);
     }
 
     async fn run(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
@@ -295,5 +316,32 @@ impl PrefillRpc for PrefillService {
         req: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
         Ok(Response::new(self.run(req.into_inner()).await?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cost_is_the_moving_average_but_never_below_the_solo_cost_times_the_sharers() {
+        let ms = Duration::from_millis;
+        let mut c = TokenCost::default();
+        assert_eq!(c.per_token_us(3), 0.0, "nothing measured");
+        c.add_solo(100, ms(100)); // 1 ms per token alone
+        assert_eq!(c.per_token_us(1), 1000.0);
+        // Three engines on the same cores: priced as if all were busy from the start.
+        assert_eq!(c.per_token_us(3), 3000.0);
+        // Measured slower than that under load: the measurement wins.
+        for _ in 0..50 {
+            c.add(100, ms(500));
+        }
+        assert!(c.per_token_us(3) > 4900.0, "{}", c.per_token_us(3));
+        // Measured faster (the others idle): the floor holds.
+        for _ in 0..100 {
+            c.add(100, ms(100));
+        }
+        assert!((c.per_token_us(3) - 3000.0).abs() < 1.0, "{}", c.per_token_us(3));
+        assert!((c.per_token_us(1) - 1000.0).abs() < 1.0, "{}", c.per_token_us(1));
     }
 }

@@ -10,6 +10,7 @@
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -20,7 +21,7 @@ use handoff_engine::{
 };
 use tokenizers::Tokenizer;
 use tokio::sync::oneshot;
-use tracing::info;
+use tracing::{debug, info};
 
 use crate::forward::{Seq, forward};
 use crate::sampling::sample;
@@ -85,13 +86,21 @@ struct Worker {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// Compute threads alive in this process. They all draw on candle's one thread pool, so
+/// each runs at 1/n of its solo speed when all are busy.
+static WORKERS: AtomicUsize = AtomicUsize::new(0);
+
 impl Worker {
     fn start(shared: Arc<Shared>) -> Result<Arc<Self>, SmolError> {
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("smollm-engine".into())
-            .spawn(move || run(&shared, &rx))
+            .spawn(move || {
+                yield_to_serving();
+                run(&shared, &rx)
+            })
             .map_err(|e| SmolError::Io(format!("spawning the engine thread: {e}")))?;
+        WORKERS.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(Worker { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)) }))
     }
 
@@ -108,7 +117,33 @@ impl Drop for Worker {
         if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = t.join();
         }
+        WORKERS.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// How much nicer than the serving threads compute runs (Unix nice levels).
+const COMPUTE_NICENESS: i32 = 10;
+
+/// Lowers the calling thread's scheduling priority, so that when the cores are saturated
+/// the process's serving threads (admission, refusals, streaming) still run at once and
+/// the compute takes what is left. Best effort: a system that refuses leaves it as it is.
+fn yield_to_serving() {
+    let me = rustix::thread::gettid();
+    if let Err(e) = rustix::process::setpriority_process(Some(me), COMPUTE_NICENESS) {
+        debug!(error = %e, "compute thread priority left as it was");
+    }
+}
+
+/// Starts the process's compute pool (rayon's global pool, which candle's matrix products
+/// run on) with lowered priority, unless something already started it.
+fn start_compute_pool() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let pool = rayon::ThreadPoolBuilder::new().start_handler(|_| yield_to_serving());
+        if let Err(e) = pool.build_global() {
+            debug!(error = %e, "compute pool already started; its priority is left as it was");
+        }
+    });
 }
 
 fn run(shared: &Shared, rx: &mpsc::Receiver<Job>) {
@@ -245,6 +280,7 @@ impl SmolLm {
         };
         info!(path = %cfg.path.display(), layers = hp.layers, context = hp.context, ms = started.elapsed().as_millis() as u64, "model loaded");
         let shared = Arc::new(Shared { weights, tokenizer, info, max_batch: cfg.max_batch.max(1) });
+        start_compute_pool();
         let worker = Worker::start(shared.clone())?;
         Ok(SmolLm { shared, worker })
     }
@@ -272,6 +308,10 @@ impl Engine for SmolLm {
 
     fn detokenize(&self, tokens: &[u32]) -> String {
         self.shared.tokenizer.decode(tokens, true).unwrap_or_default()
+    }
+
+    fn compute_shared_by(&self) -> usize {
+        WORKERS.load(Ordering::Relaxed).max(1)
     }
 
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
