@@ -77,19 +77,61 @@ pub struct Heartbeat {
     pub prefill_ns_per_token: u64,
 }
 
-/// Everything an instance's prefix caches hold, as of KV event `seq`.
+/// One page of everything an instance's prefix caches hold, as of KV event `seq`. A
+/// snapshot is cut into pages of at most [`crate::snapshot::PAGE_BLOCKS`] blocks, so one
+/// holding 10^5..10^6 blocks still travels through a stock nats-server (1 MiB payloads);
+/// an unpaged snapshot is page 0 of 1.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvSnapshot {
     /// The instance.
     pub instance: InstanceId,
     /// The last KV event sequence number the snapshot includes.
     pub seq: u64,
-    /// Blocks per dp rank, parents before children.
+    /// This page's blocks per dp rank, parents before children (ranks with none on this
+    /// page are empty; the pages concatenated per rank give the whole list).
     pub dp_blocks: Vec<Vec<BlockHash>>,
     /// The block before each one in its prompt, per dp rank (parallel to `dp_blocks`; lets
     /// the index rebuild its tree compressed). Optional on the wire.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dp_parents: Vec<Vec<Option<BlockHash>>>,
+    /// Which snapshot the page belongs to (ask for the next page by it; 0: unpaged).
+    #[serde(default)]
+    pub snapshot: u64,
+    /// This page's number, from 0.
+    #[serde(default)]
+    pub page: u32,
+    /// How many pages the snapshot has (0 on the wire means 1).
+    #[serde(default)]
+    pub pages: u32,
+}
+
+impl KvSnapshot {
+    /// Whether this is the snapshot's last page.
+    pub fn is_last(&self) -> bool {
+        self.page.saturating_add(1) >= self.pages.max(1)
+    }
+
+    /// Blocks on this page.
+    pub fn len(&self) -> usize {
+        self.dp_blocks.iter().map(Vec::len).sum()
+    }
+
+    /// Whether the page holds no block.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A scheduler's request for one page of an instance's KV snapshot (the request's payload
+/// on [`snapshot_subject`]; an empty payload asks for page 0 of a new snapshot).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotAsk {
+    /// The snapshot (from its page 0), or 0 for a new one.
+    #[serde(default)]
+    pub snapshot: u64,
+    /// The page wanted.
+    #[serde(default)]
+    pub page: u32,
 }
 
 /// Subject prefix of scheduler load reports; a replica publishes on `{prefix}{replica}`.

@@ -7,6 +7,7 @@
 //! - [`memory`] — in-process backends, the real backend of single-node mode.
 //! - [`etcd`] — [`EtcdRegistry`]: keys under leases kept alive, prefix watches from a snapshot.
 //! - [`nats`] — [`NatsBus`]: subjects with request/reply.
+//! - [`snapshot`] — [`Snapshots`]: an instance's recent KV snapshots, served in pages.
 //! - [`publisher`] — [`Publisher`]: a bounded queue in front of a bus, drained by one task
 //!   with a publish timeout, so no caller waits on the bus.
 
@@ -16,6 +17,7 @@ pub mod events;
 pub mod memory;
 pub mod nats;
 pub mod publisher;
+pub mod snapshot;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -25,10 +27,13 @@ use serde::{Deserialize, Serialize};
 
 pub use error::DiscoveryError;
 pub use etcd::EtcdRegistry;
-pub use events::{Heartbeat, KvEvent, KvEventKind, KvSnapshot, LoadReport, WorkerLoad};
+pub use events::{
+    Heartbeat, KvEvent, KvEventKind, KvSnapshot, LoadReport, SnapshotAsk, WorkerLoad,
+};
 pub use memory::{MemoryBus, MemoryRegistry};
 pub use nats::NatsBus;
 pub use publisher::Publisher;
+pub use snapshot::Snapshots;
 
 /// What an instance does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

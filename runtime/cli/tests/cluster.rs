@@ -5,5 +5,6 @@
 mod cluster {
     pub(crate) mod discovery;
     pub(crate) mod processes;
+    pub(crate) mod resync;
     pub(crate) mod servers;
 }

@@ -7,11 +7,11 @@ use handoff_bootstrap::mapping::{self, Parallel};
 use handoff_bootstrap::{Directory, DirectoryClient, Registration, server};
 use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::events::{liveness_subject, snapshot_subject};
-use handoff_discovery::{EventBus, Instance, Publisher, Registry, Role, Topology};
+use handoff_discovery::{EventBus, Instance, Publisher, Registry, Role, SnapshotAsk, Topology};
 use handoff_engine::Engine;
 use handoff_transfer::FaultSwitch;
 use tokio::net::TcpListener;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::rank::Rank;
 use crate::service::{DpState, Inner, PrefillService};
@@ -125,6 +125,7 @@ impl PrefillInstance {
             publisher: publisher.clone(),
             seq: Default::default(),
             cost: Default::default(),
+            snapshots: handoff_discovery::Snapshots::new(cfg.id.clone()),
             max_queue: cfg.max_queue_per_dp,
             handshake_timeout: cfg.handshake_timeout,
             running: Default::default(),
@@ -169,19 +170,15 @@ impl PrefillInstance {
                     m = asks.next() => match m { Some(m) => m, None => break },
                 };
                 let Some(reply) = m.reply else { continue };
-                match serde_json::to_vec(&svc.snapshot()) {
-                    Ok(body) => {
-                        let sent = tokio::time::timeout(
-                            std::time::Duration::from_secs(2),
-                            b.publish(reply, body.into()),
-                        );
-                        match sent.await {
-                            Ok(Ok(())) => {}
-                            Ok(Err(e)) => warn!(error = %e, "KV snapshot not sent"),
-                            Err(_) => warn!("KV snapshot not sent: the bus timed out"),
-                        }
-                    }
-                    Err(e) => warn!(error = %e, "KV snapshot not encodable"),
+                let Some(body) = snapshot_reply(&svc, &m.payload) else { continue };
+                let sent = tokio::time::timeout(
+                    std::time::Duration::from_secs(2),
+                    b.publish(reply, body.into()),
+                );
+                match sent.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => warn!(error = %e, "KV snapshot page not sent"),
+                    Err(_) => warn!("KV snapshot page not sent: the bus timed out"),
                 }
             }
         });
@@ -238,6 +235,31 @@ impl PrefillInstance {
         }
         info!(instance = %self.id, left = self.service.running(), "drained");
         Ok(())
+    }
+}
+
+/// The answer to a snapshot request: the page asked for, or an empty reply when the
+/// snapshot is gone (the scheduler starts again); `None` for a request that is not one.
+fn snapshot_reply(svc: &PrefillService, payload: &[u8]) -> Option<Vec<u8>> {
+    let ask = if payload.is_empty() {
+        SnapshotAsk::default()
+    } else {
+        match serde_json::from_slice::<SnapshotAsk>(payload) {
+            Ok(a) => a,
+            Err(e) => {
+                debug!(error = %e, "malformed snapshot request ignored");
+                return None;
+            }
+        }
+    };
+    match svc.snapshot_page(ask) {
+        Ok(page) => serde_json::to_vec(&page)
+            .inspect_err(|e| warn!(error = %e, "KV snapshot page not encodable"))
+            .ok(),
+        Err(e) => {
+            debug!(error = %e, "snapshot page not served");
+            Some(Vec::new())
+        }
     }
 }
 

@@ -9,8 +9,10 @@ use futures::future::try_join_all;
 use handoff_bootstrap::Directory;
 use handoff_bootstrap::mapping::Parallel;
 use handoff_core::{InstanceId, Room, block_hashes};
+use handoff_discovery::snapshot::{PageError, Taken};
 use handoff_discovery::{
-    Heartbeat, KvEvent, KvEventKind, KvSnapshot, Publisher, events::kv_subject,
+    Heartbeat, KvEvent, KvEventKind, KvSnapshot, Publisher, SnapshotAsk, Snapshots,
+    events::kv_subject,
 };
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::v1::prefill_server::{Prefill as PrefillRpc, PrefillServer};
@@ -63,6 +65,8 @@ pub(crate) struct Inner {
     pub(crate) seq: Mutex<u64>,
     /// Measured prefill cost.
     pub(crate) cost: Mutex<TokenCost>,
+    /// Recent snapshots, served in pages.
+    pub(crate) snapshots: Snapshots,
     pub(crate) max_queue: usize,
     pub(crate) handshake_timeout: Duration,
     pub(crate) running: AtomicUsize,
@@ -191,13 +195,33 @@ impl PrefillService {
     pub fn snapshot(&self) -> KvSnapshot {
         let me = &self.inner;
         let seq = lock(&me.seq);
+        let taken = self.take(*seq);
+        KvSnapshot {
+            instance: me.id.clone(),
+            seq: taken.seq,
+            dp_blocks: taken.dp_blocks,
+            dp_parents: taken.dp_parents,
+            snapshot: 0,
+            page: 0,
+            pages: 1,
+        }
+    }
+
+    /// One page of a snapshot of the prefix caches (see [`Snapshots`]).
+    pub fn snapshot_page(&self, ask: SnapshotAsk) -> Result<KvSnapshot, PageError> {
+        // Numbering waits while the caches are read, so the snapshot is of one moment.
+        let seq = lock(&self.inner.seq);
+        self.inner.snapshots.page(ask, *seq, || self.take(*seq))
+    }
+
+    fn take(&self, seq: u64) -> Taken {
         let (mut dp_blocks, mut dp_parents) = (Vec::new(), Vec::new());
-        for d in &me.dps {
+        for d in &self.inner.dps {
             let (parents, blocks) = lock(&d.cache).blocks().into_iter().unzip();
             dp_blocks.push(blocks);
             dp_parents.push(parents);
         }
-        KvSnapshot { instance: me.id.clone(), seq: *seq, dp_blocks, dp_parents }
+        Taken { seq, dp_blocks, dp_parents }
     }
 
     /// The current load, for heartbeats.

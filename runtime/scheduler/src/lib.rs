@@ -20,13 +20,16 @@ use handoff_core::Tasks;
 use handoff_discovery::events::{
     KV_SUBJECT_PREFIX, LIVENESS_PREFIX, LOAD_PREFIX, load_subject, snapshot_subject,
 };
-use handoff_discovery::{EventBus, Heartbeat, KvEvent, KvSnapshot, LoadReport, Registry, Role};
-use tracing::warn;
+use handoff_discovery::{
+    EventBus, Heartbeat, KvEvent, KvSnapshot, LoadReport, Registry, Role, SnapshotAsk,
+};
+use tracing::{debug, warn};
 
 pub use error::{RETRY_AFTER_MS, SchedulerError};
 pub use policy::PolicyKind;
 pub use state::{
-    Ask, BookingId, BreakerConfig, Outcome, SchedulerConfig, SchedulerState, Selection, Work,
+    Ask, BookingId, BreakerConfig, MAX_BUFFERED_EVENTS, MAX_SNAPSHOT_PAGES, Outcome, Resynced,
+    SchedulerConfig, SchedulerState, Selection, Work,
 };
 
 /// A running scheduler: its state, kept current by owned watch tasks.
@@ -157,24 +160,62 @@ fn cfg_share_interval(state: &SchedulerState) -> std::time::Duration {
     state.config().load_share_interval.max(std::time::Duration::from_millis(1))
 }
 
-/// Asks an instance for its KV snapshot and applies it.
+/// Times a resync starts over (events lost while its snapshot was fetched) before it is
+/// left to the next trigger.
+const RESYNC_RESTARTS: u32 = 3;
+
+/// Fetches an instance's KV snapshot page by page and applies it (see [`Resynced`]).
 async fn resync_from_snapshot(state: &SchedulerState, bus: &dyn EventBus, id: InstanceId) {
-    let asked = bus
-        .request(snapshot_subject(&id), Default::default(), std::time::Duration::from_secs(2))
-        .await;
-    match asked.map(|b| serde_json::from_slice::<KvSnapshot>(&b)) {
-        Ok(Ok(snap)) if snap.instance == id => state.apply_snapshot(snap),
-        Ok(Ok(_)) => {
-            warn!(instance = %id, "snapshot from another instance ignored");
+    let (mut ask, mut restarts) = (SnapshotAsk::default(), 0);
+    loop {
+        let Some(page) = snapshot_page(bus, &id, ask).await else {
             state.resync_failed(&id);
+            return;
+        };
+        match state.apply_snapshot(page) {
+            Resynced::Next(next) => ask = next,
+            Resynced::Done | Resynced::Dropped => return,
+            Resynced::Again if restarts < RESYNC_RESTARTS => {
+                restarts += 1;
+                ask = SnapshotAsk::default();
+            }
+            Resynced::Again => {
+                warn!(instance = %id, "KV resync keeps losing events; left to the next trigger");
+                state.resync_failed(&id);
+                return;
+            }
         }
-        Ok(Err(e)) => {
-            warn!(instance = %id, error = %e, "malformed KV snapshot");
-            state.resync_failed(&id);
+    }
+}
+
+/// One page of `id`'s snapshot, or `None` (logged) when none came.
+async fn snapshot_page(
+    bus: &dyn EventBus,
+    id: &InstanceId,
+    ask: SnapshotAsk,
+) -> Option<KvSnapshot> {
+    let payload = serde_json::to_vec(&ask).unwrap_or_default();
+    let wait = std::time::Duration::from_secs(2);
+    let body = match bus.request(snapshot_subject(id), payload.into(), wait).await {
+        Ok(b) => b,
+        Err(e) => {
+            warn!(instance = %id, error = %e, "KV snapshot page not received; will retry on the next trigger");
+            return None;
+        }
+    };
+    if body.is_empty() {
+        debug!(instance = %id, snapshot = ask.snapshot, "snapshot no longer kept by the instance");
+        return None;
+    }
+    match serde_json::from_slice::<KvSnapshot>(&body) {
+        Ok(page) if &page.instance == id => Some(page),
+        Ok(_) => {
+            warn!(instance = %id, "snapshot from another instance ignored");
+            None
         }
         Err(e) => {
-            warn!(instance = %id, error = %e, "KV snapshot not received; will retry on the next trigger");
-            state.resync_failed(&id);
+            warn!(instance = %id, error = %e, "malformed KV snapshot page");
+            None
         }
     }
 }

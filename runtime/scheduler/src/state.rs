@@ -6,11 +6,13 @@ mod member;
 mod pending;
 mod replicas;
 mod select;
+mod sync;
 
 pub use bookings::BookingId;
 pub use pending::MAX_PENDING_BLOCKS;
 pub use replicas::MAX_REPLICAS;
 pub use select::{Ask, Outcome, Work};
+pub use sync::{MAX_BUFFERED_EVENTS, MAX_SNAPSHOT_PAGES, Resynced};
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Mutex;
@@ -18,9 +20,9 @@ use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
 use handoff_core::{BlockHash, InstanceId};
-use handoff_discovery::{Heartbeat, Instance, KvEvent, KvEventKind, KvSnapshot, Update};
+use handoff_discovery::{Heartbeat, Instance, Update};
 use handoff_kv_index::{KvIndex, WorkerKey};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::policy::{Candidate, PolicyKind, PolicyParams};
 use member::{Member, Route};
@@ -136,7 +138,7 @@ struct Inner {
     /// Open selections, each holding its load until it ends.
     bookings: bookings::Bookings,
     /// Instances whose snapshot has been asked for and not yet applied.
-    resyncing: HashSet<InstanceId>,
+    resyncing: sync::Resyncs,
     /// When any instance was last heard from: while nothing is heard from anyone, the bus is
     /// presumed down and nobody is swept out of routing.
     last_beat: Option<Instant>,
@@ -258,7 +260,7 @@ impl SchedulerState {
             load_dirty: false,
             pending: Default::default(),
             bookings: Default::default(),
-            resyncing: HashSet::new(),
+            resyncing: Default::default(),
             last_beat: None,
             bus_quiet: false,
             run: Vec::new(),
@@ -341,7 +343,7 @@ impl SchedulerState {
             info!("heartbeats heard again; liveness checks resume");
             inner.bus_quiet = false;
         }
-        (resumed || unsynced) && inner.resyncing.insert(hb.instance.clone())
+        (resumed || unsynced) && sync::start(&mut inner.resyncing, &hb.instance)
     }
 
     /// Takes instances not heard from within the liveness timeout out of routing and drops
@@ -386,74 +388,6 @@ impl SchedulerState {
             inner.silence(id);
         }
         stale
-    }
-
-    /// Replaces an instance's index entries with a snapshot of its caches.
-    pub fn apply_snapshot(&self, snap: KvSnapshot) {
-        let mut inner = self.lock();
-        inner.resyncing.remove(&snap.instance);
-        let Inner { members, index, .. } = &mut *inner;
-        let Some(m) = members.get_mut(&snap.instance) else { return };
-        if m.silent {
-            return;
-        }
-        for (dp, (slot, blocks)) in m.slots.iter().zip(&snap.dp_blocks).enumerate() {
-            index.clear_at(*slot);
-            match snap.dp_parents.get(dp).filter(|p| p.len() == blocks.len()) {
-                // Each block under its parent (listed first): the tree comes out compressed.
-                Some(parents) => {
-                    for (parent, block) in parents.iter().zip(blocks) {
-                        index.store_at(*slot, *parent, std::slice::from_ref(block));
-                    }
-                }
-                None => index.store_at(*slot, None, blocks),
-            }
-        }
-        info!(instance = %snap.instance, seq = snap.seq, "KV index resynced from snapshot");
-        m.seq = Some(snap.seq);
-    }
-
-    /// Forgets a resync that failed, so the next trigger asks again.
-    pub fn resync_failed(&self, id: &InstanceId) {
-        self.lock().resyncing.remove(id);
-    }
-
-    /// Applies a KV event from an instance. Returns whether the instance must be resynced
-    /// from a snapshot (a gap in its sequence numbers, or nothing known of it yet).
-    pub fn apply_event(&self, ev: KvEvent) -> bool {
-        let mut inner = self.lock();
-        let Inner { members, index, resyncing, .. } = &mut *inner;
-        let Some(m) = members.get_mut(&ev.instance) else {
-            debug!(instance = %ev.instance, "KV event from an unknown instance dropped");
-            return false;
-        };
-        let Some(&slot) = m.slots.get(ev.dp_rank as usize) else {
-            warn!(instance = %ev.instance, dp_rank = ev.dp_rank, "KV event for a dp rank the instance does not have");
-            return false;
-        };
-        if !m.routable() {
-            return false;
-        }
-        let last = match m.seq {
-            Some(l) => l,
-            // Nothing known yet: a first event applies as is, anything later needs a snapshot.
-            None if ev.seq == 1 => 0,
-            None => return resyncing.insert(ev.instance),
-        };
-        if ev.seq <= last {
-            return false; // already in a snapshot
-        }
-        if ev.seq != last + 1 {
-            warn!(instance = %ev.instance, last, seq = ev.seq, "KV event sequence gap; resyncing");
-            return resyncing.insert(ev.instance);
-        }
-        m.seq = Some(ev.seq);
-        match ev.kind {
-            KvEventKind::Stored { parent, blocks } => index.store_at(slot, parent, &blocks),
-            KvEventKind::Removed { blocks } => index.remove_at(slot, &blocks),
-            KvEventKind::Cleared => index.clear_at(slot),
-        }
-        false
     }
 
     /// The blocks indexed for (instance, dp rank).

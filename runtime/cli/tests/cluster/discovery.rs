@@ -11,7 +11,7 @@ use handoff_discovery::{
 
 use super::servers::Server;
 
-fn inst(id: &str) -> Instance {
+pub(crate) fn inst(id: &str) -> Instance {
     Instance {
         id: id.parse().unwrap(),
         role: Role::Prefill,

@@ -1,5 +1,5 @@
 use handoff_core::block_hashes;
-use handoff_discovery::{Role, Topology};
+use handoff_discovery::{KvEvent, KvEventKind, KvSnapshot, Role, Topology};
 
 use super::*;
 use crate::SchedulerError;
@@ -194,11 +194,14 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
     let at = |ms: u64| t0 + Duration::from_millis(ms);
     for id in ["a", "b"] {
         assert!(s.heartbeat_at(&hb(id), at(0)), "first heartbeat asks for a snapshot");
-        s.apply_snapshot(handoff_discovery::KvSnapshot {
+        s.apply_snapshot(KvSnapshot {
             instance: id.parse().unwrap(),
             seq: 0,
             dp_blocks: vec![vec![]],
             dp_parents: vec![],
+            snapshot: 0,
+            page: 0,
+            pages: 1,
         });
     }
     // a dies; b keeps beating every second.
@@ -213,11 +216,14 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
     }
     // The bus stops: last beats were a second apart, then nothing from anyone.
     assert!(s.heartbeat_at(&hb("a"), at(5000)), "a resumes: resync asked");
-    s.apply_snapshot(handoff_discovery::KvSnapshot {
+    s.apply_snapshot(KvSnapshot {
         instance: "a".parse().unwrap(),
         seq: 0,
         dp_blocks: vec![vec![]],
         dp_parents: vec![],
+        snapshot: 0,
+        page: 0,
+        pages: 1,
     });
     s.heartbeat_at(&hb("b"), at(5900));
     for ms in [8100, 8500, 9000, 12_000, 30_000] {
@@ -318,20 +324,26 @@ fn a_snapshot_with_parents_rebuilds_the_index() {
     s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
     let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
     let parents = (0..h.len()).map(|i| i.checked_sub(1).map(|p| h[p])).collect();
-    s.apply_snapshot(handoff_discovery::KvSnapshot {
+    s.apply_snapshot(KvSnapshot {
         instance: "b".parse().unwrap(),
         seq: 3,
         dp_blocks: vec![h.clone()],
         dp_parents: vec![parents],
+        snapshot: 0,
+        page: 0,
+        pages: 1,
     });
     let sel = s.select(&Ask::new(&h, 256)).unwrap();
     assert_eq!((sel.instance.id.as_str(), sel.cached_blocks), ("b", 16));
     // A snapshot without parents (an older sender) indexes the same blocks.
-    s.apply_snapshot(handoff_discovery::KvSnapshot {
+    s.apply_snapshot(KvSnapshot {
         instance: "a".parse().unwrap(),
         seq: 1,
         dp_blocks: vec![h[..8].to_vec()],
         dp_parents: vec![],
+        snapshot: 0,
+        page: 0,
+        pages: 1,
     });
     assert_eq!(s.indexed_blocks(&"a".parse().unwrap(), 0).len(), 8);
 }

@@ -1,0 +1,253 @@
+//! Keeping the index equal to each instance's prefix caches. KV events apply in sequence. A
+//! gap, or an instance first heard or heard again, starts a resync: its snapshot is fetched
+//! page by page, and events that arrive meanwhile are buffered (bounded) and replayed past
+//! the snapshot's sequence number once the last page is in, so a resync under traffic ends
+//! in sync instead of at the next gap. Pages are stored a chunk of blocks per hold of the
+//! lock, so selections never wait behind a whole page.
+
+use std::collections::HashMap;
+
+use handoff_core::InstanceId;
+use handoff_discovery::{KvEvent, KvEventKind, KvSnapshot, SnapshotAsk};
+use handoff_kv_index::KvIndex;
+use tracing::{debug, info, warn};
+
+use super::member::Member;
+use super::{Inner, SchedulerState};
+
+/// Events buffered per instance while its snapshot is fetched; beyond that the resync
+/// starts again once its snapshot is in.
+pub const MAX_BUFFERED_EVENTS: usize = 4096;
+
+/// Most pages a snapshot may have (10^8 blocks in pages of 16 Ki).
+pub const MAX_SNAPSHOT_PAGES: u32 = 8192;
+
+/// Blocks stored per hold of the state lock while a page is applied.
+const CHUNK_BLOCKS: usize = 512;
+
+/// A resync in progress.
+#[derive(Debug, Default)]
+pub(super) struct Resync {
+    /// Events heard since it began, in arrival order.
+    buffered: Vec<KvEvent>,
+    /// Events were lost for want of room.
+    overflowed: bool,
+    /// The snapshot being applied, and the page expected next.
+    applying: Option<(u64, u32)>,
+}
+
+/// Resyncs in progress, by instance.
+pub(super) type Resyncs = HashMap<InstanceId, Resync>;
+
+/// Starts a resync of `id` unless one is in progress; says whether it started.
+pub(super) fn start(resyncs: &mut Resyncs, id: &InstanceId) -> bool {
+    if resyncs.contains_key(id) {
+        return false;
+    }
+    resyncs.insert(id.clone(), Resync::default());
+    true
+}
+
+/// What to do after a snapshot page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resynced {
+    /// Ask for this page next.
+    Next(SnapshotAsk),
+    /// The index is in sync with the instance.
+    Done,
+    /// Events were lost while the snapshot was fetched: ask for a new one.
+    Again,
+    /// Not applied: the instance left or went silent meanwhile, or the page is not the one
+    /// expected.
+    Dropped,
+}
+
+/// What one event did.
+enum Step {
+    Applied,
+    Old,
+    Gap,
+}
+
+/// Applies `ev` to `m`'s slots if it is the next in sequence.
+fn apply_in_sequence(m: &mut Member, index: &mut KvIndex, ev: KvEvent) -> Step {
+    let Some(&slot) = m.slots.get(ev.dp_rank as usize) else {
+        debug!(instance = %ev.instance, dp_rank = ev.dp_rank, "KV event for a dp rank the instance does not have");
+        return Step::Old;
+    };
+    let last = match m.seq {
+        Some(l) => l,
+        // Nothing known yet: a first event applies as is, anything later needs a snapshot.
+        None if ev.seq == 1 => 0,
+        None => return Step::Gap,
+    };
+    if ev.seq <= last {
+        return Step::Old;
+    }
+    if ev.seq != last + 1 {
+        return Step::Gap;
+    }
+    m.seq = Some(ev.seq);
+    match ev.kind {
+        KvEventKind::Stored { parent, blocks } => index.store_at(slot, parent, &blocks),
+        KvEventKind::Removed { blocks } => index.remove_at(slot, &blocks),
+        KvEventKind::Cleared => index.clear_at(slot),
+    }
+    Step::Applied
+}
+
+impl SchedulerState {
+    /// Applies a KV event from an instance (or buffers it while the instance resyncs).
+    /// Returns whether a resync must start (a gap in its sequence numbers, or nothing known
+    /// of it yet).
+    pub fn apply_event(&self, ev: KvEvent) -> bool {
+        let mut inner = self.lock();
+        let Inner { members, index, resyncing, .. } = &mut *inner;
+        let Some(m) = members.get_mut(&ev.instance) else {
+            debug!(instance = %ev.instance, "KV event from an unknown instance dropped");
+            return false;
+        };
+        if !m.routable() {
+            return false;
+        }
+        if let Some(r) = resyncing.get_mut(&ev.instance) {
+            if r.buffered.len() < MAX_BUFFERED_EVENTS {
+                r.buffered.push(ev);
+            } else {
+                r.overflowed = true;
+            }
+            return false;
+        }
+        let (id, seq, last) = (ev.instance.clone(), ev.seq, m.seq);
+        match apply_in_sequence(m, index, ev) {
+            Step::Applied | Step::Old => false,
+            Step::Gap => {
+                if last.is_some() {
+                    warn!(instance = %id, ?last, seq, "KV event sequence gap; resyncing");
+                }
+                start(resyncing, &id)
+            }
+        }
+    }
+
+    /// Applies one page of an instance's snapshot. Page 0 replaces what the index holds of
+    /// the instance; after the last page the events buffered meanwhile are replayed.
+    pub fn apply_snapshot(&self, page: KvSnapshot) -> Resynced {
+        let id = page.instance.clone();
+        let Some(at) = self.begin_page(&page) else {
+            return Resynced::Dropped;
+        };
+        for (dp, blocks) in page.dp_blocks.iter().enumerate() {
+            let parents = page.dp_parents.get(dp).filter(|p| p.len() == blocks.len());
+            for from in (0..blocks.len()).step_by(CHUNK_BLOCKS) {
+                let to = (from + CHUNK_BLOCKS).min(blocks.len());
+                let mut inner = self.lock();
+                let Inner { members, index, resyncing, .. } = &mut *inner;
+                // Checked again at every chunk: the lock was let go in between.
+                let (Some(m), Some(r)) = (members.get(&id), resyncing.get(&id)) else {
+                    return Resynced::Dropped;
+                };
+                if r.applying != Some(at) || m.silent {
+                    return Resynced::Dropped;
+                }
+                let slot = m.slots[dp];
+                match parents {
+                    // Each block under its parent (listed first): the tree comes out compressed.
+                    Some(parents) => {
+                        for (parent, block) in parents[from..to].iter().zip(&blocks[from..to]) {
+                            index.store_at(slot, *parent, std::slice::from_ref(block));
+                        }
+                    }
+                    None => index.store_at(slot, None, &blocks[from..to]),
+                }
+            }
+        }
+        if page.is_last() {
+            self.finish_resync(&id, page.seq, at)
+        } else {
+            let mut inner = self.lock();
+            match inner.resyncing.get_mut(&id) {
+                Some(r) if r.applying == Some(at) => {
+                    let next = (at.0, at.1 + 1);
+                    r.applying = Some(next);
+                    Resynced::Next(SnapshotAsk { snapshot: next.0, page: next.1 })
+                }
+                _ => Resynced::Dropped,
+            }
+        }
+    }
+
+    /// Checks a page against the resync in progress (starting one at page 0, which also
+    /// clears the instance's entries). Returns the (snapshot, page) it is.
+    fn begin_page(&self, page: &KvSnapshot) -> Option<(u64, u32)> {
+        let mut inner = self.lock();
+        let Inner { members, index, resyncing, .. } = &mut *inner;
+        let id = &page.instance;
+        let Some(m) = members.get_mut(id).filter(|m| !m.silent) else {
+            resyncing.remove(id);
+            return None;
+        };
+        let valid = page.dp_blocks.len() <= m.slots.len()
+            && page.pages.max(1) <= MAX_SNAPSHOT_PAGES
+            && page.page < page.pages.max(1);
+        let r = resyncing.entry(id.clone()).or_default();
+        let at = (page.snapshot, page.page);
+        let expected = page.page == 0 || r.applying == Some(at);
+        if !valid || !expected {
+            debug!(instance = %id, snapshot = page.snapshot, page = page.page, pages = page.pages, "snapshot page not expected; resync abandoned");
+            resyncing.remove(id);
+            m.seq = None;
+            return None;
+        }
+        if page.page == 0 {
+            r.applying = Some(at);
+            m.seq = None;
+            for slot in &m.slots {
+                index.clear_at(*slot);
+            }
+        }
+        Some(at)
+    }
+
+    /// Ends the resync of `id` at snapshot sequence `seq`: replays what was buffered since
+    /// it began, past `seq`.
+    fn finish_resync(&self, id: &InstanceId, seq: u64, at: (u64, u32)) -> Resynced {
+        let mut inner = self.lock();
+        let Inner { members, index, resyncing, .. } = &mut *inner;
+        let (Some(m), Some(r)) = (members.get_mut(id), resyncing.get_mut(id)) else {
+            return Resynced::Dropped;
+        };
+        if r.applying != Some(at) || m.silent {
+            return Resynced::Dropped;
+        }
+        let mut buffered = std::mem::take(&mut r.buffered);
+        let lost = std::mem::take(&mut r.overflowed);
+        buffered.sort_by_key(|e| e.seq);
+        m.seq = Some(seq);
+        let mut gap = false;
+        for ev in buffered {
+            gap |= matches!(apply_in_sequence(m, index, ev), Step::Gap);
+        }
+        if lost || gap {
+            // Start again: buffering goes on in the fresh resync.
+            *r = Resync::default();
+            warn!(instance = %id, "KV events lost during a resync; resyncing again");
+            return Resynced::Again;
+        }
+        resyncing.remove(id);
+        info!(instance = %id, seq = m.seq.unwrap_or(seq), "KV index resynced from snapshot");
+        Resynced::Done
+    }
+
+    /// Forgets a resync that failed, so the next trigger asks again.
+    pub fn resync_failed(&self, id: &InstanceId) {
+        let mut inner = self.lock();
+        inner.resyncing.remove(id);
+        if let Some(m) = inner.members.get_mut(id) {
+            m.seq = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

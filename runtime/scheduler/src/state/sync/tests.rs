@@ -1,0 +1,186 @@
+use std::collections::{BTreeSet, VecDeque};
+
+use handoff_core::BlockHash;
+use handoff_discovery::snapshot::Taken;
+use handoff_discovery::{SnapshotAsk, Snapshots, Update};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+use crate::state::tests::inst;
+use crate::{SchedulerConfig, SchedulerState};
+
+/// A fake instance's prefix caches (named as such: the real one is the prefill's): blocks
+/// per dp rank, numbered events, and real [`Snapshots`] paging them.
+struct FakeCaches {
+    id: InstanceId,
+    dps: Vec<BTreeSet<u64>>,
+    seq: u64,
+    snapshots: Snapshots,
+}
+
+impl FakeCaches {
+    fn new(dp: usize, page_blocks: usize) -> Self {
+        let id: InstanceId = "p".parse().unwrap();
+        let snapshots = Snapshots::with_page_blocks(id.clone(), page_blocks);
+        FakeCaches { id, dps: vec![BTreeSet::new(); dp], seq: 0, snapshots }
+    }
+
+    /// A random change, as the event that announces it.
+    fn change(&mut self, rng: &mut StdRng) -> KvEvent {
+        let dp = rng.random_range(0..self.dps.len());
+        let kind = match rng.random_range(0..20) {
+            0 => {
+                self.dps[dp].clear();
+                KvEventKind::Cleared
+            }
+            1..=7 if !self.dps[dp].is_empty() => {
+                let held: Vec<u64> = self.dps[dp].iter().copied().collect();
+                let blocks: Vec<u64> = (0..rng.random_range(1..4))
+                    .map(|_| held[rng.random_range(0..held.len())])
+                    .collect();
+                blocks.iter().for_each(|b| {
+                    self.dps[dp].remove(b);
+                });
+                KvEventKind::Removed { blocks: blocks.into_iter().map(BlockHash).collect() }
+            }
+            _ => {
+                let blocks: Vec<u64> =
+                    (0..rng.random_range(1..6)).map(|_| rng.random_range(0..400)).collect();
+                self.dps[dp].extend(&blocks);
+                KvEventKind::Stored {
+                    parent: None,
+                    blocks: blocks.into_iter().map(BlockHash).collect(),
+                }
+            }
+        };
+        self.seq += 1;
+        KvEvent { instance: self.id.clone(), dp_rank: dp as u32, seq: self.seq, kind }
+    }
+
+    fn page(&self, ask: SnapshotAsk) -> KvSnapshot {
+        let take = || Taken {
+            seq: self.seq,
+            dp_blocks: self.dps.iter().map(|d| d.iter().map(|&b| BlockHash(b)).collect()).collect(),
+            dp_parents: self.dps.iter().map(|d| vec![None; d.len()]).collect(),
+        };
+        self.snapshots.page(ask, self.seq, take).unwrap()
+    }
+
+    fn held(&self, dp: usize) -> BTreeSet<BlockHash> {
+        self.dps[dp].iter().map(|&b| BlockHash(b)).collect()
+    }
+}
+
+fn indexed(s: &SchedulerState, id: &InstanceId, dp: usize) -> BTreeSet<BlockHash> {
+    s.indexed_blocks(id, dp as u32).into_iter().collect()
+}
+
+#[test]
+fn a_resync_under_traffic_ends_equal_to_the_instance() {
+    for seed in 0..40 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let s = SchedulerState::new(SchedulerConfig::default());
+        s.apply_update(Update::Reset(vec![inst("p", 2)]));
+        let mut caches = FakeCaches::new(2, rng.random_range(1..40));
+        // Events travel in order but late: some published before a page was taken arrive
+        // after it.
+        let mut wire: VecDeque<KvEvent> = VecDeque::new();
+        for _ in 0..rng.random_range(0..200) {
+            caches.change(&mut rng);
+        }
+        // The scheduler knows nothing: the first event it hears (not number 1) starts a resync.
+        wire.push_back(caches.change(&mut rng));
+        let deliver = |s: &SchedulerState, wire: &mut VecDeque<KvEvent>, n: usize| {
+            let mut started = false;
+            for ev in wire.drain(..n.min(wire.len())) {
+                started |= s.apply_event(ev);
+            }
+            started
+        };
+        assert!(deliver(&s, &mut wire, 1), "seed {seed}: a resync starts");
+        let mut ask = SnapshotAsk::default();
+        let mut rounds = 0;
+        loop {
+            for _ in 0..rng.random_range(0..30) {
+                wire.push_back(caches.change(&mut rng));
+            }
+            let n = rng.random_range(0..=wire.len());
+            assert!(!deliver(&s, &mut wire, n), "no second resync while one is in progress");
+            match s.apply_snapshot(caches.page(ask)) {
+                Resynced::Next(next) => ask = next,
+                Resynced::Done => break,
+                Resynced::Again => ask = SnapshotAsk::default(),
+                Resynced::Dropped => panic!("seed {seed}: page dropped"),
+            }
+            rounds += 1;
+            assert!(rounds < 10_000);
+        }
+        // The rest of the wire, and more traffic: the scheduler stays in step, no new resync.
+        for _ in 0..50 {
+            wire.push_back(caches.change(&mut rng));
+        }
+        let n = wire.len();
+        assert!(!deliver(&s, &mut wire, n), "seed {seed}: in sync after the resync");
+        for dp in 0..2 {
+            assert_eq!(indexed(&s, &caches.id, dp), caches.held(dp), "seed {seed} dp {dp}");
+        }
+    }
+}
+
+#[test]
+fn events_lost_from_a_full_buffer_start_the_resync_again() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("p", 1)]));
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut caches = FakeCaches::new(1, 1000);
+    caches.change(&mut rng);
+    let ev = caches.change(&mut rng);
+    assert!(s.apply_event(ev), "a gap starts a resync");
+    let first = caches.page(SnapshotAsk::default());
+    for _ in 0..MAX_BUFFERED_EVENTS + 1 {
+        s.apply_event(caches.change(&mut rng));
+    }
+    assert_eq!(s.apply_snapshot(first), Resynced::Again);
+    s.apply_event(caches.change(&mut rng)); // buffered by the fresh resync
+    assert_eq!(s.apply_snapshot(caches.page(SnapshotAsk::default())), Resynced::Done);
+    assert_eq!(indexed(&s, &caches.id, 0), caches.held(0));
+}
+
+#[test]
+fn pages_that_do_not_fit_the_resync_change_nothing_and_end_it() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("p", 1)]));
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut caches = FakeCaches::new(1, 2);
+    for _ in 0..20 {
+        caches.change(&mut rng);
+    }
+    let p0 = caches.page(SnapshotAsk::default());
+    assert!(p0.pages > 2, "{}", p0.pages);
+    let Resynced::Next(next) = s.apply_snapshot(p0.clone()) else { panic!("page 0 applies") };
+    // A page out of order, from another snapshot, past the end, or with too many ranks.
+    let skipped = SnapshotAsk { page: next.page + 1, ..next };
+    let mut bad = vec![caches.page(skipped)];
+    bad.push(KvSnapshot { snapshot: next.snapshot + 1, ..caches.page(next) });
+    bad.push(KvSnapshot { page: 5, pages: 5, ..p0.clone() });
+    bad.push(KvSnapshot { pages: MAX_SNAPSHOT_PAGES + 1, ..p0.clone() });
+    bad.push(KvSnapshot { dp_blocks: vec![vec![], vec![BlockHash(1)]], ..p0.clone() });
+    for page in bad {
+        let before = indexed(&s, &caches.id, 0);
+        // Restart a resync at page 1 of the current snapshot, then feed the bad page.
+        assert_eq!(s.apply_snapshot(p0.clone()), Resynced::Next(next));
+        let wrong = page.page != 0;
+        assert_eq!(s.apply_snapshot(page), Resynced::Dropped);
+        if wrong {
+            assert_eq!(indexed(&s, &caches.id, 0), before, "nothing stored from a wrong page");
+        }
+        // The resync is over: the next event asks for a new one.
+        assert!(s.apply_event(caches.change(&mut rng)), "resync asked again");
+        s.resync_failed(&caches.id);
+    }
+    // An instance that leaves mid-resync: its pages are dropped.
+    assert_eq!(s.apply_snapshot(p0.clone()), Resynced::Next(next));
+    s.apply_update(Update::Remove(caches.id.clone()));
+    assert_eq!(s.apply_snapshot(caches.page(next)), Resynced::Dropped);
+}
