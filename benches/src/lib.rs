@@ -61,3 +61,13 @@ pub fn fleet(w_count: u64) -> SchedulerState {
     }
     state
 }
+
+/// Reads `--flag value` pairs from the command line, handing each to `apply`.
+pub fn parse_flags(mut apply: impl FnMut(&str, &str) -> anyhow::Result<()>) -> anyhow::Result<()> {
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let val = it.next().ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))?;
+        apply(&flag, &val)?;
+    }
+    Ok(())
+}

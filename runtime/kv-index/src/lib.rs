@@ -48,6 +48,9 @@ pub struct KvIndex {
     held: Vec<usize>,
     free: Vec<u32>,
     slots: HashMap<WorkerKey, u32>,
+    /// Slots being cleared a step at a time ([`KvIndex::clean_some`]), and whether each is
+    /// retired (its worker left: the slot is reused once clear).
+    clearing: Vec<(u32, bool)>,
     entries: usize,
     max_entries: usize,
 }
@@ -68,6 +71,7 @@ impl KvIndex {
             held: Vec::new(),
             free: Vec::new(),
             slots: HashMap::new(),
+            clearing: Vec::new(),
             entries: 0,
             max_entries,
         }
@@ -126,6 +130,7 @@ impl KvIndex {
         if self.key(slot).is_none() {
             return;
         }
+        self.finish_clear(slot);
         let budget = self.max_entries.saturating_sub(self.entries);
         let added = self.tree.store(slot.0, parent, blocks, budget);
         self.entries += added;
@@ -144,6 +149,7 @@ impl KvIndex {
         if self.key(slot).is_none() {
             return;
         }
+        self.finish_clear(slot);
         let removed = self.tree.remove(slot.0, blocks);
         self.entries -= removed;
         self.held[slot.index()] -= removed;
@@ -158,12 +164,51 @@ impl KvIndex {
 
     /// [`KvIndex::clear`] by slot.
     pub fn clear_at(&mut self, slot: Slot) {
-        if self.held.get(slot.index()).is_none_or(|&h| h == 0) {
-            return;
+        self.begin_clear_at(slot);
+        self.finish_clear(slot);
+    }
+
+    /// Starts clearing `slot`, to be finished by [`KvIndex::clean_some`] a bounded step at a
+    /// time (or at once by a store or removal for it). Meanwhile it still matches what is
+    /// left of it.
+    pub fn begin_clear_at(&mut self, slot: Slot) {
+        if self.held_at(slot) > 0 && !self.clearing.iter().any(|c| c.0 == slot.0) {
+            self.clearing.push((slot.0, false));
         }
-        let removed = self.tree.clear(slot.0);
+    }
+
+    /// Finishes any clear of `slot` at once.
+    fn finish_clear(&mut self, slot: Slot) {
+        if let Some(at) = self.clearing.iter().position(|c| c.0 == slot.0) {
+            let (_, retired) = self.clearing.swap_remove(at);
+            let step = self.tree.clear_some(slot.0, usize::MAX);
+            self.cleared(slot.0, step.removed, retired);
+        }
+    }
+
+    fn cleared(&mut self, slot: u32, removed: usize, retired: bool) {
         self.entries -= removed;
-        self.held[slot.index()] = 0;
+        self.held[slot as usize] -= removed;
+        if retired {
+            self.free.push(slot);
+        }
+    }
+
+    /// Goes on with the clears begun, over at most `budget` tree nodes. Returns whether
+    /// none is left.
+    pub fn clean_some(&mut self, budget: usize) -> bool {
+        let Some(&(slot, retired)) = self.clearing.last() else { return true };
+        let step = self.tree.clear_some(slot, budget.max(1));
+        if step.done {
+            self.clearing.pop();
+        }
+        self.cleared(slot, step.removed, retired && step.done);
+        self.clearing.is_empty()
+    }
+
+    /// Whether clears begun are still going on.
+    pub fn is_cleaning(&self) -> bool {
+        !self.clearing.is_empty()
     }
 
     fn slots_of(&self, instance: &InstanceId) -> Vec<Slot> {
@@ -179,11 +224,25 @@ impl KvIndex {
 
     /// Drops every dp rank of `instance` (it left); their slots are reused.
     pub fn remove_instance(&mut self, instance: &InstanceId) {
+        let slots = self.slots_of(instance);
+        self.retire_instance(instance);
+        for slot in slots {
+            self.finish_clear(slot);
+        }
+    }
+
+    /// Drops every dp rank of `instance` (it left) at once from matches by key; what they
+    /// held is cleared by [`KvIndex::clean_some`], and their slots are reused after that.
+    pub fn retire_instance(&mut self, instance: &InstanceId) {
         for slot in self.slots_of(instance) {
-            self.clear_at(slot);
             if let Some(key) = self.keys[slot.index()].take() {
                 self.slots.remove(&key);
-                self.free.push(slot.0);
+            }
+            let held = self.held_at(slot) > 0;
+            match self.clearing.iter_mut().find(|c| c.0 == slot.0) {
+                Some(c) => c.1 = true,
+                None if held => self.clearing.push((slot.0, true)),
+                None => self.free.push(slot.0),
             }
         }
     }

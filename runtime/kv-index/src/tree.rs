@@ -42,6 +42,19 @@ pub(crate) struct Tree {
     nodes: Vec<Node>,
     free: Vec<u32>,
     map: BlockMap<Loc>,
+    /// Clears in progress, a bounded step at a time: (slot, next node to scan). While any
+    /// is, freed ids are not reused, so every node a clear has yet to reach lies at or past
+    /// its cursor: a split's head, which copies a holder set, is always a new id at the end.
+    clearing: Vec<(u32, u32)>,
+}
+
+/// What one step of a clear did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ClearStep {
+    /// (block, holder) pairs removed.
+    pub(crate) removed: usize,
+    /// Whether the slot is clear now.
+    pub(crate) done: bool,
 }
 
 /// How many leading hashes `a` and `b` share: eight at a time while whole chunks match (the
@@ -55,7 +68,8 @@ fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
 
 impl Tree {
     fn alloc(&mut self, node: Node) -> u32 {
-        match self.free.pop() {
+        let reuse = if self.clearing.is_empty() { self.free.pop() } else { None };
+        match reuse {
             Some(id) => {
                 self.nodes[id as usize] = node;
                 id
@@ -296,22 +310,37 @@ impl Tree {
         removed
     }
 
-    /// Drops `slot` as a holder everywhere. Returns the (block, holder) pairs removed.
-    pub(crate) fn clear(&mut self, slot: u32) -> usize {
-        let mut removed = 0;
-        let mut emptied = Vec::new();
-        for (id, n) in self.nodes.iter_mut().enumerate() {
+    /// Drops `slot` as a holder everywhere, going on (or starting) over at most `budget` more
+    /// nodes. Nothing may be stored for `slot` until it is done.
+    pub(crate) fn clear_some(&mut self, slot: u32, budget: usize) -> ClearStep {
+        let at = match self.clearing.iter().position(|c| c.0 == slot) {
+            Some(at) => at,
+            None => {
+                self.clearing.push((slot, 0));
+                self.clearing.len() - 1
+            }
+        };
+        let from = self.clearing[at].1 as usize;
+        let to = from.saturating_add(budget).min(self.nodes.len());
+        let (mut removed, mut emptied) = (0, Vec::new());
+        for (id, n) in self.nodes[from..to].iter_mut().enumerate() {
             if n.holders.remove(slot) {
                 removed += n.blocks.len();
                 if n.holders.is_empty() {
-                    emptied.push(id as u32);
+                    emptied.push((from + id) as u32);
                 }
             }
         }
         for id in emptied {
             self.prune(id);
         }
-        removed
+        let done = to >= self.nodes.len();
+        if done {
+            self.clearing.swap_remove(at);
+        } else {
+            self.clearing[at].1 = to as u32;
+        }
+        ClearStep { removed, done }
     }
 
     /// The blocks `slot` holds.

@@ -15,13 +15,13 @@ pub use select::{Ask, Outcome, Work};
 pub use sync::{MAX_BUFFERED_EVENTS, MAX_SNAPSHOT_PAGES, Resynced};
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::Mutex;
 use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
 use handoff_core::{BlockHash, InstanceId};
 use handoff_discovery::{Heartbeat, Instance, Update};
 use handoff_kv_index::{KvIndex, WorkerKey};
+use parking_lot::{Mutex, MutexGuard};
 use tracing::{info, warn};
 
 use crate::policy::{Candidate, PolicyKind, PolicyParams};
@@ -99,6 +99,9 @@ impl Default for SchedulerConfig {
         }
     }
 }
+
+/// Index tree nodes scanned per hold of the lock while clearing (a few microseconds).
+const CLEAN_NODES: usize = 512;
 
 /// Where a request goes.
 #[derive(Debug, Clone, PartialEq)]
@@ -196,7 +199,7 @@ impl Inner {
                 self.load[s.index()] = Load::default();
                 self.routes[s.index()] = Route::default();
             }
-            self.index.remove_instance(id);
+            self.index.retire_instance(id);
             self.forget_remote_slots(&m.slots);
             self.pending.forget(&m.slots);
             self.bookings.forget_instance(id);
@@ -217,7 +220,9 @@ impl Inner {
         self.pending.forget(&m.slots);
         self.bookings.forget_instance(id);
         self.load_dirty = true;
-        self.index.clear_instance(id);
+        for s in &m.slots {
+            self.index.begin_clear_at(*s);
+        }
         self.sync(id);
     }
 }
@@ -274,8 +279,21 @@ impl SchedulerState {
         &self.cfg
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock()
+    }
+
+    /// Finishes the index clears begun (instances gone, silent, cleared or resyncing) a
+    /// bounded step per hold of the lock, so selections wait for one step at most.
+    fn settle_index(&self) {
+        loop {
+            let mut inner = self.lock();
+            if inner.index.clean_some(CLEAN_NODES) {
+                return;
+            }
+            // Handed to a waiting selection, not taken straight back.
+            MutexGuard::unlock_fair(inner);
+        }
     }
 
     /// Applies a discovery update.
@@ -312,6 +330,8 @@ impl SchedulerState {
                 inner.drop_member(&id);
             }
         }
+        drop(inner);
+        self.settle_index();
     }
 
     /// Applies a heartbeat. Returns whether the instance's index must be resynced from a
@@ -387,6 +407,8 @@ impl SchedulerState {
             warn!(instance = %id, "no heartbeat for {timeout:?}; out of routing");
             inner.silence(id);
         }
+        drop(inner);
+        self.settle_index();
         stale
     }
 

@@ -23,7 +23,7 @@ pub const MAX_BUFFERED_EVENTS: usize = 4096;
 pub const MAX_SNAPSHOT_PAGES: u32 = 8192;
 
 /// Blocks stored per hold of the state lock while a page is applied.
-const CHUNK_BLOCKS: usize = 512;
+const CHUNK_BLOCKS: usize = 64;
 
 /// A resync in progress.
 #[derive(Debug, Default)]
@@ -91,7 +91,7 @@ fn apply_in_sequence(m: &mut Member, index: &mut KvIndex, ev: KvEvent) -> Step {
     match ev.kind {
         KvEventKind::Stored { parent, blocks } => index.store_at(slot, parent, &blocks),
         KvEventKind::Removed { blocks } => index.remove_at(slot, &blocks),
-        KvEventKind::Cleared => index.clear_at(slot),
+        KvEventKind::Cleared => index.begin_clear_at(slot),
     }
     Step::Applied
 }
@@ -120,6 +120,11 @@ impl SchedulerState {
         }
         let (id, seq, last) = (ev.instance.clone(), ev.seq, m.seq);
         match apply_in_sequence(m, index, ev) {
+            Step::Applied if index.is_cleaning() => {
+                drop(inner);
+                self.settle_index();
+                false
+            }
             Step::Applied | Step::Old => false,
             Step::Gap => {
                 if last.is_some() {
@@ -137,6 +142,8 @@ impl SchedulerState {
         let Some(at) = self.begin_page(&page) else {
             return Resynced::Dropped;
         };
+        // Page 0 began clearing the instance: done before its blocks are stored.
+        self.settle_index();
         for (dp, blocks) in page.dp_blocks.iter().enumerate() {
             let parents = page.dp_parents.get(dp).filter(|p| p.len() == blocks.len());
             for from in (0..blocks.len()).step_by(CHUNK_BLOCKS) {
@@ -160,10 +167,14 @@ impl SchedulerState {
                     }
                     None => index.store_at(slot, None, &blocks[from..to]),
                 }
+                // Handed to a waiting selection, not taken straight back.
+                parking_lot::MutexGuard::unlock_fair(inner);
             }
         }
         if page.is_last() {
-            self.finish_resync(&id, page.seq, at)
+            let done = self.finish_resync(&id, page.seq, at);
+            self.settle_index();
+            done
         } else {
             let mut inner = self.lock();
             match inner.resyncing.get_mut(&id) {
@@ -203,7 +214,7 @@ impl SchedulerState {
             r.applying = Some(at);
             m.seq = None;
             for slot in &m.slots {
-                index.clear_at(*slot);
+                index.begin_clear_at(*slot);
             }
         }
         Some(at)
