@@ -150,6 +150,22 @@ pub struct LoadReport {
     pub replica: String,
     /// Its in-flight load per (instance, dp rank); workers it has nothing on are left out.
     pub loads: Vec<WorkerLoad>,
+    /// Prompts it routed since its last report, so the others price them as cached where
+    /// they went (and do not send the same new prefix to a second cold instance). Optional
+    /// on the wire.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub routed: Vec<RoutedPrefix>,
+}
+
+/// A prompt routed to an (instance, dp rank) and not yet known to be cached there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoutedPrefix {
+    /// The instance.
+    pub instance: InstanceId,
+    /// Its dp rank.
+    pub dp_rank: u32,
+    /// The prompt's leading block hashes (chained).
+    pub blocks: Vec<BlockHash>,
 }
 
 /// One replica's load on one (instance, dp rank).

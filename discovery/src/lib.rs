@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 pub use error::DiscoveryError;
 pub use etcd::EtcdRegistry;
 pub use events::{
-    Heartbeat, KvEvent, KvEventKind, KvSnapshot, LoadReport, SnapshotAsk, WorkerLoad,
+    Heartbeat, KvEvent, KvEventKind, KvSnapshot, LoadReport, RoutedPrefix, SnapshotAsk, WorkerLoad,
 };
 pub use memory::{MemoryBus, MemoryRegistry};
 pub use nats::NatsBus;

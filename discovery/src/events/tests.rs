@@ -31,8 +31,20 @@ fn load_reports_round_trip() {
             in_flight: 2,
             queued_tokens: 300,
         }],
+        routed: vec![],
     };
     let json = serde_json::to_vec(&r).unwrap();
     assert_eq!(serde_json::from_slice::<LoadReport>(&json).unwrap(), r);
+    assert!(!String::from_utf8_lossy(&json).contains("routed"), "optional on the wire");
+    let with = LoadReport {
+        routed: vec![crate::RoutedPrefix {
+            instance: "p1".parse().unwrap(),
+            dp_rank: 1,
+            blocks: vec![handoff_core::BlockHash(7), handoff_core::BlockHash(8)],
+        }],
+        ..r.clone()
+    };
+    let json = serde_json::to_vec(&with).unwrap();
+    assert_eq!(serde_json::from_slice::<LoadReport>(&json).unwrap(), with);
     assert_eq!(load_subject(&r.replica), "handoff.v1.load.0123456789abcdef");
 }

@@ -136,6 +136,8 @@ struct Inner {
     remote: replicas::Remotes,
     /// Own load changed since the last load report.
     load_dirty: bool,
+    /// Prompts routed since the last load report.
+    routed: replicas::Routed,
     /// Prompts routed and not yet reported, priced as cached where they went.
     pending: pending::Pending,
     /// Open selections, each holding its load until it ends.
@@ -263,6 +265,7 @@ impl SchedulerState {
             remote_load: Vec::new(),
             remote: Default::default(),
             load_dirty: false,
+            routed: Default::default(),
             pending: Default::default(),
             bookings: Default::default(),
             resyncing: Default::default(),

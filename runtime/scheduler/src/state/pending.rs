@@ -4,7 +4,8 @@
 //! stored by then) instead of each computing its own cold copy elsewhere.
 //!
 //! An entry lives until its booking ends (reported, expired, or its instance gone), or its
-//! TTL passes. At most
+//! TTL passes. Other replicas' routed prompts (from their load reports) are noted too, with
+//! a shorter TTL. At most
 //! [`MAX_PENDING_BLOCKS`] hashes are held; beyond that new prompts are not noted.
 
 use std::collections::{HashMap, VecDeque};
@@ -17,7 +18,11 @@ use handoff_kv_index::Slot;
 pub const MAX_PENDING_BLOCKS: usize = 1 << 20;
 
 /// How long an unreported prompt is presumed in progress.
-const TTL: Duration = Duration::from_secs(30);
+pub(super) const TTL: Duration = Duration::from_secs(30);
+
+/// How long a prompt another replica routed is presumed in progress (its booking's end is
+/// not heard of here; by then the instance's KV events have told where it is cached).
+pub(super) const REMOTE_TTL: Duration = Duration::from_secs(10);
 
 /// Most pending prompts compared per selection (the most recent sharing the first block).
 const SCAN: usize = 256;
@@ -58,9 +63,16 @@ pub(super) struct Pending {
 }
 
 impl Pending {
-    /// Notes that a prompt with `hashes` was routed to `slot`; returns the entry's id, or
-    /// `None` when nothing was noted (no full page, or the table is full).
-    pub(super) fn note(&mut self, slot: Slot, hashes: &[BlockHash], now: Instant) -> Option<u64> {
+    /// Notes that a prompt with `hashes` was routed to `slot`, presumed in progress for
+    /// `ttl`; returns the entry's id, or `None` when nothing was noted (no full page, or the
+    /// table is full).
+    pub(super) fn note(
+        &mut self,
+        slot: Slot,
+        hashes: &[BlockHash],
+        now: Instant,
+        ttl: Duration,
+    ) -> Option<u64> {
         let &first = hashes.first()?;
         if self.blocks + hashes.len() > MAX_PENDING_BLOCKS {
             self.expire(now);
@@ -71,7 +83,7 @@ impl Pending {
         let id = self.next;
         self.next += 1;
         self.blocks += hashes.len();
-        self.entries.insert(id, Entry { slot, hashes: hashes.into(), until: now + TTL });
+        self.entries.insert(id, Entry { slot, hashes: hashes.into(), until: now + ttl });
         self.by_first.entry(first).or_default().push(id);
         self.by_slot.entry(slot).or_default().push_back(id);
         Some(id)

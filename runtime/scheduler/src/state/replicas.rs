@@ -2,13 +2,16 @@
 //! events, and they share in-flight load so they do not all pile onto the instance that
 //! looks idle to each alone. A replica publishes its own load per (instance, dp rank) as
 //! absolute values (a lost report is healed by the next), and adds the others' latest
-//! reports to its own when it prices candidates. A replica not heard from within the
-//! liveness timeout is forgotten, and at most [`MAX_REPLICAS`] are tracked.
+//! reports to its own when it prices candidates. Each report also carries the prompts the
+//! replica routed since its last one, which the others note as pending where they went, so
+//! two replicas do not send the same new prefix to two cold instances. A replica not heard
+//! from within the liveness timeout is forgotten, and at most [`MAX_REPLICAS`] are tracked.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
-use handoff_discovery::{LoadReport, WorkerLoad};
+use handoff_core::BlockHash;
+use handoff_discovery::{LoadReport, RoutedPrefix, WorkerLoad};
 use handoff_kv_index::{Slot, WorkerKey};
 use tracing::{info, warn};
 
@@ -19,6 +22,41 @@ pub const MAX_REPLICAS: usize = 64;
 
 /// Longest replica name accepted.
 const MAX_REPLICA_NAME: usize = 64;
+
+/// Most leading blocks of one routed prompt shared (a prefix of a prompt is a prompt).
+const MAX_SHARED_PREFIX: usize = 1024;
+
+/// Most blocks of routed prompts in one report (about 350 KiB of JSON); prompts routed
+/// beyond that before the next report are not shared.
+const MAX_SHARED_BLOCKS: usize = 16_384;
+
+/// Prompts this replica routed since its last report.
+#[derive(Debug, Default)]
+pub(super) struct Routed {
+    prefixes: Vec<RoutedPrefix>,
+    blocks: usize,
+}
+
+impl Routed {
+    /// Adds a prompt routed to `key`, if the next report has room for it.
+    pub(super) fn push(&mut self, key: &WorkerKey, hashes: &[BlockHash]) {
+        let blocks = &hashes[..hashes.len().min(MAX_SHARED_PREFIX)];
+        if self.blocks + blocks.len() > MAX_SHARED_BLOCKS {
+            return;
+        }
+        self.blocks += blocks.len();
+        self.prefixes.push(RoutedPrefix {
+            instance: key.instance.clone(),
+            dp_rank: key.dp_rank,
+            blocks: blocks.to_vec(),
+        });
+    }
+
+    fn take(&mut self) -> Vec<RoutedPrefix> {
+        self.blocks = 0;
+        std::mem::take(&mut self.prefixes)
+    }
+}
 
 /// Another replica's latest report, resolved to slots.
 #[derive(Debug)]
@@ -48,6 +86,26 @@ impl Inner {
             r.loads.retain(|(s, _)| !slots.contains(s));
         }
         self.rebuild_remote();
+    }
+
+    /// Notes another replica's routed prompts as pending where they went (unknown workers
+    /// skipped; at most a report's worth).
+    fn note_routed(&mut self, routed: &[RoutedPrefix]) {
+        let now = Instant::now();
+        let mut blocks = 0;
+        for r in routed {
+            let hashes = &r.blocks[..r.blocks.len().min(MAX_SHARED_PREFIX)];
+            blocks += hashes.len();
+            if blocks > MAX_SHARED_BLOCKS {
+                return;
+            }
+            let key = WorkerKey { instance: r.instance.clone(), dp_rank: r.dp_rank };
+            if let Some(slot) =
+                self.index.slot(&key).filter(|_| self.members.contains_key(&key.instance))
+            {
+                self.pending.note(slot, hashes, now, super::pending::REMOTE_TTL);
+            }
+        }
     }
 
     /// Forgets replicas not heard from since `before`.
@@ -89,7 +147,7 @@ impl SchedulerState {
                 }
             }
         }
-        Some(LoadReport { replica: me.to_owned(), loads })
+        Some(LoadReport { replica: me.to_owned(), loads, routed: inner.routed.take() })
     }
 
     /// Applies another replica's load report (this replica's own, `me`, is ignored).
@@ -107,6 +165,7 @@ impl SchedulerState {
             warn!(replica = %report.replica, "too many scheduler replicas; load report dropped");
             return;
         }
+        inner.note_routed(&report.routed);
         let mut loads = Vec::with_capacity(report.loads.len().min(inner.load.len()));
         for w in report.loads {
             let key = WorkerKey { instance: w.instance, dp_rank: w.dp_rank };

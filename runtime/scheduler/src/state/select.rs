@@ -10,6 +10,7 @@ use tracing::debug;
 
 use super::admission::{self, Budget};
 use super::bookings::{Booking, BookingId};
+use super::pending;
 use super::{Inner, SchedulerState, Selection};
 use crate::SchedulerError;
 use crate::policy::{Candidate, PolicyKind, Request};
@@ -144,6 +145,7 @@ impl SchedulerState {
             load_dirty,
             pending,
             bookings,
+            routed,
             ..
         } = &mut *inner;
         let hashes = ask.hashes;
@@ -228,7 +230,10 @@ impl SchedulerState {
         l.in_flight += 1;
         l.queued_tokens += work;
         *load_dirty = true;
-        let noted = pending.note(c.slot, hashes, now);
+        let noted = pending.note(c.slot, hashes, now, pending::TTL);
+        if noted.is_some() {
+            routed.push(&key, hashes);
+        }
         let ttl = ask.deadline.unwrap_or(self.cfg.booking_ttl) + self.cfg.booking_grace;
         let booking = bookings.open(Booking {
             slot: c.slot,

@@ -270,13 +270,22 @@ fn replicas_price_each_others_load_and_forget_silent_ones() {
         s.apply_update(Update::Reset(vec![inst("x", 1), inst("y", 1)]));
     }
     let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    let other = block_hashes(&(1000..1256).collect::<Vec<_>>(), 16);
     let first = a.select(&Ask::new(&h, 256)).unwrap().instance.id;
-    // Alone, b would make the same first choice; with a's load it goes elsewhere.
+    // Alone, b would make the same first choice for another prompt; with a's load it goes
+    // elsewhere.
     let report = a.load_report("ra", false).unwrap();
-    assert_eq!(report.loads.len(), 1);
+    assert_eq!((report.loads.len(), report.routed.len()), (1, 1));
     assert!(a.load_report("ra", false).is_none(), "unchanged: nothing to say");
+    assert!(b.select(&Ask::new(&other, 256)).is_ok_and(|s| {
+        b.report(s.booking, Outcome::Cancelled);
+        s.instance.id == first
+    }));
     b.apply_load_report(report.clone(), "rb");
-    assert_ne!(b.select(&Ask::new(&h, 256)).unwrap().instance.id, first);
+    assert_ne!(b.select(&Ask::new(&other, 256)).unwrap().instance.id, first);
+    // The same new prompt goes where a sent it, priced as cached there: not computed twice.
+    let same = b.select(&Ask::new(&h, 256)).unwrap();
+    assert_eq!((same.instance.id.clone(), same.cached_blocks), (first.clone(), 16));
     // Its own report, a bad name, or unknown workers change nothing.
     b.apply_load_report(report.clone(), "ra");
     let mut bad = report.clone();
