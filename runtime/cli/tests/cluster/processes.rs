@@ -134,6 +134,8 @@ struct Load {
     stop: Arc<AtomicBool>,
     ok: Arc<AtomicUsize>,
     failed: Arc<AtomicUsize>,
+    /// Each answered request: when it started, and how long it took.
+    took: Arc<std::sync::Mutex<Vec<(Instant, Duration)>>>,
     workers: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -141,15 +143,20 @@ impl Load {
     fn start(client: &GenerateClient<tonic::transport::Channel>) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let took = Arc::new(std::sync::Mutex::new(Vec::new()));
         let workers = (0..4u32)
             .map(|w| {
-                let (stop, ok, failed, mut c) =
-                    (stop.clone(), ok.clone(), failed.clone(), client.clone());
+                let (stop, ok, failed, took, mut c) =
+                    (stop.clone(), ok.clone(), failed.clone(), took.clone(), client.clone());
                 tokio::spawn(async move {
                     let mut i = 0;
                     while !stop.load(Ordering::Relaxed) {
+                        let started = Instant::now();
                         match one(&mut c, 1000 + w * 100_000 + i).await {
-                            Ok(_) => ok.fetch_add(1, Ordering::Relaxed),
+                            Ok(_) => {
+                                took.lock().unwrap().push((started, started.elapsed()));
+                                ok.fetch_add(1, Ordering::Relaxed)
+                            }
                             Err(e) => {
                                 eprintln!("lost: {e}");
                                 failed.fetch_add(1, Ordering::Relaxed)
@@ -160,7 +167,22 @@ impl Load {
                 })
             })
             .collect();
-        Load { stop, ok, failed, workers }
+        Load { stop, ok, failed, took, workers }
+    }
+
+    /// Median and longest latency of the requests started within `[from, to)`, and how many.
+    fn latency(&self, from: Instant, to: Instant) -> (Duration, Duration, usize) {
+        let mut t: Vec<Duration> = self
+            .took
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(s, _)| *s >= from && *s < to)
+            .map(|(_, d)| *d)
+            .collect();
+        t.sort();
+        let n = t.len();
+        (t.get(n / 2).copied().unwrap_or_default(), t.last().copied().unwrap_or_default(), n)
     }
 
     /// Stops and returns (ok, failed).
@@ -209,12 +231,29 @@ async fn etcd_and_nats_restarts_under_load_lose_no_request() {
     f.etcd.stop();
     tokio::time::sleep(Duration::from_secs(3)).await;
     f.etcd.start();
-    // NATS away for 5 s, longer than the 3 s liveness timeout: silence from every instance
-    // at once is the bus, so nobody is taken out of routing.
+    // NATS away for 30 s, ten times the 3 s liveness timeout: silence from every instance
+    // at once is the bus, so nobody is taken out of routing, and no prefill waits on a
+    // publish (KV events and heartbeats leave through a bounded queue with a timeout).
+    let steady = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let away = Instant::now();
     f.nats.stop();
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
     assert_eq!(f.routable().await.len(), 2, "routing goes on with the last known state");
+    let back = Instant::now();
     f.nats.start();
+    let (before_p50, before_max, before_n) = load.latency(steady, away);
+    let (during_p50, during_max, during_n) = load.latency(away, back);
+    eprintln!(
+        "request latency before NATS stopped: p50 {before_p50:?} max {before_max:?} ({before_n}); \
+         during its 30 s away: p50 {during_p50:?} max {during_max:?} ({during_n})"
+    );
+    assert!(during_n > 10, "requests flowed while NATS was away");
+    // Generous: what it replaces is a request hung for the whole outage.
+    assert!(
+        during_max < Duration::from_secs(5),
+        "a request took {during_max:?} while NATS was away"
+    );
     tokio::time::sleep(Duration::from_secs(3)).await;
     f.wait_routable(2, Duration::from_secs(10)).await;
     let (ok, failed) = load.finish().await;
@@ -277,10 +316,45 @@ async fn a_killed_scheduler_replica_costs_no_request() {
     }
     let resumed = killed.elapsed();
     tokio::time::sleep(Duration::from_secs(2)).await;
+    // What routing around the dead replica cost: the slowest request in flight at the kill
+    // or started within 2 s after, against the slowest before.
+    let (p50, before_max, _) = load.latency(killed - Duration::from_millis(400), killed);
+    let (_, around_max, _) =
+        load.latency(killed - Duration::from_millis(50), killed + Duration::from_secs(2));
     let (ok, failed) = load.finish().await;
     eprintln!(
-        "scheduler replica killed: 4 requests served {resumed:?} after; {ok} ok, {failed} failed"
+        "scheduler replica killed: 4 requests served {resumed:?} after; slowest request around \
+         the kill {around_max:?} (before: p50 {p50:?}, max {before_max:?}); {ok} ok, {failed} failed"
     );
     assert_eq!(failed, 0, "no request lost");
     assert!(ok > before + 20, "requests kept flowing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_scheduler_replica_costs_a_select_timeout_not_a_request() {
+    let f = Fleet::start_with(2).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let load = Load::start(&f.client);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let second = f.second_scheduler.as_ref().expect("two replicas");
+    let pid = second.child.id().to_string();
+    let signal = |sig: &str| {
+        let status = std::process::Command::new("kill").args([sig, &pid]).status().unwrap();
+        assert!(status.success(), "kill {sig}");
+    };
+    // SIGSTOP: a hung process, not a dead one: its connections stay open and answer nothing.
+    let stopped = Instant::now();
+    signal("-STOP");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    signal("-CONT");
+    let (p50, before_max, _) = load.latency(stopped - Duration::from_millis(400), stopped);
+    let (_, hung_max, n) =
+        load.latency(stopped - Duration::from_millis(50), stopped + Duration::from_secs(4));
+    let (ok, failed) = load.finish().await;
+    eprintln!(
+        "scheduler replica hung 4 s: slowest request meanwhile {hung_max:?} of {n} (before: p50 \
+         {p50:?}, max {before_max:?}); {ok} ok, {failed} failed"
+    );
+    assert_eq!(failed, 0, "no request lost");
+    assert!(n > 20, "requests kept flowing while a replica hung");
 }
