@@ -9,6 +9,7 @@
 
 mod error;
 pub mod policy;
+mod rejects;
 pub mod service;
 pub mod state;
 
@@ -24,6 +25,8 @@ use handoff_discovery::{
     EventBus, Heartbeat, KvEvent, KvSnapshot, LoadReport, Registry, Role, SnapshotAsk,
 };
 use tracing::{debug, warn};
+
+use rejects::Reject;
 
 pub use error::{RETRY_AFTER_MS, SchedulerError};
 pub use policy::PolicyKind;
@@ -89,7 +92,7 @@ impl Scheduler {
                                 s.apply_event(ev).then_some(id)
                             }
                             Err(e) => {
-                                warn!(subject = %m.subject, error = %e, "malformed KV event dropped");
+                                s.rejects().note(Reject::MalformedEvent, &format_args!("{}: {e}", m.subject));
                                 None
                             }
                         },
@@ -99,7 +102,7 @@ impl Scheduler {
                         Some(m) => match serde_json::from_slice::<Heartbeat>(&m.payload) {
                             Ok(hb) => s.heartbeat(&hb).then_some(hb.instance),
                             Err(e) => {
-                                warn!(subject = %m.subject, error = %e, "malformed heartbeat dropped");
+                                s.rejects().note(Reject::MalformedHeartbeat, &format_args!("{}: {e}", m.subject));
                                 None
                             }
                         },
@@ -135,7 +138,7 @@ impl Scheduler {
                     m = peers.next() => match m {
                         Some(m) => match serde_json::from_slice::<LoadReport>(&m.payload) {
                             Ok(r) => s.apply_load_report(r, &me),
-                            Err(e) => warn!(subject = %m.subject, error = %e, "malformed load report dropped"),
+                            Err(e) => s.rejects().note(Reject::MalformedLoadReport, &format_args!("{}: {e}", m.subject)),
                         },
                         None => break,
                     },
@@ -168,7 +171,7 @@ const RESYNC_RESTARTS: u32 = 3;
 async fn resync_from_snapshot(state: &SchedulerState, bus: &dyn EventBus, id: InstanceId) {
     let (mut ask, mut restarts) = (SnapshotAsk::default(), 0);
     loop {
-        let Some(page) = snapshot_page(bus, &id, ask).await else {
+        let Some(page) = snapshot_page(state, bus, &id, ask).await else {
             state.resync_failed(&id);
             return;
         };
@@ -190,6 +193,7 @@ async fn resync_from_snapshot(state: &SchedulerState, bus: &dyn EventBus, id: In
 
 /// One page of `id`'s snapshot, or `None` (logged) when none came.
 async fn snapshot_page(
+    state: &SchedulerState,
     bus: &dyn EventBus,
     id: &InstanceId,
     ask: SnapshotAsk,
@@ -210,11 +214,11 @@ async fn snapshot_page(
     match serde_json::from_slice::<KvSnapshot>(&body) {
         Ok(page) if &page.instance == id => Some(page),
         Ok(_) => {
-            warn!(instance = %id, "snapshot from another instance ignored");
+            state.rejects().note(Reject::ForeignSnapshot, &format_args!("asked {id}"));
             None
         }
         Err(e) => {
-            warn!(instance = %id, error = %e, "malformed KV snapshot page");
+            state.rejects().note(Reject::MalformedSnapshot, &format_args!("{id}: {e}"));
             None
         }
     }

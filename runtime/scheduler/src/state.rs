@@ -234,6 +234,8 @@ impl Inner {
 pub struct SchedulerState {
     cfg: SchedulerConfig,
     inner: Mutex<Inner>,
+    /// Bad input seen, logged once per kind.
+    rejects: crate::rejects::Rejects,
     tick: AtomicUsize,
 }
 
@@ -274,12 +276,22 @@ impl SchedulerState {
             run: Vec::new(),
             candidates: Vec::new(),
         };
-        SchedulerState { cfg, inner: Mutex::new(inner), tick: AtomicUsize::new(0) }
+        SchedulerState {
+            cfg,
+            inner: Mutex::new(inner),
+            rejects: Default::default(),
+            tick: AtomicUsize::new(0),
+        }
     }
 
     /// The settings.
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
+    }
+
+    /// Bad input seen, logged once per kind.
+    pub(crate) fn rejects(&self) -> &crate::rejects::Rejects {
+        &self.rejects
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {

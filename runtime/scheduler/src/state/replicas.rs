@@ -13,9 +13,10 @@ use std::time::Instant;
 use handoff_core::BlockHash;
 use handoff_discovery::{LoadReport, RoutedPrefix, WorkerLoad};
 use handoff_kv_index::{Slot, WorkerKey};
-use tracing::{info, warn};
+use tracing::info;
 
 use super::{Inner, Load, SchedulerState};
+use crate::rejects::Reject;
 
 /// Most other replicas tracked.
 pub const MAX_REPLICAS: usize = 64;
@@ -73,8 +74,8 @@ impl Inner {
         for r in self.remote.values() {
             for (slot, l) in &r.loads {
                 if let Some(t) = self.remote_load.get_mut(slot.index()) {
-                    t.in_flight += l.in_flight;
-                    t.queued_tokens += l.queued_tokens;
+                    t.in_flight = t.in_flight.saturating_add(l.in_flight);
+                    t.queued_tokens = t.queued_tokens.saturating_add(l.queued_tokens);
                 }
             }
         }
@@ -157,12 +158,16 @@ impl SchedulerState {
             return;
         }
         if report.replica.is_empty() || report.replica.len() > MAX_REPLICA_NAME {
-            warn!("load report with a bad replica name dropped");
+            let name: String = report.replica.chars().take(MAX_REPLICA_NAME).collect();
+            self.rejects.note(Reject::BadReplicaName, &format_args!("{name:?}"));
             return;
         }
         let mut inner = self.lock();
         if !inner.remote.contains_key(&report.replica) && inner.remote.len() >= MAX_REPLICAS {
-            warn!(replica = %report.replica, "too many scheduler replicas; load report dropped");
+            self.rejects.note(
+                Reject::TooManyReplicas,
+                &format_args!("{} (at most {MAX_REPLICAS})", report.replica),
+            );
             return;
         }
         inner.note_routed(&report.routed);
@@ -190,8 +195,8 @@ impl SchedulerState {
         }
         for (slot, l) in loads {
             if let Some(t) = remote_load.get_mut(slot.index()) {
-                t.in_flight += l.in_flight;
-                t.queued_tokens += l.queued_tokens;
+                t.in_flight = t.in_flight.saturating_add(l.in_flight);
+                t.queued_tokens = t.queued_tokens.saturating_add(l.queued_tokens);
             }
         }
     }

@@ -14,6 +14,7 @@ use super::pending;
 use super::{Inner, SchedulerState, Selection};
 use crate::SchedulerError;
 use crate::policy::{Candidate, PolicyKind, Request};
+use crate::rejects::Reject;
 
 /// How an attempt ended, as far as its instance is concerned (the wire's `Outcome`). Only
 /// [`Outcome::InstanceFault`] counts against the instance's circuit breaker: overload,
@@ -182,8 +183,8 @@ impl SchedulerState {
                     slot,
                     ring: route.ring,
                     overlap_blocks: overlap as usize,
-                    queued_tokens: l.queued_tokens + r.queued_tokens,
-                    in_flight: l.in_flight + r.in_flight,
+                    queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
+                    in_flight: l.in_flight.saturating_add(r.in_flight),
                 });
             }
             // Panic threshold: failures alone never eject more than half of the fleet; past
@@ -261,7 +262,13 @@ impl SchedulerState {
     pub fn report(&self, booking: BookingId, outcome: Outcome) -> bool {
         let mut inner = self.lock();
         let Some(b) = inner.bookings.close(booking) else {
-            debug!(booking = booking.0, ?outcome, "report for a booking that is not open");
+            self.rejects.note(
+                Reject::UnknownBooking,
+                &format_args!(
+                    "booking {} ({outcome:?}): already ended, expired, or never made",
+                    booking.0
+                ),
+            );
             return false;
         };
         inner.release(&b);

@@ -14,6 +14,7 @@ use tracing::{debug, info, warn};
 
 use super::member::Member;
 use super::{Inner, SchedulerState};
+use crate::rejects::Reject;
 
 /// Events buffered per instance while its snapshot is fetched; beyond that the resync
 /// starts again once its snapshot is in.
@@ -127,8 +128,9 @@ impl SchedulerState {
             }
             Step::Applied | Step::Old => false,
             Step::Gap => {
-                if last.is_some() {
-                    warn!(instance = %id, ?last, seq, "KV event sequence gap; resyncing");
+                if let Some(last) = last {
+                    let gap = format_args!("{id}: event {seq} after {last}; resyncing");
+                    self.rejects().note(Reject::SequenceGap, &gap);
                 }
                 start(resyncing, &id)
             }

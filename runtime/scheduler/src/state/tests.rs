@@ -295,6 +295,17 @@ fn replicas_price_each_others_load_and_forget_silent_ones() {
     unknown.loads[0].instance = "zz".parse().unwrap();
     unknown.replica = "rc".into();
     b.apply_load_report(unknown, "rb");
+    // Overflowing loads from two replicas: saturated, nothing panics, selection goes on.
+    for name in ["huge1", "huge2"] {
+        let mut huge = report.clone();
+        huge.replica = name.into();
+        for l in &mut huge.loads {
+            (l.in_flight, l.queued_tokens) = (u32::MAX, u64::MAX);
+        }
+        b.apply_load_report(huge, "rb");
+    }
+    let after = b.select(&Ask::new(&other, 256)).expect("selection goes on");
+    assert_ne!(after.instance.id, first, "the saturated instance looks busiest");
     // A replica not heard from within the liveness timeout is forgotten.
     let c = SchedulerState::new(SchedulerConfig::default());
     c.apply_update(Update::Reset(vec![inst("x", 1), inst("y", 1)]));
