@@ -7,6 +7,7 @@ mod e2e {
     pub(crate) mod overload;
     pub(crate) mod path;
     pub(crate) mod reassembly;
+    pub(crate) mod replicas;
     pub(crate) mod resync;
     pub(crate) mod support;
 }

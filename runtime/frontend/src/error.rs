@@ -103,8 +103,7 @@ impl FrontendError {
     }
 }
 
-/// The gRPC metadata key (and the HTTP header's source) saying when to retry, in ms.
-pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+pub use handoff_proto::metadata::RETRY_AFTER_MS;
 
 impl From<FrontendError> for tonic::Status {
     fn from(e: FrontendError) -> Self {

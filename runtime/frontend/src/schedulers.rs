@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use handoff_proto::metadata::NO_INSTANCE;
 use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{ReportOutcomeRequest, SelectPrefillRequest, SelectPrefillResponse};
 use tonic::transport::{Channel, Endpoint};
@@ -94,6 +95,16 @@ impl Schedulers {
         self.lock().keys().cloned().collect()
     }
 
+    /// The replicas passed over for now (they failed or did not answer in time).
+    pub fn suspects(&self) -> Vec<String> {
+        let now = Instant::now();
+        let map = self.lock();
+        map.iter()
+            .filter(|(_, r)| r.suspect_until.is_some_and(|t| t > now))
+            .map(|(a, _)| a.clone())
+            .collect()
+    }
+
     /// Replicas in the order to try them: healthy ones first from a random start, then the
     /// suspect ones.
     fn order(&self, now: Instant) -> Vec<(String, SchedulerClient<Channel>)> {
@@ -127,6 +138,12 @@ impl Schedulers {
             let wait = (tokio::time::Instant::now() + self.select_timeout).min(deadline);
             match tokio::time::timeout_at(wait, client.select_prefill(req.clone())).await {
                 Ok(Ok(r)) => return Ok(Selected { replica: addr, selection: r.into_inner() }),
+                // Up, but it knows no routable instance: another replica may (its view of
+                // the fleet can lag), and this one is not suspect.
+                Ok(Err(s)) if s.metadata().contains_key(NO_INSTANCE) => {
+                    last = Some(s);
+                    continue;
+                }
                 Ok(Err(s)) if !replica_failed(&s) => return Err(SelectFailure::Answer(s)),
                 Ok(Err(s)) => {
                     warn!(scheduler = %addr, error = %s.message(), "scheduler replica failed; trying another");
@@ -144,7 +161,11 @@ impl Schedulers {
                 break;
             }
         }
-        Err(SelectFailure::NoReplica(last))
+        match last {
+            // Every replica answered, and none knows an instance: that is the answer.
+            Some(s) if s.metadata().contains_key(NO_INSTANCE) => Err(SelectFailure::Answer(s)),
+            last => Err(SelectFailure::NoReplica(last)),
+        }
     }
 
     /// Reports a booking's outcome to the replica that made it (best effort: a booking

@@ -24,14 +24,19 @@ pub enum SchedulerError {
     Discovery(#[from] handoff_discovery::DiscoveryError),
 }
 
-/// The metadata key carrying how long to wait before retrying a refused request.
-pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+use handoff_proto::metadata::NO_INSTANCE;
+pub use handoff_proto::metadata::RETRY_AFTER_MS;
 
 impl From<SchedulerError> for tonic::Status {
     fn from(e: SchedulerError) -> Self {
         match e {
             SchedulerError::Invalid(_) => tonic::Status::invalid_argument(e.to_string()),
-            SchedulerError::NoInstance(_) => tonic::Status::unavailable(e.to_string()),
+            SchedulerError::NoInstance(_) => {
+                let mut s = tonic::Status::unavailable(e.to_string());
+                s.metadata_mut()
+                    .insert(NO_INSTANCE, tonic::metadata::MetadataValue::from_static("1"));
+                s
+            }
             SchedulerError::Overloaded { retry_after, .. } => {
                 let mut s = tonic::Status::resource_exhausted(e.to_string());
                 let ms = retry_after.as_millis().max(1).to_string();

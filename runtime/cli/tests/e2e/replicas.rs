@@ -1,0 +1,82 @@
+//! A frontend's pool of scheduler replicas: a replica that answers "no instance" is up (the
+//! next one is asked, this one is not passed over); one that is gone is passed over.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_core::block_hashes;
+use handoff_discovery::{Instance, Role, Topology, Update};
+use handoff_frontend::Schedulers;
+use handoff_frontend::schedulers::SelectFailure;
+use handoff_proto::v1::SelectPrefillRequest;
+use handoff_scheduler::{SchedulerConfig, SchedulerState};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+/// A scheduler replica on a free port, knowing `instances`; dropping the sender stops it.
+async fn replica(instances: &[&str]) -> (String, oneshot::Sender<()>) {
+    let state = Arc::new(SchedulerState::new(SchedulerConfig::default()));
+    let all = instances
+        .iter()
+        .map(|id| Instance {
+            id: id.parse().unwrap(),
+            role: Role::Prefill,
+            model: "mock".into(),
+            bootstrap_addr: "127.0.0.1:1".into(),
+            grpc_addr: "127.0.0.1:2".into(),
+            topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+            page_size: 16,
+            version: 1,
+        })
+        .collect();
+    state.apply_update(Update::Reset(all));
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(handoff_scheduler::service::serve(l, state, async {
+        let _ = stopped.await;
+    }));
+    (addr, stop)
+}
+
+fn ask() -> SelectPrefillRequest {
+    let tokens: Vec<u32> = (0..64).collect();
+    SelectPrefillRequest {
+        block_hashes: block_hashes(&tokens, 16).into_iter().map(|h| h.0).collect(),
+        prompt_tokens: 64,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_replica_without_instances_is_asked_past_and_not_suspected() {
+    let (empty, _e) = replica(&[]).await;
+    let (full, _f) = replica(&["p0"]).await;
+    let pool = Schedulers::new(Duration::from_secs(1));
+    pool.reset(&[empty.clone(), full.clone()]).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    for _ in 0..20 {
+        let s = pool.select(ask(), deadline).await.expect("the replica with an instance answers");
+        assert_eq!((s.replica.as_str(), s.selection.instance_id.as_str()), (full.as_str(), "p0"));
+    }
+    assert!(pool.suspects().is_empty(), "nobody failed: {:?}", pool.suspects());
+
+    // Nobody knows an instance: that is the answer, and still nobody is suspect.
+    let (other_empty, _o) = replica(&[]).await;
+    pool.reset(&[empty.clone(), other_empty]).unwrap();
+    match pool.select(ask(), deadline).await {
+        Err(SelectFailure::Answer(s)) => {
+            assert_eq!(s.code(), tonic::Code::Unavailable);
+            assert!(s.message().contains("no prefill instance"), "{}", s.message());
+        }
+        other => panic!("expected the replicas' answer, got {other:?}"),
+    }
+    assert!(pool.suspects().is_empty(), "{:?}", pool.suspects());
+
+    // A replica that is gone is passed over for a while.
+    pool.reset(&[empty.clone(), full.clone()]).unwrap();
+    drop(_f);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(pool.select(ask(), deadline).await.is_err());
+    assert_eq!(pool.suspects(), vec![full]);
+}
