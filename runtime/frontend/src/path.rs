@@ -174,9 +174,14 @@ impl Frontend {
                 cfg.decode_tp
             )));
         }
+        // The handshake token is the cluster's: it also authenticates transfer connections.
+        let inbox = handoff_transfer::InboxConfig {
+            token: cfg.transfer_token.clone().or_else(|| cfg.inbox.token.clone()),
+            ..cfg.inbox.clone()
+        };
         let agent = cfg
             .transfer
-            .start(cfg.inbox.clone(), tasks, None)
+            .start(inbox, tasks, None)
             .await
             .map_err(|e| FrontendError::Invalid(format!("transfer agent: {e}")))?;
         let schedulers = Arc::new(Schedulers::new(cfg.select_timeout));

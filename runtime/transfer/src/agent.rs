@@ -84,18 +84,21 @@ impl TransferKind {
     }
 
     /// Starts an agent on this backend, its tasks on `tasks`; with `faults`, its writes go
-    /// through a [`crate::FaultyTransfer`].
+    /// through a [`crate::FaultyTransfer`]. The inbox's token, when set, is required of
+    /// every inbound connection and sent on every outbound one.
     pub async fn start(
         &self,
         inbox: crate::InboxConfig,
         tasks: &handoff_core::Tasks,
         faults: Option<Arc<crate::FaultSwitch>>,
     ) -> std::io::Result<Agent> {
+        // The inbox's token (the cluster's) also authenticates every tcp connection.
+        let token = inbox.token.clone();
         let inbox = Arc::new(Inbox::new(inbox));
         let backend: Arc<dyn TransferBackend> = match self {
             TransferKind::Tcp { bind_ip, advertise_ip } => {
                 let l = tokio::net::TcpListener::bind((*bind_ip, 0)).await?;
-                let cfg = crate::tcp::TcpConfig::default();
+                let cfg = crate::tcp::TcpConfig { token, ..Default::default() };
                 Arc::new(crate::TcpTransfer::serve(
                     l,
                     advertise_ip.clone(),

@@ -22,6 +22,11 @@ pub enum TransferError {
     /// A handshake without the configured token.
     #[error("unauthorized handshake")]
     Unauthorized,
+    /// A connection that did not authenticate first, or a write or notice over a connection
+    /// its region's sender is not bound to. Refused without touching the region; the
+    /// connection is closed.
+    #[error("forbidden: {0}")]
+    Forbidden(String),
     /// A table is full.
     #[error("{0} table full")]
     Full(&'static str),

@@ -75,9 +75,11 @@ impl TransferBackend for FakeTransfer {
     async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError> {
         let inbox = self.net.lookup(peer)?;
         let segments: Vec<(u64, &[u8])> = req.pairs.iter().map(|(b, off)| (*off, &b[..])).collect();
-        inbox.on_write(req.region, req.sender, &segments)?;
+        // In process, the sending agent is the connection.
+        let conn = crate::ConnId(u64::from(self.addr.port));
+        inbox.on_write(req.region, req.sender, conn, &segments)?;
         match req.notice {
-            Some(n) => inbox.on_notice(req.region, n),
+            Some(n) => inbox.on_notice(req.region, conn, n),
             None => Ok(()),
         }
     }

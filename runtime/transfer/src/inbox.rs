@@ -7,11 +7,14 @@
 //! verified; any violation fails it (terminal). As a sender, an inbox holds the handshakes
 //! (`ConnectRequest`s) that receivers sent for rooms the sender will compute.
 //!
+//! Region ids are random, so only the senders a region's handshakes went to can name it, and
+//! each sender is bound to the connection of its first write or notice: a forged or
+//! misdirected frame is refused without touching the region.
+//!
 //! Every table is bounded; regions are removed when their waiter takes them or gives up.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use handoff_core::Room;
@@ -20,7 +23,7 @@ use tokio::time::Instant;
 use tracing::debug;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::{ConnectRequest, KvPoll, Notice, RegionId, SenderId, TransferError};
+use crate::{ConnId, ConnectRequest, KvPoll, Notice, RegionId, SenderId, TransferError};
 
 /// Bounds of an inbox.
 #[derive(Debug, Clone)]
@@ -72,6 +75,8 @@ struct Region {
     room: Room,
     buf: Vec<u8>,
     expected: HashMap<SenderId, u64>,
+    /// The connection each sender is bound to (that of its first write or notice).
+    bound: HashMap<SenderId, ConnId>,
     progress: HashMap<SenderId, Progress>,
     notices: Vec<Notice>,
     state: watch::Sender<KvPoll>,
@@ -79,6 +84,16 @@ struct Region {
 }
 
 impl Region {
+    /// Binds `sender` to `conn`, or refuses `conn` if the sender is bound to another.
+    fn bind(&mut self, id: RegionId, sender: SenderId, conn: ConnId) -> Result<(), TransferError> {
+        match *self.bound.entry(sender).or_insert(conn) {
+            c if c == conn => Ok(()),
+            _ => Err(TransferError::Forbidden(format!(
+                "{sender:?} of region {id:?} is bound to another connection"
+            ))),
+        }
+    }
+
     fn advance(&mut self, to: KvPoll) {
         self.state.send_if_modified(|s| {
             let forward = *s != KvPoll::Failed && *s != KvPoll::Success && to > *s;
@@ -107,7 +122,6 @@ struct Pending {
 /// The receiving side of a transfer agent (see the module docs).
 pub struct Inbox {
     cfg: InboxConfig,
-    next_region: AtomicU64,
     regions: Mutex<HashMap<RegionId, Region>>,
     pending: Mutex<HashMap<Room, Pending>>,
     pending_changed: Notify,
@@ -128,7 +142,6 @@ impl Inbox {
     pub fn new(cfg: InboxConfig) -> Self {
         Inbox {
             cfg,
-            next_region: AtomicU64::new(1),
             regions: Mutex::default(),
             pending: Mutex::default(),
             pending_changed: Notify::new(),
@@ -155,11 +168,17 @@ impl Inbox {
         if regions.len() >= self.cfg.max_regions {
             return Err(TransferError::Full("region"));
         }
-        let id = RegionId(self.next_region.fetch_add(1, Ordering::Relaxed));
+        let id = loop {
+            let id = RegionId(rand::random());
+            if id.0 != 0 && !regions.contains_key(&id) {
+                break id;
+            }
+        };
         let region = Region {
             room,
             buf: vec![0; len as usize],
             expected: expected.into_iter().collect(),
+            bound: HashMap::new(),
             progress: HashMap::new(),
             notices: Vec::new(),
             state: watch::Sender::new(KvPoll::Bootstrapping),
@@ -219,12 +238,15 @@ impl Inbox {
         }
     }
 
-    /// Applies written segments `(offset, bytes)` from `sender`. A write out of bounds or
-    /// from a sender the region does not expect fails the region.
+    /// Applies written segments `(offset, bytes)` from `sender`, arrived over `conn`. A write
+    /// out of bounds or from a sender the region does not expect fails the region (only its
+    /// senders know its id); one over a connection the sender is not bound to is refused
+    /// ([`TransferError::Forbidden`]) and changes nothing.
     pub fn on_write(
         &self,
         id: RegionId,
         sender: SenderId,
+        conn: ConnId,
         segments: &[(u64, &[u8])],
     ) -> Result<(), TransferError> {
         let mut regions = lock(&self.regions);
@@ -237,6 +259,7 @@ impl Inbox {
             r.fail(reason.clone());
             return Err(TransferError::Failed(reason));
         };
+        r.bind(id, sender, conn)?;
         let len = r.buf.len() as u64;
         let p =
             r.progress.entry(sender).or_insert_with(|| Progress { bytes: 0, hasher: Xxh3::new() });
@@ -260,13 +283,17 @@ impl Inbox {
         Ok(())
     }
 
-    /// Verifies a notice. A notice whose room, byte count or checksum does not match fails
-    /// the region (`bootstrap_room mismatch`, `short transfer`, `checksum mismatch`).
-    pub fn on_notice(&self, id: RegionId, n: Notice) -> Result<(), TransferError> {
+    /// Verifies a notice, arrived over `conn`. A notice whose room, byte count or checksum
+    /// does not match fails the region (`bootstrap_room mismatch`, `short transfer`,
+    /// `checksum mismatch`); one over a connection its sender is not bound to is refused.
+    pub fn on_notice(&self, id: RegionId, conn: ConnId, n: Notice) -> Result<(), TransferError> {
         let mut regions = lock(&self.regions);
         let r = regions.get_mut(&id).ok_or(TransferError::UnknownRegion(id))?;
         if matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success) {
             return Err(TransferError::Failed(format!("region {id:?} is closed")));
+        }
+        if r.expected.contains_key(&n.sender) {
+            r.bind(id, n.sender, conn)?;
         }
         let reason = if n.room != r.room {
             Some(format!("bootstrap_room mismatch: expected {}, got {}", r.room, n.room))

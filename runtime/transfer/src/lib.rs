@@ -73,9 +73,15 @@ pub enum KvPoll {
     Success = 4,
 }
 
-/// A receive region's id, minted by the receiver.
+/// A receive region's id, minted by the receiver: 64 random bits, told only to the region's
+/// senders in their (authenticated) handshakes, so nobody else can name the region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RegionId(pub u64);
+
+/// The connection (or in-process peer) a write or notice arrived over. A region's sender is
+/// bound to the connection of its first write; anything it sends over another is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConnId(pub u64);
 
 /// Which rank of a prefill instance sent something: its (tp, pp) ranks packed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -2,6 +2,11 @@
 //! a directory publishes); senders keep a pool of connections per peer and run one exchange
 //! at a time on a connection (frames, then the peer's ack). A connection that breaks or
 //! sends a malformed frame is closed, and every region it was filling is failed.
+//!
+//! With a token configured, every connection's first frame is a hello carrying it; until
+//! then nothing else is accepted, and no frame larger than a hello is read. A connection
+//! that writes over another's binding, or keeps writing to regions that do not exist (a
+//! peer guessing ids), is closed; the regions it named are not touched.
 
 mod wire;
 
@@ -18,7 +23,8 @@ use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 use crate::{
-    AgentAddr, ConnectRequest, Inbox, RegionId, TransferBackend, TransferError, WriteRequest,
+    AgentAddr, ConnId, ConnectRequest, Inbox, RegionId, TransferBackend, TransferError,
+    WriteRequest,
 };
 use wire::Frame;
 
@@ -35,6 +41,12 @@ pub struct TcpConfig {
     pub max_idle_per_peer: usize,
     /// Inbound connections served at once.
     pub max_inbound: usize,
+    /// When set, connections authenticate with it in their first frame, both ways: this
+    /// agent requires it of inbound connections and sends it on the ones it dials.
+    pub token: Option<String>,
+    /// Writes to unknown regions a connection may send before it is closed (a sender can
+    /// legitimately trail a region its receiver gave up on; a peer guessing ids cannot).
+    pub max_unknown_writes: u32,
 }
 
 impl Default for TcpConfig {
@@ -45,6 +57,8 @@ impl Default for TcpConfig {
             io_timeout: Duration::from_secs(60),
             max_idle_per_peer: 32,
             max_inbound: 1024,
+            token: None,
+            max_unknown_writes: 64,
         }
     }
 }
@@ -73,7 +87,12 @@ impl TcpTransfer {
             port: local.port(),
         };
         let t = tasks.clone();
-        let max_frame = cfg.max_frame;
+        let conn_cfg = Arc::new(ConnCfg {
+            max_frame: cfg.max_frame,
+            token: cfg.token.clone(),
+            max_unknown_writes: cfg.max_unknown_writes,
+        });
+        let mut next_conn = 0u64;
         let limit = Arc::new(Semaphore::new(cfg.max_inbound));
         tasks.spawn(async move {
             loop {
@@ -93,12 +112,13 @@ impl TcpTransfer {
                     warn!(%peer, "too many transfer connections; refusing");
                     continue;
                 };
-                let inbox = inbox.clone();
-                let t2 = t.clone();
+                let (inbox, t2, cc) = (inbox.clone(), t.clone(), conn_cfg.clone());
+                next_conn += 1;
+                let conn = ConnId(next_conn);
                 t.spawn(async move {
                     tokio::select! {
                         _ = t2.shutdown_requested() => {}
-                        _ = serve_conn(stream, peer, inbox, max_frame) => {}
+                        _ = serve_conn(stream, peer, conn, inbox, &cc) => {}
                     }
                     drop(permit);
                 });
@@ -142,7 +162,17 @@ impl TcpTransfer {
             .await
             .map_err(|_| Self::io_err(peer, "connect timed out"))?
             .map_err(|e| Self::io_err(peer, e))?;
+        let mut s = s;
         s.set_nodelay(true).map_err(|e| Self::io_err(peer, e))?;
+        if let Some(token) = &self.cfg.token {
+            let hello = async {
+                wire::write_hello(&mut s, token).await.map_err(|e| Self::io_err(peer, e))?;
+                self.read_ack(peer, &mut s).await
+            };
+            tokio::time::timeout(self.cfg.connect_timeout, hello)
+                .await
+                .map_err(|_| Self::io_err(peer, "hello timed out"))??;
+        }
         Ok(s)
     }
 
@@ -218,14 +248,38 @@ impl TransferBackend for TcpTransfer {
     }
 }
 
+/// What every inbound connection is served with.
+#[derive(Debug)]
+struct ConnCfg {
+    max_frame: usize,
+    token: Option<String>,
+    max_unknown_writes: u32,
+}
+
+/// Whether `got` is `want`, in time independent of where they differ.
+fn same_token(got: &[u8], want: &str) -> bool {
+    let want = want.as_bytes();
+    got.len() == want.len() && got.iter().zip(want).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
 /// Serves one inbound connection until it closes or breaks the protocol.
-async fn serve_conn(stream: TcpStream, peer: SocketAddr, inbox: Arc<Inbox>, max_frame: usize) {
+async fn serve_conn(
+    stream: TcpStream,
+    peer: SocketAddr,
+    conn: ConnId,
+    inbox: Arc<Inbox>,
+    cfg: &ConnCfg,
+) {
     let _ = stream.set_nodelay(true);
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::with_capacity(256 << 10, r);
+    let mut authed = cfg.token.is_none();
+    let mut unknown = 0u32;
     // Regions this connection wrote into and has not yet sent the notice for.
     let mut open: HashSet<RegionId> = HashSet::new();
     let reason = loop {
+        // Before the hello, nothing bigger than a hello is read.
+        let max_frame = if authed { cfg.max_frame } else { wire::MAX_TOKEN + 1 };
         let frame = match wire::read_frame(&mut r, max_frame).await {
             Ok(Some(f)) => f,
             Ok(None) => break "sender connection closed mid-transfer".to_owned(),
@@ -236,6 +290,21 @@ async fn serve_conn(stream: TcpStream, peer: SocketAddr, inbox: Arc<Inbox>, max_
             }
         };
         let reply = match frame {
+            Frame::Hello(token) => {
+                authed = cfg.token.as_deref().is_none_or(|t| same_token(&token, t));
+                if !authed {
+                    let _ = wire::write_ack(&mut w, &Err("wrong token".into())).await;
+                    debug!(%peer, "transfer connection with a wrong token; closing");
+                    break "wrong token".to_owned();
+                }
+                Some(Ok(()))
+            }
+            _ if !authed => {
+                let e = "the first frame must be a hello with the cluster token";
+                let _ = wire::write_ack(&mut w, &Err(e.into())).await;
+                debug!(%peer, "unauthenticated transfer connection; closing");
+                break e.to_owned();
+            }
             Frame::Connect(req) => Some(inbox.on_connect(req)),
             Frame::Write { region, sender, segments, payload } => {
                 let mut at = 0usize;
@@ -248,20 +317,36 @@ async fn serve_conn(stream: TcpStream, peer: SocketAddr, inbox: Arc<Inbox>, max_
                     })
                     .collect();
                 // A rejected write fails its region; the sender learns it at the notice.
-                if inbox.on_write(region, sender, &segs).is_ok() {
-                    open.insert(region);
+                match inbox.on_write(region, sender, conn, &segs) {
+                    Ok(()) => {
+                        open.insert(region);
+                        None
+                    }
+                    Err(e @ TransferError::Forbidden(_)) => Some(Err(e)),
+                    Err(TransferError::UnknownRegion(_)) => {
+                        unknown += 1;
+                        (unknown > cfg.max_unknown_writes).then(|| {
+                            Err(TransferError::Forbidden("writes to unknown regions".into()))
+                        })
+                    }
+                    Err(_) => None,
                 }
-                None
             }
             Frame::Notice { region, notice } => {
                 open.remove(&region);
-                Some(inbox.on_notice(region, notice))
+                Some(inbox.on_notice(region, conn, notice))
             }
             Frame::Ack(_) => {
                 let _ = wire::write_ack(&mut w, &Err("unexpected ack".into())).await;
                 break "protocol violation: unexpected ack".to_owned();
             }
         };
+        // Refused for what the connection is, not what it carried: the answer, then close.
+        if let Some(Err(e @ TransferError::Forbidden(_))) = &reply {
+            debug!(%peer, error = %e, "transfer connection closed");
+            let _ = wire::write_ack(&mut w, &Err(e.to_string())).await;
+            break e.to_string();
+        }
         if let Some(res) = reply
             && wire::write_ack(&mut w, &res.map_err(|e| e.to_string())).await.is_err()
         {

@@ -16,8 +16,10 @@ fn soon() -> Instant {
 
 fn write(inbox: &Inbox, region: RegionId, w: &WriteRequest) -> Result<(), TransferError> {
     let segs: Vec<(u64, &[u8])> = w.pairs.iter().map(|(b, o)| (*o, &b[..])).collect();
-    inbox.on_write(region, w.sender, &segs)?;
-    inbox.on_notice(region, w.notice.unwrap())
+    // Each sender over its own connection.
+    let conn = ConnId(u64::from(w.sender.0));
+    inbox.on_write(region, w.sender, conn, &segs)?;
+    inbox.on_notice(region, conn, w.notice.unwrap())
 }
 
 fn req(region: RegionId, r: Room, sender: u16, off: u64, data: &[u8]) -> WriteRequest {
@@ -139,4 +141,31 @@ fn handshakes_need_the_token_and_tables_are_bounded() {
     inbox.register_region(room(1), 1, []).unwrap();
     inbox.register_region(room(1), 1, []).unwrap();
     assert_eq!(inbox.register_region(room(1), 1, []), Err(TransferError::Full("region")));
+}
+
+#[tokio::test]
+async fn a_sender_is_bound_to_its_connection_and_others_change_nothing() {
+    let inbox = Inbox::new(InboxConfig::default());
+    let s = SenderId::new(0, 0);
+    let id = inbox.register_region(room(5), 8, [(s, 8)]).unwrap();
+    let other = inbox.register_region(room(5), 8, [(s, 8)]).unwrap();
+    assert_ne!(id, other);
+    assert!(id.0 > 1 << 20 || other.0 > 1 << 20, "ids are not a small counter: {id:?} {other:?}");
+    let w = req(id, room(5), 0, 0, b"abcdefgh");
+    let segs: Vec<(u64, &[u8])> = w.pairs.iter().map(|(b, o)| (*o, &b[..])).collect();
+    let (mine, theirs) = (ConnId(1), ConnId(2));
+    inbox.on_write(id, s, mine, &segs[..]).unwrap();
+    // The same sender's bytes or notice over another connection: refused, region untouched.
+    assert!(matches!(inbox.on_write(id, s, theirs, &segs), Err(TransferError::Forbidden(_))));
+    assert!(matches!(
+        inbox.on_notice(id, theirs, w.notice.unwrap()),
+        Err(TransferError::Forbidden(_))
+    ));
+    assert_eq!(inbox.poll(id), KvPoll::Transferring);
+    inbox.on_notice(id, mine, w.notice.unwrap()).unwrap();
+    assert_eq!(inbox.wait(id, soon()).await.unwrap().buf, b"abcdefgh");
+    // A region nobody named: unknown, whatever the connection.
+    let guess = RegionId(other.0 ^ 1);
+    assert_eq!(inbox.on_write(guess, s, theirs, &segs), Err(TransferError::UnknownRegion(guess)));
+    assert_eq!(inbox.poll(other), KvPoll::Bootstrapping);
 }

@@ -169,3 +169,89 @@ async fn truncated_and_garbage_frames_close_only_their_connection() {
     assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
     p.tasks.shutdown().await;
 }
+
+/// A forged write frame: `len` bytes at offset 0 of `region`, from sender 0.
+fn forged(region: u64, len: usize) -> Vec<u8> {
+    let mut f = Vec::new();
+    f.extend_from_slice(&(1u32 + 16 + 12 + len as u32).to_le_bytes());
+    f.push(2);
+    f.extend_from_slice(&region.to_le_bytes());
+    f.extend_from_slice(&0u32.to_le_bytes());
+    f.extend_from_slice(&1u32.to_le_bytes());
+    f.extend_from_slice(&0u64.to_le_bytes());
+    f.extend_from_slice(&(len as u32).to_le_bytes());
+    f.extend(std::iter::repeat_n(9u8, len));
+    f
+}
+
+/// Whether the peer closed `raw` (an ack first, maybe).
+async fn closed(raw: &mut TcpStream) -> bool {
+    let read = async {
+        loop {
+            match wire::read_frame(raw, 1 << 20).await {
+                Ok(Some(Frame::Ack(_))) => continue,
+                Ok(None) | Err(_) => return true,
+                Ok(Some(_)) => return false,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(2), read).await.unwrap_or(false)
+}
+
+#[tokio::test]
+async fn with_a_token_nothing_is_read_before_the_hello() {
+    let cfg = TcpConfig { token: Some("s3cret".into()), ..Default::default() };
+    let p = pair(cfg).await;
+    let (r, s) = (room(), SenderId::new(0, 0));
+    let id = p.rx.inbox().register_region(r, 4, [(s, 4)]).unwrap();
+    let addr = p.rx.addr();
+    // A write without a hello, with the region's real id: refused, connection closed.
+    let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
+    raw.write_all(&forged(id.0, 1)).await.unwrap();
+    assert!(closed(&mut raw).await, "unauthenticated writer closed");
+    // A wrong token, and a hello claiming more than a hello may hold: closed too.
+    let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
+    wire::write_hello(&mut raw, "guess").await.unwrap();
+    assert!(closed(&mut raw).await, "wrong token closed");
+    let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
+    raw.write_all(&(64u32 << 20).to_le_bytes()).await.unwrap();
+    assert!(closed(&mut raw).await, "no 64 MiB read before the hello");
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::Bootstrapping, "the region was not touched");
+    // The agents with the token still talk.
+    let w = WriteRequest::new(id, vec![(Bytes::from_static(b"okok"), 0)], r, s, 1, 1, 0);
+    p.tx.post_write(&addr, w).await.unwrap();
+    assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
+    // One without it cannot: its hello-less connection is refused.
+    let stranger = pair(TcpConfig::default()).await;
+    let id = p.rx.inbox().register_region(r, 4, [(s, 4)]).unwrap();
+    let w = WriteRequest::new(id, vec![(Bytes::from_static(b"nope"), 0)], r, s, 1, 1, 0);
+    assert!(stranger.tx.post_write(&addr, w).await.is_err());
+    p.tasks.shutdown().await;
+    stranger.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn forged_writes_never_touch_a_region_and_the_forger_loses_its_connection() {
+    let p = pair(TcpConfig { max_unknown_writes: 16, ..Default::default() }).await;
+    let (r, s) = (room(), SenderId::new(0, 0));
+    let id = p.rx.inbox().register_region(r, 4, [(s, 4)]).unwrap();
+    let addr = p.rx.addr();
+    // A sprayer at small ids, as a peer knowing only the frame layout would.
+    let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
+    let spray: Vec<u8> = (0..64u64).flat_map(|g| forged(g, 1)).collect();
+    let _ = raw.write_all(&spray).await;
+    assert!(closed(&mut raw).await, "the sprayer is cut off");
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::Bootstrapping, "the region was not touched");
+    // The real sender's write goes through; then a second connection naming the same region
+    // and sender is refused without touching it.
+    let w = WriteRequest::new(id, vec![(Bytes::from_static(b"okok"), 0)], r, s, 1, 1, 0);
+    let mut first = WriteRequest { notice: None, ..w.clone() };
+    first.pairs = vec![(Bytes::from_static(b"ok"), 0)];
+    p.tx.post_write(&addr, first).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
+    raw.write_all(&forged(id.0, 1)).await.unwrap();
+    assert!(closed(&mut raw).await, "a second connection for a bound sender is cut off");
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::Transferring, "the region goes on");
+    p.tasks.shutdown().await;
+}

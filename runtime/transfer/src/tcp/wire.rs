@@ -11,15 +11,28 @@ const CONNECT: u8 = 1;
 const WRITE: u8 = 2;
 const NOTICE: u8 = 3;
 const ACK: u8 = 4;
+const HELLO: u8 = 5;
+/// Longest token a hello may carry.
+pub(super) const MAX_TOKEN: usize = 4096;
 const NOTICE_LEN: usize = 48;
 
 /// A decoded frame.
 #[derive(Debug)]
 pub(super) enum Frame {
     Connect(ConnectRequest),
-    Write { region: RegionId, sender: SenderId, segments: Vec<(u64, u32)>, payload: Bytes },
-    Notice { region: RegionId, notice: Notice },
+    Write {
+        region: RegionId,
+        sender: SenderId,
+        segments: Vec<(u64, u32)>,
+        payload: Bytes,
+    },
+    Notice {
+        region: RegionId,
+        notice: Notice,
+    },
     Ack(Result<(), String>),
+    /// The first frame of a connection to a listener with a token: the token.
+    Hello(Bytes),
 }
 
 fn malformed(s: impl Into<String>) -> TransferError {
@@ -74,6 +87,14 @@ pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
         rest = later;
     }
     Ok(())
+}
+
+pub(super) async fn write_hello<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    token: &str,
+) -> std::io::Result<()> {
+    header(w, HELLO, token.len()).await?;
+    w.write_all(token.as_bytes()).await
 }
 
 pub(super) async fn write_notice<W: AsyncWrite + Unpin>(
@@ -178,6 +199,8 @@ fn decode(kind: u8, mut b: Bytes) -> Result<Frame, TransferError> {
             let ok = b.get_u8() == 1;
             Ok(Frame::Ack(if ok { Ok(()) } else { Err(String::from_utf8_lossy(&b).into_owned()) }))
         }
+        HELLO if b.len() <= MAX_TOKEN => Ok(Frame::Hello(b)),
+        HELLO => Err(malformed(format!("hello of {} bytes", b.len()))),
         k => Err(malformed(format!("unknown frame kind {k}"))),
     }
 }

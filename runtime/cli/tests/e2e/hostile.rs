@@ -1,0 +1,66 @@
+//! A hostile peer on the cluster network that knows only the tcp transfer frame layout:
+//! it sprays forged one-byte write frames at small region ids on the frontend's transfer
+//! listener, reconnecting whenever it is cut off. No request fails while it runs, with a
+//! cluster token and without one.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use handoff::ClusterConfig;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::support::*;
+
+/// A write frame of one byte at offset 0 of `region` from sender 0.
+fn forged(region: u64) -> Vec<u8> {
+    let mut f = Vec::new();
+    f.extend_from_slice(&(1u32 + 16 + 12 + 1).to_le_bytes());
+    f.push(2);
+    f.extend_from_slice(&region.to_le_bytes());
+    f.extend_from_slice(&0u32.to_le_bytes());
+    f.extend_from_slice(&1u32.to_le_bytes());
+    f.extend_from_slice(&0u64.to_le_bytes());
+    f.extend_from_slice(&1u32.to_le_bytes());
+    f.push(0xff);
+    f
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_write_frames_on_the_transfer_listener_fail_no_request() {
+    for token in [Some("cluster-secret"), None] {
+        let c = cluster(ClusterConfig {
+            prefills: 2,
+            token: token.map(String::from),
+            ..ClusterConfig::ephemeral()
+        })
+        .await;
+        let target = c.frontend.agent().addr();
+        let (stop, connections) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        let (st, conns) = (stop.clone(), connections.clone());
+        let sprayer = tokio::spawn(async move {
+            let spray: Vec<u8> = (0..256u64).flat_map(forged).collect();
+            while !st.load(Ordering::Relaxed) {
+                let Ok(mut s) = TcpStream::connect((target.ip.as_str(), target.port)).await else {
+                    continue;
+                };
+                conns.fetch_add(1, Ordering::Relaxed);
+                let _ = s.write_all(&spray).await;
+                // Until the listener hangs up on it.
+                let mut sink = [0u8; 4096];
+                while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
+            }
+        });
+        let mut cl = client(&c).await;
+        for seed in 0..40 {
+            let got = generate(&mut cl, &prompt(seed, 64), 4).await;
+            assert!(got.is_ok(), "token {token:?}: request {seed} failed: {got:?}");
+        }
+        stop.store(true, Ordering::Relaxed);
+        sprayer.await.unwrap();
+        let n = connections.load(Ordering::Relaxed);
+        assert!(n > 10, "the sprayer was cut off and came back: {n} connections");
+        eprintln!("token {token:?}: 40 requests served while a forger opened {n} connections");
+        c.tasks.shutdown().await;
+    }
+}
