@@ -48,6 +48,10 @@ pub struct DiscoveryArgs {
     /// transfer handshakes, and sent by this process on its own.
     #[arg(long, env = "HANDOFF_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// Let a role without a token listen on a non-loopback address (anyone who can reach
+    /// it can then write directories and open transfer connections).
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 /// `handoff scheduler`.

@@ -5,6 +5,7 @@ pub mod prefill;
 pub mod scheduler;
 pub mod up;
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,10 +33,74 @@ pub async fn discovery(
     }
 }
 
+/// Refuses to listen beyond loopback without a token, unless told `--insecure`: a role
+/// without one accepts directory writes and transfer connections from anyone who can reach
+/// it. `binds` names each listener.
+pub fn check_exposure(args: &DiscoveryArgs, binds: &[(&str, SocketAddr)]) -> anyhow::Result<()> {
+    if args.token.is_some() {
+        return Ok(());
+    }
+    let exposed: Vec<String> = binds
+        .iter()
+        .filter(|(_, a)| !a.ip().is_loopback())
+        .map(|(what, a)| format!("{what} on {a}"))
+        .collect();
+    if exposed.is_empty() {
+        return Ok(());
+    }
+    if args.insecure {
+        tracing::warn!(listeners = %exposed.join(", "), "listening beyond loopback without a token (--insecure)");
+        return Ok(());
+    }
+    anyhow::bail!(
+        "refusing to listen beyond loopback without a token ({}): anyone who can reach it could \
+         write its directory and open transfer connections. Set --token (or HANDOFF_TOKEN) to \
+         the cluster's shared secret, or pass --insecure to run open anyway",
+        exposed.join(", ")
+    )
+}
+
+/// A fresh random cluster token (256 bits, hex).
+pub fn generated_token() -> String {
+    (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect()
+}
+
 /// Prints a process's ready line on stdout (what scripts and tests wait for) and flushes it.
 pub fn announce(line: &str) -> std::io::Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     writeln!(out, "{line}")?;
     out.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(token: Option<&str>, insecure: bool) -> DiscoveryArgs {
+        DiscoveryArgs {
+            etcd: None,
+            nats: None,
+            lease_ttl_secs: 10,
+            token: token.map(String::from),
+            insecure,
+        }
+    }
+
+    #[test]
+    fn listening_beyond_loopback_needs_a_token_or_insecure() {
+        let open: SocketAddr = "0.0.0.0:50052".parse().unwrap();
+        let local: SocketAddr = "127.0.0.1:50052".parse().unwrap();
+        let v6: SocketAddr = "[::1]:1".parse().unwrap();
+        assert!(check_exposure(&args(None, false), &[("a", local), ("b", v6)]).is_ok());
+        let e = check_exposure(&args(None, false), &[("a", local), ("the scheduler", open)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the scheduler on 0.0.0.0:50052") && e.contains("--token"), "{e}");
+        assert!(check_exposure(&args(Some("t"), false), &[("a", open)]).is_ok());
+        assert!(check_exposure(&args(None, true), &[("a", open)]).is_ok());
+        let (a, b) = (generated_token(), generated_token());
+        assert_eq!(a.len(), 64);
+        assert_ne!(a, b);
+    }
 }

@@ -25,6 +25,10 @@ async fn await_scheduler(fe: &Frontend) -> anyhow::Result<()> {
 
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
+    crate::cmd::check_exposure(
+        &args.discovery,
+        &[("the frontend", args.listen), ("the OpenAI API", args.http_listen)],
+    )?;
     let tasks = Tasks::new();
     let (registry, _bus) = discovery(&args.discovery, &tasks).await?;
     let cfg = FrontendConfig {

@@ -11,6 +11,10 @@ use crate::cmd::{discovery, up::engines, up::shutdown_signal};
 
 /// Runs until Ctrl-C or SIGTERM, then drains.
 pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
+    crate::cmd::check_exposure(
+        &args.discovery,
+        &[("the bootstrap directory", args.bootstrap_listen), ("the prefill", args.grpc_listen)],
+    )?;
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
     let engine = engines(&args.engine)?()?;

@@ -12,6 +12,7 @@ use crate::cmd::{discovery, up::shutdown_signal};
 
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
+    crate::cmd::check_exposure(&args.discovery, &[("the scheduler", args.listen)])?;
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
     let scheduler = Scheduler::start(args.policy.config(), registry.clone(), bus, &tasks).await?;

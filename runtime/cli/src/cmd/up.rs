@@ -54,6 +54,18 @@ pub fn transfer(kind: TransferArg) -> TransferKind {
 
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+    crate::cmd::check_exposure(
+        &args.discovery,
+        &[
+            ("the frontend", args.frontend_listen),
+            ("the OpenAI API", args.http_listen),
+            ("the scheduler", args.scheduler_listen),
+        ],
+    )?;
+    // Secure by default: the roles in this process authenticate to each other with a token
+    // of their own when none is given (processes joining it over etcd/NATS need --token).
+    let generated = args.discovery.token.is_none();
+    let token = args.discovery.token.clone().unwrap_or_else(crate::cmd::generated_token);
     let cfg = ClusterConfig {
         prefills: args.prefills,
         schedulers: usize::from(args.schedulers),
@@ -66,7 +78,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         scheduler_bind: args.scheduler_listen,
         bootstrap_port: args.bootstrap_port,
         prefill_port: args.prefill_port,
-        token: args.discovery.token.clone(),
+        token: Some(token),
         scheduler: args.policy.config(),
         ..ClusterConfig::default()
     };
@@ -93,9 +105,10 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let model = cluster.frontend.model_name().to_owned();
     writeln!(
         out,
-        "handoff ready: model {model}, {} prefill instances, transfer {:?}",
+        "handoff ready: model {model}, {} prefill instances, transfer {:?}, cluster token {}",
         cluster.prefills.len(),
-        args.transfer
+        args.transfer,
+        if generated { "generated (pass --token to set one)" } else { "given" }
     )?;
     writeln!(
         out,
