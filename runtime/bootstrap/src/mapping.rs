@@ -188,6 +188,20 @@ impl RegionLayout {
     pub fn shard_bytes(&self, s: &Shard) -> u64 {
         (s.layers.len() * 2 * s.heads) as u64 * self.run_len() as u64
     }
+
+    /// Where a shard writes into this region: per layer and K/V, the runs of its heads
+    /// (adjacent in the region, so one range each).
+    pub fn shard_ranges(&self, s: &Shard) -> Vec<Range<u64>> {
+        let len = (s.heads * self.run_len()) as u64;
+        s.layers
+            .clone()
+            .flat_map(|layer| (0..2).map(move |kv| (layer, kv)))
+            .map(|(layer, kv)| {
+                let at = self.run_offset(layer, kv, s.dst_head);
+                at..at + len
+            })
+            .collect()
+    }
 }
 
 /// The shard prefill rank (`src_tp`, `src_pp`) of tp `prefill.tp` / pp `prefill.pp` sends to

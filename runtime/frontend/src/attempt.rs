@@ -177,13 +177,14 @@ pub async fn run(
     let inbox = ctx.agent.inbox();
     let mut regions = Vec::with_capacity(d);
     for (r, plan) in plans.iter().enumerate() {
-        let expected: Vec<(SenderId, u64)> = plan
+        // Each sender may write exactly its shard's bytes, where the plan puts them.
+        let expected: Vec<(SenderId, Vec<std::ops::Range<u64>>)> = plan
             .tp_ranks
             .iter()
             .flat_map(|&tp| plan.pp_ranks.iter().map(move |&pp| (tp, pp)))
             .map(|(tp, pp)| {
                 let s = mapping::shard(prefill, d, tp, pp, r, shape.kv_heads, shape.layers);
-                (SenderId::new(tp as u16, pp as u16), layout.shard_bytes(&s))
+                (SenderId::new(tp as u16, pp as u16), layout.shard_ranges(&s))
             })
             .collect();
         let id = inbox

@@ -1,10 +1,13 @@
 //! The receiving side of every backend.
 //!
-//! As a receiver, an inbox holds one region per room: the bytes written so far, per sender a
-//! running byte count and checksum, and the notices received. A notice is verified on arrival:
-//! its room must be the region's room, and its byte count and checksum must match what that
-//! sender actually wrote. The region reaches `Success` when every expected sender's notice has
-//! verified; any violation fails it (terminal). As a sender, an inbox holds the handshakes
+//! As a receiver, an inbox holds one region per room: the bytes written so far, per sender
+//! its byte ranges (from the shard plan) and what it wrote into them with a running checksum
+//! over (offset, length, bytes) ([`placement`]), and the notices received. A write outside
+//! the sender's ranges or over bytes already written fails the region. A notice is verified
+//! on arrival: its room must be the region's room, every byte of the sender's ranges must
+//! have been written exactly once, and its byte count and checksum must match. The region
+//! reaches `Success` when every expected sender's notice has verified; any violation fails
+//! it (terminal). As a sender, an inbox holds the handshakes
 //! (`ConnectRequest`s) that receivers sent for rooms the sender will compute.
 //!
 //! Region ids are random, so only the senders a region's handshakes went to can name it, and
@@ -14,6 +17,7 @@
 //! Every table is bounded; regions are removed when their waiter takes them or gives up.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -21,9 +25,12 @@ use handoff_core::Room;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tracing::debug;
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::{ConnId, ConnectRequest, KvPoll, Notice, RegionId, SenderId, TransferError};
+
+pub mod placement;
+
+use placement::Placement;
 
 /// Bounds of an inbox.
 #[derive(Debug, Clone)]
@@ -66,18 +73,13 @@ pub struct Received {
     pub notices: Vec<Notice>,
 }
 
-struct Progress {
-    bytes: u64,
-    hasher: Xxh3,
-}
-
 struct Region {
     room: Room,
     buf: Vec<u8>,
-    expected: HashMap<SenderId, u64>,
+    /// Each expected sender's ranges and progress.
+    expected: HashMap<SenderId, Placement>,
     /// The connection each sender is bound to (that of its first write or notice).
     bound: HashMap<SenderId, ConnId>,
-    progress: HashMap<SenderId, Progress>,
     notices: Vec<Notice>,
     state: watch::Sender<KvPoll>,
     error: Option<String>,
@@ -150,13 +152,14 @@ impl Inbox {
 
     // === receiver side ===
 
-    /// Registers a zeroed region of `len` bytes for `room`, expecting a notice from each of
-    /// `expected` senders after exactly that many bytes.
+    /// Registers a zeroed region of `len` bytes for `room`, expecting from each of
+    /// `expected` senders a write of exactly its byte ranges (disjoint from the others', and
+    /// inside the region), then its notice.
     pub fn register_region(
         &self,
         room: Room,
         len: u64,
-        expected: impl IntoIterator<Item = (SenderId, u64)>,
+        expected: impl IntoIterator<Item = (SenderId, Vec<Range<u64>>)>,
     ) -> Result<RegionId, TransferError> {
         if len > self.cfg.max_region_bytes {
             return Err(TransferError::Malformed(format!(
@@ -164,6 +167,17 @@ impl Inbox {
                 self.cfg.max_region_bytes
             )));
         }
+        let expected: Vec<(SenderId, Vec<Range<u64>>)> = expected.into_iter().collect();
+        let all = placement::normalize(expected.iter().flat_map(|(_, r)| r.clone()).collect());
+        if all.is_none_or(|all| all.last().is_some_and(|r| r.end > len)) {
+            return Err(TransferError::Malformed(format!(
+                "senders' ranges overlap or run past the region's {len} bytes"
+            )));
+        }
+        let expected: HashMap<SenderId, Placement> = expected
+            .into_iter()
+            .map(|(s, r)| (s, Placement::new(placement::normalize(r).unwrap_or_default())))
+            .collect();
         let mut regions = lock(&self.regions);
         if regions.len() >= self.cfg.max_regions {
             return Err(TransferError::Full("region"));
@@ -177,9 +191,8 @@ impl Inbox {
         let region = Region {
             room,
             buf: vec![0; len as usize],
-            expected: expected.into_iter().collect(),
+            expected,
             bound: HashMap::new(),
-            progress: HashMap::new(),
             notices: Vec::new(),
             state: watch::Sender::new(KvPoll::Bootstrapping),
             error: None,
@@ -254,30 +267,25 @@ impl Inbox {
         if matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success) {
             return Err(TransferError::Failed(format!("region {id:?} is closed")));
         }
-        let Some(&want) = r.expected.get(&sender) else {
+        if !r.expected.contains_key(&sender) {
             let reason = format!("write from unexpected sender {sender:?}");
             r.fail(reason.clone());
             return Err(TransferError::Failed(reason));
-        };
+        }
         r.bind(id, sender, conn)?;
-        let len = r.buf.len() as u64;
-        let p =
-            r.progress.entry(sender).or_insert_with(|| Progress { bytes: 0, hasher: Xxh3::new() });
-        for &(off, bytes) in segments {
-            let end = off.checked_add(bytes.len() as u64).filter(|&e| e <= len);
-            let fits = end.is_some() && p.bytes + bytes.len() as u64 <= want;
-            if !fits {
-                let reason = format!(
-                    "write of {} bytes at {off} outside region of {len} (or over the {want} \
-                     bytes expected from {sender:?})",
-                    bytes.len()
-                );
-                r.fail(reason.clone());
-                return Err(TransferError::Failed(reason));
-            }
-            r.buf[off as usize..off as usize + bytes.len()].copy_from_slice(bytes);
-            p.hasher.update(bytes);
-            p.bytes += bytes.len() as u64;
+        let Region { buf, expected, .. } = &mut *r;
+        let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
+        let checked = segments.iter().try_for_each(|&(off, b)| {
+            p.check(off, b.len() as u64)?;
+            // Checked segment by segment: two segments of one frame may overlap too.
+            p.record(off, b);
+            buf[off as usize..off as usize + b.len()].copy_from_slice(b);
+            Ok::<(), String>(())
+        });
+        if let Err(e) = checked {
+            let reason = format!("{sender:?}: {e}");
+            r.fail(reason.clone());
+            return Err(TransferError::Failed(reason));
         }
         r.advance(KvPoll::Transferring);
         Ok(())
@@ -300,22 +308,29 @@ impl Inbox {
         } else if r.notices.iter().any(|m| m.sender == n.sender) {
             Some(format!("duplicate notice from {:?}", n.sender))
         } else {
-            let want = r.expected.get(&n.sender).copied();
-            let (got, sum) = r
-                .progress
-                .get(&n.sender)
-                .map_or((0, Xxh3::new().digest()), |p| (p.bytes, p.hasher.digest()));
-            match want {
+            match r.expected.get(&n.sender) {
                 None => Some(format!("notice from unexpected sender {:?}", n.sender)),
-                Some(w) if got != w || n.bytes != w => Some(format!(
-                    "short transfer from {:?}: expected {w} bytes, received {got}, notice says {}",
-                    n.sender, n.bytes
-                )),
-                Some(_) if sum != n.checksum => Some(format!(
-                    "checksum mismatch from {:?}: computed {sum:016x}, notice says {:016x}",
-                    n.sender, n.checksum
-                )),
-                Some(_) => None,
+                Some(p) => {
+                    let (w, got, sum) = (p.total(), p.bytes, p.hasher.digest());
+                    if let Some(gap) = p.first_gap() {
+                        Some(format!(
+                            "short transfer from {:?}: gap, bytes [{}, {}) of its ranges never written ({got} of {w} bytes written)",
+                            n.sender, gap.start, gap.end
+                        ))
+                    } else if got != w || n.bytes != w {
+                        Some(format!(
+                            "short transfer from {:?}: expected {w} bytes, received {got}, notice says {}",
+                            n.sender, n.bytes
+                        ))
+                    } else if sum != n.checksum {
+                        Some(format!(
+                            "checksum mismatch from {:?}: computed {sum:016x}, notice says {:016x}",
+                            n.sender, n.checksum
+                        ))
+                    } else {
+                        None
+                    }
+                }
             }
         };
         if let Some(reason) = reason {

@@ -130,7 +130,9 @@ pub struct Notice {
     pub cached_tokens: u32,
     /// Bytes written before this notice.
     pub bytes: u64,
-    /// xxh3-64 over those bytes, in write order.
+    /// xxh3-64 over each written segment's offset, length and bytes, in write order
+    /// ([`inbox::placement::hash_segment`]): it binds where bytes landed as well as what
+    /// they are.
     pub checksum: u64,
 }
 
@@ -148,7 +150,8 @@ pub struct WriteRequest {
 }
 
 impl WriteRequest {
-    /// Builds a write and its notice, computing bytes and checksum over `pairs` in order.
+    /// Builds a write and its notice, computing bytes and checksum over `pairs` in order (as
+    /// the receiver hashes them: offset, length, bytes).
     pub fn new(
         region: RegionId,
         pairs: Vec<(Bytes, u64)>,
@@ -160,8 +163,8 @@ impl WriteRequest {
     ) -> Self {
         let mut h = xxhash_rust::xxh3::Xxh3::new();
         let mut bytes = 0u64;
-        for (b, _) in &pairs {
-            h.update(b);
+        for (b, off) in &pairs {
+            inbox::placement::hash_segment(&mut h, *off, b);
             bytes += b.len() as u64;
         }
         let notice = Notice {

@@ -6,6 +6,11 @@ use tokio::time::Instant;
 use super::*;
 use crate::WriteRequest;
 
+/// One byte range, as a sender's ranges.
+fn span(r: std::ops::Range<u64>) -> Vec<std::ops::Range<u64>> {
+    std::iter::once(r).collect()
+}
+
 fn room(n: u64) -> Room {
     Room::try_from(n).unwrap()
 }
@@ -31,7 +36,7 @@ fn req(region: RegionId, r: Room, sender: u16, off: u64, data: &[u8]) -> WriteRe
 async fn region_succeeds_once_every_sender_verified() {
     let inbox = Inbox::new(InboxConfig::default());
     let (a, b) = (SenderId::new(0, 0), SenderId::new(1, 0));
-    let id = inbox.register_region(room(9), 8, [(a, 4), (b, 4)]).unwrap();
+    let id = inbox.register_region(room(9), 8, [(a, span(0..4)), (b, span(4..8))]).unwrap();
     assert_eq!(inbox.poll(id), KvPoll::Bootstrapping);
     inbox.mark_connected(id);
     write(&inbox, id, &req(id, room(9), 1, 4, b"5678")).unwrap();
@@ -67,11 +72,11 @@ async fn each_verification_failure_is_terminal_with_its_reason() {
             }),
             "short transfer",
         ),
-        (Box::new(|id| req(id, room(9), 0, 2, b"abcd")), "outside region"),
+        (Box::new(|id| req(id, room(9), 0, 2, b"abcd")), "outside its"),
         (Box::new(|id| req(id, room(9), 3, 0, b"abcd")), "unexpected sender"),
     ];
     for (make, want) in cases {
-        let id = inbox.register_region(room(9), 4, [(s, 4)]).unwrap();
+        let id = inbox.register_region(room(9), 4, [(s, span(0..4))]).unwrap();
         assert!(write(&inbox, id, &make(id)).is_err());
         assert_eq!(inbox.poll(id), KvPoll::Failed);
         // Failed is terminal: a correct write afterwards does not revive it.
@@ -84,7 +89,7 @@ async fn each_verification_failure_is_terminal_with_its_reason() {
 #[tokio::test]
 async fn wait_times_out_and_removes_the_region() {
     let inbox = Inbox::new(InboxConfig::default());
-    let id = inbox.register_region(room(1), 4, [(SenderId::new(0, 0), 4)]).unwrap();
+    let id = inbox.register_region(room(1), 4, [(SenderId::new(0, 0), span(0..4))]).unwrap();
     let err = inbox.wait(id, Instant::now() + Duration::from_millis(20)).await.unwrap_err();
     assert!(matches!(err, TransferError::Timeout(_)));
     assert_eq!(inbox.regions(), 0);
@@ -147,8 +152,8 @@ fn handshakes_need_the_token_and_tables_are_bounded() {
 async fn a_sender_is_bound_to_its_connection_and_others_change_nothing() {
     let inbox = Inbox::new(InboxConfig::default());
     let s = SenderId::new(0, 0);
-    let id = inbox.register_region(room(5), 8, [(s, 8)]).unwrap();
-    let other = inbox.register_region(room(5), 8, [(s, 8)]).unwrap();
+    let id = inbox.register_region(room(5), 8, [(s, span(0..8))]).unwrap();
+    let other = inbox.register_region(room(5), 8, [(s, span(0..8))]).unwrap();
     assert_ne!(id, other);
     assert!(id.0 > 1 << 20 || other.0 > 1 << 20, "ids are not a small counter: {id:?} {other:?}");
     let w = req(id, room(5), 0, 0, b"abcdefgh");
@@ -168,4 +173,68 @@ async fn a_sender_is_bound_to_its_connection_and_others_change_nothing() {
     let guess = RegionId(other.0 ^ 1);
     assert_eq!(inbox.on_write(guess, s, theirs, &segs), Err(TransferError::UnknownRegion(guess)));
     assert_eq!(inbox.poll(other), KvPoll::Bootstrapping);
+}
+
+/// A write of `pairs` from `sender` whose notice was computed over `claimed` instead.
+fn claimed(
+    id: RegionId,
+    sender: u16,
+    pairs: &[(&'static [u8], u64)],
+    claimed: &[(&'static [u8], u64)],
+) -> WriteRequest {
+    let to = |p: &[(&'static [u8], u64)]| -> Vec<(Bytes, u64)> {
+        p.iter().map(|(b, o)| (Bytes::from_static(b), *o)).collect()
+    };
+    let mut w = WriteRequest::new(id, to(claimed), room(9), SenderId::new(sender, 0), 7, 4, 0);
+    w.pairs = to(pairs);
+    w
+}
+
+#[tokio::test]
+async fn placement_is_verified_and_each_violation_named() {
+    let inbox = Inbox::new(InboxConfig::default());
+    let (a, b) = (SenderId::new(0, 0), SenderId::new(1, 0));
+    let two = || [(a, span(0..8)), (b, span(8..16))];
+    let cases: Vec<(WriteRequest, &str)> = vec![
+        // Its bytes in the other sender's range.
+        (claimed(RegionId(0), 0, &[(b"abcdefgh", 8)], &[(b"abcdefgh", 8)]), "outside its"),
+        // The right bytes in the right order, at each other's offsets: the checksum binds
+        // where they landed.
+        (
+            claimed(RegionId(0), 0, &[(b"1234", 4), (b"5678", 0)], &[(b"1234", 0), (b"5678", 4)]),
+            "checksum mismatch",
+        ),
+        // Bytes written twice.
+        (
+            claimed(RegionId(0), 0, &[(b"1234", 0), (b"3456", 2)], &[(b"1234", 0)]),
+            "already written",
+        ),
+        // A gap left unwritten.
+        (
+            claimed(RegionId(0), 0, &[(b"12", 0), (b"5678", 4)], &[(b"12345678", 0)]),
+            "gap, bytes [2, 4)",
+        ),
+    ];
+    for (mut w, want) in cases {
+        let id = inbox.register_region(room(9), 16, two()).unwrap();
+        w.region = id;
+        let _ = write(&inbox, id, &w);
+        let err = inbox.wait(id, soon()).await.unwrap_err().to_string();
+        assert!(err.contains(want), "{err} should say {want}");
+    }
+    // Senders whose ranges overlap, or run past the region, are refused at registration.
+    for bad in [[(a, span(0..8)), (b, span(7..16))], [(a, span(0..8)), (b, span(8..17))]] {
+        let e = inbox.register_region(room(9), 16, bad).unwrap_err().to_string();
+        assert!(e.contains("overlap or run past"), "{e}");
+    }
+    // And the right write succeeds.
+    let id = inbox.register_region(room(9), 16, two()).unwrap();
+    write(
+        &inbox,
+        id,
+        &claimed(id, 0, &[(b"1234", 0), (b"5678", 4)], &[(b"1234", 0), (b"5678", 4)]),
+    )
+    .unwrap();
+    write(&inbox, id, &claimed(id, 1, &[(b"abcdefgh", 8)], &[(b"abcdefgh", 8)])).unwrap();
+    assert_eq!(inbox.wait(id, soon()).await.unwrap().buf, b"12345678abcdefgh");
 }

@@ -29,6 +29,11 @@ async fn pair(cfg: TcpConfig) -> Pair {
     Pair { tx: mk(cfg.clone()).await, rx: mk(cfg).await, tasks }
 }
 
+/// One byte range, as a sender's ranges.
+fn span(r: std::ops::Range<u64>) -> Vec<std::ops::Range<u64>> {
+    std::iter::once(r).collect()
+}
+
 fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(5)
 }
@@ -48,7 +53,10 @@ async fn bytes_arrive_exact_across_split_frames_and_senders() {
     let r = room();
     let (a, b) = (SenderId::new(0, 0), SenderId::new(1, 0));
     let half = 50_000u64;
-    let id = p.rx.inbox().register_region(r, 2 * half, [(a, half), (b, half)]).unwrap();
+    let id =
+        p.rx.inbox()
+            .register_region(r, 2 * half, [(a, span(0..half)), (b, span(half..2 * half))])
+            .unwrap();
     let chunks = |seed: u8, base: u64| -> Vec<(Bytes, u64)> {
         (0..50).map(|i| (pattern(1000, seed + i as u8), base + i * 1000)).collect()
     };
@@ -68,7 +76,7 @@ async fn bytes_arrive_exact_across_split_frames_and_senders() {
 async fn handshake_reaches_the_sender_and_marks_the_region_connected() {
     let p = pair(TcpConfig::default()).await;
     let r = room();
-    let id = p.rx.inbox().register_region(r, 8, [(SenderId::new(0, 0), 8)]).unwrap();
+    let id = p.rx.inbox().register_region(r, 8, [(SenderId::new(0, 0), span(0..8))]).unwrap();
     let req = ConnectRequest {
         room: r,
         receiver: p.rx.addr(),
@@ -104,7 +112,7 @@ async fn injected_faults_fail_the_region_at_verify() {
         (Fault::SenderGone, "timed out"),
     ] {
         let r = room();
-        let id = p.rx.inbox().register_region(r, 4000, [(s, 4000)]).unwrap();
+        let id = p.rx.inbox().register_region(r, 4000, [(s, span(0..4000))]).unwrap();
         let pairs = (0..4).map(|i| (pattern(1000, i), u64::from(i) * 1000)).collect();
         switch.arm(fault, 1);
         let sent =
@@ -123,7 +131,7 @@ async fn truncated_and_garbage_frames_close_only_their_connection() {
     let p = pair(TcpConfig::default()).await;
     let r = room();
     let s = SenderId::new(0, 0);
-    let id = p.rx.inbox().register_region(r, 100, [(s, 100)]).unwrap();
+    let id = p.rx.inbox().register_region(r, 100, [(s, span(0..100))]).unwrap();
     let addr = p.rx.addr();
 
     // A write frame that promises 100 payload bytes, then the sender dies after 10.
@@ -146,7 +154,7 @@ async fn truncated_and_garbage_frames_close_only_their_connection() {
     );
 
     // Half a region written, then the connection closes with no notice: failed, fast.
-    let id = p.rx.inbox().register_region(r, 100, [(s, 100)]).unwrap();
+    let id = p.rx.inbox().register_region(r, 100, [(s, span(0..100))]).unwrap();
     let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
     let mut w = Vec::new();
     wire::write_pairs(&mut w, id, s, &[(Bytes::from_static(&[1; 50]), 0)], 1 << 20).await.unwrap();
@@ -163,7 +171,7 @@ async fn truncated_and_garbage_frames_close_only_their_connection() {
     assert!(matches!(ack, Some(Frame::Ack(Err(m))) if m.contains("frame length")));
 
     // The agent still serves well-formed peers.
-    let id = p.rx.inbox().register_region(r, 4, [(s, 4)]).unwrap();
+    let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
     let w = WriteRequest::new(id, vec![(Bytes::from_static(b"okok"), 0)], r, s, 1, 1, 0);
     p.tx.post_write(&addr, w).await.unwrap();
     assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
@@ -203,7 +211,7 @@ async fn with_a_token_nothing_is_read_before_the_hello() {
     let cfg = TcpConfig { token: Some("s3cret".into()), ..Default::default() };
     let p = pair(cfg).await;
     let (r, s) = (room(), SenderId::new(0, 0));
-    let id = p.rx.inbox().register_region(r, 4, [(s, 4)]).unwrap();
+    let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
     let addr = p.rx.addr();
     // A write without a hello, with the region's real id: refused, connection closed.
     let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
@@ -223,7 +231,7 @@ async fn with_a_token_nothing_is_read_before_the_hello() {
     assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
     // One without it cannot: its hello-less connection is refused.
     let stranger = pair(TcpConfig::default()).await;
-    let id = p.rx.inbox().register_region(r, 4, [(s, 4)]).unwrap();
+    let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
     let w = WriteRequest::new(id, vec![(Bytes::from_static(b"nope"), 0)], r, s, 1, 1, 0);
     assert!(stranger.tx.post_write(&addr, w).await.is_err());
     p.tasks.shutdown().await;
@@ -234,7 +242,7 @@ async fn with_a_token_nothing_is_read_before_the_hello() {
 async fn forged_writes_never_touch_a_region_and_the_forger_loses_its_connection() {
     let p = pair(TcpConfig { max_unknown_writes: 16, ..Default::default() }).await;
     let (r, s) = (room(), SenderId::new(0, 0));
-    let id = p.rx.inbox().register_region(r, 4, [(s, 4)]).unwrap();
+    let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
     let addr = p.rx.addr();
     // A sprayer at small ids, as a peer knowing only the frame layout would.
     let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();

@@ -1,0 +1,126 @@
+//! [`Placement`]: where one sender of a region may write, and what it has written. Its byte
+//! ranges come from the shard plan; every write must land inside them, on bytes not written
+//! before; the running checksum covers each segment's offset and length as well as its
+//! bytes; at the notice, every byte of the ranges must have been written, exactly once.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use xxhash_rust::xxh3::Xxh3;
+
+/// Adds one written segment to a transfer checksum: its offset, its length, its bytes.
+pub fn hash_segment(h: &mut Xxh3, offset: u64, bytes: &[u8]) {
+    h.update(&offset.to_le_bytes());
+    h.update(&(bytes.len() as u64).to_le_bytes());
+    h.update(bytes);
+}
+
+/// One sender's ranges and progress (see the module docs).
+pub(super) struct Placement {
+    /// Sorted, disjoint, adjacent ones merged.
+    ranges: Vec<Range<u64>>,
+    /// Written intervals, start to end, disjoint.
+    written: BTreeMap<u64, u64>,
+    pub(super) bytes: u64,
+    pub(super) hasher: Xxh3,
+}
+
+/// Sorts and merges `ranges` (empty ones dropped); `None` if two overlap.
+pub(super) fn normalize(mut ranges: Vec<Range<u64>>) -> Option<Vec<Range<u64>>> {
+    ranges.retain(|r| r.start < r.end);
+    ranges.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if r.start < last.end => return None,
+            Some(last) if r.start == last.end => last.end = r.end,
+            _ => out.push(r),
+        }
+    }
+    Some(out)
+}
+
+impl Placement {
+    /// A sender allowed `ranges` (normalized).
+    pub(super) fn new(ranges: Vec<Range<u64>>) -> Self {
+        Placement { ranges, written: BTreeMap::new(), bytes: 0, hasher: Xxh3::new() }
+    }
+
+    /// Bytes the sender must write.
+    pub(super) fn total(&self) -> u64 {
+        self.ranges.iter().map(|r| r.end - r.start).sum()
+    }
+
+    /// Where its ranges are, for messages.
+    fn span(&self) -> String {
+        match (self.ranges.first(), self.ranges.last()) {
+            (Some(a), Some(b)) => {
+                format!("{} range(s) within [{}, {})", self.ranges.len(), a.start, b.end)
+            }
+            _ => "no range".into(),
+        }
+    }
+
+    /// Checks that `len` bytes at `offset` lie inside one range and on nothing written yet.
+    pub(super) fn check(&self, offset: u64, len: u64) -> Result<(), String> {
+        let Some(end) = offset.checked_add(len) else {
+            return Err(format!("write of {len} bytes at {offset} overflows"));
+        };
+        if len == 0 {
+            return Ok(());
+        }
+        let i = self.ranges.partition_point(|r| r.end <= offset);
+        if !self.ranges.get(i).is_some_and(|r| r.start <= offset && end <= r.end) {
+            return Err(format!("write of [{offset}, {end}) outside its {}", self.span()));
+        }
+        // The written interval starting at or before `end` with the largest start.
+        if let Some((&s, &e)) = self.written.range(..end).next_back()
+            && e > offset
+        {
+            return Err(format!(
+                "write of [{offset}, {end}) over bytes [{}, {}) already written",
+                s.max(offset),
+                e.min(end)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Records a checked segment.
+    pub(super) fn record(&mut self, offset: u64, bytes: &[u8]) {
+        let (mut start, mut end) = (offset, offset + bytes.len() as u64);
+        hash_segment(&mut self.hasher, offset, bytes);
+        self.bytes += bytes.len() as u64;
+        if start == end {
+            return;
+        }
+        // Merge with the neighbours it touches.
+        if let Some((&s, &e)) = self.written.range(..=start).next_back()
+            && e == start
+        {
+            self.written.remove(&s);
+            start = s;
+        }
+        if let Some(e) = self.written.remove(&end) {
+            end = e;
+        }
+        self.written.insert(start, end);
+    }
+
+    /// The first bytes of its ranges not written, if any.
+    pub(super) fn first_gap(&self) -> Option<Range<u64>> {
+        for r in &self.ranges {
+            let mut at = r.start;
+            for (&s, &e) in self.written.range(r.start..r.end) {
+                if s > at {
+                    return Some(at..s);
+                }
+                at = at.max(e);
+            }
+            if at < r.end {
+                return Some(at..r.end);
+            }
+        }
+        None
+    }
+}
