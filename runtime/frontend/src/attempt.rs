@@ -187,9 +187,13 @@ pub async fn run(
                 (SenderId::new(tp as u16, pp as u16), layout.shard_ranges(&s))
             })
             .collect();
-        let id = inbox
-            .register_region(room, layout.len(), expected)
-            .map_err(|e| FrontendError::at("register", e))?;
+        let id = inbox.register_region(room, layout.len(), expected).map_err(|e| match e {
+            // The decode's receive memory is spoken for: overload, not a fault.
+            handoff_transfer::TransferError::Full(_) => {
+                FrontendError::because("register", Cause::Overloaded, e)
+            }
+            e => FrontendError::at("register", e),
+        })?;
         regions.push(RegionGuard { inbox: inbox.clone(), id });
     }
     stages.timings.register_us = stages.mark();

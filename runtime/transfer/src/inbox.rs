@@ -19,6 +19,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Mutex;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use handoff_core::Room;
@@ -41,6 +42,8 @@ pub struct InboxConfig {
     pub max_regions: usize,
     /// Largest region.
     pub max_region_bytes: u64,
+    /// Most bytes held by all regions at once (beyond, registration is refused as full).
+    pub max_total_bytes: u64,
     /// Most rooms with pending handshakes.
     pub max_pending_rooms: usize,
     /// Most handshakes per room.
@@ -55,6 +58,7 @@ impl Default for InboxConfig {
             token: None,
             max_regions: 16_384,
             max_region_bytes: 4 << 30,
+            max_total_bytes: 8 << 30,
             max_pending_rooms: 16_384,
             max_connects_per_room: 256,
             pending_ttl: Duration::from_secs(60),
@@ -125,6 +129,8 @@ struct Pending {
 pub struct Inbox {
     cfg: InboxConfig,
     regions: Mutex<HashMap<RegionId, Region>>,
+    /// Bytes held by `regions` (changed only under its lock).
+    held_bytes: std::sync::atomic::AtomicU64,
     pending: Mutex<HashMap<Room, Pending>>,
     pending_changed: Notify,
 }
@@ -145,6 +151,7 @@ impl Inbox {
         Inbox {
             cfg,
             regions: Mutex::default(),
+            held_bytes: Default::default(),
             pending: Mutex::default(),
             pending_changed: Notify::new(),
         }
@@ -182,6 +189,11 @@ impl Inbox {
         if regions.len() >= self.cfg.max_regions {
             return Err(TransferError::Full("region"));
         }
+        let held = self.held_bytes.load(Relaxed);
+        if held.saturating_add(len) > self.cfg.max_total_bytes {
+            return Err(TransferError::Full("region memory"));
+        }
+        self.held_bytes.store(held + len, Relaxed);
         let id = loop {
             let id = RegionId(rand::random());
             if id.0 != 0 && !regions.contains_key(&id) {
@@ -222,12 +234,20 @@ impl Inbox {
 
     /// Drops a region without waiting for it.
     pub fn release(&self, id: RegionId) {
-        lock(&self.regions).remove(&id);
+        let mut regions = lock(&self.regions);
+        if let Some(r) = regions.remove(&id) {
+            self.held_bytes.fetch_sub(r.buf.len() as u64, Relaxed);
+        }
     }
 
     /// Regions registered.
     pub fn regions(&self) -> usize {
         lock(&self.regions).len()
+    }
+
+    /// Bytes the registered regions hold.
+    pub fn held_bytes(&self) -> u64 {
+        self.held_bytes.load(Relaxed)
     }
 
     /// Waits until the region succeeds or fails, or `deadline`; the region is removed
@@ -239,7 +259,12 @@ impl Inbox {
         };
         let done = rx.wait_for(|s| matches!(s, KvPoll::Success | KvPoll::Failed));
         let timed_out = tokio::time::timeout_at(deadline, done).await.is_err();
-        let region = lock(&self.regions).remove(&id).ok_or(TransferError::UnknownRegion(id))?;
+        let region = {
+            let mut regions = lock(&self.regions);
+            let r = regions.remove(&id).ok_or(TransferError::UnknownRegion(id))?;
+            self.held_bytes.fetch_sub(r.buf.len() as u64, Relaxed);
+            r
+        };
         let state = *region.state.borrow();
         match state {
             KvPoll::Success => {

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use handoff_core::Tasks;
-use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
@@ -47,6 +47,11 @@ pub struct TcpConfig {
     /// Writes to unknown regions a connection may send before it is closed (a sender can
     /// legitimately trail a region its receiver gave up on; a peer guessing ids cannot).
     pub max_unknown_writes: u32,
+    /// An inbound connection with no frame begun for this long is closed.
+    pub idle_timeout: Duration,
+    /// An inbound frame must arrive whole within this long once begun (a peer trickling
+    /// bytes is cut off).
+    pub frame_timeout: Duration,
 }
 
 impl Default for TcpConfig {
@@ -59,6 +64,8 @@ impl Default for TcpConfig {
             max_inbound: 1024,
             token: None,
             max_unknown_writes: 64,
+            idle_timeout: Duration::from_secs(120),
+            frame_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -91,11 +98,19 @@ impl TcpTransfer {
             max_frame: cfg.max_frame,
             token: cfg.token.clone(),
             max_unknown_writes: cfg.max_unknown_writes,
+            idle_timeout: cfg.idle_timeout,
+            frame_timeout: cfg.frame_timeout,
         });
         let mut next_conn = 0u64;
         let limit = Arc::new(Semaphore::new(cfg.max_inbound));
         tasks.spawn(async move {
             loop {
+                // A place first: over the limit, connections wait in the listen backlog
+                // (backpressure) rather than being accepted and dropped.
+                let permit = tokio::select! {
+                    _ = t.shutdown_requested() => break,
+                    p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+                };
                 let accepted = tokio::select! {
                     _ = t.shutdown_requested() => break,
                     a = listener.accept() => a,
@@ -107,10 +122,6 @@ impl TcpTransfer {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
-                };
-                let Ok(permit) = limit.clone().try_acquire_owned() else {
-                    warn!(%peer, "too many transfer connections; refusing");
-                    continue;
                 };
                 let (inbox, t2, cc) = (inbox.clone(), t.clone(), conn_cfg.clone());
                 next_conn += 1;
@@ -254,6 +265,8 @@ struct ConnCfg {
     max_frame: usize,
     token: Option<String>,
     max_unknown_writes: u32,
+    idle_timeout: Duration,
+    frame_timeout: Duration,
 }
 
 /// Whether `got` is `want`, in time independent of where they differ.
@@ -280,7 +293,21 @@ async fn serve_conn(
     let reason = loop {
         // Before the hello, nothing bigger than a hello is read.
         let max_frame = if authed { cfg.max_frame } else { wire::MAX_TOKEN + 1 };
-        let frame = match wire::read_frame(&mut r, max_frame).await {
+        // Idle until a frame begins, then the whole frame within its own time.
+        match tokio::time::timeout(cfg.idle_timeout, r.fill_buf()).await {
+            Ok(Ok(b)) if !b.is_empty() => {}
+            Ok(_) => break "sender connection closed mid-transfer".to_owned(),
+            Err(_) => {
+                debug!(%peer, "idle transfer connection closed");
+                break "sender connection idle too long".to_owned();
+            }
+        }
+        let read = tokio::time::timeout(cfg.frame_timeout, wire::read_frame(&mut r, max_frame));
+        let Ok(read) = read.await else {
+            debug!(%peer, "transfer frame too slow; closing");
+            break "sender connection too slow mid-frame".to_owned();
+        };
+        let frame = match read {
             Ok(Some(f)) => f,
             Ok(None) => break "sender connection closed mid-transfer".to_owned(),
             Err(e) => {

@@ -238,3 +238,19 @@ async fn placement_is_verified_and_each_violation_named() {
     write(&inbox, id, &claimed(id, 1, &[(b"abcdefgh", 8)], &[(b"abcdefgh", 8)])).unwrap();
     assert_eq!(inbox.wait(id, soon()).await.unwrap().buf, b"12345678abcdefgh");
 }
+
+#[tokio::test]
+async fn region_memory_has_a_total_budget() {
+    let inbox = Inbox::new(InboxConfig { max_total_bytes: 10, ..Default::default() });
+    let s = SenderId::new(0, 0);
+    let a = inbox.register_region(room(1), 6, [(s, span(0..6))]).unwrap();
+    assert_eq!(
+        inbox.register_region(room(2), 6, [(s, span(0..6))]),
+        Err(TransferError::Full("region memory"))
+    );
+    assert_eq!(inbox.held_bytes(), 6);
+    inbox.release(a);
+    let b = inbox.register_region(room(2), 6, [(s, span(0..6))]).unwrap();
+    let _ = inbox.wait(b, Instant::now()).await;
+    assert_eq!(inbox.held_bytes(), 0, "a region given up on gives its memory back");
+}

@@ -263,3 +263,76 @@ async fn forged_writes_never_touch_a_region_and_the_forger_loses_its_connection(
     assert_eq!(p.rx.inbox().poll(id), KvPoll::Transferring, "the region goes on");
     p.tasks.shutdown().await;
 }
+
+/// Resident memory of this process, in bytes.
+fn rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+#[tokio::test]
+async fn idle_and_trickling_peers_are_cut_off_and_excess_connections_wait() {
+    let cfg = TcpConfig {
+        max_inbound: 2,
+        idle_timeout: Duration::from_millis(300),
+        frame_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let p = pair(cfg).await;
+    let addr = p.rx.addr();
+    let dial = || TcpStream::connect((addr.ip.as_str(), addr.port));
+    // One says nothing; one declares a frame and trickles: both hold the only two places.
+    let mut idle = dial().await.unwrap();
+    let mut trickler = dial().await.unwrap();
+    trickler.write_all(&1000u32.to_le_bytes()).await.unwrap();
+    let started = Instant::now();
+    // A real write meanwhile waits for a place instead of being refused.
+    let (r, s) = (room(), SenderId::new(0, 0));
+    let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
+    let w = WriteRequest::new(id, vec![(Bytes::from_static(b"okok"), 0)], r, s, 1, 1, 0);
+    let post = p.tx.post_write(&addr, w);
+    let trickle = async {
+        for _ in 0..20 {
+            if trickler.write_all(&[0u8]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let (posted, ()) = tokio::join!(post, trickle);
+    posted.unwrap();
+    assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
+    let waited = started.elapsed();
+    assert!(closed(&mut idle).await && closed(&mut trickler).await, "both cut off");
+    assert!(waited >= Duration::from_millis(250), "the write waited for a place: {waited:?}");
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_thousand_peers_declaring_huge_frames_hold_little_memory() {
+    let p = pair(TcpConfig { max_inbound: 2048, ..Default::default() }).await;
+    let addr = p.rx.addr();
+    let before = rss();
+    let mut held = Vec::new();
+    for _ in 0..1000 {
+        let mut c = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
+        // A 60 MiB write frame declared, 32 bytes of it sent.
+        c.write_all(&(60u32 << 20).to_le_bytes()).await.unwrap();
+        c.write_all(&[2u8; 32]).await.unwrap();
+        held.push(c);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let grew = rss().saturating_sub(before);
+    eprintln!(
+        "1000 connections each declaring a 60 MiB frame: resident memory grew {} KiB",
+        grew / 1024
+    );
+    assert!(grew < 256 << 20, "grew {grew} bytes");
+    drop(held);
+    p.tasks.shutdown().await;
+}

@@ -15,6 +15,8 @@ const HELLO: u8 = 5;
 /// Longest token a hello may carry.
 pub(super) const MAX_TOKEN: usize = 4096;
 const NOTICE_LEN: usize = 48;
+/// Bytes of a frame allocated before they arrive.
+const READ_CHUNK: usize = 64 << 10;
 
 /// A decoded frame.
 #[derive(Debug)]
@@ -139,10 +141,17 @@ pub(super) async fn read_frame<R: AsyncRead + Unpin>(
     if len == 0 || len > max_frame {
         return Err(malformed(format!("frame length {len} outside 1..={max_frame}")));
     }
-    let mut buf = vec![0u8; len];
-    r.read_exact(&mut buf)
+    // Grown as bytes arrive, not allocated at the declared length: a peer that declares a
+    // large frame and sends little holds little.
+    let mut buf = Vec::with_capacity(len.min(READ_CHUNK));
+    let got = (&mut *r)
+        .take(len as u64)
+        .read_to_end(&mut buf)
         .await
-        .map_err(|e| malformed(format!("truncated frame of {len} bytes: {e}")))?;
+        .map_err(|e| malformed(format!("reading a frame of {len} bytes: {e}")))?;
+    if got != len {
+        return Err(malformed(format!("truncated frame: {got} of {len} bytes")));
+    }
     let mut body = Bytes::from(buf);
     let kind = body.get_u8();
     decode(kind, body).map(Some)
