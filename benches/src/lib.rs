@@ -2,6 +2,8 @@
 //! instances each storing sequences of D blocks that share a P-block prefix) and a scheduler
 //! holding them.
 
+pub mod fuzz;
+
 use handoff_core::{BlockHash, InstanceId};
 use handoff_discovery::{Instance, KvEvent, KvEventKind, Role, Topology, Update};
 use handoff_kv_index::WorkerKey;

@@ -259,6 +259,40 @@ impl TransferBackend for TcpTransfer {
     }
 }
 
+/// A write frame's payload cut into its segments (the decoder checked the lengths add up).
+fn split<'a>(segments: &[(u64, u32)], payload: &'a [u8]) -> Vec<(u64, &'a [u8])> {
+    let mut at = 0usize;
+    segments
+        .iter()
+        .map(|&(off, len)| {
+            let end = (at + len as usize).min(payload.len());
+            let s = (off, &payload[at..end]);
+            at = end;
+            s
+        })
+        .collect()
+}
+
+/// Decodes `bytes` as the frames of one inbound connection and hands each to `inbox` as a
+/// served connection would, until the bytes end or a frame is malformed; returns how many
+/// frames were decoded. For fuzzing the decoder and the inbox behind it: no input may panic.
+pub async fn apply_frames(bytes: &[u8], inbox: &Inbox, max_frame: usize) -> usize {
+    let mut r = bytes;
+    let mut n = 0;
+    while let Ok(Some(frame)) = wire::read_frame(&mut r, max_frame).await {
+        n += 1;
+        let _ = match frame {
+            Frame::Connect(req) => inbox.on_connect(req),
+            Frame::Write { region, sender, segments, payload } => {
+                inbox.on_write(region, sender, ConnId(0), &split(&segments, &payload))
+            }
+            Frame::Notice { region, notice } => inbox.on_notice(region, ConnId(0), notice),
+            Frame::Ack(_) | Frame::Hello(_) => Ok(()),
+        };
+    }
+    n
+}
+
 /// What every inbound connection is served with.
 #[derive(Debug)]
 struct ConnCfg {
@@ -334,15 +368,7 @@ async fn serve_conn(
             }
             Frame::Connect(req) => Some(inbox.on_connect(req)),
             Frame::Write { region, sender, segments, payload } => {
-                let mut at = 0usize;
-                let segs: Vec<(u64, &[u8])> = segments
-                    .iter()
-                    .map(|&(off, len)| {
-                        let s = (off, &payload[at..at + len as usize]);
-                        at += len as usize;
-                        s
-                    })
-                    .collect();
+                let segs = split(&segments, &payload);
                 // A rejected write fails its region; the sender learns it at the notice.
                 match inbox.on_write(region, sender, conn, &segs) {
                     Ok(()) => {

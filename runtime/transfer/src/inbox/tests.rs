@@ -254,3 +254,15 @@ async fn region_memory_has_a_total_budget() {
     let _ = inbox.wait(b, Instant::now()).await;
     assert_eq!(inbox.held_bytes(), 0, "a region given up on gives its memory back");
 }
+
+/// Found by fuzzing: an empty segment far past the region's end was "inside" (nothing to
+/// place) and then sliced the buffer out of bounds.
+#[tokio::test]
+async fn an_empty_segment_far_past_the_end_lands_nowhere() {
+    let inbox = Inbox::new(InboxConfig::default());
+    let s = SenderId::new(0, 0);
+    let id = inbox.register_region(room(9), 4, [(s, span(0..4))]).unwrap();
+    let far = claimed(id, 0, &[(b"", 1 << 34), (b"abcd", 0)], &[(b"", 1 << 34), (b"abcd", 0)]);
+    write(&inbox, id, &far).unwrap();
+    assert_eq!(inbox.wait(id, soon()).await.unwrap().buf, b"abcd");
+}
