@@ -138,7 +138,8 @@ pub async fn transfer_frames(inputs: u64, seed: u64) -> Report {
     for i in 0..inputs {
         if i % 256 == 0 {
             // Fresh regions now and then, so mutations keep hitting live ones.
-            let s = [(SenderId::new(0, 0), vec![0..4]), (SenderId::new(1, 0), vec![4..8])];
+            let s = [(SenderId::new(0, 0), 0..4), (SenderId::new(1, 0), 4..8)]
+                .map(|(s, r)| (s, std::iter::once(r).collect::<Vec<_>>()));
             if let Ok(id) = inbox.register_region(room, 8, s) {
                 seeds = frame_seeds(id.0, room);
                 live.push_back(id);
@@ -250,7 +251,7 @@ pub fn bus_payloads(inputs: u64, seed: u64) -> Report {
     for _ in 0..inputs {
         let input = {
             let i = rng.random_range(0..seeds.len());
-            mutate(&mut rng, &seeds[i])
+            mutate(&mut rng, seeds[i])
         };
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
             if let Ok(ev) = serde_json::from_slice::<KvEvent>(&input) {
