@@ -18,19 +18,22 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Mutex;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use handoff_core::Room;
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::debug;
 
 use crate::{ConnId, ConnectRequest, KvPoll, Notice, RegionId, SenderId, TransferError};
 
+mod handshakes;
 pub mod placement;
 
+use handshakes::Handshakes;
 use placement::Placement;
 
 /// Bounds of an inbox.
@@ -120,19 +123,22 @@ impl Region {
     }
 }
 
-struct Pending {
-    reqs: Vec<ConnectRequest>,
-    since: Instant,
-}
+/// Region map shards: a region is found under its shard's lock, then written under its own,
+/// so copying and hashing one region's bytes holds up no other.
+const SHARDS: usize = 16;
+
+type Shard = Mutex<HashMap<RegionId, Arc<Mutex<Region>>>>;
 
 /// The receiving side of a transfer agent (see the module docs).
 pub struct Inbox {
     cfg: InboxConfig,
-    regions: Mutex<HashMap<RegionId, Region>>,
-    /// Bytes held by `regions` (changed only under its lock).
-    held_bytes: std::sync::atomic::AtomicU64,
-    pending: Mutex<HashMap<Room, Pending>>,
-    pending_changed: Notify,
+    shards: [Shard; SHARDS],
+    /// Regions registered.
+    count: AtomicUsize,
+    /// Bytes the regions hold.
+    held_bytes: AtomicU64,
+    /// The sending side's table.
+    handshakes: Handshakes,
 }
 
 impl std::fmt::Debug for Inbox {
@@ -141,7 +147,7 @@ impl std::fmt::Debug for Inbox {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -149,12 +155,39 @@ impl Inbox {
     /// An empty inbox.
     pub fn new(cfg: InboxConfig) -> Self {
         Inbox {
+            handshakes: Handshakes::new(&cfg),
             cfg,
-            regions: Mutex::default(),
-            held_bytes: Default::default(),
-            pending: Mutex::default(),
-            pending_changed: Notify::new(),
+            shards: std::array::from_fn(|_| Mutex::default()),
+            count: AtomicUsize::new(0),
+            held_bytes: AtomicU64::new(0),
         }
+    }
+
+    fn shard(&self, id: RegionId) -> &Shard {
+        &self.shards[(id.0 % SHARDS as u64) as usize]
+    }
+
+    /// The region, out of its shard (whose lock is let go at once).
+    fn region(&self, id: RegionId) -> Result<Arc<Mutex<Region>>, TransferError> {
+        lock(self.shard(id)).get(&id).cloned().ok_or(TransferError::UnknownRegion(id))
+    }
+
+    /// Takes the region out of the inbox, giving back its place and memory.
+    fn take(&self, id: RegionId) -> Option<Arc<Mutex<Region>>> {
+        let r = lock(self.shard(id)).remove(&id)?;
+        self.count.fetch_sub(1, Relaxed);
+        self.held_bytes.fetch_sub(lock(&r).buf.len() as u64, Relaxed);
+        Some(r)
+    }
+
+    /// Reserves `n` of `max` in `counter`, or refuses.
+    fn reserve(counter: &AtomicU64, n: u64, max: u64) -> bool {
+        let before = counter.fetch_add(n, Relaxed);
+        if before.saturating_add(n) > max {
+            counter.fetch_sub(n, Relaxed);
+            return false;
+        }
+        true
     }
 
     // === receiver side ===
@@ -185,21 +218,14 @@ impl Inbox {
             .into_iter()
             .map(|(s, r)| (s, Placement::new(placement::normalize(r).unwrap_or_default())))
             .collect();
-        let mut regions = lock(&self.regions);
-        if regions.len() >= self.cfg.max_regions {
+        if self.count.fetch_add(1, Relaxed) >= self.cfg.max_regions {
+            self.count.fetch_sub(1, Relaxed);
             return Err(TransferError::Full("region"));
         }
-        let held = self.held_bytes.load(Relaxed);
-        if held.saturating_add(len) > self.cfg.max_total_bytes {
+        if !Self::reserve(&self.held_bytes, len, self.cfg.max_total_bytes) {
+            self.count.fetch_sub(1, Relaxed);
             return Err(TransferError::Full("region memory"));
         }
-        self.held_bytes.store(held + len, Relaxed);
-        let id = loop {
-            let id = RegionId(rand::random());
-            if id.0 != 0 && !regions.contains_key(&id) {
-                break id;
-            }
-        };
         let region = Region {
             room,
             buf: vec![0; len as usize],
@@ -209,40 +235,44 @@ impl Inbox {
             state: watch::Sender::new(KvPoll::Bootstrapping),
             error: None,
         };
-        regions.insert(id, region);
+        let id = loop {
+            let id = RegionId(rand::random());
+            let mut shard = lock(self.shard(id));
+            if id.0 != 0 && !shard.contains_key(&id) {
+                shard.insert(id, Arc::new(Mutex::new(region)));
+                break id;
+            }
+        };
         Ok(id)
     }
 
     /// The region's state; an unknown region reads as `Failed`.
     pub fn poll(&self, id: RegionId) -> KvPoll {
-        lock(&self.regions).get(&id).map_or(KvPoll::Failed, |r| *r.state.borrow())
+        self.region(id).map_or(KvPoll::Failed, |r| *lock(&r).state.borrow())
     }
 
     /// Marks the handshake for `id` done.
     pub fn mark_connected(&self, id: RegionId) {
-        if let Some(r) = lock(&self.regions).get_mut(&id) {
-            r.advance(KvPoll::WaitingForInput);
+        if let Ok(r) = self.region(id) {
+            lock(&r).advance(KvPoll::WaitingForInput);
         }
     }
 
     /// Fails a region (e.g. its sender vanished).
     pub fn fail(&self, id: RegionId, reason: impl Into<String>) {
-        if let Some(r) = lock(&self.regions).get_mut(&id) {
-            r.fail(reason.into());
+        if let Ok(r) = self.region(id) {
+            lock(&r).fail(reason.into());
         }
     }
 
     /// Drops a region without waiting for it.
     pub fn release(&self, id: RegionId) {
-        let mut regions = lock(&self.regions);
-        if let Some(r) = regions.remove(&id) {
-            self.held_bytes.fetch_sub(r.buf.len() as u64, Relaxed);
-        }
+        self.take(id);
     }
 
     /// Regions registered.
     pub fn regions(&self) -> usize {
-        lock(&self.regions).len()
+        self.count.load(Relaxed)
     }
 
     /// Bytes the registered regions hold.
@@ -253,24 +283,19 @@ impl Inbox {
     /// Waits until the region succeeds or fails, or `deadline`; the region is removed
     /// either way.
     pub async fn wait(&self, id: RegionId, deadline: Instant) -> Result<Received, TransferError> {
-        let mut rx = {
-            let regions = lock(&self.regions);
-            regions.get(&id).ok_or(TransferError::UnknownRegion(id))?.state.subscribe()
-        };
+        let mut rx = lock(&*self.region(id)?).state.subscribe();
         let done = rx.wait_for(|s| matches!(s, KvPoll::Success | KvPoll::Failed));
         let timed_out = tokio::time::timeout_at(deadline, done).await.is_err();
-        let region = {
-            let mut regions = lock(&self.regions);
-            let r = regions.remove(&id).ok_or(TransferError::UnknownRegion(id))?;
-            self.held_bytes.fetch_sub(r.buf.len() as u64, Relaxed);
-            r
-        };
+        let region = self.take(id).ok_or(TransferError::UnknownRegion(id))?;
+        let mut region = lock(&region);
         let state = *region.state.borrow();
         match state {
-            KvPoll::Success => {
-                Ok(Received { room: region.room, buf: region.buf, notices: region.notices })
-            }
-            KvPoll::Failed => Err(TransferError::Failed(region.error.unwrap_or_default())),
+            KvPoll::Success => Ok(Received {
+                room: region.room,
+                buf: std::mem::take(&mut region.buf),
+                notices: std::mem::take(&mut region.notices),
+            }),
+            KvPoll::Failed => Err(TransferError::Failed(region.error.take().unwrap_or_default())),
             s if timed_out => Err(TransferError::Timeout(format!("waiting for KV in state {s:?}"))),
             s => Err(TransferError::Failed(format!("region closed in state {s:?}"))),
         }
@@ -287,8 +312,8 @@ impl Inbox {
         conn: ConnId,
         segments: &[(u64, &[u8])],
     ) -> Result<(), TransferError> {
-        let mut regions = lock(&self.regions);
-        let r = regions.get_mut(&id).ok_or(TransferError::UnknownRegion(id))?;
+        let region = self.region(id)?;
+        let mut r = lock(&region);
         if matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success) {
             return Err(TransferError::Failed(format!("region {id:?} is closed")));
         }
@@ -323,8 +348,8 @@ impl Inbox {
     /// does not match fails the region (`bootstrap_room mismatch`, `short transfer`,
     /// `checksum mismatch`); one over a connection its sender is not bound to is refused.
     pub fn on_notice(&self, id: RegionId, conn: ConnId, n: Notice) -> Result<(), TransferError> {
-        let mut regions = lock(&self.regions);
-        let r = regions.get_mut(&id).ok_or(TransferError::UnknownRegion(id))?;
+        let region = self.region(id)?;
+        let mut r = lock(&region);
         if matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success) {
             return Err(TransferError::Failed(format!("region {id:?} is closed")));
         }
@@ -376,29 +401,7 @@ impl Inbox {
 
     /// Accepts a receiver's handshake for a room this agent will send.
     pub fn on_connect(&self, req: ConnectRequest) -> Result<(), TransferError> {
-        if let Some(t) = &self.cfg.token
-            && req.token.as_deref() != Some(t.as_str())
-        {
-            return Err(TransferError::Unauthorized);
-        }
-        let mut pending = lock(&self.pending);
-        if pending.len() >= self.cfg.max_pending_rooms && !pending.contains_key(&req.room) {
-            let ttl = self.cfg.pending_ttl;
-            pending.retain(|_, p| p.since.elapsed() < ttl);
-            if pending.len() >= self.cfg.max_pending_rooms {
-                return Err(TransferError::Full("pending handshake"));
-            }
-        }
-        let entry = pending
-            .entry(req.room)
-            .or_insert_with(|| Pending { reqs: Vec::new(), since: Instant::now() });
-        if entry.reqs.len() >= self.cfg.max_connects_per_room {
-            return Err(TransferError::Full("handshakes per room"));
-        }
-        entry.reqs.push(req);
-        drop(pending);
-        self.pending_changed.notify_waiters();
-        Ok(())
+        self.handshakes.on_connect(req)
     }
 
     /// Waits until `count` handshakes for `room` have arrived, and takes them.
@@ -408,29 +411,12 @@ impl Inbox {
         count: usize,
         deadline: Instant,
     ) -> Result<Vec<ConnectRequest>, TransferError> {
-        loop {
-            let changed = self.pending_changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            {
-                let mut pending = lock(&self.pending);
-                if pending.get(&room).is_some_and(|p| p.reqs.len() >= count) {
-                    let p = pending.remove(&room).map(|p| p.reqs).unwrap_or_default();
-                    return Ok(p);
-                }
-            }
-            if tokio::time::timeout_at(deadline, changed).await.is_err() {
-                let have = lock(&self.pending).remove(&room).map_or(0, |p| p.reqs.len());
-                return Err(TransferError::Timeout(format!(
-                    "waiting for {count} handshakes for room {room}, {have} arrived"
-                )));
-            }
-        }
+        self.handshakes.accept(room, count, deadline).await
     }
 
     /// Rooms with pending handshakes.
     pub fn pending_rooms(&self) -> usize {
-        lock(&self.pending).len()
+        self.handshakes.rooms()
     }
 }
 

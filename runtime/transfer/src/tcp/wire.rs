@@ -15,8 +15,9 @@ const HELLO: u8 = 5;
 /// Longest token a hello may carry.
 pub(super) const MAX_TOKEN: usize = 4096;
 const NOTICE_LEN: usize = 48;
-/// Bytes of a frame allocated before they arrive.
-const READ_CHUNK: usize = 64 << 10;
+/// Bytes of a frame reserved before they arrive (address space only: pages are touched as
+/// bytes land). Larger frames grow as they come.
+const READ_CHUNK: usize = 16 << 20;
 
 /// A decoded frame.
 #[derive(Debug)]
