@@ -34,22 +34,25 @@ pub fn worker(w: u64) -> WorkerKey {
     WorkerKey { instance, dp_rank: 0 }
 }
 
+/// Instance `w{w}`: one dp rank, pages of [`PAGE`] tokens.
+pub fn instance(w: u64) -> Instance {
+    Instance {
+        id: worker(w).instance,
+        role: Role::Prefill,
+        model: "m".into(),
+        bootstrap_addr: "127.0.0.1:1".into(),
+        grpc_addr: "127.0.0.1:2".into(),
+        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+        page_size: PAGE,
+        version: 1,
+    }
+}
+
 /// A scheduler over `w_count` instances, each holding its [`PER_WORKER`] sequences (stored
 /// through KV events, as a running scheduler learns them).
 pub fn fleet(w_count: u64) -> SchedulerState {
     let state = SchedulerState::new(SchedulerConfig::default());
-    let all = (0..w_count)
-        .map(|w| Instance {
-            id: worker(w).instance,
-            role: Role::Prefill,
-            model: "m".into(),
-            bootstrap_addr: "127.0.0.1:1".into(),
-            grpc_addr: "127.0.0.1:2".into(),
-            topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-            page_size: PAGE,
-            version: 1,
-        })
-        .collect();
+    let all = (0..w_count).map(instance).collect();
     state.apply_update(Update::Reset(all));
     for w in 0..w_count {
         for s in 0..PER_WORKER {

@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use handoff_benches::{DEPTH, PAGE, PER_WORKER, fleet, parse_flags, sequence, worker};
+use handoff_benches::{DEPTH, PAGE, PER_WORKER, fleet, instance, parse_flags, sequence, worker};
 use handoff_core::BlockHash;
-use handoff_discovery::{Instance, KvEvent, KvEventKind, KvSnapshot, Role, Topology, Update};
+use handoff_discovery::{KvEvent, KvEventKind, KvSnapshot, Update};
 use handoff_scheduler::{Ask, Outcome, SchedulerState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -48,19 +48,6 @@ struct Churned {
     sweeps: u64,
     /// Longest single operation of each kind (event, resync, rejoin, sweep), in µs.
     longest: [f64; 4],
-}
-
-fn instance(w: u64) -> Instance {
-    Instance {
-        id: worker(w).instance,
-        role: Role::Prefill,
-        model: "m".into(),
-        bootstrap_addr: "127.0.0.1:1".into(),
-        grpc_addr: "127.0.0.1:2".into(),
-        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-        page_size: PAGE,
-        version: 1,
-    }
 }
 
 fn event(w: u64, seq: u64, kind: KvEventKind) -> KvEvent {

@@ -56,25 +56,22 @@ impl Args {
             loads: vec![0.5, 1.0, 1.5, 2.0, 3.0],
             seed: 1,
         };
-        let mut it = std::env::args().skip(1);
-        while let Some(flag) = it.next() {
-            let mut val = || it.next().ok_or_else(|| anyhow::anyhow!("{flag} needs a value"));
-            match flag.as_str() {
-                "--instances" => a.instances = val()?.parse()?,
-                "--prompt-tokens" => a.prompt_tokens = val()?.parse()?,
-                "--max-tokens" => a.max_tokens = val()?.parse()?,
-                "--prefill-us" => a.prefill_us = val()?.parse()?,
-                "--decode-us" => a.decode_us = val()?.parse()?,
-                "--seconds" => a.seconds = val()?.parse()?,
-                "--warmup" => a.warmup = val()?.parse()?,
-                "--deadline-ms" => a.deadline_ms = val()?.parse()?,
-                "--seed" => a.seed = val()?.parse()?,
-                "--loads" => {
-                    a.loads = val()?.split(',').map(str::parse).collect::<Result<_, _>>()?
-                }
+        handoff_benches::parse_flags(|flag, val| {
+            match flag {
+                "--instances" => a.instances = val.parse()?,
+                "--prompt-tokens" => a.prompt_tokens = val.parse()?,
+                "--max-tokens" => a.max_tokens = val.parse()?,
+                "--prefill-us" => a.prefill_us = val.parse()?,
+                "--decode-us" => a.decode_us = val.parse()?,
+                "--seconds" => a.seconds = val.parse()?,
+                "--warmup" => a.warmup = val.parse()?,
+                "--deadline-ms" => a.deadline_ms = val.parse()?,
+                "--seed" => a.seed = val.parse()?,
+                "--loads" => a.loads = val.split(',').map(str::parse).collect::<Result<_, _>>()?,
                 other => anyhow::bail!("unknown flag {other}"),
             }
-        }
+            Ok(())
+        })?;
         Ok(a)
     }
 

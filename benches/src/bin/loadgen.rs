@@ -90,27 +90,25 @@ impl Args {
                 Policy::PrefixHash,
             ],
         };
-        let mut it = std::env::args().skip(1);
-        while let Some(flag) = it.next() {
-            let mut val = || it.next().ok_or_else(|| anyhow::anyhow!("{flag} needs a value"));
-            match flag.as_str() {
-                "--instances" => a.instances = val()?.parse()?,
-                "--users" => a.users = val()?.parse()?,
-                "--turns" => a.turns = val()?.parse()?,
-                "--systems" => a.systems = val()?.parse()?,
-                "--system-tokens" => a.system_tokens = val()?.parse()?,
-                "--question-tokens" => a.question_tokens = val()?.parse()?,
-                "--answer-tokens" => a.answer_tokens = val()?.parse()?,
-                "--rate" => a.rate = val()?.parse()?,
-                "--seconds" => a.seconds = val()?.parse()?,
-                "--prefill-us" => a.prefill_us = val()?.parse()?,
-                "--decode-us" => a.decode_us = val()?.parse()?,
-                "--svg" => a.svg = Some(val()?),
-                "--load-weight" => a.load_weight = val()?.parse()?,
-                "--frontend" => a.frontend = Some(val()?),
-                "--page-size" => a.page_size = val()?.parse()?,
+        handoff_benches::parse_flags(|flag, val| {
+            match flag {
+                "--instances" => a.instances = val.parse()?,
+                "--users" => a.users = val.parse()?,
+                "--turns" => a.turns = val.parse()?,
+                "--systems" => a.systems = val.parse()?,
+                "--system-tokens" => a.system_tokens = val.parse()?,
+                "--question-tokens" => a.question_tokens = val.parse()?,
+                "--answer-tokens" => a.answer_tokens = val.parse()?,
+                "--rate" => a.rate = val.parse()?,
+                "--seconds" => a.seconds = val.parse()?,
+                "--prefill-us" => a.prefill_us = val.parse()?,
+                "--decode-us" => a.decode_us = val.parse()?,
+                "--svg" => a.svg = Some(val.to_owned()),
+                "--load-weight" => a.load_weight = val.parse()?,
+                "--frontend" => a.frontend = Some(val.to_owned()),
+                "--page-size" => a.page_size = val.parse()?,
                 "--policies" => {
-                    a.policies = val()?
+                    a.policies = val
                         .split(',')
                         .map(|p| match p {
                             "kv_aware" => Ok(Policy::KvAware),
@@ -124,7 +122,8 @@ impl Args {
                 }
                 other => anyhow::bail!("unknown flag {other}"),
             }
-        }
+            Ok(())
+        })?;
         Ok(a)
     }
 }
