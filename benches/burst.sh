@@ -19,7 +19,7 @@ hp=$(port)
 RUST_LOG=${RUST_LOG:-warn} $bin up --model "$(scripts/fetch-model)" --frontend-listen 127.0.0.1:0 \
     --http-listen "127.0.0.1:$hp" --scheduler-listen 127.0.0.1:0 --bootstrap-port 0 \
     --prefill-port 0 "$@" >"$tmp/up.log" 2>&1 & pids+=($!)
-for _ in $(seq 1 300); do grep -q "handoff ready" "$tmp/up.log" && break; sleep 0.2; done
+for _ in $(seq 1 300); do grep -qs "handoff ready" "$tmp/up.log" && break; sleep 0.2; done
 grep -q "handoff ready" "$tmp/up.log" || { cat "$tmp/up.log"; exit 1; }
 ask() { # $1: tag, $2: question
     curl -s -o "$tmp/body.$1" -w "%{http_code} %{time_total}\n" "http://127.0.0.1:$hp/v1/chat/completions" \
