@@ -15,8 +15,10 @@ use crate::events::{KvSnapshot, SnapshotAsk};
 /// stays under 700 KiB, within nats-server's default 1 MiB payload limit.
 pub const PAGE_BLOCKS: usize = 16_384;
 
-/// Snapshots kept at once.
-const KEPT: usize = 4;
+/// Snapshots kept at once: as many scheduler replicas can page through their own at the
+/// same time (more, resyncing under traffic, evict each other's and retry at their next
+/// trigger).
+const KEPT: usize = 8;
 
 /// Everything the caches held at one moment: per dp rank, blocks (parents first) and their
 /// parents.

@@ -133,15 +133,18 @@ impl Schedulers {
         req: SelectPrefillRequest,
         deadline: tokio::time::Instant,
     ) -> Result<Selected, SelectFailure> {
-        let mut last = None;
+        let (mut last, mut no_instance) = (None, None);
         for (addr, mut client) in self.order(Instant::now()) {
+            if tokio::time::Instant::now() >= deadline {
+                break;
+            }
             let wait = (tokio::time::Instant::now() + self.select_timeout).min(deadline);
             match tokio::time::timeout_at(wait, client.select_prefill(req.clone())).await {
                 Ok(Ok(r)) => return Ok(Selected { replica: addr, selection: r.into_inner() }),
                 // Up, but it knows no routable instance: another replica may (its view of
                 // the fleet can lag), and this one is not suspect.
                 Ok(Err(s)) if s.metadata().contains_key(NO_INSTANCE) => {
-                    last = Some(s);
+                    no_instance = Some(s);
                     continue;
                 }
                 Ok(Err(s)) if !replica_failed(&s) => return Err(SelectFailure::Answer(s)),
@@ -157,14 +160,11 @@ impl Schedulers {
                 }
             }
             self.suspect(&addr, Instant::now());
-            if tokio::time::Instant::now() >= deadline {
-                break;
-            }
         }
-        match last {
-            // Every replica answered, and none knows an instance: that is the answer.
-            Some(s) if s.metadata().contains_key(NO_INSTANCE) => Err(SelectFailure::Answer(s)),
-            last => Err(SelectFailure::NoReplica(last)),
+        // A replica that answered "no instance" is the answer, whatever the others did.
+        match no_instance {
+            Some(s) => Err(SelectFailure::Answer(s)),
+            None => Err(SelectFailure::NoReplica(last)),
         }
     }
 

@@ -266,13 +266,15 @@ fn snapshot_reply(svc: &PrefillService, payload: &[u8]) -> Option<Vec<u8>> {
 /// Tokens of the warm-up prefill.
 const WARM_UP_TOKENS: u32 = 64;
 
-/// Runs one prefill before the instance registers, so the engine is warm and the first
-/// heartbeat already says what a token costs (the scheduler's admission prices queues
-/// with it from the first request on).
+/// Runs two prefills before the instance registers (the second measured), so the engine is
+/// warm and the first heartbeat already says what a token costs (the scheduler's admission
+/// prices queues with it from the first request on).
 async fn warm_up(service: &PrefillService, engine: &dyn Engine) -> Result<(), PrefillError> {
     let vocab = engine.info().vocab.max(2);
     let n = WARM_UP_TOKENS.min(engine.info().max_context.saturating_sub(1) as u32).max(1);
     let tokens: Vec<u32> = (0..n).map(|i| 1 + (i * 7919) % (vocab - 1)).collect();
+    // The first pass is cold (caches, lazy pools): only the second is measured.
+    engine.prefill(&tokens, None, &Default::default()).await?;
     let started = tokio::time::Instant::now();
     engine.prefill(&tokens, None, &Default::default()).await?;
     let took = started.elapsed();

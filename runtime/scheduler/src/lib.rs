@@ -169,22 +169,29 @@ const RESYNC_RESTARTS: u32 = 3;
 
 /// Fetches an instance's KV snapshot page by page and applies it (see [`Resynced`]).
 async fn resync_from_snapshot(state: &SchedulerState, bus: &dyn EventBus, id: InstanceId) {
+    // This task runs the resync just started; a later one (after this one ends, or the
+    // instance leaves and comes back) has another generation and is not disturbed.
+    let Some(generation) = state.resync_generation(&id) else { return };
     let (mut ask, mut restarts) = (SnapshotAsk::default(), 0);
     loop {
         let Some(page) = snapshot_page(state, bus, &id, ask).await else {
-            state.resync_failed(&id);
+            state.resync_failed_as(&id, generation);
             return;
         };
-        match state.apply_snapshot(page) {
+        match state.apply_snapshot_as(generation, page) {
             Resynced::Next(next) => ask = next,
-            Resynced::Done | Resynced::Dropped => return,
+            Resynced::Done => return,
+            Resynced::Dropped => {
+                state.resync_failed_as(&id, generation);
+                return;
+            }
             Resynced::Again if restarts < RESYNC_RESTARTS => {
                 restarts += 1;
                 ask = SnapshotAsk::default();
             }
             Resynced::Again => {
                 warn!(instance = %id, "KV resync keeps losing events; left to the next trigger");
-                state.resync_failed(&id);
+                state.resync_failed_as(&id, generation);
                 return;
             }
         }

@@ -216,6 +216,8 @@ impl Inner {
         let Some(m) = self.members.get_mut(id) else { return };
         m.silent = true;
         m.seq = None;
+        // A resync in flight is over: its pages would land on a cleared instance.
+        self.resyncing.remove(id);
         for s in &m.slots {
             self.load[s.index()] = Load::default();
         }

@@ -52,6 +52,8 @@ pub struct TcpConfig {
     /// An inbound frame must arrive whole within this long once begun (a peer trickling
     /// bytes is cut off).
     pub frame_timeout: Duration,
+    /// With a token, a connection must begin its hello within this long of being accepted.
+    pub hello_timeout: Duration,
 }
 
 impl Default for TcpConfig {
@@ -66,6 +68,7 @@ impl Default for TcpConfig {
             max_unknown_writes: 64,
             idle_timeout: Duration::from_secs(120),
             frame_timeout: Duration::from_secs(30),
+            hello_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -100,6 +103,7 @@ impl TcpTransfer {
             max_unknown_writes: cfg.max_unknown_writes,
             idle_timeout: cfg.idle_timeout,
             frame_timeout: cfg.frame_timeout,
+            hello_timeout: cfg.hello_timeout,
         });
         let mut next_conn = 0u64;
         let limit = Arc::new(Semaphore::new(cfg.max_inbound));
@@ -301,6 +305,7 @@ struct ConnCfg {
     max_unknown_writes: u32,
     idle_timeout: Duration,
     frame_timeout: Duration,
+    hello_timeout: Duration,
 }
 
 /// Whether `got` is `want`, in time independent of where they differ.
@@ -327,8 +332,10 @@ async fn serve_conn(
     let reason = loop {
         // Before the hello, nothing bigger than a hello is read.
         let max_frame = if authed { cfg.max_frame } else { wire::MAX_TOKEN + 1 };
-        // Idle until a frame begins, then the whole frame within its own time.
-        match tokio::time::timeout(cfg.idle_timeout, r.fill_buf()).await {
+        // Idle until a frame begins, then the whole frame within its own time. Before its
+        // hello a connection may idle only briefly: it holds a place it has not earned.
+        let idle = if authed { cfg.idle_timeout } else { cfg.hello_timeout };
+        match tokio::time::timeout(idle, r.fill_buf()).await {
             Ok(Ok(b)) if !b.is_empty() => {}
             Ok(_) => break "sender connection closed mid-transfer".to_owned(),
             Err(_) => {
@@ -336,7 +343,8 @@ async fn serve_conn(
                 break "sender connection idle too long".to_owned();
             }
         }
-        let read = tokio::time::timeout(cfg.frame_timeout, wire::read_frame(&mut r, max_frame));
+        let frame_time = if authed { cfg.frame_timeout } else { cfg.hello_timeout };
+        let read = tokio::time::timeout(frame_time, wire::read_frame(&mut r, max_frame));
         let Ok(read) = read.await else {
             debug!(%peer, "transfer frame too slow; closing");
             break "sender connection too slow mid-frame".to_owned();

@@ -29,6 +29,8 @@ const CHUNK_BLOCKS: usize = 64;
 /// A resync in progress.
 #[derive(Debug, Default)]
 pub(super) struct Resync {
+    /// Which resync of the instance this is: only the task that started it applies pages.
+    generation: u64,
     /// Events heard since it began, in arrival order.
     buffered: Vec<KvEvent>,
     /// Events were lost for want of room.
@@ -38,15 +40,44 @@ pub(super) struct Resync {
 }
 
 /// Resyncs in progress, by instance.
-pub(super) type Resyncs = HashMap<InstanceId, Resync>;
+#[derive(Debug, Default)]
+pub(super) struct Resyncs {
+    map: HashMap<InstanceId, Resync>,
+    next: u64,
+}
+
+impl Resyncs {
+    /// Starts a resync of `id` unless one is in progress; says whether it started.
+    pub(super) fn start(&mut self, id: &InstanceId) -> bool {
+        if self.map.contains_key(id) {
+            return false;
+        }
+        self.next += 1;
+        self.map.insert(id.clone(), Resync { generation: self.next, ..Resync::default() });
+        true
+    }
+
+    /// Forgets `id`'s resync, whoever runs it.
+    pub(super) fn remove(&mut self, id: &InstanceId) {
+        self.map.remove(id);
+    }
+
+    /// `id`'s resync if it is generation `generation`.
+    fn owned(&mut self, id: &InstanceId, generation: u64) -> Option<&mut Resync> {
+        self.map.get_mut(id).filter(|r| r.generation == generation)
+    }
+
+    /// Forgets `id`'s resync if it is generation `generation`.
+    fn end(&mut self, id: &InstanceId, generation: u64) {
+        if self.owned(id, generation).is_some() {
+            self.map.remove(id);
+        }
+    }
+}
 
 /// Starts a resync of `id` unless one is in progress; says whether it started.
 pub(super) fn start(resyncs: &mut Resyncs, id: &InstanceId) -> bool {
-    if resyncs.contains_key(id) {
-        return false;
-    }
-    resyncs.insert(id.clone(), Resync::default());
-    true
+    resyncs.start(id)
 }
 
 /// What to do after a snapshot page.
@@ -111,7 +142,7 @@ impl SchedulerState {
         if !m.routable() {
             return false;
         }
-        if let Some(r) = resyncing.get_mut(&ev.instance) {
+        if let Some(r) = resyncing.map.get_mut(&ev.instance) {
             if r.buffered.len() < MAX_BUFFERED_EVENTS {
                 r.buffered.push(ev);
             } else {
@@ -137,11 +168,36 @@ impl SchedulerState {
         }
     }
 
-    /// Applies one page of an instance's snapshot. Page 0 replaces what the index holds of
-    /// the instance; after the last page the events buffered meanwhile are replayed.
+    /// Which resync of `id` is in progress, if any: the task fetching its snapshot applies
+    /// pages as that generation ([`SchedulerState::apply_snapshot_as`]).
+    pub fn resync_generation(&self, id: &InstanceId) -> Option<u64> {
+        self.lock().resyncing.map.get(id).map(|r| r.generation)
+    }
+
+    /// Applies one page of an instance's snapshot as the resync in progress (page 0 starts
+    /// one if none is).
     pub fn apply_snapshot(&self, page: KvSnapshot) -> Resynced {
+        let generation = {
+            let mut inner = self.lock();
+            let id = &page.instance;
+            if page.page == 0 && inner.members.contains_key(id) {
+                inner.resyncing.start(id);
+            }
+            match inner.resyncing.map.get(id) {
+                Some(r) => r.generation,
+                None => return Resynced::Dropped,
+            }
+        };
+        self.apply_snapshot_as(generation, page)
+    }
+
+    /// Applies one page of an instance's snapshot, for its resync `generation`. Page 0
+    /// replaces what the index holds of the instance; after the last page the events
+    /// buffered meanwhile are replayed. A page for a resync that is no longer `generation`
+    /// (the instance left, went silent, or another resync began) changes nothing.
+    pub fn apply_snapshot_as(&self, generation: u64, page: KvSnapshot) -> Resynced {
         let id = page.instance.clone();
-        let Some(at) = self.begin_page(&page) else {
+        let Some(at) = self.begin_page(generation, &page) else {
             return Resynced::Dropped;
         };
         // Page 0 began clearing the instance: done before its blocks are stored.
@@ -153,13 +209,17 @@ impl SchedulerState {
                 let mut inner = self.lock();
                 let Inner { members, index, resyncing, .. } = &mut *inner;
                 // Checked again at every chunk: the lock was let go in between.
-                let (Some(m), Some(r)) = (members.get(&id), resyncing.get(&id)) else {
+                let Some(r) = resyncing.owned(&id, generation) else {
                     return Resynced::Dropped;
                 };
-                if r.applying != Some(at) || m.silent {
+                let slot = members
+                    .get(&id)
+                    .filter(|m| !m.silent && r.applying == Some(at))
+                    .and_then(|m| m.slots.get(dp).copied());
+                let Some(slot) = slot else {
+                    resyncing.end(&id, generation);
                     return Resynced::Dropped;
-                }
-                let slot = m.slots[dp];
+                };
                 match parents {
                     // Each block under its parent (listed first): the tree comes out compressed.
                     Some(parents) => {
@@ -174,12 +234,12 @@ impl SchedulerState {
             }
         }
         if page.is_last() {
-            let done = self.finish_resync(&id, page.seq, at);
+            let done = self.finish_resync(generation, &id, page.seq, at);
             self.settle_index();
             done
         } else {
             let mut inner = self.lock();
-            match inner.resyncing.get_mut(&id) {
+            match inner.resyncing.owned(&id, generation) {
                 Some(r) if r.applying == Some(at) => {
                     let next = (at.0, at.1 + 1);
                     r.applying = Some(next);
@@ -190,25 +250,26 @@ impl SchedulerState {
         }
     }
 
-    /// Checks a page against the resync in progress (starting one at page 0, which also
-    /// clears the instance's entries). Returns the (snapshot, page) it is.
-    fn begin_page(&self, page: &KvSnapshot) -> Option<(u64, u32)> {
+    /// Checks a page against resync `generation` (page 0 starts applying a snapshot, which
+    /// also begins clearing the instance's entries). Returns the (snapshot, page) it is.
+    fn begin_page(&self, generation: u64, page: &KvSnapshot) -> Option<(u64, u32)> {
         let mut inner = self.lock();
         let Inner { members, index, resyncing, .. } = &mut *inner;
         let id = &page.instance;
+        resyncing.owned(id, generation)?;
         let Some(m) = members.get_mut(id).filter(|m| !m.silent) else {
-            resyncing.remove(id);
+            resyncing.end(id, generation);
             return None;
         };
         let valid = page.dp_blocks.len() <= m.slots.len()
             && page.pages.max(1) <= MAX_SNAPSHOT_PAGES
             && page.page < page.pages.max(1);
-        let r = resyncing.entry(id.clone()).or_default();
+        let r = resyncing.owned(id, generation)?;
         let at = (page.snapshot, page.page);
         let expected = page.page == 0 || r.applying == Some(at);
         if !valid || !expected {
             debug!(instance = %id, snapshot = page.snapshot, page = page.page, pages = page.pages, "snapshot page not expected; resync abandoned");
-            resyncing.remove(id);
+            resyncing.end(id, generation);
             m.seq = None;
             return None;
         }
@@ -222,17 +283,24 @@ impl SchedulerState {
         Some(at)
     }
 
-    /// Ends the resync of `id` at snapshot sequence `seq`: replays what was buffered since
-    /// it began, past `seq`.
-    fn finish_resync(&self, id: &InstanceId, seq: u64, at: (u64, u32)) -> Resynced {
+    /// Ends resync `generation` of `id` at snapshot sequence `seq`: replays what was
+    /// buffered since it began, past `seq`.
+    fn finish_resync(
+        &self,
+        generation: u64,
+        id: &InstanceId,
+        seq: u64,
+        at: (u64, u32),
+    ) -> Resynced {
         let mut inner = self.lock();
         let Inner { members, index, resyncing, .. } = &mut *inner;
-        let (Some(m), Some(r)) = (members.get_mut(id), resyncing.get_mut(id)) else {
+        let Some(r) = resyncing.owned(id, generation) else {
             return Resynced::Dropped;
         };
-        if r.applying != Some(at) || m.silent {
+        let Some(m) = members.get_mut(id).filter(|m| !m.silent && r.applying == Some(at)) else {
+            resyncing.end(id, generation);
             return Resynced::Dropped;
-        }
+        };
         let mut buffered = std::mem::take(&mut r.buffered);
         let lost = std::mem::take(&mut r.overflowed);
         buffered.sort_by_key(|e| e.seq);
@@ -242,17 +310,30 @@ impl SchedulerState {
             gap |= matches!(apply_in_sequence(m, index, ev), Step::Gap);
         }
         if lost || gap {
-            // Start again: buffering goes on in the fresh resync.
-            *r = Resync::default();
+            // Start again, as the same generation: buffering goes on meanwhile.
+            *r = Resync { generation, ..Resync::default() };
             warn!(instance = %id, "KV events lost during a resync; resyncing again");
             return Resynced::Again;
         }
-        resyncing.remove(id);
+        resyncing.end(id, generation);
         info!(instance = %id, seq = m.seq.unwrap_or(seq), "KV index resynced from snapshot");
         Resynced::Done
     }
 
-    /// Forgets a resync that failed, so the next trigger asks again.
+    /// Forgets resync `generation` of `id` (it failed or was dropped), if it is still that
+    /// one, so the next trigger asks again.
+    pub fn resync_failed_as(&self, id: &InstanceId, generation: u64) {
+        let mut inner = self.lock();
+        if inner.resyncing.owned(id, generation).is_none() {
+            return;
+        }
+        inner.resyncing.end(id, generation);
+        if let Some(m) = inner.members.get_mut(id) {
+            m.seq = None;
+        }
+    }
+
+    /// Forgets `id`'s resync, whichever it is, so the next trigger asks again.
     pub fn resync_failed(&self, id: &InstanceId) {
         let mut inner = self.lock();
         inner.resyncing.remove(id);

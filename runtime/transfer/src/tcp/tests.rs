@@ -336,3 +336,20 @@ async fn a_thousand_peers_declaring_huge_frames_hold_little_memory() {
     drop(held);
     p.tasks.shutdown().await;
 }
+
+#[tokio::test]
+async fn with_a_token_a_silent_connection_is_dropped_at_the_hello_deadline() {
+    let cfg = TcpConfig {
+        token: Some("s3cret".into()),
+        hello_timeout: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let p = pair(cfg).await;
+    let addr = p.rx.addr();
+    let started = Instant::now();
+    let mut silent = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
+    assert!(closed(&mut silent).await);
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(1), "held its place {took:?}, not the idle timeout");
+    p.tasks.shutdown().await;
+}

@@ -184,3 +184,37 @@ fn pages_that_do_not_fit_the_resync_change_nothing_and_end_it() {
     s.apply_update(Update::Remove(caches.id.clone()));
     assert_eq!(s.apply_snapshot(caches.page(next)), Resynced::Dropped);
 }
+
+/// Found in review: a resync whose instance went silent (or left and came back smaller)
+/// mid-snapshot must end, not linger and block the next one, nor write into the new slots.
+#[test]
+fn a_stale_resync_neither_blocks_the_next_nor_writes_into_it() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("p", 2)]));
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut caches = FakeCaches::new(2, 3);
+    for _ in 0..30 {
+        caches.change(&mut rng);
+    }
+    assert!(s.apply_event(caches.change(&mut rng)), "a resync starts");
+    let old = s.resync_generation(&caches.id).unwrap();
+    let p0 = caches.page(SnapshotAsk::default());
+    let Resynced::Next(next) = s.apply_snapshot_as(old, p0) else { panic!("page 0 applies") };
+    // Silenced mid-snapshot: the resync is over; the next trigger starts a new one at once.
+    s.lock().silence(&caches.id);
+    assert_eq!(s.apply_snapshot_as(old, caches.page(next)), Resynced::Dropped);
+    assert_eq!(s.resync_generation(&caches.id), None);
+    // It leaves and comes back with one dp rank; a new resync begins.
+    s.apply_update(Update::Remove(caches.id.clone()));
+    s.apply_update(Update::Add(inst("p", 1)));
+    assert!(s.apply_event(KvEvent { dp_rank: 0, ..caches.change(&mut rng) }), "a new resync");
+    let new = s.resync_generation(&caches.id).unwrap();
+    assert_ne!(new, old);
+    // The old task's pages (two dp ranks' worth) change nothing and do not end the new one.
+    for page in [caches.page(SnapshotAsk::default()), caches.page(next)] {
+        assert_eq!(s.apply_snapshot_as(old, page), Resynced::Dropped);
+    }
+    assert_eq!(s.resync_generation(&caches.id), Some(new));
+    s.resync_failed_as(&caches.id, old);
+    assert_eq!(s.resync_generation(&caches.id), Some(new), "only the owner ends it");
+}
