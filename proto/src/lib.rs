@@ -17,3 +17,56 @@ pub mod metadata {
     /// routable instance (not a failure of the replica itself).
     pub const NO_INSTANCE: &str = "handoff-no-instance";
 }
+
+/// Bearer tokens on the internal gRPC services (`Scheduler`, `Prefill`): the cluster's token
+/// in `authorization: Bearer <token>` metadata, checked by [`auth::Bearer`] on the server.
+pub mod auth {
+    use std::sync::Arc;
+
+    use tonic::{Request, Status};
+
+    /// The metadata key.
+    pub const AUTHORIZATION: &str = "authorization";
+
+    /// `msg` as a request carrying `token` (if any).
+    pub fn request<T>(msg: T, token: Option<&str>) -> Request<T> {
+        let mut req = Request::new(msg);
+        if let Some(v) = token.and_then(|t| format!("Bearer {t}").parse().ok()) {
+            req.metadata_mut().insert(AUTHORIZATION, v);
+        }
+        req
+    }
+
+    /// A server interceptor: with a token, every call must carry it; without, all pass.
+    #[derive(Debug, Clone, Default)]
+    pub struct Bearer {
+        token: Option<Arc<str>>,
+    }
+
+    impl Bearer {
+        /// Requires `token` when set.
+        pub fn new(token: Option<&str>) -> Self {
+            Bearer { token: token.map(Arc::from) }
+        }
+    }
+
+    /// Whether `got` is `want`, in time independent of where they differ.
+    fn same(got: &[u8], want: &[u8]) -> bool {
+        got.len() == want.len() && got.iter().zip(want).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+
+    impl tonic::service::Interceptor for Bearer {
+        fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+            let Some(token) = &self.token else { return Ok(req) };
+            let got = req.metadata().get(AUTHORIZATION).map(|v| v.as_bytes());
+            let want = format!("Bearer {token}");
+            match got {
+                Some(g) if same(g, want.as_bytes()) => Ok(req),
+                Some(_) => Err(Status::unauthenticated("wrong bearer token")),
+                None => {
+                    Err(Status::unauthenticated("this service needs the cluster's bearer token"))
+                }
+            }
+        }
+    }
+}

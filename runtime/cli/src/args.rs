@@ -44,8 +44,9 @@ pub struct DiscoveryArgs {
     /// Lease TTL of registrations, in seconds (kept alive every TTL/3).
     #[arg(long, default_value_t = 10)]
     pub lease_ttl_secs: u64,
-    /// Shared secret: required as a bearer token on bootstrap directory writes and on KV
-    /// transfer handshakes, and sent by this process on its own.
+    /// The cluster's shared secret: required as a bearer token on bootstrap directory writes,
+    /// on the scheduler and prefill gRPC services, and on every KV transfer connection and
+    /// handshake; sent by this process on its own.
     #[arg(long, env = "HANDOFF_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// Let a role without a token listen on a non-loopback address (anyone who can reach

@@ -152,7 +152,8 @@ impl Cluster {
         for i in 0..cfg.schedulers.max(1) {
             let bind =
                 if i == 0 { cfg.scheduler_bind } else { (cfg.scheduler_bind.ip(), 0).into() };
-            schedulers.push(start_scheduler(&cfg.scheduler, bind, &registry, &bus, &tasks).await?);
+            let sc = SchedulerConfig { token: cfg.token.clone(), ..cfg.scheduler.clone() };
+            schedulers.push(start_scheduler(&sc, bind, &registry, &bus, &tasks).await?);
         }
         let scheduler_addr = schedulers[0].addr;
         let scheduler = schedulers[0].scheduler.clone();

@@ -245,7 +245,7 @@ pub async fn run(
     };
     let rpc = async {
         client
-            .prefill(req)
+            .prefill(handoff_proto::auth::request(req, ctx.transfer_token.as_deref()))
             .await
             .map(tonic::Response::into_inner)
             .map_err(|s| FrontendError::prefill_status(&s))

@@ -32,7 +32,8 @@ pub struct FrontendConfig {
     pub transfer: TransferKind,
     /// Bounds of its receive inbox.
     pub inbox: InboxConfig,
-    /// Bearer token sent in transfer handshakes.
+    /// The cluster's token: sent in transfer handshakes and hellos, and as a bearer token on
+    /// calls to the scheduler and prefill services.
     pub transfer_token: Option<String>,
 }
 

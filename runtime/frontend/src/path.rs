@@ -184,7 +184,8 @@ impl Frontend {
             .start(inbox, tasks, None)
             .await
             .map_err(|e| FrontendError::Invalid(format!("transfer agent: {e}")))?;
-        let schedulers = Arc::new(Schedulers::new(cfg.select_timeout));
+        let schedulers =
+            Arc::new(Schedulers::new(cfg.select_timeout).with_token(cfg.transfer_token.clone()));
         schedulers.reset(scheduler_addrs)?;
         Ok(Arc::new(Frontend {
             limit: Arc::new(Semaphore::new(cfg.max_concurrent)),

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use handoff_proto::auth;
 use handoff_proto::metadata::NO_INSTANCE;
 use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{ReportOutcomeRequest, SelectPrefillRequest, SelectPrefillResponse};
@@ -31,6 +32,8 @@ pub struct Schedulers {
     replicas: Mutex<BTreeMap<String, Replica>>,
     /// Longest wait for one replica's answer before trying the next.
     select_timeout: Duration,
+    /// The cluster's token, sent as a bearer token.
+    token: Option<String>,
 }
 
 /// A selection, and the replica that holds its booking.
@@ -58,7 +61,13 @@ fn channel(addr: &str) -> Result<Channel, FrontendError> {
 impl Schedulers {
     /// No replicas yet; each call to one waits at most `select_timeout`.
     pub fn new(select_timeout: Duration) -> Self {
-        Schedulers { replicas: Mutex::default(), select_timeout }
+        Schedulers { replicas: Mutex::default(), select_timeout, token: None }
+    }
+
+    /// Sends `token` (the cluster's) as a bearer token on every call.
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token;
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Replica>> {
@@ -139,7 +148,12 @@ impl Schedulers {
                 break;
             }
             let wait = (tokio::time::Instant::now() + self.select_timeout).min(deadline);
-            match tokio::time::timeout_at(wait, client.select_prefill(req.clone())).await {
+            match tokio::time::timeout_at(
+                wait,
+                client.select_prefill(auth::request(req.clone(), self.token.as_deref())),
+            )
+            .await
+            {
                 Ok(Ok(r)) => return Ok(Selected { replica: addr, selection: r.into_inner() }),
                 // Up, but it knows no routable instance: another replica may (its view of
                 // the fleet can lag), and this one is not suspect.
@@ -176,7 +190,10 @@ impl Schedulers {
             debug!(scheduler = replica, "outcome not reported: replica gone");
             return;
         };
-        let call = tokio::time::timeout(self.select_timeout * 2, client.report_outcome(req));
+        let call = tokio::time::timeout(
+            self.select_timeout * 2,
+            client.report_outcome(auth::request(req, self.token.as_deref())),
+        );
         match call.await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => debug!(scheduler = replica, error = %e, "outcome not reported"),

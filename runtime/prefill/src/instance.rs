@@ -127,6 +127,7 @@ impl PrefillInstance {
             cost: Default::default(),
             snapshots: handoff_discovery::Snapshots::new(cfg.id.clone()),
             max_queue: cfg.max_queue_per_dp,
+            token: cfg.inbox.token.clone(),
             handshake_timeout: cfg.handshake_timeout,
             running: Default::default(),
             queued_tokens: Default::default(),

@@ -15,10 +15,12 @@ use handoff_discovery::{
     events::kv_subject,
 };
 use handoff_engine::{Engine, Sampling};
+use handoff_proto::auth::Bearer;
 use handoff_proto::v1::prefill_server::{Prefill as PrefillRpc, PrefillServer};
 use handoff_proto::v1::{PrefillRequest, PrefillResponse, SamplingParams};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 use tracing::{debug, warn};
 
@@ -68,6 +70,8 @@ pub(crate) struct Inner {
     /// Recent snapshots, served in pages.
     pub(crate) snapshots: Snapshots,
     pub(crate) max_queue: usize,
+    /// The cluster's token, required on every gRPC call when set.
+    pub(crate) token: Option<String>,
     pub(crate) handshake_timeout: Duration,
     pub(crate) running: AtomicUsize,
     pub(crate) queued_tokens: std::sync::atomic::AtomicU64,
@@ -160,9 +164,13 @@ impl PrefillService {
         PrefillService { inner: Arc::new(inner) }
     }
 
-    /// As a tonic service.
-    pub fn into_server(self) -> PrefillServer<Self> {
-        PrefillServer::new(self).max_decoding_message_size(64 << 20)
+    /// As a tonic service (with the cluster's token, every call must carry it).
+    pub fn into_server(self) -> InterceptedService<PrefillServer<Self>, Bearer> {
+        let bearer = Bearer::new(self.inner.token.as_deref());
+        InterceptedService::new(
+            PrefillServer::new(self).max_decoding_message_size(64 << 20),
+            bearer,
+        )
     }
 
     fn publish(&self, dp_rank: u32, delta: CacheDelta) {

@@ -4,12 +4,14 @@ use std::future::Future;
 use std::sync::Arc;
 
 use handoff_core::{BlockHash, InstanceId};
+use handoff_proto::auth::Bearer;
 use handoff_proto::v1::scheduler_server::{Scheduler as SchedulerRpc, SchedulerServer};
 use handoff_proto::v1::{
     InstanceStatus, ListInstancesRequest, ListInstancesResponse, Outcome as WireOutcome, Policy,
     ReportOutcomeRequest, ReportOutcomeResponse, SelectPrefillRequest, SelectPrefillResponse,
 };
 use tokio::net::TcpListener;
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
@@ -28,9 +30,10 @@ impl SchedulerService {
         SchedulerService { state }
     }
 
-    /// As a tonic service.
-    pub fn into_server(self) -> SchedulerServer<Self> {
-        SchedulerServer::new(self)
+    /// As a tonic service (with the configured token, every call must carry it).
+    pub fn into_server(self) -> InterceptedService<SchedulerServer<Self>, Bearer> {
+        let bearer = Bearer::new(self.state.config().token.as_deref());
+        SchedulerServer::with_interceptor(self, bearer)
     }
 }
 

@@ -61,6 +61,8 @@ pub struct SchedulerConfig {
     pub booking_grace: Duration,
     /// Longest any booking stays open unreported.
     pub booking_ttl_max: Duration,
+    /// The cluster's token: when set, every gRPC call must carry it as a bearer token.
+    pub token: Option<String>,
 }
 
 /// Circuit breaker settings (defaults: SGLang's router).
@@ -96,6 +98,7 @@ impl Default for SchedulerConfig {
             booking_ttl: Duration::from_secs(120),
             booking_grace: Duration::from_secs(10),
             booking_ttl_max: Duration::from_secs(600),
+            token: None,
         }
     }
 }

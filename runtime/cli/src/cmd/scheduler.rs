@@ -4,7 +4,7 @@
 use anyhow::Context;
 use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::{Instance, Role, Topology};
-use handoff_scheduler::{Scheduler, service};
+use handoff_scheduler::{Scheduler, SchedulerConfig, service};
 use tokio::net::TcpListener;
 
 use crate::args::SchedulerArgs;
@@ -15,7 +15,8 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     crate::cmd::check_exposure(&args.discovery, &[("the scheduler", args.listen)])?;
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
-    let scheduler = Scheduler::start(args.policy.config(), registry.clone(), bus, &tasks).await?;
+    let cfg = SchedulerConfig { token: args.discovery.token.clone(), ..args.policy.config() };
+    let scheduler = Scheduler::start(cfg, registry.clone(), bus, &tasks).await?;
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;

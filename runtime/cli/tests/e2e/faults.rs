@@ -75,14 +75,14 @@ async fn a_token_guards_handshakes_and_the_right_one_passes() {
     assert_eq!(generate(&mut cl, &p, 4).await.unwrap().0, aggregated(&*engine(), &p, 4).await);
     c.shutdown().await;
 
-    // A frontend with the wrong token never gets KV: its transfer connections are refused at
-    // their hello, before any handshake.
+    // A frontend with the wrong token never gets KV: the scheduler refuses its selections
+    // (and the ranks' transfer listeners would refuse its connections at their hello).
     let mut cfg = ClusterConfig { token: Some("s3cret".into()), ..ClusterConfig::ephemeral() };
     cfg.frontend.transfer_token = Some("wrong".into());
     let c = cluster(cfg).await;
     let mut cl = client(&c).await;
     let err = generate(&mut cl, &p, 4).await.expect_err("refused");
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
-    assert!(err.message().contains("wrong token"), "{err}");
+    assert!(err.message().contains("wrong bearer token"), "{err}");
     c.shutdown().await;
 }

@@ -64,3 +64,32 @@ async fn forged_write_frames_on_the_transfer_listener_fail_no_request() {
         c.tasks.shutdown().await;
     }
 }
+
+#[tokio::test]
+async fn the_internal_services_want_the_cluster_token() {
+    use handoff_proto::auth;
+    use handoff_proto::v1::prefill_client::PrefillClient;
+    use handoff_proto::v1::scheduler_client::SchedulerClient;
+    use handoff_proto::v1::{ListInstancesRequest, PrefillRequest};
+    let c = cluster(ClusterConfig {
+        token: Some("cluster-secret".into()),
+        ..ClusterConfig::ephemeral()
+    })
+    .await;
+    let mut sched = SchedulerClient::connect(format!("http://{}", c.scheduler_addr)).await.unwrap();
+    for token in [None, Some("guess")] {
+        let e = sched.list_instances(auth::request(ListInstancesRequest {}, token)).await;
+        assert_eq!(e.unwrap_err().code(), tonic::Code::Unauthenticated, "scheduler, {token:?}");
+    }
+    let ok = sched.list_instances(auth::request(ListInstancesRequest {}, Some("cluster-secret")));
+    assert_eq!(ok.await.unwrap().into_inner().instances.len(), c.prefills.len());
+    let addr = &c.prefills[0].grpc_addr;
+    let mut prefill = PrefillClient::connect(format!("http://{addr}")).await.unwrap();
+    let req = PrefillRequest { bootstrap_room: 7, token_ids: vec![1, 2, 3], ..Default::default() };
+    let e = prefill.prefill(auth::request(req, None)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "prefill: {e}");
+    // The frontend carries it: requests are served.
+    let mut cl = client(&c).await;
+    assert!(generate(&mut cl, &prompt(1, 40), 4).await.is_ok());
+    c.tasks.shutdown().await;
+}
