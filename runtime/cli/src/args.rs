@@ -53,6 +53,42 @@ pub struct DiscoveryArgs {
     /// it can then write directories and open transfer connections).
     #[arg(long)]
     pub insecure: bool,
+    /// This process's certificate chain (PEM): with --tls-key and --tls-ca, KV transfers run
+    /// over mutual TLS with the cluster's CA.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// The cluster's CA certificate (PEM): peers must hold a certificate it signed.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<std::path::PathBuf>,
+}
+
+impl DiscoveryArgs {
+    /// The transfer's TLS settings, when the flags give them.
+    pub fn transfer_tls(&self) -> anyhow::Result<Option<handoff_transfer::tcp::TransferTls>> {
+        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(c), Some(k), Some(ca)) => {
+                Ok(Some(handoff_transfer::tcp::TransferTls::from_files(c, k, ca)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The tcp transfer on loopback, with the flags' TLS.
+    pub fn transfer(&self) -> anyhow::Result<handoff_transfer::TransferKind> {
+        Ok(match handoff_transfer::TransferKind::loopback() {
+            handoff_transfer::TransferKind::Tcp { bind_ip, advertise_ip, .. } => {
+                handoff_transfer::TransferKind::Tcp {
+                    bind_ip,
+                    advertise_ip,
+                    tls: self.transfer_tls()?,
+                }
+            }
+            other => other,
+        })
+    }
 }
 
 /// `handoff scheduler`.

@@ -33,11 +33,11 @@ pub async fn discovery(
     }
 }
 
-/// Refuses to listen beyond loopback without a token, unless told `--insecure`: a role
-/// without one accepts directory writes and transfer connections from anyone who can reach
+/// Refuses to listen beyond loopback with neither a token nor TLS, unless told `--insecure`: a
+/// role without them accepts directory writes and transfer connections from anyone who can reach
 /// it. `binds` names each listener.
 pub fn check_exposure(args: &DiscoveryArgs, binds: &[(&str, SocketAddr)]) -> anyhow::Result<()> {
-    if args.token.is_some() {
+    if args.token.is_some() || args.tls_cert.is_some() {
         return Ok(());
     }
     let exposed: Vec<String> = binds
@@ -84,6 +84,9 @@ mod tests {
             lease_ttl_secs: 10,
             token: token.map(String::from),
             insecure,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
         }
     }
 

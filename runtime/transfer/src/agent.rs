@@ -72,6 +72,8 @@ pub enum TransferKind {
         bind_ip: std::net::IpAddr,
         /// What peers dial (defaults to `bind_ip`).
         advertise_ip: Option<String>,
+        /// Mutual TLS with the cluster's CA.
+        tls: Option<crate::tcp::TransferTls>,
     },
     /// In-process, on this fake network.
     Fake(Arc<crate::FakeNetwork>),
@@ -80,7 +82,11 @@ pub enum TransferKind {
 impl TransferKind {
     /// Real sockets on loopback.
     pub fn loopback() -> Self {
-        TransferKind::Tcp { bind_ip: std::net::Ipv4Addr::LOCALHOST.into(), advertise_ip: None }
+        TransferKind::Tcp {
+            bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+            advertise_ip: None,
+            tls: None,
+        }
     }
 
     /// Starts an agent on this backend, its tasks on `tasks`; with `faults`, its writes go
@@ -96,9 +102,9 @@ impl TransferKind {
         let token = inbox.token.clone();
         let inbox = Arc::new(Inbox::new(inbox));
         let backend: Arc<dyn TransferBackend> = match self {
-            TransferKind::Tcp { bind_ip, advertise_ip } => {
+            TransferKind::Tcp { bind_ip, advertise_ip, tls } => {
                 let l = tokio::net::TcpListener::bind((*bind_ip, 0)).await?;
-                let cfg = crate::tcp::TcpConfig { token, ..Default::default() };
+                let cfg = crate::tcp::TcpConfig { token, tls: tls.clone(), ..Default::default() };
                 Arc::new(crate::TcpTransfer::serve(
                     l,
                     advertise_ip.clone(),

@@ -8,7 +8,10 @@
 //! that writes over another's binding, or keeps writing to regions that do not exist (a
 //! peer guessing ids), is closed; the regions it named are not touched.
 
+mod tls;
 mod wire;
+
+pub use tls::TransferTls;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -17,7 +20,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use handoff_core::Tasks;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
@@ -52,8 +55,11 @@ pub struct TcpConfig {
     /// An inbound frame must arrive whole within this long once begun (a peer trickling
     /// bytes is cut off).
     pub frame_timeout: Duration,
-    /// With a token, a connection must begin its hello within this long of being accepted.
+    /// With a token, a connection must begin its hello within this long of being accepted
+    /// (with TLS, its handshake too).
     pub hello_timeout: Duration,
+    /// Mutual TLS with the cluster's CA, on every connection both ways.
+    pub tls: Option<TransferTls>,
 }
 
 impl Default for TcpConfig {
@@ -69,7 +75,26 @@ impl Default for TcpConfig {
             idle_timeout: Duration::from_secs(120),
             frame_timeout: Duration::from_secs(30),
             hello_timeout: Duration::from_secs(5),
+            tls: None,
         }
+    }
+}
+
+/// A connection this agent dialed: plain, or TLS over the socket.
+trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + Sync + std::fmt::Debug {
+    /// The socket under it.
+    fn socket(&self) -> &TcpStream;
+}
+
+impl ClientIo for TcpStream {
+    fn socket(&self) -> &TcpStream {
+        self
+    }
+}
+
+impl ClientIo for tokio_rustls::client::TlsStream<TcpStream> {
+    fn socket(&self) -> &TcpStream {
+        self.get_ref().0
     }
 }
 
@@ -78,7 +103,7 @@ impl Default for TcpConfig {
 pub struct TcpTransfer {
     addr: AgentAddr,
     cfg: TcpConfig,
-    idle: Mutex<HashMap<AgentAddr, Vec<TcpStream>>>,
+    idle: Mutex<HashMap<AgentAddr, Vec<Box<dyn ClientIo>>>>,
 }
 
 impl TcpTransfer {
@@ -106,6 +131,7 @@ impl TcpTransfer {
             hello_timeout: cfg.hello_timeout,
         });
         let mut next_conn = 0u64;
+        let server_tls = cfg.tls.clone();
         let limit = Arc::new(Semaphore::new(cfg.max_inbound));
         tasks.spawn(async move {
             loop {
@@ -130,10 +156,25 @@ impl TcpTransfer {
                 let (inbox, t2, cc) = (inbox.clone(), t.clone(), conn_cfg.clone());
                 next_conn += 1;
                 let conn = ConnId(next_conn);
+                let tls = server_tls.clone();
                 t.spawn(async move {
+                    let _ = stream.set_nodelay(true);
+                    let served = async {
+                        let Some(tls) = tls else {
+                            return serve_conn(stream, peer, conn, inbox, &cc).await;
+                        };
+                        // The TLS handshake is part of the hello's time.
+                        match tokio::time::timeout(cc.hello_timeout, tls.acceptor.accept(stream))
+                            .await
+                        {
+                            Ok(Ok(s)) => serve_conn(s, peer, conn, inbox, &cc).await,
+                            Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake refused"),
+                            Err(_) => debug!(%peer, "TLS handshake too slow"),
+                        }
+                    };
                     tokio::select! {
                         _ = t2.shutdown_requested() => {}
-                        _ = serve_conn(stream, peer, conn, inbox, &cc) => {}
+                        _ = served => {}
                     }
                     drop(permit);
                 });
@@ -156,7 +197,7 @@ impl TcpTransfer {
         TransferError::Io { peer: peer.clone(), reason: e.to_string() }
     }
 
-    async fn checkout(&self, peer: &AgentAddr) -> Result<TcpStream, TransferError> {
+    async fn checkout(&self, peer: &AgentAddr) -> Result<Box<dyn ClientIo>, TransferError> {
         loop {
             let pooled = self
                 .idle
@@ -165,10 +206,11 @@ impl TcpTransfer {
                 .get_mut(peer)
                 .and_then(Vec::pop);
             let Some(s) = pooled else { break };
-            // An idle connection must have nothing to read: data or EOF means it is stale.
+            // An idle connection must have nothing to read: data or EOF means it is stale (a
+            // byte taken from under TLS here only ever belongs to a connection thrown away).
             let mut probe = [0u8; 1];
-            if matches!(s.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
-            {
+            let idle = s.socket().try_read(&mut probe);
+            if matches!(idle, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock) {
                 return Ok(s);
             }
         }
@@ -177,8 +219,21 @@ impl TcpTransfer {
             .await
             .map_err(|_| Self::io_err(peer, "connect timed out"))?
             .map_err(|e| Self::io_err(peer, e))?;
-        let mut s = s;
         s.set_nodelay(true).map_err(|e| Self::io_err(peer, e))?;
+        let mut s: Box<dyn ClientIo> = match &self.cfg.tls {
+            None => Box::new(s),
+            Some(tls) => {
+                let name = TransferTls::server_name(&peer.ip)?;
+                let shake =
+                    tokio::time::timeout(self.cfg.connect_timeout, tls.connector.connect(name, s));
+                Box::new(
+                    shake
+                        .await
+                        .map_err(|_| Self::io_err(peer, "TLS handshake timed out"))?
+                        .map_err(|e| Self::io_err(peer, format!("TLS: {e}")))?,
+                )
+            }
+        };
         if let Some(token) = &self.cfg.token {
             let hello = async {
                 wire::write_hello(&mut s, token).await.map_err(|e| Self::io_err(peer, e))?;
@@ -191,7 +246,7 @@ impl TcpTransfer {
         Ok(s)
     }
 
-    fn checkin(&self, peer: &AgentAddr, s: TcpStream) {
+    fn checkin(&self, peer: &AgentAddr, s: Box<dyn ClientIo>) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let v = idle.entry(peer.clone()).or_default();
         if v.len() < self.cfg.max_idle_per_peer {
@@ -199,7 +254,11 @@ impl TcpTransfer {
         }
     }
 
-    async fn read_ack(&self, peer: &AgentAddr, s: &mut TcpStream) -> Result<(), TransferError> {
+    async fn read_ack<S: AsyncRead + Unpin>(
+        &self,
+        peer: &AgentAddr,
+        s: &mut S,
+    ) -> Result<(), TransferError> {
         match wire::read_frame(s, self.cfg.max_frame).await? {
             Some(Frame::Ack(Ok(()))) => Ok(()),
             Some(Frame::Ack(Err(reason))) => Err(TransferError::Rejected(reason)),
@@ -315,15 +374,14 @@ fn same_token(got: &[u8], want: &str) -> bool {
 }
 
 /// Serves one inbound connection until it closes or breaks the protocol.
-async fn serve_conn(
-    stream: TcpStream,
+async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: S,
     peer: SocketAddr,
     conn: ConnId,
     inbox: Arc<Inbox>,
     cfg: &ConnCfg,
 ) {
-    let _ = stream.set_nodelay(true);
-    let (r, mut w) = stream.into_split();
+    let (r, mut w) = tokio::io::split(stream);
     let mut r = BufReader::with_capacity(256 << 10, r);
     let mut authed = cfg.token.is_none();
     let mut unknown = 0u32;

@@ -34,6 +34,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let cfg = FrontendConfig {
         decode_tp: args.decode_tp,
         transfer_token: args.discovery.token.clone(),
+        transfer: args.discovery.transfer()?,
         ..FrontendConfig::default()
     };
     let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, &tasks).await?;

@@ -30,6 +30,7 @@ pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
         bootstrap_bind: args.bootstrap_listen,
         grpc_bind: args.grpc_listen,
         advertise_host: args.advertise_host.clone(),
+        transfer: args.discovery.transfer()?,
         ..PrefillConfig::default()
     }
     .with_token(args.discovery.token.clone());

@@ -9,7 +9,7 @@ use handoff_engine::{Engine, MockConfig, MockEngine};
 use handoff_smollm::{SmolConfig, SmolLm};
 use handoff_transfer::{FakeNetwork, TransferKind};
 
-use crate::args::{EngineArg, EngineArgs, TransferArg, UpArgs};
+use crate::args::{DiscoveryArgs, EngineArg, EngineArgs, TransferArg, UpArgs};
 use crate::{Cluster, ClusterConfig};
 
 /// A source of engine handles: every part of a cluster gets its own (for smollm: shared
@@ -45,11 +45,11 @@ pub fn engines(args: &EngineArgs) -> anyhow::Result<Engines> {
 }
 
 /// The transfer backend the flags ask for.
-pub fn transfer(kind: TransferArg) -> TransferKind {
-    match kind {
-        TransferArg::Tcp => TransferKind::loopback(),
+pub fn transfer(kind: TransferArg, discovery: &DiscoveryArgs) -> anyhow::Result<TransferKind> {
+    Ok(match kind {
+        TransferArg::Tcp => discovery.transfer()?,
         TransferArg::Fake => TransferKind::Fake(FakeNetwork::new()),
-    }
+    })
 }
 
 /// Runs until Ctrl-C or SIGTERM.
@@ -72,7 +72,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         prefill_dp: args.prefill_dp,
         prefill_tp: args.prefill_tp,
         decode_tp: args.decode_tp,
-        transfer: transfer(args.transfer),
+        transfer: transfer(args.transfer, &args.discovery)?,
         frontend_bind: args.frontend_listen,
         http_bind: args.http_listen,
         scheduler_bind: args.scheduler_listen,

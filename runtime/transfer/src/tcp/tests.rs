@@ -7,6 +7,7 @@ use tokio::time::Instant;
 
 use super::*;
 use crate::{Agent, Fault, FaultSwitch, FaultyTransfer, InboxConfig, KvPoll, SenderId};
+use tls::TransferTls;
 
 struct Pair {
     tasks: Tasks,
@@ -352,4 +353,48 @@ async fn with_a_token_a_silent_connection_is_dropped_at_the_hello_deadline() {
     let took = started.elapsed();
     assert!(took < Duration::from_secs(1), "held its place {took:?}, not the idle timeout");
     p.tasks.shutdown().await;
+}
+
+/// A CA, and a certificate for 127.0.0.1 signed by it: (chain, key, ca) as PEM.
+fn certificates() -> impl Fn() -> (String, String, String) {
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let ca = ca_params.self_signed(&ca_key).unwrap().pem();
+    move || {
+        let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap();
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        (cert.pem(), key.serialize_pem(), ca.clone())
+    }
+}
+
+fn tls_config(pem: (String, String, String)) -> TcpConfig {
+    let tls = TransferTls::from_pem(pem.0.as_bytes(), pem.1.as_bytes(), pem.2.as_bytes()).unwrap();
+    TcpConfig { tls: Some(tls), ..Default::default() }
+}
+
+#[tokio::test]
+async fn mutual_tls_carries_transfers_and_refuses_strangers() {
+    let cluster = certificates();
+    let p = pair(tls_config(cluster())).await;
+    let (r, s) = (room(), SenderId::new(0, 0));
+    let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
+    let w = WriteRequest::new(id, vec![(Bytes::from_static(b"okok"), 0)], r, s, 1, 1, 0);
+    p.tx.post_write(&p.rx.addr(), w).await.unwrap();
+    assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
+
+    // A plain peer, and one with a certificate from another CA: refused, region untouched.
+    let plain = pair(TcpConfig::default()).await;
+    let other = pair(tls_config(certificates()())).await;
+    for (label, stranger) in [("plain", &plain), ("another CA", &other)] {
+        let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
+        let w = WriteRequest::new(id, vec![(Bytes::from_static(b"nope"), 0)], r, s, 1, 1, 0);
+        assert!(stranger.tx.post_write(&p.rx.addr(), w).await.is_err(), "{label} refused");
+        assert_eq!(p.rx.inbox().poll(id), KvPoll::Bootstrapping, "{label}: untouched");
+    }
+    for t in [p.tasks, plain.tasks, other.tasks] {
+        t.shutdown().await;
+    }
 }
