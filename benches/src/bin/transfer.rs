@@ -1,6 +1,7 @@
 //! The tcp transfer on loopback: aggregate receive throughput with 1, 4 and 16 concurrent
 //! 12 MB transfers (each region written by one sender in 64 runs of 192 KiB, as layers x K/V
-//! of a small model), with and without a cluster token, against the ceiling of the same
+//! of a small model), with no credential, with a cluster token, and with token and mutual
+//! TLS, against the ceiling of the same
 //! bytes over plain sockets (write, read, discard: no framing, no copy into a region, no
 //! verification) in the same run. Then the per-request cost of a small transfer (64 KiB):
 //! register, write, notice, verify, take.
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use handoff_benches::parse_flags;
 use handoff_core::{Room, Tasks};
-use handoff_transfer::tcp::TcpConfig;
+use handoff_transfer::tcp::{TcpConfig, TransferTls};
 use handoff_transfer::{Agent, Inbox, InboxConfig, SenderId, TcpTransfer, WriteRequest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -26,11 +27,25 @@ const RUNS: usize = 64;
 const RUN: usize = 192 << 10;
 const REGION: usize = RUNS * RUN;
 
-async fn agents(token: Option<&str>, tasks: &Tasks) -> (Agent, Agent) {
+/// Mutual TLS for 127.0.0.1 with a fresh CA (the same certificate on both ends).
+fn tls() -> anyhow::Result<TransferTls> {
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_key = rcgen::KeyPair::generate()?;
+    let ca = ca_params.self_signed(&ca_key)?.pem();
+    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+    let key = rcgen::KeyPair::generate()?;
+    let cert =
+        rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])?.signed_by(&key, &issuer)?;
+    Ok(TransferTls::from_pem(cert.pem().as_bytes(), key.serialize_pem().as_bytes(), ca.as_bytes())?)
+}
+
+async fn agents(token: Option<&str>, tls: Option<TransferTls>, tasks: &Tasks) -> (Agent, Agent) {
     let mk = || async {
         let inbox_cfg = InboxConfig { token: token.map(String::from), ..Default::default() };
         let inbox = Arc::new(Inbox::new(inbox_cfg));
-        let cfg = TcpConfig { token: token.map(String::from), ..Default::default() };
+        let cfg =
+            TcpConfig { token: token.map(String::from), tls: tls.clone(), ..Default::default() };
         let t = TcpTransfer::bind(
             "127.0.0.1:0".parse().unwrap_or_else(|_| unreachable!()),
             inbox.clone(),
@@ -135,8 +150,9 @@ async fn main() -> anyhow::Result<()> {
     })?;
     let data: Vec<Bytes> = (0..RUNS).map(|i| Bytes::from(vec![(i * 7 + 1) as u8; RUN])).collect();
     let tasks = Tasks::new();
-    let (open_tx, open_rx) = agents(None, &tasks).await;
-    let (tok_tx, tok_rx) = agents(Some("bench-token"), &tasks).await;
+    let (open_tx, open_rx) = agents(None, None, &tasks).await;
+    let (tok_tx, tok_rx) = agents(Some("bench-token"), None, &tasks).await;
+    let (tls_tx, tls_rx) = agents(Some("bench-token"), Some(tls()?), &tasks).await;
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
@@ -145,23 +161,28 @@ async fn main() -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "| concurrent | plain sockets GB/s | handoff GB/s | with token GB/s | handoff / sockets |"
+        "| concurrent | plain sockets GB/s | handoff GB/s | with token GB/s | token + mTLS GB/s | handoff / sockets |"
     )?;
-    writeln!(out, "|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---:|---:|---:|---:|---:|---:|")?;
     for n in [1usize, 4, 16] {
         // Each variant three times, interleaved; the best of each (the machine is shared).
-        let (mut ceiling, mut open, mut tok) = (0f64, 0f64, 0f64);
+        let (mut ceiling, mut open, mut tok, mut tls) = (0f64, 0f64, 0f64, 0f64);
         for _ in 0..3 {
             ceiling = ceiling.max(socket_rate(n, rounds, &data).await);
             open = open.max(handoff_rate(&open_tx, &open_rx, n, rounds, &data).await);
             tok = tok.max(handoff_rate(&tok_tx, &tok_rx, n, rounds, &data).await);
+            tls = tls.max(handoff_rate(&tls_tx, &tls_rx, n, rounds, &data).await);
         }
         let ratio = open / ceiling;
-        writeln!(out, "| {n} | {ceiling:.2} | {open:.2} | {tok:.2} | {ratio:.2} |")?;
+        writeln!(out, "| {n} | {ceiling:.2} | {open:.2} | {tok:.2} | {tls:.2} | {ratio:.2} |")?;
     }
     // Per request: a 64 KiB region, one run, end to end.
     let small = vec![Bytes::from(vec![3u8; 64 << 10])];
-    for (label, tx, rx) in [("no token", &open_tx, &open_rx), ("token", &tok_tx, &tok_rx)] {
+    for (label, tx, rx) in [
+        ("no token", &open_tx, &open_rx),
+        ("token", &tok_tx, &tok_rx),
+        ("token + mTLS", &tls_tx, &tls_rx),
+    ] {
         let mut took = Vec::new();
         for _ in 0..2000 {
             let t = Instant::now();

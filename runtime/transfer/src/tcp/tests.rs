@@ -398,3 +398,35 @@ async fn mutual_tls_carries_transfers_and_refuses_strangers() {
         t.shutdown().await;
     }
 }
+
+#[tokio::test]
+async fn mutual_tls_carries_concurrent_transfers() {
+    let cluster = certificates();
+    let cfg = TcpConfig {
+        io_timeout: Duration::from_secs(5),
+        token: Some("t".into()),
+        ..tls_config(cluster())
+    };
+    let p = pair(cfg).await;
+    let s = SenderId::new(0, 0);
+    // As KV: 64 runs of 192 KiB, 12 MB.
+    let run = 192 << 10;
+    let len = 64 * run;
+    let data = Bytes::from(vec![5u8; run]);
+    let one = |r: Room| {
+        let (p, data) = (&p, data.clone());
+        async move {
+            let id =
+                p.rx.inbox().register_region(r, len as u64, [(s, span(0..len as u64))]).unwrap();
+            let pairs = (0..64).map(|i| (data.clone(), (i * run) as u64)).collect();
+            let w = WriteRequest::new(id, pairs, r, s, 1, 1, 0);
+            p.tx.post_write(&p.rx.addr(), w).await.unwrap();
+            p.rx.inbox().wait(id, deadline()).await.unwrap().buf.len()
+        }
+    };
+    for _ in 0..3 {
+        let got = futures::future::join_all((0..4).map(|_| one(room()))).await;
+        assert!(got.iter().all(|&n| n == len));
+    }
+    p.tasks.shutdown().await;
+}

@@ -53,7 +53,9 @@ pub(super) async fn write_connect<W: AsyncWrite + Unpin>(
 ) -> std::io::Result<()> {
     let body = serde_json::to_vec(req).map_err(std::io::Error::other)?;
     header(w, CONNECT, body.len()).await?;
-    w.write_all(&body).await
+    w.write_all(&body).await?;
+    // Under TLS, written is not sent until flushed; the peer answers only what it has.
+    w.flush().await
 }
 
 /// Writes `pairs` as one or more write frames of at most `max_frame` bytes each.
@@ -97,7 +99,8 @@ pub(super) async fn write_hello<W: AsyncWrite + Unpin>(
     token: &str,
 ) -> std::io::Result<()> {
     header(w, HELLO, token.len()).await?;
-    w.write_all(token.as_bytes()).await
+    w.write_all(token.as_bytes()).await?;
+    w.flush().await
 }
 
 pub(super) async fn write_notice<W: AsyncWrite + Unpin>(
@@ -126,7 +129,8 @@ pub(super) async fn write_ack<W: AsyncWrite + Unpin>(
     let msg = &msg[..msg.len().min(4096)];
     header(w, ACK, 1 + msg.len()).await?;
     w.write_u8(u8::from(res.is_ok())).await?;
-    w.write_all(msg).await
+    w.write_all(msg).await?;
+    w.flush().await
 }
 
 /// Reads one frame; `Ok(None)` at a clean end of stream between frames.
