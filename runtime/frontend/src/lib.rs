@@ -8,6 +8,8 @@
 //!   verify, reassemble the KV. Each stage is timed.
 //! - [`schedulers`] — [`Schedulers`]: the scheduler replicas, followed through discovery;
 //!   a selection fails over from a replica that does not answer to another.
+//! - `lease` — a booking held until its attempt ends, reported cancelled when dropped.
+//! - `metrics` — the counters served at `/metrics`, and the measured decode step.
 //! - [`path`] — [`Frontend`]: scheduler selection (a booking), fresh room per attempt,
 //!   retries before the first token, and outcomes reported back (cancelled when dropped).
 //! - [`service`] — the gRPC service: streams the first token and the decoded ones.
@@ -19,6 +21,8 @@ pub mod config;
 mod error;
 pub mod http;
 pub mod input;
+mod lease;
+mod metrics;
 pub mod path;
 pub mod schedulers;
 pub mod service;

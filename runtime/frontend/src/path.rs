@@ -12,7 +12,7 @@ use handoff_core::{Room, Tasks, block_hashes};
 use handoff_discovery::{Registry, Role, Update};
 use handoff_engine::{Decoder, Engine};
 use handoff_proto::v1::prefill_client::PrefillClient;
-use handoff_proto::v1::{Attempt, Evidence, Outcome, ReportOutcomeRequest, SelectPrefillRequest};
+use handoff_proto::v1::{Attempt, Evidence, Outcome, SelectPrefillRequest};
 use handoff_transfer::Agent;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -21,6 +21,8 @@ use tracing::{debug, warn};
 
 use crate::attempt::{self, AttemptCtx, Stages, Target};
 use crate::input::Plan;
+use crate::lease::{Lease, outcome_of};
+use crate::metrics::Metrics;
 use crate::schedulers::{SelectFailure, Selected};
 use crate::{Cause, FrontendConfig, FrontendError, Schedulers};
 
@@ -47,82 +49,6 @@ pub struct Frontend {
     pub(crate) tasks: Tasks,
     pub(crate) limit: Arc<Semaphore>,
     pub(crate) metrics: Metrics,
-}
-
-/// Counters served at `/metrics`, shared by the gRPC and HTTP entry points.
-#[derive(Debug, Default)]
-pub(crate) struct Metrics {
-    pub(crate) requests: std::sync::atomic::AtomicU64,
-    pub(crate) failed: std::sync::atomic::AtomicU64,
-    /// Refused at once for overload (429 / RESOURCE_EXHAUSTED).
-    pub(crate) refused: std::sync::atomic::AtomicU64,
-    /// Past their own deadline (504 / DEADLINE_EXCEEDED).
-    pub(crate) expired: std::sync::atomic::AtomicU64,
-    /// Clients that went away before their request finished.
-    pub(crate) cancelled: std::sync::atomic::AtomicU64,
-    pub(crate) tokens: std::sync::atomic::AtomicU64,
-    /// Moving average of one decode step, in nanoseconds (0: none measured yet).
-    pub(crate) step_ns: std::sync::atomic::AtomicU64,
-}
-
-impl Metrics {
-    /// Adds a decode step's duration to the moving average.
-    pub(crate) fn note_step(&self, took: std::time::Duration) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let sample = took.as_nanos().min(u128::from(u64::MAX)) as u64;
-        let old = self.step_ns.load(Relaxed);
-        let new = if old == 0 { sample } else { (old * 15 + sample) / 16 };
-        self.step_ns.store(new, Relaxed);
-    }
-
-    /// Time `tokens` decode steps are expected to take.
-    pub(crate) fn decode_time(&self, tokens: u32) -> std::time::Duration {
-        let step = self.step_ns.load(std::sync::atomic::Ordering::Relaxed);
-        std::time::Duration::from_nanos(step.saturating_mul(u64::from(tokens)))
-    }
-}
-
-/// A booking held on a scheduler replica: ended with its outcome, or, if dropped first (the
-/// client went away), reported cancelled.
-pub(crate) struct Lease {
-    schedulers: Arc<Schedulers>,
-    tasks: Tasks,
-    replica: String,
-    booking: u64,
-    open: bool,
-}
-
-impl Lease {
-    /// Reports the outcome (on the frontend's tasks: the request does not wait for it).
-    fn end(mut self, outcome: Outcome, error: String) {
-        self.open = false;
-        self.send(outcome, error);
-    }
-
-    fn send(&self, outcome: Outcome, error: String) {
-        let req = ReportOutcomeRequest { booking_id: self.booking, outcome: outcome as i32, error };
-        let (s, replica) = (self.schedulers.clone(), self.replica.clone());
-        self.tasks.spawn(async move { s.report(&replica, req).await });
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if self.open {
-            self.send(Outcome::Cancelled, "the client went away".into());
-        }
-    }
-}
-
-/// What a failed attempt tells the scheduler.
-fn outcome_of(e: &FrontendError) -> Outcome {
-    match e.cause() {
-        Some(Cause::Instance) | None => Outcome::InstanceFault,
-        Some(Cause::Overloaded) => Outcome::Overloaded,
-        Some(Cause::Deadline) => Outcome::Deadline,
-        Some(Cause::Invalid) => Outcome::Invalid,
-        Some(Cause::Decode) => Outcome::DecodeFault,
-    }
 }
 
 fn retry_after(s: &tonic::Status) -> std::time::Duration {
@@ -330,13 +256,8 @@ impl Frontend {
             (self.schedulers.clone(), self.tasks.clone(), plan.deadline);
         let call = self.tasks.spawn(async move {
             let sel = schedulers.select(req, deadline).await?;
-            let lease = Lease {
-                schedulers,
-                tasks,
-                replica: sel.replica.clone(),
-                booking: sel.selection.booking_id,
-                open: true,
-            };
+            let lease =
+                Lease::new(schedulers, tasks, sel.replica.clone(), sel.selection.booking_id);
             Ok::<_, SelectFailure>((lease, sel))
         });
         let answer = call.await.unwrap_or_else(|e| {

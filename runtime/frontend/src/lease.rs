@@ -1,0 +1,62 @@
+//! [`Lease`]: a booking held on a scheduler replica until its attempt ends; a lease dropped
+//! first (the client went away) reports its booking cancelled.
+
+use std::sync::Arc;
+
+use handoff_core::Tasks;
+use handoff_proto::v1::{Outcome, ReportOutcomeRequest};
+
+use crate::{Cause, FrontendError, Schedulers};
+
+/// A booking held on a scheduler replica: ended with its outcome, or, if dropped first (the
+/// client went away), reported cancelled.
+pub(crate) struct Lease {
+    schedulers: Arc<Schedulers>,
+    tasks: Tasks,
+    replica: String,
+    booking: u64,
+    open: bool,
+}
+
+impl Lease {
+    /// A booking `booking` held on `replica`; reports go out on `tasks`.
+    pub(crate) fn new(
+        schedulers: Arc<Schedulers>,
+        tasks: Tasks,
+        replica: String,
+        booking: u64,
+    ) -> Self {
+        Lease { schedulers, tasks, replica, booking, open: true }
+    }
+
+    /// Reports the outcome (on the frontend's tasks: the request does not wait for it).
+    pub(crate) fn end(mut self, outcome: Outcome, error: String) {
+        self.open = false;
+        self.send(outcome, error);
+    }
+
+    fn send(&self, outcome: Outcome, error: String) {
+        let req = ReportOutcomeRequest { booking_id: self.booking, outcome: outcome as i32, error };
+        let (s, replica) = (self.schedulers.clone(), self.replica.clone());
+        self.tasks.spawn(async move { s.report(&replica, req).await });
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.open {
+            self.send(Outcome::Cancelled, "the client went away".into());
+        }
+    }
+}
+
+/// What a failed attempt tells the scheduler.
+pub(crate) fn outcome_of(e: &FrontendError) -> Outcome {
+    match e.cause() {
+        Some(Cause::Instance) | None => Outcome::InstanceFault,
+        Some(Cause::Overloaded) => Outcome::Overloaded,
+        Some(Cause::Deadline) => Outcome::Deadline,
+        Some(Cause::Invalid) => Outcome::Invalid,
+        Some(Cause::Decode) => Outcome::DecodeFault,
+    }
+}
