@@ -6,6 +6,10 @@ pub enum DiscoveryError {
     /// The backend could not be reached.
     #[error("discovery backend unavailable: {0}")]
     Unavailable(String),
+    /// Settings that cannot be used (an unreadable certificate, a credential the backend
+    /// does not take).
+    #[error("discovery settings: {0}")]
+    Config(String),
     /// No answer in time.
     #[error("no answer to {0} in time")]
     Timeout(String),

@@ -11,7 +11,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, PutOptions, TlsOptions,
+    WatchOptions,
+};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use handoff_core::{InstanceId, Tasks};
@@ -19,7 +22,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::{DiscoveryError, Instance, Registry, Role, Update};
+use crate::{DiscoveryError, Instance, Registry, Role, ServerAccess, Update};
 
 /// Where instances live in etcd.
 pub const KEY_PREFIX: &str = "/handoff/v1/instances/";
@@ -62,14 +65,42 @@ impl EtcdRegistry {
         ttl: Duration,
         tasks: &Tasks,
     ) -> Result<Self, DiscoveryError> {
+        Self::connect_with(endpoints, &ServerAccess::default(), ttl, tasks).await
+    }
+
+    /// As [`EtcdRegistry::connect`], with TLS and credentials (`https://` endpoints when the
+    /// access has TLS).
+    pub async fn connect_with(
+        endpoints: &str,
+        access: &ServerAccess,
+        ttl: Duration,
+        tasks: &Tasks,
+    ) -> Result<Self, DiscoveryError> {
         let eps: Vec<&str> =
             endpoints.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-        let opts = ConnectOptions::new()
+        let mut opts = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(5))
             // etcd closes connections that ping more often than its --grpc-keepalive-min-time
             // (5 s by default), which would break every watch: ping every 10 s.
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+        if access.credentials.is_some() {
+            return Err(DiscoveryError::Config("etcd takes no NATS credentials file".into()));
+        }
+        if let Some((user, password)) = &access.user {
+            opts = opts.with_user(user, password);
+        }
+        if access.tls() {
+            let mut tls = TlsOptions::new();
+            if let Some(ca) = &access.ca {
+                tls = tls.ca_certificate(Certificate::from_pem(ServerAccess::read(ca)?));
+            }
+            if let Some((cert, key)) = &access.identity {
+                let (cert, key) = (ServerAccess::read(cert)?, ServerAccess::read(key)?);
+                tls = tls.identity(Identity::from_pem(cert, key));
+            }
+            opts = opts.with_tls(tls);
+        }
         let client = Client::connect(eps, Some(opts)).await.map_err(unavailable)?;
         Ok(EtcdRegistry {
             client,

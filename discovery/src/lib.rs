@@ -3,6 +3,7 @@
 //! - [`Registry`] (this file): instances with leases; a watch is a stream of
 //!   [`Update::Reset`] / [`Update::Add`] / [`Update::Remove`].
 //! - [`EventBus`] (this file): publish/subscribe by subject prefix.
+//! - [`access`] — [`ServerAccess`]: TLS and credentials for the etcd and NATS servers.
 //! - [`events`] — what travels on the bus (KV events) and the subject layout.
 //! - [`memory`] — in-process backends, the real backend of single-node mode.
 //! - [`etcd`] — [`EtcdRegistry`]: keys under leases kept alive, prefix watches from a snapshot.
@@ -11,6 +12,7 @@
 //! - [`publisher`] — [`Publisher`]: a bounded queue in front of a bus, drained by one task
 //!   with a publish timeout, so no caller waits on the bus.
 
+pub mod access;
 mod error;
 pub mod etcd;
 pub mod events;
@@ -25,6 +27,7 @@ use futures::stream::BoxStream;
 use handoff_core::InstanceId;
 use serde::{Deserialize, Serialize};
 
+pub use access::ServerAccess;
 pub use error::DiscoveryError;
 pub use etcd::EtcdRegistry;
 pub use events::{

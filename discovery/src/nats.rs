@@ -9,7 +9,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 
-use crate::{DiscoveryError, EventBus, Message};
+use crate::{DiscoveryError, EventBus, Message, ServerAccess};
 
 /// An event bus on a NATS server.
 #[derive(Debug, Clone)]
@@ -25,7 +25,30 @@ impl NatsBus {
     /// Connects to `url` (e.g. `nats://127.0.0.1:4222`), retrying in the background if the
     /// server is not up yet.
     pub async fn connect(url: &str) -> Result<Self, DiscoveryError> {
-        let client = async_nats::ConnectOptions::new()
+        Self::connect_with(url, &ServerAccess::default()).await
+    }
+
+    /// As [`NatsBus::connect`], with TLS and credentials.
+    pub async fn connect_with(url: &str, access: &ServerAccess) -> Result<Self, DiscoveryError> {
+        let mut opts = async_nats::ConnectOptions::new();
+        if let Some(ca) = &access.ca {
+            opts = opts.add_root_certificates(ca.clone());
+        }
+        if let Some((cert, key)) = &access.identity {
+            opts = opts.add_client_certificate(cert.clone(), key.clone());
+        }
+        if access.tls() {
+            opts = opts.require_tls(true);
+        }
+        if let Some((user, password)) = &access.user {
+            opts = opts.user_and_password(user.clone(), password.clone());
+        }
+        if let Some(creds) = &access.credentials {
+            opts = opts.credentials_file(creds).await.map_err(|e| {
+                DiscoveryError::Config(format!("NATS credentials {}: {e}", creds.display()))
+            })?;
+        }
+        let client = opts
             .retry_on_initial_connect()
             .connection_timeout(Duration::from_secs(2))
             .max_reconnects(None)

@@ -9,6 +9,8 @@ pub mod v1 {
     tonic::include_proto!("handoff.v1");
 }
 
+pub mod grpc;
+
 /// gRPC metadata keys of the API (documented with the RPCs that send them).
 pub mod metadata {
     /// On `RESOURCE_EXHAUSTED`: milliseconds to wait before retrying.

@@ -17,8 +17,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use handoff_benches::parse_flags;
+use handoff_core::tls::ClusterTls;
+use handoff_core::tls::test_certs::TestCa;
 use handoff_core::{Room, Tasks};
-use handoff_transfer::tcp::{TcpConfig, TransferTls};
+use handoff_transfer::tcp::TcpConfig;
 use handoff_transfer::{Agent, Inbox, InboxConfig, SenderId, TcpTransfer, WriteRequest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -28,19 +30,11 @@ const RUN: usize = 192 << 10;
 const REGION: usize = RUNS * RUN;
 
 /// Mutual TLS for 127.0.0.1 with a fresh CA (the same certificate on both ends).
-fn tls() -> anyhow::Result<TransferTls> {
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let ca_key = rcgen::KeyPair::generate()?;
-    let ca = ca_params.self_signed(&ca_key)?.pem();
-    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
-    let key = rcgen::KeyPair::generate()?;
-    let cert =
-        rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])?.signed_by(&key, &issuer)?;
-    Ok(TransferTls::from_pem(cert.pem().as_bytes(), key.serialize_pem().as_bytes(), ca.as_bytes())?)
+fn tls() -> ClusterTls {
+    TestCa::new().issue().cluster()
 }
 
-async fn agents(token: Option<&str>, tls: Option<TransferTls>, tasks: &Tasks) -> (Agent, Agent) {
+async fn agents(token: Option<&str>, tls: Option<ClusterTls>, tasks: &Tasks) -> (Agent, Agent) {
     let mk = || async {
         let inbox_cfg = InboxConfig { token: token.map(String::from), ..Default::default() };
         let inbox = Arc::new(Inbox::new(inbox_cfg));
@@ -152,7 +146,7 @@ async fn main() -> anyhow::Result<()> {
     let tasks = Tasks::new();
     let (open_tx, open_rx) = agents(None, None, &tasks).await;
     let (tok_tx, tok_rx) = agents(Some("bench-token"), None, &tasks).await;
-    let (tls_tx, tls_rx) = agents(Some("bench-token"), Some(tls()?), &tasks).await;
+    let (tls_tx, tls_rx) = agents(Some("bench-token"), Some(tls()), &tasks).await;
     let mut out = std::io::stdout().lock();
     writeln!(
         out,

@@ -5,18 +5,22 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use handoff_core::tls::ClusterTls;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode, header};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::{ClientError, RankAddr, Registration, ServerInfo};
 
-/// A client of any number of directories, over one connection pool.
+/// A client of any number of directories, over one connection pool: plain HTTP, or HTTPS
+/// with the cluster's mutual TLS.
 #[derive(Clone, Debug)]
 pub struct DirectoryClient {
-    http: Client<HttpConnector, Full<Bytes>>,
+    http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    scheme: &'static str,
     token: Option<String>,
 }
 
@@ -29,10 +33,34 @@ impl Default for DirectoryClient {
 impl DirectoryClient {
     /// A client that sends `token` as a bearer token on writes.
     pub fn new(token: Option<String>) -> Self {
+        Self::with_tls(token, None)
+    }
+
+    /// A client that sends `token` on writes and, with `tls`, speaks HTTPS to directories
+    /// with a certificate from the cluster's CA (and presents its own).
+    pub fn with_tls(token: Option<String>, tls: Option<&ClusterTls>) -> Self {
         let mut conn = HttpConnector::new();
         conn.set_nodelay(true);
+        conn.enforce_http(false);
+        let config = match tls {
+            Some(tls) => tls.client_config().as_ref().clone(),
+            // Never used: without TLS every address is dialed as http://.
+            None => rustls::ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .expect("ring supports the default protocol versions")
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth(),
+        };
+        let conn = HttpsConnectorBuilder::new()
+            .with_tls_config(config)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(conn);
         let http = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(64).build(conn);
-        DirectoryClient { http, token }
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        DirectoryClient { http, scheme, token }
     }
 
     async fn call(
@@ -43,8 +71,9 @@ impl DirectoryClient {
         body: Option<Vec<u8>>,
     ) -> Result<(StatusCode, Bytes), ClientError> {
         let bad = |reason: String| ClientError::Address { addr: addr.to_owned(), reason };
-        let mut req =
-            Request::builder().method(method).uri(format!("http://{addr}{path_and_query}"));
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("{}://{addr}{path_and_query}", self.scheme));
         if body.is_some() {
             req = req.header(header::CONTENT_TYPE, "application/json");
             if let Some(t) = &self.token {

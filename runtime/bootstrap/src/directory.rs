@@ -41,6 +41,9 @@ pub struct DirectoryConfig {
     pub max_parallel: i64,
     /// Most rooms one `/query_dp_ranks` may ask for.
     pub max_query_rooms: usize,
+    /// The cluster's mutual TLS on the listener (readers and writers need a certificate from
+    /// the cluster's CA).
+    pub tls: Option<handoff_core::tls::ClusterTls>,
 }
 
 impl Default for DirectoryConfig {
@@ -53,6 +56,7 @@ impl Default for DirectoryConfig {
             max_body_bytes: 64 * 1024,
             max_parallel: 1024,
             max_query_rooms: 4096,
+            tls: None,
         }
     }
 }

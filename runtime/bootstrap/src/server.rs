@@ -12,6 +12,7 @@ use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
+use handoff_core::tls::TlsListener;
 use serde_json::Value;
 use tokio::net::TcpListener;
 
@@ -46,13 +47,20 @@ pub fn router(dir: Arc<Directory>) -> Router {
         .with_state(dir)
 }
 
-/// Serves the directory on `listener` until `shutdown` completes.
+/// Serves the directory on `listener` until `shutdown` completes (over the cluster's mutual
+/// TLS when its config has it).
 pub async fn run(
     listener: TcpListener,
     dir: Arc<Directory>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(dir)).with_graceful_shutdown(shutdown).await
+    match dir.config().tls.clone() {
+        None => axum::serve(listener, router(dir)).with_graceful_shutdown(shutdown).await,
+        Some(tls) => {
+            let listener = TlsListener::new(listener, tls.acceptor().clone());
+            axum::serve(listener, router(dir)).with_graceful_shutdown(shutdown).await
+        }
+    }
 }
 
 async fn method_not_allowed() -> Response {

@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use handoff_core::tls::ServerTls;
+use handoff_discovery::ServerAccess;
 use handoff_scheduler::policy::{KvAwareWeights, PolicyParams};
 use handoff_scheduler::{PolicyKind, SchedulerConfig};
 
@@ -53,8 +55,10 @@ pub struct DiscoveryArgs {
     /// it can then write directories and open transfer connections).
     #[arg(long)]
     pub insecure: bool,
-    /// This process's certificate chain (PEM): with --tls-key and --tls-ca, KV transfers run
-    /// over mutual TLS with the cluster's CA.
+    /// This process's certificate chain (PEM): with --tls-key and --tls-ca, the cluster's own
+    /// traffic (KV transfers, the scheduler and prefill gRPC services, the bootstrap
+    /// directories) runs over mutual TLS with the cluster's CA. The certificate must name the
+    /// host the others dial (the advertised host).
     #[arg(long, requires_all = ["tls_key", "tls_ca"])]
     pub tls_cert: Option<std::path::PathBuf>,
     /// Its private key (PEM).
@@ -63,14 +67,99 @@ pub struct DiscoveryArgs {
     /// The cluster's CA certificate (PEM): peers must hold a certificate it signed.
     #[arg(long, requires_all = ["tls_cert", "tls_key"])]
     pub tls_ca: Option<std::path::PathBuf>,
+    /// TLS and credentials for etcd and NATS.
+    #[command(flatten)]
+    pub access: BackendAccessArgs,
+}
+
+/// TLS and credentials for the etcd and NATS servers, handed to their client libraries.
+#[derive(Debug, Clone, Default, Args)]
+pub struct BackendAccessArgs {
+    /// The CA of etcd's server certificate (PEM); endpoints are then `https://`.
+    #[arg(long)]
+    pub etcd_ca: Option<PathBuf>,
+    /// A client certificate for etcd (PEM), with --etcd-key.
+    #[arg(long, requires = "etcd_key")]
+    pub etcd_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user, with --etcd-password.
+    #[arg(long, env = "HANDOFF_ETCD_USER", requires = "etcd_password")]
+    pub etcd_user: Option<String>,
+    /// etcd password.
+    #[arg(long, env = "HANDOFF_ETCD_PASSWORD", hide_env_values = true, requires = "etcd_user")]
+    pub etcd_password: Option<String>,
+    /// The CA of the NATS server's certificate (PEM); the connection then requires TLS.
+    #[arg(long)]
+    pub nats_ca: Option<PathBuf>,
+    /// A client certificate for NATS (PEM), with --nats-key.
+    #[arg(long, requires = "nats_key")]
+    pub nats_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, requires = "nats_cert")]
+    pub nats_key: Option<PathBuf>,
+    /// NATS user, with --nats-password.
+    #[arg(long, env = "HANDOFF_NATS_USER", requires = "nats_password")]
+    pub nats_user: Option<String>,
+    /// NATS password.
+    #[arg(long, env = "HANDOFF_NATS_PASSWORD", hide_env_values = true, requires = "nats_user")]
+    pub nats_password: Option<String>,
+    /// A NATS credentials file (JWT and NKey seed).
+    #[arg(long, env = "HANDOFF_NATS_CREDS")]
+    pub nats_creds: Option<PathBuf>,
+}
+
+impl BackendAccessArgs {
+    /// How to reach etcd.
+    pub fn etcd(&self) -> ServerAccess {
+        ServerAccess {
+            ca: self.etcd_ca.clone(),
+            identity: self.etcd_cert.clone().zip(self.etcd_key.clone()),
+            user: self.etcd_user.clone().zip(self.etcd_password.clone()),
+            credentials: None,
+        }
+    }
+
+    /// How to reach NATS.
+    pub fn nats(&self) -> ServerAccess {
+        ServerAccess {
+            ca: self.nats_ca.clone(),
+            identity: self.nats_cert.clone().zip(self.nats_key.clone()),
+            user: self.nats_user.clone().zip(self.nats_password.clone()),
+            credentials: self.nats_creds.clone(),
+        }
+    }
+}
+
+/// The public listeners' certificate (the frontend's Generate gRPC and OpenAI HTTP).
+#[derive(Debug, Clone, Default, Args)]
+pub struct PublicTlsArgs {
+    /// Certificate chain (PEM) of the public listeners: with --public-tls-key, clients
+    /// connect with TLS (https, grpcs) and need no certificate of their own.
+    #[arg(long, requires = "public_tls_key")]
+    pub public_tls_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, requires = "public_tls_cert")]
+    pub public_tls_key: Option<PathBuf>,
+}
+
+impl PublicTlsArgs {
+    /// The certificate, when the flags give one.
+    pub fn server_tls(&self) -> anyhow::Result<Option<ServerTls>> {
+        match (&self.public_tls_cert, &self.public_tls_key) {
+            (Some(c), Some(k)) => Ok(Some(ServerTls::from_files(c, k)?)),
+            _ => Ok(None),
+        }
+    }
 }
 
 impl DiscoveryArgs {
-    /// The transfer's TLS settings, when the flags give them.
-    pub fn transfer_tls(&self) -> anyhow::Result<Option<handoff_transfer::tcp::TransferTls>> {
+    /// The cluster's mutual TLS, when the flags give it.
+    pub fn cluster_tls(&self) -> anyhow::Result<Option<handoff_core::tls::ClusterTls>> {
         match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
             (Some(c), Some(k), Some(ca)) => {
-                Ok(Some(handoff_transfer::tcp::TransferTls::from_files(c, k, ca)?))
+                Ok(Some(handoff_core::tls::ClusterTls::from_files(c, k, ca)?))
             }
             _ => Ok(None),
         }
@@ -83,7 +172,7 @@ impl DiscoveryArgs {
                 handoff_transfer::TransferKind::Tcp {
                     bind_ip,
                     advertise_ip,
-                    tls: self.transfer_tls()?,
+                    tls: self.cluster_tls()?,
                 }
             }
             other => other,
@@ -236,6 +325,9 @@ pub struct FrontendArgs {
     /// Decode tp size.
     #[arg(long, default_value_t = 1)]
     pub decode_tp: u32,
+    /// The public listeners' TLS.
+    #[command(flatten)]
+    pub public_tls: PublicTlsArgs,
     /// Discovery.
     #[command(flatten)]
     pub discovery: DiscoveryArgs,
@@ -339,6 +431,9 @@ pub struct UpArgs {
     /// Transfer backend.
     #[arg(long, value_enum, default_value_t = TransferArg::Tcp)]
     pub transfer: TransferArg,
+    /// The public listeners' TLS.
+    #[command(flatten)]
+    pub public_tls: PublicTlsArgs,
     /// Selection.
     #[command(flatten)]
     pub policy: PolicyArgs,

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use handoff_core::tls::ClusterTls;
 use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::{EventBus, MemoryBus, MemoryRegistry, Registry};
 use handoff_engine::Engine;
@@ -51,6 +52,9 @@ pub struct ClusterConfig {
     pub faults: Vec<Option<Arc<FaultSwitch>>>,
     /// Shared secret for directory writes and transfer handshakes.
     pub token: Option<String>,
+    /// The cluster's mutual TLS on gRPC and the bootstrap directories (the transfer's is
+    /// part of `transfer`; the public listeners' certificate is `frontend.public_tls`).
+    pub tls: Option<ClusterTls>,
 }
 
 impl Default for ClusterConfig {
@@ -72,6 +76,7 @@ impl Default for ClusterConfig {
             frontend: FrontendConfig::default(),
             faults: Vec::new(),
             token: None,
+            tls: None,
         }
     }
 }
@@ -152,7 +157,11 @@ impl Cluster {
         for i in 0..cfg.schedulers.max(1) {
             let bind =
                 if i == 0 { cfg.scheduler_bind } else { (cfg.scheduler_bind.ip(), 0).into() };
-            let sc = SchedulerConfig { token: cfg.token.clone(), ..cfg.scheduler.clone() };
+            let sc = SchedulerConfig {
+                token: cfg.token.clone(),
+                tls: cfg.tls.clone(),
+                ..cfg.scheduler.clone()
+            };
             schedulers.push(start_scheduler(&sc, bind, &registry, &bus, &tasks).await?);
         }
         let scheduler_addr = schedulers[0].addr;
@@ -168,6 +177,7 @@ impl Cluster {
                 bootstrap_bind: ([127, 0, 0, 1], port_plus(cfg.bootstrap_port, i)).into(),
                 grpc_bind: ([127, 0, 0, 1], port_plus(cfg.prefill_port, i)).into(),
                 transfer: cfg.transfer.clone(),
+                tls: cfg.tls.clone(),
                 ..PrefillConfig::default()
             }
             .with_token(cfg.token.clone());
@@ -189,6 +199,7 @@ impl Cluster {
             decode_tp: cfg.decode_tp,
             transfer: cfg.transfer.clone(),
             transfer_token: cfg.frontend.transfer_token.clone().or(cfg.token.clone()),
+            tls: cfg.tls.clone(),
             ..cfg.frontend.clone()
         };
         let addrs: Vec<String> = schedulers.iter().map(|s| s.addr.to_string()).collect();

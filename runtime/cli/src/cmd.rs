@@ -23,10 +23,12 @@ pub async fn discovery(
     match (&args.etcd, &args.nats) {
         (Some(etcd), Some(nats)) => {
             let ttl = Duration::from_secs(args.lease_ttl_secs);
-            let registry = EtcdRegistry::connect(etcd, ttl, tasks)
+            let registry = EtcdRegistry::connect_with(etcd, &args.access.etcd(), ttl, tasks)
                 .await
                 .with_context(|| format!("etcd at {etcd}"))?;
-            let bus = NatsBus::connect(nats).await.with_context(|| format!("NATS at {nats}"))?;
+            let bus = NatsBus::connect_with(nats, &args.access.nats())
+                .await
+                .with_context(|| format!("NATS at {nats}"))?;
             Ok((Arc::new(registry), Arc::new(bus)))
         }
         _ => Ok((Arc::new(MemoryRegistry::new()), Arc::new(MemoryBus::new()))),
@@ -87,6 +89,7 @@ mod tests {
             tls_cert: None,
             tls_key: None,
             tls_ca: None,
+            access: Default::default(),
         }
     }
 

@@ -11,4 +11,5 @@ mod e2e {
     pub(crate) mod replicas;
     pub(crate) mod resync;
     pub(crate) mod support;
+    pub(crate) mod tls;
 }

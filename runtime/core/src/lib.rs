@@ -5,11 +5,13 @@
 //! - [`hash`] — the chained block hashes of a prompt, the same function on every side.
 //! - [`net`] — listeners whose connections set `TCP_NODELAY`.
 //! - [`tasks`] — owned background tasks and a shutdown signal (no detached tasks).
+//! - [`tls`] — mutual TLS within a cluster, and public endpoints' certificates.
 
 pub mod hash;
 pub mod ids;
 pub mod net;
 pub mod tasks;
+pub mod tls;
 
 pub use hash::{BLOCK_HASH_SEED, block_hashes};
 pub use ids::{BlockHash, InstanceId, InvalidId, Room};

@@ -1,5 +1,6 @@
 //! Settings of the frontend.
 
+use handoff_core::tls::{ClusterTls, ServerTls};
 use std::time::Duration;
 
 use handoff_transfer::{InboxConfig, TransferKind};
@@ -35,6 +36,12 @@ pub struct FrontendConfig {
     /// The cluster's token: sent in transfer handshakes and hellos, and as a bearer token on
     /// calls to the scheduler and prefill services.
     pub transfer_token: Option<String>,
+    /// The cluster's mutual TLS on calls to the scheduler, prefill and directory services
+    /// (the transfer's own TLS is part of `transfer`).
+    pub tls: Option<ClusterTls>,
+    /// The public listeners' certificate (Generate gRPC and the HTTP API): clients then
+    /// connect with TLS and need no certificate of their own.
+    pub public_tls: Option<ServerTls>,
 }
 
 impl Default for FrontendConfig {
@@ -52,6 +59,8 @@ impl Default for FrontendConfig {
             transfer: TransferKind::loopback(),
             inbox: InboxConfig::default(),
             transfer_token: None,
+            tls: None,
+            public_tls: None,
         }
     }
 }

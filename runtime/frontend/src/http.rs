@@ -16,6 +16,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
+use handoff_core::tls::TlsListener;
 use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::generate_response::Event;
 use handoff_proto::v1::{
@@ -47,13 +48,20 @@ pub fn router(fe: Arc<Frontend>) -> Router {
         .with_state(fe)
 }
 
-/// Serves the HTTP API on `listener` until `shutdown` completes.
+/// Serves the HTTP API on `listener` until `shutdown` completes (HTTPS when the frontend's
+/// config has a public certificate).
 pub async fn serve(
     listener: TcpListener,
     fe: Arc<Frontend>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(fe)).with_graceful_shutdown(shutdown).await
+    match fe.cfg.public_tls.clone() {
+        None => axum::serve(listener, router(fe)).with_graceful_shutdown(shutdown).await,
+        Some(tls) => {
+            let listener = TlsListener::new(listener, tls.acceptor().clone());
+            axum::serve(listener, router(fe)).with_graceful_shutdown(shutdown).await
+        }
+    }
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {

@@ -11,12 +11,13 @@ use handoff_bootstrap::{DirectoryCache, DirectoryClient};
 use handoff_core::{Room, Tasks, block_hashes};
 use handoff_discovery::{Registry, Role, Update};
 use handoff_engine::{Decoder, Engine};
+use handoff_proto::grpc::cluster_channel;
 use handoff_proto::v1::prefill_client::PrefillClient;
 use handoff_proto::v1::{Attempt, Evidence, Outcome, SelectPrefillRequest};
 use handoff_transfer::Agent;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tracing::{debug, warn};
 
 use crate::attempt::{self, AttemptCtx, Stages, Target};
@@ -70,12 +71,6 @@ impl std::fmt::Debug for Frontend {
     }
 }
 
-fn channel(addr: &str) -> Result<Channel, FrontendError> {
-    let ep = Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| FrontendError::Invalid(format!("address {addr:?}: {e}")))?;
-    Ok(ep.tcp_nodelay(true).connect_timeout(std::time::Duration::from_secs(2)).connect_lazy())
-}
-
 const MAX_PREFILL_CLIENTS: usize = 4096;
 
 impl Frontend {
@@ -110,15 +105,19 @@ impl Frontend {
             .start(inbox, tasks, None)
             .await
             .map_err(|e| FrontendError::Invalid(format!("transfer agent: {e}")))?;
-        let schedulers =
-            Arc::new(Schedulers::new(cfg.select_timeout).with_token(cfg.transfer_token.clone()));
+        let schedulers = Arc::new(
+            Schedulers::new(cfg.select_timeout)
+                .with_token(cfg.transfer_token.clone())
+                .with_tls(cfg.tls.clone()),
+        );
         schedulers.reset(scheduler_addrs)?;
+        let directory = DirectoryCache::new(DirectoryClient::with_tls(None, cfg.tls.as_ref()));
         Ok(Arc::new(Frontend {
             limit: Arc::new(Semaphore::new(cfg.max_concurrent)),
             cfg,
             engine,
             agent,
-            directory: DirectoryCache::new(DirectoryClient::default()),
+            directory,
             schedulers,
             prefills: Mutex::default(),
             tasks: tasks.clone(),
@@ -220,7 +219,10 @@ impl Frontend {
         if map.len() >= MAX_PREFILL_CLIENTS {
             map.clear();
         }
-        let c = PrefillClient::new(channel(addr)?).max_decoding_message_size(64 << 20);
+        let channel =
+            cluster_channel(addr, self.cfg.tls.as_ref(), std::time::Duration::from_secs(2))
+                .map_err(|e| FrontendError::Invalid(e.to_string()))?;
+        let c = PrefillClient::new(channel).max_decoding_message_size(64 << 20);
         map.insert(addr.to_owned(), c.clone());
         Ok(c)
     }

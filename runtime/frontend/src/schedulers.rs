@@ -7,11 +7,13 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use handoff_core::tls::ClusterTls;
 use handoff_proto::auth;
+use handoff_proto::grpc::cluster_channel;
 use handoff_proto::metadata::NO_INSTANCE;
 use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{ReportOutcomeRequest, SelectPrefillRequest, SelectPrefillResponse};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tracing::{debug, info, warn};
 
 use crate::FrontendError;
@@ -34,6 +36,7 @@ pub struct Schedulers {
     select_timeout: Duration,
     /// The cluster's token, sent as a bearer token.
     token: Option<String>,
+    tls: Option<ClusterTls>,
 }
 
 /// A selection, and the replica that holds its booking.
@@ -52,16 +55,16 @@ fn replica_failed(s: &tonic::Status) -> bool {
     matches!(s.code(), Unavailable | Unknown | Cancelled | Internal | DeadlineExceeded)
 }
 
-fn channel(addr: &str) -> Result<Channel, FrontendError> {
-    let ep = Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| FrontendError::Invalid(format!("address {addr:?}: {e}")))?;
-    Ok(ep.tcp_nodelay(true).connect_timeout(Duration::from_secs(1)).connect_lazy())
-}
-
 impl Schedulers {
     /// No replicas yet; each call to one waits at most `select_timeout`.
     pub fn new(select_timeout: Duration) -> Self {
-        Schedulers { replicas: Mutex::default(), select_timeout, token: None }
+        Schedulers { replicas: Mutex::default(), select_timeout, token: None, tls: None }
+    }
+
+    /// Calls replicas over the cluster's mutual TLS.
+    pub fn with_tls(mut self, tls: Option<ClusterTls>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// Sends `token` (the cluster's) as a bearer token on every call.
@@ -78,7 +81,9 @@ impl Schedulers {
     pub fn add(&self, addr: &str) -> Result<(), FrontendError> {
         let mut map = self.lock();
         if !map.contains_key(addr) {
-            let client = SchedulerClient::new(channel(addr)?);
+            let channel = cluster_channel(addr, self.tls.as_ref(), Duration::from_secs(1))
+                .map_err(|e| FrontendError::Invalid(e.to_string()))?;
+            let client = SchedulerClient::new(channel);
             map.insert(addr.to_owned(), Replica { client, suspect_until: None });
             info!(scheduler = addr, replicas = map.len(), "scheduler replica added");
         }

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use handoff_proto::grpc::GrpcError;
 use handoff_proto::v1::generate_response::Event;
 use handoff_proto::v1::generate_server::{Generate, GenerateServer};
 use handoff_proto::v1::{
@@ -188,14 +189,16 @@ impl Generate for GenerateService {
     }
 }
 
-/// Serves Generate (and standard gRPC health) on `listener` until `shutdown` completes.
+/// Serves Generate (and standard gRPC health) on `listener` until `shutdown` completes (over
+/// TLS when the frontend's config has a public certificate).
 pub async fn serve(
     listener: TcpListener,
     frontend: Arc<Frontend>,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), tonic::transport::Error> {
-    tonic::transport::Server::builder()
+) -> Result<(), GrpcError> {
+    handoff_proto::grpc::public_server(frontend.cfg.public_tls.as_ref())?
         .add_service(GenerateService::new(frontend).into_server())
         .serve_with_incoming_shutdown(handoff_core::net::nodelay_incoming(listener), shutdown)
         .await
+        .map_err(GrpcError::Serve)
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use handoff_bootstrap::DirectoryConfig;
 use handoff_core::InstanceId;
+use handoff_core::tls::ClusterTls;
 use handoff_transfer::{InboxConfig, TransferKind};
 
 /// Settings of a prefill instance.
@@ -30,8 +31,11 @@ pub struct PrefillConfig {
     pub transfer: TransferKind,
     /// Bounds and token of the ranks' transfer inboxes.
     pub inbox: InboxConfig,
-    /// The directory's settings (token, peer version, bounds).
+    /// The directory's settings (token, peer version, bounds; its TLS is taken from `tls`).
     pub directory: DirectoryConfig,
+    /// The cluster's mutual TLS on the gRPC and directory listeners, and on the ranks' own
+    /// registrations.
+    pub tls: Option<ClusterTls>,
     /// Prefix cache budget per dp rank, in bytes.
     pub cache_bytes_per_dp: usize,
     /// Requests queued per dp rank before new ones are refused.
@@ -71,6 +75,7 @@ impl Default for PrefillConfig {
             transfer: TransferKind::loopback(),
             inbox: InboxConfig::default(),
             directory: DirectoryConfig::default(),
+            tls: None,
             cache_bytes_per_dp: 256 << 20,
             max_queue_per_dp: 1024,
             handshake_timeout: Duration::from_secs(10),

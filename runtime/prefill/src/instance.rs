@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use handoff_bootstrap::mapping::{self, Parallel};
-use handoff_bootstrap::{Directory, DirectoryClient, Registration, server};
+use handoff_bootstrap::{Directory, DirectoryClient, DirectoryConfig, Registration, server};
 use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::events::{liveness_subject, snapshot_subject};
 use handoff_discovery::{EventBus, Instance, Publisher, Registry, Role, SnapshotAsk, Topology};
@@ -72,7 +72,10 @@ impl PrefillInstance {
                 cfg.tp, cfg.pp, info.shape.layers
             )));
         }
-        let directory = Arc::new(Directory::new(cfg.directory.clone()));
+        let directory = Arc::new(Directory::new(DirectoryConfig {
+            tls: cfg.tls.clone(),
+            ..cfg.directory.clone()
+        }));
         let bl = TcpListener::bind(cfg.bootstrap_bind).await.map_err(startup)?;
         let bootstrap_addr =
             format!("{}:{}", cfg.advertise_host, bl.local_addr().map_err(startup)?.port());
@@ -85,7 +88,7 @@ impl PrefillInstance {
             }
         });
 
-        let client = DirectoryClient::new(cfg.directory.token.clone());
+        let client = DirectoryClient::with_tls(cfg.directory.token.clone(), cfg.tls.as_ref());
         let mut dps = Vec::new();
         for dp in 0..cfg.dp {
             let mut senders = Vec::new();
@@ -135,11 +138,12 @@ impl PrefillInstance {
         let service = svc.clone();
         warm_up(&service, &*engine).await?;
         let gl = TcpListener::bind(cfg.grpc_bind).await.map_err(startup)?;
+        let mut grpc = handoff_proto::grpc::cluster_server(cfg.tls.as_ref()).map_err(startup)?;
         let grpc_addr =
             format!("{}:{}", cfg.advertise_host, gl.local_addr().map_err(startup)?.port());
         let t = tasks.clone();
         tasks.spawn(async move {
-            let res = tonic::transport::Server::builder()
+            let res = grpc
                 .add_service(svc.into_server())
                 .serve_with_incoming_shutdown(
                     handoff_core::net::nodelay_incoming(gl),

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use handoff_core::{BlockHash, InstanceId};
 use handoff_proto::auth::Bearer;
+use handoff_proto::grpc::GrpcError;
 use handoff_proto::v1::scheduler_server::{Scheduler as SchedulerRpc, SchedulerServer};
 use handoff_proto::v1::{
     InstanceStatus, ListInstancesRequest, ListInstancesResponse, Outcome as WireOutcome, Policy,
@@ -142,14 +143,16 @@ impl SchedulerRpc for SchedulerService {
     }
 }
 
-/// Serves the scheduler on `listener` until `shutdown` completes.
+/// Serves the scheduler on `listener` until `shutdown` completes (over the cluster's mutual
+/// TLS when its config has it).
 pub async fn serve(
     listener: TcpListener,
     state: Arc<SchedulerState>,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), tonic::transport::Error> {
-    tonic::transport::Server::builder()
+) -> Result<(), GrpcError> {
+    handoff_proto::grpc::cluster_server(state.config().tls.as_ref())?
         .add_service(SchedulerService::new(state).into_server())
         .serve_with_incoming_shutdown(handoff_core::net::nodelay_incoming(listener), shutdown)
         .await
+        .map_err(GrpcError::Serve)
 }

@@ -63,6 +63,8 @@ pub struct SchedulerConfig {
     pub booking_ttl_max: Duration,
     /// The cluster's token: when set, every gRPC call must carry it as a bearer token.
     pub token: Option<String>,
+    /// The cluster's mutual TLS on the gRPC listener.
+    pub tls: Option<handoff_core::tls::ClusterTls>,
 }
 
 /// Circuit breaker settings (defaults: SGLang's router).
@@ -99,6 +101,7 @@ impl Default for SchedulerConfig {
             booking_grace: Duration::from_secs(10),
             booking_ttl_max: Duration::from_secs(600),
             token: None,
+            tls: None,
         }
     }
 }

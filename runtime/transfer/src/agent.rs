@@ -73,7 +73,7 @@ pub enum TransferKind {
         /// What peers dial (defaults to `bind_ip`).
         advertise_ip: Option<String>,
         /// Mutual TLS with the cluster's CA.
-        tls: Option<crate::tcp::TransferTls>,
+        tls: Option<handoff_core::tls::ClusterTls>,
     },
     /// In-process, on this fake network.
     Fake(Arc<crate::FakeNetwork>),

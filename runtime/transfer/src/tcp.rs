@@ -8,10 +8,7 @@
 //! that writes over another's binding, or keeps writing to regions that do not exist (a
 //! peer guessing ids), is closed; the regions it named are not touched.
 
-mod tls;
 mod wire;
-
-pub use tls::TransferTls;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -20,6 +17,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use handoff_core::Tasks;
+use handoff_core::tls::ClusterTls;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -59,7 +57,7 @@ pub struct TcpConfig {
     /// (with TLS, its handshake too).
     pub hello_timeout: Duration,
     /// Mutual TLS with the cluster's CA, on every connection both ways.
-    pub tls: Option<TransferTls>,
+    pub tls: Option<ClusterTls>,
 }
 
 impl Default for TcpConfig {
@@ -164,7 +162,7 @@ impl TcpTransfer {
                             return serve_conn(stream, peer, conn, inbox, &cc).await;
                         };
                         // The TLS handshake is part of the hello's time.
-                        match tokio::time::timeout(cc.hello_timeout, tls.acceptor.accept(stream))
+                        match tokio::time::timeout(cc.hello_timeout, tls.acceptor().accept(stream))
                             .await
                         {
                             Ok(Ok(s)) => serve_conn(s, peer, conn, inbox, &cc).await,
@@ -223,9 +221,12 @@ impl TcpTransfer {
         let mut s: Box<dyn ClientIo> = match &self.cfg.tls {
             None => Box::new(s),
             Some(tls) => {
-                let name = TransferTls::server_name(&peer.ip)?;
-                let shake =
-                    tokio::time::timeout(self.cfg.connect_timeout, tls.connector.connect(name, s));
+                let name = handoff_core::tls::server_name(&peer.ip)
+                    .map_err(|e| TransferError::Malformed(e.to_string()))?;
+                let shake = tokio::time::timeout(
+                    self.cfg.connect_timeout,
+                    tls.connector().connect(name, s),
+                );
                 Box::new(
                     shake
                         .await

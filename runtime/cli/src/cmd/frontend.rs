@@ -35,6 +35,8 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         decode_tp: args.decode_tp,
         transfer_token: args.discovery.token.clone(),
         transfer: args.discovery.transfer()?,
+        tls: args.discovery.cluster_tls()?,
+        public_tls: args.public_tls.server_tls()?,
         ..FrontendConfig::default()
     };
     let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, &tasks).await?;
@@ -50,8 +52,9 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let http = TcpListener::bind(args.http_listen)
         .await
         .with_context(|| format!("listening on {}", args.http_listen))?;
+    let s = if args.public_tls.public_tls_cert.is_some() { "s" } else { "" };
     crate::cmd::announce(&format!(
-        "frontend ready: grpc://{} http://{} scheduler {scheduler}",
+        "frontend ready: grpc{s}://{} http{s}://{} scheduler {scheduler}",
         grpc.local_addr()?,
         http.local_addr()?
     ))?;

@@ -31,12 +31,14 @@ pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
         grpc_bind: args.grpc_listen,
         advertise_host: args.advertise_host.clone(),
         transfer: args.discovery.transfer()?,
+        tls: args.discovery.cluster_tls()?,
         ..PrefillConfig::default()
     }
     .with_token(args.discovery.token.clone());
     let p = PrefillInstance::start(cfg, engine, registry, bus, &tasks, None).await?;
+    let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
     crate::cmd::announce(&format!(
-        "prefill {} ready: bootstrap http://{} grpc://{}",
+        "prefill {} ready: bootstrap http{s}://{} grpc{s}://{}",
         p.id, p.bootstrap_addr, p.grpc_addr
     ))?;
     shutdown_signal().await;

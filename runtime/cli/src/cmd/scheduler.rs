@@ -15,7 +15,11 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     crate::cmd::check_exposure(&args.discovery, &[("the scheduler", args.listen)])?;
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
-    let cfg = SchedulerConfig { token: args.discovery.token.clone(), ..args.policy.config() };
+    let cfg = SchedulerConfig {
+        token: args.discovery.token.clone(),
+        tls: args.discovery.cluster_tls()?,
+        ..args.policy.config()
+    };
     let scheduler = Scheduler::start(cfg, registry.clone(), bus, &tasks).await?;
     let listener = TcpListener::bind(args.listen)
         .await

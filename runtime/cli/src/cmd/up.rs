@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use handoff_engine::{Engine, MockConfig, MockEngine};
+use handoff_frontend::FrontendConfig;
 use handoff_smollm::{SmolConfig, SmolLm};
 use handoff_transfer::{FakeNetwork, TransferKind};
 
@@ -79,6 +80,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         bootstrap_port: args.bootstrap_port,
         prefill_port: args.prefill_port,
         token: Some(token),
+        tls: args.discovery.cluster_tls()?,
+        frontend: FrontendConfig {
+            public_tls: args.public_tls.server_tls()?,
+            ..FrontendConfig::default()
+        },
         scheduler: args.policy.config(),
         ..ClusterConfig::default()
     };
@@ -87,19 +93,22 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let (registry, bus) = crate::cmd::discovery(&args.discovery, &tasks).await?;
     let cluster = Cluster::start_with(cfg, &*engines, registry, bus, tasks).await?;
     let mut out = std::io::stdout().lock();
+    // "s" where a listener speaks TLS.
+    let inner = if args.discovery.tls_cert.is_some() { "s" } else { "" };
+    let public = if args.public_tls.public_tls_cert.is_some() { "s" } else { "" };
     for s in &cluster.schedulers {
-        writeln!(out, "scheduler  grpc://{} (replica {})", s.addr, s.scheduler.replica())?;
+        writeln!(out, "scheduler  grpc{inner}://{} (replica {})", s.addr, s.scheduler.replica())?;
     }
     for p in &cluster.prefills {
         writeln!(
             out,
-            "prefill    {} bootstrap http://{} grpc://{}",
+            "prefill    {} bootstrap http{inner}://{} grpc{inner}://{}",
             p.id, p.bootstrap_addr, p.grpc_addr
         )?;
     }
     writeln!(
         out,
-        "frontend   grpc://{} (handoff.v1.Generate)  http://{} (OpenAI API)",
+        "frontend   grpc{public}://{} (handoff.v1.Generate)  http{public}://{} (OpenAI API)",
         cluster.frontend_addr, cluster.http_addr
     )?;
     let model = cluster.frontend.model_name().to_owned();
@@ -112,7 +121,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "try: curl -s http://{}/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'",
+        "try: curl -s http{public}://{}/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'",
         cluster.http_addr
     )?;
     out.flush()?;

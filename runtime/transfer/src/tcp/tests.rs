@@ -7,7 +7,7 @@ use tokio::time::Instant;
 
 use super::*;
 use crate::{Agent, Fault, FaultSwitch, FaultyTransfer, InboxConfig, KvPoll, SenderId};
-use tls::TransferTls;
+use handoff_core::tls::test_certs::TestCa;
 
 struct Pair {
     tasks: Tasks,
@@ -355,30 +355,14 @@ async fn with_a_token_a_silent_connection_is_dropped_at_the_hello_deadline() {
     p.tasks.shutdown().await;
 }
 
-/// A CA, and a certificate for 127.0.0.1 signed by it: (chain, key, ca) as PEM.
-fn certificates() -> impl Fn() -> (String, String, String) {
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let ca = ca_params.self_signed(&ca_key).unwrap().pem();
-    move || {
-        let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
-        let key = rcgen::KeyPair::generate().unwrap();
-        let params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap();
-        let cert = params.signed_by(&key, &issuer).unwrap();
-        (cert.pem(), key.serialize_pem(), ca.clone())
-    }
-}
-
-fn tls_config(pem: (String, String, String)) -> TcpConfig {
-    let tls = TransferTls::from_pem(pem.0.as_bytes(), pem.1.as_bytes(), pem.2.as_bytes()).unwrap();
-    TcpConfig { tls: Some(tls), ..Default::default() }
+fn tls_config(ca: &TestCa) -> TcpConfig {
+    TcpConfig { tls: Some(ca.issue().cluster()), ..Default::default() }
 }
 
 #[tokio::test]
 async fn mutual_tls_carries_transfers_and_refuses_strangers() {
-    let cluster = certificates();
-    let p = pair(tls_config(cluster())).await;
+    let cluster = TestCa::new();
+    let p = pair(tls_config(&cluster)).await;
     let (r, s) = (room(), SenderId::new(0, 0));
     let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
     let w = WriteRequest::new(id, vec![(Bytes::from_static(b"okok"), 0)], r, s, 1, 1, 0);
@@ -387,7 +371,7 @@ async fn mutual_tls_carries_transfers_and_refuses_strangers() {
 
     // A plain peer, and one with a certificate from another CA: refused, region untouched.
     let plain = pair(TcpConfig::default()).await;
-    let other = pair(tls_config(certificates()())).await;
+    let other = pair(tls_config(&TestCa::new())).await;
     for (label, stranger) in [("plain", &plain), ("another CA", &other)] {
         let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
         let w = WriteRequest::new(id, vec![(Bytes::from_static(b"nope"), 0)], r, s, 1, 1, 0);
@@ -401,11 +385,11 @@ async fn mutual_tls_carries_transfers_and_refuses_strangers() {
 
 #[tokio::test]
 async fn mutual_tls_carries_concurrent_transfers() {
-    let cluster = certificates();
+    let cluster = TestCa::new();
     let cfg = TcpConfig {
         io_timeout: Duration::from_secs(5),
         token: Some("t".into()),
-        ..tls_config(cluster())
+        ..tls_config(&cluster)
     };
     let p = pair(cfg).await;
     let s = SenderId::new(0, 0);

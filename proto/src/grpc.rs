@@ -1,0 +1,87 @@
+//! Servers and channels of handoff's gRPC services, plain or over TLS.
+//!
+//! The internal services (`Scheduler`, `Prefill`) use the cluster's mutual TLS when it is
+//! configured: servers require a client certificate from the cluster's CA, and clients dial
+//! `https://` with their own certificate, checking that the server's names the host dialed.
+//! The public `Generate` service takes a certificate for clients that hold none.
+
+use std::time::Duration;
+
+use handoff_core::tls::{ClusterTls, ServerTls};
+use tonic::transport::{
+    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig,
+};
+
+/// How long a TLS handshake may take, on either side.
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a server or channel could not be set up, or a server stopped.
+#[derive(Debug)]
+pub enum GrpcError {
+    /// The address is not `host:port`.
+    Address {
+        /// The address.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// The TLS settings were refused.
+    Tls(tonic::transport::Error),
+    /// A server failed while serving.
+    Serve(tonic::transport::Error),
+}
+
+impl std::fmt::Display for GrpcError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GrpcError::Address { addr, reason } => write!(f, "address {addr:?}: {reason}"),
+            GrpcError::Tls(e) => write!(f, "gRPC TLS: {e}"),
+            GrpcError::Serve(e) => write!(f, "gRPC server: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for GrpcError {}
+
+/// A server builder for an internal service: the cluster's mutual TLS when given.
+pub fn cluster_server(tls: Option<&ClusterTls>) -> Result<Server, GrpcError> {
+    let Some(tls) = tls else { return Ok(Server::builder()) };
+    let cfg = ServerTlsConfig::new()
+        .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
+        .client_ca_root(Certificate::from_pem(tls.ca_pem()))
+        .timeout(TLS_HANDSHAKE_TIMEOUT);
+    Server::builder().tls_config(cfg).map_err(GrpcError::Tls)
+}
+
+/// A server builder for a public service: its certificate when given.
+pub fn public_server(tls: Option<&ServerTls>) -> Result<Server, GrpcError> {
+    let Some(tls) = tls else { return Ok(Server::builder()) };
+    let cfg = ServerTlsConfig::new()
+        .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
+        .timeout(TLS_HANDSHAKE_TIMEOUT);
+    Server::builder().tls_config(cfg).map_err(GrpcError::Tls)
+}
+
+/// A lazily connecting channel to an internal service at `addr` (`host:port`): `https://`
+/// with the cluster's mutual TLS when given, else `http://`.
+pub fn cluster_channel(
+    addr: &str,
+    tls: Option<&ClusterTls>,
+    connect_timeout: Duration,
+) -> Result<Channel, GrpcError> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
+        .map_err(|e| GrpcError::Address { addr: addr.to_owned(), reason: e.to_string() })?;
+    let ep = match tls {
+        None => ep,
+        Some(tls) => ep
+            .tls_config(
+                ClientTlsConfig::new()
+                    .ca_certificate(Certificate::from_pem(tls.ca_pem()))
+                    .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
+                    .timeout(TLS_HANDSHAKE_TIMEOUT),
+            )
+            .map_err(GrpcError::Tls)?,
+    };
+    Ok(ep.tcp_nodelay(true).connect_timeout(connect_timeout).connect_lazy())
+}

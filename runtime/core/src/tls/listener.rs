@@ -1,0 +1,114 @@
+//! [`TlsListener`]: accepted TCP connections, handed out once their TLS handshake is done.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+use tracing::debug;
+
+type Handshake = Pin<Box<dyn Future<Output = Option<(TlsStream<TcpStream>, SocketAddr)>> + Send>>;
+
+/// A TCP listener whose connections come out TLS-wrapped (see the module docs). Handshakes
+/// run side by side, each within `handshake_timeout`; at most `max_handshakes` at once, beyond
+/// which accepting waits.
+pub struct TlsListener {
+    tcp: TcpListener,
+    acceptor: TlsAcceptor,
+    handshakes: FuturesUnordered<Handshake>,
+    handshake_timeout: Duration,
+    max_handshakes: usize,
+}
+
+impl std::fmt::Debug for TlsListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsListener")
+            .field("tcp", &self.tcp)
+            .field("handshakes", &self.handshakes.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TlsListener {
+    /// Wraps `tcp`'s connections with `acceptor`: a handshake gets 10 s, 256 run at once.
+    pub fn new(tcp: TcpListener, acceptor: TlsAcceptor) -> Self {
+        Self::with_limits(tcp, acceptor, Duration::from_secs(10), 256)
+    }
+
+    /// As [`TlsListener::new`], with the handshake deadline and concurrency given.
+    pub fn with_limits(
+        tcp: TcpListener,
+        acceptor: TlsAcceptor,
+        handshake_timeout: Duration,
+        max_handshakes: usize,
+    ) -> Self {
+        TlsListener {
+            tcp,
+            acceptor,
+            handshakes: FuturesUnordered::new(),
+            handshake_timeout,
+            max_handshakes: max_handshakes.max(1),
+        }
+    }
+
+    fn begin(&mut self, stream: TcpStream, peer: SocketAddr) {
+        // Best effort, as for plain listeners: request/response traffic must not wait on Nagle.
+        let _ = stream.set_nodelay(true);
+        let shake = self.acceptor.accept(stream);
+        let deadline = self.handshake_timeout;
+        self.handshakes.push(Box::pin(async move {
+            match tokio::time::timeout(deadline, shake).await {
+                Ok(Ok(tls)) => Some((tls, peer)),
+                Ok(Err(e)) => {
+                    debug!(%peer, error = %e, "TLS handshake refused");
+                    None
+                }
+                Err(_) => {
+                    debug!(%peer, "TLS handshake timed out");
+                    None
+                }
+            }
+        }));
+    }
+
+    /// The next connection whose handshake succeeded. Cancel-safe: handshakes in progress
+    /// stay with the listener.
+    pub async fn accept_tls(&mut self) -> (TlsStream<TcpStream>, SocketAddr) {
+        loop {
+            let room = self.handshakes.len() < self.max_handshakes;
+            tokio::select! {
+                Some(done) = self.handshakes.next(), if !self.handshakes.is_empty() => {
+                    if let Some(conn) = done {
+                        return conn;
+                    }
+                }
+                accepted = self.tcp.accept(), if room => match accepted {
+                    Ok((stream, peer)) => self.begin(stream, peer),
+                    Err(e) => {
+                        // As axum does: out of descriptors and the like pass; don't spin.
+                        debug!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                },
+            }
+        }
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    fn accept(&mut self) -> impl Future<Output = (Self::Io, Self::Addr)> + Send {
+        self.accept_tls()
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.tcp.local_addr()
+    }
+}

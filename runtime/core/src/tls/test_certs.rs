@@ -1,0 +1,75 @@
+//! Certificates made on the spot, for tests and benchmarks (feature `test-certs`).
+
+use super::{ClusterTls, ServerTls};
+
+/// A throwaway CA that signs certificates for `127.0.0.1` and `localhost`.
+pub struct TestCa {
+    params: rcgen::CertificateParams,
+    key: rcgen::KeyPair,
+    pem: String,
+}
+
+impl std::fmt::Debug for TestCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TestCa")
+    }
+}
+
+/// A signed certificate and its key, PEM.
+#[derive(Debug, Clone)]
+pub struct TestCert {
+    /// The certificate.
+    pub cert: String,
+    /// Its private key.
+    pub key: String,
+    /// The CA that signed it.
+    pub ca: String,
+}
+
+impl TestCert {
+    /// As the cluster's TLS settings.
+    pub fn cluster(&self) -> ClusterTls {
+        ClusterTls::from_pem(self.cert.as_bytes(), self.key.as_bytes(), self.ca.as_bytes())
+            .expect("a test certificate is usable")
+    }
+
+    /// As a public endpoint's.
+    pub fn server(&self) -> ServerTls {
+        ServerTls::from_pem(self.cert.as_bytes(), self.key.as_bytes())
+            .expect("a test certificate is usable")
+    }
+}
+
+impl TestCa {
+    /// A new CA.
+    pub fn new() -> Self {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let key = rcgen::KeyPair::generate().expect("CA key");
+        let pem = params.self_signed(&key).expect("self-signed CA").pem();
+        TestCa { params, key, pem }
+    }
+
+    /// The CA's certificate, PEM.
+    pub fn pem(&self) -> &str {
+        &self.pem
+    }
+
+    /// A certificate for `127.0.0.1` and `localhost`, signed by this CA.
+    pub fn issue(&self) -> TestCert {
+        let issuer = rcgen::Issuer::from_params(&self.params, &self.key);
+        let key = rcgen::KeyPair::generate().expect("key");
+        let names = vec!["127.0.0.1".to_owned(), "localhost".to_owned()];
+        let cert = rcgen::CertificateParams::new(names)
+            .expect("params")
+            .signed_by(&key, &issuer)
+            .expect("signed");
+        TestCert { cert: cert.pem(), key: key.serialize_pem(), ca: self.pem.clone() }
+    }
+}
+
+impl Default for TestCa {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,77 @@
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+use super::test_certs::TestCa;
+use super::*;
+
+/// Echoes 4 bytes on every connection the listener hands out.
+async fn echo(mut l: TlsListener) {
+    loop {
+        let (mut s, _) = l.accept_tls().await;
+        let mut b = [0u8; 4];
+        if s.read_exact(&mut b).await.is_ok() {
+            let _ = s.write_all(&b).await;
+            let _ = s.flush().await;
+        }
+    }
+}
+
+async fn round_trip(tls: &ClusterTls, port: u16) -> std::io::Result<[u8; 4]> {
+    let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
+    let name = server_name("127.0.0.1").unwrap();
+    let mut s = tls.connector().connect(name, tcp).await?;
+    s.write_all(b"ping").await?;
+    s.flush().await?;
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b).await?;
+    Ok(b)
+}
+
+async fn listener(tls: &ClusterTls, timeout: Duration, max: usize) -> (u16, TlsListener) {
+    let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = tcp.local_addr().unwrap().port();
+    (port, TlsListener::with_limits(tcp, tls.acceptor().clone(), timeout, max))
+}
+
+#[tokio::test]
+async fn silent_peers_do_not_hold_up_a_handshake() {
+    let ca = TestCa::new();
+    let tls = ca.issue().cluster();
+    let (port, l) = listener(&tls, Duration::from_secs(60), 256).await;
+    let server = tokio::spawn(echo(l));
+    let mut silent = Vec::new();
+    for _ in 0..50 {
+        silent.push(TcpStream::connect(("127.0.0.1", port)).await.unwrap());
+    }
+    // Handshakes run side by side: one behind 50 silent peers finishes at once.
+    let got = tokio::time::timeout(Duration::from_secs(5), round_trip(&tls, port)).await;
+    assert_eq!(got.expect("not held up").unwrap(), *b"ping");
+
+    // A stranger's certificate is refused, and the listener goes on.
+    let stranger = TestCa::new().issue().cluster();
+    assert!(round_trip(&stranger, port).await.is_err(), "another CA's certificate");
+    assert_eq!(round_trip(&tls, port).await.unwrap(), *b"ping");
+    server.abort();
+}
+
+#[tokio::test]
+async fn handshakes_beyond_the_limit_wait_for_a_place() {
+    let tls = TestCa::new().issue().cluster();
+    let deadline = Duration::from_millis(300);
+    let (port, l) = listener(&tls, deadline, 2).await;
+    let server = tokio::spawn(echo(l));
+    let _silent: Vec<TcpStream> = vec![
+        TcpStream::connect(("127.0.0.1", port)).await.unwrap(),
+        TcpStream::connect(("127.0.0.1", port)).await.unwrap(),
+    ];
+    // Both places are taken until the silent handshakes time out.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = Instant::now();
+    assert_eq!(round_trip(&tls, port).await.unwrap(), *b"ping");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(200), "waited for a place: {waited:?}");
+    server.abort();
+}
