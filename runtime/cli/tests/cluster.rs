@@ -7,4 +7,5 @@ mod cluster {
     pub(crate) mod processes;
     pub(crate) mod resync;
     pub(crate) mod servers;
+    pub(crate) mod tls;
 }

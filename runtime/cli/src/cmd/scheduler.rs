@@ -37,7 +37,8 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
         version: 1,
     };
     registry.register(me).await?;
-    crate::cmd::announce(&format!("scheduler {id} ready: grpc://{addr}"))?;
+    let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
+    crate::cmd::announce(&format!("scheduler {id} ready: grpc{s}://{addr}"))?;
     let t = tasks.clone();
     let serving =
         service::serve(

@@ -12,7 +12,7 @@ use handoff_proto::v1::{GenerateRequest, ListInstancesRequest, SamplingParams, T
 
 use super::servers::{Handoff, Server};
 
-fn addr_after(line: &str, scheme: &str) -> String {
+pub(crate) fn addr_after(line: &str, scheme: &str) -> String {
     let at = line.find(scheme).unwrap_or_else(|| panic!("{scheme} in {line:?}")) + scheme.len();
     line[at..].split_whitespace().next().unwrap().to_owned()
 }
@@ -21,7 +21,7 @@ fn prefill(etcd: &Server, nats: &Server, id: &str) -> Handoff {
     super::servers::prefill(etcd, nats, id, &["--tp", "2"])
 }
 
-async fn one(
+pub(crate) async fn one(
     client: &mut GenerateClient<tonic::transport::Channel>,
     seed: u32,
 ) -> Result<String, tonic::Status> {

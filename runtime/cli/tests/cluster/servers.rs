@@ -75,12 +75,23 @@ impl Server {
     }
 
     pub(crate) fn etcd() -> Self {
+        Self::etcd_with(None)
+    }
+
+    /// etcd serving clients over TLS with `pem`'s certificate, and accepting only clients
+    /// with a certificate its CA signed.
+    pub(crate) fn etcd_tls(pem: &PemFiles) -> Self {
+        Self::etcd_with(Some(pem))
+    }
+
+    fn etcd_with(tls: Option<&PemFiles>) -> Self {
         let (client, peer) = (free_port(), free_port());
         let dir =
             std::env::temp_dir().join(format!("handoff-etcd-{}-{client}", std::process::id()));
-        let c = format!("http://127.0.0.1:{client}");
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let c = format!("{scheme}://127.0.0.1:{client}");
         let p = format!("http://127.0.0.1:{peer}");
-        let args = [
+        let mut args = [
             "--name",
             "t",
             "--data-dir",
@@ -98,12 +109,28 @@ impl Server {
         ]
         .map(String::from)
         .to_vec();
+        if let Some(t) = tls {
+            args.extend(t.args(&["--cert-file", "--key-file", "--trusted-ca-file"]));
+            args.push("--client-cert-auth".into());
+        }
         Self::spawn(binary("etcd"), args, client, c, Some(dir))
     }
 
     pub(crate) fn nats() -> Self {
         let port = free_port();
         let args = ["-a", "127.0.0.1", "-p", &port.to_string()].map(String::from).to_vec();
+        Self::spawn(binary("nats-server"), args, port, format!("nats://127.0.0.1:{port}"), None)
+    }
+
+    /// NATS requiring TLS with `pem`'s certificate, a client certificate its CA signed, and
+    /// the user `user` with password `pass`.
+    pub(crate) fn nats_tls(pem: &PemFiles, user: &str, pass: &str) -> Self {
+        let port = free_port();
+        let mut args = ["-a", "127.0.0.1", "-p", &port.to_string(), "--user", user, "--pass", pass]
+            .map(String::from)
+            .to_vec();
+        args.extend(pem.args(&["--tlscert", "--tlskey", "--tlscacert"]));
+        args.extend(["--tls", "--tlsverify"].map(String::from));
         Self::spawn(binary("nats-server"), args, port, format!("nats://127.0.0.1:{port}"), None)
     }
 }
@@ -114,6 +141,59 @@ impl Drop for Server {
         if let Some(d) = &self.dir {
             let _ = std::fs::remove_dir_all(d);
         }
+    }
+}
+
+/// A certificate, its key and its CA written to files (removed on drop).
+pub(crate) struct PemFiles {
+    pub(crate) cert: PathBuf,
+    pub(crate) key: PathBuf,
+    pub(crate) ca: PathBuf,
+    dir: PathBuf,
+}
+
+impl PemFiles {
+    /// Writes `cert` into a fresh directory named after `label`.
+    pub(crate) fn write(cert: &handoff_core::tls::test_certs::TestCert, label: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "handoff-pem-{label}-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, body: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, body).unwrap();
+            p
+        };
+        let (c, k, ca) =
+            (file("cert.pem", &cert.cert), file("key.pem", &cert.key), file("ca.pem", &cert.ca));
+        PemFiles { cert: c, key: k, ca, dir }
+    }
+
+    /// `[flags[0], cert, flags[1], key, flags[2], ca]`.
+    fn args(&self, flags: &[&str; 3]) -> Vec<String> {
+        let paths = [&self.cert, &self.key, &self.ca];
+        flags
+            .iter()
+            .zip(paths)
+            .flat_map(|(f, p)| [f.to_string(), p.display().to_string()])
+            .collect()
+    }
+
+    /// As a discovery server's access: its CA, this certificate as the client's.
+    pub(crate) fn access(&self) -> handoff_discovery::ServerAccess {
+        handoff_discovery::ServerAccess {
+            ca: Some(self.ca.clone()),
+            identity: Some((self.cert.clone(), self.key.clone())),
+            ..Default::default()
+        }
+    }
+}
+
+impl Drop for PemFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -1,0 +1,164 @@
+//! etcd and NATS that want TLS, client certificates and passwords: handoff passes them
+//! through, and without them it is refused.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use handoff_core::Tasks;
+use handoff_core::tls::test_certs::TestCa;
+use handoff_discovery::{EtcdRegistry, EventBus, NatsBus, Registry, Role, ServerAccess, Update};
+
+use super::discovery::inst;
+use super::servers::{Handoff, PemFiles, Server};
+
+async fn next(w: &mut futures::stream::BoxStream<'static, Update>) -> Update {
+    let got = tokio::time::timeout(Duration::from_secs(10), w.next()).await;
+    got.expect("an update in time").expect("watch open")
+}
+
+/// Whether a message published on `from` reaches a subscriber on `to` within `within`.
+async fn carries(from: &NatsBus, to: &NatsBus, within: Duration) -> bool {
+    let Ok(mut sub) = to.subscribe("handoff.v1.kv.").await else { return false };
+    let hop = async {
+        for _ in 0..20 {
+            let _ = from.publish("handoff.v1.kv.p".into(), Bytes::from_static(b"x")).await;
+            if let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(100), sub.next()).await
+            {
+                return true;
+            }
+        }
+        false
+    };
+    tokio::time::timeout(within, hop).await.unwrap_or(false)
+}
+
+#[tokio::test]
+async fn etcd_and_nats_over_tls_with_credentials() {
+    let ca = TestCa::new();
+    let server = PemFiles::write(&ca.issue(), "server");
+    let client = PemFiles::write(&ca.issue(), "client");
+    let stranger = PemFiles::write(&TestCa::new().issue(), "stranger");
+    let etcd = Server::etcd_tls(&server);
+    let nats = Server::nats_tls(&server, "handoff", "s3cret");
+    let tasks = Tasks::new();
+    let ttl = Duration::from_secs(2);
+
+    // etcd: the CA and a client certificate it signed.
+    let reg = EtcdRegistry::connect_with(&etcd.url, &client.access(), ttl, &tasks).await.unwrap();
+    let mut w = reg.watch(Role::Prefill).await.unwrap();
+    assert_eq!(next(&mut w).await, Update::Reset(vec![]));
+    reg.register(inst("p1")).await.unwrap();
+    assert_eq!(next(&mut w).await, Update::Add(inst("p1")));
+    // Refused: plain, no client certificate, another CA's.
+    let plain = etcd.url.replace("https://", "http://");
+    let no_cert = ServerAccess { ca: Some(client.ca.clone()), ..Default::default() };
+    let other = ServerAccess { ca: Some(client.ca.clone()), ..stranger.access() };
+    for (label, url, access) in [
+        ("plain", plain.as_str(), ServerAccess::default()),
+        ("no certificate", etcd.url.as_str(), no_cert),
+        ("another CA", etcd.url.as_str(), other),
+    ] {
+        let attempt = async {
+            let r = EtcdRegistry::connect_with(url, &access, ttl, &tasks).await?;
+            r.register(inst("intruder")).await
+        };
+        let got = tokio::time::timeout(Duration::from_secs(15), attempt).await;
+        assert!(!matches!(got, Ok(Ok(()))), "etcd, {label}: refused");
+    }
+
+    // NATS: TLS with a client certificate, and a user and password.
+    let user = Some(("handoff".to_owned(), "s3cret".to_owned()));
+    let member = ServerAccess { user: user.clone(), ..client.access() };
+    let a = NatsBus::connect_with(&nats.url, &member).await.unwrap();
+    let b = NatsBus::connect_with(&nats.url, &member).await.unwrap();
+    assert!(carries(&a, &b, Duration::from_secs(5)).await, "members talk");
+    let wrong = ServerAccess { user: Some(("handoff".into(), "guess".into())), ..client.access() };
+    let bare = ServerAccess { user: user.clone(), ..Default::default() };
+    let foreign = ServerAccess { user, ca: Some(client.ca.clone()), ..stranger.access() };
+    for (label, access) in [("wrong password", wrong), ("no TLS", bare), ("another CA", foreign)] {
+        let Ok(x) = NatsBus::connect_with(&nats.url, &access).await else { continue };
+        assert!(!carries(&x, &b, Duration::from_secs(2)).await, "NATS, {label}: refused");
+    }
+
+    // The command line passes the same settings through.
+    let flags = |pem: &PemFiles, tool: &str| {
+        [("ca", &pem.ca), ("cert", &pem.cert), ("key", &pem.key)]
+            .map(|(k, p)| [format!("--{tool}-{k}"), p.display().to_string()])
+            .concat()
+    };
+    let mut args: Vec<String> =
+        ["--nats-user", "handoff", "--nats-password", "s3cret"].map(String::from).to_vec();
+    args.extend(flags(&client, "etcd"));
+    args.extend(flags(&client, "nats"));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let _p = super::servers::prefill(&etcd, &nats, "tls-prefill", &args);
+    assert!(matches!(next(&mut w).await, Update::Add(i) if i.id.as_str() == "tls-prefill"));
+    tasks.shutdown().await;
+}
+
+/// Separate processes with the cluster's mutual TLS and token, found through etcd and NATS,
+/// and a public certificate on the frontend: a request over `grpcs://` is served through a
+/// prefill (gRPC, directory and KV transfer all over mutual TLS).
+#[tokio::test]
+async fn processes_with_mutual_tls_serve_over_a_public_certificate() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+
+    let (ca, public_ca) = (TestCa::new(), TestCa::new());
+    let member = PemFiles::write(&ca.issue(), "member");
+    let public = PemFiles::write(&public_ca.issue(), "public");
+    let (etcd, nats) = (Server::etcd(), Server::nats());
+    let cluster: Vec<String> =
+        [("--tls-cert", &member.cert), ("--tls-key", &member.key), ("--tls-ca", &member.ca)]
+            .map(|(f, p)| [f.to_owned(), p.display().to_string()])
+            .concat()
+            .into_iter()
+            .chain(["--token".to_owned(), "cluster-secret".to_owned()])
+            .collect();
+    let with = |head: &[&str]| -> Vec<String> {
+        let tail = ["--etcd", &etcd.url, "--nats", &nats.url].map(String::from);
+        head.iter().map(|s| s.to_string()).chain(tail).chain(cluster.iter().cloned()).collect()
+    };
+    let spawn = |args: Vec<String>| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Handoff::spawn(&args)
+    };
+    let (_s, line) = spawn(with(&["scheduler", "--listen", "127.0.0.1:0"]));
+    assert!(line.contains("grpcs://"), "{line}");
+    let prefill = ["prefill", "--engine", "mock", "--id", "tls-p0", "--tp", "2"];
+    let ports = ["--bootstrap-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0"];
+    let (_p, line) = spawn(with(&[&prefill[..], &ports[..]].concat()));
+    assert!(line.contains("https://"), "{line}");
+    let mut fe = with(&[
+        "frontend",
+        "--engine",
+        "mock",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+    ]);
+    fe.extend(
+        [("--public-tls-cert", &public.cert), ("--public-tls-key", &public.key)]
+            .map(|(f, p)| [f.to_owned(), p.display().to_string()])
+            .concat(),
+    );
+    let (_f, line) = spawn(fe);
+    let addr = super::processes::addr_after(&line, "grpcs://");
+
+    let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(public_ca.pem()));
+    let ep = Endpoint::from_shared(format!("https://{addr}")).unwrap().tls_config(tls).unwrap();
+    let mut client = handoff_proto::v1::generate_client::GenerateClient::new(ep.connect_lazy());
+    // The frontend may not have heard of the prefill yet: a few tries.
+    let mut served = None;
+    for seed in 0..50 {
+        match super::processes::one(&mut client, seed).await {
+            Ok(instance) => {
+                served = Some(instance);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    assert_eq!(served.as_deref(), Some("tls-p0"), "served through the prefill over mutual TLS");
+}
