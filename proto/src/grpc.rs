@@ -53,12 +53,16 @@ pub fn cluster_server(tls: Option<&ClusterTls>) -> Result<Server, GrpcError> {
     Server::builder().tls_config(cfg).map_err(GrpcError::Tls)
 }
 
-/// A server builder for a public service: its certificate when given.
+/// A server builder for a public service: its certificate when given (and its client CA,
+/// when clients must present a certificate).
 pub fn public_server(tls: Option<&ServerTls>) -> Result<Server, GrpcError> {
     let Some(tls) = tls else { return Ok(Server::builder()) };
-    let cfg = ServerTlsConfig::new()
+    let mut cfg = ServerTlsConfig::new()
         .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
         .timeout(TLS_HANDSHAKE_TIMEOUT);
+    if let Some(ca) = tls.client_ca_pem() {
+        cfg = cfg.client_ca_root(Certificate::from_pem(ca));
+    }
     Server::builder().tls_config(cfg).map_err(GrpcError::Tls)
 }
 

@@ -142,13 +142,19 @@ pub struct PublicTlsArgs {
     /// Its private key (PEM).
     #[arg(long, requires = "public_tls_cert")]
     pub public_tls_key: Option<PathBuf>,
+    /// A CA (PEM) whose certificates clients of the public listeners must present (mutual
+    /// TLS for clients); without it, clients need none.
+    #[arg(long, requires = "public_tls_cert")]
+    pub public_tls_client_ca: Option<PathBuf>,
 }
 
 impl PublicTlsArgs {
     /// The certificate, when the flags give one.
     pub fn server_tls(&self) -> anyhow::Result<Option<ServerTls>> {
         match (&self.public_tls_cert, &self.public_tls_key) {
-            (Some(c), Some(k)) => Ok(Some(ServerTls::from_files(c, k)?)),
+            (Some(c), Some(k)) => {
+                Ok(Some(ServerTls::from_files(c, k, self.public_tls_client_ca.as_deref())?))
+            }
             _ => Ok(None),
         }
     }

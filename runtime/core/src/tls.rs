@@ -76,6 +76,17 @@ fn key_of(pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
     PrivateKeyDer::from_pem_slice(pem).map_err(|e| invalid("key", e))
 }
 
+fn roots_of(ca: &[u8]) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca) {
+        roots.add(c.map_err(|e| invalid("CA", e))?).map_err(|e| invalid("CA", e))?;
+    }
+    if roots.is_empty() {
+        return Err(invalid("CA", "no certificate in the PEM"));
+    }
+    Ok(roots)
+}
+
 /// One process's identity in the cluster and the cluster's CA (see the module docs).
 #[derive(Clone)]
 pub struct ClusterTls {
@@ -97,14 +108,7 @@ impl ClusterTls {
     pub fn from_pem(chain: &[u8], key: &[u8], ca: &[u8]) -> Result<Self, TlsError> {
         let certs = chain_of(chain)?;
         let private = key_of(key)?;
-        let mut roots = RootCertStore::empty();
-        for c in CertificateDer::pem_slice_iter(ca) {
-            roots.add(c.map_err(|e| invalid("CA", e))?).map_err(|e| invalid("CA", e))?;
-        }
-        if roots.is_empty() {
-            return Err(invalid("CA", "no certificate in the PEM"));
-        }
-        let roots = Arc::new(roots);
+        let roots = Arc::new(roots_of(ca)?);
         let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
             .build()
             .map_err(|e| invalid("client verifier", e))?;
@@ -170,11 +174,13 @@ pub fn server_name(host: &str) -> Result<ServerName<'static>, TlsError> {
     ServerName::try_from(host.to_owned()).map_err(|e| invalid("peer name", e))
 }
 
-/// A public endpoint's certificate and key; clients need no certificate of their own.
+/// A public endpoint's certificate and key; clients need no certificate of their own unless
+/// a client CA is given.
 #[derive(Clone)]
 pub struct ServerTls {
     chain: Arc<[u8]>,
     key: Arc<[u8]>,
+    client_ca: Option<Arc<[u8]>>,
     acceptor: TlsAcceptor,
 }
 
@@ -185,24 +191,46 @@ impl std::fmt::Debug for ServerTls {
 }
 
 impl ServerTls {
-    /// From PEM: the certificate chain and its private key.
-    pub fn from_pem(chain: &[u8], key: &[u8]) -> Result<Self, TlsError> {
-        let server = ServerConfig::builder_with_provider(provider())
+    /// From PEM: the certificate chain and its private key; with `client_ca`, clients must
+    /// present a certificate it signed.
+    pub fn from_pem(chain: &[u8], key: &[u8], client_ca: Option<&[u8]>) -> Result<Self, TlsError> {
+        let builder = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| invalid("server", e))?
-            .with_no_client_auth()
+            .map_err(|e| invalid("server", e))?;
+        let builder = match client_ca {
+            None => builder.with_no_client_auth(),
+            Some(ca) => {
+                let roots = Arc::new(roots_of(ca)?);
+                let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider())
+                    .build()
+                    .map_err(|e| invalid("client verifier", e))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let server = builder
             .with_single_cert(chain_of(chain)?, key_of(key)?)
             .map_err(|e| invalid("server certificate", e))?;
         Ok(ServerTls {
             chain: chain.into(),
             key: key.into(),
+            client_ca: client_ca.map(Arc::from),
             acceptor: TlsAcceptor::from(Arc::new(server)),
         })
     }
 
     /// From PEM files (see [`ServerTls::from_pem`]).
-    pub fn from_files(chain: &Path, key: &Path) -> Result<Self, TlsError> {
-        Self::from_pem(&read(chain)?, &read(key)?)
+    pub fn from_files(
+        chain: &Path,
+        key: &Path,
+        client_ca: Option<&Path>,
+    ) -> Result<Self, TlsError> {
+        let ca = client_ca.map(read).transpose()?;
+        Self::from_pem(&read(chain)?, &read(key)?, ca.as_deref())
+    }
+
+    /// The CA clients' certificates must come from, PEM, when clients need one.
+    pub fn client_ca_pem(&self) -> Option<&[u8]> {
+        self.client_ca.as_deref()
     }
 
     /// Accepts any client.

@@ -125,3 +125,36 @@ async fn a_cluster_with_tls_everywhere_serves_and_refuses_strangers() {
     assert!(generate(&mut cl, &prompt(9, 64), 4).await.is_ok());
     c.tasks.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn public_listeners_can_require_client_certificates() {
+    use handoff_core::tls::ServerTls;
+    use tonic::transport::Identity;
+
+    let (public_ca, clients_ca) = (TestCa::new(), TestCa::new());
+    let cert = public_ca.issue();
+    let public = ServerTls::from_pem(
+        cert.cert.as_bytes(),
+        cert.key.as_bytes(),
+        Some(clients_ca.pem().as_bytes()),
+    )
+    .unwrap();
+    let c = cluster(ClusterConfig {
+        frontend: FrontendConfig { public_tls: Some(public), ..FrontendConfig::default() },
+        ..ClusterConfig::ephemeral()
+    })
+    .await;
+    let call = |identity: Option<TestCert>| {
+        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(public_ca.pem()));
+        if let Some(id) = identity {
+            tls = tls.identity(Identity::from_pem(id.cert, id.key));
+        }
+        let ep = Endpoint::from_shared(format!("https://{}", c.frontend_addr)).unwrap();
+        let mut cl = GenerateClient::new(ep.tls_config(tls).unwrap().connect_lazy());
+        async move { generate(&mut cl, &prompt(3, 32), 2).await }
+    };
+    assert!(call(Some(clients_ca.issue())).await.is_ok(), "a client with a certificate");
+    assert!(call(None).await.is_err(), "a client without one");
+    assert!(call(Some(TestCa::new().issue())).await.is_err(), "a client from another CA");
+    c.tasks.shutdown().await;
+}

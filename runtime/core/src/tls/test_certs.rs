@@ -35,7 +35,7 @@ impl TestCert {
 
     /// As a public endpoint's.
     pub fn server(&self) -> ServerTls {
-        ServerTls::from_pem(self.cert.as_bytes(), self.key.as_bytes())
+        ServerTls::from_pem(self.cert.as_bytes(), self.key.as_bytes(), None)
             .expect("a test certificate is usable")
     }
 }
