@@ -75,6 +75,14 @@ pub enum TransferKind {
         /// Mutual TLS with the cluster's CA.
         tls: Option<handoff_core::tls::ClusterTls>,
     },
+    /// Mooncake Transfer Engine's TCP wire: listen on `bind_ip` (two ephemeral ports, the
+    /// handshake port advertised), advertise `advertise_ip`.
+    Mooncake {
+        /// Where to listen.
+        bind_ip: std::net::IpAddr,
+        /// What peers dial (defaults to `bind_ip`).
+        advertise_ip: Option<String>,
+    },
     /// In-process, on this fake network.
     Fake(Arc<crate::FakeNetwork>),
 }
@@ -107,6 +115,19 @@ impl TransferKind {
                 let cfg = crate::tcp::TcpConfig { token, tls: tls.clone(), ..Default::default() };
                 Arc::new(crate::TcpTransfer::serve(
                     l,
+                    advertise_ip.clone(),
+                    inbox.clone(),
+                    cfg,
+                    tasks,
+                )?)
+            }
+            TransferKind::Mooncake { bind_ip, advertise_ip } => {
+                let rpc = tokio::net::TcpListener::bind((*bind_ip, 0)).await?;
+                let data = tokio::net::TcpListener::bind((*bind_ip, 0)).await?;
+                let cfg = crate::mooncake::MooncakeConfig { token, ..Default::default() };
+                Arc::new(crate::mooncake::MooncakeTransfer::serve(
+                    rpc,
+                    data,
                     advertise_ip.clone(),
                     inbox.clone(),
                     cfg,

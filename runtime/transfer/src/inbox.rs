@@ -251,6 +251,22 @@ impl Inbox {
         self.region(id).map_or(KvPoll::Failed, |r| *lock(&r).state.borrow())
     }
 
+    /// The region's length, while it is open (registered, neither failed nor succeeded).
+    pub fn open_len(&self, id: RegionId) -> Option<u64> {
+        let r = self.region(id).ok()?;
+        let r = lock(&r);
+        let open = !matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success);
+        open.then_some(r.buf.len() as u64)
+    }
+
+    /// The expected sender whose ranges hold `offset` (for backends whose writes do not name
+    /// their sender, such as Mooncake's: the shard plan does).
+    pub fn sender_at(&self, id: RegionId, offset: u64) -> Option<SenderId> {
+        let r = self.region(id).ok()?;
+        let r = lock(&r);
+        r.expected.iter().find(|(_, p)| p.holds(offset)).map(|(s, _)| *s)
+    }
+
     /// Marks the handshake for `id` done.
     pub fn mark_connected(&self, id: RegionId) {
         if let Ok(r) = self.region(id) {
@@ -364,7 +380,7 @@ impl Inbox {
             match r.expected.get(&n.sender) {
                 None => Some(format!("notice from unexpected sender {:?}", n.sender)),
                 Some(p) => {
-                    let (w, got, sum) = (p.total(), p.bytes, p.hasher.digest());
+                    let (w, got, sum) = (p.total(), p.bytes, p.checksum);
                     if let Some(gap) = p.first_gap() {
                         Some(format!(
                             "short transfer from {:?}: gap, bytes [{}, {}) of its ranges never written ({got} of {w} bytes written)",

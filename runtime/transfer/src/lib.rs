@@ -22,6 +22,8 @@ mod error;
 pub mod fake;
 pub mod faulty;
 pub mod inbox;
+mod listen;
+pub mod mooncake;
 pub mod tcp;
 
 use std::fmt;
@@ -116,7 +118,7 @@ pub struct ConnectRequest {
 }
 
 /// The completion notice of one sender's write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Notice {
     /// The room the sender computed this KV for.
     pub room: Room,
@@ -130,9 +132,9 @@ pub struct Notice {
     pub cached_tokens: u32,
     /// Bytes written before this notice.
     pub bytes: u64,
-    /// xxh3-64 over each written segment's offset, length and bytes, in write order
-    /// ([`inbox::placement::hash_segment`]): it binds where bytes landed as well as what
-    /// they are.
+    /// The wrapping sum of each written segment's xxh3-64 over its offset, length and bytes
+    /// ([`inbox::placement::segment_digest`]): it binds where bytes landed as well as what
+    /// they are, in any arrival order.
     pub checksum: u64,
 }
 
@@ -161,21 +163,13 @@ impl WriteRequest {
         tokens: u32,
         cached_tokens: u32,
     ) -> Self {
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut checksum = 0u64;
         let mut bytes = 0u64;
         for (b, off) in &pairs {
-            inbox::placement::hash_segment(&mut h, *off, b);
+            checksum = checksum.wrapping_add(inbox::placement::segment_digest(*off, b));
             bytes += b.len() as u64;
         }
-        let notice = Notice {
-            room,
-            sender,
-            first_token,
-            tokens,
-            cached_tokens,
-            bytes,
-            checksum: h.digest(),
-        };
+        let notice = Notice { room, sender, first_token, tokens, cached_tokens, bytes, checksum };
         WriteRequest { region, sender, pairs, notice: Some(notice) }
     }
 }

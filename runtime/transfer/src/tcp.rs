@@ -20,8 +20,7 @@ use handoff_core::Tasks;
 use handoff_core::tls::ClusterTls;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::{
     AgentAddr, ConnId, ConnectRequest, Inbox, RegionId, TransferBackend, TransferError,
@@ -119,7 +118,6 @@ impl TcpTransfer {
             ip: advertise_ip.unwrap_or_else(|| local.ip().to_string()),
             port: local.port(),
         };
-        let t = tasks.clone();
         let conn_cfg = Arc::new(ConnCfg {
             max_frame: cfg.max_frame,
             token: cfg.token.clone(),
@@ -128,56 +126,29 @@ impl TcpTransfer {
             frame_timeout: cfg.frame_timeout,
             hello_timeout: cfg.hello_timeout,
         });
-        let mut next_conn = 0u64;
         let server_tls = cfg.tls.clone();
-        let limit = Arc::new(Semaphore::new(cfg.max_inbound));
-        tasks.spawn(async move {
-            loop {
-                // A place first: over the limit, connections wait in the listen backlog
-                // (backpressure) rather than being accepted and dropped.
-                let permit = tokio::select! {
-                    _ = t.shutdown_requested() => break,
-                    p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-                };
-                let accepted = tokio::select! {
-                    _ = t.shutdown_requested() => break,
-                    a = listener.accept() => a,
-                };
-                let (stream, peer) = match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        warn!(error = %e, "transfer accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let (inbox, t2, cc) = (inbox.clone(), t.clone(), conn_cfg.clone());
-                next_conn += 1;
-                let conn = ConnId(next_conn);
-                let tls = server_tls.clone();
-                t.spawn(async move {
-                    let _ = stream.set_nodelay(true);
-                    let served = async {
-                        let Some(tls) = tls else {
-                            return serve_conn(stream, peer, conn, inbox, &cc).await;
-                        };
-                        // The TLS handshake is part of the hello's time.
-                        match tokio::time::timeout(cc.hello_timeout, tls.acceptor().accept(stream))
-                            .await
-                        {
-                            Ok(Ok(s)) => serve_conn(s, peer, conn, inbox, &cc).await,
-                            Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake refused"),
-                            Err(_) => debug!(%peer, "TLS handshake too slow"),
-                        }
+        crate::listen::serve_accepts(
+            listener,
+            cfg.max_inbound,
+            tasks,
+            "tcp transfer",
+            move |stream, peer, conn| {
+                let (inbox, cc, tls) = (inbox.clone(), conn_cfg.clone(), server_tls.clone());
+                async move {
+                    let Some(tls) = tls else {
+                        return serve_conn(stream, peer, conn, inbox, &cc).await;
                     };
-                    tokio::select! {
-                        _ = t2.shutdown_requested() => {}
-                        _ = served => {}
+                    // The TLS handshake is part of the hello's time.
+                    match tokio::time::timeout(cc.hello_timeout, tls.acceptor().accept(stream))
+                        .await
+                    {
+                        Ok(Ok(s)) => serve_conn(s, peer, conn, inbox, &cc).await,
+                        Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake refused"),
+                        Err(_) => debug!(%peer, "TLS handshake too slow"),
                     }
-                    drop(permit);
-                });
-            }
-        });
+                }
+            },
+        );
         Ok(TcpTransfer { addr, cfg, idle: Mutex::default() })
     }
 

@@ -1,18 +1,26 @@
 //! [`Placement`]: where one sender of a region may write, and what it has written. Its byte
 //! ranges come from the shard plan; every write must land inside them, on bytes not written
-//! before; the running checksum covers each segment's offset and length as well as its
-//! bytes; at the notice, every byte of the ranges must have been written, exactly once.
+//! before; the checksum covers each segment's offset and length as well as its bytes; at the
+//! notice, every byte of the ranges must have been written, exactly once.
+//!
+//! The checksum is the wrapping sum of each segment's digest, so it does not depend on the
+//! order segments arrive in (a sender may spread them over several connections). Summing is
+//! safe here because every byte is written exactly once: a segment can neither repeat nor
+//! overlap another.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 
 use xxhash_rust::xxh3::Xxh3;
 
-/// Adds one written segment to a transfer checksum: its offset, its length, its bytes.
-pub fn hash_segment(h: &mut Xxh3, offset: u64, bytes: &[u8]) {
+/// The digest of one written segment: xxh3-64 over its offset, its length, its bytes. A
+/// transfer's checksum is the wrapping sum of its segments' digests.
+pub fn segment_digest(offset: u64, bytes: &[u8]) -> u64 {
+    let mut h = Xxh3::new();
     h.update(&offset.to_le_bytes());
     h.update(&(bytes.len() as u64).to_le_bytes());
     h.update(bytes);
+    h.digest()
 }
 
 /// One sender's ranges and progress (see the module docs).
@@ -22,7 +30,7 @@ pub(super) struct Placement {
     /// Written intervals, start to end, disjoint.
     written: BTreeMap<u64, u64>,
     pub(super) bytes: u64,
-    pub(super) hasher: Xxh3,
+    pub(super) checksum: u64,
 }
 
 /// Sorts and merges `ranges` (empty ones dropped); `None` if two overlap.
@@ -43,7 +51,13 @@ pub(super) fn normalize(mut ranges: Vec<Range<u64>>) -> Option<Vec<Range<u64>>> 
 impl Placement {
     /// A sender allowed `ranges` (normalized).
     pub(super) fn new(ranges: Vec<Range<u64>>) -> Self {
-        Placement { ranges, written: BTreeMap::new(), bytes: 0, hasher: Xxh3::new() }
+        Placement { ranges, written: BTreeMap::new(), bytes: 0, checksum: 0 }
+    }
+
+    /// Whether `offset` lies in one of its ranges.
+    pub(super) fn holds(&self, offset: u64) -> bool {
+        let i = self.ranges.partition_point(|r| r.end <= offset);
+        self.ranges.get(i).is_some_and(|r| r.start <= offset)
     }
 
     /// Bytes the sender must write.
@@ -89,7 +103,7 @@ impl Placement {
     /// Records a checked segment.
     pub(super) fn record(&mut self, offset: u64, bytes: &[u8]) {
         let (mut start, mut end) = (offset, offset + bytes.len() as u64);
-        hash_segment(&mut self.hasher, offset, bytes);
+        self.checksum = self.checksum.wrapping_add(segment_digest(offset, bytes));
         self.bytes += bytes.len() as u64;
         if start == end {
             return;

@@ -1,0 +1,244 @@
+//! [`Initiator`]: a client of Mooncake targets: handshakes (descriptor cached per peer),
+//! notifications, and v2 writes over a few pooled lanes per peer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures::future::try_join_all;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::wire::{self, FrameType, Header, NotifyMsg, OP_V2, OP_WRITE, SegmentDesc, Status};
+use super::{MooncakeConfig, SUCCESS};
+use crate::{AgentAddr, TransferError};
+
+/// Most peers whose descriptors are cached (the cache is cleared when it fills).
+const MAX_PEERS: usize = 4096;
+
+/// A data endpoint: (host, port).
+type Endpoint = (String, u16);
+
+/// A client of Mooncake targets (see the module docs).
+pub struct Initiator {
+    session: String,
+    cfg: MooncakeConfig,
+    descriptors: Mutex<HashMap<AgentAddr, Arc<SegmentDesc>>>,
+    idle: Mutex<HashMap<Endpoint, Vec<TcpStream>>>,
+}
+
+impl std::fmt::Debug for Initiator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Initiator").field("session", &self.session).finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn io_err(peer: &AgentAddr, e: impl std::fmt::Display) -> TransferError {
+    TransferError::Io { peer: peer.clone(), reason: e.to_string() }
+}
+
+impl Initiator {
+    /// A client that names itself `session` in its requests.
+    pub(super) fn new(session: String, cfg: MooncakeConfig) -> Self {
+        Initiator { session, cfg, descriptors: Mutex::default(), idle: Mutex::default() }
+    }
+
+    /// One handshake exchange with the segment at `peer`: a request frame, the reply's body.
+    pub async fn exchange(
+        &self,
+        peer: &AgentAddr,
+        t: FrameType,
+        json: &[u8],
+    ) -> Result<Vec<u8>, TransferError> {
+        let run = async {
+            let mut s = TcpStream::connect((peer.ip.as_str(), peer.port))
+                .await
+                .map_err(|e| io_err(peer, e))?;
+            wire::write_frame(&mut s, t, json).await.map_err(|e| io_err(peer, e))?;
+            let (got, body) = wire::read_frame(&mut s).await?;
+            if got != t {
+                return Err(TransferError::Malformed(format!(
+                    "mooncake: reply of type {got:?} to {t:?}"
+                )));
+            }
+            Ok(body)
+        };
+        tokio::time::timeout(self.cfg.handshake_timeout, run)
+            .await
+            .map_err(|_| TransferError::Timeout(format!("for the mooncake handshake of {peer}")))?
+    }
+
+    /// The descriptor of the segment at `peer` (cached; `fresh` asks again).
+    pub async fn descriptor(
+        &self,
+        peer: &AgentAddr,
+        fresh: bool,
+    ) -> Result<Arc<SegmentDesc>, TransferError> {
+        if !fresh && let Some(d) = lock(&self.descriptors).get(peer) {
+            return Ok(d.clone());
+        }
+        // Our own descriptor is the request's body; the target ignores it, but it must parse.
+        let me = SegmentDesc {
+            buffers: Vec::new(),
+            name: self.session.clone(),
+            protocol: "tcp".into(),
+            rdma_server_name: String::new(),
+            tcp_data_host: None,
+            tcp_data_port: 0,
+            tcp_proto_version: 2,
+            timestamp: String::new(),
+        };
+        let body = self.exchange(peer, FrameType::Metadata, &me.to_json()).await?;
+        let d = Arc::new(SegmentDesc::parse(&body)?);
+        let mut cache = lock(&self.descriptors);
+        if cache.len() >= MAX_PEERS {
+            cache.clear();
+        }
+        cache.insert(peer.clone(), d.clone());
+        Ok(d)
+    }
+
+    /// Probes the segment at `peer` (as `send_probe` does).
+    pub async fn probe(&self, peer: &AgentAddr) -> Result<(), TransferError> {
+        self.exchange(peer, FrameType::Probe, b"{}\n").await.map(drop)
+    }
+
+    /// Sends `message` as a notification; the target must answer "success".
+    pub(super) async fn notify<T: Serialize>(
+        &self,
+        peer: &AgentAddr,
+        message: &T,
+    ) -> Result<(), TransferError> {
+        let text = serde_json::to_string(message)
+            .map_err(|e| TransferError::Malformed(format!("notify: {e}")))?;
+        let msg = NotifyMsg { name: self.session.clone(), notify_msg: text };
+        let body = self.exchange(peer, FrameType::Notify, &wire::json_line(&msg)).await?;
+        let reply: NotifyMsg = serde_json::from_slice(&body)
+            .map_err(|e| TransferError::Malformed(format!("mooncake notify reply: {e}")))?;
+        if reply.notify_msg == SUCCESS {
+            Ok(())
+        } else {
+            Err(TransferError::Rejected(reply.notify_msg))
+        }
+    }
+
+    /// Writes every `(bytes, offset)` pair at `base + offset` in the segment at `peer`,
+    /// spread over its lanes, each write acked. Returns once every byte is applied there.
+    pub async fn write(
+        &self,
+        peer: &AgentAddr,
+        base: u64,
+        pairs: &[(Bytes, u64)],
+    ) -> Result<(), TransferError> {
+        let d = self.descriptor(peer, false).await?;
+        if d.tcp_proto_version < 2 {
+            return Err(TransferError::Rejected(format!(
+                "{peer} speaks Mooncake tcp v{} (writes unacked); v2 is required",
+                d.tcp_proto_version
+            )));
+        }
+        let host = d.tcp_data_host.clone().unwrap_or_else(|| peer.ip.clone());
+        let endpoint: Endpoint = (host, d.tcp_data_port);
+        let mut writes = Vec::with_capacity(pairs.len());
+        for (b, off) in pairs.iter().filter(|(b, _)| !b.is_empty()) {
+            let addr = base.checked_add(*off).ok_or_else(|| {
+                TransferError::Malformed(format!("address {base:#x} + {off} overflows"))
+            })?;
+            writes.push((addr, b.clone()));
+        }
+        let lanes = self.cfg.lanes.clamp(1, 16).min(writes.len().max(1));
+        let mut groups: Vec<Vec<(u64, Bytes)>> = vec![Vec::new(); lanes];
+        for (i, w) in writes.into_iter().enumerate() {
+            groups[i % lanes].push(w);
+        }
+        let lane = |g: Vec<(u64, Bytes)>| self.lane(peer, &endpoint, g);
+        let done = try_join_all(groups.into_iter().map(lane)).await.map(drop);
+        if done.is_err() {
+            // The descriptor may be stale (a restarted peer): ask again next time.
+            lock(&self.descriptors).remove(peer);
+        }
+        done
+    }
+
+    /// Sends one lane's writes in turn over one connection, each acked.
+    async fn lane(
+        &self,
+        peer: &AgentAddr,
+        endpoint: &Endpoint,
+        writes: Vec<(u64, Bytes)>,
+    ) -> Result<(), TransferError> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let mut s = self.checkout(peer, endpoint).await?;
+        for (addr, bytes) in writes {
+            let h = Header { size: bytes.len() as u64, addr, opcode: OP_WRITE | OP_V2 };
+            let one = async {
+                s.write_all(&h.encode()).await?;
+                s.write_all(&bytes).await?;
+                s.flush().await?;
+                s.read_u64_le().await
+            };
+            let word = tokio::time::timeout(self.cfg.io_timeout, one)
+                .await
+                .map_err(|_| TransferError::Timeout(format!("for a mooncake write to {peer}")))?
+                .map_err(|e| io_err(peer, e))?;
+            match wire::status(word) {
+                Status::Ok => {}
+                Status::Rejected => {
+                    return Err(TransferError::Rejected(format!(
+                        "{peer} refused a write of {} bytes at {addr:#x}",
+                        h.size
+                    )));
+                }
+                Status::Unknown(w) => {
+                    return Err(TransferError::Malformed(format!(
+                        "mooncake: status {w:#x} from {peer}"
+                    )));
+                }
+            }
+        }
+        self.checkin(endpoint, s);
+        Ok(())
+    }
+
+    async fn checkout(
+        &self,
+        peer: &AgentAddr,
+        endpoint: &Endpoint,
+    ) -> Result<TcpStream, TransferError> {
+        loop {
+            let pooled = lock(&self.idle).get_mut(endpoint).and_then(Vec::pop);
+            let Some(s) = pooled else { break };
+            // An idle connection must have nothing to read: data or EOF means it is stale.
+            let mut probe = [0u8; 1];
+            if matches!(s.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+            {
+                return Ok(s);
+            }
+        }
+        let dial = TcpStream::connect((endpoint.0.as_str(), endpoint.1));
+        let s = tokio::time::timeout(self.cfg.connect_timeout, dial)
+            .await
+            .map_err(|_| io_err(peer, "mooncake data connect timed out"))?
+            .map_err(|e| io_err(peer, e))?;
+        s.set_nodelay(true).map_err(|e| io_err(peer, e))?;
+        Ok(s)
+    }
+
+    fn checkin(&self, endpoint: &Endpoint, s: TcpStream) {
+        let mut idle = lock(&self.idle);
+        if !idle.contains_key(endpoint) && idle.len() >= MAX_PEERS {
+            idle.clear();
+        }
+        let v = idle.entry(endpoint.clone()).or_default();
+        if v.len() < self.cfg.lanes.clamp(1, 16) {
+            v.push(s);
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! The target's two listeners: handshakes (metadata, probe, notify) and data (v2 writes).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use handoff_core::Tasks;
+use serde_json::json;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::debug;
+
+use super::wire::{
+    self, BufferDesc, FrameType, HEADER_LEN, Header, NotifyMsg, STATUS_OK, STATUS_REJECTED,
+    SegmentDesc,
+};
+use super::{Control, SUCCESS, Shared, peer_conn};
+use crate::TransferError;
+
+/// Starts both listeners on `tasks`.
+pub(super) fn serve(rpc: TcpListener, data: TcpListener, shared: Arc<Shared>, tasks: &Tasks) {
+    let max = shared.cfg.max_inbound;
+    let s = shared.clone();
+    crate::listen::serve_accepts(rpc, max, tasks, "mooncake handshake", move |st, peer, _| {
+        let s = s.clone();
+        async move { handshake(st, peer, &s).await }
+    });
+    crate::listen::serve_accepts(data, max, tasks, "mooncake data", move |st, peer, _| {
+        let s = shared.clone();
+        async move { serve_data(st, peer, &s).await }
+    });
+}
+
+/// The descriptor of this segment: only open regions are listed.
+fn descriptor(s: &Shared) -> SegmentDesc {
+    let buffers = s
+        .exposed
+        .buffers(&s.inbox)
+        .into_iter()
+        .map(|(addr, length)| BufferDesc { addr, length, name: s.session.clone() })
+        .collect();
+    SegmentDesc {
+        buffers,
+        name: s.session.clone(),
+        protocol: "tcp".into(),
+        rdma_server_name: String::new(),
+        tcp_data_host: Some(s.data_host.clone()),
+        tcp_data_port: s.data_port,
+        tcp_proto_version: 2,
+        timestamp: String::new(),
+    }
+}
+
+/// One handshake connection: a request frame, a reply of the same type, then close.
+async fn handshake(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
+    let deadline = s.cfg.handshake_timeout;
+    let frame = match tokio::time::timeout(deadline, wire::read_frame(&mut st)).await {
+        Ok(Ok(f)) => f,
+        Ok(Err(e)) => return debug!(%peer, error = %e, "mooncake handshake refused"),
+        Err(_) => return debug!(%peer, "mooncake handshake too slow"),
+    };
+    let reply = match frame {
+        (FrameType::Metadata, _) => descriptor(s).to_json(),
+        (FrameType::Probe, _) => wire::json_line(&json!({ "status": "success" })),
+        (FrameType::Notify, body) => {
+            let answer = match on_notify(&body, peer, s) {
+                Ok(()) => SUCCESS.to_owned(),
+                Err(e) => format!("error: {e}"),
+            };
+            wire::json_line(&NotifyMsg { name: String::new(), notify_msg: answer })
+        }
+        // RDMA queue pairs are not served over TCP.
+        (FrameType::Connection, _) => return,
+    };
+    let answered = async {
+        wire::write_frame(&mut st, frame.0, &reply).await?;
+        st.shutdown().await?;
+        // As the wheel does: hold on until the client has read and closed.
+        let mut sink = [0u8; 64];
+        while st.read(&mut sink).await? > 0 {}
+        Ok::<(), std::io::Error>(())
+    };
+    if tokio::time::timeout(deadline, answered).await.is_err() {
+        debug!(%peer, "mooncake handshake reply not taken in time");
+    }
+}
+
+/// A `Notify` from another handoff agent: a handshake for this sender, or a notice for this
+/// receiver.
+fn on_notify(body: &[u8], peer: SocketAddr, s: &Shared) -> Result<(), TransferError> {
+    let msg: NotifyMsg = serde_json::from_slice(body)
+        .map_err(|e| TransferError::Malformed(format!("mooncake notify: {e}")))?;
+    let control: Control = serde_json::from_str(&msg.notify_msg)
+        .map_err(|e| TransferError::Malformed(format!("mooncake notify message: {e}")))?;
+    match control {
+        Control::Connect { req, base } => {
+            let region = req.region;
+            s.inbox.on_connect(req)?;
+            s.remotes.insert(region, base);
+            Ok(())
+        }
+        Control::Notice { region, notice, token } => {
+            if !same_token(s.cfg.token.as_deref(), token.as_deref()) {
+                return Err(TransferError::Unauthorized);
+            }
+            s.inbox.on_notice(region, peer_conn(peer.ip()), notice)
+        }
+    }
+}
+
+/// Whether `got` is the token `want` asks for (compared in constant time).
+fn same_token(want: Option<&str>, got: Option<&str>) -> bool {
+    let Some(want) = want else { return true };
+    let got = got.unwrap_or_default().as_bytes();
+    got.len() == want.len()
+        && got.iter().zip(want.as_bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// One data connection: headers, bodies into regions, a status after each (v2).
+async fn serve_data(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
+    if !s.exposed.allowed(peer.ip()) {
+        return debug!(%peer, "mooncake data connection from a host no handshake named");
+    }
+    loop {
+        let mut h = [0u8; HEADER_LEN];
+        match tokio::time::timeout(s.cfg.idle_timeout, st.read_exact(&mut h)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) => return,
+            Err(_) => return debug!(%peer, "mooncake data connection idle"),
+        }
+        let h = Header::decode(&h);
+        let applied = tokio::time::timeout(s.cfg.io_timeout, apply(&mut st, peer, &h, s)).await;
+        let result = applied.unwrap_or_else(|_| Err("write body too slow".into()));
+        match result {
+            Ok(()) if h.v2() => {
+                if st.write_all(&STATUS_OK.to_le_bytes()).await.is_err() {
+                    return;
+                }
+            }
+            Ok(()) => {}
+            Err(reason) => {
+                debug!(%peer, addr = h.addr, size = h.size, %reason, "mooncake write refused");
+                if h.v2() {
+                    let _ = st.write_all(&STATUS_REJECTED.to_le_bytes()).await;
+                }
+                // As the wheel does: a refused request ends the connection.
+                return;
+            }
+        }
+    }
+}
+
+/// Validates one request and applies its body. Only writes into open regions are served.
+async fn apply(st: &mut TcpStream, peer: SocketAddr, h: &Header, s: &Shared) -> Result<(), String> {
+    if !h.is_write() {
+        return Err("READ is not served".into());
+    }
+    if h.size == 0 {
+        return Err("empty request".into());
+    }
+    let (region, offset) = s
+        .exposed
+        .resolve(&s.inbox, h.addr, h.size)
+        .ok_or_else(|| format!("[{:#x}, +{}) is not inside an open region", h.addr, h.size))?;
+    let sender = s
+        .inbox
+        .sender_at(region, offset)
+        .ok_or_else(|| format!("offset {offset} of {region:?} belongs to no sender"))?;
+    let body = read_body(st, h.size).await.map_err(|e| format!("body: {e}"))?;
+    s.inbox
+        .on_write(region, sender, peer_conn(peer.ip()), &[(offset, &body)])
+        .map_err(|e| e.to_string())
+}
+
+/// Reads `size` bytes, growing the buffer as they arrive (a declared size reserves nothing).
+async fn read_body<R: AsyncRead + Unpin>(r: &mut R, size: u64) -> std::io::Result<Vec<u8>> {
+    const STEP: usize = 1 << 20;
+    let mut body: Vec<u8> = Vec::new();
+    let want = usize::try_from(size).map_err(std::io::Error::other)?;
+    while body.len() < want {
+        let step = (want - body.len()).min(STEP);
+        body.reserve(step);
+        let n = r.take(step as u64).read_buf(&mut body).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(body)
+}

@@ -1,0 +1,184 @@
+//! Two handoff agents over the mooncake backend (the wheel's side is in
+//! `runtime/cli/tests/interop`).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use handoff_core::Room;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::Instant;
+
+use super::*;
+use crate::{Agent, InboxConfig, KvPoll, SenderId};
+
+struct Pair {
+    tasks: Tasks,
+    tx: Agent,
+    rx: Agent,
+    /// The receiver's backend, for its data port and exposure.
+    rx_backend: Arc<MooncakeTransfer>,
+}
+
+async fn agent(tasks: &Tasks, token: Option<&str>) -> (Agent, Arc<MooncakeTransfer>) {
+    let cfg = InboxConfig { token: token.map(String::from), ..InboxConfig::default() };
+    let inbox = Arc::new(Inbox::new(cfg));
+    let rpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let data = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mc = MooncakeConfig { token: token.map(String::from), ..MooncakeConfig::default() };
+    let t = Arc::new(MooncakeTransfer::serve(rpc, data, None, inbox.clone(), mc, tasks).unwrap());
+    (Agent::new(t.clone(), inbox), t)
+}
+
+async fn pair(token: Option<&str>) -> Pair {
+    let tasks = Tasks::new();
+    let (tx, _) = agent(&tasks, token).await;
+    let (rx, rx_backend) = agent(&tasks, token).await;
+    Pair { tasks, tx, rx, rx_backend }
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(5)
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    (0..len).map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed)).collect::<Vec<_>>().into()
+}
+
+/// Registers a region of `len` bytes for `senders` (equal halves), and shakes hands.
+async fn region(
+    p: &Pair,
+    r: Room,
+    len: u64,
+    senders: &[SenderId],
+    token: Option<&str>,
+) -> RegionId {
+    let part = len / senders.len() as u64;
+    let plan = senders.iter().enumerate().map(|(i, s)| {
+        let start = i as u64 * part;
+        (*s, vec![start..start + part])
+    });
+    let id = p.rx.inbox().register_region(r, len, plan).unwrap();
+    let req = ConnectRequest {
+        room: r,
+        receiver: p.rx.addr(),
+        region: id,
+        region_len: len,
+        dst_tp_size: 1,
+        dst_tp_rank: 0,
+        tokens: 1,
+        token: token.map(String::from),
+    };
+    p.rx.connect(&p.tx.addr(), req).await.unwrap();
+    assert_eq!(p.tx.inbox().accept(r, 1, deadline()).await.unwrap().len(), 1);
+    id
+}
+
+#[tokio::test]
+async fn kv_moves_between_handoff_agents_and_is_verified() {
+    let p = pair(Some("secret")).await;
+    let r = Room::mint();
+    let (a, b) = (SenderId::new(0, 0), SenderId::new(1, 0));
+    let half = 300_000u64;
+    let id = region(&p, r, 2 * half, &[a, b], Some("secret")).await;
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::WaitingForInput);
+    // Many pairs, spread over lanes: arrival order does not matter to the checksum.
+    let chunks = |seed: u8, base: u64| -> Vec<(Bytes, u64)> {
+        (0..30).map(|i| (pattern(10_000, seed + i as u8), base + i * 10_000)).collect()
+    };
+    for (s, base, seed) in [(a, 0, 1u8), (b, half, 90u8)] {
+        let w = WriteRequest::new(id, chunks(seed, base), r, s, 7, 10, 0);
+        p.tx.post_write(&p.rx.addr(), w).await.unwrap();
+    }
+    let got = p.rx.inbox().wait(id, deadline()).await.unwrap();
+    let want: Vec<u8> =
+        chunks(1, 0).into_iter().chain(chunks(90, half)).flat_map(|(b, _)| b.to_vec()).collect();
+    assert_eq!(got.buf, want);
+    assert_eq!(got.notices.len(), 2);
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_wrong_room_or_a_wrong_offset_fails_the_region_by_name() {
+    let p = pair(None).await;
+    let s = SenderId::new(0, 0);
+    // Right bytes, wrong room in the notice.
+    let r = Room::mint();
+    let id = region(&p, r, 1000, &[s], None).await;
+    let w = WriteRequest::new(id, vec![(pattern(1000, 3), 0)], Room::mint(), s, 1, 1, 0);
+    let e = p.tx.post_write(&p.rx.addr(), w).await.unwrap_err();
+    assert!(e.to_string().contains("bootstrap_room mismatch"), "{e}");
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::Failed);
+    // A write past the region's end is refused by the target, before its bytes land.
+    let r = Room::mint();
+    let id = region(&p, r, 1000, &[s], None).await;
+    let w = WriteRequest::new(id, vec![(pattern(100, 3), 950)], r, s, 1, 1, 0);
+    assert!(p.tx.post_write(&p.rx.addr(), w).await.is_err());
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_notice_without_the_token_is_refused() {
+    let p = pair(Some("secret")).await;
+    let s = SenderId::new(0, 0);
+    let r = Room::mint();
+    let id = region(&p, r, 64, &[s], Some("secret")).await;
+    let pairs = vec![(pattern(64, 1), 0)];
+    let base = p.tx_base(id);
+    p.tx_backend_write(base, &pairs).await;
+    let notice = WriteRequest::new(id, pairs, r, s, 1, 1, 0).notice.unwrap();
+    let forged = Control::Notice { region: id, notice, token: Some("guess".into()) };
+    let e = p.rx_backend.initiator().notify(&p.rx.addr(), &forged).await.unwrap_err();
+    assert!(matches!(e, TransferError::Rejected(_)), "{e}");
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::Transferring, "nothing verified");
+    p.tasks.shutdown().await;
+}
+
+impl Pair {
+    /// The base the receiver exposed `id` at.
+    fn tx_base(&self, id: RegionId) -> u64 {
+        self.rx_backend.shared.exposed.expose(self.rx.inbox(), id).unwrap()
+    }
+
+    /// Writes `pairs` at `base` on the receiver, as its sender would.
+    async fn tx_backend_write(&self, base: u64, pairs: &[(Bytes, u64)]) {
+        self.rx_backend.initiator().write(&self.rx.addr(), base, pairs).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn the_target_answers_probes_lists_only_open_regions_and_refuses_strangers() {
+    let p = pair(None).await;
+    let s = SenderId::new(0, 0);
+    let client = p.rx_backend.initiator();
+    client.probe(&p.rx.addr()).await.unwrap();
+    assert!(client.descriptor(&p.rx.addr(), true).await.unwrap().buffers.is_empty());
+    let r = Room::mint();
+    let id = region(&p, r, 4096, &[s], None).await;
+    let d = client.descriptor(&p.rx.addr(), true).await.unwrap();
+    assert_eq!(d.buffers.len(), 1);
+    assert_eq!((d.buffers[0].length, d.tcp_proto_version), (4096, 2));
+    let base = d.buffers[0].addr;
+
+    // A host no handshake named (127.0.0.2; the sender is 127.0.0.1) is cut off at once.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let data: SocketAddr = ([127, 0, 0, 1], d.tcp_data_port).into();
+    let mut stranger = sock.connect(data).await.unwrap();
+    let h = wire::Header { size: 8, addr: base, opcode: wire::OP_WRITE | wire::OP_V2 };
+    let _ = stranger.write_all(&h.encode()).await;
+    let _ = stranger.write_all(&[9u8; 8]).await;
+    let mut buf = [0u8; 8];
+    assert!(matches!(stranger.read(&mut buf).await, Ok(0) | Err(_)), "closed without an ack");
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::WaitingForInput, "region untouched");
+
+    // READ is refused; so is a write into a region that is gone.
+    let mut conn = tokio::net::TcpStream::connect(data).await.unwrap();
+    let read = wire::Header { size: 8, addr: base, opcode: wire::OP_READ | wire::OP_V2 };
+    conn.write_all(&read.encode()).await.unwrap();
+    assert_eq!(conn.read_u64_le().await.unwrap(), wire::STATUS_REJECTED);
+    p.rx.inbox().release(id);
+    let e = client.write(&p.rx.addr(), base, &[(pattern(8, 1), 0)]).await.unwrap_err();
+    assert!(matches!(e, TransferError::Rejected(_) | TransferError::Io { .. }), "{e}");
+    assert!(client.descriptor(&p.rx.addr(), true).await.unwrap().buffers.is_empty());
+    p.tasks.shutdown().await;
+}
