@@ -55,7 +55,7 @@ async fn region(
     let part = len / senders.len() as u64;
     let plan = senders.iter().enumerate().map(|(i, s)| {
         let start = i as u64 * part;
-        (*s, vec![start..start + part])
+        (*s, std::iter::once(start..start + part).collect())
     });
     let id = p.rx.inbox().register_region(r, len, plan).unwrap();
     let req = ConnectRequest {
