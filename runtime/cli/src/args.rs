@@ -9,6 +9,7 @@ use handoff_core::tls::ServerTls;
 use handoff_discovery::ServerAccess;
 use handoff_scheduler::policy::{KvAwareWeights, PolicyParams};
 use handoff_scheduler::{PolicyKind, SchedulerConfig};
+use handoff_transfer::TransferKind;
 
 /// handoff: prefill/decode disaggregated LLM serving, entered from the decode side.
 #[derive(Debug, Parser)]
@@ -70,6 +71,9 @@ pub struct DiscoveryArgs {
     /// TLS and credentials for etcd and NATS.
     #[command(flatten)]
     pub access: BackendAccessArgs,
+    /// How KV moves between prefill ranks and the frontend.
+    #[arg(long, value_enum, default_value_t = TransferArg::Tcp)]
+    pub transfer: TransferArg,
 }
 
 /// TLS and credentials for the etcd and NATS servers, handed to their client libraries.
@@ -171,18 +175,28 @@ impl DiscoveryArgs {
         }
     }
 
-    /// The tcp transfer on loopback, with the flags' TLS.
-    pub fn transfer(&self) -> anyhow::Result<handoff_transfer::TransferKind> {
-        Ok(match handoff_transfer::TransferKind::loopback() {
-            handoff_transfer::TransferKind::Tcp { bind_ip, advertise_ip, .. } => {
-                handoff_transfer::TransferKind::Tcp {
-                    bind_ip,
-                    advertise_ip,
-                    tls: self.cluster_tls()?,
-                }
+    /// The transfer backend on loopback: tcp (with the flags' TLS) or mooncake; `fake` only
+    /// within one process (`handoff up`).
+    pub fn transfer(&self) -> anyhow::Result<TransferKind> {
+        let bind_ip = std::net::Ipv4Addr::LOCALHOST.into();
+        Ok(match self.transfer {
+            TransferArg::Tcp => {
+                TransferKind::Tcp { bind_ip, advertise_ip: None, tls: self.cluster_tls()? }
             }
-            other => other,
+            TransferArg::Mooncake if self.tls_cert.is_some() => anyhow::bail!(
+                "--transfer mooncake cannot use --tls-cert: Mooncake's wire has no TLS (use --transfer tcp for mutual TLS on KV)"
+            ),
+            TransferArg::Mooncake => TransferKind::Mooncake { bind_ip, advertise_ip: None },
+            TransferArg::Fake => TransferKind::Fake(handoff_transfer::FakeNetwork::new()),
         })
+    }
+
+    /// As [`DiscoveryArgs::transfer`], refusing `fake` (its agents live in one process).
+    pub fn network_transfer(&self) -> anyhow::Result<TransferKind> {
+        if self.transfer == TransferArg::Fake {
+            anyhow::bail!("--transfer fake works only within one process (handoff up)");
+        }
+        self.transfer()
     }
 }
 
@@ -345,9 +359,11 @@ pub struct FrontendArgs {
 /// Which transfer backend agents use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum TransferArg {
-    /// Real bytes over TCP sockets.
+    /// Real bytes over TCP sockets, handoff's own framing (token, optional mutual TLS).
     Tcp,
-    /// In-process, no sockets.
+    /// Mooncake Transfer Engine's TCP wire (interoperates with Mooncake peers; no TLS).
+    Mooncake,
+    /// In-process, no sockets (`handoff up` only).
     Fake,
 }
 
@@ -434,9 +450,6 @@ pub struct UpArgs {
     /// First prefill's gRPC port (the next ones count up).
     #[arg(long, default_value_t = 50060)]
     pub prefill_port: u16,
-    /// Transfer backend.
-    #[arg(long, value_enum, default_value_t = TransferArg::Tcp)]
-    pub transfer: TransferArg,
     /// The public listeners' TLS.
     #[command(flatten)]
     pub public_tls: PublicTlsArgs,

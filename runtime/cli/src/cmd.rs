@@ -90,6 +90,7 @@ mod tests {
             tls_key: None,
             tls_ca: None,
             access: Default::default(),
+            transfer: crate::args::TransferArg::Tcp,
         }
     }
 

@@ -34,7 +34,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let cfg = FrontendConfig {
         decode_tp: args.decode_tp,
         transfer_token: args.discovery.token.clone(),
-        transfer: args.discovery.transfer()?,
+        transfer: args.discovery.network_transfer()?,
         tls: args.discovery.cluster_tls()?,
         public_tls: args.public_tls.server_tls()?,
         ..FrontendConfig::default()

@@ -30,7 +30,7 @@ pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
         bootstrap_bind: args.bootstrap_listen,
         grpc_bind: args.grpc_listen,
         advertise_host: args.advertise_host.clone(),
-        transfer: args.discovery.transfer()?,
+        transfer: args.discovery.network_transfer()?,
         tls: args.discovery.cluster_tls()?,
         ..PrefillConfig::default()
     }

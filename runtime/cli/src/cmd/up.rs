@@ -8,9 +8,8 @@ use anyhow::{Context, bail};
 use handoff_engine::{Engine, MockConfig, MockEngine};
 use handoff_frontend::FrontendConfig;
 use handoff_smollm::{SmolConfig, SmolLm};
-use handoff_transfer::{FakeNetwork, TransferKind};
 
-use crate::args::{DiscoveryArgs, EngineArg, EngineArgs, TransferArg, UpArgs};
+use crate::args::{EngineArg, EngineArgs, UpArgs};
 use crate::{Cluster, ClusterConfig};
 
 /// A source of engine handles: every part of a cluster gets its own (for smollm: shared
@@ -45,14 +44,6 @@ pub fn engines(args: &EngineArgs) -> anyhow::Result<Engines> {
     })
 }
 
-/// The transfer backend the flags ask for.
-pub fn transfer(kind: TransferArg, discovery: &DiscoveryArgs) -> anyhow::Result<TransferKind> {
-    Ok(match kind {
-        TransferArg::Tcp => discovery.transfer()?,
-        TransferArg::Fake => TransferKind::Fake(FakeNetwork::new()),
-    })
-}
-
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     crate::cmd::check_exposure(
@@ -73,7 +64,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         prefill_dp: args.prefill_dp,
         prefill_tp: args.prefill_tp,
         decode_tp: args.decode_tp,
-        transfer: transfer(args.transfer, &args.discovery)?,
+        transfer: args.discovery.transfer()?,
         frontend_bind: args.frontend_listen,
         http_bind: args.http_listen,
         scheduler_bind: args.scheduler_listen,
@@ -116,7 +107,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         out,
         "handoff ready: model {model}, {} prefill instances, transfer {:?}, cluster token {}",
         cluster.prefills.len(),
-        args.transfer,
+        args.discovery.transfer,
         if generated { "generated (pass --token to set one)" } else { "given" }
     )?;
     writeln!(

@@ -2,6 +2,7 @@
 //! notifications, and v2 writes over a few pooled lanes per peer.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -26,6 +27,7 @@ pub struct Initiator {
     cfg: MooncakeConfig,
     descriptors: Mutex<HashMap<AgentAddr, Arc<SegmentDesc>>>,
     idle: Mutex<HashMap<Endpoint, Vec<TcpStream>>>,
+    dials: AtomicU64,
 }
 
 impl std::fmt::Debug for Initiator {
@@ -45,7 +47,18 @@ fn io_err(peer: &AgentAddr, e: impl std::fmt::Display) -> TransferError {
 impl Initiator {
     /// A client that names itself `session` in its requests.
     pub(super) fn new(session: String, cfg: MooncakeConfig) -> Self {
-        Initiator { session, cfg, descriptors: Mutex::default(), idle: Mutex::default() }
+        Initiator {
+            session,
+            cfg,
+            descriptors: Mutex::default(),
+            idle: Mutex::default(),
+            dials: AtomicU64::new(0),
+        }
+    }
+
+    /// Data connections opened so far (the rest were reused).
+    pub fn dials(&self) -> u64 {
+        self.dials.load(Ordering::Relaxed)
     }
 
     /// One handshake exchange with the segment at `peer`: a request frame, the reply's body.
@@ -222,6 +235,7 @@ impl Initiator {
                 return Ok(s);
             }
         }
+        self.dials.fetch_add(1, Ordering::Relaxed);
         let dial = TcpStream::connect((endpoint.0.as_str(), endpoint.1));
         let s = tokio::time::timeout(self.cfg.connect_timeout, dial)
             .await
