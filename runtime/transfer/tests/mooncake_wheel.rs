@@ -72,7 +72,9 @@ async fn wheel_writes_into_our_target(env: &[(&str, &str)]) {
             .unwrap();
     let len = ONE + BLOCK * BLOCKS + 4096;
     let (room, sender) = (Room::mint(), SenderId::new(0, 0));
-    let id = inbox.register_region(room, len as u64, [(sender, vec![0..len as u64])]).unwrap();
+    let id = inbox
+        .register_region(room, len as u64, [(sender, std::iter::once(0..len as u64).collect())])
+        .unwrap();
     let base = mc.expose(id, &["127.0.0.1".parse().unwrap()]).unwrap();
 
     let args = [mc.session().to_owned(), base.to_string(), len.to_string()];
