@@ -1,10 +1,11 @@
-//! The tcp transfer on loopback: aggregate receive throughput with 1, 4 and 16 concurrent
-//! 12 MB transfers (each region written by one sender in 64 runs of 192 KiB, as layers x K/V
-//! of a small model), with no credential, with a cluster token, and with token and mutual
-//! TLS, against the ceiling of the same
-//! bytes over plain sockets (write, read, discard: no framing, no copy into a region, no
-//! verification) in the same run. Then the per-request cost of a small transfer (64 KiB):
-//! register, write, notice, verify, take.
+//! The transfer backends on loopback: aggregate receive throughput with 1, 4 and 16
+//! concurrent 12 MB transfers (each region written by one sender in 64 runs of 192 KiB, as
+//! layers x K/V of a small model): tcp with no credential, with a cluster token, and with
+//! token and mutual TLS, and mooncake; against the ceiling of the same bytes over plain
+//! sockets (write, read, discard: no framing, no copy into a region, no verification) and
+//! the Mooncake wheel writing the same batches to itself, in the same run. Then the
+//! per-request cost of a small transfer (64 KiB): register, handshake, write, notice,
+//! verify, take.
 //!
 //! ```text
 //! cargo run --release -p handoff-benches --bin transfer
@@ -12,7 +13,6 @@
 //! ```
 
 use std::io::Write;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -20,8 +20,7 @@ use handoff_benches::parse_flags;
 use handoff_core::tls::ClusterTls;
 use handoff_core::tls::test_certs::TestCa;
 use handoff_core::{Room, Tasks};
-use handoff_transfer::tcp::TcpConfig;
-use handoff_transfer::{Agent, Inbox, InboxConfig, SenderId, TcpTransfer, WriteRequest};
+use handoff_transfer::{Agent, ConnectRequest, InboxConfig, SenderId, TransferKind, WriteRequest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -34,31 +33,38 @@ fn tls() -> ClusterTls {
     TestCa::new().issue().cluster()
 }
 
-async fn agents(token: Option<&str>, tls: Option<ClusterTls>, tasks: &Tasks) -> (Agent, Agent) {
+async fn agents(kind: &TransferKind, token: Option<&str>, tasks: &Tasks) -> (Agent, Agent) {
     let mk = || async {
         let inbox_cfg = InboxConfig { token: token.map(String::from), ..Default::default() };
-        let inbox = Arc::new(Inbox::new(inbox_cfg));
-        let cfg =
-            TcpConfig { token: token.map(String::from), tls: tls.clone(), ..Default::default() };
-        let t = TcpTransfer::bind(
-            "127.0.0.1:0".parse().unwrap_or_else(|_| unreachable!()),
-            inbox.clone(),
-            cfg,
-            tasks,
-        )
-        .await
-        .expect("bind");
-        Agent::new(Arc::new(t), inbox)
+        kind.start(inbox_cfg, tasks, None).await.expect("agent starts")
     };
     (mk().await, mk().await)
 }
 
-/// One region of `len` bytes in runs of at most `RUN`, written and verified; returns bytes.
-async fn one(tx: &Agent, rx: &Agent, data: &[Bytes], len: usize) -> usize {
+fn tcp(tls: Option<ClusterTls>) -> TransferKind {
+    TransferKind::Tcp { bind_ip: std::net::Ipv4Addr::LOCALHOST.into(), advertise_ip: None, tls }
+}
+
+/// One region of `len` bytes in runs of at most `RUN`: the receiver's handshake, the write
+/// and its verification, as the request path does them; returns bytes.
+async fn one(tx: &Agent, rx: &Agent, data: &[Bytes], len: usize, token: Option<&str>) -> usize {
     let room = Room::mint();
     let s = SenderId::new(0, 0);
     let ranges: Vec<std::ops::Range<u64>> = std::iter::once(0..len as u64).collect();
     let id = rx.inbox().register_region(room, len as u64, [(s, ranges)]).expect("register");
+    let req = ConnectRequest {
+        room,
+        receiver: rx.addr(),
+        region: id,
+        region_len: len as u64,
+        dst_tp_size: 1,
+        dst_tp_rank: 0,
+        tokens: 1,
+        token: token.map(String::from),
+    };
+    rx.connect(&tx.addr(), req).await.expect("handshake");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    tx.inbox().accept(room, 1, deadline).await.expect("handshake arrives");
     let pairs: Vec<(Bytes, u64)> = data
         .iter()
         .scan(0u64, |at, b| {
@@ -69,20 +75,16 @@ async fn one(tx: &Agent, rx: &Agent, data: &[Bytes], len: usize) -> usize {
         .collect();
     let w = WriteRequest::new(id, pairs, room, s, 1, 1, 0);
     tx.post_write(&rx.addr(), w).await.expect("write");
-    let got = rx
-        .inbox()
-        .wait(id, tokio::time::Instant::now() + Duration::from_secs(30))
-        .await
-        .expect("verified");
+    let got = rx.inbox().wait(id, deadline).await.expect("verified");
     got.buf.len()
 }
 
 /// Aggregate GB/s of `n` concurrent transfers, `rounds` times each.
-async fn handoff_rate(tx: &Agent, rx: &Agent, n: usize, rounds: usize, data: &[Bytes]) -> f64 {
+async fn handoff_rate(p: &Pair, n: usize, rounds: usize, data: &[Bytes]) -> f64 {
     let started = Instant::now();
     let mut total = 0;
     for _ in 0..rounds {
-        let all = (0..n).map(|_| one(tx, rx, data, REGION));
+        let all = (0..n).map(|_| one(&p.tx, &p.rx, data, REGION, p.token));
         total += futures::future::join_all(all).await.into_iter().sum::<usize>();
     }
     total as f64 / started.elapsed().as_secs_f64() / 1e9
@@ -132,6 +134,27 @@ async fn socket_rate(n: usize, rounds: usize, data: &[Bytes]) -> f64 {
     (n * per) as f64 / secs / 1e9
 }
 
+/// Two agents of one kind, and the token their handshakes carry.
+struct Pair {
+    label: &'static str,
+    tx: Agent,
+    rx: Agent,
+    token: Option<&'static str>,
+}
+
+/// The Mooncake wheel writing 12 MB batches to itself (`benches/peers/mooncake_rate.py`, run
+/// with `HANDOFF_PEERS_PYTHON`, which `scripts/fetch-peers` prints).
+fn wheel_rate(rounds: usize) -> anyhow::Result<f64> {
+    let python = std::env::var("HANDOFF_PEERS_PYTHON").map_err(|_| {
+        anyhow::anyhow!("set HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\" to measure the Mooncake wheel")
+    })?;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/peers/mooncake_rate.py");
+    let out = std::process::Command::new(python).arg(script).arg(rounds.to_string()).output()?;
+    anyhow::ensure!(out.status.success(), "the wheel's bench failed");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    v["gbps"].as_f64().ok_or_else(|| anyhow::anyhow!("no gbps in the wheel's report"))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut rounds = 3usize;
@@ -144,43 +167,65 @@ async fn main() -> anyhow::Result<()> {
     })?;
     let data: Vec<Bytes> = (0..RUNS).map(|i| Bytes::from(vec![(i * 7 + 1) as u8; RUN])).collect();
     let tasks = Tasks::new();
-    let (open_tx, open_rx) = agents(None, None, &tasks).await;
-    let (tok_tx, tok_rx) = agents(Some("bench-token"), None, &tasks).await;
-    let (tls_tx, tls_rx) = agents(Some("bench-token"), Some(tls()), &tasks).await;
+    let token = Some("bench-token");
+    let mooncake = TransferKind::Mooncake {
+        bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+        advertise_ip: None,
+    };
+    let mut pairs = Vec::new();
+    for (label, kind, token) in [
+        ("tcp", tcp(None), None),
+        ("tcp + token", tcp(None), token),
+        ("tcp + token + mTLS", tcp(Some(tls())), token),
+        ("mooncake + token", mooncake, token),
+    ] {
+        let (tx, rx) = agents(&kind, token, &tasks).await;
+        pairs.push(Pair { label, tx, rx, token });
+    }
+    let wheel = wheel_rate(rounds)?;
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
         "12 MB regions ({RUNS} runs of {} KiB), {rounds} rounds per shape, best of 3, loopback",
         RUN >> 10
     )?;
+    let labels: Vec<&str> = pairs.iter().map(|p| p.label).collect();
     writeln!(
         out,
-        "| concurrent | plain sockets GB/s | handoff GB/s | with token GB/s | token + mTLS GB/s | handoff / sockets |"
+        "| concurrent | plain sockets | {} | Mooncake wheel to itself | tcp / sockets | mooncake / sockets |",
+        labels.join(" | ")
     )?;
-    writeln!(out, "|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---:|---:|{}---:|---:|---:|", "---:|".repeat(labels.len()))?;
     for n in [1usize, 4, 16] {
         // Each variant three times, interleaved; the best of each (the machine is shared).
-        let (mut ceiling, mut open, mut tok, mut tls) = (0f64, 0f64, 0f64, 0f64);
+        let mut ceiling = 0f64;
+        let mut rates = vec![0f64; pairs.len()];
         for _ in 0..3 {
             ceiling = ceiling.max(socket_rate(n, rounds, &data).await);
-            open = open.max(handoff_rate(&open_tx, &open_rx, n, rounds, &data).await);
-            tok = tok.max(handoff_rate(&tok_tx, &tok_rx, n, rounds, &data).await);
-            tls = tls.max(handoff_rate(&tls_tx, &tls_rx, n, rounds, &data).await);
+            for (i, p) in pairs.iter().enumerate() {
+                rates[i] = rates[i].max(handoff_rate(p, n, rounds, &data).await);
+            }
         }
-        let ratio = open / ceiling;
-        writeln!(out, "| {n} | {ceiling:.2} | {open:.2} | {tok:.2} | {tls:.2} | {ratio:.2} |")?;
+        let cells: Vec<String> = rates.iter().map(|r| format!("{r:.2}")).collect();
+        // The wheel's batch call is one transfer: measured for one at a time only.
+        let wheel_cell = if n == 1 { format!("{wheel:.2}") } else { "-".into() };
+        writeln!(
+            out,
+            "| {n} | {ceiling:.2} | {} | {wheel_cell} | {:.2} | {:.2} |",
+            cells.join(" | "),
+            rates[0] / ceiling,
+            rates[3] / ceiling
+        )?;
     }
+    writeln!(out, "(GB/s; every transfer includes the receiver's handshake and the verification)")?;
     // Per request: a 64 KiB region, one run, end to end.
     let small = vec![Bytes::from(vec![3u8; 64 << 10])];
-    for (label, tx, rx) in [
-        ("no token", &open_tx, &open_rx),
-        ("token", &tok_tx, &tok_rx),
-        ("token + mTLS", &tls_tx, &tls_rx),
-    ] {
+    for p in &pairs {
+        let label = p.label;
         let mut took = Vec::new();
         for _ in 0..2000 {
             let t = Instant::now();
-            one(tx, rx, &small, 64 << 10).await;
+            one(&p.tx, &p.rx, &small, 64 << 10, p.token).await;
             took.push(t.elapsed().as_secs_f64() * 1e6);
         }
         took.sort_by(f64::total_cmp);
