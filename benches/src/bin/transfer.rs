@@ -146,7 +146,9 @@ struct Pair {
 /// with `HANDOFF_PEERS_PYTHON`, which `scripts/fetch-peers` prints).
 fn wheel_rate(rounds: usize) -> anyhow::Result<f64> {
     let python = std::env::var("HANDOFF_PEERS_PYTHON").map_err(|_| {
-        anyhow::anyhow!("set HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\" to measure the Mooncake wheel")
+        anyhow::anyhow!(
+            "set HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\" to measure the Mooncake wheel"
+        )
     })?;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/peers/mooncake_rate.py");
     let out = std::process::Command::new(python).arg(script).arg(rounds.to_string()).output()?;

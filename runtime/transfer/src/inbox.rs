@@ -413,6 +413,46 @@ impl Inbox {
         Ok(())
     }
 
+    /// Completes `sender`'s part of a region without a notice, for protocols whose
+    /// completion is a status message of their own (SGLang's): every byte of its ranges must
+    /// have been written exactly once (a gap fails the region, named). The room is the
+    /// caller's to check, from the bytes (SGLang carries it in the metadata row).
+    pub fn finish(&self, id: RegionId, sender: SenderId) -> Result<(), TransferError> {
+        let region = self.region(id)?;
+        let mut r = lock(&region);
+        if matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success) {
+            return Err(TransferError::Failed(format!("region {id:?} is closed")));
+        }
+        let Some(p) = r.expected.get(&sender) else {
+            return Err(TransferError::Failed(format!("{sender:?} is not a sender of {id:?}")));
+        };
+        if let Some(gap) = p.first_gap() {
+            let reason = format!(
+                "short transfer from {sender:?}: gap, bytes [{}, {}) of its ranges never written",
+                gap.start, gap.end
+            );
+            r.fail(reason.clone());
+            return Err(TransferError::Failed(reason));
+        }
+        let notice = Notice {
+            room: r.room,
+            sender,
+            first_token: 0,
+            tokens: 0,
+            cached_tokens: 0,
+            bytes: p.bytes,
+            checksum: p.checksum,
+        };
+        if r.notices.iter().any(|m| m.sender == sender) {
+            return Err(TransferError::Failed(format!("{sender:?} already finished")));
+        }
+        r.notices.push(notice);
+        if r.notices.len() == r.expected.len() {
+            r.advance(KvPoll::Success);
+        }
+        Ok(())
+    }
+
     // === sender side ===
 
     /// Accepts a receiver's handshake for a room this agent will send.

@@ -163,6 +163,30 @@ impl MooncakeTransfer {
         self.shared.exposed.expose(&self.shared.inbox, id)
     }
 
+    /// Maps `[start, start + len)` onto open region `id` from `offset`, writable by `peers`
+    /// (for protocols that choose the addresses, as SGLang's page pools do).
+    pub fn map(
+        &self,
+        id: RegionId,
+        start: u64,
+        len: u64,
+        offset: u64,
+        peers: &[IpAddr],
+    ) -> Result<(), TransferError> {
+        peers.iter().for_each(|ip| self.shared.exposed.allow(*ip));
+        self.shared.exposed.map(&self.shared.inbox, id, start, len, offset)
+    }
+
+    /// Stops exposing region `id`.
+    pub fn withdraw(&self, id: RegionId) {
+        self.shared.exposed.withdraw(id);
+    }
+
+    /// The inbox its writes land in.
+    pub fn inbox(&self) -> &Arc<Inbox> {
+        &self.shared.inbox
+    }
+
     /// A client of other Mooncake targets (the wheel's, or another agent's).
     pub fn initiator(&self) -> &initiator::Initiator {
         &self.client
@@ -170,7 +194,7 @@ impl MooncakeTransfer {
 }
 
 /// The addresses `host` stands for (an IP, or a name resolved now).
-async fn resolve(host: &str) -> Vec<IpAddr> {
+pub async fn resolve(host: &str) -> Vec<IpAddr> {
     if let Ok(ip) = host.parse::<IpAddr>() {
         return vec![ip];
     }

@@ -1,10 +1,11 @@
 //! What a Mooncake target exposes, and what an initiator was told.
 //!
-//! - [`Exposed`] (target side): open receive regions at synthetic addresses. Each region gets
-//!   a random base in [2^40, 2^62), never overlapping another's range; a write's address
-//!   range must fall inside one region that is still open, checked with overflow checks
-//!   while the region is held. Only hosts the target announced itself to (the senders it
-//!   sent handshakes) may open data connections.
+//! - [`Exposed`] (target side): open receive regions at synthetic addresses. A region is
+//!   mapped whole at a random base in [2^40, 2^62), or in pieces at addresses a protocol
+//!   chose (SGLang's page pools); mappings never overlap. A write's address range must fall
+//!   inside one mapping of a region that is still open, checked with overflow checks while
+//!   the region is held. Only hosts the target announced itself to (the senders it sent
+//!   handshakes) may open data connections.
 //! - [`Remotes`] (initiator side): the base of each region a receiver handed this agent
 //!   (several of its senders may write one region); the oldest are forgotten first.
 
@@ -14,7 +15,7 @@ use std::sync::Mutex;
 
 use crate::{Inbox, RegionId, TransferError};
 
-/// Most regions exposed at once (stale ones are swept when it fills).
+/// Most ranges exposed at once (those of closed regions are swept when it fills).
 const MAX_EXPOSED: usize = 1 << 16;
 /// Most peer hosts remembered (the oldest go first).
 const MAX_PEERS: usize = 4096;
@@ -28,13 +29,66 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// One exposed address range: `len` bytes of `region` from `offset`.
+#[derive(Debug, Clone, Copy)]
+struct Mapping {
+    region: RegionId,
+    len: u64,
+    offset: u64,
+}
+
 #[derive(Default)]
 struct Table {
-    /// base -> (region, length)
-    by_base: BTreeMap<u64, (RegionId, u64)>,
-    by_region: HashMap<RegionId, u64>,
+    /// start address -> mapping; ranges never overlap.
+    by_start: BTreeMap<u64, Mapping>,
+    /// Each region's mapped start addresses.
+    by_region: HashMap<RegionId, Vec<u64>>,
+    /// Each region's whole-region base, when it has one.
+    bases: HashMap<RegionId, u64>,
     /// Hosts allowed to write, oldest first.
     peers: VecDeque<IpAddr>,
+}
+
+impl Table {
+    /// Whether `[start, start + len)` overlaps no mapping.
+    fn clear(&self, start: u64, len: u64) -> bool {
+        let end = start.saturating_add(len.max(1));
+        let below = self.by_start.range(..=start).next_back();
+        let clear_below = below.is_none_or(|(&s, m)| s.saturating_add(m.len.max(1)) <= start);
+        let above = self.by_start.range(start..).next();
+        clear_below && above.is_none_or(|(&s, _)| end <= s)
+    }
+
+    fn insert(&mut self, start: u64, m: Mapping) {
+        self.by_start.insert(start, m);
+        self.by_region.entry(m.region).or_default().push(start);
+    }
+
+    fn forget(&mut self, id: RegionId) {
+        for start in self.by_region.remove(&id).unwrap_or_default() {
+            self.by_start.remove(&start);
+        }
+        self.bases.remove(&id);
+    }
+
+    /// Drops the mappings of regions that are no longer open.
+    fn sweep(&mut self, inbox: &Inbox) {
+        let stale: Vec<RegionId> =
+            self.by_region.keys().filter(|r| inbox.open_len(**r).is_none()).copied().collect();
+        for r in stale {
+            self.forget(r);
+        }
+    }
+
+    fn room_for(&mut self, inbox: &Inbox) -> Result<(), TransferError> {
+        if self.by_start.len() >= MAX_EXPOSED {
+            self.sweep(inbox);
+        }
+        if self.by_start.len() >= MAX_EXPOSED {
+            return Err(TransferError::Full("mooncake exposed ranges"));
+        }
+        Ok(())
+    }
 }
 
 /// Regions exposed at synthetic addresses (see the module docs).
@@ -46,73 +100,83 @@ pub struct Exposed {
 impl std::fmt::Debug for Exposed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let t = lock(&self.table);
-        f.debug_struct("Exposed").field("regions", &t.by_base.len()).finish()
+        f.debug_struct("Exposed").field("ranges", &t.by_start.len()).finish()
     }
 }
 
 impl Exposed {
-    /// The base address of open region `id` (assigned on first call).
+    /// The base address of open region `id`, mapped whole at a random address (assigned on
+    /// first call).
     pub fn expose(&self, inbox: &Inbox, id: RegionId) -> Result<u64, TransferError> {
         let len = inbox.open_len(id).ok_or(TransferError::UnknownRegion(id))?;
         let mut t = lock(&self.table);
-        if let Some(&base) = t.by_region.get(&id) {
+        if let Some(&base) = t.bases.get(&id) {
             return Ok(base);
         }
-        if t.by_base.len() >= MAX_EXPOSED {
-            let stale: Vec<RegionId> =
-                t.by_region.keys().filter(|r| inbox.open_len(**r).is_none()).copied().collect();
-            for r in stale {
-                Self::forget(&mut t, r);
-            }
-            if t.by_base.len() >= MAX_EXPOSED {
-                return Err(TransferError::Full("mooncake exposed regions"));
-            }
-        }
-        let span = len.max(1);
+        t.room_for(inbox)?;
         let base = loop {
             // 4 KiB aligned, like real buffers; retried on the (unlikely) overlap.
             let base = rand::random_range(LOWEST_BASE..HIGHEST_BASE) & !0xfff;
-            let below = t.by_base.range(..=base).next_back();
-            let clear_below = below.is_none_or(|(&b, &(_, l))| b + l.max(1) <= base);
-            let above = t.by_base.range(base..).next();
-            let clear_above = above.is_none_or(|(&b, _)| base + span <= b);
-            if clear_below && clear_above {
+            if t.clear(base, len) {
                 break base;
             }
         };
-        t.by_base.insert(base, (id, len));
-        t.by_region.insert(id, base);
+        t.insert(base, Mapping { region: id, len, offset: 0 });
+        t.bases.insert(id, base);
         Ok(base)
     }
 
-    fn forget(t: &mut Table, id: RegionId) {
-        if let Some(base) = t.by_region.remove(&id) {
-            t.by_base.remove(&base);
+    /// Maps `[start, start + len)` to `region` from `offset` (for protocols that choose the
+    /// addresses themselves, as SGLang's page pools do). Refused if it overlaps a mapping or
+    /// falls outside the region.
+    pub fn map(
+        &self,
+        inbox: &Inbox,
+        region: RegionId,
+        start: u64,
+        len: u64,
+        offset: u64,
+    ) -> Result<(), TransferError> {
+        let region_len = inbox.open_len(region).ok_or(TransferError::UnknownRegion(region))?;
+        let fits = offset.checked_add(len).is_some_and(|end| end <= region_len);
+        if !fits || start.checked_add(len).is_none() || start == 0 {
+            return Err(TransferError::Malformed(format!(
+                "mapping [{start:#x}, +{len}) at offset {offset} of a {region_len}-byte region"
+            )));
         }
+        let mut t = lock(&self.table);
+        t.room_for(inbox)?;
+        if !t.clear(start, len) {
+            return Err(TransferError::Malformed(format!(
+                "mapping [{start:#x}, +{len}) overlaps another"
+            )));
+        }
+        t.insert(start, Mapping { region, len, offset });
+        Ok(())
     }
 
-    /// Stops exposing `id`.
+    /// Stops exposing `id` (every range mapped to it).
     pub fn withdraw(&self, id: RegionId) {
-        Self::forget(&mut lock(&self.table), id);
+        lock(&self.table).forget(id);
     }
 
     /// The region and offset that `[addr, addr + size)` falls in, if it lies wholly inside
-    /// one open region.
+    /// one mapping of an open region.
     pub fn resolve(&self, inbox: &Inbox, addr: u64, size: u64) -> Option<(RegionId, u64)> {
         let end = addr.checked_add(size)?;
-        let (id, base, len) = {
+        let (start, m) = {
             let t = lock(&self.table);
-            let (&base, &(id, len)) = t.by_base.range(..=addr).next_back()?;
-            (id, base, len)
+            let (&start, &m) = t.by_start.range(..=addr).next_back()?;
+            (start, m)
         };
-        if end > base.checked_add(len)? {
+        if end > start.checked_add(m.len)? {
             return None;
         }
-        if inbox.open_len(id).is_none() {
-            self.withdraw(id);
+        if inbox.open_len(m.region).is_none() {
+            self.withdraw(m.region);
             return None;
         }
-        Some((id, addr - base))
+        Some((m.region, m.offset + (addr - start)))
     }
 
     /// Lets `ip` open data connections (a host this target sent a handshake to).
@@ -132,14 +196,14 @@ impl Exposed {
         lock(&self.table).peers.contains(&ip)
     }
 
-    /// Open regions exposed, as (base, length), for the segment descriptor.
+    /// Mapped ranges of open regions, as (start, length), for the segment descriptor.
     pub fn buffers(&self, inbox: &Inbox) -> Vec<(u64, u64)> {
         let t = lock(&self.table);
-        let open = |id: &RegionId| inbox.open_len(*id).is_some();
-        t.by_base
+        let open = |id: RegionId| inbox.open_len(id).is_some();
+        t.by_start
             .iter()
-            .filter(|(_, (id, l))| *l > 0 && open(id))
-            .map(|(&b, &(_, l))| (b, l))
+            .filter(|(_, m)| m.len > 0 && open(m.region))
+            .map(|(&s, m)| (s, m.len))
             .collect()
     }
 }

@@ -1,0 +1,210 @@
+//! How SGLang lays out a request's KV and metadata on the decode, and how that becomes our
+//! engine's canonical KV.
+//!
+//! SGLang's MHA pool keeps, per layer, a K and a V buffer of pages; page `p` of buffer `i`
+//! is at `kv_ptrs[i] + p * item_len`, rows within a page are tokens, each `[head][head_dim]`
+//! (NHD). `kv_ptrs` lists all K buffers, then all V. The metadata ("aux") buffers hold one
+//! row per request: `output_ids` first (the first token in slot 0), `bootstrap_room` last
+//! (the room in slot 0, a u64).
+//!
+//! A receive region for one request packs exactly what the request needs: its pages of each
+//! of the `2 * layers` buffers (pages 0..n, contiguous), then one row of each aux buffer (row
+//! 0). The pointers SGLang is given point into that region, so every byte of it is written
+//! exactly once.
+
+use handoff_engine::{Kv, KvShape};
+
+use crate::SglangError;
+
+/// The row sizes of SGLang's metadata buffers without speculative decoding, sampling masks,
+/// DSA or KV checksums (`MetadataBuffers.get_buf_infos()` order): output_ids, cached_tokens,
+/// two logprob rows, two top-logprob rows, topk p and index, hidden states, bootstrap_room.
+pub const AUX_ROW_BYTES: [usize; 10] = [64, 64, 64, 64, 512, 512, 64, 128, 64, 64];
+
+/// The shape of the model's KV as SGLang pages it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SglangLayout {
+    /// Transformer layers.
+    pub layers: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Bytes of one head of one token (head_dim x element size).
+    pub head_bytes: usize,
+    /// Bytes of one row of each metadata buffer, in SGLang's order.
+    pub aux_row_bytes: Vec<usize>,
+}
+
+/// Where one request's pages and rows sit in its receive region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestLayout {
+    /// Pages per buffer.
+    pub pages: usize,
+    /// Offset of each K/V buffer's pages (all K, then all V).
+    pub kv: Vec<u64>,
+    /// Offset of each metadata row.
+    pub aux: Vec<u64>,
+    /// The region's length.
+    pub len: u64,
+}
+
+impl SglangLayout {
+    /// Bytes of one page of one buffer.
+    pub fn item_len(&self) -> usize {
+        self.page_size * self.kv_heads * self.head_bytes
+    }
+
+    /// The region for a request of `tokens` tokens.
+    pub fn request(&self, tokens: usize) -> Result<RequestLayout, SglangError> {
+        if self.page_size == 0 || self.kv_heads == 0 || self.head_bytes == 0 || self.layers == 0 {
+            return Err(SglangError::Unsupported(format!("empty layout {self:?}")));
+        }
+        if self.aux_row_bytes.len() < 2 {
+            return Err(SglangError::Unsupported("fewer than 2 metadata buffers".into()));
+        }
+        let pages = tokens.div_ceil(self.page_size).max(1);
+        let buffer = (pages * self.item_len()) as u64;
+        let kv: Vec<u64> = (0..2 * self.layers as u64).map(|i| i * buffer).collect();
+        let mut at = 2 * self.layers as u64 * buffer;
+        let aux = self
+            .aux_row_bytes
+            .iter()
+            .map(|&row| {
+                let here = at;
+                at += row as u64;
+                here
+            })
+            .collect();
+        Ok(RequestLayout { pages, kv, aux, len: at })
+    }
+
+    /// The engine's KV for `tokens` tokens out of a filled region: page rows become
+    /// `[layer][k|v][head][token]` runs. The element type must already match.
+    pub fn to_kv(
+        &self,
+        req: &RequestLayout,
+        region: &[u8],
+        tokens: usize,
+        shape: KvShape,
+    ) -> Result<Kv, SglangError> {
+        let ours = (shape.layers, shape.kv_heads, shape.head_bytes);
+        if ours != (self.layers, self.kv_heads, self.head_bytes) {
+            return Err(SglangError::Unsupported(format!(
+                "SGLang pages of {} layers x {} heads x {} bytes, the engine wants {ours:?}",
+                self.layers, self.kv_heads, self.head_bytes
+            )));
+        }
+        if region.len() as u64 != req.len || tokens > req.pages * self.page_size {
+            return Err(SglangError::Unsupported(format!(
+                "{tokens} tokens from a region of {} bytes ({} pages)",
+                region.len(),
+                req.pages
+            )));
+        }
+        let mut kv = Kv::zeroed(shape, tokens);
+        let token_row = self.kv_heads * self.head_bytes;
+        let hb = self.head_bytes;
+        for layer in 0..self.layers {
+            for side in 0..2 {
+                let buffer = req.kv[side * self.layers + layer] as usize;
+                for head in 0..self.kv_heads {
+                    let run = kv.run_mut(layer, side, head);
+                    for t in 0..tokens {
+                        let src = buffer + t * token_row + head * hb;
+                        run[t * hb..(t + 1) * hb].copy_from_slice(&region[src..src + hb]);
+                    }
+                }
+            }
+        }
+        Ok(kv)
+    }
+}
+
+/// The first token, from the `output_ids` row.
+pub fn first_token(req: &RequestLayout, region: &[u8]) -> u32 {
+    let at = req.aux[0] as usize;
+    region.get(at..at + 4).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+/// The room the `bootstrap_room` row (the last) names; 0 if it was never written.
+pub fn room(req: &RequestLayout, region: &[u8]) -> u64 {
+    let Some(&at) = req.aux.last() else { return 0 };
+    let at = at as usize;
+    region.get(at..at + 8).map_or(0, |b| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(b);
+        u64::from_le_bytes(w)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> SglangLayout {
+        SglangLayout {
+            layers: 2,
+            page_size: 4,
+            kv_heads: 2,
+            head_bytes: 3,
+            aux_row_bytes: AUX_ROW_BYTES.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_request_region_packs_its_pages_then_one_row_per_buffer() {
+        let l = layout();
+        let r = l.request(6).unwrap();
+        assert_eq!((r.pages, l.item_len()), (2, 24));
+        assert_eq!(r.kv, vec![0, 48, 96, 144]);
+        assert_eq!(r.aux[0], 192);
+        assert_eq!(r.len, 192 + AUX_ROW_BYTES.iter().sum::<usize>() as u64);
+    }
+
+    #[test]
+    fn page_rows_become_canonical_runs() {
+        let l = layout();
+        let r = l.request(6).unwrap();
+        // Byte = buffer * 64 + token * 8 + head * 4 + i: every byte says where it came from.
+        let mut region = vec![0u8; r.len as usize];
+        for (b, &off) in r.kv.iter().enumerate() {
+            for t in 0..8 {
+                for h in 0..2 {
+                    for i in 0..3 {
+                        let at = off as usize + t * 6 + h * 3 + i;
+                        region[at] = (b * 64 + t * 8 + h * 4 + i) as u8;
+                    }
+                }
+            }
+        }
+        let shape = KvShape { layers: 2, kv_heads: 2, head_bytes: 3 };
+        let kv = l.to_kv(&r, &region, 6, shape).unwrap();
+        for layer in 0..2 {
+            for side in 0..2 {
+                for h in 0..2 {
+                    let b = side * 2 + layer;
+                    let want: Vec<u8> = (0..6)
+                        .flat_map(|t| (0..3).map(move |i| (b * 64 + t * 8 + h * 4 + i) as u8))
+                        .collect();
+                    assert_eq!(kv.run(layer, side, h), &want[..], "layer {layer} side {side}");
+                }
+            }
+        }
+        let wrong = KvShape { layers: 2, kv_heads: 2, head_bytes: 6 };
+        assert!(l.to_kv(&r, &region, 6, wrong).is_err());
+    }
+
+    #[test]
+    fn the_room_and_first_token_rows() {
+        let l = layout();
+        let r = l.request(1).unwrap();
+        let mut region = vec![0u8; r.len as usize];
+        assert_eq!(room(&r, &region), 0);
+        let at = *r.aux.last().unwrap() as usize;
+        region[at..at + 8].copy_from_slice(&0x0123_4567_89ab_cdefu64.to_le_bytes());
+        region[r.aux[0] as usize..r.aux[0] as usize + 4].copy_from_slice(&31337u32.to_le_bytes());
+        assert_eq!(room(&r, &region), 0x0123_4567_89ab_cdef);
+        assert_eq!(first_token(&r, &region), 31337);
+    }
+}

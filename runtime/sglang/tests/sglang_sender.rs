@@ -1,0 +1,145 @@
+//! SGLang 0.5.23's own prefill-side sender (`MooncakeKVManager`, `MooncakeKVSender` and its
+//! bootstrap server, from the wheel, run on CPU buffers with the stubs in
+//! `peers/sgl_shim.py`) sends a request's KV through the real Mooncake wheel to our
+//! [`SglangReceiver`]. The venv comes from `scripts/fetch-peers`; `scripts/test` exports its
+//! python as `HANDOFF_PEERS_PYTHON`. Without it these tests fail, never skip.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use handoff_core::{Room, Tasks};
+use handoff_engine::KvShape;
+use handoff_sglang::{SglangError, SglangLayout, SglangReceiver};
+use handoff_transfer::InboxConfig;
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+
+struct Prefill {
+    child: Child,
+    boot: String,
+    report: serde_json::Value,
+}
+
+impl Drop for Prefill {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Starts SGLang's prefill for `room`, writing `aux_room` in its metadata row.
+fn prefill(room: u64, aux_room: u64, env: &[(&str, &str)]) -> Prefill {
+    let python = std::env::var("HANDOFF_PEERS_PYTHON").unwrap_or_else(|_| {
+        panic!("HANDOFF_PEERS_PYTHON is not set: run `export HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\"` (scripts/test does)")
+    });
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/sglang_prefill.py");
+    let port = free_port();
+    let mut child = Command::new(python)
+        .args([script, &port.to_string(), &room.to_string(), &aux_room.to_string()])
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the peers' python runs");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(!line.is_empty(), "SGLang's prefill exited before it was ready");
+    let report = serde_json::from_str(&line).unwrap();
+    Prefill { child, boot: format!("127.0.0.1:{port}"), report }
+}
+
+fn layout(report: &serde_json::Value) -> SglangLayout {
+    let n = |k: &str| report[k].as_u64().unwrap() as usize;
+    SglangLayout {
+        layers: n("layers"),
+        page_size: n("page_size"),
+        kv_heads: n("kv_heads"),
+        head_bytes: n("head_bytes"),
+        aux_row_bytes: report["aux_row_bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as usize)
+            .collect(),
+    }
+}
+
+fn sha(b: &[u8]) -> String {
+    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// 60 prompt tokens: 4 pages of 16.
+const TOKENS: usize = 60;
+
+async fn receive(
+    p: &Prefill,
+    room: u64,
+) -> (Result<handoff_sglang::SglangKv, SglangError>, SglangLayout, Tasks) {
+    let l = layout(&p.report);
+    let tasks = Tasks::new();
+    let rx =
+        SglangReceiver::start(l.clone(), [127, 0, 0, 1].into(), InboxConfig::default(), &tasks)
+            .await
+            .unwrap();
+    let shape = KvShape { layers: l.layers, kv_heads: l.kv_heads, head_bytes: l.head_bytes };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let got = rx.receive(&p.boot, Room::try_from(room).unwrap(), TOKENS, shape, deadline).await;
+    (got, l, tasks)
+}
+
+async fn every_page_arrives(env: &[(&str, &str)]) {
+    let room = 0x0123_4567_89ab_cdef;
+    let mut p = prefill(room, room, env);
+    let (got, l, tasks) = receive(&p, room).await;
+    let got = got.expect("received and verified");
+    assert_eq!(got.first_token, 31337);
+    let item = l.item_len();
+    for (i, &off) in got.layout.kv.iter().enumerate() {
+        let pages = &got.raw[off as usize..off as usize + got.layout.pages * item];
+        assert_eq!(
+            sha(pages),
+            p.report["sha256"][i],
+            "buffer {i}: every byte where SGLang's layout says"
+        );
+    }
+    // The engine's KV: token 17 of layer 1's V, head 1 is row 1 of the second page.
+    let row = l.kv_heads * l.head_bytes;
+    let v1 = got.layout.kv[3] as usize;
+    let src = v1 + 17 * row + l.head_bytes;
+    assert_eq!(
+        &got.kv.run(1, 1, 1)[17 * l.head_bytes..18 * l.head_bytes],
+        &got.raw[src..src + l.head_bytes]
+    );
+    let status = tokio::task::spawn_blocking(move || p.child.wait().unwrap()).await.unwrap();
+    assert!(status.success(), "SGLang's sender reached Success");
+    tasks.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglangs_sender_delivers_every_page_to_our_receiver() {
+    every_page_arrives(&[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metadata_row_may_come_over_zmq() {
+    every_page_arrives(&[("SGLANG_MOONCAKE_SEND_AUX_TCP", "1")]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_metadata_row_naming_another_room_is_refused() {
+    let room = 0x0123_4567_89ab_cdef;
+    let p = prefill(room, room + 1, &[]);
+    let (got, _, tasks) = receive(&p, room).await;
+    match got {
+        Err(SglangError::RoomMismatch { expected, got }) => {
+            assert_eq!((expected, got), (room, room + 1));
+        }
+        other => panic!("expected a room mismatch, got {other:?}"),
+    }
+    tasks.shutdown().await;
+}
