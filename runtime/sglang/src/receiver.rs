@@ -378,3 +378,21 @@ impl Drop for Held<'_> {
         lock(&self.r.waiters).remove(&self.room);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_reach_only_the_request_of_their_room() {
+        let waiters: Waiters = Arc::default();
+        let (tx, mut rx) = mpsc::channel(4);
+        lock(&waiters).insert(7, tx);
+        let b = |s: &str| Bytes::copy_from_slice(s.as_bytes());
+        route(&waiters, &[b("8"), b("4"), b("0")]); // unknown room: dropped
+        route(&waiters, &[b("7"), b("4")]); // missing a part: refused
+        route(&waiters, &[b("7"), b("0"), b("3")]);
+        assert_eq!(rx.try_recv().unwrap(), Inbound::Status { room: 7, status: 0, rank: 3 });
+        assert!(rx.try_recv().is_err(), "nothing else arrived");
+    }
+}

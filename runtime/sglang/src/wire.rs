@@ -192,12 +192,7 @@ mod tests {
             decode_ip: "127.0.0.1".into(),
             decode_port: 37445,
             session: "127.0.0.1:16721".into(),
-            kv_ptrs: vec![
-                0x562e_c354_d570,
-                0x562e_c355_1780,
-                0x562e_c355_5990,
-                0x562e_c355_9ba0,
-            ],
+            kv_ptrs: vec![0x562e_c354_d570, 0x562e_c355_1780, 0x562e_c355_5990, 0x562e_c355_9ba0],
             aux_ptrs: vec![1; 10],
             dst_tp_rank: 0,
             dst_attn_tp_size: 1,

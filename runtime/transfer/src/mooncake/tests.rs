@@ -182,3 +182,34 @@ async fn the_target_answers_probes_lists_only_open_regions_and_refuses_strangers
     assert!(client.descriptor(&p.rx.addr(), true).await.unwrap().buffers.is_empty());
     p.tasks.shutdown().await;
 }
+
+#[tokio::test]
+async fn overflowing_headers_and_a_peer_gone_mid_write_touch_nothing() {
+    let p = pair(None).await;
+    let s = SenderId::new(0, 0);
+    let r = Room::mint();
+    let id = region(&p, r, 4096, &[s], None).await;
+    let client = p.rx_backend.initiator();
+    let d = client.descriptor(&p.rx.addr(), true).await.unwrap();
+    let (base, data) = (d.buffers[0].addr, SocketAddr::from(([127, 0, 0, 1], d.tcp_data_port)));
+    // addr + size overflows u64: refused with a status, connection closed.
+    let mut conn = tokio::net::TcpStream::connect(data).await.unwrap();
+    let h = wire::Header { size: 16, addr: u64::MAX - 4, opcode: wire::OP_WRITE | wire::OP_V2 };
+    conn.write_all(&h.encode()).await.unwrap();
+    assert_eq!(conn.read_u64_le().await.unwrap(), wire::STATUS_REJECTED);
+    // Half a body, then gone: nothing lands, the region stays open.
+    let mut conn = tokio::net::TcpStream::connect(data).await.unwrap();
+    let h = wire::Header { size: 4096, addr: base, opcode: wire::OP_WRITE | wire::OP_V2 };
+    conn.write_all(&h.encode()).await.unwrap();
+    conn.write_all(&[1u8; 1000]).await.unwrap();
+    drop(conn);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::WaitingForInput);
+    // The real sender's write still goes through, whole.
+    let pairs = vec![(pattern(4096, 5), 0)];
+    p.tx.post_write(&p.rx.addr(), WriteRequest::new(id, pairs.clone(), r, s, 1, 1, 0))
+        .await
+        .unwrap();
+    assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, pairs[0].0.to_vec());
+    p.tasks.shutdown().await;
+}
