@@ -6,7 +6,8 @@
 //!
 //! Prints: model load time; prefill tok/s at 32 / 256 / 1024 tokens; decode tok/s with 1
 //! and 4 concurrent streams; TTFT of a 256-token prompt aggregated (engine in-process) and
-//! disaggregated (through `handoff up`'s path); TTFT with 90 % of the prompt cached vs none.
+//! disaggregated (through `handoff up`'s path); TTFT with 90 % of the prompt cached vs none;
+//! TTFT of the same prompts over the tcp and mooncake transfers, next to the engine alone.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -18,6 +19,7 @@ use handoff_proto::v1::generate_client::GenerateClient;
 use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
 use handoff_smollm::{SmolConfig, SmolLm};
+use handoff_transfer::TransferKind;
 
 fn prompt(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32).map(|i| 200 + (i * 7919 + salt * 104_729) % 40_000).collect()
@@ -149,5 +151,42 @@ async fn main() -> anyhow::Result<()> {
     )?;
     drop(out);
     cluster.shutdown().await;
+
+    // The same prompts through each transfer backend, against the engine alone, one run.
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(256, 40 + i)).collect();
+    let mut agg = Vec::new();
+    for p in &prompts {
+        agg.push(prefill_time(&e, p, None).await?);
+    }
+    let mut rows = vec![("aggregated (engine alone)".to_owned(), median(agg))];
+    let loopback = std::net::Ipv4Addr::LOCALHOST.into();
+    for (label, transfer) in [
+        ("tcp", TransferKind::Tcp { bind_ip: loopback, advertise_ip: None, tls: None }),
+        ("mooncake", TransferKind::Mooncake { bind_ip: loopback, advertise_ip: None }),
+    ] {
+        let base = e.clone();
+        let cfg = ClusterConfig { prefill_tp: 1, transfer, ..ClusterConfig::ephemeral() };
+        let cluster =
+            Cluster::start(cfg, &|| Ok(Arc::new(base.fork()?) as Arc<dyn Engine>)).await?;
+        let mut client =
+            GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
+        ttft_through(&mut client, prompt(32, 78)).await?; // warm-up: connections
+        let mut took = Vec::new();
+        for p in &prompts {
+            took.push(ttft_through(&mut client, p.clone()).await?.0);
+        }
+        rows.push((format!("disaggregated, {label}"), median(took)));
+        cluster.shutdown().await;
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "\nTTFT of 256-token prompts, median of 5, by transfer backend:")?;
+    for (label, t) in rows {
+        writeln!(out, "  {label}: {:.0} ms", ms(t))?;
+    }
     Ok(())
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
 }
