@@ -121,6 +121,33 @@ impl SglangLayout {
     }
 }
 
+impl SglangLayout {
+    /// The pages SGLang would hold for `kv` (the inverse of [`SglangLayout::to_kv`]): every
+    /// K/V buffer's pages in turn, all K then all V, the last page zero-padded.
+    pub fn pages_from_kv(&self, kv: &Kv) -> Result<Vec<u8>, SglangError> {
+        let req = self.request(kv.tokens())?;
+        let s = kv.shape();
+        if (s.layers, s.kv_heads, s.head_bytes) != (self.layers, self.kv_heads, self.head_bytes) {
+            return Err(SglangError::Unsupported(format!("KV of shape {s:?} for {self:?}")));
+        }
+        let mut out = vec![0u8; req.aux[0] as usize];
+        let (hb, row) = (self.head_bytes, self.kv_heads * self.head_bytes);
+        for layer in 0..self.layers {
+            for side in 0..2 {
+                let buffer = req.kv[side * self.layers + layer] as usize;
+                for head in 0..self.kv_heads {
+                    let run = kv.run(layer, side, head);
+                    for t in 0..kv.tokens() {
+                        let dst = buffer + t * row + head * hb;
+                        out[dst..dst + hb].copy_from_slice(&run[t * hb..(t + 1) * hb]);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// The first token, from the `output_ids` row.
 pub fn first_token(req: &RequestLayout, region: &[u8]) -> u32 {
     let at = req.aux[0] as usize;
@@ -193,6 +220,11 @@ mod tests {
         }
         let wrong = KvShape { layers: 2, kv_heads: 2, head_bytes: 6 };
         assert!(l.to_kv(&r, &region, 6, wrong).is_err());
+        // And back: the pages of the first 6 tokens, the rest of the last page zero.
+        let pages = l.pages_from_kv(&kv).unwrap();
+        let back = l.to_kv(&r, &[pages.as_slice(), &region[pages.len()..]].concat(), 6, shape);
+        assert!(back.unwrap() == kv);
+        assert!(pages[6 * 6..8 * 6].iter().all(|&b| b == 0), "padding rows are zero");
     }
 
     #[test]

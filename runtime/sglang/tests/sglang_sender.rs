@@ -32,8 +32,9 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// Starts SGLang's prefill for `room`, writing `aux_room` in its metadata row.
-fn prefill(room: u64, aux_room: u64, env: &[(&str, &str)]) -> Prefill {
+/// Starts SGLang's prefill for `room`, writing `aux_room` in its metadata row; with `spec`,
+/// the pages of a real model's KV.
+fn prefill(room: u64, aux_room: u64, env: &[(&str, &str)], spec: Option<&str>) -> Prefill {
     let python = std::env::var("HANDOFF_PEERS_PYTHON").unwrap_or_else(|_| {
         panic!("HANDOFF_PEERS_PYTHON is not set: run `export HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\"` (scripts/test does)")
     });
@@ -41,6 +42,7 @@ fn prefill(room: u64, aux_room: u64, env: &[(&str, &str)]) -> Prefill {
     let port = free_port();
     let mut child = Command::new(python)
         .args([script, &port.to_string(), &room.to_string(), &aux_room.to_string()])
+        .args(spec)
         .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -79,6 +81,7 @@ const TOKENS: usize = 60;
 async fn receive(
     p: &Prefill,
     room: u64,
+    tokens: usize,
 ) -> (Result<handoff_sglang::SglangKv, SglangError>, SglangLayout, Tasks) {
     let l = layout(&p.report);
     let tasks = Tasks::new();
@@ -88,14 +91,14 @@ async fn receive(
             .unwrap();
     let shape = KvShape { layers: l.layers, kv_heads: l.kv_heads, head_bytes: l.head_bytes };
     let deadline = Instant::now() + Duration::from_secs(30);
-    let got = rx.receive(&p.boot, Room::try_from(room).unwrap(), TOKENS, shape, deadline).await;
+    let got = rx.receive(&p.boot, Room::try_from(room).unwrap(), tokens, shape, deadline).await;
     (got, l, tasks)
 }
 
 async fn every_page_arrives(env: &[(&str, &str)]) {
     let room = 0x0123_4567_89ab_cdef;
-    let mut p = prefill(room, room, env);
-    let (got, l, tasks) = receive(&p, room).await;
+    let mut p = prefill(room, room, env, None);
+    let (got, l, tasks) = receive(&p, room, TOKENS).await;
     let got = got.expect("received and verified");
     assert_eq!(got.first_token, 31337);
     let item = l.item_len();
@@ -133,13 +136,69 @@ async fn the_metadata_row_may_come_over_zmq() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_metadata_row_naming_another_room_is_refused() {
     let room = 0x0123_4567_89ab_cdef;
-    let p = prefill(room, room + 1, &[]);
-    let (got, _, tasks) = receive(&p, room).await;
+    let p = prefill(room, room + 1, &[], None);
+    let (got, _, tasks) = receive(&p, room, TOKENS).await;
     match got {
         Err(SglangError::RoomMismatch { expected, got }) => {
             assert_eq!((expected, got), (room, room + 1));
         }
         other => panic!("expected a room mismatch, got {other:?}"),
     }
+    tasks.shutdown().await;
+}
+
+/// The real model: SmolLM2's KV for a prompt, computed by our engine, laid out in SGLang's
+/// pages in SGLang's prefill, sent by SGLang's sender, received and converted back: the same
+/// bytes, and the same tokens decoded from them as from the engine's own KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_models_kv_through_sglangs_sender_decodes_the_same_tokens() {
+    use handoff_engine::{Engine, Sampling};
+    let path = std::env::var("HANDOFF_MODEL").unwrap_or_else(|_| {
+        panic!("HANDOFF_MODEL is not set: run `export HANDOFF_MODEL=\"$(scripts/fetch-model)\"` (scripts/test does)")
+    });
+    let engine = handoff_smollm::SmolLm::load(&handoff_smollm::SmolConfig::new(path)).unwrap();
+    let prompt = engine
+        .tokenize("The three primary colours are red, blue and yellow; mixing two of them gives")
+        .unwrap();
+    let exported = engine.prefill(&prompt, None, &Sampling::default()).await.unwrap();
+    let shape = exported.kv.shape();
+    let l = SglangLayout {
+        layers: shape.layers,
+        page_size: 16,
+        kv_heads: shape.kv_heads,
+        head_bytes: shape.head_bytes,
+        aux_row_bytes: handoff_sglang::layout::AUX_ROW_BYTES.to_vec(),
+    };
+    let pages = l.pages_from_kv(&exported.kv).unwrap();
+    let dir = std::env::temp_dir().join(format!("handoff-sglang-kv-{}", free_port()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (kv_file, spec_file) = (dir.join("kv.bin"), dir.join("spec.json"));
+    std::fs::write(&kv_file, &pages).unwrap();
+    let spec = serde_json::json!({
+        "layers": l.layers, "page_size": l.page_size, "kv_heads": l.kv_heads,
+        "head_bytes": l.head_bytes, "pages": l.request(prompt.len()).unwrap().pages,
+        "first_token": exported.first_token, "kv_file": kv_file,
+    });
+    std::fs::write(&spec_file, spec.to_string()).unwrap();
+    let room = Room::mint().get();
+    let p = prefill(room, room, &[], spec_file.to_str());
+    let (got, _, tasks) = receive(&p, room, prompt.len()).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    let got = got.expect("received and verified");
+    assert!(got.kv == exported.kv, "the engine's KV, byte for byte");
+    assert_eq!(got.first_token, exported.first_token);
+    let decode = |kv| {
+        let mut d = engine.decoder(kv, exported.first_token, &Sampling::default()).unwrap();
+        async move {
+            let mut out = Vec::new();
+            for _ in 0..8 {
+                out.push(d.step().await.unwrap());
+            }
+            out
+        }
+    };
+    let theirs = decode(got.kv).await;
+    assert_eq!(theirs, decode(exported.kv.clone()).await);
+    eprintln!("decoded from SGLang's pages: {:?}", engine.detokenize(&theirs));
     tasks.shutdown().await;
 }
