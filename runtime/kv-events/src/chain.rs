@@ -1,0 +1,224 @@
+//! [`WorkerChains`]: one engine worker's stored blocks, mapped onto handoff's chained page
+//! hashes (`handoff_core::hash`), so that a request's own hashes match what the engine holds.
+//!
+//! Engine hashes are never trusted or recomputed: they are handles. For each engine block the
+//! map keeps where our chain stands after it (the hash of our last full page, and the tokens
+//! after it), and which of our pages hold its tokens. A store continues from its parent's
+//! point (or from the empty prefix), appends its tokens, and cuts full pages of our size, so
+//! any engine block size works (vLLM's 16, SGLang's 1, ours configurable): a page that spans
+//! engine blocks belongs to all of them, and removing any of them removes it (conservative).
+//! Blocks we cannot match exactly are not stored at all: LoRA adapters, extra keys
+//! (multimodal, cache salts), tiers other than the device, secondary KV groups. Never a false
+//! match.
+
+use std::collections::HashMap;
+
+use handoff_core::BlockHash;
+use handoff_core::hash::chain_page;
+
+use crate::decode::{EngineHash, Event};
+
+/// What the index should do for one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IndexOp {
+    /// Store `blocks` (chained, in order) after `parent`.
+    Store {
+        /// Our hash of the page before the first block, if any.
+        parent: Option<BlockHash>,
+        /// Our page hashes.
+        blocks: Vec<BlockHash>,
+    },
+    /// Remove these pages.
+    Remove {
+        /// Our page hashes.
+        blocks: Vec<BlockHash>,
+    },
+    /// Remove every page of the worker.
+    Clear,
+}
+
+/// Why an event could not be applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ChainError {
+    /// The event continues a block this map does not know: its prefix tokens are missing,
+    /// so our hashes cannot be computed. The worker must be recovered (replay, or clear and
+    /// rebuild).
+    #[error("parent block {0:#x} is unknown")]
+    UnknownParent(EngineHash),
+    /// The event's tokens do not fill its blocks.
+    #[error("{tokens} tokens for {blocks} blocks of {block_size}")]
+    Inconsistent {
+        /// Tokens sent.
+        tokens: usize,
+        /// Blocks named.
+        blocks: usize,
+        /// Tokens per block.
+        block_size: u32,
+    },
+}
+
+/// Where our chain stands after an engine block, and which of our pages hold its tokens.
+#[derive(Debug, Clone, Default)]
+struct Point {
+    /// Our hash of the last full page.
+    last: Option<BlockHash>,
+    /// Tokens after it (fewer than a page).
+    tail: Vec<u32>,
+    /// Engine blocks with tokens in `tail`.
+    tail_owners: Vec<EngineHash>,
+    /// Our pages holding this block's tokens.
+    pages: Vec<BlockHash>,
+}
+
+/// One worker's engine blocks (see the module docs). Bounded: past `max_blocks` the map is
+/// cleared with the worker's index entries, and rebuilt from new events.
+#[derive(Debug)]
+pub struct WorkerChains {
+    page_size: usize,
+    max_blocks: usize,
+    points: HashMap<EngineHash, Point>,
+    /// Events skipped because we cannot match them exactly.
+    pub skipped: u64,
+}
+
+impl WorkerChains {
+    /// A worker whose pages are hashed `page_size` tokens at a time (ours), remembering at
+    /// most `max_blocks` engine blocks.
+    pub fn new(page_size: usize, max_blocks: usize) -> Self {
+        assert!(page_size > 0, "page_size must be positive");
+        WorkerChains { page_size, max_blocks, points: HashMap::new(), skipped: 0 }
+    }
+
+    /// Engine blocks known.
+    pub fn len(&self) -> usize {
+        self.points.len()
+    }
+
+    /// Whether none are.
+    pub fn is_empty(&self) -> bool {
+        self.points.is_empty()
+    }
+
+    /// Forgets every block (the worker's index entries must be cleared with it).
+    pub fn reset(&mut self) {
+        self.points.clear();
+    }
+
+    /// What `event` means for the index.
+    pub fn apply(&mut self, event: &Event) -> Result<Vec<IndexOp>, ChainError> {
+        match event {
+            Event::Stored {
+                hashes,
+                parent,
+                token_ids,
+                block_size,
+                lora_name,
+                medium,
+                extra_keys,
+                group_idx,
+                ..
+            } => {
+                let exact = lora_name.is_none()
+                    && !extra_keys
+                    && on_device(medium.as_deref())
+                    && group_idx.unwrap_or(0) == 0;
+                if !exact {
+                    self.skipped += 1;
+                    return Ok(Vec::new());
+                }
+                self.stored(hashes, *parent, token_ids, *block_size)
+            }
+            Event::Removed { hashes, medium } => {
+                if !on_device(medium.as_deref()) {
+                    return Ok(Vec::new());
+                }
+                let blocks: Vec<BlockHash> = hashes
+                    .iter()
+                    .filter_map(|h| self.points.remove(h))
+                    .flat_map(|p| p.pages)
+                    .collect();
+                Ok(if blocks.is_empty() { Vec::new() } else { vec![IndexOp::Remove { blocks }] })
+            }
+            Event::Cleared => {
+                self.points.clear();
+                Ok(vec![IndexOp::Clear])
+            }
+            Event::Unknown(_) => {
+                self.skipped += 1;
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    fn stored(
+        &mut self,
+        hashes: &[EngineHash],
+        parent: Option<EngineHash>,
+        tokens: &[u32],
+        block_size: u32,
+    ) -> Result<Vec<IndexOp>, ChainError> {
+        let bs = block_size as usize;
+        if hashes.is_empty() || tokens.len() != hashes.len() * bs {
+            return Err(ChainError::Inconsistent {
+                tokens: tokens.len(),
+                blocks: hashes.len(),
+                block_size,
+            });
+        }
+        let start = match parent {
+            None => Point::default(),
+            Some(p) => {
+                let known = self.points.get(&p).ok_or(ChainError::UnknownParent(p))?;
+                Point { pages: Vec::new(), ..known.clone() }
+            }
+        };
+        let mut ops = Vec::new();
+        if self.points.len() + hashes.len() > self.max_blocks {
+            self.points.clear();
+            ops.push(IndexOp::Clear);
+            if parent.is_some() {
+                // Its parent went with the rest: rebuilt from the next unparented store.
+                return Ok(ops);
+            }
+        }
+        let first_parent = start.last;
+        let mut at = start;
+        let mut new_pages = Vec::new();
+        for (h, block) in hashes.iter().zip(tokens.chunks_exact(bs)) {
+            let mut pages = Vec::new();
+            at.tail_owners.push(*h);
+            for &t in block {
+                at.tail.push(t);
+                if at.tail.len() == self.page_size {
+                    let page = chain_page(at.last, &at.tail);
+                    at.tail.clear();
+                    at.last = Some(page);
+                    new_pages.push(page);
+                    pages.push(page);
+                    // The blocks before this one that had tokens in the page hold it too.
+                    for owner in at.tail_owners.drain(..).filter(|o| o != h) {
+                        if let Some(p) = self.points.get_mut(&owner) {
+                            p.pages.push(page);
+                        }
+                    }
+                    at.tail_owners.push(*h);
+                }
+            }
+            if at.tail.is_empty() {
+                at.tail_owners.clear();
+            }
+            self.points.insert(*h, Point { pages, ..at.clone() });
+        }
+        if !new_pages.is_empty() {
+            ops.push(IndexOp::Store { parent: first_parent, blocks: new_pages });
+        }
+        Ok(ops)
+    }
+}
+
+fn on_device(medium: Option<&str>) -> bool {
+    matches!(medium, None | Some("GPU"))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,122 @@
+use handoff_core::block_hashes;
+
+use super::*;
+
+fn stored(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, block_size: u32) -> Event {
+    Event::Stored {
+        hashes,
+        parent,
+        token_ids: tokens,
+        block_size,
+        lora_name: None,
+        medium: Some("GPU".into()),
+        extra_keys: false,
+        group_idx: None,
+        bigram: false,
+    }
+}
+
+fn stores(ops: &[IndexOp]) -> Vec<BlockHash> {
+    ops.iter()
+        .flat_map(|op| match op {
+            IndexOp::Store { blocks, .. } => blocks.clone(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+#[test]
+fn equal_block_sizes_map_one_to_one_and_match_a_requests_hashes() {
+    let tokens: Vec<u32> = (1000..1064).collect();
+    let mut w = WorkerChains::new(16, 1000);
+    let a = w.apply(&stored(vec![11, 12], None, tokens[..32].to_vec(), 16)).unwrap();
+    let b = w.apply(&stored(vec![13, 14], Some(12), tokens[32..].to_vec(), 16)).unwrap();
+    let want = block_hashes(&tokens, 16);
+    assert_eq!(stores(&a), want[..2]);
+    assert_eq!(b, vec![IndexOp::Store { parent: Some(want[1]), blocks: want[2..].to_vec() }]);
+    // Removing engine block 13 removes exactly our third page.
+    let r = w.apply(&Event::Removed { hashes: vec![13], medium: None }).unwrap();
+    assert_eq!(r, vec![IndexOp::Remove { blocks: vec![want[2]] }]);
+}
+
+#[test]
+fn page_size_one_engines_fill_our_pages_across_events() {
+    // SGLang with page size 1: one event per token, each chained to the last.
+    let tokens: Vec<u32> = (7..7 + 40).collect();
+    let mut w = WorkerChains::new(16, 1000);
+    let mut ours = Vec::new();
+    let mut parent = None;
+    for (i, &t) in tokens.iter().enumerate() {
+        let h = (i as i64 - 20) as u64; // signed hashes, as SGLang's
+        ours.extend(stores(&w.apply(&stored(vec![h], parent, vec![t], 1)).unwrap()));
+        parent = Some(h);
+    }
+    assert_eq!(ours, block_hashes(&tokens, 16), "two full pages, 8 tokens pending");
+    // Evicting token 3's block removes the first page, which holds it.
+    let r = w.apply(&Event::Removed { hashes: vec![(3i64 - 20) as u64], medium: None }).unwrap();
+    assert_eq!(r, vec![IndexOp::Remove { blocks: vec![ours[0]] }]);
+}
+
+#[test]
+fn coarser_engine_blocks_map_to_many_pages() {
+    let tokens: Vec<u32> = (0..64).map(|i| 500 + i * 3).collect();
+    let mut w = WorkerChains::new(4, 1000);
+    let ops = w.apply(&stored(vec![1, 2, 3, 4], None, tokens.clone(), 16)).unwrap();
+    assert_eq!(stores(&ops), block_hashes(&tokens, 4));
+    let r = w.apply(&Event::Removed { hashes: vec![2], medium: None }).unwrap();
+    assert_eq!(r, vec![IndexOp::Remove { blocks: block_hashes(&tokens, 4)[4..8].to_vec() }]);
+}
+
+#[test]
+fn unknown_parents_inconsistent_events_and_inexact_blocks() {
+    let mut w = WorkerChains::new(4, 1000);
+    let orphan = stored(vec![9], Some(8), vec![1, 2, 3, 4], 4);
+    assert_eq!(w.apply(&orphan), Err(ChainError::UnknownParent(8)));
+    assert!(matches!(
+        w.apply(&stored(vec![9], None, vec![1, 2, 3], 4)),
+        Err(ChainError::Inconsistent { .. })
+    ));
+    let with = |f: &dyn Fn(&mut Event)| {
+        let mut e = stored(vec![1], None, vec![1; 4], 4);
+        f(&mut e);
+        e
+    };
+    let set = |e: &mut Event, lora: bool, extra: bool, cpu: bool, group: bool| {
+        if let Event::Stored { lora_name, extra_keys, medium, group_idx, .. } = e {
+            if lora {
+                *lora_name = Some("a".into());
+            }
+            *extra_keys = extra;
+            if cpu {
+                *medium = Some("CPU".into());
+            }
+            if group {
+                *group_idx = Some(1);
+            }
+        }
+    };
+    for inexact in [
+        with(&|e| set(e, true, false, false, false)),
+        with(&|e| set(e, false, true, false, false)),
+        with(&|e| set(e, false, false, true, false)),
+        with(&|e| set(e, false, false, false, true)),
+    ] {
+        assert_eq!(w.apply(&inexact).unwrap(), vec![], "{inexact:?}");
+    }
+    assert_eq!(w.skipped, 4);
+    assert!(w.is_empty(), "nothing stored, so children of those blocks are orphans");
+    w.apply(&stored(vec![1], None, vec![1; 4], 4)).unwrap();
+    assert_eq!(w.apply(&Event::Cleared).unwrap(), vec![IndexOp::Clear]);
+    assert!(w.is_empty());
+}
+
+#[test]
+fn the_map_is_bounded() {
+    let mut w = WorkerChains::new(1, 8);
+    for i in 0..8u64 {
+        w.apply(&stored(vec![i], None, vec![i as u32], 1)).unwrap();
+    }
+    let ops = w.apply(&stored(vec![100], None, vec![5], 1)).unwrap();
+    assert_eq!(ops[0], IndexOp::Clear, "full: cleared and rebuilt");
+    assert_eq!(w.len(), 1);
+}
