@@ -6,11 +6,15 @@
 //! - [`chain`] — [`WorkerChains`]: one engine worker's blocks mapped onto handoff's own
 //!   chained page hashes, computed from each event's tokens (engine hashes are only handles
 //!   for parents and removals).
+//! - [`subscriber`] — [`EngineStream`]: an engine endpoint's events in order over ZMQ, gaps
+//!   filled by replay or by clearing and rebuilding the worker.
 //!
 //! Wire facts: `../shared/interop/kv-events.md`.
 
 pub mod chain;
 pub mod decode;
+pub mod subscriber;
 
 pub use chain::{IndexOp, WorkerChains};
 pub use decode::{Batch, EngineHash, Event, EventsError, decode_batch};
+pub use subscriber::{EngineEndpoint, EngineStream, StreamStats};

@@ -1,0 +1,223 @@
+//! [`EngineStream`]: one engine endpoint's KV events, in order, as index operations.
+//!
+//! A SUB socket connects to the engine's publisher (`[topic, seq (u64 BE), payload]`). The
+//! stream keeps the last sequence number applied:
+//! - the next one is applied;
+//! - a repeat is dropped;
+//! - a gap is filled from the engine's replay socket (a DEALER asking `[b"", start]`; replies
+//!   `[b"", topic?, seq, payload]` until seq `u64::MAX`, both of vLLM's layouts), and if the
+//!   replay no longer covers it, or there is no replay socket, the worker is cleared and
+//!   rebuilt from what comes next;
+//! - a sequence that goes backwards is an engine restart: the worker is cleared.
+//!
+//! Each batch's events go through the worker's [`WorkerChains`] and come out as
+//! [`IndexOp`]s for the sink. Bad payloads are counted and skipped; nothing here blocks
+//! another engine's stream.
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tracing::{debug, warn};
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use crate::chain::{ChainError, IndexOp, WorkerChains};
+use crate::decode::decode_batch;
+
+/// The replay end marker's sequence number (-1).
+const END: u64 = u64::MAX;
+/// How long a replay may take before the worker is rebuilt instead.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where an engine publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineEndpoint {
+    /// The PUB socket, e.g. `tcp://10.0.0.5:5557` (dp rank r publishes on port + r).
+    pub events: String,
+    /// Its ROUTER replay socket, if the engine has one.
+    pub replay: Option<String>,
+    /// The topic to subscribe to (`""`: every topic).
+    pub topic: String,
+}
+
+/// What a stream has seen (for logs and metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Batches applied.
+    pub batches: u64,
+    /// Batches recovered by replay.
+    pub replayed: u64,
+    /// Times the worker was cleared to rebuild (a gap replay could not fill, a restart).
+    pub rebuilds: u64,
+    /// Payloads or events refused.
+    pub refused: u64,
+}
+
+/// One engine endpoint's stream (see the module docs).
+pub struct EngineStream {
+    endpoint: EngineEndpoint,
+    chains: WorkerChains,
+    last: Option<u64>,
+    stats: StreamStats,
+}
+
+impl std::fmt::Debug for EngineStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineStream")
+            .field("endpoint", &self.endpoint)
+            .field("last", &self.last)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A live or replayed message: its sequence number and payload.
+fn seq_and_payload(frames: &[Bytes]) -> Option<(u64, &Bytes)> {
+    let [.., seq, payload] = frames else { return None };
+    let seq: [u8; 8] = seq.as_ref().try_into().ok()?;
+    Some((u64::from_be_bytes(seq), payload))
+}
+
+impl EngineStream {
+    /// A stream of `endpoint`, hashing `page_size` tokens per page (ours), remembering at
+    /// most `max_blocks` engine blocks.
+    pub fn new(endpoint: EngineEndpoint, page_size: usize, max_blocks: usize) -> Self {
+        EngineStream {
+            endpoint,
+            chains: WorkerChains::new(page_size, max_blocks),
+            last: None,
+            stats: StreamStats::default(),
+        }
+    }
+
+    /// What it has seen.
+    pub fn stats(&self) -> StreamStats {
+        self.stats
+    }
+
+    /// Subscribes and applies until `shutdown` completes, handing every batch's operations
+    /// to `sink`.
+    pub async fn run(
+        mut self,
+        mut sink: impl FnMut(Vec<IndexOp>) + Send,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> StreamStats {
+        let mut sub = SubSocket::new();
+        let connected = async {
+            sub.connect(&self.endpoint.events).await?;
+            sub.subscribe(&self.endpoint.topic).await
+        };
+        if let Err(e) = connected.await {
+            warn!(endpoint = %self.endpoint.events, error = %e, "KV event stream not connected");
+            return self.stats;
+        }
+        tokio::pin!(shutdown);
+        loop {
+            let msg = tokio::select! {
+                _ = &mut shutdown => break,
+                m = sub.recv() => m,
+            };
+            match msg {
+                Ok(m) => self.on_message(&m.into_vec(), &mut sink).await,
+                Err(e) => debug!(endpoint = %self.endpoint.events, error = %e, "KV event stream"),
+            }
+        }
+        self.stats
+    }
+
+    /// Handles one live message.
+    pub async fn on_message(&mut self, frames: &[Bytes], sink: &mut impl FnMut(Vec<IndexOp>)) {
+        let Some((seq, payload)) = seq_and_payload(frames) else {
+            self.stats.refused += 1;
+            return;
+        };
+        match self.last {
+            Some(last) if seq == last => return,
+            Some(last) if seq < last => {
+                debug!(endpoint = %self.endpoint.events, seq, last, "engine restarted");
+                self.rebuild(sink);
+            }
+            Some(last) if seq > last + 1 => self.fill(last + 1, sink).await,
+            None if seq > 0 => self.fill(0, sink).await,
+            _ => {}
+        }
+        if self.last.is_none_or(|l| seq > l) {
+            self.apply(seq, payload, sink);
+        }
+    }
+
+    /// Fills a gap from `start` through the replay socket, or clears the worker.
+    async fn fill(&mut self, start: u64, sink: &mut impl FnMut(Vec<IndexOp>)) {
+        let replayed = match &self.endpoint.replay {
+            Some(r) => tokio::time::timeout(REPLAY_TIMEOUT, replay(r, start)).await.ok().flatten(),
+            None => None,
+        };
+        let Some(batches) = replayed else {
+            if self.last.is_some() {
+                self.rebuild(sink);
+            }
+            return;
+        };
+        let first = batches.first().map(|(s, _)| *s);
+        if self.last.is_some() && first.is_none_or(|f| f > start) {
+            // The replay buffer no longer holds the gap.
+            self.rebuild(sink);
+        }
+        for (seq, payload) in batches {
+            if self.last.is_none_or(|l| seq > l) {
+                self.stats.replayed += 1;
+                self.apply(seq, &payload, sink);
+            }
+        }
+    }
+
+    fn rebuild(&mut self, sink: &mut impl FnMut(Vec<IndexOp>)) {
+        self.stats.rebuilds += 1;
+        self.chains.reset();
+        sink(vec![IndexOp::Clear]);
+    }
+
+    fn apply(&mut self, seq: u64, payload: &[u8], sink: &mut impl FnMut(Vec<IndexOp>)) {
+        self.last = Some(seq);
+        let batch = match decode_batch(payload) {
+            Ok(b) => b,
+            Err(e) => {
+                self.stats.refused += 1;
+                debug!(endpoint = %self.endpoint.events, seq, error = %e, "KV event batch refused");
+                return;
+            }
+        };
+        self.stats.batches += 1;
+        let mut ops = Vec::new();
+        for ev in &batch.events {
+            match self.chains.apply(ev) {
+                Ok(o) => ops.extend(o),
+                Err(e @ (ChainError::UnknownParent(_) | ChainError::Inconsistent { .. })) => {
+                    self.stats.refused += 1;
+                    debug!(endpoint = %self.endpoint.events, seq, error = %e, "KV event skipped");
+                }
+            }
+        }
+        if !ops.is_empty() {
+            sink(ops);
+        }
+    }
+}
+
+/// Asks the replay socket at `endpoint` for every batch from `start`; `None` if it fails.
+async fn replay(endpoint: &str, start: u64) -> Option<Vec<(u64, Bytes)>> {
+    let mut dealer = DealerSocket::new();
+    dealer.connect(endpoint).await.ok()?;
+    let ask =
+        ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())]);
+    dealer.send(ask.ok()?).await.ok()?;
+    let mut out = Vec::new();
+    loop {
+        let frames = dealer.recv().await.ok()?.into_vec();
+        let (seq, payload) = seq_and_payload(&frames)?;
+        if seq == END {
+            return Some(out);
+        }
+        out.push((seq, payload.clone()));
+    }
+}

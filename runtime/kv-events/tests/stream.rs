@@ -1,0 +1,165 @@
+//! An engine's publisher and replay socket, played by Rust sockets speaking vLLM's frames,
+//! and an [`EngineStream`] following it: in-order batches, a gap filled by replay, a gap the
+//! replay no longer holds, and a restart.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use handoff_core::block_hashes;
+use handoff_kv_events::{EngineEndpoint, EngineStream, IndexOp};
+use rmpv::Value;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// A batch with one BlockStored (map encoding, as vLLM 0.33 sends it).
+fn stored(hash: u64, parent: Option<u64>, tokens: &[u32]) -> Bytes {
+    let ev = Value::Map(vec![
+        ("type".into(), "BlockStored".into()),
+        ("block_hashes".into(), Value::Array(vec![hash.into()])),
+        ("parent_block_hash".into(), parent.map_or(Value::Nil, Value::from)),
+        ("token_ids".into(), Value::Array(tokens.iter().map(|&t| t.into()).collect())),
+        ("block_size".into(), (tokens.len() as u64).into()),
+        ("lora_id".into(), Value::Nil),
+        ("medium".into(), "GPU".into()),
+        ("lora_name".into(), Value::Nil),
+    ]);
+    let batch = Value::Array(vec![1.0.into(), Value::Array(vec![ev]), 0.into()]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &batch).unwrap();
+    out.into()
+}
+
+fn frame(topic: &str, seq: u64, payload: &Bytes) -> ZmqMessage {
+    let f = vec![
+        Bytes::from(topic.to_owned()),
+        Bytes::copy_from_slice(&seq.to_be_bytes()),
+        payload.clone(),
+    ];
+    ZmqMessage::try_from(f).unwrap()
+}
+
+/// Serves replay requests from `buffer` (seq, payload), in vLLM 0.26's layout.
+async fn serve_replay(mut router: RouterSocket, buffer: Arc<Mutex<Vec<(u64, Bytes)>>>) {
+    while let Ok(m) = router.recv().await {
+        let f = m.into_vec();
+        let (id, start) = (f[0].clone(), u64::from_be_bytes(f[2].as_ref().try_into().unwrap()));
+        let batches: Vec<(u64, Bytes)> =
+            buffer.lock().unwrap().iter().filter(|(s, _)| *s >= start).cloned().collect();
+        for (seq, payload) in batches {
+            let reply = vec![
+                id.clone(),
+                Bytes::new(),
+                Bytes::from("kv"),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ];
+            router.send(ZmqMessage::try_from(reply).unwrap()).await.unwrap();
+        }
+        let end =
+            vec![id, Bytes::new(), Bytes::copy_from_slice(&u64::MAX.to_be_bytes()), Bytes::new()];
+        router.send(ZmqMessage::try_from(end).unwrap()).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_applies_in_order_replays_gaps_and_rebuilds() {
+    let tokens: Vec<u32> = (300..364).collect(); // 4 pages of 16
+    let pages = block_hashes(&tokens, 16);
+    let payloads: Vec<Bytes> = (0..4)
+        .map(|i| {
+            stored(10 + i as u64, (i > 0).then(|| 9 + i as u64), &tokens[i * 16..(i + 1) * 16])
+        })
+        .collect();
+
+    let mut publisher = PubSocket::new();
+    let events = publisher.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let mut router = RouterSocket::new();
+    let replay = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let buffer = Arc::new(Mutex::new(Vec::new()));
+    let replayer = tokio::spawn(serve_replay(router, buffer.clone()));
+
+    let ops = Arc::new(Mutex::new(Vec::<IndexOp>::new()));
+    let (o, stop) = (ops.clone(), tokio_util_cancel());
+    let endpoint = EngineEndpoint { events, replay: Some(replay), topic: String::new() };
+    let stream = EngineStream::new(endpoint, 16, 1 << 16);
+    let (stop_rx, stop_tx) = stop;
+    let follower =
+        tokio::spawn(stream.run(move |batch| o.lock().unwrap().extend(batch), async move {
+            let _ = stop_rx.await;
+        }));
+
+    // Seq 0 and 1 go to the replay buffer only (the subscriber may not be connected yet);
+    // seq 2 is live: the stream replays 0 and 1 first. Then seq 3 is "lost" live and comes
+    // by replay when seq 4's successor arrives... (seq 3 published, seq 4 skipped).
+    buffer.lock().unwrap().extend([(0, payloads[0].clone()), (1, payloads[1].clone())]);
+    buffer.lock().unwrap().push((2, payloads[2].clone()));
+    let stored_pages = |ops: &[IndexOp]| -> Vec<handoff_core::BlockHash> {
+        ops.iter()
+            .flat_map(|op| match op {
+                IndexOp::Store { blocks, .. } => blocks.clone(),
+                _ => Vec::new(),
+            })
+            .collect()
+    };
+    let wait_for = |want: usize| {
+        let ops = ops.clone();
+        async move {
+            for _ in 0..200 {
+                if stored_pages(&ops.lock().unwrap()).len() >= want {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    // Publish seq 2 until the subscriber has joined and caught up.
+    for _ in 0..100 {
+        publisher.send(frame("kv", 2, &payloads[2])).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if stored_pages(&ops.lock().unwrap()).len() >= 3 {
+            break;
+        }
+    }
+    assert_eq!(stored_pages(&ops.lock().unwrap()), pages[..3], "0 and 1 replayed, then 2");
+
+    // A gap: seq 3 never sent live but buffered; seq 4 (a new prompt) arrives live.
+    buffer.lock().unwrap().push((3, payloads[3].clone()));
+    let other: Vec<u32> = (900..916).collect();
+    let p4 = stored(50, None, &other);
+    buffer.lock().unwrap().push((4, p4.clone()));
+    publisher.send(frame("kv", 4, &p4)).await.unwrap();
+    wait_for(5).await;
+    let got = stored_pages(&ops.lock().unwrap());
+    assert_eq!(got[3], pages[3], "seq 3 recovered by replay");
+    assert_eq!(got[4], block_hashes(&other, 16)[0]);
+
+    // A gap the replay no longer holds: cleared, then rebuilt from what comes.
+    buffer.lock().unwrap().retain(|(s, _)| *s >= 8);
+    let p9 = stored(60, None, &(1000..1016).collect::<Vec<u32>>());
+    buffer.lock().unwrap().push((9, p9.clone()));
+    publisher.send(frame("kv", 9, &p9)).await.unwrap();
+    wait_for(6).await;
+    {
+        let ops = ops.lock().unwrap();
+        let clear = ops.iter().position(|o| *o == IndexOp::Clear).expect("cleared");
+        assert!(matches!(&ops[clear + 1], IndexOp::Store { .. }), "then rebuilt: {ops:?}");
+    }
+
+    // A restart: the sequence goes back to 0.
+    let before = ops.lock().unwrap().iter().filter(|o| **o == IndexOp::Clear).count();
+    let p0 = stored(70, None, &(2000..2016).collect::<Vec<u32>>());
+    publisher.send(frame("kv", 0, &p0)).await.unwrap();
+    wait_for(7).await;
+    let after = ops.lock().unwrap().iter().filter(|o| **o == IndexOp::Clear).count();
+    assert_eq!(after, before + 1, "a restart clears the worker");
+
+    let _ = stop_tx.send(());
+    let stats = follower.await.unwrap();
+    assert!(stats.replayed >= 3 && stats.rebuilds == 2, "{stats:?}");
+    replayer.abort();
+}
+
+fn tokio_util_cancel() -> (tokio::sync::oneshot::Receiver<()>, tokio::sync::oneshot::Sender<()>) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    (rx, tx)
+}
