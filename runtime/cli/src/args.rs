@@ -71,7 +71,8 @@ pub struct DiscoveryArgs {
     /// TLS and credentials for etcd and NATS.
     #[command(flatten)]
     pub access: BackendAccessArgs,
-    /// How KV moves between prefill ranks and the frontend.
+    /// How KV moves between prefill ranks and the frontend (prefill, frontend and up; the
+    /// scheduler moves no KV and ignores it).
     #[arg(long, value_enum, default_value_t = TransferArg::Tcp)]
     pub transfer: TransferArg,
 }

@@ -17,7 +17,7 @@ mod listener;
 #[cfg(test)]
 mod tests;
 
-pub use listener::TlsListener;
+pub use listener::{HANDSHAKES_PER_HOST, TlsListener};
 
 use std::path::Path;
 use std::sync::Arc;

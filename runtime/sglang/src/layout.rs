@@ -10,7 +10,8 @@
 //! A receive region for one request packs exactly what the request needs: its pages of each
 //! of the `2 * layers` buffers (pages 0..n, contiguous), then one row of each aux buffer (row
 //! 0). The pointers SGLang is given point into that region, so every byte of it is written
-//! exactly once.
+//! exactly once: the pages by the prefill rank's Mooncake connection, the rows by it too or
+//! over ZMQ (two senders of the region, each bound to where its bytes come from).
 
 use handoff_engine::{Kv, KvShape};
 
@@ -64,7 +65,9 @@ impl SglangLayout {
             return Err(SglangError::Unsupported("fewer than 2 metadata buffers".into()));
         }
         let pages = tokens.div_ceil(self.page_size).max(1);
-        let buffer = (pages * self.item_len()) as u64;
+        let too_big = || SglangError::Unsupported(format!("{tokens} tokens of {self:?}"));
+        let buffer = pages.checked_mul(self.item_len()).ok_or_else(too_big)? as u64;
+        buffer.checked_mul(2 * self.layers as u64 + 1).ok_or_else(too_big)?;
         let kv: Vec<u64> = (0..2 * self.layers as u64).map(|i| i * buffer).collect();
         let mut at = 2 * self.layers as u64 * buffer;
         let aux = self

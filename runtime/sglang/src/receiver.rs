@@ -30,8 +30,10 @@ use crate::layout::{self, RequestLayout, SglangLayout};
 use crate::pool::{Lease, POOL_PAGES, POOL_ROWS, PagePool};
 use crate::wire::{Inbound, Registration, STATUS_FAILED, STATUS_SUCCESS, TransferInfo};
 
-/// The one sender of an SGLang region: the prefill rank (equal tp on both sides).
-const RANK: SenderId = SenderId(0);
+/// The senders of an SGLang region, both the prefill rank (equal tp on both sides): its
+/// pages come over its Mooncake connections, its metadata rows over Mooncake or over ZMQ.
+const PAGES: SenderId = SenderId(0);
+const ROWS: SenderId = SenderId(1);
 /// How long connecting to a rank and sending it a message may take.
 const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -58,6 +60,10 @@ pub struct SglangKv {
 
 type Waiters = Arc<Mutex<HashMap<u64, mpsc::Sender<Inbound>>>>;
 
+/// One prefill rank's PUSH socket (registered once), behind its own lock: a slow rank holds
+/// up only its own requests.
+type Push = Arc<tokio::sync::Mutex<Option<PushSocket>>>;
+
 /// An SGLang decode (see the module docs).
 pub struct SglangReceiver {
     layout: SglangLayout,
@@ -68,7 +74,7 @@ pub struct SglangReceiver {
     aux_bases: Vec<u64>,
     pull_ip: String,
     pull_port: u16,
-    pushes: tokio::sync::Mutex<HashMap<String, PushSocket>>,
+    pushes: Mutex<HashMap<String, Push>>,
     waiters: Waiters,
 }
 
@@ -145,7 +151,7 @@ impl SglangReceiver {
             aux_bases,
             pull_ip: bind_ip.to_string(),
             pull_port,
-            pushes: tokio::sync::Mutex::default(),
+            pushes: Mutex::default(),
             waiters,
         })
     }
@@ -186,20 +192,40 @@ impl SglangReceiver {
             return Err(SglangError::Unsupported("dp ranks not following the room".into()));
         };
         let rank = self.directory.rank(bootstrap, dp, 0, 0, 0).await?;
+        let rank_ips = resolve(&rank.rank_ip).await;
+        if rank_ips.is_empty() {
+            return Err(SglangError::Unsupported(format!(
+                "the rank's address {:?} does not resolve",
+                rank.rank_ip
+            )));
+        }
         let req = self.layout.request(tokens)?;
-        let lease = self.pool.lease_at(req.pages as u64, Instant::now())?;
-        let id = self.mooncake.inbox().register_region(room, req.len, [(RANK, vec_of(req.len))]);
-        let id = match id {
+        let (tx, rx) = mpsc::channel(64);
+        {
+            let mut waiters = lock(&self.waiters);
+            if waiters.contains_key(&room.get()) {
+                return Err(SglangError::Unsupported(format!("room {room} is already receiving")));
+            }
+            waiters.insert(room.get(), tx.clone());
+        }
+        let lease = match self.pool.lease_at(req.pages as u64, Instant::now()) {
+            Ok(l) => l,
+            Err(e) => {
+                lock(&self.waiters).remove(&room.get());
+                return Err(e);
+            }
+        };
+        let rows = req.aux[0];
+        let plan = [(PAGES, vec_of(0..rows)), (ROWS, vec_of(rows..req.len))];
+        let id = match self.mooncake.inbox().register_region(room, req.len, plan) {
             Ok(id) => id,
             Err(e) => {
                 self.pool.give_back(lease);
+                lock(&self.waiters).remove(&room.get());
                 return Err(e.into());
             }
         };
-        let (tx, rx) = mpsc::channel(64);
-        lock(&self.waiters).insert(room.get(), tx);
-        let mut held = Held { r: self, id, lease, room: room.get(), done: false };
-        let rank_ips = resolve(&rank.rank_ip).await;
+        let mut held = Held { r: self, id, lease, room: room.get(), waiter: tx, done: false };
         self.map(id, &req, lease, &rank_ips)?;
         let rank_addr = format!("{}:{}", rank.rank_ip, rank.rank_port);
         let info = TransferInfo {
@@ -247,36 +273,46 @@ impl SglangReceiver {
         Ok(())
     }
 
-    /// Sends `frames` to the rank at `addr`, registering with it first on a new socket.
+    /// Sends `frames` to the rank at `addr`, registering with it first on a new socket. A
+    /// send that fails (or is abandoned) drops the socket: the next one registers again.
     async fn send(&self, addr: &str, frames: Vec<Bytes>) -> Result<(), SglangError> {
-        let mut pushes = self.pushes.lock().await;
-        if !pushes.contains_key(addr) {
-            let mut push = PushSocket::new();
-            let endpoint = format!("tcp://{addr}");
-            tokio::time::timeout(SEND_TIMEOUT, push.connect(&endpoint))
-                .await
-                .map_err(|_| zmq(format!("connecting to {addr} timed out")))?
-                .map_err(zmq)?;
-            let registration = Registration {
-                decode_ip: self.pull_ip.clone(),
-                decode_port: self.pull_port,
-                session: self.session().to_owned(),
-                kv_ptrs: self.kv_bases.clone(),
-                aux_ptrs: self.aux_bases.clone(),
-                dst_tp_rank: 0,
-                dst_attn_tp_size: 1,
-                kv_item_len: self.layout.item_len() as u64,
-            };
-            send_on(&mut push, addr, registration.frames()).await?;
-            pushes.insert(addr.to_owned(), push);
-        }
-        let push = pushes.get_mut(addr).ok_or_else(|| zmq("socket vanished"))?;
-        let sent = send_on(push, addr, frames).await;
-        if sent.is_err() {
-            // Register again on a new socket next time (the rank may have restarted).
-            pushes.remove(addr);
-        }
-        sent
+        let slot = {
+            let mut pushes = lock(&self.pushes);
+            if pushes.len() >= MAX_RANKS && !pushes.contains_key(addr) {
+                pushes.retain(|_, p| Arc::strong_count(p) > 1);
+            }
+            pushes.entry(addr.to_owned()).or_default().clone()
+        };
+        let mut slot = slot.lock().await;
+        let mut push = match slot.take() {
+            Some(p) => p,
+            None => self.register(addr).await?,
+        };
+        send_on(&mut push, addr, frames).await?;
+        *slot = Some(push);
+        Ok(())
+    }
+
+    /// A new PUSH socket to the rank at `addr`, with this decode registered on it.
+    async fn register(&self, addr: &str) -> Result<PushSocket, SglangError> {
+        let mut push = PushSocket::new();
+        let endpoint = format!("tcp://{addr}");
+        tokio::time::timeout(SEND_TIMEOUT, push.connect(&endpoint))
+            .await
+            .map_err(|_| zmq(format!("connecting to {addr} timed out")))?
+            .map_err(zmq)?;
+        let registration = Registration {
+            decode_ip: self.pull_ip.clone(),
+            decode_port: self.pull_port,
+            session: self.session().to_owned(),
+            kv_ptrs: self.kv_bases.clone(),
+            aux_ptrs: self.aux_bases.clone(),
+            dst_tp_rank: 0,
+            dst_attn_tp_size: 1,
+            kv_item_len: self.layout.item_len() as u64,
+        };
+        send_on(&mut push, addr, registration.frames()).await?;
+        Ok(push)
     }
 
     /// Applies `AUX_DATA` rows and waits for the rank's status.
@@ -294,7 +330,8 @@ impl SglangReceiver {
             let Ok(Some(msg)) = msg else { return Err(SglangError::Timeout(held.room)) };
             match msg {
                 Inbound::Status { status: STATUS_SUCCESS, .. } => {
-                    inbox.finish(held.id, RANK)?;
+                    inbox.finish(held.id, PAGES)?;
+                    inbox.finish(held.id, ROWS)?;
                     return Ok(());
                 }
                 Inbound::Status { status: STATUS_FAILED, rank, .. } => {
@@ -317,16 +354,19 @@ impl SglangReceiver {
                         )));
                     }
                     let conn = peer_conn(peer.unwrap_or(IpAddr::from([127, 0, 0, 1])));
-                    inbox.on_write(held.id, RANK, conn, &[(offset, &data)])?;
+                    inbox.on_write(held.id, ROWS, conn, &[(offset, &data)])?;
                 }
             }
         }
     }
 }
 
-fn vec_of(len: u64) -> Vec<std::ops::Range<u64>> {
-    std::iter::once(0..len).collect()
+fn vec_of(r: std::ops::Range<u64>) -> Vec<std::ops::Range<u64>> {
+    std::iter::once(r).collect()
 }
+
+/// Prefill ranks with a cached socket; past it, idle ones are dropped.
+const MAX_RANKS: usize = 4096;
 
 async fn send_on(push: &mut PushSocket, addr: &str, frames: Vec<Bytes>) -> Result<(), SglangError> {
     let msg = ZmqMessage::try_from(frames).map_err(zmq)?;
@@ -362,6 +402,8 @@ struct Held<'a> {
     id: RegionId,
     lease: Lease,
     room: u64,
+    /// Its waiter (removed only if still its own).
+    waiter: mpsc::Sender<Inbound>,
     /// Every write arrived: the pages can be reused at once.
     done: bool,
 }
@@ -375,7 +417,10 @@ impl Drop for Held<'_> {
         } else {
             self.r.pool.quarantine_at(self.lease, Instant::now());
         }
-        lock(&self.r.waiters).remove(&self.room);
+        let mut waiters = lock(&self.r.waiters);
+        if waiters.get(&self.room).is_some_and(|w| w.same_channel(&self.waiter)) {
+            waiters.remove(&self.room);
+        }
     }
 }
 

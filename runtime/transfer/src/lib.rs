@@ -165,7 +165,7 @@ impl WriteRequest {
     ) -> Self {
         let mut checksum = 0u64;
         let mut bytes = 0u64;
-        for (b, off) in &pairs {
+        for (b, off) in pairs.iter().filter(|(b, _)| !b.is_empty()) {
             checksum = checksum.wrapping_add(inbox::placement::segment_digest(*off, b));
             bytes += b.len() as u64;
         }

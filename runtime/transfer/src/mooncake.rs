@@ -7,7 +7,7 @@
 //! - **As a target (receiver)**, it exposes open receive regions at synthetic addresses
 //!   ([`exposure::Exposed`]) and applies v2 WRITEs into them through the verifying inbox.
 //!   READ is refused. Only hosts it sent handshakes to may open data connections. The
-//!   descriptor lists only open regions.
+//!   descriptor lists no buffers (TCP initiators do not read them).
 //! - **As an initiator (sender)**, it fetches a target's descriptor (cached per peer), writes
 //!   over a few pooled lanes per peer, each write acked (v2), and reconnects after a reject
 //!   or an error.
@@ -48,7 +48,8 @@ pub struct MooncakeConfig {
     pub handshake_timeout: Duration,
     /// Time for one write's body and ack (the wheel's status timeout is 30 s).
     pub io_timeout: Duration,
-    /// Data connections used at once per peer (the wheel's lanes; default 4).
+    /// Data connections in use at once per peer, by all writes together (the wheel's lanes;
+    /// default 4, at most 16).
     pub lanes: usize,
     /// Inbound connections served at once, per listener.
     pub max_inbound: usize,
@@ -88,7 +89,7 @@ const SUCCESS: &str = "success";
 /// The connection identity of everything from host `ip`: Mooncake's wire has no sessions,
 /// so a region's sender is bound to the host that first wrote for it.
 pub fn peer_conn(ip: IpAddr) -> ConnId {
-    let bytes = match ip {
+    let bytes = match ip.to_canonical() {
         IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
         IpAddr::V6(v6) => v6.octets(),
     };
@@ -104,6 +105,8 @@ struct Shared {
     data_host: String,
     data_port: u16,
     cfg: MooncakeConfig,
+    /// The descriptor's JSON, made once.
+    descriptor: Vec<u8>,
 }
 
 /// The mooncake backend (see the module docs).
@@ -137,7 +140,7 @@ impl MooncakeTransfer {
         let (r, d): (SocketAddr, SocketAddr) = (rpc.local_addr()?, data.local_addr()?);
         let host = advertise_ip.unwrap_or_else(|| r.ip().to_string());
         let addr = AgentAddr { ip: host.clone(), port: r.port() };
-        let shared = Arc::new(Shared {
+        let mut shared = Shared {
             inbox,
             exposed: Exposed::default(),
             remotes: Remotes::default(),
@@ -145,7 +148,10 @@ impl MooncakeTransfer {
             data_host: host,
             data_port: d.port(),
             cfg: cfg.clone(),
-        });
+            descriptor: Vec::new(),
+        };
+        shared.descriptor = target::descriptor(&shared).to_json();
+        let shared = Arc::new(shared);
         target::serve(rpc, data, shared.clone(), tasks);
         let client = initiator::Initiator::new(shared.session.clone(), cfg);
         Ok(MooncakeTransfer { addr, shared, client })

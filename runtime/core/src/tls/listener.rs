@@ -1,7 +1,8 @@
 //! [`TlsListener`]: accepted TCP connections, handed out once their TLS handshake is done.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -12,15 +13,20 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tracing::debug;
 
-type Handshake = Pin<Box<dyn Future<Output = Option<(TlsStream<TcpStream>, SocketAddr)>> + Send>>;
+type Handshake = Pin<Box<dyn Future<Output = (SocketAddr, Option<TlsStream<TcpStream>>)> + Send>>;
+
+/// Handshakes one address may have in progress; more from it are closed at once.
+pub const HANDSHAKES_PER_HOST: usize = 8;
 
 /// A TCP listener whose connections come out TLS-wrapped (see the module docs). Handshakes
 /// run side by side, each within `handshake_timeout`; at most `max_handshakes` at once, beyond
-/// which accepting waits.
+/// which accepting waits, and at most [`HANDSHAKES_PER_HOST`] from one address, beyond which
+/// its new connections are closed (one host cannot take every place).
 pub struct TlsListener {
     tcp: TcpListener,
     acceptor: TlsAcceptor,
     handshakes: FuturesUnordered<Handshake>,
+    per_host: HashMap<IpAddr, usize>,
     handshake_timeout: Duration,
     max_handshakes: usize,
 }
@@ -51,29 +57,47 @@ impl TlsListener {
             tcp,
             acceptor,
             handshakes: FuturesUnordered::new(),
+            per_host: HashMap::new(),
             handshake_timeout,
             max_handshakes: max_handshakes.max(1),
         }
     }
 
     fn begin(&mut self, stream: TcpStream, peer: SocketAddr) {
+        let host = peer.ip().to_canonical();
+        let busy = self.per_host.entry(host).or_default();
+        if *busy >= HANDSHAKES_PER_HOST {
+            debug!(%peer, "too many TLS handshakes from this host; closed");
+            return;
+        }
+        *busy += 1;
         // Best effort, as for plain listeners: request/response traffic must not wait on Nagle.
         let _ = stream.set_nodelay(true);
         let shake = self.acceptor.accept(stream);
         let deadline = self.handshake_timeout;
         self.handshakes.push(Box::pin(async move {
             match tokio::time::timeout(deadline, shake).await {
-                Ok(Ok(tls)) => Some((tls, peer)),
+                Ok(Ok(tls)) => (peer, Some(tls)),
                 Ok(Err(e)) => {
                     debug!(%peer, error = %e, "TLS handshake refused");
-                    None
+                    (peer, None)
                 }
                 Err(_) => {
                     debug!(%peer, "TLS handshake timed out");
-                    None
+                    (peer, None)
                 }
             }
         }));
+    }
+
+    fn end(&mut self, peer: SocketAddr) {
+        let host = peer.ip().to_canonical();
+        if let Some(n) = self.per_host.get_mut(&host) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_host.remove(&host);
+            }
+        }
     }
 
     /// The next connection whose handshake succeeded. Cancel-safe: handshakes in progress
@@ -82,9 +106,10 @@ impl TlsListener {
         loop {
             let room = self.handshakes.len() < self.max_handshakes;
             tokio::select! {
-                Some(done) = self.handshakes.next(), if !self.handshakes.is_empty() => {
-                    if let Some(conn) = done {
-                        return conn;
+                Some((peer, done)) = self.handshakes.next(), if !self.handshakes.is_empty() => {
+                    self.end(peer);
+                    if let Some(tls) = done {
+                        return (tls, peer);
                     }
                 }
                 accepted = self.tcp.accept(), if room => match accepted {

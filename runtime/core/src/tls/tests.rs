@@ -36,6 +36,13 @@ async fn listener(tls: &ClusterTls, timeout: Duration, max: usize) -> (u16, TlsL
     (port, TlsListener::with_limits(tcp, tls.acceptor().clone(), timeout, max))
 }
 
+/// A connection from `host` (a loopback address of its own).
+async fn from(host: [u8; 4], port: u16) -> TcpStream {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind((host, 0).into()).unwrap();
+    sock.connect(([127, 0, 0, 1], port).into()).await.unwrap()
+}
+
 #[tokio::test]
 async fn silent_peers_do_not_hold_up_a_handshake() {
     let ca = TestCa::new();
@@ -43,8 +50,9 @@ async fn silent_peers_do_not_hold_up_a_handshake() {
     let (port, l) = listener(&tls, Duration::from_secs(60), 256).await;
     let server = tokio::spawn(echo(l));
     let mut silent = Vec::new();
-    for _ in 0..50 {
-        silent.push(TcpStream::connect(("127.0.0.1", port)).await.unwrap());
+    // 50 silent peers on 10 hosts (127.0.0.2..11), 5 each: within the per-host bound.
+    for i in 0..50u8 {
+        silent.push(from([127, 0, 0, 2 + i % 10], port).await);
     }
     // Handshakes run side by side: one behind 50 silent peers finishes at once.
     let got = tokio::time::timeout(Duration::from_secs(5), round_trip(&tls, port)).await;
@@ -54,6 +62,32 @@ async fn silent_peers_do_not_hold_up_a_handshake() {
     let stranger = TestCa::new().issue().cluster();
     assert!(round_trip(&stranger, port).await.is_err(), "another CA's certificate");
     assert_eq!(round_trip(&tls, port).await.unwrap(), *b"ping");
+    server.abort();
+}
+
+#[tokio::test]
+async fn one_host_cannot_take_every_place() {
+    let tls = TestCa::new().issue().cluster();
+    let (port, l) = listener(&tls, Duration::from_secs(60), 256).await;
+    let server = tokio::spawn(echo(l));
+    let mut hog = Vec::new();
+    for _ in 0..HANDSHAKES_PER_HOST + 20 {
+        hog.push(from([127, 0, 0, 9], port).await);
+    }
+    // Its connections past the bound are closed at once...
+    let mut closed = 0;
+    for s in hog.iter_mut() {
+        let mut b = [0u8; 1];
+        if let Ok(Ok(0) | Err(_)) =
+            tokio::time::timeout(Duration::from_millis(200), s.read(&mut b)).await
+        {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 20, "{closed} of the hog's connections closed");
+    // ...and everyone else is served at once.
+    let got = tokio::time::timeout(Duration::from_secs(5), round_trip(&tls, port)).await;
+    assert_eq!(got.expect("not held up").unwrap(), *b"ping");
     server.abort();
 }
 

@@ -5,8 +5,8 @@
 //!
 //! The checksum is the wrapping sum of each segment's digest, so it does not depend on the
 //! order segments arrive in (a sender may spread them over several connections). Summing is
-//! safe here because every byte is written exactly once: a segment can neither repeat nor
-//! overlap another.
+//! safe here because every byte is written exactly once: a non-empty segment can neither
+//! repeat nor overlap another. Empty segments count for nothing on either side.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -103,11 +103,12 @@ impl Placement {
     /// Records a checked segment.
     pub(super) fn record(&mut self, offset: u64, bytes: &[u8]) {
         let (mut start, mut end) = (offset, offset + bytes.len() as u64);
-        self.checksum = self.checksum.wrapping_add(segment_digest(offset, bytes));
-        self.bytes += bytes.len() as u64;
         if start == end {
+            // An empty segment lands nowhere and counts for nothing (backends may drop it).
             return;
         }
+        self.checksum = self.checksum.wrapping_add(segment_digest(offset, bytes));
+        self.bytes += bytes.len() as u64;
         // Merge with the neighbours it touches.
         if let Some((&s, &e)) = self.written.range(..=start).next_back()
             && e == start

@@ -3,8 +3,8 @@
 //! - [`Exposed`] (target side): open receive regions at synthetic addresses. A region is
 //!   mapped whole at a random base in [2^40, 2^62), or in pieces at addresses a protocol
 //!   chose (SGLang's page pools); mappings never overlap. A write's address range must fall
-//!   inside one mapping of a region that is still open, checked with overflow checks while
-//!   the region is held. Only hosts the target announced itself to (the senders it sent
+//!   inside one mapping of a region that is still open (checked with overflow checks; the
+//!   inbox checks again, under the region's lock, when the bytes land). Only hosts the target announced itself to (the senders it sent
 //!   handshakes) may open data connections.
 //! - [`Remotes`] (initiator side): the base of each region a receiver handed this agent
 //!   (several of its senders may write one region); the oldest are forgotten first.
@@ -181,6 +181,7 @@ impl Exposed {
 
     /// Lets `ip` open data connections (a host this target sent a handshake to).
     pub fn allow(&self, ip: IpAddr) {
+        let ip = ip.to_canonical();
         let mut t = lock(&self.table);
         if t.peers.contains(&ip) {
             return;
@@ -193,18 +194,7 @@ impl Exposed {
 
     /// Whether `ip` may open data connections.
     pub fn allowed(&self, ip: IpAddr) -> bool {
-        lock(&self.table).peers.contains(&ip)
-    }
-
-    /// Mapped ranges of open regions, as (start, length), for the segment descriptor.
-    pub fn buffers(&self, inbox: &Inbox) -> Vec<(u64, u64)> {
-        let t = lock(&self.table);
-        let open = |id: RegionId| inbox.open_len(id).is_some();
-        t.by_start
-            .iter()
-            .filter(|(_, m)| m.len > 0 && open(m.region))
-            .map(|(&s, m)| (s, m.len))
-            .collect()
+        lock(&self.table).peers.contains(&ip.to_canonical())
     }
 }
 

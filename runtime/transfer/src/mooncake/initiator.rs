@@ -10,6 +10,7 @@ use futures::future::try_join_all;
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
 
 use super::wire::{self, FrameType, Header, NotifyMsg, OP_V2, OP_WRITE, SegmentDesc, Status};
 use super::{MooncakeConfig, SUCCESS};
@@ -27,6 +28,7 @@ pub struct Initiator {
     cfg: MooncakeConfig,
     descriptors: Mutex<HashMap<AgentAddr, Arc<SegmentDesc>>>,
     idle: Mutex<HashMap<Endpoint, Vec<TcpStream>>>,
+    gates: Mutex<HashMap<Endpoint, Arc<Semaphore>>>,
     dials: AtomicU64,
 }
 
@@ -52,6 +54,7 @@ impl Initiator {
             cfg,
             descriptors: Mutex::default(),
             idle: Mutex::default(),
+            gates: Mutex::default(),
             dials: AtomicU64::new(0),
         }
     }
@@ -178,7 +181,10 @@ impl Initiator {
         done
     }
 
-    /// Sends one lane's writes in turn over one connection, each acked.
+    /// Sends one lane's writes in turn over one connection, each acked. At most `lanes`
+    /// connections per endpoint are in use at once; a pooled connection that turns out dead
+    /// on its first write is replaced once (nothing of a write lands before all of it
+    /// arrived, so sending it again is safe).
     async fn lane(
         &self,
         peer: &AgentAddr,
@@ -188,53 +194,86 @@ impl Initiator {
         if writes.is_empty() {
             return Ok(());
         }
-        let mut s = self.checkout(peer, endpoint).await?;
-        for (addr, bytes) in writes {
-            let h = Header { size: bytes.len() as u64, addr, opcode: OP_WRITE | OP_V2 };
-            let one = async {
-                s.write_all(&h.encode()).await?;
-                s.write_all(&bytes).await?;
-                s.flush().await?;
-                s.read_u64_le().await
-            };
-            let word = tokio::time::timeout(self.cfg.io_timeout, one)
-                .await
-                .map_err(|_| TransferError::Timeout(format!("for a mooncake write to {peer}")))?
-                .map_err(|e| io_err(peer, e))?;
-            match wire::status(word) {
-                Status::Ok => {}
-                Status::Rejected => {
-                    return Err(TransferError::Rejected(format!(
-                        "{peer} refused a write of {} bytes at {addr:#x}",
-                        h.size
-                    )));
+        let gate = self.gate(endpoint);
+        let _place = gate.acquire_owned().await.map_err(|e| io_err(peer, e))?;
+        let (mut s, mut pooled) = match self.pooled(endpoint) {
+            Some(s) => (s, true),
+            None => (self.dial(peer, endpoint).await?, false),
+        };
+        for (addr, bytes) in &writes {
+            let first = self.write_one(&mut s, peer, *addr, bytes).await;
+            match first {
+                Err(TransferError::Io { .. }) if pooled => {
+                    s = self.dial(peer, endpoint).await?;
+                    self.write_one(&mut s, peer, *addr, bytes).await?;
                 }
-                Status::Unknown(w) => {
-                    return Err(TransferError::Malformed(format!(
-                        "mooncake: status {w:#x} from {peer}"
-                    )));
-                }
+                other => other?,
             }
+            pooled = false;
         }
         self.checkin(endpoint, s);
         Ok(())
     }
 
-    async fn checkout(
+    /// One v2 write on `s`, and its ack.
+    async fn write_one(
         &self,
+        s: &mut TcpStream,
         peer: &AgentAddr,
-        endpoint: &Endpoint,
-    ) -> Result<TcpStream, TransferError> {
+        addr: u64,
+        bytes: &Bytes,
+    ) -> Result<(), TransferError> {
+        let h = Header { size: bytes.len() as u64, addr, opcode: OP_WRITE | OP_V2 };
+        let one = async {
+            s.write_all(&h.encode()).await?;
+            s.write_all(bytes).await?;
+            s.flush().await?;
+            s.read_u64_le().await
+        };
+        let word = tokio::time::timeout(self.cfg.io_timeout, one)
+            .await
+            .map_err(|_| TransferError::Timeout(format!("for a mooncake write to {peer}")))?
+            .map_err(|e| io_err(peer, e))?;
+        match wire::status(word) {
+            Status::Ok => Ok(()),
+            Status::Rejected => Err(TransferError::Rejected(format!(
+                "{peer} refused a write of {} bytes at {addr:#x}",
+                h.size
+            ))),
+            Status::Unknown(w) => {
+                Err(TransferError::Malformed(format!("mooncake: status {w:#x} from {peer}")))
+            }
+        }
+    }
+
+    /// The endpoint's gate: `lanes` places.
+    fn gate(&self, endpoint: &Endpoint) -> Arc<Semaphore> {
+        let mut gates = lock(&self.gates);
+        if !gates.contains_key(endpoint) && gates.len() >= MAX_PEERS {
+            gates.retain(|_, g| Arc::strong_count(g) > 1);
+        }
+        let lanes = self.cfg.lanes.clamp(1, 16);
+        gates.entry(endpoint.clone()).or_insert_with(|| Arc::new(Semaphore::new(lanes))).clone()
+    }
+
+    /// An idle connection to `endpoint` that still looks alive.
+    fn pooled(&self, endpoint: &Endpoint) -> Option<TcpStream> {
         loop {
-            let pooled = lock(&self.idle).get_mut(endpoint).and_then(Vec::pop);
-            let Some(s) = pooled else { break };
+            let s = lock(&self.idle).get_mut(endpoint).and_then(Vec::pop)?;
             // An idle connection must have nothing to read: data or EOF means it is stale.
             let mut probe = [0u8; 1];
             if matches!(s.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
             {
-                return Ok(s);
+                return Some(s);
             }
         }
+    }
+
+    async fn dial(
+        &self,
+        peer: &AgentAddr,
+        endpoint: &Endpoint,
+    ) -> Result<TcpStream, TransferError> {
         self.dials.fetch_add(1, Ordering::Relaxed);
         let dial = TcpStream::connect((endpoint.0.as_str(), endpoint.1));
         let s = tokio::time::timeout(self.cfg.connect_timeout, dial)

@@ -10,8 +10,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::debug;
 
 use super::wire::{
-    self, BufferDesc, FrameType, HEADER_LEN, Header, NotifyMsg, STATUS_OK, STATUS_REJECTED,
-    SegmentDesc,
+    self, FrameType, HEADER_LEN, Header, NotifyMsg, STATUS_OK, STATUS_REJECTED, SegmentDesc,
 };
 use super::{Control, SUCCESS, Shared, peer_conn};
 use crate::TransferError;
@@ -30,16 +29,12 @@ pub(super) fn serve(rpc: TcpListener, data: TcpListener, shared: Arc<Shared>, ta
     });
 }
 
-/// The descriptor of this segment: only open regions are listed.
-fn descriptor(s: &Shared) -> SegmentDesc {
-    let buffers = s
-        .exposed
-        .buffers(&s.inbox)
-        .into_iter()
-        .map(|(addr, length)| BufferDesc { addr, length, name: s.session.clone() })
-        .collect();
+/// The descriptor of this segment. It lists no buffers: Mooncake's TCP initiators never
+/// check a target's buffers (only the target validates), and listing live regions would hand
+/// anyone who asks their addresses, in a reply that grows with the load.
+pub(super) fn descriptor(s: &Shared) -> SegmentDesc {
     SegmentDesc {
-        buffers,
+        buffers: Vec::new(),
         name: s.session.clone(),
         protocol: "tcp".into(),
         rdma_server_name: String::new(),
@@ -59,7 +54,7 @@ async fn handshake(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
         Err(_) => return debug!(%peer, "mooncake handshake too slow"),
     };
     let reply = match frame {
-        (FrameType::Metadata, _) => descriptor(s).to_json(),
+        (FrameType::Metadata, _) => s.descriptor.clone(),
         (FrameType::Probe, _) => wire::json_line(&json!({ "status": "success" })),
         (FrameType::Notify, body) => {
             let answer = match on_notify(&body, peer, s) {

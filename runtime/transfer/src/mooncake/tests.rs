@@ -146,18 +146,17 @@ impl Pair {
 }
 
 #[tokio::test]
-async fn the_target_answers_probes_lists_only_open_regions_and_refuses_strangers() {
+async fn the_target_answers_probes_lists_no_regions_and_refuses_strangers() {
     let p = pair(None).await;
     let s = SenderId::new(0, 0);
     let client = p.rx_backend.initiator();
     client.probe(&p.rx.addr()).await.unwrap();
-    assert!(client.descriptor(&p.rx.addr(), true).await.unwrap().buffers.is_empty());
     let r = Room::mint();
     let id = region(&p, r, 4096, &[s], None).await;
+    // Nobody learns a live region's address by asking.
     let d = client.descriptor(&p.rx.addr(), true).await.unwrap();
-    assert_eq!(d.buffers.len(), 1);
-    assert_eq!((d.buffers[0].length, d.tcp_proto_version), (4096, 2));
-    let base = d.buffers[0].addr;
+    assert!(d.buffers.is_empty() && d.tcp_proto_version == 2);
+    let base = p.tx_base(id);
 
     // A host no handshake named (127.0.0.2; the sender is 127.0.0.1) is cut off at once.
     let sock = tokio::net::TcpSocket::new_v4().unwrap();
@@ -179,7 +178,6 @@ async fn the_target_answers_probes_lists_only_open_regions_and_refuses_strangers
     p.rx.inbox().release(id);
     let e = client.write(&p.rx.addr(), base, &[(pattern(8, 1), 0)]).await.unwrap_err();
     assert!(matches!(e, TransferError::Rejected(_) | TransferError::Io { .. }), "{e}");
-    assert!(client.descriptor(&p.rx.addr(), true).await.unwrap().buffers.is_empty());
     p.tasks.shutdown().await;
 }
 
@@ -191,7 +189,7 @@ async fn overflowing_headers_and_a_peer_gone_mid_write_touch_nothing() {
     let id = region(&p, r, 4096, &[s], None).await;
     let client = p.rx_backend.initiator();
     let d = client.descriptor(&p.rx.addr(), true).await.unwrap();
-    let (base, data) = (d.buffers[0].addr, SocketAddr::from(([127, 0, 0, 1], d.tcp_data_port)));
+    let (base, data) = (p.tx_base(id), SocketAddr::from(([127, 0, 0, 1], d.tcp_data_port)));
     // addr + size overflows u64: refused with a status, connection closed.
     let mut conn = tokio::net::TcpStream::connect(data).await.unwrap();
     let h = wire::Header { size: 16, addr: u64::MAX - 4, opcode: wire::OP_WRITE | wire::OP_V2 };
@@ -211,5 +209,18 @@ async fn overflowing_headers_and_a_peer_gone_mid_write_touch_nothing() {
         .await
         .unwrap();
     assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, pairs[0].0.to_vec());
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_empty_pair_does_not_upset_the_checksum() {
+    let p = pair(None).await;
+    let s = SenderId::new(0, 0);
+    let r = Room::mint();
+    let id = region(&p, r, 64, &[s], None).await;
+    // The initiator drops the empty pair; sender and receiver both leave it out of the sum.
+    let pairs = vec![(Bytes::new(), 10), (pattern(64, 2), 0)];
+    p.tx.post_write(&p.rx.addr(), WriteRequest::new(id, pairs, r, s, 1, 1, 0)).await.unwrap();
+    assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, pattern(64, 2).to_vec());
     p.tasks.shutdown().await;
 }
