@@ -204,6 +204,11 @@ impl DiscoveryArgs {
 /// `handoff scheduler`.
 #[derive(Debug, Clone, Args)]
 pub struct SchedulerArgs {
+    /// An engine instance (vLLM, SGLang) to route to, followed through its KV events:
+    /// `id=NAME,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N][,page=N][,url=HOST:PORT]
+    /// [,health=HOST:PORT][,model=NAME][,topic=TOPIC]` (repeat for more).
+    #[arg(long = "engine", value_parser = engine::engine_arg)]
+    pub engines: Vec<engine::EngineArg>,
     /// gRPC listener.
     #[arg(long, default_value = "127.0.0.1:50052")]
     pub listen: SocketAddr,
@@ -465,5 +470,6 @@ pub struct UpArgs {
     pub discovery: DiscoveryArgs,
 }
 
+pub mod engine;
 #[cfg(test)]
 mod tests;

@@ -4,6 +4,7 @@
 
 mod cluster {
     pub(crate) mod discovery;
+    pub(crate) mod engines;
     pub(crate) mod processes;
     pub(crate) mod resync;
     pub(crate) mod servers;

@@ -7,6 +7,7 @@
 //! - [`Scheduler::start`] (this file): wires a state to a registry and an event bus with
 //!   owned tasks.
 
+pub mod engine;
 mod error;
 pub mod policy;
 mod rejects;

@@ -2,6 +2,7 @@
 
 mod admission;
 mod bookings;
+mod engines;
 mod member;
 mod pending;
 mod replicas;
@@ -157,6 +158,8 @@ struct Inner {
     /// Reused by every selection: overlap per slot, and the candidate list.
     run: Vec<u32>,
     candidates: Vec<Candidate>,
+    /// Engine instances registered here (kept across discovery resets).
+    engines: HashSet<InstanceId>,
 }
 
 impl Inner {
@@ -283,6 +286,7 @@ impl SchedulerState {
             bus_quiet: false,
             run: Vec::new(),
             candidates: Vec::new(),
+            engines: HashSet::new(),
         };
         SchedulerState {
             cfg,
@@ -326,8 +330,12 @@ impl SchedulerState {
         match u {
             Update::Reset(all) => {
                 let keep: HashSet<InstanceId> = all.iter().map(|i| i.id.clone()).collect();
-                let gone: Vec<_> =
-                    inner.members.keys().filter(|k| !keep.contains(*k)).cloned().collect();
+                let gone: Vec<_> = inner
+                    .members
+                    .keys()
+                    .filter(|k| !keep.contains(*k) && !inner.engines.contains(*k))
+                    .cloned()
+                    .collect();
                 for id in &gone {
                     inner.drop_member(id);
                 }

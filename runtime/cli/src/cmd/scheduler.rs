@@ -21,6 +21,9 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
         ..args.policy.config()
     };
     let scheduler = Scheduler::start(cfg, registry.clone(), bus, &tasks).await?;
+    for e in &args.engines {
+        scheduler.follow_engine(e.spec(), &tasks);
+    }
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;

@@ -367,3 +367,37 @@ fn a_snapshot_with_parents_rebuilds_the_index() {
     });
     assert_eq!(s.indexed_blocks(&"a".parse().unwrap(), 0).len(), 8);
 }
+
+#[test]
+fn engine_instances_survive_resets_take_their_own_ops_and_go_silent_like_others() {
+    use handoff_kv_events::IndexOp;
+    let s = SchedulerState::new(SchedulerConfig::default());
+    let t0 = Instant::now();
+    s.add_engine_at(inst("vllm-a", 2), t0);
+    s.apply_update(Update::Reset(vec![inst("p", 1)]));
+    assert!(s.is_engine(&"vllm-a".parse().unwrap()));
+    let prompt: Vec<u32> = (0..128).collect();
+    let h = block_hashes(&prompt, 16);
+    let id: InstanceId = "vllm-a".parse().unwrap();
+    s.apply_engine_ops(&id, 1, vec![IndexOp::Store { parent: None, blocks: h[..6].to_vec() }]);
+    let sel = s.select(&Ask::new(&h, 128)).unwrap();
+    assert_eq!((sel.instance.id.as_str(), sel.dp_rank, sel.cached_blocks), ("vllm-a", 1, 6));
+    s.report(sel.booking, Outcome::Success);
+    // A heartbeat never comes: silent past the liveness timeout (someone else is heard).
+    let later = t0 + s.config().liveness_timeout * 2;
+    let hb = Heartbeat {
+        instance: "p".parse().unwrap(),
+        queued_tokens: 0,
+        running: 0,
+        kv_bytes: 0,
+        prefill_ns_per_token: 0,
+    };
+    s.heartbeat_at(&hb, later);
+    assert_eq!(s.sweep_at(later), vec![id.clone()]);
+    assert!(s.indexed_blocks(&id, 1).is_empty(), "its entries go with it");
+    // Heard again (an event or its health probe): back, and never asked for a snapshot.
+    s.engine_heard_at(&id, later);
+    assert!(s.instances().iter().any(|i| i.instance.id == id && i.routable));
+    s.apply_engine_ops(&id, 0, vec![IndexOp::Store { parent: None, blocks: h[..2].to_vec() }]);
+    assert_eq!(s.indexed_blocks(&id, 0), h[..2].to_vec());
+}

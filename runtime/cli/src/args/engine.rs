@@ -1,0 +1,136 @@
+//! `--engine SPEC`: an engine instance (vLLM, SGLang) the scheduler routes to, without
+//! discovery: `id=NAME,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N][,page=N]
+//! [,url=HOST:PORT][,health=HOST:PORT][,model=NAME][,topic=TOPIC]`.
+//!
+//! dp rank r publishes on the events (and replay) port + r, as vLLM and SGLang do. `page` is
+//! the page size requests hash their prompts with (ours, default 16), whatever the engine's
+//! block size. `url` is where routers send the engine's requests; `health` (default `url`)
+//! answers `GET /health`.
+
+use std::time::Duration;
+
+use handoff_discovery::{Instance, Role, Topology};
+use handoff_kv_events::EngineEndpoint;
+use handoff_scheduler::engine::EngineSpec;
+
+/// An engine spec as given on the command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineArg {
+    id: String,
+    events: (String, u16),
+    replay: Option<(String, u16)>,
+    dp: u32,
+    page: u32,
+    url: String,
+    health: Option<String>,
+    model: String,
+    topic: String,
+}
+
+/// `tcp://host:port`.
+fn tcp(s: &str) -> Result<(String, u16), String> {
+    let rest = s.strip_prefix("tcp://").ok_or_else(|| format!("{s:?} is not tcp://HOST:PORT"))?;
+    let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("{s:?} has no port"))?;
+    let port = port.parse().map_err(|e| format!("{s:?}: port: {e}"))?;
+    Ok((host.to_owned(), port))
+}
+
+/// Parses `--engine`.
+pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
+    let mut fields = std::collections::HashMap::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        let (k, v) = part.split_once('=').ok_or_else(|| format!("{part:?} is not KEY=VALUE"))?;
+        if fields.insert(k, v).is_some() {
+            return Err(format!("{k} given twice"));
+        }
+    }
+    let need = |k: &str| fields.get(k).copied().ok_or_else(|| format!("{k}= is required"));
+    let number = |k: &str, default: u32| -> Result<u32, String> {
+        fields.get(k).map_or(Ok(default), |v| {
+            v.parse::<u32>()
+                .ok()
+                .filter(|n| (1..=1024).contains(n))
+                .ok_or_else(|| format!("{k}={v} is not a number from 1 to 1024"))
+        })
+    };
+    let known = ["id", "events", "replay", "dp", "page", "url", "health", "model", "topic"];
+    if let Some(k) = fields.keys().find(|k| !known.contains(k)) {
+        return Err(format!("unknown key {k:?} (known: {})", known.join(", ")));
+    }
+    let id = need("id")?.to_owned();
+    id.parse::<handoff_core::InstanceId>().map_err(|e| format!("id: {e}"))?;
+    let events = tcp(need("events")?)?;
+    let dp = number("dp", 1)?;
+    if u32::from(events.1) + dp > 65536 {
+        return Err(format!("events port {} + {dp} dp ranks overflows", events.1));
+    }
+    Ok(EngineArg {
+        id,
+        events,
+        replay: fields.get("replay").map(|r| tcp(r)).transpose()?,
+        dp,
+        page: number("page", 16)?,
+        url: fields.get("url").map(|u| u.to_string()).unwrap_or_default(),
+        health: fields.get("health").or(fields.get("url")).map(|h| h.to_string()),
+        model: fields.get("model").map(|m| m.to_string()).unwrap_or_default(),
+        topic: fields.get("topic").map(|t| t.to_string()).unwrap_or_default(),
+    })
+}
+
+impl EngineArg {
+    /// What the scheduler follows.
+    pub fn spec(&self) -> EngineSpec {
+        let at =
+            |(host, port): &(String, u16), r: u32| format!("tcp://{host}:{}", *port as u32 + r);
+        let events = (0..self.dp)
+            .map(|r| EngineEndpoint {
+                events: at(&self.events, r),
+                replay: self.replay.as_ref().map(|p| at(p, r)),
+                topic: self.topic.clone(),
+            })
+            .collect();
+        let instance = Instance {
+            id: self.id.parse().unwrap_or_else(|_| unreachable!("checked when parsed")),
+            role: Role::Prefill,
+            model: self.model.clone(),
+            bootstrap_addr: String::new(),
+            grpc_addr: self.url.clone(),
+            topology: Topology { dp: self.dp, tp: 1, pp: 1, cp: 1 },
+            page_size: self.page,
+            version: rand::random::<u64>() | 1,
+        };
+        EngineSpec {
+            instance,
+            events,
+            health: self.health.clone(),
+            probe_every: Duration::from_secs(1),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_and_bad_ones_say_why() {
+        let e = engine_arg("id=vllm-a,events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5567,dp=2,url=10.0.0.5:8000").unwrap();
+        let s = e.spec();
+        assert_eq!(s.events.len(), 2);
+        assert_eq!(s.events[1].events, "tcp://10.0.0.5:5558");
+        assert_eq!(s.events[1].replay.as_deref(), Some("tcp://10.0.0.5:5568"));
+        assert_eq!((s.instance.page_size, s.health.as_deref()), (16, Some("10.0.0.5:8000")));
+        for (bad, why) in [
+            ("events=tcp://h:1", "id= is required"),
+            ("id=a", "events= is required"),
+            ("id=a,events=http://h:1", "tcp://"),
+            ("id=a,events=tcp://h:1,dp=0", "dp=0"),
+            ("id=a,events=tcp://h:1,colour=red", "unknown key"),
+            ("id=a,id=b,events=tcp://h:1", "twice"),
+            ("id=a,events=tcp://h:65535,dp=2", "overflows"),
+        ] {
+            let e = engine_arg(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+}

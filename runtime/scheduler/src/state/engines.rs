@@ -1,0 +1,80 @@
+//! Engine instances (vLLM, SGLang) in the scheduler: registered here, not in discovery, and
+//! kept across discovery resets; their index slots fed by their own KV event streams
+//! (`handoff_kv_events`), not by handoff's bus; their liveness from those streams and a
+//! health probe, never from heartbeats, and never resynced from a handoff snapshot.
+
+use std::time::Instant;
+
+use handoff_core::InstanceId;
+use handoff_discovery::Instance;
+use handoff_kv_events::IndexOp;
+use tracing::info;
+
+use super::SchedulerState;
+
+impl SchedulerState {
+    /// Registers an engine instance (routable at once, as if just heard from).
+    pub fn add_engine(&self, instance: Instance) {
+        self.add_engine_at(instance, Instant::now());
+    }
+
+    /// [`SchedulerState::add_engine`] as of `now`.
+    pub fn add_engine_at(&self, instance: Instance, now: Instant) {
+        let mut inner = self.lock();
+        let id = instance.id.clone();
+        info!(instance = %id, "engine instance added");
+        inner.engines.insert(id.clone());
+        inner.admit(instance, now);
+        if let Some(m) = inner.members.get_mut(&id) {
+            // Its index comes from its own stream: never ask it for a handoff snapshot.
+            m.seq = Some(0);
+        }
+        inner.last_beat = Some(now);
+    }
+
+    /// The engine `id` was heard from (an event, or an answered health probe) at `now`.
+    pub fn engine_heard_at(&self, id: &InstanceId, now: Instant) {
+        let mut inner = self.lock();
+        let Some(m) = inner.members.get_mut(id) else { return };
+        m.seen = now;
+        m.seq = Some(0);
+        let resumed = std::mem::replace(&mut m.silent, false);
+        if resumed {
+            info!(instance = %id, "engine heard again; back in routing");
+            inner.sync(id);
+        }
+        inner.last_beat = Some(now);
+        inner.bus_quiet = false;
+    }
+
+    /// Applies what an engine's event stream says about its dp rank `dp_rank`.
+    pub fn apply_engine_ops(&self, id: &InstanceId, dp_rank: u32, ops: Vec<IndexOp>) {
+        let mut inner = self.lock();
+        let super::Inner { members, index, .. } = &mut *inner;
+        let Some(m) = members.get(id) else { return };
+        if !m.routable() {
+            return;
+        }
+        let Some(&slot) = m.slots.get(dp_rank as usize) else { return };
+        let mut clearing = false;
+        for op in ops {
+            match op {
+                IndexOp::Store { parent, blocks } => index.store_at(slot, parent, &blocks),
+                IndexOp::Remove { blocks } => index.remove_at(slot, &blocks),
+                IndexOp::Clear => {
+                    index.begin_clear_at(slot);
+                    clearing = true;
+                }
+            }
+        }
+        drop(inner);
+        if clearing {
+            self.settle_index();
+        }
+    }
+
+    /// Whether `id` is an engine instance registered here.
+    pub fn is_engine(&self, id: &InstanceId) -> bool {
+        self.lock().engines.contains(id)
+    }
+}
