@@ -75,3 +75,131 @@ async fn the_scheduler_routes_to_an_engine_by_its_kv_events() {
     let sel = chosen.expect("the engine's blocks reached the index");
     assert_eq!((sel.instance_id.as_str(), sel.prefill_addr.as_str()), ("vllm-a", "127.0.0.1:8000"));
 }
+
+/// SGLang's own publisher (`peers/sglang_publisher.py` in the sglang crate), driven line by
+/// line.
+struct SglangPublisher {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    out: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl SglangPublisher {
+    fn start(port: u16, replay: u16, dp: u32) -> Self {
+        use std::io::BufRead;
+        let python = std::env::var("HANDOFF_PEERS_PYTHON").unwrap_or_else(|_| {
+            panic!("HANDOFF_PEERS_PYTHON is not set: run `export HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\"` (scripts/test does)")
+        });
+        let script =
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../sglang/tests/peers/sglang_publisher.py");
+        let mut child = std::process::Command::new(python)
+            .args([script, &port.to_string(), &replay.to_string(), &dp.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("the peers' python runs");
+        let stdin = child.stdin.take().unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ready", "SGLang's publisher started");
+        SglangPublisher { child, stdin, out }
+    }
+
+    fn send(&mut self, cmd: serde_json::Value) {
+        use std::io::{BufRead, Write};
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.out.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ok", "{cmd}");
+    }
+}
+
+impl Drop for SglangPublisher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// SGLang's page-size-1 stores: one event of `tokens.len()` blocks with signed hashes.
+fn sglang_store(dp: u32, first_hash: i64, tokens: &[u32]) -> serde_json::Value {
+    let hashes: Vec<i64> = (0..tokens.len() as i64).map(|i| first_hash - i).collect();
+    serde_json::json!({"dp": dp, "stored": {"hashes": hashes, "parent": null, "tokens": tokens, "block_size": 1}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglangs_own_publisher_drives_routing_with_replay_removal_and_clear() {
+    // dp rank 1 uses port + 1 and replay + 1: the four must not collide.
+    let (port, mut replay) = (free_port(), free_port());
+    while replay.abs_diff(port) < 2 {
+        replay = free_port();
+    }
+    let mut sgl = tokio::task::block_in_place(|| SglangPublisher::start(port, replay, 2));
+    let a: Vec<u32> = (100..164).collect();
+    let b: Vec<u32> = (700..764).collect();
+    // Published before the scheduler listens: recovered only through SGLang's replay socket.
+    tokio::task::block_in_place(|| sgl.send(sglang_store(1, -10, &a)));
+
+    let spec = format!(
+        "id=sgl-a,events=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay},dp=2,url=127.0.0.1:30000"
+    );
+    let (_s, line) = Handoff::spawn(&["scheduler", "--listen", "127.0.0.1:0", "--engine", &spec]);
+    let addr = addr_after(&line, "grpc://");
+    let client = SchedulerClient::connect(format!("http://{addr}")).await.unwrap();
+    let select = |tokens: Vec<u32>| {
+        let mut client = client.clone();
+        async move {
+            let hashes = block_hashes(&tokens, 16).into_iter().map(|h| h.0).collect();
+            let ask = SelectPrefillRequest {
+                block_hashes: hashes,
+                prompt_tokens: 64,
+                ..Default::default()
+            };
+            client.select_prefill(ask).await.unwrap().into_inner()
+        }
+    };
+    // B goes live on dp 1 until the subscriber has joined; its first message triggers the
+    // replay that brings A. (Watched through ListInstances: a selection would count the
+    // prompt as on its way to where it sent it.)
+    let indexed = |client: &SchedulerClient<tonic::transport::Channel>| {
+        let mut client = client.clone();
+        async move {
+            let all = client.list_instances(handoff_proto::v1::ListInstancesRequest {}).await;
+            all.unwrap().into_inner().instances.iter().map(|i| i.cached_blocks).sum::<u64>()
+        }
+    };
+    let mut seen = 0;
+    for i in 0..60 {
+        tokio::task::block_in_place(|| sgl.send(sglang_store(1, -1000 - 100 * i, &b)));
+        seen = indexed(&client).await;
+        if seen >= 8 {
+            break;
+        }
+    }
+    assert_eq!(seen, 8, "A (replayed) and B (live), 4 pages each");
+    let (sa, sb) = (select(a.clone()).await, select(b.clone()).await);
+    assert_eq!((sa.instance_id.as_str(), sa.dp_rank, sa.cached_blocks), ("sgl-a", 1, 4));
+    assert_eq!((sb.dp_rank, sb.cached_blocks), (1, 4));
+    // Removing A's 10th token block removes our first page of A (it holds that token).
+    tokio::task::block_in_place(|| sgl.send(serde_json::json!({"dp": 1, "removed": [-10 - 9]})));
+    let mut left = seen;
+    for _ in 0..40 {
+        left = indexed(&client).await;
+        if left < seen {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(left, 7, "the page holding the removed block goes, nothing else");
+    tokio::task::block_in_place(|| sgl.send(serde_json::json!({"dp": 1, "cleared": true})));
+    for _ in 0..40 {
+        left = indexed(&client).await;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(left, 0, "a clear reaches the index");
+}
