@@ -76,24 +76,23 @@ async fn the_scheduler_routes_to_an_engine_by_its_kv_events() {
     assert_eq!((sel.instance_id.as_str(), sel.prefill_addr.as_str()), ("vllm-a", "127.0.0.1:8000"));
 }
 
-/// SGLang's own publisher (`peers/sglang_publisher.py` in the sglang crate), driven line by
-/// line.
-struct SglangPublisher {
+/// An engine's own publisher (`peers/{sglang,vllm}_publisher.py` in the sglang crate),
+/// driven line by line.
+struct EnginePublisher {
     child: std::process::Child,
     stdin: std::process::ChildStdin,
     out: std::io::BufReader<std::process::ChildStdout>,
 }
 
-impl SglangPublisher {
-    fn start(port: u16, replay: u16, dp: u32) -> Self {
+impl EnginePublisher {
+    fn start(script: &str, port: u16, replay: u16, dp: u32) -> Self {
         use std::io::BufRead;
         let python = std::env::var("HANDOFF_PEERS_PYTHON").unwrap_or_else(|_| {
             panic!("HANDOFF_PEERS_PYTHON is not set: run `export HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\"` (scripts/test does)")
         });
-        let script =
-            concat!(env!("CARGO_MANIFEST_DIR"), "/../sglang/tests/peers/sglang_publisher.py");
+        let script = format!("{}/../sglang/tests/peers/{script}", env!("CARGO_MANIFEST_DIR"));
         let mut child = std::process::Command::new(python)
-            .args([script, &port.to_string(), &replay.to_string(), &dp.to_string()])
+            .args([&script, &port.to_string(), &replay.to_string(), &dp.to_string()])
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
@@ -103,8 +102,8 @@ impl SglangPublisher {
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready", "SGLang's publisher started");
-        SglangPublisher { child, stdin, out }
+        assert_eq!(line.trim(), "ready", "{script} started");
+        EnginePublisher { child, stdin, out }
     }
 
     fn send(&mut self, cmd: serde_json::Value) {
@@ -116,31 +115,62 @@ impl SglangPublisher {
     }
 }
 
-impl Drop for SglangPublisher {
+impl Drop for EnginePublisher {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }
 
-/// SGLang's page-size-1 stores: one event of `tokens.len()` blocks with signed hashes.
+/// SGLang's page-size-1 stores: one event of `tokens.len()` blocks with signed hashes; the
+/// hash of token `i`'s block.
 fn sglang_store(dp: u32, first_hash: i64, tokens: &[u32]) -> serde_json::Value {
     let hashes: Vec<i64> = (0..tokens.len() as i64).map(|i| first_hash - i).collect();
     serde_json::json!({"dp": dp, "stored": {"hashes": hashes, "parent": null, "tokens": tokens, "block_size": 1}})
 }
 
+fn sglang_block_of(first_hash: i64, token: usize) -> serde_json::Value {
+    serde_json::json!(first_hash - token as i64)
+}
+
+/// vLLM's stores: blocks of 16 with unsigned hashes.
+fn vllm_store(dp: u32, first_hash: i64, tokens: &[u32]) -> serde_json::Value {
+    let hashes: Vec<u64> =
+        (0..tokens.len() as u64 / 16).map(|i| first_hash.unsigned_abs() * 1000 + i).collect();
+    serde_json::json!({"dp": dp, "stored": {"hashes": hashes, "parent": null, "tokens": tokens, "block_size": 16}})
+}
+
+fn vllm_block_of(first_hash: i64, token: usize) -> serde_json::Value {
+    serde_json::json!(first_hash.unsigned_abs() * 1000 + token as u64 / 16)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglangs_own_publisher_drives_routing_with_replay_removal_and_clear() {
+    drive("sglang_publisher.py", sglang_store, sglang_block_of).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_own_publisher_drives_routing_with_replay_removal_and_clear() {
+    drive("vllm_publisher.py", vllm_store, vllm_block_of).await;
+}
+
+/// An engine's own publisher, two dp ranks: a store published before the scheduler listens
+/// (recovered through the engine's replay socket), a live one, a removal and a clear.
+async fn drive(
+    script: &str,
+    store: fn(u32, i64, &[u32]) -> serde_json::Value,
+    block_of: fn(i64, usize) -> serde_json::Value,
+) {
     // dp rank 1 uses port + 1 and replay + 1: the four must not collide.
     let (port, mut replay) = (free_port(), free_port());
     while replay.abs_diff(port) < 2 {
         replay = free_port();
     }
-    let mut sgl = tokio::task::block_in_place(|| SglangPublisher::start(port, replay, 2));
+    let mut sgl = tokio::task::block_in_place(|| EnginePublisher::start(script, port, replay, 2));
     let a: Vec<u32> = (100..164).collect();
     let b: Vec<u32> = (700..764).collect();
     // Published before the scheduler listens: recovered only through SGLang's replay socket.
-    tokio::task::block_in_place(|| sgl.send(sglang_store(1, -10, &a)));
+    tokio::task::block_in_place(|| sgl.send(store(1, -10, &a)));
 
     let spec = format!(
         "id=sgl-a,events=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay},dp=2,url=127.0.0.1:30000"
@@ -172,7 +202,7 @@ async fn sglangs_own_publisher_drives_routing_with_replay_removal_and_clear() {
     };
     let mut seen = 0;
     for i in 0..60 {
-        tokio::task::block_in_place(|| sgl.send(sglang_store(1, -1000 - 100 * i, &b)));
+        tokio::task::block_in_place(|| sgl.send(store(1, -1000 - 100 * i, &b)));
         seen = indexed(&client).await;
         if seen >= 8 {
             break;
@@ -182,8 +212,9 @@ async fn sglangs_own_publisher_drives_routing_with_replay_removal_and_clear() {
     let (sa, sb) = (select(a.clone()).await, select(b.clone()).await);
     assert_eq!((sa.instance_id.as_str(), sa.dp_rank, sa.cached_blocks), ("sgl-a", 1, 4));
     assert_eq!((sb.dp_rank, sb.cached_blocks), (1, 4));
-    // Removing A's 10th token block removes our first page of A (it holds that token).
-    tokio::task::block_in_place(|| sgl.send(serde_json::json!({"dp": 1, "removed": [-10 - 9]})));
+    // Removing the block holding A's 10th token removes our first page of A.
+    let removed = serde_json::json!({"dp": 1, "removed": [block_of(-10, 9)]});
+    tokio::task::block_in_place(|| sgl.send(removed));
     let mut left = seen;
     for _ in 0..40 {
         left = indexed(&client).await;
