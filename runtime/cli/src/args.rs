@@ -209,6 +209,14 @@ pub struct SchedulerArgs {
     /// [,health=HOST:PORT][,model=NAME][,topic=TOPIC]` (repeat for more).
     #[arg(long = "engine", value_parser = engine::engine_arg)]
     pub engines: Vec<engine::EngineArg>,
+    /// A JSON select/report API for routers that do not speak gRPC (`POST /v1/select`,
+    /// `POST /v1/report`).
+    #[arg(long)]
+    pub http_listen: Option<SocketAddr>,
+    /// Tokens per page when the JSON API hashes `token_ids` (the page size requests and
+    /// `--engine` share).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub page_size: u32,
     /// gRPC listener.
     #[arg(long, default_value = "127.0.0.1:50052")]
     pub listen: SocketAddr,

@@ -9,6 +9,7 @@
 
 pub mod engine;
 mod error;
+pub mod http;
 pub mod policy;
 mod rejects;
 pub mod service;

@@ -12,7 +12,9 @@ use crate::cmd::{discovery, up::shutdown_signal};
 
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
-    crate::cmd::check_exposure(&args.discovery, &[("the scheduler", args.listen)])?;
+    let mut binds = vec![("the scheduler", args.listen)];
+    binds.extend(args.http_listen.map(|a| ("the scheduler's JSON API", a)));
+    crate::cmd::check_exposure(&args.discovery, &binds)?;
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
     let cfg = SchedulerConfig {
@@ -41,7 +43,19 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     };
     registry.register(me).await?;
     let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
-    crate::cmd::announce(&format!("scheduler {id} ready: grpc{s}://{addr}"))?;
+    let mut ready = format!("scheduler {id} ready: grpc{s}://{addr}");
+    if let Some(bind) = args.http_listen {
+        let l = TcpListener::bind(bind).await.with_context(|| format!("listening on {bind}"))?;
+        ready.push_str(&format!(" http{s}://{}", l.local_addr()?));
+        let (state, t, page) = (scheduler.state().clone(), tasks.clone(), args.page_size as usize);
+        tasks.spawn(async move {
+            let stop = async move { t.shutdown_requested().await };
+            if let Err(e) = handoff_scheduler::http::serve(l, state, page, stop).await {
+                tracing::warn!(error = %e, "scheduler JSON API stopped");
+            }
+        });
+    }
+    crate::cmd::announce(&ready)?;
     let t = tasks.clone();
     let serving =
         service::serve(

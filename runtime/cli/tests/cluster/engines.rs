@@ -46,8 +46,17 @@ async fn the_scheduler_routes_to_an_engine_by_its_kv_events() {
     let mut publisher = PubSocket::new();
     publisher.bind(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
     let spec = format!("id=vllm-a,events=tcp://127.0.0.1:{port},url=127.0.0.1:8000,model=m");
-    let (_s, line) = Handoff::spawn(&["scheduler", "--listen", "127.0.0.1:0", "--engine", &spec]);
+    let (_s, line) = Handoff::spawn(&[
+        "scheduler",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--engine",
+        &spec,
+    ]);
     let addr = addr_after(&line, "grpc://");
+    let http = addr_after(&line, "http://");
     let mut client = SchedulerClient::connect(format!("http://{addr}")).await.unwrap();
 
     // vLLM blocks of 32 tokens; our pages of 16: 4 engine blocks hold 8 of our pages.
@@ -74,6 +83,44 @@ async fn the_scheduler_routes_to_an_engine_by_its_kv_events() {
     }
     let sel = chosen.expect("the engine's blocks reached the index");
     assert_eq!((sel.instance_id.as_str(), sel.prefill_addr.as_str()), ("vllm-a", "127.0.0.1:8000"));
+
+    // The same over JSON, for routers that don't speak gRPC: the scheduler hashes the tokens.
+    let (status, got) = post(&http, "/v1/select", &serde_json::json!({"token_ids": prompt})).await;
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(
+        (got["instance_id"].as_str(), got["url"].as_str()),
+        (Some("vllm-a"), Some("127.0.0.1:8000"))
+    );
+    assert_eq!(got["cached_blocks"], 8);
+    let report = serde_json::json!({"booking_id": got["booking_id"], "outcome": "success"});
+    let (status, closed) = post(&http, "/v1/report", &report).await;
+    assert_eq!((status, closed["closed"].as_bool()), (200, Some(true)));
+    for bad in [
+        serde_json::json!({}),
+        serde_json::json!({"token_ids": [1], "colour": 1}),
+        serde_json::json!({"block_hashes": [1]}),
+    ] {
+        let (status, got) = post(&http, "/v1/select", &bad).await;
+        assert!(status == 400 && got["error"].is_string(), "{bad}: {status} {got}");
+    }
+}
+
+/// A JSON POST over HTTP/1.1: the status and the JSON body.
+async fn post(addr: &str, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = body.to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: h\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let json = out.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
+    (status, serde_json::from_str(json).unwrap_or(serde_json::Value::Null))
 }
 
 /// An engine's own publisher (`peers/{sglang,vllm}_publisher.py` in the sglang crate),
