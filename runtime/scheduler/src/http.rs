@@ -67,28 +67,43 @@ struct Api {
     page_size: usize,
 }
 
-fn error(status: StatusCode, reason: impl std::fmt::Display) -> Response {
-    (status, Json(json!({ "error": reason.to_string() }))).into_response()
+/// An error answer: its status, reason and, when overloaded, when to retry.
+struct ApiError {
+    status: StatusCode,
+    reason: String,
+    retry_after_secs: Option<u64>,
 }
 
-impl From<SchedulerError> for Response {
-    fn from(e: SchedulerError) -> Response {
+fn error(status: StatusCode, reason: impl std::fmt::Display) -> ApiError {
+    ApiError { status, reason: reason.to_string(), retry_after_secs: None }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, Json(json!({ "error": self.reason }))).into_response();
+        if let Some(secs) = self.retry_after_secs {
+            r.headers_mut().insert(header::RETRY_AFTER, secs.into());
+        }
+        r
+    }
+}
+
+impl From<SchedulerError> for ApiError {
+    fn from(e: SchedulerError) -> ApiError {
         match &e {
             SchedulerError::Invalid(_) => error(StatusCode::BAD_REQUEST, &e),
             SchedulerError::NoInstance(_) => error(StatusCode::SERVICE_UNAVAILABLE, &e),
-            SchedulerError::Overloaded { retry_after, .. } => {
-                let secs = retry_after.as_secs_f64().ceil().max(1.0) as u64;
-                let mut r = error(StatusCode::TOO_MANY_REQUESTS, &e);
-                r.headers_mut().insert(header::RETRY_AFTER, secs.into());
-                r
-            }
+            SchedulerError::Overloaded { retry_after, .. } => ApiError {
+                retry_after_secs: Some(retry_after.as_secs_f64().ceil().max(1.0) as u64),
+                ..error(StatusCode::TOO_MANY_REQUESTS, &e)
+            },
             SchedulerError::Discovery(_) => error(StatusCode::SERVICE_UNAVAILABLE, &e),
         }
     }
 }
 
 /// Checks the cluster token, when the scheduler has one.
-fn authorized(api: &Api, headers: &HeaderMap) -> Result<(), Response> {
+fn authorized(api: &Api, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(token) = api.state.config().token.as_deref() else { return Ok(()) };
     let got = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()).unwrap_or_default();
     let want = format!("Bearer {token}");
@@ -101,7 +116,7 @@ fn authorized(api: &Api, headers: &HeaderMap) -> Result<(), Response> {
     }
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e}")))
 }
 
@@ -111,11 +126,12 @@ async fn select(
     body: axum::body::Bytes,
 ) -> Response {
     match select_inner(&api, &headers, &body) {
-        Ok(r) | Err(r) => r,
+        Ok(r) => r,
+        Err(e) => e.into_response(),
     }
 }
 
-fn select_inner(api: &Api, headers: &HeaderMap, body: &[u8]) -> Result<Response, Response> {
+fn select_inner(api: &Api, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
     authorized(api, headers)?;
     let b: SelectBody = parse(body)?;
     let (hashes, prompt_tokens): (Vec<BlockHash>, u32) = match (&b.token_ids, &b.block_hashes) {
@@ -143,7 +159,7 @@ fn select_inner(api: &Api, headers: &HeaderMap, body: &[u8]) -> Result<Response,
         exclude: &exclude,
         deadline: b.deadline_ms.filter(|&d| d > 0).map(Duration::from_millis),
     };
-    let sel = api.state.select(&ask).map_err(Response::from)?;
+    let sel = api.state.select(&ask)?;
     Ok(Json(Selected {
         instance_id: sel.instance.id.to_string(),
         dp_rank: sel.dp_rank,
@@ -160,7 +176,7 @@ async fn report(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let run = || -> Result<Response, Response> {
+    let run = || -> Result<Response, ApiError> {
         authorized(&api, &headers)?;
         let b: ReportBody = parse(&body)?;
         let outcome = match b.outcome.as_str() {
@@ -179,7 +195,8 @@ async fn report(
         Ok(Json(json!({ "closed": closed })).into_response())
     };
     match run() {
-        Ok(r) | Err(r) => r,
+        Ok(r) => r,
+        Err(e) => e.into_response(),
     }
 }
 
