@@ -1,0 +1,3 @@
+//! Small programs a user copies. [`router`] is the library half of `openai_router`.
+
+pub mod router;
