@@ -16,7 +16,15 @@ async fn main() -> anyhow::Result<()> {
         anyhow::bail!("usage: openai_router LISTEN_ADDR SCHEDULER_JSON_API_ADDR");
     };
     let listener = tokio::net::TcpListener::bind(&listen).await?;
-    println!("routing OpenAI requests on http://{} through {scheduler}", listener.local_addr()?);
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(
+            out,
+            "routing OpenAI requests on http://{} through {scheduler}",
+            listener.local_addr()?
+        )?;
+    }
     let stop = async {
         let _ = tokio::signal::ctrl_c().await;
     };
