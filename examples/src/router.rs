@@ -56,7 +56,13 @@ async fn forward(State(r): State<Arc<Routing>>, uri: Uri, body: Bytes) -> Respon
         .as_array()
         .map(|p| p.iter().filter_map(Value::as_u64).collect())
         .unwrap_or_default();
-    let ask = json!({ "token_ids": tokens }).to_string();
+    let ask = if tokens.is_empty() {
+        // No token ids: by load alone, its length guessed from the body (4 bytes a token).
+        json!({ "block_hashes": [], "prompt_tokens": (body.len() / 4).max(1) })
+    } else {
+        json!({ "token_ids": tokens })
+    }
+    .to_string();
     let selected = call(&r, format!("http://{}/v1/select", r.scheduler), ask.into()).await;
     let chosen: Value = match selected {
         Ok((StatusCode::OK, b)) => serde_json::from_slice(&b).unwrap_or_default(),

@@ -64,6 +64,7 @@ async fn requests_go_to_the_engine_holding_their_prompt() {
     state.apply_engine_ops(
         &"b".parse().unwrap(),
         0,
+        &mut 0,
         vec![IndexOp::Store { parent: None, blocks: held }],
     );
 
@@ -91,6 +92,10 @@ async fn requests_go_to_the_engine_holding_their_prompt() {
         let (status, got) = post_json(&router_addr, &body).await;
         assert_eq!((status, got.as_str()), (200, "{\"engine\": \"b\"}"));
     }
+    // Without token ids (a chat request), by load: still served.
+    let chat = r#"{"model": "m", "messages": [{"role": "user", "content": "hi"}]}"#;
+    let (status, got) = post_json(&router_addr, chat).await;
+    assert!(status == 200 && got.contains("engine"), "{status} {got}");
     let (status, got) = post_json(&router_addr, "{not json").await;
     assert!(status == 400 && got.contains("body"), "{status} {got}");
     tasks.shutdown().await;

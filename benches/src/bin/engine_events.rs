@@ -86,9 +86,10 @@ async fn ingest(publishers: u64, events: u64) -> anyhow::Result<(f64, usize)> {
         let (s, a, t) = (state.clone(), applied.clone(), tasks.clone());
         let iid = id.parse()?;
         tasks.spawn(async move {
+            let mut epoch = 0;
             let sink = |ops: Vec<IndexOp>| {
-                s.apply_engine_ops(&iid, 0, ops);
                 a.fetch_add(1, Ordering::Relaxed);
+                s.apply_engine_ops(&iid, 0, &mut epoch, ops)
             };
             stream.run(sink, t.shutdown_requested()).await
         });
@@ -141,7 +142,12 @@ fn select_latency(workers: usize) -> (f64, f64) {
         let iid = id.parse().unwrap_or_else(|_| unreachable!());
         for i in 0..64u64 {
             let h = block_hashes(&tokens(w as u64, i), PAGE);
-            state.apply_engine_ops(&iid, 0, vec![IndexOp::Store { parent: None, blocks: h }]);
+            state.apply_engine_ops(
+                &iid,
+                0,
+                &mut 0,
+                vec![IndexOp::Store { parent: None, blocks: h }],
+            );
         }
     }
     let mut took = Vec::new();
@@ -204,8 +210,9 @@ async fn recovery(covered: bool) -> anyhow::Result<f64> {
     tasks.spawn(async move {
         stream
             .run(
-                move |batch| {
+                move |batch: Vec<IndexOp>| {
                     o.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    true
                 },
                 t.shutdown_requested(),
             )

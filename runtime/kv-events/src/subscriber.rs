@@ -58,6 +58,9 @@ pub struct EngineStream {
     endpoint: EngineEndpoint,
     chains: WorkerChains,
     last: Option<u64>,
+    /// The live seq that triggered the last replay: live messages after it and up to what
+    /// the replay reached are duplicates, not a restart.
+    replayed_past: Option<u64>,
     stats: StreamStats,
 }
 
@@ -86,6 +89,7 @@ impl EngineStream {
             endpoint,
             chains: WorkerChains::new(page_size, max_blocks),
             last: None,
+            replayed_past: None,
             stats: StreamStats::default(),
         }
     }
@@ -96,22 +100,35 @@ impl EngineStream {
     }
 
     /// Subscribes and applies until `shutdown` completes, handing every batch's operations
-    /// to `sink`.
+    /// to `sink`. A sink that answers `false` lost the worker's index entries (the worker
+    /// was cleared meanwhile): the block map starts over.
     pub async fn run(
         mut self,
-        mut sink: impl FnMut(Vec<IndexOp>) + Send,
+        mut sink: impl FnMut(Vec<IndexOp>) -> bool + Send,
         shutdown: impl Future<Output = ()> + Send,
     ) -> StreamStats {
-        let mut sub = SubSocket::new();
-        let connected = async {
-            sub.connect(&self.endpoint.events).await?;
-            sub.subscribe(&self.endpoint.topic).await
-        };
-        if let Err(e) = connected.await {
-            warn!(endpoint = %self.endpoint.events, error = %e, "KV event stream not connected");
-            return self.stats;
-        }
         tokio::pin!(shutdown);
+        let mut sub = loop {
+            let mut sub = SubSocket::new();
+            let connected = async {
+                sub.connect(&self.endpoint.events).await?;
+                sub.subscribe(&self.endpoint.topic).await
+            };
+            let result = tokio::select! {
+                _ = &mut shutdown => return self.stats,
+                r = connected => r,
+            };
+            match result {
+                Ok(()) => break sub,
+                Err(e) => {
+                    warn!(endpoint = %self.endpoint.events, error = %e, "KV event stream not connected; retrying");
+                    tokio::select! {
+                        _ = &mut shutdown => return self.stats,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
+            }
+        };
         loop {
             let msg = tokio::select! {
                 _ = &mut shutdown => break,
@@ -126,19 +143,34 @@ impl EngineStream {
     }
 
     /// Handles one live message.
-    pub async fn on_message(&mut self, frames: &[Bytes], sink: &mut impl FnMut(Vec<IndexOp>)) {
+    pub async fn on_message(
+        &mut self,
+        frames: &[Bytes],
+        sink: &mut impl FnMut(Vec<IndexOp>) -> bool,
+    ) {
         let Some((seq, payload)) = seq_and_payload(frames) else {
             self.stats.refused += 1;
             return;
         };
         match self.last {
             Some(last) if seq == last => return,
+            // Live messages queued while a replay ran past them: already applied.
+            Some(last) if seq < last && self.replayed_past.is_some_and(|from| seq > from) => {
+                return;
+            }
             Some(last) if seq < last => {
                 debug!(endpoint = %self.endpoint.events, seq, last, "engine restarted");
+                self.replayed_past = None;
                 self.rebuild(sink);
             }
-            Some(last) if seq > last + 1 => self.fill(last + 1, sink).await,
-            None if seq > 0 => self.fill(0, sink).await,
+            Some(last) if seq > last + 1 => {
+                self.replayed_past = Some(seq);
+                self.fill(last + 1, sink).await;
+            }
+            None if seq > 0 => {
+                self.replayed_past = Some(seq);
+                self.fill(0, sink).await;
+            }
             _ => {}
         }
         if self.last.is_none_or(|l| seq > l) {
@@ -147,7 +179,7 @@ impl EngineStream {
     }
 
     /// Fills a gap from `start` through the replay socket, or clears the worker.
-    async fn fill(&mut self, start: u64, sink: &mut impl FnMut(Vec<IndexOp>)) {
+    async fn fill(&mut self, start: u64, sink: &mut impl FnMut(Vec<IndexOp>) -> bool) {
         let replayed = match &self.endpoint.replay {
             Some(r) => tokio::time::timeout(REPLAY_TIMEOUT, replay(r, start)).await.ok().flatten(),
             None => None,
@@ -171,13 +203,13 @@ impl EngineStream {
         }
     }
 
-    fn rebuild(&mut self, sink: &mut impl FnMut(Vec<IndexOp>)) {
+    fn rebuild(&mut self, sink: &mut impl FnMut(Vec<IndexOp>) -> bool) {
         self.stats.rebuilds += 1;
         self.chains.reset();
         sink(vec![IndexOp::Clear]);
     }
 
-    fn apply(&mut self, seq: u64, payload: &[u8], sink: &mut impl FnMut(Vec<IndexOp>)) {
+    fn apply(&mut self, seq: u64, payload: &[u8], sink: &mut impl FnMut(Vec<IndexOp>) -> bool) {
         self.last = Some(seq);
         let batch = match decode_batch(payload) {
             Ok(b) => b,
@@ -198,8 +230,10 @@ impl EngineStream {
                 }
             }
         }
-        if !ops.is_empty() {
-            sink(ops);
+        if !ops.is_empty() && !sink(ops) {
+            // The index lost this worker's entries: its blocks must be stored afresh.
+            self.stats.rebuilds += 1;
+            self.chains.reset();
         }
     }
 }
@@ -211,13 +245,21 @@ async fn replay(endpoint: &str, start: u64) -> Option<Vec<(u64, Bytes)>> {
     let ask =
         ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())]);
     dealer.send(ask.ok()?).await.ok()?;
-    let mut out = Vec::new();
+    let (mut out, mut bytes) = (Vec::new(), 0usize);
     loop {
         let frames = dealer.recv().await.ok()?.into_vec();
         let (seq, payload) = seq_and_payload(&frames)?;
         if seq == END {
             return Some(out);
         }
+        bytes += payload.len();
+        if out.len() >= MAX_REPLAY_BATCHES || bytes > MAX_REPLAY_BYTES {
+            return None;
+        }
         out.push((seq, payload.clone()));
     }
 }
+
+/// Most batches and bytes one replay may bring (beyond, the worker is rebuilt instead).
+const MAX_REPLAY_BATCHES: usize = 100_000;
+const MAX_REPLAY_BYTES: usize = 256 << 20;

@@ -83,10 +83,15 @@ async fn the_stream_applies_in_order_replays_gaps_and_rebuilds() {
     let endpoint = EngineEndpoint { events, replay: Some(replay), topic: String::new() };
     let stream = EngineStream::new(endpoint, 16, 1 << 16);
     let (stop_rx, stop_tx) = stop;
-    let follower =
-        tokio::spawn(stream.run(move |batch| o.lock().unwrap().extend(batch), async move {
+    let follower = tokio::spawn(stream.run(
+        move |batch| {
+            o.lock().unwrap().extend(batch);
+            true
+        },
+        async move {
             let _ = stop_rx.await;
-        }));
+        },
+    ));
 
     // Seq 0 and 1 go to the replay buffer only (the subscriber may not be connected yet);
     // seq 2 is live: the stream replays 0 and 1 first. Then seq 3 is "lost" live and comes
@@ -145,11 +150,36 @@ async fn the_stream_applies_in_order_replays_gaps_and_rebuilds() {
         assert!(matches!(&ops[clear + 1], IndexOp::Store { .. }), "then rebuilt: {ops:?}");
     }
 
+    // A replay that runs past the live message: the live ones queued behind it are
+    // duplicates, not a restart.
+    let clears = |ops: &[IndexOp]| ops.iter().filter(|o| **o == IndexOp::Clear).count();
+    let before = clears(&ops.lock().unwrap());
+    let later: Vec<(u64, Bytes)> = (10..15u64)
+        .map(|s| {
+            (
+                s,
+                stored(
+                    80 + s,
+                    None,
+                    &(3000 + 16 * s as u32..3016 + 16 * s as u32).collect::<Vec<u32>>(),
+                ),
+            )
+        })
+        .collect();
+    buffer.lock().unwrap().extend(later.iter().cloned());
+    for (seq, p) in &later[2..] {
+        publisher.send(frame("kv", *seq, p)).await.unwrap();
+    }
+    wait_for(11).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(clears(&ops.lock().unwrap()), before, "no restart seen in replayed duplicates");
+    assert_eq!(stored_pages(&ops.lock().unwrap()).len(), 11, "10..=14 each stored once");
+
     // A restart: the sequence goes back to 0.
     let before = ops.lock().unwrap().iter().filter(|o| **o == IndexOp::Clear).count();
     let p0 = stored(70, None, &(2000..2016).collect::<Vec<u32>>());
     publisher.send(frame("kv", 0, &p0)).await.unwrap();
-    wait_for(7).await;
+    wait_for(12).await;
     let after = ops.lock().unwrap().iter().filter(|o| **o == IndexOp::Clear).count();
     assert_eq!(after, before + 1, "a restart clears the worker");
 

@@ -41,9 +41,10 @@ impl Scheduler {
             let (s, id, t) = (state.clone(), id.clone(), tasks.clone());
             tasks.spawn(async move {
                 let stream = EngineStream::new(endpoint, page_size, MAX_ENGINE_BLOCKS);
+                let mut epoch = 0;
                 let sink = |ops| {
                     s.engine_heard_at(&id, Instant::now());
-                    s.apply_engine_ops(&id, dp as u32, ops);
+                    s.apply_engine_ops(&id, dp as u32, &mut epoch, ops)
                 };
                 let stats = stream.run(sink, t.shutdown_requested()).await;
                 debug!(instance = %id, dp, ?stats, "engine KV event stream ended");

@@ -225,6 +225,7 @@ impl Inner {
         let Some(m) = self.members.get_mut(id) else { return };
         m.silent = true;
         m.seq = None;
+        m.cleared += 1;
         // A resync in flight is over: its pages would land on a cleared instance.
         self.resyncing.remove(id);
         for s in &m.slots {
@@ -417,6 +418,7 @@ impl SchedulerState {
         // been heard within half the timeout: when the bus stops, the instances' last beats
         // are spread over one interval, so the first to look stale must not be swept while
         // the others' last beats still look recent.
+        // Engines are heard on their own streams, not the bus: they are swept either way.
         let quiet = inner.last_beat.is_none_or(|t| now.saturating_duration_since(t) > timeout / 2);
         if quiet {
             let long = inner.last_beat.is_some_and(|t| now.saturating_duration_since(t) > timeout);
@@ -426,12 +428,12 @@ impl SchedulerState {
                 );
                 inner.bus_quiet = true;
             }
-            return Vec::new();
         }
         let stale: Vec<InstanceId> = inner
             .members
             .values()
             .filter(|m| now.saturating_duration_since(m.seen) > timeout && !m.silent)
+            .filter(|m| !quiet || inner.engines.contains(&m.instance.id))
             .map(|m| m.instance.id.clone())
             .collect();
         for id in &stale {

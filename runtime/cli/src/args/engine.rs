@@ -60,14 +60,30 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
     let id = need("id")?.to_owned();
     id.parse::<handoff_core::InstanceId>().map_err(|e| format!("id: {e}"))?;
     let events = tcp(need("events")?)?;
+    let replay = fields.get("replay").map(|r| tcp(r)).transpose()?;
     let dp = number("dp", 1)?;
-    if u32::from(events.1) + dp > 65536 {
-        return Err(format!("events port {} + {dp} dp ranks overflows", events.1));
+    for (what, port) in [("events", Some(events.1)), ("replay", replay.as_ref().map(|r| r.1))] {
+        if let Some(p) = port
+            && u32::from(p) + dp > 65536
+        {
+            return Err(format!("{what} port {p} + {dp} dp ranks overflows"));
+        }
+    }
+    for k in ["url", "health"] {
+        if let Some(v) = fields.get(k)
+            && (v.contains("://")
+                || v.rsplit_once(':').is_none_or(|(_, p)| p.parse::<u16>().is_err()))
+        {
+            return Err(format!("{k}={v} is not HOST:PORT"));
+        }
+    }
+    if !fields.contains_key("url") && !fields.contains_key("health") {
+        return Err("give health= (or url=): an engine is live while it answers GET /health".into());
     }
     Ok(EngineArg {
         id,
         events,
-        replay: fields.get("replay").map(|r| tcp(r)).transpose()?,
+        replay,
         dp,
         page: number("page", 16)?,
         url: fields.get("url").map(|u| u.to_string()).unwrap_or_default(),
@@ -121,13 +137,16 @@ mod tests {
         assert_eq!(s.events[1].replay.as_deref(), Some("tcp://10.0.0.5:5568"));
         assert_eq!((s.instance.page_size, s.health.as_deref()), (16, Some("10.0.0.5:8000")));
         for (bad, why) in [
-            ("events=tcp://h:1", "id= is required"),
-            ("id=a", "events= is required"),
-            ("id=a,events=http://h:1", "tcp://"),
-            ("id=a,events=tcp://h:1,dp=0", "dp=0"),
-            ("id=a,events=tcp://h:1,colour=red", "unknown key"),
-            ("id=a,id=b,events=tcp://h:1", "twice"),
-            ("id=a,events=tcp://h:65535,dp=2", "overflows"),
+            ("events=tcp://h:1,url=h:2", "id= is required"),
+            ("id=a,url=h:2", "events= is required"),
+            ("id=a,events=http://h:1,url=h:2", "tcp://"),
+            ("id=a,events=tcp://h:1,dp=0,url=h:2", "dp=0"),
+            ("id=a,events=tcp://h:1,colour=red,url=h:2", "unknown key"),
+            ("id=a,id=b,events=tcp://h:1,url=h:2", "twice"),
+            ("id=a,events=tcp://h:65535,dp=2,url=h:2", "overflows"),
+            ("id=a,events=tcp://h:1,replay=tcp://h:65535,dp=2,url=h:2", "replay port"),
+            ("id=a,events=tcp://h:1,url=http://h:2", "HOST:PORT"),
+            ("id=a,events=tcp://h:1", "health="),
         ] {
             let e = engine_arg(bad).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");

@@ -23,8 +23,13 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
         ..args.policy.config()
     };
     let scheduler = Scheduler::start(cfg, registry.clone(), bus, &tasks).await?;
+    let mut ids = std::collections::HashSet::new();
     for e in &args.engines {
-        scheduler.follow_engine(e.spec(), &tasks);
+        let spec = e.spec();
+        if !ids.insert(spec.instance.id.clone()) {
+            anyhow::bail!("--engine id={} given twice", spec.instance.id);
+        }
+        scheduler.follow_engine(spec, &tasks);
     }
     let listener = TcpListener::bind(args.listen)
         .await

@@ -29,7 +29,6 @@ impl SchedulerState {
             // Its index comes from its own stream: never ask it for a handoff snapshot.
             m.seq = Some(0);
         }
-        inner.last_beat = Some(now);
     }
 
     /// The engine `id` was heard from (an event, or an answered health probe) at `now`.
@@ -43,19 +42,28 @@ impl SchedulerState {
             info!(instance = %id, "engine heard again; back in routing");
             inner.sync(id);
         }
-        inner.last_beat = Some(now);
-        inner.bus_quiet = false;
     }
 
-    /// Applies what an engine's event stream says about its dp rank `dp_rank`.
-    pub fn apply_engine_ops(&self, id: &InstanceId, dp_rank: u32, ops: Vec<IndexOp>) {
+    /// Applies what an engine's event stream says about its dp rank `dp_rank`. `epoch` is
+    /// the stream's count of the engine's clears as it last saw it: when the engine was
+    /// silenced (its entries cleared) since, or is silent now, nothing is applied, `epoch` is
+    /// brought up to date and `false` says the stream must start its block map over (children
+    /// of cleared blocks would hang off nothing).
+    pub fn apply_engine_ops(
+        &self,
+        id: &InstanceId,
+        dp_rank: u32,
+        epoch: &mut u64,
+        ops: Vec<IndexOp>,
+    ) -> bool {
         let mut inner = self.lock();
         let super::Inner { members, index, .. } = &mut *inner;
-        let Some(m) = members.get(id) else { return };
-        if !m.routable() {
-            return;
+        let Some(m) = members.get(id) else { return false };
+        if !m.routable() || m.cleared != *epoch {
+            *epoch = m.cleared;
+            return false;
         }
-        let Some(&slot) = m.slots.get(dp_rank as usize) else { return };
+        let Some(&slot) = m.slots.get(dp_rank as usize) else { return false };
         let mut clearing = false;
         for op in ops {
             match op {
@@ -71,6 +79,7 @@ impl SchedulerState {
         if clearing {
             self.settle_index();
         }
+        true
     }
 
     /// Whether `id` is an engine instance registered here.

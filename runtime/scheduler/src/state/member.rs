@@ -139,6 +139,8 @@ pub(super) struct Member {
     pub(super) silent: bool,
     /// Last KV event applied; `None` until a snapshot or first event syncs it.
     pub(super) seq: Option<u64>,
+    /// Times its index entries were cleared for silence (an engine's stream starts over).
+    pub(super) cleared: u64,
     pub(super) breaker: Breaker,
     /// Prefill cost per computed token, in microseconds, as its heartbeats last said.
     pub(super) token_cost_us: f32,
@@ -158,6 +160,7 @@ impl Member {
             seen: now,
             silent: false,
             seq: None,
+            cleared: 0,
             breaker: Breaker::Closed { failures: 0 },
             token_cost_us: 0.0,
         }

@@ -379,7 +379,10 @@ fn engine_instances_survive_resets_take_their_own_ops_and_go_silent_like_others(
     let prompt: Vec<u32> = (0..128).collect();
     let h = block_hashes(&prompt, 16);
     let id: InstanceId = "vllm-a".parse().unwrap();
-    s.apply_engine_ops(&id, 1, vec![IndexOp::Store { parent: None, blocks: h[..6].to_vec() }]);
+    let mut epoch = 0;
+    let stored =
+        |blocks: &[BlockHash]| vec![IndexOp::Store { parent: None, blocks: blocks.to_vec() }];
+    assert!(s.apply_engine_ops(&id, 1, &mut epoch, stored(&h[..6])));
     let sel = s.select(&Ask::new(&h, 128)).unwrap();
     assert_eq!((sel.instance.id.as_str(), sel.dp_rank, sel.cached_blocks), ("vllm-a", 1, 6));
     s.report(sel.booking, Outcome::Success);
@@ -398,6 +401,9 @@ fn engine_instances_survive_resets_take_their_own_ops_and_go_silent_like_others(
     // Heard again (an event or its health probe): back, and never asked for a snapshot.
     s.engine_heard_at(&id, later);
     assert!(s.instances().iter().any(|i| i.instance.id == id && i.routable));
-    s.apply_engine_ops(&id, 0, vec![IndexOp::Store { parent: None, blocks: h[..2].to_vec() }]);
+    // Its stream learns its entries went: nothing applied this once, the block map restarts.
+    assert!(!s.apply_engine_ops(&id, 0, &mut epoch, stored(&h[..2])));
+    assert!(s.indexed_blocks(&id, 0).is_empty());
+    assert!(s.apply_engine_ops(&id, 0, &mut epoch, stored(&h[..2])));
     assert_eq!(s.indexed_blocks(&id, 0), h[..2].to_vec());
 }
