@@ -7,12 +7,12 @@ publishes each as a KVEventBatch of one event on its dp rank:
   {"dp": 1, "stored": {"hashes": [...], "parent": null, "tokens": [...], "block_size": 1}}
   {"dp": 1, "removed": [...]}        {"dp": 1, "cleared": true}
 Prints "ready" once the publishers are up and "ok" after each command."""
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+import event_commands  # noqa: E402
 import sgl_shim  # noqa: E402  (before any sglang import)
 
 from sglang.srt.disaggregation.kv_events import (  # noqa: E402
@@ -25,20 +25,12 @@ publishers = [
                       replay_endpoint=f"tcp://*:{replay}", topic="kv")
     for r in range(dp)
 ]
-print("ready", flush=True)
-for line in sys.stdin:
-    cmd = json.loads(line)
-    if "stored" in cmd:
-        s = cmd["stored"]
-        ev = BlockStored(block_hashes=s["hashes"], parent_block_hash=s.get("parent"),
-                         token_ids=s["tokens"], block_size=s["block_size"], lora_id=None,
-                         medium="GPU")
-    elif "removed" in cmd:
-        ev = BlockRemoved(block_hashes=cmd["removed"], medium="GPU")
-    else:
-        ev = AllBlocksCleared()
-    publishers[cmd["dp"]].publish(KVEventBatch(ts=time.time(), events=[ev]))
-    time.sleep(0.05)  # its publisher thread sends it
-    print("ok", flush=True)
-for p in publishers:
-    p.shutdown()
+event_commands.serve(
+    publishers,
+    stored=lambda s: BlockStored(block_hashes=s["hashes"], parent_block_hash=s.get("parent"),
+                                 token_ids=s["tokens"], block_size=s["block_size"],
+                                 lora_id=None, medium="GPU"),
+    removed=lambda hashes: BlockRemoved(block_hashes=hashes, medium="GPU"),
+    cleared=AllBlocksCleared,
+    batch=lambda events: KVEventBatch(ts=time.time(), events=events),
+)

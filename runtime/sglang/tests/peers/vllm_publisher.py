@@ -12,7 +12,6 @@ argv: PORT REPLAY_PORT DP. Same commands on stdin as sglang_publisher.py; "store
 import dataclasses
 import importlib.util
 import ipaddress
-import json
 import logging
 import os
 import sys
@@ -56,6 +55,8 @@ module("vllm.utils.network_utils", get_ip=lambda: "127.0.0.1",
 module("vllm.v1.core.kv_cache_utils", ExternalBlockHash=bytes | int)
 from_file("vllm.config.kv_events", os.path.join(src, "vllm/config/kv_events.py"))
 kv = from_file("vllm.distributed.kv_events", os.path.join(src, "vllm/distributed/kv_events.py"))
+sys.path.insert(0, os.path.dirname(__file__))
+import event_commands  # noqa: E402
 
 port, replay, dp = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 publishers = [
@@ -63,20 +64,12 @@ publishers = [
                          replay_endpoint=f"tcp://*:{replay}", topic="kv")
     for r in range(dp)
 ]
-print("ready", flush=True)
-for line in sys.stdin:
-    cmd = json.loads(line)
-    if "stored" in cmd:
-        s = cmd["stored"]
-        ev = kv.BlockStored(block_hashes=s["hashes"], parent_block_hash=s.get("parent"),
-                            token_ids=s["tokens"], block_size=s["block_size"], lora_id=None,
-                            medium="GPU", lora_name=None)
-    elif "removed" in cmd:
-        ev = kv.BlockRemoved(block_hashes=cmd["removed"], medium="GPU")
-    else:
-        ev = kv.AllBlocksCleared()
-    publishers[cmd["dp"]].publish(kv.KVEventBatch(ts=time.time(), events=[ev]))
-    time.sleep(0.05)  # its publisher thread sends it
-    print("ok", flush=True)
-for p in publishers:
-    p.shutdown()
+event_commands.serve(
+    publishers,
+    stored=lambda s: kv.BlockStored(block_hashes=s["hashes"], parent_block_hash=s.get("parent"),
+                                    token_ids=s["tokens"], block_size=s["block_size"],
+                                    lora_id=None, medium="GPU", lora_name=None),
+    removed=lambda hashes: kv.BlockRemoved(block_hashes=hashes, medium="GPU"),
+    cleared=kv.AllBlocksCleared,
+    batch=lambda events: kv.KVEventBatch(ts=time.time(), events=events),
+)
