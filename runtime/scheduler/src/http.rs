@@ -116,23 +116,30 @@ fn authorized(api: &Api, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
+/// Refuses requests without the cluster token before their bodies are read.
+async fn gate(
+    State(api): State<Arc<Api>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match authorized(&api, req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e}")))
 }
 
-async fn select(
-    State(api): State<Arc<Api>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    match select_inner(&api, &headers, &body) {
+async fn select(State(api): State<Arc<Api>>, body: axum::body::Bytes) -> Response {
+    match select_inner(&api, &body) {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-fn select_inner(api: &Api, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
-    authorized(api, headers)?;
+fn select_inner(api: &Api, body: &[u8]) -> Result<Response, ApiError> {
     let b: SelectBody = parse(body)?;
     let (hashes, prompt_tokens): (Vec<BlockHash>, u32) = match (&b.token_ids, &b.block_hashes) {
         (Some(t), None) => (block_hashes(t, api.page_size), t.len().min(u32::MAX as usize) as u32),
@@ -171,13 +178,8 @@ fn select_inner(api: &Api, headers: &HeaderMap, body: &[u8]) -> Result<Response,
     .into_response())
 }
 
-async fn report(
-    State(api): State<Arc<Api>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
+async fn report(State(api): State<Arc<Api>>, body: axum::body::Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
-        authorized(&api, &headers)?;
         let b: ReportBody = parse(&body)?;
         let outcome = match b.outcome.as_str() {
             "success" => Outcome::Success,
@@ -206,6 +208,8 @@ pub fn router(state: Arc<SchedulerState>, page_size: usize) -> Router {
     Router::new()
         .route("/v1/select", post(select))
         .route("/v1/report", post(report))
+        // The token first: nobody without it gets a body read.
+        .layer(axum::middleware::from_fn_with_state(api.clone(), gate))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(api)
 }
