@@ -93,6 +93,44 @@ struct Region {
 }
 
 impl Region {
+    /// Applies written segments from `sender` over `conn` (see [`Inbox::on_write`]).
+    fn write(
+        &mut self,
+        id: RegionId,
+        sender: SenderId,
+        conn: ConnId,
+        segments: &[(u64, &[u8])],
+    ) -> Result<(), TransferError> {
+        if matches!(*self.state.borrow(), KvPoll::Failed | KvPoll::Success) {
+            return Err(TransferError::Failed(format!("region {id:?} is closed")));
+        }
+        if !self.expected.contains_key(&sender) {
+            let reason = format!("write from unexpected sender {sender:?}");
+            self.fail(reason.clone());
+            return Err(TransferError::Failed(reason));
+        }
+        self.bind(id, sender, conn)?;
+        let Region { buf, expected, .. } = self;
+        let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
+        let checked = segments.iter().try_for_each(|&(off, b)| {
+            p.check(off, b.len() as u64)?;
+            // Checked segment by segment: two segments of one frame may overlap too.
+            p.record(off, b);
+            // An empty segment lands nowhere, whatever its offset (fuzzing found one at 2^34).
+            if !b.is_empty() {
+                buf[off as usize..off as usize + b.len()].copy_from_slice(b);
+            }
+            Ok::<(), String>(())
+        });
+        if let Err(e) = checked {
+            let reason = format!("{sender:?}: {e}");
+            self.fail(reason.clone());
+            return Err(TransferError::Failed(reason));
+        }
+        self.advance(KvPoll::Transferring);
+        Ok(())
+    }
+
     /// Binds `sender` to `conn`, or refuses `conn` if the sender is bound to another.
     fn bind(&mut self, id: RegionId, sender: SenderId, conn: ConnId) -> Result<(), TransferError> {
         match *self.bound.entry(sender).or_insert(conn) {
@@ -259,14 +297,6 @@ impl Inbox {
         open.then_some(r.buf.len() as u64)
     }
 
-    /// The expected sender whose ranges hold `offset` (for backends whose writes do not name
-    /// their sender, such as Mooncake's: the shard plan does).
-    pub fn sender_at(&self, id: RegionId, offset: u64) -> Option<SenderId> {
-        let r = self.region(id).ok()?;
-        let r = lock(&r);
-        r.expected.iter().find(|(_, p)| p.holds(offset)).map(|(s, _)| *s)
-    }
-
     /// Marks the handshake for `id` done.
     pub fn mark_connected(&self, id: RegionId) {
         if let Ok(r) = self.region(id) {
@@ -330,36 +360,29 @@ impl Inbox {
     ) -> Result<(), TransferError> {
         let region = self.region(id)?;
         let mut r = lock(&region);
-        if matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success) {
-            return Err(TransferError::Failed(format!("region {id:?} is closed")));
-        }
-        if !r.expected.contains_key(&sender) {
-            let reason = format!("write from unexpected sender {sender:?}");
-            r.fail(reason.clone());
-            return Err(TransferError::Failed(reason));
-        }
-        r.bind(id, sender, conn)?;
-        let Region { buf, expected, .. } = &mut *r;
-        let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
-        let checked = segments.iter().try_for_each(|&(off, b)| {
-            p.check(off, b.len() as u64)?;
-            // Checked segment by segment: two segments of one frame may overlap too.
-            p.record(off, b);
-            // An empty segment lands nowhere, whatever its offset (fuzzing found one at 2^34).
-            if !b.is_empty() {
-                buf[off as usize..off as usize + b.len()].copy_from_slice(b);
-            }
-            Ok::<(), String>(())
-        });
-        if let Err(e) = checked {
-            let reason = format!("{sender:?}: {e}");
-            r.fail(reason.clone());
-            return Err(TransferError::Failed(reason));
-        }
-        r.advance(KvPoll::Transferring);
-        Ok(())
+        r.write(id, sender, conn, segments)
     }
 
+    /// Applies one segment whose sender is not named (Mooncake's writes): the expected
+    /// sender whose ranges hold `offset` wrote it, as the shard plan says. Otherwise as
+    /// [`Inbox::on_write`]; one lock hold.
+    pub fn on_write_at(
+        &self,
+        id: RegionId,
+        conn: ConnId,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<(), TransferError> {
+        let region = self.region(id)?;
+        let mut r = lock(&region);
+        let holder = r.expected.iter().find(|(_, p)| p.holds(offset)).map(|(s, _)| *s);
+        let Some(sender) = holder else {
+            return Err(TransferError::Failed(format!(
+                "offset {offset} of {id:?} belongs to no sender"
+            )));
+        };
+        r.write(id, sender, conn, &[(offset, bytes)])
+    }
     /// Verifies a notice, arrived over `conn`. A notice whose room, byte count or checksum
     /// does not match fails the region (`bootstrap_room mismatch`, `short transfer`,
     /// `checksum mismatch`); one over a connection its sender is not bound to is refused.

@@ -3,9 +3,9 @@
 //! [,url=HOST:PORT][,health=HOST:PORT][,model=NAME][,topic=TOPIC]`.
 //!
 //! dp rank r publishes on the events (and replay) port + r, as vLLM and SGLang do. `page` is
-//! the page size requests hash their prompts with (ours, default 16), whatever the engine's
-//! block size. `url` is where routers send the engine's requests; `health` (default `url`)
-//! answers `GET /health`.
+//! the page size requests hash their prompts with (ours; default the scheduler's
+//! `--page-size`), whatever the engine's block size. `url` is where routers send the
+//! engine's requests; `health` (default `url`) answers `GET /health`.
 
 use std::time::Duration;
 
@@ -20,7 +20,7 @@ pub struct EngineArg {
     events: (String, u16),
     replay: Option<(String, u16)>,
     dp: u32,
-    page: u32,
+    page: Option<u32>,
     url: String,
     health: Option<String>,
     model: String,
@@ -85,7 +85,7 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
         events,
         replay,
         dp,
-        page: number("page", 16)?,
+        page: fields.contains_key("page").then(|| number("page", 16)).transpose()?,
         url: fields.get("url").map(|u| u.to_string()).unwrap_or_default(),
         health: fields.get("health").or(fields.get("url")).map(|h| h.to_string()),
         model: fields.get("model").map(|m| m.to_string()).unwrap_or_default(),
@@ -94,8 +94,9 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
 }
 
 impl EngineArg {
-    /// What the scheduler follows.
-    pub fn spec(&self) -> EngineSpec {
+    /// What the scheduler follows; without `page=`, `page_size` (the scheduler's
+    /// `--page-size`, which requests share).
+    pub fn spec(&self, page_size: u32) -> EngineSpec {
         let at =
             |(host, port): &(String, u16), r: u32| format!("tcp://{host}:{}", *port as u32 + r);
         let events = (0..self.dp)
@@ -112,7 +113,7 @@ impl EngineArg {
             bootstrap_addr: String::new(),
             grpc_addr: self.url.clone(),
             topology: Topology { dp: self.dp, tp: 1, pp: 1, cp: 1 },
-            page_size: self.page,
+            page_size: self.page.unwrap_or(page_size),
             version: rand::random::<u64>() | 1,
         };
         EngineSpec {
@@ -131,7 +132,7 @@ mod tests {
     #[test]
     fn specs_parse_and_bad_ones_say_why() {
         let e = engine_arg("id=vllm-a,events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5567,dp=2,url=10.0.0.5:8000").unwrap();
-        let s = e.spec();
+        let s = e.spec(16);
         assert_eq!(s.events.len(), 2);
         assert_eq!(s.events[1].events, "tcp://10.0.0.5:5558");
         assert_eq!(s.events[1].replay.as_deref(), Some("tcp://10.0.0.5:5568"));

@@ -25,7 +25,7 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     let scheduler = Scheduler::start(cfg, registry.clone(), bus, &tasks).await?;
     let mut ids = std::collections::HashSet::new();
     for e in &args.engines {
-        let spec = e.spec();
+        let spec = e.spec(args.page_size);
         if !ids.insert(spec.instance.id.clone()) {
             anyhow::bail!("--engine id={} given twice", spec.instance.id);
         }

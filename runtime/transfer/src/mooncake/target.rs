@@ -156,14 +156,9 @@ async fn apply(st: &mut TcpStream, peer: SocketAddr, h: &Header, s: &Shared) -> 
         .exposed
         .resolve(&s.inbox, h.addr, h.size)
         .ok_or_else(|| format!("[{:#x}, +{}) is not inside an open region", h.addr, h.size))?;
-    let sender = s
-        .inbox
-        .sender_at(region, offset)
-        .ok_or_else(|| format!("offset {offset} of {region:?} belongs to no sender"))?;
     let body = read_body(st, h.size).await.map_err(|e| format!("body: {e}"))?;
-    s.inbox
-        .on_write(region, sender, peer_conn(peer.ip()), &[(offset, &body)])
-        .map_err(|e| e.to_string())
+    // The shard plan names the sender, under the same lock the bytes land with.
+    s.inbox.on_write_at(region, peer_conn(peer.ip()), offset, &body).map_err(|e| e.to_string())
 }
 
 /// Reads `size` bytes, growing the buffer as they arrive (a declared size reserves nothing).
