@@ -32,6 +32,37 @@ pub enum Command {
     Prefill(PrefillArgs),
     /// The decode frontend alone.
     Frontend(FrontendArgs),
+    /// Ask a running cluster what it believes (instances, directories).
+    Ctl(CtlArgs),
+}
+
+/// `handoff ctl`.
+#[derive(Debug, Clone, Args)]
+pub struct CtlArgs {
+    /// A scheduler replica to ask (host:port); default: the replicas registered in etcd.
+    #[arg(long, global = true)]
+    pub scheduler: Option<String>,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// How to reach the cluster (etcd/NATS, token, TLS).
+    #[command(flatten)]
+    pub discovery: DiscoveryArgs,
+    /// What to ask.
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+/// What `handoff ctl` asks.
+#[derive(Debug, Clone, Subcommand)]
+pub enum CtlCommand {
+    /// Every instance: role, dp/tp, load, breaker, last heard, indexed blocks.
+    Instances,
+    /// An instance's bootstrap directory: its rank table and whether it is complete.
+    Directory {
+        /// The instance id.
+        id: String,
+    },
 }
 
 /// Where instances find each other.
@@ -213,6 +244,9 @@ pub struct SchedulerArgs {
     /// `POST /v1/report`).
     #[arg(long)]
     pub http_listen: Option<SocketAddr>,
+    /// Operations listener: `/metrics`, `/livez`, `/readyz` (ready once registered).
+    #[arg(long)]
+    pub ops_listen: Option<SocketAddr>,
     /// Tokens per page when the JSON API hashes `token_ids` (the page size requests and
     /// `--engine` share).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
@@ -320,6 +354,10 @@ pub struct PrefillArgs {
     /// Prefill gRPC listener.
     #[arg(long, default_value = "127.0.0.1:50060")]
     pub grpc_listen: SocketAddr,
+    /// Operations listener: `/metrics`, `/livez`, `/readyz` (ready while registered, not
+    /// while draining).
+    #[arg(long)]
+    pub ops_listen: Option<SocketAddr>,
     /// Host other processes use to reach this one.
     #[arg(long, default_value = "127.0.0.1")]
     pub advertise_host: String,

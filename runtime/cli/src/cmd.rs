@@ -1,5 +1,6 @@
 //! One module per subcommand, and what they share.
 
+pub mod ctl;
 pub mod frontend;
 pub mod prefill;
 pub mod scheduler;
@@ -60,6 +61,27 @@ pub fn check_exposure(args: &DiscoveryArgs, binds: &[(&str, SocketAddr)]) -> any
          the cluster's shared secret, or pass --insecure to run open anyway",
         exposed.join(", ")
     )
+}
+
+/// Serves `ops` on `bind` on `tasks` (when given): returns the bound address.
+pub async fn serve_ops(
+    bind: Option<SocketAddr>,
+    ops: Arc<handoff_core::ops::Ops>,
+    tasks: &Tasks,
+) -> anyhow::Result<Option<SocketAddr>> {
+    let Some(bind) = bind else { return Ok(None) };
+    let l = tokio::net::TcpListener::bind(bind)
+        .await
+        .with_context(|| format!("listening on {bind}"))?;
+    let addr = l.local_addr()?;
+    let t = tasks.clone();
+    tasks.spawn(async move {
+        let stop = async move { t.shutdown_requested().await };
+        if let Err(e) = handoff_core::ops::serve(l, ops, stop).await {
+            tracing::warn!(error = %e, "operations endpoint stopped");
+        }
+    });
+    Ok(Some(addr))
 }
 
 /// A fresh random cluster token (256 bits, hex).

@@ -17,5 +17,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Scheduler(args) => handoff::cmd::scheduler::run(args).await,
         Command::Prefill(args) => handoff::cmd::prefill::run(args).await,
         Command::Frontend(args) => handoff::cmd::frontend::run(args).await,
+        Command::Ctl(args) => handoff::cmd::ctl::run(args).await,
     }
 }

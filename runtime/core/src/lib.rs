@@ -3,13 +3,17 @@
 //! - [`ids`] — newtypes for the ids that bind a request end to end ([`Room`], [`InstanceId`],
 //!   [`BlockHash`]).
 //! - [`hash`] — the chained block hashes of a prompt, the same function on every side.
+//! - [`metrics`] — Prometheus counters, gauges and histograms, and their text format.
 //! - [`net`] — listeners whose connections set `TCP_NODELAY`.
+//! - [`ops`] — `/metrics`, `/livez` and `/readyz`, served by every role.
 //! - [`tasks`] — owned background tasks and a shutdown signal (no detached tasks).
 //! - [`tls`] — mutual TLS within a cluster, and public endpoints' certificates.
 
 pub mod hash;
 pub mod ids;
+pub mod metrics;
 pub mod net;
+pub mod ops;
 pub mod tasks;
 pub mod tls;
 

@@ -1,12 +1,11 @@
 //! The OpenAI-compatible HTTP API: `POST /v1/chat/completions`, `POST /v1/completions`
-//! (streamed as server-sent events or not), `GET /v1/models`, plus `GET /health` and
-//! `GET /metrics`. Requests become `GenerateRequest`s and take the same path as gRPC.
+//! (streamed as server-sent events or not), `GET /v1/models`, plus `GET /health` and the
+//! operations endpoints (`/metrics`, `/livez`, `/readyz`). Requests become `GenerateRequest`s and take the same path as gRPC.
 
 mod openai;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -35,17 +34,18 @@ const MAX_BODY: usize = 4 << 20;
 
 /// The HTTP routes, for serving or for testing without a socket.
 pub fn router(fe: Arc<Frontend>) -> Router {
+    let ops = handoff_core::ops::router(fe.ops());
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "OK" }))
-        .route("/metrics", get(metrics))
         .fallback(|| async {
             ApiError { status: StatusCode::NOT_FOUND, ..ApiError::invalid("no such route", None) }
         })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(fe)
+        .merge(ops)
 }
 
 /// Serves the HTTP API on `listener` until `shutdown` completes (HTTPS when the frontend's
@@ -291,21 +291,6 @@ async fn models(State(fe): State<Arc<Frontend>>) -> Json<Value> {
     Json(
         json!({"object": "list", "data": [{"id": fe.engine.info().name, "object": "model", "created": 0, "owned_by": "handoff"}]}),
     )
-}
-
-async fn metrics(State(fe): State<Arc<Frontend>>) -> impl IntoResponse {
-    let m = &fe.metrics;
-    let body = format!(
-        "# TYPE handoff_requests_total counter\nhandoff_requests_total {}\n# TYPE handoff_requests_failed_total counter\nhandoff_requests_failed_total {}\n# TYPE handoff_requests_refused_total counter\nhandoff_requests_refused_total {}\n# TYPE handoff_requests_expired_total counter\nhandoff_requests_expired_total {}\n# TYPE handoff_requests_cancelled_total counter\nhandoff_requests_cancelled_total {}\n# TYPE handoff_generated_tokens_total counter\nhandoff_generated_tokens_total {}\n# TYPE handoff_receive_regions gauge\nhandoff_receive_regions {}\n",
-        m.requests.load(Relaxed),
-        m.failed.load(Relaxed),
-        m.refused.load(Relaxed),
-        m.expired.load(Relaxed),
-        m.cancelled.load(Relaxed),
-        m.tokens.load(Relaxed),
-        fe.agent().inbox().regions()
-    );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
 }
 
 #[cfg(test)]

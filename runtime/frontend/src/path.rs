@@ -49,7 +49,10 @@ pub struct Frontend {
     prefills: Mutex<HashMap<String, PrefillClient<Channel>>>,
     pub(crate) tasks: Tasks,
     pub(crate) limit: Arc<Semaphore>,
-    pub(crate) metrics: Metrics,
+    pub(crate) metrics: Arc<Metrics>,
+    /// Prefill instances registered in discovery (while followed).
+    prefills_known: std::sync::atomic::AtomicUsize,
+    ops: std::sync::OnceLock<Arc<handoff_core::ops::Ops>>,
 }
 
 fn retry_after(s: &tonic::Status) -> std::time::Duration {
@@ -121,7 +124,9 @@ impl Frontend {
             schedulers,
             prefills: Mutex::default(),
             tasks: tasks.clone(),
-            metrics: Metrics::default(),
+            metrics: Arc::new(Metrics::new()),
+            prefills_known: Default::default(),
+            ops: Default::default(),
         }))
     }
 
@@ -137,16 +142,27 @@ impl Frontend {
             .map_err(|e| FrontendError::Unavailable(e.to_string()))?;
         let (me, t) = (self.clone(), self.tasks.clone());
         self.tasks.spawn(async move {
+            let mut known = std::collections::HashSet::new();
             loop {
                 let u = tokio::select! {
                     _ = t.shutdown_requested() => break,
                     u = updates.next() => match u { Some(u) => u, None => break },
                 };
                 match u {
-                    Update::Reset(_) => me.directory.clear(),
-                    Update::Add(i) => me.directory.invalidate(i.id.as_str()),
-                    Update::Remove(id) => me.directory.invalidate(id.as_str()),
+                    Update::Reset(all) => {
+                        me.directory.clear();
+                        known = all.into_iter().map(|i| i.id.to_string()).collect();
+                    }
+                    Update::Add(i) => {
+                        me.directory.invalidate(i.id.as_str());
+                        known.insert(i.id.to_string());
+                    }
+                    Update::Remove(id) => {
+                        me.directory.invalidate(id.as_str());
+                        known.remove(id.as_str());
+                    }
                 }
+                me.prefills_known.store(known.len(), std::sync::atomic::Ordering::Relaxed);
             }
         });
         Ok(())
@@ -209,6 +225,17 @@ impl Frontend {
     /// The frontend's transfer agent.
     pub fn agent(&self) -> &Agent {
         &self.agent
+    }
+
+    /// Its operations surface: metrics (gauges refreshed at each scrape) and readiness (a
+    /// scheduler replica not suspect, and a prefill instance registered).
+    pub fn ops(self: &Arc<Self>) -> Arc<handoff_core::ops::Ops> {
+        self.ops.get_or_init(|| Arc::new(crate::metrics::ops(self))).clone()
+    }
+
+    /// Prefill instances registered in discovery, as followed.
+    pub fn prefills_known(&self) -> usize {
+        self.prefills_known.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn prefill_client(&self, addr: &str) -> Result<PrefillClient<Channel>, FrontendError> {
@@ -315,6 +342,7 @@ impl Frontend {
             if Instant::now() >= plan.deadline {
                 return Err(FrontendError::Deadline(summary(&failed)));
             }
+            let asked = Instant::now();
             let (lease, Selected { selection: sel, .. }) =
                 match self.select(plan, &hashes, &exclude, &failed).await {
                     Ok(s) => s,
@@ -325,6 +353,7 @@ impl Frontend {
                     }
                     Err(e) => return Err(e),
                 };
+            self.metrics.selected(asked.elapsed());
             let room = Room::mint();
             let mut stages = Stages::start();
             let wait = std::time::Duration::from_millis(u64::from(sel.expected_wait_ms));
@@ -361,6 +390,8 @@ impl Frontend {
             match outcome {
                 Ok((decoder, first_token, cached_tokens, kv_bytes)) => {
                     stages.timings.consume_us = stages.mark();
+                    self.metrics.attempt_stages(&stages.timings);
+                    self.metrics.kv_received(kv_bytes);
                     lease.end(Outcome::Success, String::new());
                     let evidence = Evidence {
                         bootstrap_room: room.get(),
@@ -374,6 +405,7 @@ impl Frontend {
                 }
                 Err(e) => {
                     warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed");
+                    self.metrics.attempt_failed(&e);
                     lease.end(outcome_of(&e), e.to_string());
                     failed.push(Attempt {
                         bootstrap_room: room.get(),

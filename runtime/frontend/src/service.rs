@@ -17,6 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::input::{self, Plan};
+use crate::metrics::Ending;
 use crate::path::Ready;
 use crate::text::TextAssembler;
 use crate::{Frontend, FrontendError};
@@ -47,11 +48,19 @@ fn chunk(token: u32, text: String) -> Result<GenerateResponse, Status> {
 
 /// Streams `ready`'s tokens into `tx` until a finish condition, the deadline, the client
 /// leaving, or shutdown. The last message is a `Complete`.
-pub(crate) async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: Tx) {
+pub(crate) async fn stream(
+    fe: Arc<Frontend>,
+    plan: Plan,
+    mut ready: Ready,
+    tx: Tx,
+    arrived: Instant,
+) {
+    let m = &fe.metrics;
     let eos = fe.engine.info().eos.filter(|_| !plan.sampling.ignore_eos);
     let mut text = TextAssembler::new(&plan.sampling.stop);
     let mut generated = 0u32;
     let mut token = ready.first_token;
+    let mut last_sent = arrived;
     let finish = loop {
         if Some(token) == eos {
             break FinishReason::Eos;
@@ -59,8 +68,16 @@ pub(crate) async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: 
         generated += 1;
         let released = text.push(&*fe.engine, token);
         if tx.send(chunk(token, released.text)).await.is_err() {
+            m.ended(Ending::Cancelled);
             return; // the client left
         }
+        let now = Instant::now();
+        if generated == 1 {
+            m.first_token(now - arrived);
+        } else {
+            m.next_token(now - last_sent);
+        }
+        last_sent = now;
         if released.stopped {
             break FinishReason::Stop;
         }
@@ -68,6 +85,7 @@ pub(crate) async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: 
             break FinishReason::Length;
         }
         if Instant::now() >= plan.deadline {
+            m.ended(Ending::Expired);
             let _ = tx
                 .send(Err(Status::deadline_exceeded(format!(
                     "deadline passed after {generated} tokens"
@@ -77,19 +95,21 @@ pub(crate) async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: 
         }
         let step = tokio::select! {
             _ = fe.tasks.shutdown_requested() => {
+                m.ended(Ending::Failed);
                 let _ = tx.send(Err(Status::unavailable("frontend shutting down"))).await;
                 return;
             }
             s = async {
                 let started = Instant::now();
                 let s = ready.decoder.step().await;
-                fe.metrics.note_step(started.elapsed());
+                m.note_step(started.elapsed());
                 s
             } => s,
         };
         token = match step {
             Ok(t) => t,
             Err(e) => {
+                m.ended(Ending::Failed);
                 let _ = tx.send(Err(FrontendError::Decode(e.to_string()).into())).await;
                 return;
             }
@@ -105,10 +125,11 @@ pub(crate) async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: 
                 .await
                 .is_err()
         {
+            m.ended(Ending::Cancelled);
             return;
         }
     }
-    fe.metrics.tokens.fetch_add(u64::from(generated), std::sync::atomic::Ordering::Relaxed);
+    m.tokens.add(u64::from(generated));
     let usage = Usage {
         prompt_tokens: plan.tokens.len() as u32,
         completion_tokens: generated,
@@ -120,6 +141,8 @@ pub(crate) async fn stream(fe: Arc<Frontend>, plan: Plan, mut ready: Ready, tx: 
         evidence: Some(ready.evidence),
     };
     let _ = tx.send(Ok(GenerateResponse { event: Some(Event::Complete(done)) })).await;
+    m.ended(Ending::Ok);
+    m.finished(arrived.elapsed());
 }
 
 /// Counts a request that was dropped before it was answered (its client went away).
@@ -128,7 +151,7 @@ struct Unanswered<'a>(Option<&'a Frontend>);
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
         if let Some(fe) = self.0 {
-            fe.metrics.cancelled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            fe.metrics.ended(Ending::Cancelled);
         }
     }
 }
@@ -139,8 +162,8 @@ pub(crate) async fn start(
     fe: &Arc<Frontend>,
     req: GenerateRequest,
 ) -> Result<mpsc::Receiver<Result<GenerateResponse, Status>>, FrontendError> {
-    use std::sync::atomic::Ordering::Relaxed;
-    fe.metrics.requests.fetch_add(1, Relaxed);
+    let arrived = Instant::now();
+    let in_flight = fe.metrics.arrived();
     let mut unanswered = Unanswered(Some(&**fe));
     let result = async {
         let permit =
@@ -153,25 +176,15 @@ pub(crate) async fn start(
         let (tx, rx) = mpsc::channel(64);
         let f = fe.clone();
         fe.tasks.spawn(async move {
-            stream(f, plan, ready, tx).await;
-            drop(permit);
+            stream(f, plan, ready, tx, arrived).await;
+            drop((permit, in_flight));
         });
         Ok(rx)
     }
     .await;
     unanswered.0 = None;
-    match &result {
-        Ok(_) => {}
-        Err(FrontendError::Overloaded { .. }) => {
-            fe.metrics.refused.fetch_add(1, Relaxed);
-        }
-        Err(FrontendError::Deadline(_)) => {
-            fe.metrics.expired.fetch_add(1, Relaxed);
-            fe.metrics.failed.fetch_add(1, Relaxed);
-        }
-        Err(_) => {
-            fe.metrics.failed.fetch_add(1, Relaxed);
-        }
+    if let Err(e) = &result {
+        fe.metrics.ended(Ending::of(e));
     }
     result
 }

@@ -32,6 +32,7 @@ pub struct PrefillInstance {
     pub registration: Instance,
     service: PrefillService,
     registry: Arc<dyn Registry>,
+    ops: Arc<handoff_core::ops::Ops>,
 }
 
 impl std::fmt::Debug for PrefillInstance {
@@ -134,6 +135,7 @@ impl PrefillInstance {
             handshake_timeout: cfg.handshake_timeout,
             running: Default::default(),
             queued_tokens: Default::default(),
+            metrics: Default::default(),
         });
         let service = svc.clone();
         warm_up(&service, &*engine).await?;
@@ -201,6 +203,7 @@ impl PrefillInstance {
             }
         });
         registry.register(registration.clone()).await.map_err(startup)?;
+        service.metrics().set_registered(true);
         let (t, id, reg) = (tasks.clone(), cfg.id.clone(), registry.clone());
         tasks.spawn(async move {
             t.shutdown_requested().await;
@@ -215,6 +218,7 @@ impl PrefillInstance {
             grpc_addr,
             directory,
             registration,
+            ops: Arc::new(crate::metrics::ops(&service)),
             service,
             registry,
         })
@@ -225,6 +229,11 @@ impl PrefillInstance {
         self.service.snapshot()
     }
 
+    /// Its operations surface: metrics and readiness (registered and not draining).
+    pub fn ops(&self) -> Arc<handoff_core::ops::Ops> {
+        self.ops.clone()
+    }
+
     /// Requests being served (queued or computing or sending).
     pub fn running(&self) -> usize {
         self.service.running()
@@ -233,6 +242,7 @@ impl PrefillInstance {
     /// A graceful drain: out of routing first (deregistered), then waits until the requests
     /// in flight have finished (at most `grace`). Shut the instance's tasks down afterwards.
     pub async fn drain(&self, grace: std::time::Duration) -> Result<(), PrefillError> {
+        self.service.metrics().set_registered(false);
         self.registry.deregister(&self.id).await?;
         let deadline = tokio::time::Instant::now() + grace;
         while self.service.running() > 0 && tokio::time::Instant::now() < deadline {

@@ -7,6 +7,7 @@
 //!   decode ranks that connected for a room.
 //! - [`service`] — the `handoff.v1.Prefill` gRPC service: prefix reuse, compute, KV events,
 //!   and the ranks' sends.
+//! - [`metrics`] — its counters, `/metrics` and readiness.
 //! - [`instance`] — [`PrefillInstance::start`]: binds the directory, the ranks and the gRPC
 //!   service, registers the ranks in the directory and the instance in discovery.
 
@@ -14,6 +15,7 @@ pub mod cache;
 pub mod config;
 mod error;
 pub mod instance;
+pub mod metrics;
 pub mod rank;
 pub mod service;
 

@@ -18,6 +18,13 @@ pub struct SharedKv {
     tokens: usize,
 }
 
+impl SharedKv {
+    /// Its size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
 impl From<Kv> for SharedKv {
     fn from(kv: Kv) -> Self {
         let (shape, tokens) = (kv.shape(), kv.tokens());

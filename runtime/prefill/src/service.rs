@@ -75,6 +75,7 @@ pub(crate) struct Inner {
     pub(crate) handshake_timeout: Duration,
     pub(crate) running: AtomicUsize,
     pub(crate) queued_tokens: std::sync::atomic::AtomicU64,
+    pub(crate) metrics: crate::metrics::PrefillMetrics,
 }
 
 /// Prefill compute time per computed token: a token-weighted moving average (each new
@@ -262,7 +263,19 @@ impl PrefillService {
 
     async fn run(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
         let _running = Running::new(&self.inner, req.token_ids.len() as u64);
-        self.serve(req).await
+        let served = self.serve(req).await;
+        self.inner.metrics.ended(served.as_ref().map(|_| ()));
+        served
+    }
+
+    /// Its counters and histograms.
+    pub fn metrics(&self) -> &crate::metrics::PrefillMetrics {
+        &self.inner.metrics
+    }
+
+    /// Requests waiting for each dp rank's engine.
+    pub fn queued(&self) -> Vec<usize> {
+        self.inner.dps.iter().map(|d| d.queued.load(Ordering::Relaxed)).collect()
     }
 
     async fn serve(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
@@ -310,8 +323,10 @@ impl PrefillService {
         }
         // Dropped while waiting here (the decode went away): the place is given up and
         // nothing is computed.
+        let waited = Instant::now();
         let permit = tokio::time::timeout_at(deadline, dp.slot.acquire()).await;
         drop(queued);
+        me.metrics.stage("queue", waited.elapsed());
         let permit = permit
             .map_err(|_| PrefillError::Deadline("waiting for the engine".into()))?
             .map_err(|_| PrefillError::Startup("engine slot closed".into()))?;
@@ -322,6 +337,8 @@ impl PrefillService {
         let started = Instant::now();
         let out = me.engine.prefill(&tokens, prefix, &sampling).await?;
         self.measured(tokens.len() - cached, started.elapsed());
+        me.metrics.stage("compute", started.elapsed());
+        me.metrics.tokens(tokens.len() - cached, cached);
         let delta = lock(&dp.cache).store(&hashes, &out.kv);
         drop(permit);
         self.publish(req.dp_rank, delta);
@@ -330,7 +347,10 @@ impl PrefillService {
         let meta = SendMeta { first_token: out.first_token, cached_tokens: cached as u32 };
         let hs_deadline = deadline.min(Instant::now() + me.handshake_timeout);
         let sends = dp.senders.iter().map(|r| r.send(me.par, room, &kv, meta, hs_deadline));
+        let sending = Instant::now();
         let served = try_join_all(sends).await?;
+        me.metrics.stage("send", sending.elapsed());
+        me.metrics.sent(kv.byte_len() as u64);
         debug!(%room, dp_rank = req.dp_rank, cached, tokens = tokens.len(), "prefill sent");
         Ok(PrefillResponse {
             first_token: out.first_token,

@@ -3,6 +3,7 @@
 //! - [`state`] — [`SchedulerState`]: the instances (from a discovery watch), the KV index
 //!   (from KV events) and the in-flight load per (instance, dp rank); selection and outcomes.
 //! - [`policy`] — the policies, one file each, chosen by [`PolicyKind`].
+//! - [`metrics`] — its counters, and `/metrics` and readiness ([`metrics::ops`]).
 //! - [`service`] — the `handoff.v1.Scheduler` gRPC service and `serve(listener, shutdown)`.
 //! - [`Scheduler::start`] (this file): wires a state to a registry and an event bus with
 //!   owned tasks.
@@ -10,6 +11,7 @@
 pub mod engine;
 mod error;
 pub mod http;
+pub mod metrics;
 pub mod policy;
 mod rejects;
 pub mod service;
@@ -174,6 +176,7 @@ async fn resync_from_snapshot(state: &SchedulerState, bus: &dyn EventBus, id: In
     // This task runs the resync just started; a later one (after this one ends, or the
     // instance leaves and comes back) has another generation and is not disturbed.
     let Some(generation) = state.resync_generation(&id) else { return };
+    state.metrics().resyncs.inc();
     let (mut ask, mut restarts) = (SnapshotAsk::default(), 0);
     loop {
         let Some(page) = snapshot_page(state, bus, &id, ask).await else {

@@ -27,6 +27,21 @@ pub(crate) enum Reject {
 }
 
 impl Reject {
+    /// The kind as a metric label.
+    fn label(self) -> &'static str {
+        match self {
+            Reject::MalformedEvent => "malformed_event",
+            Reject::MalformedHeartbeat => "malformed_heartbeat",
+            Reject::MalformedLoadReport => "malformed_load_report",
+            Reject::BadReplicaName => "bad_replica_name",
+            Reject::TooManyReplicas => "too_many_replicas",
+            Reject::MalformedSnapshot => "malformed_snapshot",
+            Reject::ForeignSnapshot => "foreign_snapshot",
+            Reject::UnknownBooking => "unknown_booking",
+            Reject::SequenceGap => "sequence_gap",
+        }
+    }
+
     fn what(self) -> &'static str {
         match self {
             Reject::MalformedEvent => "malformed KV event dropped",
@@ -46,6 +61,8 @@ impl Reject {
 struct Seen {
     logged: Instant,
     since: u64,
+    /// Every one seen.
+    total: u64,
 }
 
 /// Bad input seen, by kind (see the module docs).
@@ -64,17 +81,25 @@ impl Rejects {
     pub(crate) fn note_at(&self, kind: Reject, detail: &dyn Display, now: Instant) -> bool {
         let mut seen = self.seen.lock();
         let Some(s) = seen.get_mut(&kind) else {
-            seen.insert(kind, Seen { logged: now, since: 0 });
+            seen.insert(kind, Seen { logged: now, since: 0, total: 1 });
             warn!(%detail, "{} (from now on logged at most once a minute)", kind.what());
             return true;
         };
         s.since += 1;
+        s.total += 1;
         if now.saturating_duration_since(s.logged) < EVERY {
             return false;
         }
         warn!(%detail, more = s.since, "{}: more of them in the last minute", kind.what());
-        *s = Seen { logged: now, since: 0 };
+        (s.logged, s.since) = (now, 0);
         true
+    }
+}
+
+impl Rejects {
+    /// How many of each kind were seen, by label.
+    pub(crate) fn totals(&self) -> Vec<(&'static str, u64)> {
+        self.seen.lock().iter().map(|(k, s)| (k.label(), s.total)).collect()
     }
 }
 
@@ -95,5 +120,8 @@ mod tests {
         assert!(r.note_at(Reject::MalformedEvent, &"x", at(60)), "a minute on: counted once");
         assert!(!r.note_at(Reject::MalformedEvent, &"x", at(61)));
         assert!(r.note_at(Reject::MalformedEvent, &"x", at(121)));
+        let mut totals = r.totals();
+        totals.sort();
+        assert_eq!(totals, [("malformed_event", 63), ("malformed_heartbeat", 1)]);
     }
 }

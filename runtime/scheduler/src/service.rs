@@ -137,6 +137,10 @@ impl SchedulerRpc for SchedulerService {
                 routable: s.routable,
                 prefill_ns_per_token: (f64::from(s.token_cost_us) * 1e3) as u64,
                 breaker_closed: s.breaker_closed,
+                silent_ms: s.silent_for.as_millis().min(u128::from(u64::MAX)) as u64,
+                model: s.instance.model,
+                tp_size: s.instance.topology.tp,
+                pp_size: s.instance.topology.pp,
             })
             .collect();
         Ok(Response::new(ListInstancesResponse { instances }))

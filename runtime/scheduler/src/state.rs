@@ -249,6 +249,7 @@ pub struct SchedulerState {
     /// Bad input seen, logged once per kind.
     rejects: crate::rejects::Rejects,
     tick: AtomicUsize,
+    metrics: crate::metrics::SchedulerMetrics,
 }
 
 /// Status of one instance, for `ListInstances` and operators.
@@ -266,6 +267,8 @@ pub struct InstanceStatus {
     pub token_cost_us: f32,
     /// Whether its circuit breaker is closed (not open or half-open).
     pub breaker_closed: bool,
+    /// Time since it was last heard from.
+    pub silent_for: Duration,
 }
 
 impl SchedulerState {
@@ -294,6 +297,7 @@ impl SchedulerState {
             inner: Mutex::new(inner),
             rejects: Default::default(),
             tick: AtomicUsize::new(0),
+            metrics: Default::default(),
         }
     }
 
@@ -303,6 +307,11 @@ impl SchedulerState {
     }
 
     /// Bad input seen, logged once per kind.
+    /// Its counters and histograms.
+    pub fn metrics(&self) -> &crate::metrics::SchedulerMetrics {
+        &self.metrics
+    }
+
     pub(crate) fn rejects(&self) -> &crate::rejects::Rejects {
         &self.rejects
     }
@@ -452,6 +461,11 @@ impl SchedulerState {
 
     /// Every known instance with its load and indexed blocks.
     pub fn instances(&self) -> Vec<InstanceStatus> {
+        self.instances_at(Instant::now())
+    }
+
+    /// [`SchedulerState::instances`] as of `now`.
+    pub fn instances_at(&self, now: Instant) -> Vec<InstanceStatus> {
         let inner = self.lock();
         inner
             .members
@@ -469,6 +483,7 @@ impl SchedulerState {
                     routable: m.routable(),
                     token_cost_us: m.token_cost_us,
                     breaker_closed: m.breaker.is_closed(),
+                    silent_for: now.saturating_duration_since(m.seen),
                 }
             })
             .collect()

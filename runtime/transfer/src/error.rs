@@ -40,3 +40,20 @@ pub enum TransferError {
     #[error("timed out {0}")]
     Timeout(String),
 }
+
+impl TransferError {
+    /// The kind, as a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TransferError::Io { .. } => "io",
+            TransferError::Malformed(_) => "malformed",
+            TransferError::Rejected(_) => "rejected",
+            TransferError::Unauthorized => "unauthorized",
+            TransferError::Forbidden(_) => "forbidden",
+            TransferError::Full(_) => "full",
+            TransferError::UnknownRegion(_) => "unknown_region",
+            TransferError::Failed(_) => "failed",
+            TransferError::Timeout(_) => "timeout",
+        }
+    }
+}

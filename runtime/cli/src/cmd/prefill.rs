@@ -13,7 +13,10 @@ use crate::cmd::{discovery, up::engines, up::shutdown_signal};
 pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
     crate::cmd::check_exposure(
         &args.discovery,
-        &[("the bootstrap directory", args.bootstrap_listen), ("the prefill", args.grpc_listen)],
+        &[("the bootstrap directory", args.bootstrap_listen), ("the prefill", args.grpc_listen)]
+            .into_iter()
+            .chain(args.ops_listen.map(|a| ("the prefill's metrics", a)))
+            .collect::<Vec<_>>(),
     )?;
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
@@ -37,10 +40,14 @@ pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
     .with_token(args.discovery.token.clone());
     let p = PrefillInstance::start(cfg, engine, registry, bus, &tasks, None).await?;
     let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
-    crate::cmd::announce(&format!(
+    let mut ready = format!(
         "prefill {} ready: bootstrap http{s}://{} grpc{s}://{}",
         p.id, p.bootstrap_addr, p.grpc_addr
-    ))?;
+    );
+    if let Some(a) = crate::cmd::serve_ops(args.ops_listen, p.ops(), &tasks).await? {
+        ready.push_str(&format!(" ops http://{a}"));
+    }
+    crate::cmd::announce(&ready)?;
     shutdown_signal().await;
     p.drain(Duration::from_secs(args.drain_secs)).await?;
     tasks.shutdown().await;

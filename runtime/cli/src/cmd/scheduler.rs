@@ -14,6 +14,7 @@ use crate::cmd::{discovery, up::shutdown_signal};
 pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     let mut binds = vec![("the scheduler", args.listen)];
     binds.extend(args.http_listen.map(|a| ("the scheduler's JSON API", a)));
+    binds.extend(args.ops_listen.map(|a| ("the scheduler's metrics", a)));
     crate::cmd::check_exposure(&args.discovery, &binds)?;
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
@@ -47,6 +48,7 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
         version: 1,
     };
     registry.register(me).await?;
+    scheduler.state().metrics().set_registered(true);
     let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
     let mut ready = format!("scheduler {id} ready: grpc{s}://{addr}");
     if let Some(bind) = args.http_listen {
@@ -59,6 +61,10 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
                 tracing::warn!(error = %e, "scheduler JSON API stopped");
             }
         });
+    }
+    let ops = std::sync::Arc::new(handoff_scheduler::metrics::ops(scheduler.state()));
+    if let Some(a) = crate::cmd::serve_ops(args.ops_listen, ops, &tasks).await? {
+        ready.push_str(&format!(" ops http://{a}"));
     }
     crate::cmd::announce(&ready)?;
     let t = tasks.clone();

@@ -118,7 +118,11 @@ impl SchedulerState {
     /// Picks where a prompt goes and books it there (its load counted until the booking
     /// ends), or refuses it at once when no candidate can start it in time.
     pub fn select(&self, ask: &Ask<'_>) -> Result<Selection, SchedulerError> {
-        self.select_at(ask, Instant::now())
+        let started = Instant::now();
+        let chosen = self.select_at(ask, started);
+        let policy = ask.policy.unwrap_or(self.cfg.default_policy);
+        self.metrics.selected(policy, chosen.as_ref().map(|_| ()), started.elapsed());
+        chosen
     }
 
     /// [`SchedulerState::select`] as of `now`.
@@ -260,6 +264,7 @@ impl SchedulerState {
     /// feeds the instance's circuit breaker. Idempotent: returns `false` (and changes
     /// nothing) when the booking is not open: reported before, expired, or its instance gone.
     pub fn report(&self, booking: BookingId, outcome: Outcome) -> bool {
+        self.metrics.reported(outcome);
         let mut inner = self.lock();
         let Some(b) = inner.bookings.close(booking) else {
             self.rejects.note(

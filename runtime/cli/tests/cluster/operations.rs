@@ -1,0 +1,201 @@
+//! What an operator sees: `/metrics`, `/livez` and `/readyz` on every role of a cluster of
+//! separate processes, readiness that follows what a role can do, `handoff ctl` against it,
+//! and every metric the shipped Grafana dashboard queries present in a live scrape.
+
+use std::time::{Duration, Instant};
+
+use handoff_proto::v1::generate_client::GenerateClient;
+
+use super::processes::{addr_after, one};
+use super::servers::{Handoff, Server};
+
+/// `GET path` at `addr`: the status code and body.
+pub(crate) async fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let ask = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n");
+    s.write_all(ask.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    let code = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (code, body.to_owned())
+}
+
+/// The value of the sample `series` (name with labels, as printed) in a scrape.
+fn sample(scrape: &str, series: &str) -> Option<f64> {
+    scrape.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+async fn wait_ready(addr: &str, within: Duration) {
+    let start = Instant::now();
+    loop {
+        let (code, body) = http_get(addr, "/readyz").await;
+        if code == 200 {
+            return;
+        }
+        assert!(start.elapsed() < within, "{addr} not ready within {within:?}: {body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn ctl(etcd: &Server, nats: &Server, args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(["ctl", "--etcd", &etcd.url, "--nats", &nats.url])
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
+    let etcd = Server::etcd();
+    let nats = Server::nats();
+    let d = ["--etcd", etcd.url.as_str(), "--nats", nats.url.as_str()];
+    let (_sched, line) = Handoff::spawn(
+        &[&["scheduler", "--listen", "127.0.0.1:0", "--ops-listen", "127.0.0.1:0"][..], &d]
+            .concat(),
+    );
+    let sched_ops = addr_after(&line, "ops http://");
+    wait_ready(&sched_ops, Duration::from_secs(5)).await;
+    let (_fe, line) = Handoff::spawn(
+        &[
+            &["frontend", "--engine", "mock", "--listen", "127.0.0.1:0"][..],
+            &["--http-listen", "127.0.0.1:0"],
+            &d,
+        ]
+        .concat(),
+    );
+    let (fe_grpc, fe_http) = (addr_after(&line, "grpc://"), addr_after(&line, "http://"));
+    assert_eq!(http_get(&fe_http, "/livez").await, (200, "ok".to_owned()));
+    let (code, why) = http_get(&fe_http, "/readyz").await;
+    assert_eq!((code, why.as_str()), (503, "not ready: no prefill instance registered"));
+
+    let (_prefill, line) = Handoff::spawn(
+        &[
+            &["prefill", "--engine", "mock", "--id", "p1", "--tp", "2"][..],
+            &["--bootstrap-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0"],
+            &["--ops-listen", "127.0.0.1:0"],
+            &d,
+        ]
+        .concat(),
+    );
+    let prefill_ops = addr_after(&line, "ops http://");
+    assert_eq!(http_get(&prefill_ops, "/readyz").await.0, 200, "ready once registered");
+    wait_ready(&fe_http, Duration::from_secs(10)).await;
+
+    let mut client = GenerateClient::connect(format!("http://{fe_grpc}")).await.unwrap();
+    let start = Instant::now();
+    let mut served = 0;
+    while served < 5 {
+        match one(&mut client, served).await {
+            Ok(_) => served += 1,
+            // The scheduler hears of the prefill a moment after the frontend does.
+            Err(e) => assert!(start.elapsed() < Duration::from_secs(10), "{e}"),
+        }
+    }
+
+    let fe = http_get(&fe_http, "/metrics").await.1;
+    assert_eq!(sample(&fe, "handoff_frontend_requests_total{outcome=\"ok\"}"), Some(5.0), "{fe}");
+    assert_eq!(sample(&fe, "handoff_frontend_ttft_seconds_count"), Some(5.0));
+    assert_eq!(sample(&fe, "handoff_frontend_inter_token_seconds_count"), Some(15.0), "4 tokens");
+    assert_eq!(sample(&fe, "handoff_frontend_stage_seconds_count{stage=\"transfer\"}"), Some(5.0));
+    assert!(sample(&fe, "handoff_frontend_kv_received_bytes_total").unwrap() > 0.0);
+    assert_eq!(sample(&fe, "handoff_frontend_prefills"), Some(1.0));
+    assert_eq!(sample(&fe, "handoff_frontend_requests_in_flight"), Some(0.0));
+
+    let sched = http_get(&sched_ops, "/metrics").await.1;
+    let ok = "handoff_scheduler_selections_total{policy=\"kv_aware\",result=\"ok\"}";
+    assert!(sample(&sched, ok).unwrap() >= 5.0, "{sched}");
+    assert!(sample(&sched, "handoff_scheduler_reports_total{outcome=\"success\"}").unwrap() >= 5.0);
+    assert_eq!(sample(&sched, "handoff_scheduler_instances{routable=\"true\"}"), Some(1.0));
+    assert_eq!(
+        sample(&sched, "handoff_scheduler_instance_breaker_open{instance=\"p1\"}"),
+        Some(0.0)
+    );
+    assert!(
+        sample(&sched, "handoff_scheduler_instance_cached_blocks{instance=\"p1\"}").unwrap() > 0.0
+    );
+
+    let pre = http_get(&prefill_ops, "/metrics").await.1;
+    assert!(sample(&pre, "handoff_prefill_requests_total{result=\"ok\"}").unwrap() >= 5.0, "{pre}");
+    assert!(sample(&pre, "handoff_prefill_kv_sent_bytes_total").unwrap() > 0.0);
+    assert_eq!(sample(&pre, "handoff_prefill_queued{dp_rank=\"0\"}"), Some(0.0));
+
+    // Every metric the shipped dashboard queries exists in these live scrapes.
+    let dashboard = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/grafana/handoff.json"
+    ))
+    .unwrap();
+    let live = format!("{fe}{sched}{pre}");
+    let queried = dashboard_metrics(&dashboard);
+    assert!(queried.len() >= 10, "the dashboard queries {queried:?}");
+    for name in queried {
+        // Declared (a family with no series yet) or sampled.
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(&name);
+        let exposed = live.lines().any(|l| {
+            l.starts_with(&format!("# TYPE {base} "))
+                || l.split(['{', ' ']).next().is_some_and(|n| n == name)
+        });
+        assert!(exposed, "the dashboard queries {name}, which no role exposes");
+    }
+
+    // handoff ctl, through etcd.
+    let table = ctl(&etcd, &nats, &["instances"]);
+    eprintln!("{table}");
+    let p1 = table.lines().find(|l| l.starts_with("prefill")).unwrap();
+    let cols: Vec<&str> = p1.split_whitespace().collect();
+    assert_eq!(&cols[..7], ["prefill", "p1", "1", "2", "0", "closed", "yes"], "{table}");
+    assert!(table.lines().any(|l| l.starts_with("scheduler")), "{table}");
+    let json: serde_json::Value =
+        serde_json::from_str(&ctl(&etcd, &nats, &["--json", "instances"])).unwrap();
+    let first = &json["instances"][0];
+    assert_eq!((first["id"].as_str(), first["breaker"].as_str()), (Some("p1"), Some("closed")));
+    assert!(first["cached_blocks"].as_u64().unwrap() > 0, "{json}");
+    let dir = ctl(&etcd, &nats, &["directory", "p1"]);
+    eprintln!("{dir}");
+    assert!(dir.contains("tp 2") && dir.contains(", complete"), "{dir}");
+    assert_eq!(dir.lines().filter(|l| l.starts_with('0')).count(), 2, "two tp ranks: {dir}");
+}
+
+/// Metric names in a Grafana dashboard's PromQL expressions (histogram series mapped to the
+/// names a scrape prints: `_bucket`, `_sum` and `_count` kept as they are).
+fn dashboard_metrics(dashboard: &str) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_str(dashboard).unwrap();
+    let mut exprs = Vec::new();
+    collect_exprs(&v, &mut exprs);
+    let mut names: Vec<String> = exprs
+        .iter()
+        .flat_map(|e| {
+            e.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("handoff_"))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+fn collect_exprs(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, x) in m {
+                match (k.as_str(), x) {
+                    ("expr", serde_json::Value::String(s)) => out.push(s.clone()),
+                    _ => collect_exprs(x, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|x| collect_exprs(x, out)),
+        _ => {}
+    }
+}

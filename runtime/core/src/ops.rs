@@ -1,0 +1,153 @@
+//! The operations endpoints every role serves: `GET /metrics` (Prometheus text), `GET /livez`
+//! (the process answers) and `GET /readyz` (200 when the role can do its work, else 503 with
+//! the reason). [`Ops`] is what a role hands in: its metrics, what to refresh before a scrape,
+//! and how to judge readiness.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use tokio::net::TcpListener;
+
+use crate::metrics::Registry;
+
+/// Whether a role can do its work, and if not, why.
+pub type Readiness = Result<(), String>;
+
+type Check = Box<dyn Fn() -> Readiness + Send + Sync>;
+type Refresh = Box<dyn Fn() + Send + Sync>;
+
+/// A role's operations surface.
+pub struct Ops {
+    metrics: Arc<Registry>,
+    refresh: Vec<Refresh>,
+    ready: Vec<Check>,
+}
+
+impl std::fmt::Debug for Ops {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ops")
+            .field("metrics", &self.metrics)
+            .field("checks", &self.ready.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Ops {
+    /// Ops over `metrics`, ready until a check says otherwise.
+    pub fn new(metrics: Arc<Registry>) -> Self {
+        Ops { metrics, refresh: Vec::new(), ready: Vec::new() }
+    }
+
+    /// Runs `f` before each scrape (to set gauges from current state).
+    pub fn on_scrape(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
+        self.refresh.push(Box::new(f));
+        self
+    }
+
+    /// Adds a readiness check: every check must pass.
+    pub fn ready_when(mut self, f: impl Fn() -> Readiness + Send + Sync + 'static) -> Self {
+        self.ready.push(Box::new(f));
+        self
+    }
+
+    /// The metrics, refreshed, in the text format.
+    pub fn scrape(&self) -> String {
+        for f in &self.refresh {
+            f();
+        }
+        self.metrics.render()
+    }
+
+    /// Every check's verdict: the first failure's reason.
+    pub fn readiness(&self) -> Readiness {
+        self.ready.iter().try_for_each(|c| c())
+    }
+
+    /// The metrics registry.
+    pub fn metrics(&self) -> &Arc<Registry> {
+        &self.metrics
+    }
+}
+
+/// The routes, to serve alone or merge into a role's own HTTP server.
+pub fn router(ops: Arc<Ops>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/livez", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .with_state(ops)
+}
+
+async fn metrics(State(ops): State<Arc<Ops>>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], ops.scrape())
+}
+
+async fn readyz(State(ops): State<Arc<Ops>>) -> impl IntoResponse {
+    match ops.readiness() {
+        Ok(()) => (StatusCode::OK, "ready".to_owned()),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}")),
+    }
+}
+
+/// Serves the operations endpoints on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    ops: Arc<Ops>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(ops)).with_graceful_shutdown(shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let ask = format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+        s.write_all(ask.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        let code = out[9..12].parse().unwrap();
+        (code, out.split("\r\n\r\n").nth(1).unwrap_or("").to_owned())
+    }
+
+    #[tokio::test]
+    async fn serves_metrics_liveness_and_readiness_with_its_reason() {
+        let reg = Registry::new();
+        let hits = reg.counter("test_hits_total", "hits");
+        let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (h, r) = (hits.clone(), ready.clone());
+        let ops = Ops::new(reg).on_scrape(move || h.inc()).ready_when(move || {
+            if r.load(std::sync::atomic::Ordering::Relaxed) {
+                Ok(())
+            } else {
+                Err("no scheduler reachable".into())
+            }
+        });
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(l, Arc::new(ops), async move {
+            let _ = stopped.await;
+        }));
+        assert_eq!(get(addr, "/livez").await, (200, "ok".into()));
+        let (code, why) = get(addr, "/readyz").await;
+        assert_eq!(code, 503);
+        assert!(why.contains("no scheduler reachable"), "{why}");
+        ready.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(get(addr, "/readyz").await.0, 200);
+        let (code, body) = get(addr, "/metrics").await;
+        assert_eq!(code, 200);
+        assert!(body.contains("test_hits_total 1"), "{body}");
+        assert!(get(addr, "/metrics").await.1.contains("test_hits_total 2"));
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    }
+}

@@ -1,0 +1,195 @@
+//! [`SchedulerMetrics`]: what the scheduler counts and times, and [`ops`], its `/metrics`
+//! (with gauges read from the state at each scrape) and readiness.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::time::Duration;
+
+use handoff_core::metrics::{Counter, Family, Gauge, Histogram, LATENCY_BUCKETS, Registry};
+use handoff_core::ops::Ops;
+
+use crate::state::Outcome;
+use crate::{PolicyKind, SchedulerError, SchedulerState};
+
+/// The scheduler's counters and histograms.
+#[derive(Debug)]
+pub struct SchedulerMetrics {
+    registry: Arc<Registry>,
+    selections: Arc<Family<Counter>>,
+    select_seconds: Arc<Histogram>,
+    reports: Arc<Family<Counter>>,
+    pub(crate) resyncs: Arc<Counter>,
+    /// Registered in discovery (readiness).
+    pub(crate) registered: AtomicBool,
+}
+
+fn policy_label(p: PolicyKind) -> &'static str {
+    match p {
+        PolicyKind::KvAware => "kv_aware",
+        PolicyKind::RoundRobin => "round_robin",
+        PolicyKind::Random => "random",
+        PolicyKind::PowerOfTwo => "power_of_two",
+        PolicyKind::PrefixHash => "prefix_hash",
+    }
+}
+
+fn outcome_label(o: Outcome) -> &'static str {
+    match o {
+        Outcome::Success => "success",
+        Outcome::InstanceFault => "instance_fault",
+        Outcome::Overloaded => "overloaded",
+        Outcome::Deadline => "deadline",
+        Outcome::Cancelled => "cancelled",
+        Outcome::Invalid => "invalid",
+        Outcome::DecodeFault => "decode_fault",
+    }
+}
+
+impl Default for SchedulerMetrics {
+    fn default() -> Self {
+        let r = Registry::new();
+        SchedulerMetrics {
+            selections: r.counters(
+                "handoff_scheduler_selections_total",
+                "Selections by policy and result (ok, invalid, no_instance, overloaded).",
+                &["policy", "result"],
+            ),
+            select_seconds: r.histogram(
+                "handoff_scheduler_select_seconds",
+                "Time one selection took inside the scheduler.",
+                LATENCY_BUCKETS,
+            ),
+            reports: r.counters(
+                "handoff_scheduler_reports_total",
+                "Bookings ended, by the outcome reported.",
+                &["outcome"],
+            ),
+            resyncs: r.counter(
+                "handoff_scheduler_resyncs_total",
+                "KV index resyncs of an instance from its snapshot.",
+            ),
+            registry: r,
+            registered: AtomicBool::new(false),
+        }
+    }
+}
+
+impl SchedulerMetrics {
+    pub(crate) fn selected(
+        &self,
+        policy: PolicyKind,
+        result: Result<(), &SchedulerError>,
+        took: Duration,
+    ) {
+        let result = match result {
+            Ok(()) => "ok",
+            Err(SchedulerError::Invalid(_)) => "invalid",
+            Err(SchedulerError::NoInstance(_)) => "no_instance",
+            Err(SchedulerError::Overloaded { .. }) => "overloaded",
+            Err(_) => "error",
+        };
+        self.selections.with(&[policy_label(policy), result]).inc();
+        self.select_seconds.observe_duration(took);
+    }
+
+    pub(crate) fn reported(&self, outcome: Outcome) {
+        self.reports.with(&[outcome_label(outcome)]).inc();
+    }
+
+    /// Marks the scheduler registered in discovery (ready).
+    pub fn set_registered(&self, yes: bool) {
+        self.registered.store(yes, Relaxed);
+    }
+}
+
+/// Gauges set from the state at each scrape.
+struct Gauges {
+    instances: Arc<Family<Gauge>>,
+    in_flight: Arc<Family<Gauge>>,
+    cached_blocks: Arc<Family<Gauge>>,
+    breaker_open: Arc<Family<Gauge>>,
+    token_cost: Arc<Family<Gauge>>,
+    bookings: Arc<Gauge>,
+    rejects: Arc<Family<Gauge>>,
+}
+
+impl Gauges {
+    fn new(r: &Registry) -> Self {
+        Gauges {
+            instances: r.gauges(
+                "handoff_scheduler_instances",
+                "Instances known, by whether requests are routed to them.",
+                &["routable"],
+            ),
+            in_flight: r.gauges(
+                "handoff_scheduler_instance_in_flight",
+                "Requests booked on an instance and not yet reported.",
+                &["instance"],
+            ),
+            cached_blocks: r.gauges(
+                "handoff_scheduler_instance_cached_blocks",
+                "Blocks the index holds for an instance.",
+                &["instance"],
+            ),
+            breaker_open: r.gauges(
+                "handoff_scheduler_instance_breaker_open",
+                "1 while an instance's circuit breaker is open or half-open.",
+                &["instance"],
+            ),
+            token_cost: r.gauges(
+                "handoff_scheduler_instance_token_cost_seconds",
+                "An instance's measured prefill time per computed token.",
+                &["instance"],
+            ),
+            bookings: r.gauge("handoff_scheduler_open_bookings", "Bookings not yet reported."),
+            rejects: r.gauges(
+                "handoff_scheduler_rejected_inputs",
+                "Bad input dropped since start, by kind (malformed events, sequence gaps, ...).",
+                &["kind"],
+            ),
+        }
+    }
+
+    fn refresh(&self, state: &SchedulerState) {
+        let all = state.instances();
+        for f in [&self.instances, &self.in_flight, &self.cached_blocks, &self.breaker_open] {
+            f.clear();
+        }
+        self.token_cost.clear();
+        let routable = all.iter().filter(|s| s.routable).count();
+        self.instances.with(&["true"]).set(routable as f64);
+        self.instances.with(&["false"]).set((all.len() - routable) as f64);
+        for s in &all {
+            let id = [s.instance.id.as_str()];
+            self.in_flight.with(&id).set(f64::from(s.in_flight));
+            self.cached_blocks.with(&id).set(s.cached_blocks as f64);
+            self.breaker_open.with(&id).set(if s.breaker_closed { 0.0 } else { 1.0 });
+            self.token_cost.with(&id).set(f64::from(s.token_cost_us) / 1e6);
+        }
+        self.bookings.set(state.open_bookings() as f64);
+        for (kind, n) in state.rejects().totals() {
+            self.rejects.with(&[kind]).set(n as f64);
+        }
+    }
+}
+
+/// The scheduler's operations surface: metrics and readiness (registered in discovery).
+pub fn ops(state: &Arc<SchedulerState>) -> Ops {
+    let r = state.metrics().registry.clone();
+    let gauges = Gauges::new(&r);
+    let (a, b) = (Arc::downgrade(state), Arc::downgrade(state));
+    Ops::new(r)
+        .on_scrape(move || {
+            if let Some(s) = a.upgrade() {
+                gauges.refresh(&s);
+            }
+        })
+        .ready_when(move || {
+            let s = b.upgrade().ok_or("shutting down")?;
+            if s.metrics().registered.load(Relaxed) {
+                Ok(())
+            } else {
+                Err("not registered in discovery yet".into())
+            }
+        })
+}
