@@ -15,9 +15,21 @@ use handoff_transfer::TransferKind;
 #[derive(Debug, Parser)]
 #[command(name = "handoff", version, about)]
 pub struct Cli {
+    /// Log format on stderr: text (coloured only on a terminal) or JSON lines.
+    #[arg(long, global = true, value_enum, env = "HANDOFF_LOG_FORMAT", default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     /// What to run.
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// Subcommands.
@@ -106,6 +118,13 @@ pub struct DiscoveryArgs {
     /// scheduler moves no KV and ignores it).
     #[arg(long, value_enum, default_value_t = TransferArg::Tcp)]
     pub transfer: TransferArg,
+    /// The address KV transfer listeners bind (each on an ephemeral port). Beyond loopback
+    /// (another host, a pod), give this host's address, or 0.0.0.0 with --transfer-advertise.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub transfer_bind: std::net::IpAddr,
+    /// The host peers dial for this process's KV transfers (default: --transfer-bind).
+    #[arg(long)]
+    pub transfer_advertise: Option<String>,
 }
 
 /// TLS and credentials for the etcd and NATS servers, handed to their client libraries.
@@ -207,18 +226,24 @@ impl DiscoveryArgs {
         }
     }
 
-    /// The transfer backend on loopback: tcp (with the flags' TLS) or mooncake; `fake` only
-    /// within one process (`handoff up`).
+    /// The transfer backend on --transfer-bind: tcp (with the flags' TLS) or mooncake; `fake`
+    /// only within one process (`handoff up`).
     pub fn transfer(&self) -> anyhow::Result<TransferKind> {
-        let bind_ip = std::net::Ipv4Addr::LOCALHOST.into();
+        let bind_ip = self.transfer_bind;
+        if bind_ip.is_unspecified() && self.transfer_advertise.is_none() {
+            anyhow::bail!(
+                "--transfer-bind {bind_ip} needs --transfer-advertise: peers cannot dial an unspecified address"
+            );
+        }
+        let advertise_ip = self.transfer_advertise.clone();
         Ok(match self.transfer {
             TransferArg::Tcp => {
-                TransferKind::Tcp { bind_ip, advertise_ip: None, tls: self.cluster_tls()? }
+                TransferKind::Tcp { bind_ip, advertise_ip, tls: self.cluster_tls()? }
             }
             TransferArg::Mooncake if self.tls_cert.is_some() => anyhow::bail!(
                 "--transfer mooncake cannot use --tls-cert: Mooncake's wire has no TLS (use --transfer tcp for mutual TLS on KV)"
             ),
-            TransferArg::Mooncake => TransferKind::Mooncake { bind_ip, advertise_ip: None },
+            TransferArg::Mooncake => TransferKind::Mooncake { bind_ip, advertise_ip },
             TransferArg::Fake => TransferKind::Fake(handoff_transfer::FakeNetwork::new()),
         })
     }

@@ -43,8 +43,10 @@ pub fn check_exposure(args: &DiscoveryArgs, binds: &[(&str, SocketAddr)]) -> any
     if args.token.is_some() || args.tls_cert.is_some() {
         return Ok(());
     }
+    let transfers = SocketAddr::new(args.transfer_bind, 0);
     let exposed: Vec<String> = binds
         .iter()
+        .chain(std::iter::once(&("KV transfers", transfers)))
         .filter(|(_, a)| !a.ip().is_loopback())
         .map(|(what, a)| format!("{what} on {a}"))
         .collect();
@@ -113,6 +115,8 @@ mod tests {
             tls_ca: None,
             access: Default::default(),
             transfer: crate::args::TransferArg::Tcp,
+            transfer_bind: std::net::Ipv4Addr::LOCALHOST.into(),
+            transfer_advertise: None,
         }
     }
 
@@ -128,6 +132,13 @@ mod tests {
         assert!(e.contains("the scheduler on 0.0.0.0:50052") && e.contains("--token"), "{e}");
         assert!(check_exposure(&args(Some("t"), false), &[("a", open)]).is_ok());
         assert!(check_exposure(&args(None, true), &[("a", open)]).is_ok());
+        let mut pod = args(None, false);
+        pod.transfer_bind = "10.0.0.7".parse().unwrap();
+        let e = check_exposure(&pod, &[("a", local)]).unwrap_err().to_string();
+        assert!(e.contains("KV transfers on 10.0.0.7:0"), "{e}");
+        pod.transfer_bind = "0.0.0.0".parse().unwrap();
+        let e = pod.transfer().unwrap_err().to_string();
+        assert!(e.contains("--transfer-advertise"), "{e}");
         let (a, b) = (generated_token(), generated_token());
         assert_eq!(a.len(), 64);
         assert_ne!(a, b);

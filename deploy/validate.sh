@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Validates the deploy artifacts offline: helm lint --strict, every values file under
+# helm/handoff/ci rendered with helm template and checked by kubernetes-validate --strict
+# (and yamllint), a values file the schema must refuse, the compose file against the
+# compose-spec schema, and the Grafana dashboard as JSON. Fails on any error.
+# Tools: scripts/fetch-deploy-tools (run here when they are not on PATH).
+set -euo pipefail
+cd "$(dirname "$0")"
+if ! command -v helm >/dev/null || ! command -v kubernetes-validate >/dev/null; then
+    PATH="$(../scripts/fetch-deploy-tools):$PATH"
+fi
+KUBE=1.32.0
+chart=helm/handoff
+passed=0
+failed=0
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+
+check() { # name, command...
+    local name="$1"
+    shift
+    if "$@" >"$out/log" 2>&1; then
+        passed=$((passed + 1))
+        echo "ok    $name"
+    else
+        failed=$((failed + 1))
+        echo "FAIL  $name"
+        sed 's/^/      /' "$out/log"
+    fi
+}
+
+refused() { # name, command...: passes when the command fails
+    local name="$1"
+    shift
+    if "$@" >"$out/log" 2>&1; then
+        failed=$((failed + 1))
+        echo "FAIL  $name (accepted, must be refused)"
+    else
+        passed=$((passed + 1))
+        echo "ok    $name (refused: $(grep -m1 -io 'error.*' "$out/log" | cut -c1-120))"
+    fi
+}
+
+render() { # values file -> validated manifests
+    helm template ci "$chart" -f "$1" --kube-version "$KUBE" >"$out/rendered.yaml"
+    yamllint -d '{extends: relaxed, rules: {line-length: disable}}' "$out/rendered.yaml"
+    kubernetes-validate --strict --quiet -k "$KUBE" "$out/rendered.yaml"
+}
+
+for values in "$chart"/ci/*.yaml; do
+    check "helm lint --strict ($values)" helm lint --strict "$chart" -f "$values"
+    check "helm template + kubernetes-validate --strict ($values)" render "$values"
+done
+refused "values.schema.json refuses broken/bad-values.yaml" \
+    helm template ci "$chart" -f helm/broken/bad-values.yaml --kube-version "$KUBE"
+refused "a release without a token" helm template ci "$chart" --kube-version "$KUBE"
+check "compose.yaml against the compose-spec schema" \
+    check-jsonschema --builtin-schema vendor.compose-spec compose.yaml
+check "grafana/handoff.json is JSON" python3 -m json.tool grafana/handoff.json
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]
