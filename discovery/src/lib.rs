@@ -72,7 +72,7 @@ pub struct Instance {
     pub role: Role,
     /// The model it serves.
     pub model: String,
-    /// host:port of its bootstrap directory (prefill).
+    /// host:port of its bootstrap directory (prefill); a frontend's HTTP API.
     pub bootstrap_addr: String,
     /// host:port of its gRPC service.
     pub grpc_addr: String,

@@ -57,6 +57,12 @@ pub mod auth {
         got.len() == want.len() && got.iter().zip(want).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
     }
 
+    /// Whether an `authorization` header value carries `token` as a bearer token (compared in
+    /// constant time).
+    pub fn bearer_matches(header: &[u8], token: &str) -> bool {
+        same(header, format!("Bearer {token}").as_bytes())
+    }
+
     impl tonic::service::Interceptor for Bearer {
         fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
             let Some(token) = &self.token else { return Ok(req) };

@@ -75,6 +75,14 @@ pub enum CtlCommand {
         /// The instance id.
         id: String,
     },
+    /// A recent request's evidence, by one of its rooms: attempts, stages, error codes.
+    Trace {
+        /// The `bootstrap_room` (decimal), as in a request's evidence or a log line.
+        room: u64,
+        /// A frontend's HTTP address (host:port) to ask; default: every frontend registered.
+        #[arg(long)]
+        frontend: Vec<String>,
+    },
 }
 
 /// Where instances find each other.
@@ -415,6 +423,9 @@ pub struct FrontendArgs {
     /// HTTP (OpenAI API) listener.
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub http_listen: SocketAddr,
+    /// Host other processes (and `handoff ctl`) use to reach this one.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub advertise_host: String,
     /// Scheduler replicas (host:port, comma-separated); default: every replica registered
     /// in discovery, followed as they come and go.
     #[arg(long, value_delimiter = ',')]

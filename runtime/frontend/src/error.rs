@@ -20,7 +20,7 @@ pub enum Cause {
 }
 
 /// Errors of the frontend, mapped to gRPC status and HTTP codes at the edge.
-#[derive(Debug, Error)]
+#[derive(Debug, Clone, Error)]
 pub enum FrontendError {
     /// Bad input: the text says what and why.
     #[error("{0}")]

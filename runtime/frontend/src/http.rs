@@ -40,6 +40,7 @@ pub fn router(fe: Arc<Frontend>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "OK" }))
+        .route("/v1/debug/requests/{room}", get(request_trace))
         .fallback(|| async {
             ApiError { status: StatusCode::NOT_FOUND, ..ApiError::invalid("no such route", None) }
         })
@@ -285,6 +286,43 @@ fn sse(
         .header(header::CACHE_CONTROL, "no-cache")
         .body(body)
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// A recent request's evidence, found by one of its rooms (the cluster token is required
+/// when the frontend has one: the evidence names internal instances).
+async fn request_trace(
+    State(fe): State<Arc<Frontend>>,
+    axum::extract::Path(room): axum::extract::Path<String>,
+    headers: axum::http::HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    if let Some(token) = fe.cfg.transfer_token.as_deref() {
+        let got = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()).unwrap_or_default();
+        if !handoff_proto::auth::bearer_matches(got, token) {
+            return Err(ApiError {
+                kind: "authentication_error",
+                ..ApiError::server(
+                    StatusCode::UNAUTHORIZED,
+                    "the cluster's bearer token is required",
+                )
+            });
+        }
+    }
+    let room: u64 = room.parse().map_err(|_| {
+        ApiError::invalid(format!("room {room:?} is not a decimal u64"), Some("room"))
+    })?;
+    match fe.trace(room) {
+        Some(t) => Ok(Json(t.to_json())),
+        None => Err(ApiError {
+            kind: "not_found_error",
+            ..ApiError::server(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no recent request had room {room} (the last {} are kept)",
+                    crate::traces::RECENT_REQUESTS
+                ),
+            )
+        }),
+    }
 }
 
 async fn models(State(fe): State<Arc<Frontend>>) -> Json<Value> {

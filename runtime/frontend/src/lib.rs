@@ -9,12 +9,14 @@
 //! - [`schedulers`] — [`Schedulers`]: the scheduler replicas, followed through discovery;
 //!   a selection fails over from a replica that does not answer to another.
 //! - `lease` — a booking held until its attempt ends, reported cancelled when dropped.
-//! - `metrics` — the counters served at `/metrics`, and the measured decode step.
+//! - `metrics` — what `/metrics` serves, readiness, and the measured decode step.
+//! - [`traces`] — the evidence of recent requests, found by room (`handoff ctl trace`).
 //! - [`path`] — [`Frontend`]: scheduler selection (a booking), fresh room per attempt,
 //!   retries before the first token, and outcomes reported back (cancelled when dropped).
 //! - [`service`] — the gRPC service: streams the first token and the decoded ones.
 //! - [`text`] — incremental detokenization and stop strings.
-//! - [`http`] — the OpenAI-compatible HTTP API, `/health` and `/metrics`.
+//! - [`http`] — the OpenAI-compatible HTTP API, `/health`, the operations endpoints and
+//!   `/v1/debug/requests/{room}`.
 
 pub mod attempt;
 pub mod config;
@@ -27,6 +29,7 @@ pub mod path;
 pub mod schedulers;
 pub mod service;
 pub mod text;
+pub mod traces;
 
 pub use config::FrontendConfig;
 pub use error::{Cause, FrontendError, RETRY_AFTER_MS};

@@ -25,6 +25,7 @@ use crate::input::Plan;
 use crate::lease::{Lease, outcome_of};
 use crate::metrics::Metrics;
 use crate::schedulers::{SelectFailure, Selected};
+use crate::traces::{Recent, RequestTrace};
 use crate::{Cause, FrontendConfig, FrontendError, Schedulers};
 
 /// A request whose KV is verified and loaded: ready to stream.
@@ -53,6 +54,7 @@ pub struct Frontend {
     /// Prefill instances registered in discovery (while followed).
     prefills_known: std::sync::atomic::AtomicUsize,
     ops: std::sync::OnceLock<Arc<handoff_core::ops::Ops>>,
+    recent: Recent,
 }
 
 fn retry_after(s: &tonic::Status) -> std::time::Duration {
@@ -127,6 +129,7 @@ impl Frontend {
             metrics: Arc::new(Metrics::new()),
             prefills_known: Default::default(),
             ops: Default::default(),
+            recent: Recent::default(),
         }))
     }
 
@@ -321,6 +324,49 @@ impl Frontend {
     /// the instances or the deadline run out. Queueing is not failure: an attempt may take
     /// the queue wait the scheduler expects plus `attempt_timeout`.
     pub async fn prefill(&self, plan: &Plan) -> Result<Ready, FrontendError> {
+        let (arrived, started) = (std::time::SystemTime::now(), Instant::now());
+        let mut failed = Vec::new();
+        let result = self.attempts(plan, &mut failed).await;
+        let (attempts, error, code) = match &result {
+            Ok(r) => {
+                let e = &r.evidence;
+                let won = Attempt {
+                    bootstrap_room: e.bootstrap_room,
+                    instance_id: e.instance_id.clone(),
+                    dp_rank: e.dp_rank,
+                    stages: e.stages,
+                    error: String::new(),
+                };
+                let mut all = e.failed_attempts.clone();
+                all.push(won);
+                (all, String::new(), "OK".to_owned())
+            }
+            Err(e) => {
+                let code = tonic::Status::from(e.clone()).code();
+                (failed, e.to_string(), format!("{code:?}"))
+            }
+        };
+        self.recent.record(RequestTrace {
+            arrived,
+            took: started.elapsed(),
+            attempts,
+            error,
+            code,
+        });
+        result
+    }
+
+    /// The evidence of a recent request one of whose attempts had `room`.
+    pub fn trace(&self, room: u64) -> Option<std::sync::Arc<RequestTrace>> {
+        self.recent.find(room)
+    }
+
+    /// [`Frontend::prefill`]'s attempts; failed ones are pushed on `failed`.
+    async fn attempts(
+        &self,
+        plan: &Plan,
+        failed: &mut Vec<Attempt>,
+    ) -> Result<Ready, FrontendError> {
         let info = self.engine.info();
         let hashes: Vec<u64> =
             block_hashes(&plan.tokens, info.page_size).into_iter().map(|h| h.0).collect();
@@ -331,7 +377,6 @@ impl Frontend {
             decode_tp: self.cfg.decode_tp as usize,
             transfer_token: self.cfg.transfer_token.clone(),
         };
-        let mut failed: Vec<Attempt> = Vec::new();
         let mut exclude: Vec<String> = Vec::new();
         let mut last: Option<FrontendError> = None;
         for _ in 0..self.cfg.max_attempts {
@@ -340,11 +385,11 @@ impl Frontend {
                 tokio::time::sleep_until(wake).await;
             }
             if Instant::now() >= plan.deadline {
-                return Err(FrontendError::Deadline(summary(&failed)));
+                return Err(FrontendError::Deadline(summary(failed)));
             }
             let asked = Instant::now();
             let (lease, Selected { selection: sel, .. }) =
-                match self.select(plan, &hashes, &exclude, &failed).await {
+                match self.select(plan, &hashes, &exclude, failed).await {
                     Ok(s) => s,
                     // Nothing else to retry on: the earlier attempt's failure is the answer.
                     Err(FrontendError::Unavailable(why)) if !failed.is_empty() => {
@@ -398,7 +443,7 @@ impl Frontend {
                         instance_id: sel.instance_id,
                         dp_rank: sel.dp_rank,
                         stages: Some(stages.timings),
-                        failed_attempts: failed,
+                        failed_attempts: std::mem::take(failed),
                         kv_bytes,
                     };
                     return Ok(Ready { decoder, first_token, cached_tokens, evidence });
@@ -417,7 +462,7 @@ impl Frontend {
                     match e.cause() {
                         Some(Cause::Invalid) => return Err(FrontendError::Invalid(e.to_string())),
                         Some(Cause::Deadline) if Instant::now() >= plan.deadline => {
-                            return Err(FrontendError::Deadline(summary(&failed)));
+                            return Err(FrontendError::Deadline(summary(failed)));
                         }
                         Some(Cause::Instance) => self.directory.invalidate(&sel.instance_id),
                         _ => {}
@@ -431,9 +476,9 @@ impl Frontend {
         Err(match last.and_then(|e| e.cause()) {
             Some(Cause::Overloaded) => FrontendError::Overloaded {
                 retry_after: std::time::Duration::from_secs(1),
-                reason: summary(&failed),
+                reason: summary(failed),
             },
-            _ => FrontendError::Unavailable(summary(&failed)),
+            _ => FrontendError::Unavailable(summary(failed)),
         })
     }
 }

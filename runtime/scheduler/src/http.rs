@@ -106,10 +106,7 @@ impl From<SchedulerError> for ApiError {
 fn authorized(api: &Api, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(token) = api.state.config().token.as_deref() else { return Ok(()) };
     let got = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()).unwrap_or_default();
-    let want = format!("Bearer {token}");
-    let same = got.len() == want.len()
-        && got.iter().zip(want.as_bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
-    if same {
+    if handoff_proto::auth::bearer_matches(got, token) {
         Ok(())
     } else {
         Err(error(StatusCode::UNAUTHORIZED, "the cluster's bearer token is required"))

@@ -34,7 +34,8 @@ pub async fn answer(args: &CtlArgs, tasks: &Tasks) -> anyhow::Result<String> {
     match &args.command {
         CtlCommand::Instances => {
             let (replica, list) = ctl.instances().await?;
-            let registered = ctl.registered(Role::Scheduler).await?;
+            let mut registered = ctl.registered(Role::Scheduler).await?;
+            registered.extend(ctl.registered(Role::Frontend).await?);
             Ok(if args.json {
                 instances_json(&replica, &list, &registered).to_string()
             } else {
@@ -48,6 +49,19 @@ pub async fn answer(args: &CtlArgs, tasks: &Tasks) -> anyhow::Result<String> {
             };
             let table = ctl.directory(&i.bootstrap_addr).await?;
             Ok(if args.json { table.to_string() } else { directory_text(id, &table) })
+        }
+        CtlCommand::Trace { room, frontend } => {
+            let frontends = match frontend.is_empty() {
+                false => frontend.clone(),
+                true => ctl
+                    .registered(Role::Frontend)
+                    .await?
+                    .into_iter()
+                    .map(|i| i.bootstrap_addr)
+                    .collect(),
+            };
+            let (at, trace) = ctl.trace(*room, &frontends).await?;
+            Ok(if args.json { trace.to_string() } else { trace_text(*room, &at, &trace) })
         }
     }
 }
@@ -111,6 +125,23 @@ impl<'a> Ctl<'a> {
         Ok(reply.into_inner().instances)
     }
 
+    /// The evidence of the request with `room`, from the first frontend that remembers it.
+    async fn trace(&self, room: u64, frontends: &[String]) -> anyhow::Result<(String, Value)> {
+        if frontends.is_empty() {
+            bail!("no frontend registered (or give --frontend HOST:PORT)");
+        }
+        let path = format!("/v1/debug/requests/{room}");
+        let mut answers = Vec::new();
+        for addr in frontends {
+            match http_get(addr, &path, self.args.discovery.token.as_deref()).await {
+                Ok((200, body)) => return Ok((addr.clone(), serde_json::from_str(&body)?)),
+                Ok((code, body)) => answers.push(format!("{addr}: {code} {}", body.trim())),
+                Err(e) => answers.push(format!("{addr}: {e:#}")),
+            }
+        }
+        bail!("no frontend remembers room {room}: {}", answers.join("; "))
+    }
+
     /// The rank table of the directory at `addr`: every (dp, cp, tp, pp) rank and its
     /// transfer endpoint, and whether all of them are registered.
     async fn directory(&self, addr: &str) -> anyhow::Result<Value> {
@@ -162,7 +193,15 @@ impl<'a> Ctl<'a> {
     }
 }
 
-fn instances_json(replica: &str, list: &[InstanceStatus], schedulers: &[Instance]) -> Value {
+fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::Prefill => "prefill",
+        Role::Frontend => "frontend",
+        Role::Scheduler => "scheduler",
+    }
+}
+
+fn instances_json(replica: &str, list: &[InstanceStatus], others: &[Instance]) -> Value {
     let instances: Vec<Value> =
         list.iter()
             .map(|i| {
@@ -181,14 +220,14 @@ fn instances_json(replica: &str, list: &[InstanceStatus], schedulers: &[Instance
                     "grpc_addr": i.prefill_addr,
                 })
             })
-            .chain(schedulers.iter().map(
+            .chain(others.iter().map(
                 |s| json!({"role": "scheduler", "id": s.id.as_str(), "grpc_addr": s.grpc_addr}),
             ))
             .collect();
     json!({"asked": replica, "instances": instances})
 }
 
-fn instances_table(replica: &str, list: &[InstanceStatus], schedulers: &[Instance]) -> String {
+fn instances_table(replica: &str, list: &[InstanceStatus], others: &[Instance]) -> String {
     let mut rows = vec![
         [
             "ROLE",
@@ -218,10 +257,10 @@ fn instances_table(replica: &str, list: &[InstanceStatus], schedulers: &[Instanc
             i.prefill_addr.clone(),
         ]);
     }
-    for s in schedulers {
+    for s in others {
         let dash = || "-".to_owned();
         rows.push([
-            "scheduler".into(),
+            role_name(s.role).into(),
             s.id.to_string(),
             dash(),
             dash(),
@@ -270,6 +309,62 @@ fn directory_text(id: &str, t: &Value) -> String {
     }
     out.push_str(&columns(&rows));
     out
+}
+
+fn trace_text(room: u64, frontend: &str, t: &Value) -> String {
+    let mut out = format!(
+        "room {room} (frontend {frontend}): {} after {:.1} ms{}\n",
+        t["code"].as_str().unwrap_or("?"),
+        t["took_ms"].as_f64().unwrap_or(0.0),
+        match t["error"].as_str() {
+            Some(e) if !e.is_empty() => format!(": {e}"),
+            _ => String::new(),
+        }
+    );
+    let stages = ["resolve_topology", "resolve_rank", "register", "connect", "verify", "consume"];
+    let mut rows = vec![
+        ["ATTEMPT", "ROOM", "INSTANCE", "DP", "STAGES (ms since the attempt began)", "ERROR"]
+            .map(String::from),
+    ];
+    for (n, a) in t["attempts"].as_array().into_iter().flatten().enumerate() {
+        let done: Vec<String> = stages
+            .iter()
+            .filter_map(|s| {
+                let us = a["stages_us"][s].as_u64().filter(|&us| us > 0)?;
+                Some(format!("{s} {:.1}", us as f64 / 1e3))
+            })
+            .collect();
+        rows.push([
+            (n + 1).to_string(),
+            a["bootstrap_room"].to_string(),
+            a["instance"].as_str().unwrap_or("").to_owned(),
+            a["dp_rank"].to_string(),
+            done.join(", "),
+            a["error"].as_str().unwrap_or("").to_owned(),
+        ]);
+    }
+    out.push_str(&columns(&rows));
+    out
+}
+
+/// `GET path` at `addr` over plain HTTP with the cluster token: the status and the body
+/// (at most 1 MiB, within [`CALL_TIMEOUT`]).
+async fn http_get(addr: &str, path: &str, token: Option<&str>) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let call = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        let auth = token.map(|t| format!("authorization: Bearer {t}\r\n")).unwrap_or_default();
+        let ask = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\n{auth}connection: close\r\n\r\n");
+        s.write_all(ask.as_bytes()).await?;
+        let mut raw = Vec::new();
+        s.take(1 << 20).read_to_end(&mut raw).await?;
+        anyhow::Ok(raw)
+    };
+    let raw = tokio::time::timeout(CALL_TIMEOUT, call).await.context("timed out")??;
+    let text = String::from_utf8_lossy(&raw);
+    let code = text.get(9..12).and_then(|c| c.parse().ok()).context("not an HTTP answer")?;
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    Ok((code, body))
 }
 
 /// Rows as left-aligned columns, two spaces apart.

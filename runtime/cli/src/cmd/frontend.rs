@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use handoff_core::Tasks;
+use handoff_core::{InstanceId, Tasks};
+use handoff_discovery::{Instance, Role, Topology};
 use handoff_frontend::{Frontend, FrontendConfig};
 use tokio::net::TcpListener;
 
@@ -44,7 +45,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         frontend.follow_schedulers(registry.clone()).await?;
         await_scheduler(&frontend).await?;
     }
-    frontend.follow(registry).await?;
+    frontend.follow(registry.clone()).await?;
     let scheduler = frontend.schedulers().addrs().join(",");
     let grpc = TcpListener::bind(args.listen)
         .await
@@ -52,6 +53,19 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let http = TcpListener::bind(args.http_listen)
         .await
         .with_context(|| format!("listening on {}", args.http_listen))?;
+    let me = Instance {
+        id: InstanceId::random("frontend"),
+        role: Role::Frontend,
+        model: frontend.model_name().to_owned(),
+        // A frontend's "bootstrap" address is its HTTP API (where ctl finds its traces).
+        bootstrap_addr: format!("{}:{}", args.advertise_host, http.local_addr()?.port()),
+        grpc_addr: format!("{}:{}", args.advertise_host, grpc.local_addr()?.port()),
+        topology: Topology { dp: 1, tp: args.decode_tp, pp: 1, cp: 1 },
+        page_size: 0,
+        version: 1,
+    };
+    let id = me.id.clone();
+    registry.register(me).await?;
     let s = if args.public_tls.public_tls_cert.is_some() { "s" } else { "" };
     crate::cmd::announce(&format!(
         "frontend ready: grpc{s}://{} http{s}://{} scheduler {scheduler}",
@@ -78,6 +92,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         r = serving => r?,
         _ = shutdown_signal() => {}
     }
+    let _ = registry.deregister(&id).await;
     tasks.shutdown().await;
     Ok(())
 }

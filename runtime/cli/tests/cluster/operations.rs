@@ -154,6 +154,21 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     let cols: Vec<&str> = p1.split_whitespace().collect();
     assert_eq!(&cols[..7], ["prefill", "p1", "1", "2", "0", "closed", "yes"], "{table}");
     assert!(table.lines().any(|l| l.starts_with("scheduler")), "{table}");
+    assert!(table.lines().any(|l| l.starts_with("frontend")), "{table}");
+
+    // A request's evidence, by its room, from whichever frontend served it.
+    let room = room_of(&mut client).await;
+    let trace = ctl(&etcd, &nats, &["trace", &room.to_string()]);
+    eprintln!("{trace}");
+    assert!(trace.starts_with(&format!("room {room} (frontend ")), "{trace}");
+    assert!(trace.contains(": OK after") && trace.contains("verify"), "{trace}");
+    let json: serde_json::Value =
+        serde_json::from_str(&ctl(&etcd, &nats, &["--json", "trace", &room.to_string()])).unwrap();
+    assert_eq!(json["attempts"][0]["instance"], "p1", "{json}");
+    assert!(json["attempts"][0]["stages_us"]["verify"].as_u64().unwrap() > 0, "{json}");
+    let (code, body) = http_get(&fe_http, "/v1/debug/requests/12345").await;
+    assert_eq!(code, 404, "{body}");
+    assert_eq!(http_get(&fe_http, "/v1/debug/requests/x").await.0, 400);
     let json: serde_json::Value =
         serde_json::from_str(&ctl(&etcd, &nats, &["--json", "instances"])).unwrap();
     let first = &json["instances"][0];
@@ -163,6 +178,27 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     eprintln!("{dir}");
     assert!(dir.contains("tp 2") && dir.contains(", complete"), "{dir}");
     assert_eq!(dir.lines().filter(|l| l.starts_with('0')).count(), 2, "two tp ranks: {dir}");
+}
+
+/// Sends one request and returns its room.
+async fn room_of(client: &mut GenerateClient<tonic::transport::Channel>) -> u64 {
+    use handoff_proto::v1::generate_response::Event;
+    let req = handoff_proto::v1::GenerateRequest {
+        input: Some(handoff_proto::v1::generate_request::Input::TokenIds(
+            handoff_proto::v1::TokenIds { ids: vec![5; 40] },
+        )),
+        sampling: Some(handoff_proto::v1::SamplingParams { max_tokens: 2, ..Default::default() }),
+        ..Default::default()
+    };
+    let mut s = client.generate(req).await.unwrap().into_inner();
+    let mut room = 0;
+    while let Some(m) = s.message().await.unwrap() {
+        if let Some(Event::Complete(c)) = m.event {
+            room = c.evidence.unwrap().bootstrap_room;
+        }
+    }
+    assert_ne!(room, 0);
+    room
 }
 
 /// Metric names in a Grafana dashboard's PromQL expressions (histogram series mapped to the

@@ -63,6 +63,23 @@ async fn with_no_healthy_instance_the_client_gets_a_clear_error() {
     );
     assert!(started.elapsed() < Duration::from_secs(10), "failed fast, not at a deadline");
     assert_eq!(c.frontend.agent().inbox().regions(), 0);
+    // The operator's view: the request's evidence by any of its rooms, and the failures
+    // counted by stage and cause.
+    let room: u64 =
+        err.message().split("room ").nth(1).unwrap().split(':').next().unwrap().parse().unwrap();
+    let t = c.frontend.trace(room).expect("the failed request is remembered");
+    assert_eq!(t.code, "Unavailable");
+    assert_eq!(t.attempts.len(), 2, "{t:?}");
+    assert!(t.attempts.iter().all(|a| !a.error.is_empty()), "{t:?}");
+    let scrape = c.frontend.ops().scrape();
+    let failures: f64 = scrape
+        .lines()
+        .filter(|l| l.starts_with("handoff_frontend_attempt_failures_total{"))
+        .filter(|l| l.contains("cause=\"instance\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(failures, 2.0, "{scrape}");
+    assert!(scrape.contains("handoff_frontend_requests_total{outcome=\"failed\"} 1"), "{scrape}");
     c.shutdown().await;
 }
 
