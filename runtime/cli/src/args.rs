@@ -75,6 +75,15 @@ pub enum CtlCommand {
         /// The instance id.
         id: String,
     },
+    /// Takes a prefill instance out of routing and waits for its requests in flight; the
+    /// process keeps running until stopped.
+    Drain {
+        /// The instance id.
+        id: String,
+        /// Seconds to wait for its requests in flight.
+        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u32).range(0..=3600))]
+        grace_secs: u32,
+    },
     /// A recent request's evidence, by one of its rooms: attempts, stages, error codes.
     Trace {
         /// The `bootstrap_room` (decimal), as in a request's evidence or a log line.

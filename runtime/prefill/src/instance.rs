@@ -31,7 +31,6 @@ pub struct PrefillInstance {
     /// Its registration in discovery.
     pub registration: Instance,
     service: PrefillService,
-    registry: Arc<dyn Registry>,
     ops: Arc<handoff_core::ops::Ops>,
 }
 
@@ -136,6 +135,7 @@ impl PrefillInstance {
             running: Default::default(),
             queued_tokens: Default::default(),
             metrics: Default::default(),
+            registry: registry.clone(),
         });
         let service = svc.clone();
         warm_up(&service, &*engine).await?;
@@ -220,7 +220,6 @@ impl PrefillInstance {
             registration,
             ops: Arc::new(crate::metrics::ops(&service)),
             service,
-            registry,
         })
     }
 
@@ -242,14 +241,7 @@ impl PrefillInstance {
     /// A graceful drain: out of routing first (deregistered), then waits until the requests
     /// in flight have finished (at most `grace`). Shut the instance's tasks down afterwards.
     pub async fn drain(&self, grace: std::time::Duration) -> Result<(), PrefillError> {
-        self.service.metrics().set_registered(false);
-        self.registry.deregister(&self.id).await?;
-        let deadline = tokio::time::Instant::now() + grace;
-        while self.service.running() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        info!(instance = %self.id, left = self.service.running(), "drained");
-        Ok(())
+        self.service.drain(grace).await.map(|_| ())
     }
 }
 

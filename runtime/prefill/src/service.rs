@@ -17,12 +17,14 @@ use handoff_discovery::{
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::auth::Bearer;
 use handoff_proto::v1::prefill_server::{Prefill as PrefillRpc, PrefillServer};
-use handoff_proto::v1::{PrefillRequest, PrefillResponse, SamplingParams};
+use handoff_proto::v1::{
+    DrainRequest, DrainResponse, PrefillRequest, PrefillResponse, SamplingParams,
+};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::cache::CacheDelta;
 use crate::rank::{Rank, SendMeta, SharedKv};
@@ -76,6 +78,8 @@ pub(crate) struct Inner {
     pub(crate) running: AtomicUsize,
     pub(crate) queued_tokens: std::sync::atomic::AtomicU64,
     pub(crate) metrics: crate::metrics::PrefillMetrics,
+    /// Where the instance is registered (a drain deregisters it).
+    pub(crate) registry: Arc<dyn handoff_discovery::Registry>,
 }
 
 /// Prefill compute time per computed token: a token-weighted moving average (each new
@@ -268,6 +272,20 @@ impl PrefillService {
         served
     }
 
+    /// A graceful drain: out of routing first (deregistered, not ready), then waits until
+    /// the requests in flight have finished (at most `grace`). Returns how many are left.
+    pub async fn drain(&self, grace: Duration) -> Result<usize, PrefillError> {
+        self.inner.metrics.set_registered(false);
+        self.inner.registry.deregister(&self.inner.id).await?;
+        let deadline = Instant::now() + grace;
+        while self.running() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let left = self.running();
+        info!(instance = %self.inner.id, left, "drained");
+        Ok(left)
+    }
+
     /// Its counters and histograms.
     pub fn metrics(&self) -> &crate::metrics::PrefillMetrics {
         &self.inner.metrics
@@ -368,6 +386,12 @@ impl PrefillRpc for PrefillService {
         req: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
         Ok(Response::new(self.run(req.into_inner()).await?))
+    }
+
+    async fn drain(&self, req: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
+        let grace = Duration::from_millis(u64::from(req.into_inner().grace_ms.min(3_600_000)));
+        let left = PrefillService::drain(self, grace).await?;
+        Ok(Response::new(DrainResponse { left: left.min(u32::MAX as usize) as u32 }))
     }
 }
 

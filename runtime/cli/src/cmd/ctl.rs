@@ -10,8 +10,9 @@ use handoff_core::Tasks;
 use handoff_discovery::{Instance, Role, Update};
 use handoff_proto::auth;
 use handoff_proto::grpc::cluster_channel;
+use handoff_proto::v1::prefill_client::PrefillClient;
 use handoff_proto::v1::scheduler_client::SchedulerClient;
-use handoff_proto::v1::{InstanceStatus, ListInstancesRequest};
+use handoff_proto::v1::{DrainRequest, InstanceStatus, ListInstancesRequest};
 use serde_json::{Value, json};
 
 use crate::args::{CtlArgs, CtlCommand};
@@ -49,6 +50,22 @@ pub async fn answer(args: &CtlArgs, tasks: &Tasks) -> anyhow::Result<String> {
             };
             let table = ctl.directory(&i.bootstrap_addr).await?;
             Ok(if args.json { table.to_string() } else { directory_text(id, &table) })
+        }
+        CtlCommand::Drain { id, grace_secs } => {
+            let (_, list) = ctl.instances().await?;
+            let Some(i) = list.iter().find(|i| &i.instance_id == id) else {
+                bail!("no instance {id} known to the scheduler");
+            };
+            let left = ctl.drain(&i.prefill_addr, *grace_secs).await?;
+            Ok(if args.json {
+                json!({"id": id, "drained": left == 0, "left": left}).to_string()
+            } else if left == 0 {
+                format!("{id}: out of routing, nothing in flight; stop it when you like")
+            } else {
+                format!(
+                    "{id}: out of routing; {left} requests still in flight after {grace_secs} s"
+                )
+            })
         }
         CtlCommand::Trace { room, frontend } => {
             let frontends = match frontend.is_empty() {
@@ -123,6 +140,17 @@ impl<'a> Ctl<'a> {
             .await
             .context("timed out")??;
         Ok(reply.into_inner().instances)
+    }
+
+    /// Drains the prefill whose gRPC service is at `addr`: requests left in flight.
+    async fn drain(&self, addr: &str, grace_secs: u32) -> anyhow::Result<u32> {
+        let channel = cluster_channel(addr, self.tls.as_ref(), CALL_TIMEOUT)?;
+        let mut client = PrefillClient::new(channel);
+        let ask = DrainRequest { grace_ms: grace_secs * 1000 };
+        let ask = auth::request(ask, self.args.discovery.token.as_deref());
+        let wait = CALL_TIMEOUT + Duration::from_secs(u64::from(grace_secs));
+        let reply = tokio::time::timeout(wait, client.drain(ask)).await.context("timed out")??;
+        Ok(reply.into_inner().left)
     }
 
     /// The evidence of the request with `room`, from the first frontend that remembers it.

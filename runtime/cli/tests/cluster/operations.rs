@@ -178,6 +178,20 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     eprintln!("{dir}");
     assert!(dir.contains("tp 2") && dir.contains(", complete"), "{dir}");
     assert_eq!(dir.lines().filter(|l| l.starts_with('0')).count(), 2, "two tp ranks: {dir}");
+
+    // A drain takes the prefill out of routing: it is no longer ready, the frontend has no
+    // prefill left and says so.
+    let drained = ctl(&etcd, &nats, &["drain", "p1", "--grace-secs", "5"]);
+    assert!(drained.starts_with("p1: out of routing, nothing in flight"), "{drained}");
+    let (code, why) = http_get(&prefill_ops, "/readyz").await;
+    assert_eq!(code, 503, "{why}");
+    let start = Instant::now();
+    while http_get(&fe_http, "/readyz").await.0 == 200 {
+        assert!(start.elapsed() < Duration::from_secs(5), "the frontend sees the prefill go");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let err = one(&mut client, 99).await.expect_err("nothing to route to");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
 }
 
 /// Sends one request and returns its room.
