@@ -10,6 +10,7 @@ pub mod v1 {
 }
 
 pub mod grpc;
+pub mod trace;
 
 /// gRPC metadata keys of the API (documented with the RPCs that send them).
 pub mod metadata {

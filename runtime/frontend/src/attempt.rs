@@ -87,6 +87,8 @@ pub struct AttemptCtx<'a> {
     pub decode_tp: usize,
     /// Bearer token for handshakes.
     pub transfer_token: Option<String>,
+    /// The request's trace, sent on to the prefill.
+    pub trace: handoff_proto::trace::TraceContext,
 }
 
 async fn before<T, E: std::fmt::Display>(
@@ -245,7 +247,10 @@ pub async fn run(
     };
     let rpc = async {
         client
-            .prefill(handoff_proto::auth::request(req, ctx.transfer_token.as_deref()))
+            .prefill(handoff_proto::trace::traced(
+                handoff_proto::auth::request(req, ctx.transfer_token.as_deref()),
+                &ctx.trace,
+            ))
             .await
             .map(tonic::Response::into_inner)
             .map_err(|s| FrontendError::prefill_status(&s))

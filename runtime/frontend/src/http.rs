@@ -16,6 +16,7 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use handoff_core::tls::TlsListener;
+use handoff_proto::trace::{TRACEPARENT, TraceContext};
 use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::generate_response::Event;
 use handoff_proto::v1::{
@@ -117,7 +118,20 @@ fn text_content(v: &Value) -> Result<String, ApiError> {
     }
 }
 
-async fn chat(State(fe): State<Arc<Frontend>>, body: Bytes) -> Response {
+/// The caller's trace context (a `traceparent` header), or a new trace.
+fn trace_of(headers: &axum::http::HeaderMap) -> TraceContext {
+    headers
+        .get(TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceContext::parse)
+        .unwrap_or_default()
+}
+
+async fn chat(
+    State(fe): State<Arc<Frontend>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     let run = async {
         let req: ChatRequest = parse(&body)?;
         if req.messages.is_empty() {
@@ -134,12 +148,16 @@ async fn chat(State(fe): State<Arc<Frontend>>, body: Bytes) -> Response {
             sampling: Some(sampling(&req.sampling)?),
             ..Default::default()
         };
-        respond(&fe, g, &req.model, &req.sampling, true).await
+        respond(&fe, g, trace_of(&headers), &req.model, &req.sampling, true).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn completions(State(fe): State<Arc<Frontend>>, body: Bytes) -> Response {
+async fn completions(
+    State(fe): State<Arc<Frontend>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     let run = async {
         let req: CompletionRequest = parse(&body)?;
         let input = match req.prompt.clone() {
@@ -152,7 +170,7 @@ async fn completions(State(fe): State<Arc<Frontend>>, body: Bytes) -> Response {
             sampling: Some(sampling(&req.sampling)?),
             ..Default::default()
         };
-        respond(&fe, g, &req.model, &req.sampling, false).await
+        respond(&fe, g, trace_of(&headers), &req.model, &req.sampling, false).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -177,11 +195,12 @@ fn usage(u: Option<handoff_proto::v1::Usage>) -> Usage {
 async fn respond(
     fe: &Arc<Frontend>,
     g: GenerateRequest,
+    trace: TraceContext,
     model: &str,
     s: &openai::Sampling,
     chat: bool,
 ) -> Result<Response, ApiError> {
-    let rx = crate::service::start(fe, g).await?;
+    let rx = crate::service::start(fe, g, trace).await?;
     let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_id());
     if s.stream {
         let include_usage = s.stream_options.as_ref().is_some_and(|o| o.include_usage);

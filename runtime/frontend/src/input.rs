@@ -29,6 +29,9 @@ pub struct Plan {
     pub policy: Policy,
     /// Whole-request deadline.
     pub deadline: Instant,
+    /// The request's trace (the caller's, or a new one), sent on to the scheduler and the
+    /// prefill.
+    pub trace: handoff_proto::trace::TraceContext,
 }
 
 fn invalid(s: impl Into<String>) -> FrontendError {
@@ -121,5 +124,12 @@ pub fn plan(
         0 => cfg.request_timeout,
         ms => Duration::from_millis(u64::from(ms)),
     };
-    Ok(Plan { tokens, sampling, max_tokens, policy, deadline: Instant::now() + budget })
+    Ok(Plan {
+        tokens,
+        sampling,
+        max_tokens,
+        policy,
+        deadline: Instant::now() + budget,
+        trace: Default::default(),
+    })
 }

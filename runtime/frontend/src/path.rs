@@ -18,7 +18,7 @@ use handoff_transfer::Agent;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tonic::transport::Channel;
-use tracing::{debug, warn};
+use tracing::{Instrument, debug, warn};
 
 use crate::attempt::{self, AttemptCtx, Stages, Target};
 use crate::input::Plan;
@@ -284,10 +284,10 @@ impl Frontend {
         // The call runs on its own task and wraps its booking in a lease there: if this
         // request is dropped while the scheduler books it, the lease is dropped with the
         // task's output and the booking reported cancelled, not left to expire.
-        let (schedulers, tasks, deadline) =
-            (self.schedulers.clone(), self.tasks.clone(), plan.deadline);
+        let (schedulers, tasks, deadline, trace) =
+            (self.schedulers.clone(), self.tasks.clone(), plan.deadline, plan.trace);
         let call = self.tasks.spawn(async move {
-            let sel = schedulers.select(req, deadline).await?;
+            let sel = schedulers.select(req, deadline, &trace).await?;
             let lease =
                 Lease::new(schedulers, tasks, sel.replica.clone(), sel.selection.booking_id);
             Ok::<_, SelectFailure>((lease, sel))
@@ -326,7 +326,8 @@ impl Frontend {
     pub async fn prefill(&self, plan: &Plan) -> Result<Ready, FrontendError> {
         let (arrived, started) = (std::time::SystemTime::now(), Instant::now());
         let mut failed = Vec::new();
-        let result = self.attempts(plan, &mut failed).await;
+        let span = tracing::info_span!("request", trace_id = %plan.trace.trace_id());
+        let result = self.attempts(plan, &mut failed).instrument(span).await;
         let (attempts, error, code) = match &result {
             Ok(r) => {
                 let e = &r.evidence;
@@ -376,6 +377,7 @@ impl Frontend {
             directory: &self.directory,
             decode_tp: self.cfg.decode_tp as usize,
             transfer_token: self.cfg.transfer_token.clone(),
+            trace: plan.trace,
         };
         let mut exclude: Vec<String> = Vec::new();
         let mut last: Option<FrontendError> = None;
@@ -411,6 +413,12 @@ impl Frontend {
                         bootstrap_addr: sel.bootstrap_addr.clone(),
                         prefill,
                     };
+                    let span = tracing::info_span!(
+                        "attempt",
+                        %room,
+                        instance = %sel.instance_id,
+                        dp_rank = sel.dp_rank
+                    );
                     attempt::run(
                         &ctx,
                         target,
@@ -420,6 +428,7 @@ impl Frontend {
                         deadline,
                         &mut stages,
                     )
+                    .instrument(span)
                     .await
                 }
                 Err(e) => Err(e),

@@ -11,6 +11,7 @@ use handoff_core::tls::ClusterTls;
 use handoff_proto::auth;
 use handoff_proto::grpc::cluster_channel;
 use handoff_proto::metadata::NO_INSTANCE;
+use handoff_proto::trace::{TraceContext, traced};
 use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{ReportOutcomeRequest, SelectPrefillRequest, SelectPrefillResponse};
 use tonic::transport::Channel;
@@ -146,6 +147,7 @@ impl Schedulers {
         &self,
         req: SelectPrefillRequest,
         deadline: tokio::time::Instant,
+        trace: &TraceContext,
     ) -> Result<Selected, SelectFailure> {
         let (mut last, mut no_instance) = (None, None);
         for (addr, mut client) in self.order(Instant::now()) {
@@ -155,7 +157,10 @@ impl Schedulers {
             let wait = (tokio::time::Instant::now() + self.select_timeout).min(deadline);
             match tokio::time::timeout_at(
                 wait,
-                client.select_prefill(auth::request(req.clone(), self.token.as_deref())),
+                client.select_prefill(traced(
+                    auth::request(req.clone(), self.token.as_deref()),
+                    trace,
+                )),
             )
             .await
             {

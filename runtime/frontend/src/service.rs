@@ -5,6 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use handoff_proto::grpc::GrpcError;
+use handoff_proto::trace::TraceContext;
 use handoff_proto::v1::generate_response::Event;
 use handoff_proto::v1::generate_server::{Generate, GenerateServer};
 use handoff_proto::v1::{
@@ -161,6 +162,7 @@ impl Drop for Unanswered<'_> {
 pub(crate) async fn start(
     fe: &Arc<Frontend>,
     req: GenerateRequest,
+    trace: TraceContext,
 ) -> Result<mpsc::Receiver<Result<GenerateResponse, Status>>, FrontendError> {
     let arrived = Instant::now();
     let in_flight = fe.metrics.arrived();
@@ -171,7 +173,7 @@ pub(crate) async fn start(
                 retry_after: std::time::Duration::from_secs(1),
                 reason: format!("{} requests in progress", fe.cfg.max_concurrent),
             })?;
-        let plan = input::plan(req, &*fe.engine, &fe.cfg)?;
+        let plan = Plan { trace, ..input::plan(req, &*fe.engine, &fe.cfg)? };
         let ready = fe.prefill(&plan).await?;
         let (tx, rx) = mpsc::channel(64);
         let f = fe.clone();
@@ -197,7 +199,8 @@ impl Generate for GenerateService {
         &self,
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let rx = start(&self.frontend, req.into_inner()).await?;
+        let trace = TraceContext::from_metadata(req.metadata());
+        let rx = start(&self.frontend, req.into_inner(), trace).await?;
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }

@@ -16,6 +16,7 @@ use handoff_discovery::{
 };
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::auth::Bearer;
+use handoff_proto::trace::TraceContext;
 use handoff_proto::v1::prefill_server::{Prefill as PrefillRpc, PrefillServer};
 use handoff_proto::v1::{
     DrainRequest, DrainResponse, PrefillRequest, PrefillResponse, SamplingParams,
@@ -24,7 +25,7 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::cache::CacheDelta;
 use crate::rank::{Rank, SendMeta, SharedKv};
@@ -385,7 +386,15 @@ impl PrefillRpc for PrefillService {
         &self,
         req: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
-        Ok(Response::new(self.run(req.into_inner()).await?))
+        let trace = TraceContext::from_metadata(req.metadata());
+        let r = req.into_inner();
+        let span = tracing::info_span!(
+            "prefill",
+            trace_id = %trace.trace_id(),
+            room = r.bootstrap_room,
+            dp_rank = r.dp_rank
+        );
+        Ok(Response::new(self.run(r).instrument(span).await?))
     }
 
     async fn drain(&self, req: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {

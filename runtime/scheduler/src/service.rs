@@ -6,6 +6,7 @@ use std::sync::Arc;
 use handoff_core::{BlockHash, InstanceId};
 use handoff_proto::auth::Bearer;
 use handoff_proto::grpc::GrpcError;
+use handoff_proto::trace::TraceContext;
 use handoff_proto::v1::scheduler_server::{Scheduler as SchedulerRpc, SchedulerServer};
 use handoff_proto::v1::{
     InstanceStatus, ListInstancesRequest, ListInstancesResponse, Outcome as WireOutcome, Policy,
@@ -77,6 +78,8 @@ impl SchedulerRpc for SchedulerService {
         &self,
         req: Request<SelectPrefillRequest>,
     ) -> Result<Response<SelectPrefillResponse>, Status> {
+        let trace = TraceContext::from_metadata(req.metadata());
+        let _span = tracing::debug_span!("select", trace_id = %trace.trace_id()).entered();
         let r = req.into_inner();
         let policy = policy_from_wire(r.policy)?;
         let exclude =

@@ -194,6 +194,110 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
 }
 
+/// A JSON log file in the temporary directory, removed when dropped.
+struct LogFile(std::path::PathBuf);
+
+impl LogFile {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("handoff-{}-{name}.log", std::process::id()));
+        LogFile(p)
+    }
+
+    fn stdio(&self) -> std::process::Stdio {
+        std::fs::File::create(&self.0).unwrap().into()
+    }
+
+    fn lines_with(&self, needle: &str) -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(&self.0).unwrap_or_default();
+        text.lines()
+            .filter(|l| l.contains(needle))
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
+
+impl Drop for LogFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_traceparent_reaches_the_scheduler_and_the_prefill_logs() {
+    let etcd = Server::etcd();
+    let nats = Server::nats();
+    let d = ["--log-format", "json", "--etcd", etcd.url.as_str(), "--nats", nats.url.as_str()];
+    let (sched_log, prefill_log) = (LogFile::new("scheduler"), LogFile::new("prefill"));
+    let _sched = Handoff::spawn_logging(
+        &[&["scheduler", "--listen", "127.0.0.1:0"][..], &d].concat(),
+        "handoff_scheduler=debug",
+        sched_log.stdio(),
+    );
+    let _prefill = Handoff::spawn_logging(
+        &[
+            &["prefill", "--engine", "mock", "--id", "p1"][..],
+            &["--bootstrap-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0"],
+            &d,
+        ]
+        .concat(),
+        "handoff_prefill=debug",
+        prefill_log.stdio(),
+    );
+    let (_fe, line) = Handoff::spawn(
+        &[
+            &["frontend", "--engine", "mock", "--listen", "127.0.0.1:0"][..],
+            &["--http-listen", "127.0.0.1:0"],
+            &d,
+        ]
+        .concat(),
+    );
+    let fe_http = addr_after(&line, "http://");
+    wait_ready(&fe_http, Duration::from_secs(10)).await;
+
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let body = r#"{"model": "", "prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], "max_tokens": 2}"#;
+    let start = Instant::now();
+    loop {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(&fe_http).await.unwrap();
+        let ask = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             traceparent: 00-{trace_id}-00f067aa0ba902b7-01\r\ncontent-length: {}\r\n\
+             connection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(ask.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        if out.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        // The scheduler hears of the prefill a moment after the frontend does.
+        assert!(start.elapsed() < Duration::from_secs(10), "{out}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let seen = |log: &LogFile, message: &str| {
+        let start = Instant::now();
+        loop {
+            let lines = log.lines_with(trace_id);
+            if let Some(l) = lines.iter().find(|l| l["fields"]["message"] == message) {
+                return l.clone();
+            }
+            assert!(start.elapsed() < Duration::from_secs(5), "{message:?} with the trace id");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let selected = seen(&sched_log, "prefill selected");
+    assert_eq!(selected["span"]["trace_id"], trace_id, "{selected}");
+    assert_eq!(selected["fields"]["instance"], "p1", "{selected}");
+    let sent = seen(&prefill_log, "prefill sent");
+    assert_eq!(sent["span"]["name"], "prefill", "{sent}");
+    assert!(
+        sent["span"]["room"].as_u64().unwrap() > 0,
+        "the prefill's span names the room: {sent}"
+    );
+}
+
 /// Sends one request and returns its room.
 async fn room_of(client: &mut GenerateClient<tonic::transport::Channel>) -> u64 {
     use handoff_proto::v1::generate_response::Event;

@@ -205,11 +205,16 @@ pub(crate) struct Handoff {
 impl Handoff {
     /// Starts `handoff ARGS` and waits for its ready line.
     pub(crate) fn spawn(args: &[&str]) -> (Self, String) {
+        Self::spawn_logging(args, "warn", Stdio::null())
+    }
+
+    /// As [`Handoff::spawn`], logging at `level` into `stderr`.
+    pub(crate) fn spawn_logging(args: &[&str], level: &str, stderr: Stdio) -> (Self, String) {
         let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
             .args(args)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", level)
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .unwrap();
         let mut line = String::new();

@@ -56,7 +56,10 @@ async fn a_replica_without_instances_is_asked_past_and_not_suspected() {
     pool.reset(&[empty.clone(), full.clone()]).unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     for _ in 0..20 {
-        let s = pool.select(ask(), deadline).await.expect("the replica with an instance answers");
+        let s = pool
+            .select(ask(), deadline, &Default::default())
+            .await
+            .expect("the replica with an instance answers");
         assert_eq!((s.replica.as_str(), s.selection.instance_id.as_str()), (full.as_str(), "p0"));
     }
     assert!(pool.suspects().is_empty(), "nobody failed: {:?}", pool.suspects());
@@ -64,7 +67,7 @@ async fn a_replica_without_instances_is_asked_past_and_not_suspected() {
     // Nobody knows an instance: that is the answer, and still nobody is suspect.
     let (other_empty, _o) = replica(&[]).await;
     pool.reset(&[empty.clone(), other_empty]).unwrap();
-    match pool.select(ask(), deadline).await {
+    match pool.select(ask(), deadline, &Default::default()).await {
         Err(SelectFailure::Answer(s)) => {
             assert_eq!(s.code(), tonic::Code::Unavailable);
             assert!(s.message().contains("no prefill instance"), "{}", s.message());
@@ -77,6 +80,6 @@ async fn a_replica_without_instances_is_asked_past_and_not_suspected() {
     pool.reset(&[empty.clone(), full.clone()]).unwrap();
     drop(_f);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(pool.select(ask(), deadline).await.is_err());
+    assert!(pool.select(ask(), deadline, &Default::default()).await.is_err());
     assert_eq!(pool.suspects(), vec![full]);
 }

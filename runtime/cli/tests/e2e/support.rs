@@ -85,6 +85,7 @@ pub(crate) async fn direct_attempt(
         directory: &directory,
         decode_tp,
         transfer_token: None,
+        trace: Default::default(),
     };
     let p = &c.prefills[0];
     let target = Target {
