@@ -8,9 +8,11 @@
 use std::time::Duration;
 
 use handoff_core::tls::{ClusterTls, ServerTls};
+use handoff_core::traffic::{Protocol, TrafficLayer};
 use tonic::transport::{
     Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig,
 };
+use tower::layer::util::Stack;
 
 /// How long a TLS handshake may take, on either side.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -44,26 +46,33 @@ impl std::fmt::Display for GrpcError {
 impl std::error::Error for GrpcError {}
 
 /// A server builder for an internal service: the cluster's mutual TLS when given.
-pub fn cluster_server(tls: Option<&ClusterTls>) -> Result<Server, GrpcError> {
-    let Some(tls) = tls else { return Ok(Server::builder()) };
+pub fn cluster_server(tls: Option<&ClusterTls>) -> Result<Counted, GrpcError> {
+    let Some(tls) = tls else { return Ok(counted(Server::builder())) };
     let cfg = ServerTlsConfig::new()
         .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
         .client_ca_root(Certificate::from_pem(tls.ca_pem()))
         .timeout(TLS_HANDSHAKE_TIMEOUT);
-    Server::builder().tls_config(cfg).map_err(GrpcError::Tls)
+    Server::builder().tls_config(cfg).map(counted).map_err(GrpcError::Tls)
+}
+
+/// A server builder whose calls are counted and timed ([`TrafficLayer`]).
+pub type Counted = Server<Stack<TrafficLayer, tower::layer::util::Identity>>;
+
+fn counted(s: Server) -> Counted {
+    s.layer(TrafficLayer(Protocol::Grpc))
 }
 
 /// A server builder for a public service: its certificate when given (and its client CA,
 /// when clients must present a certificate).
-pub fn public_server(tls: Option<&ServerTls>) -> Result<Server, GrpcError> {
-    let Some(tls) = tls else { return Ok(Server::builder()) };
+pub fn public_server(tls: Option<&ServerTls>) -> Result<Counted, GrpcError> {
+    let Some(tls) = tls else { return Ok(counted(Server::builder())) };
     let mut cfg = ServerTlsConfig::new()
         .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
         .timeout(TLS_HANDSHAKE_TIMEOUT);
     if let Some(ca) = tls.client_ca_pem() {
         cfg = cfg.client_ca_root(Certificate::from_pem(ca));
     }
-    Server::builder().tls_config(cfg).map_err(GrpcError::Tls)
+    Server::builder().tls_config(cfg).map(counted).map_err(GrpcError::Tls)
 }
 
 /// A lazily connecting channel to an internal service at `addr` (`host:port`): `https://`

@@ -13,6 +13,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use handoff_core::tls::TlsListener;
+use handoff_core::traffic::{Protocol, TrafficLayer};
 use serde_json::Value;
 use tokio::net::TcpListener;
 
@@ -43,6 +44,7 @@ pub fn router(dir: Arc<Directory>) -> Router {
         .route("/route", get(get_route).put(put_route).fallback(method_not_allowed))
         .route("/register_dp_rank", post(register_dp_rank).fallback(method_not_allowed))
         .route("/query_dp_ranks", post(query_dp_ranks).fallback(method_not_allowed))
+        .route_layer(TrafficLayer(Protocol::Http))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(dir)
 }

@@ -8,6 +8,7 @@
 //! - [`ops`] — `/metrics`, `/livez` and `/readyz`, served by every role.
 //! - [`tasks`] — owned background tasks and a shutdown signal (no detached tasks).
 //! - [`tls`] — mutual TLS within a cluster, and public endpoints' certificates.
+//! - [`traffic`] — gRPC and HTTP requests served, counted and timed by route and status.
 
 pub mod hash;
 pub mod ids;
@@ -16,6 +17,7 @@ pub mod net;
 pub mod ops;
 pub mod tasks;
 pub mod tls;
+pub mod traffic;
 
 pub use hash::{BLOCK_HASH_SEED, block_hashes};
 pub use ids::{BlockHash, InstanceId, InvalidId, Room};

@@ -14,6 +14,7 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 
 use crate::metrics::Registry;
+use crate::traffic::{Protocol, TrafficLayer};
 
 /// Whether a role can do its work, and if not, why.
 pub type Readiness = Result<(), String>;
@@ -55,12 +56,14 @@ impl Ops {
         self
     }
 
-    /// The metrics, refreshed, in the text format.
+    /// The metrics, refreshed, in the text format (with the process's served traffic).
     pub fn scrape(&self) -> String {
         for f in &self.refresh {
             f();
         }
-        self.metrics.render()
+        let mut out = self.metrics.render();
+        out.push_str(&crate::traffic::traffic_registry().render());
+        out
     }
 
     /// Every check's verdict: the first failure's reason.
@@ -80,6 +83,7 @@ pub fn router(ops: Arc<Ops>) -> Router {
         .route("/metrics", get(metrics))
         .route("/livez", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
+        .route_layer(TrafficLayer(Protocol::Http))
         .with_state(ops)
 }
 

@@ -16,6 +16,7 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use handoff_core::tls::TlsListener;
+use handoff_core::traffic::{Protocol, TrafficLayer};
 use handoff_proto::trace::{TRACEPARENT, TraceContext};
 use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::generate_response::Event;
@@ -42,6 +43,7 @@ pub fn router(fe: Arc<Frontend>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "OK" }))
         .route("/v1/debug/requests/{room}", get(request_trace))
+        .route_layer(TrafficLayer(Protocol::Http))
         .fallback(|| async {
             ApiError { status: StatusCode::NOT_FOUND, ..ApiError::invalid("no such route", None) }
         })

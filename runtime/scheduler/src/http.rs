@@ -20,6 +20,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::post;
+use handoff_core::traffic::{Protocol, TrafficLayer};
 use handoff_core::{BlockHash, InstanceId, block_hashes};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -205,6 +206,7 @@ pub fn router(state: Arc<SchedulerState>, page_size: usize) -> Router {
     Router::new()
         .route("/v1/select", post(select))
         .route("/v1/report", post(report))
+        .route_layer(TrafficLayer(Protocol::Http))
         // The token first: nobody without it gets a body read.
         .layer(axum::middleware::from_fn_with_state(api.clone(), gate))
         .layer(DefaultBodyLimit::max(MAX_BODY))

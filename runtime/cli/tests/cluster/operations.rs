@@ -125,6 +125,20 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     assert!(sample(&pre, "handoff_prefill_kv_sent_bytes_total").unwrap() > 0.0);
     assert_eq!(sample(&pre, "handoff_prefill_queued{dp_rank=\"0\"}"), Some(0.0));
 
+    // Served traffic, per process, by route and status.
+    let served = |scrape: &str, route: &str, status: &str| {
+        let series = format!(
+            "handoff_served_requests_total{{protocol=\"{}\",route=\"{route}\",status=\"{status}\"}}",
+            if route.starts_with("/handoff") { "grpc" } else { "http" }
+        );
+        sample(scrape, &series).unwrap_or(0.0)
+    };
+    assert!(served(&fe, "/handoff.v1.Generate/Generate", "0") >= 5.0, "{fe}");
+    assert!(served(&fe, "/readyz", "503") >= 1.0, "{fe}");
+    assert!(served(&sched, "/handoff.v1.Scheduler/SelectPrefill", "0") >= 5.0, "{sched}");
+    assert!(served(&pre, "/handoff.v1.Prefill/Prefill", "0") >= 5.0, "{pre}");
+    assert!(sched.contains("handoff_served_request_seconds_count{protocol=\"grpc\""));
+
     // Every metric the shipped dashboard queries exists in these live scrapes.
     let dashboard = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
