@@ -15,6 +15,7 @@
 //! another engine's stream.
 
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -41,8 +42,11 @@ pub struct EngineEndpoint {
 }
 
 /// What a stream has seen (for logs and metrics).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StreamStats {
+    /// Seconds between the last applied batch's timestamp (the engine's clock) and when it
+    /// was applied here.
+    pub lag_secs: f64,
     /// Batches applied.
     pub batches: u64,
     /// Batches recovered by replay.
@@ -62,6 +66,8 @@ pub struct EngineStream {
     /// the replay reached are duplicates, not a restart.
     replayed_past: Option<u64>,
     stats: StreamStats,
+    /// A copy of `stats` kept current for readers elsewhere (metrics).
+    meter: Option<Arc<Mutex<StreamStats>>>,
 }
 
 impl std::fmt::Debug for EngineStream {
@@ -91,7 +97,14 @@ impl EngineStream {
             last: None,
             replayed_past: None,
             stats: StreamStats::default(),
+            meter: None,
         }
+    }
+
+    /// Keeps `meter` current with the stream's stats after every message.
+    pub fn with_meter(mut self, meter: Arc<Mutex<StreamStats>>) -> Self {
+        self.meter = Some(meter);
+        self
     }
 
     /// What it has seen.
@@ -137,6 +150,9 @@ impl EngineStream {
             match msg {
                 Ok(m) => self.on_message(&m.into_vec(), &mut sink).await,
                 Err(e) => debug!(endpoint = %self.endpoint.events, error = %e, "KV event stream"),
+            }
+            if let Some(m) = &self.meter {
+                *m.lock().unwrap_or_else(|e| e.into_inner()) = self.stats;
             }
         }
         self.stats
@@ -220,6 +236,8 @@ impl EngineStream {
             }
         };
         self.stats.batches += 1;
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        self.stats.lag_secs = now.map_or(0.0, |n| (n.as_secs_f64() - batch.ts).max(0.0));
         let mut ops = Vec::new();
         for ev in &batch.events {
             match self.chains.apply(ev) {

@@ -39,8 +39,10 @@ impl Scheduler {
         state.add_engine(spec.instance);
         for (dp, endpoint) in spec.events.into_iter().enumerate() {
             let (s, id, t) = (state.clone(), id.clone(), tasks.clone());
+            let meter = state.metrics().engine_stream(&id, dp as u32);
             tasks.spawn(async move {
-                let stream = EngineStream::new(endpoint, page_size, MAX_ENGINE_BLOCKS);
+                let stream =
+                    EngineStream::new(endpoint, page_size, MAX_ENGINE_BLOCKS).with_meter(meter);
                 let mut epoch = 0;
                 let sink = |ops| {
                     s.engine_heard_at(&id, Instant::now());

@@ -1,12 +1,13 @@
 //! [`SchedulerMetrics`]: what the scheduler counts and times, and [`ops`], its `/metrics`
 //! (with gauges read from the state at each scrape) and readiness.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use handoff_core::metrics::{Counter, Family, Gauge, Histogram, LATENCY_BUCKETS, Registry};
 use handoff_core::ops::Ops;
+use handoff_kv_events::StreamStats;
 
 use crate::state::Outcome;
 use crate::{PolicyKind, SchedulerError, SchedulerState};
@@ -21,6 +22,8 @@ pub struct SchedulerMetrics {
     pub(crate) resyncs: Arc<Counter>,
     /// Registered in discovery (readiness).
     pub(crate) registered: AtomicBool,
+    /// Each followed engine stream's stats.
+    engine_streams: Mutex<Vec<EngineMeter>>,
 }
 
 fn policy_label(p: PolicyKind) -> &'static str {
@@ -70,6 +73,7 @@ impl Default for SchedulerMetrics {
             ),
             registry: r,
             registered: AtomicBool::new(false),
+            engine_streams: Mutex::default(),
         }
     }
 }
@@ -96,11 +100,24 @@ impl SchedulerMetrics {
         self.reports.with(&[outcome_label(outcome)]).inc();
     }
 
+    /// The stats of engine `id`'s dp rank `dp` stream, kept current by the stream and shown
+    /// at each scrape.
+    pub fn engine_stream(&self, id: &handoff_core::InstanceId, dp: u32) -> Arc<Mutex<StreamStats>> {
+        let meter = Arc::new(Mutex::new(StreamStats::default()));
+        let mut all = self.engine_streams.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|(i, d, _)| !(i == id.as_str() && *d == dp));
+        all.push((id.to_string(), dp, meter.clone()));
+        meter
+    }
+
     /// Marks the scheduler registered in discovery (ready).
     pub fn set_registered(&self, yes: bool) {
         self.registered.store(yes, Relaxed);
     }
 }
+
+/// One engine dp rank stream's stats: (engine id, dp rank, stats kept current by the stream).
+type EngineMeter = (String, u32, Arc<Mutex<StreamStats>>);
 
 /// Gauges set from the state at each scrape.
 struct Gauges {
@@ -111,6 +128,9 @@ struct Gauges {
     token_cost: Arc<Family<Gauge>>,
     bookings: Arc<Gauge>,
     rejects: Arc<Family<Gauge>>,
+    index_blocks: Arc<Gauge>,
+    engine_batches: Arc<Family<Gauge>>,
+    engine_lag: Arc<Family<Gauge>>,
 }
 
 impl Gauges {
@@ -147,6 +167,21 @@ impl Gauges {
                 "Bad input dropped since start, by kind (malformed events, sequence gaps, ...).",
                 &["kind"],
             ),
+            index_blocks: r.gauge(
+                "handoff_scheduler_index_blocks",
+                "Blocks held in the KV index, over every instance and dp rank.",
+            ),
+            engine_batches: r.gauges(
+                "handoff_scheduler_engine_event_batches",
+                "KV event batches of an engine's dp rank stream since start, by what became of \
+                 them (applied, replayed, refused, rebuilds).",
+                &["engine", "dp_rank", "kind"],
+            ),
+            engine_lag: r.gauges(
+                "handoff_scheduler_engine_event_lag_seconds",
+                "Time from an engine's last batch timestamp (its clock) to its application here.",
+                &["engine", "dp_rank"],
+            ),
         }
     }
 
@@ -167,6 +202,21 @@ impl Gauges {
             self.token_cost.with(&id).set(f64::from(s.token_cost_us) / 1e6);
         }
         self.bookings.set(state.open_bookings() as f64);
+        self.index_blocks.set(all.iter().map(|s| s.cached_blocks as f64).sum());
+        let streams = state.metrics().engine_streams.lock().unwrap_or_else(|e| e.into_inner());
+        for (id, dp, meter) in streams.iter() {
+            let st = *meter.lock().unwrap_or_else(|e| e.into_inner());
+            let dp = dp.to_string();
+            for (kind, n) in [
+                ("applied", st.batches),
+                ("replayed", st.replayed),
+                ("refused", st.refused),
+                ("rebuilds", st.rebuilds),
+            ] {
+                self.engine_batches.with(&[id, &dp, kind]).set(n as f64);
+            }
+            self.engine_lag.with(&[id, &dp]).set(st.lag_secs);
+        }
         for (kind, n) in state.rejects().totals() {
             self.rejects.with(&[kind]).set(n as f64);
         }

@@ -222,8 +222,17 @@ async fn drive(
     let spec = format!(
         "id=sgl-a,events=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay},dp=2,url=127.0.0.1:30000"
     );
-    let (_s, line) = Handoff::spawn(&["scheduler", "--listen", "127.0.0.1:0", "--engine", &spec]);
+    let (_s, line) = Handoff::spawn(&[
+        "scheduler",
+        "--listen",
+        "127.0.0.1:0",
+        "--ops-listen",
+        "127.0.0.1:0",
+        "--engine",
+        &spec,
+    ]);
     let addr = addr_after(&line, "grpc://");
+    let ops = addr_after(&line, "ops http://");
     let client = SchedulerClient::connect(format!("http://{addr}")).await.unwrap();
     let select = |tokens: Vec<u32>| {
         let mut client = client.clone();
@@ -280,4 +289,18 @@ async fn drive(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(left, 0, "a clear reaches the index");
+    // What an operator sees of the stream: batches applied and replayed, and the lag.
+    let scrape = super::operations::http_get(&ops, "/metrics").await.1;
+    let batches = |kind: &str| {
+        let series = format!(
+            "handoff_scheduler_engine_event_batches{{engine=\"sgl-a\",dp_rank=\"1\",kind=\"{kind}\"}} "
+        );
+        let line = scrape.lines().find(|l| l.starts_with(&series));
+        line.and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    assert!(batches("applied") >= 4.0, "{scrape}");
+    assert!(batches("replayed") >= 1.0, "A came through the replay socket: {scrape}");
+    let lag = "handoff_scheduler_engine_event_lag_seconds{engine=\"sgl-a\",dp_rank=\"1\"} ";
+    let lag: f64 = scrape.lines().find_map(|l| l.strip_prefix(lag)?.parse().ok()).unwrap();
+    assert!((0.0..60.0).contains(&lag), "lag {lag}");
 }
