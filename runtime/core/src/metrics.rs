@@ -5,9 +5,23 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
+
+/// Whether metrics are recorded (on unless switched off, as the overhead bench does).
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Switches recording on or off for the whole process (off: updates and label lookups do
+/// nothing). For measuring what the metrics cost; the process serves them either way.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Relaxed);
+}
+
+/// Whether metrics are recorded.
+pub fn enabled() -> bool {
+    ENABLED.load(Relaxed)
+}
 
 /// Series a labelled family holds before new label values share `"_other"`.
 pub const MAX_SERIES: usize = 1024;
@@ -38,12 +52,14 @@ pub struct Counter(AtomicU64);
 impl Counter {
     /// Adds one.
     pub fn inc(&self) {
-        self.0.fetch_add(1, Relaxed);
+        self.add(1);
     }
 
     /// Adds `n`.
     pub fn add(&self, n: u64) {
-        self.0.fetch_add(n, Relaxed);
+        if enabled() {
+            self.0.fetch_add(n, Relaxed);
+        }
     }
 
     /// The count.
@@ -111,6 +127,9 @@ impl Histogram {
 
     /// Counts `v`.
     pub fn observe(&self, v: f64) {
+        if !enabled() {
+            return;
+        }
         let v = if v.is_finite() { v } else { 0.0 };
         let i = self.bounds.partition_point(|b| *b < v);
         self.counts[i].fetch_add(1, Relaxed);
@@ -192,6 +211,8 @@ pub struct Family<M> {
     labels: &'static [&'static str],
     make: Box<dyn Fn() -> M + Send + Sync>,
     series: RwLock<BTreeMap<Vec<String>, Arc<M>>>,
+    /// Handed out while recording is off (never rendered).
+    unrecorded: Arc<M>,
 }
 
 impl<M> std::fmt::Debug for Family<M> {
@@ -202,12 +223,20 @@ impl<M> std::fmt::Debug for Family<M> {
 
 impl<M: Send + Sync> Family<M> {
     fn new(labels: &'static [&'static str], make: impl Fn() -> M + Send + Sync + 'static) -> Self {
-        Family { labels, make: Box::new(make), series: RwLock::default() }
+        Family {
+            labels,
+            unrecorded: Arc::new(make()),
+            make: Box::new(make),
+            series: RwLock::default(),
+        }
     }
 
     /// The series for `values` (one per label name, in order), made on first use.
     pub fn with(&self, values: &[&str]) -> Arc<M> {
         debug_assert_eq!(values.len(), self.labels.len(), "one value per label");
+        if !enabled() {
+            return self.unrecorded.clone();
+        }
         let mut key: Vec<String> = values.iter().map(|v| (*v).to_owned()).collect();
         if let Some(m) = self.series.read().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return m.clone();

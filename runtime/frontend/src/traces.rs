@@ -83,6 +83,9 @@ impl Recent {
 
     /// Remembers `t`, forgetting the oldest beyond the bound.
     pub fn record(&self, t: RequestTrace) {
+        if !handoff_core::metrics::enabled() {
+            return;
+        }
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         if ring.len() >= self.cap {
             ring.pop_front();
