@@ -75,9 +75,19 @@ impl TraceContext {
             .unwrap_or_default()
     }
 
-    /// Puts a child of this context into outgoing gRPC metadata.
+    /// Makes this context the remote parent of `span` (for OpenTelemetry export).
+    pub fn adopt(&self, span: &tracing::Span) {
+        handoff_core::otel::adopt(span, self.trace_id, self.span_id, self.sampled);
+    }
+
+    /// Puts this trace into outgoing gRPC metadata, from the current span when OpenTelemetry
+    /// records it (so the callee's span is its child), else from a new span id.
     pub fn inject(&self, m: &mut tonic::metadata::MetadataMap) {
-        if let Ok(v) = self.child().header().parse() {
+        let from = match handoff_core::otel::current() {
+            Some((trace_id, span_id)) => TraceContext { trace_id, span_id, ..*self },
+            None => self.child(),
+        };
+        if let Ok(v) = from.header().parse() {
             m.insert(TRACEPARENT, v);
         }
     }

@@ -18,6 +18,10 @@ pub struct Cli {
     /// Log format on stderr: text (coloured only on a terminal) or JSON lines.
     #[arg(long, global = true, value_enum, env = "HANDOFF_LOG_FORMAT", default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Export spans to this OpenTelemetry collector (OTLP over gRPC, e.g.
+    /// `http://127.0.0.1:4317`), linked across processes by the requests' trace context.
+    #[arg(long, global = true, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
     /// What to run.
     #[command(subcommand)]
     pub command: Command,

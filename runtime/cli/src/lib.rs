@@ -4,9 +4,11 @@
 //! - [`cluster`] — [`Cluster`]: a scheduler, prefill instances and a frontend in one process
 //!   (`handoff up`, tests, benchmarks).
 //! - [`cmd`] — one module per subcommand.
+//! - [`telemetry`] — logs (text or JSON) and OTLP span export.
 
 pub mod args;
 pub mod cluster;
 pub mod cmd;
+pub mod telemetry;
 
 pub use cluster::{Cluster, ClusterConfig};

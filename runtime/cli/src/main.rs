@@ -1,21 +1,19 @@
 //! `handoff`: one binary for every process of a handoff deployment.
 
 use clap::Parser;
-use std::io::IsTerminal;
-
-use handoff::args::{Cli, Command, LogFormat};
-use tracing_subscriber::EnvFilter;
+use handoff::args::{Cli, Command};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match cli.log_format {
-        LogFormat::Json => logs.json().init(),
-        // Colour codes only on a terminal.
-        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
-    }
+    let role = match &cli.command {
+        Command::Up(_) => "handoff",
+        Command::Scheduler(_) => "handoff-scheduler",
+        Command::Prefill(_) => "handoff-prefill",
+        Command::Frontend(_) => "handoff-frontend",
+        Command::Ctl(_) => "handoff-ctl",
+    };
+    let _telemetry = handoff::telemetry::init(cli.log_format, cli.otlp_endpoint.as_deref(), role)?;
     match cli.command {
         Command::Up(args) => handoff::cmd::up::run(args).await,
         Command::Scheduler(args) => handoff::cmd::scheduler::run(args).await,

@@ -6,6 +6,7 @@ mod cluster {
     pub(crate) mod discovery;
     pub(crate) mod engines;
     pub(crate) mod operations;
+    pub(crate) mod otlp;
     pub(crate) mod processes;
     pub(crate) mod resync;
     pub(crate) mod servers;

@@ -5,6 +5,7 @@
 //! - [`hash`] — the chained block hashes of a prompt, the same function on every side.
 //! - [`metrics`] — Prometheus counters, gauges and histograms, and their text format.
 //! - [`net`] — listeners whose connections set `TCP_NODELAY`.
+//! - [`otel`] — spans linked into OpenTelemetry traces across processes.
 //! - [`ops`] — `/metrics`, `/livez` and `/readyz`, served by every role.
 //! - [`tasks`] — owned background tasks and a shutdown signal (no detached tasks).
 //! - [`tls`] — mutual TLS within a cluster, and public endpoints' certificates.
@@ -15,6 +16,7 @@ pub mod ids;
 pub mod metrics;
 pub mod net;
 pub mod ops;
+pub mod otel;
 pub mod tasks;
 pub mod tls;
 pub mod traffic;

@@ -286,12 +286,15 @@ impl Frontend {
         // task's output and the booking reported cancelled, not left to expire.
         let (schedulers, tasks, deadline, trace) =
             (self.schedulers.clone(), self.tasks.clone(), plan.deadline, plan.trace);
-        let call = self.tasks.spawn(async move {
-            let sel = schedulers.select(req, deadline, &trace).await?;
-            let lease =
-                Lease::new(schedulers, tasks, sel.replica.clone(), sel.selection.booking_id);
-            Ok::<_, SelectFailure>((lease, sel))
-        });
+        let call = self.tasks.spawn(
+            async move {
+                let sel = schedulers.select(req, deadline, &trace).await?;
+                let lease =
+                    Lease::new(schedulers, tasks, sel.replica.clone(), sel.selection.booking_id);
+                Ok::<_, SelectFailure>((lease, sel))
+            }
+            .instrument(tracing::Span::current()),
+        );
         let answer = call.await.unwrap_or_else(|e| {
             Err(SelectFailure::NoReplica(Some(tonic::Status::internal(format!(
                 "selection task: {e}"
@@ -327,6 +330,7 @@ impl Frontend {
         let (arrived, started) = (std::time::SystemTime::now(), Instant::now());
         let mut failed = Vec::new();
         let span = tracing::info_span!("request", trace_id = %plan.trace.trace_id());
+        plan.trace.adopt(&span);
         let result = self.attempts(plan, &mut failed).instrument(span).await;
         let (attempts, error, code) = match &result {
             Ok(r) => {

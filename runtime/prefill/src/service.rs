@@ -394,6 +394,7 @@ impl PrefillRpc for PrefillService {
             room = r.bootstrap_room,
             dp_rank = r.dp_rank
         );
+        trace.adopt(&span);
         Ok(Response::new(self.run(r).instrument(span).await?))
     }
 

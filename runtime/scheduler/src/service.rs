@@ -79,7 +79,9 @@ impl SchedulerRpc for SchedulerService {
         req: Request<SelectPrefillRequest>,
     ) -> Result<Response<SelectPrefillResponse>, Status> {
         let trace = TraceContext::from_metadata(req.metadata());
-        let _span = tracing::debug_span!("select", trace_id = %trace.trace_id()).entered();
+        let span = tracing::info_span!("select", trace_id = %trace.trace_id());
+        trace.adopt(&span);
+        let _entered = span.entered();
         let r = req.into_inner();
         let policy = policy_from_wire(r.policy)?;
         let exclude =

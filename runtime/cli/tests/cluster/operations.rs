@@ -208,6 +208,30 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
 }
 
+/// Posts a small completion with `traceparent` to the frontend's HTTP API until it is served
+/// (the scheduler hears of the prefill a moment after the frontend does).
+pub(crate) async fn post_completion(addr: &str, traceparent: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = r#"{"model": "", "prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], "max_tokens": 2}"#;
+    let start = Instant::now();
+    loop {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let ask = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             traceparent: {traceparent}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(ask.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        if out.starts_with("HTTP/1.1 200") {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{out}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A JSON log file in the temporary directory, removed when dropped.
 struct LogFile(std::path::PathBuf);
 
@@ -269,27 +293,7 @@ async fn a_callers_traceparent_reaches_the_scheduler_and_the_prefill_logs() {
     wait_ready(&fe_http, Duration::from_secs(10)).await;
 
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let body = r#"{"model": "", "prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], "max_tokens": 2}"#;
-    let start = Instant::now();
-    loop {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::TcpStream::connect(&fe_http).await.unwrap();
-        let ask = format!(
-            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
-             traceparent: 00-{trace_id}-00f067aa0ba902b7-01\r\ncontent-length: {}\r\n\
-             connection: close\r\n\r\n{body}",
-            body.len()
-        );
-        s.write_all(ask.as_bytes()).await.unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        if out.starts_with("HTTP/1.1 200") {
-            break;
-        }
-        // The scheduler hears of the prefill a moment after the frontend does.
-        assert!(start.elapsed() < Duration::from_secs(10), "{out}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    post_completion(&fe_http, &format!("00-{trace_id}-00f067aa0ba902b7-01")).await;
     let seen = |log: &LogFile, message: &str| {
         let start = Instant::now();
         loop {
