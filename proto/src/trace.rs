@@ -13,6 +13,8 @@ pub struct TraceContext {
     trace_id: u128,
     span_id: u64,
     sampled: bool,
+    /// A caller's (parsed), not one begun here.
+    remote: bool,
 }
 
 impl fmt::Debug for TraceContext {
@@ -28,6 +30,7 @@ impl TraceContext {
             trace_id: rand::random::<u128>().max(1),
             span_id: rand::random::<u64>().max(1),
             sampled: true,
+            remote: false,
         }
     }
 
@@ -49,7 +52,7 @@ impl TraceContext {
         let trace_id = u128::from_str_radix(trace, 16).ok().filter(|&t| t != 0)?;
         let span_id = u64::from_str_radix(span, 16).ok().filter(|&s| s != 0)?;
         let sampled = u8::from_str_radix(flags, 16).ok()? & 1 == 1;
-        Some(TraceContext { trace_id, span_id, sampled })
+        Some(TraceContext { trace_id, span_id, sampled, remote: true })
     }
 
     /// The same trace, from a new span of ours.
@@ -75,9 +78,22 @@ impl TraceContext {
             .unwrap_or_default()
     }
 
-    /// Makes this context the remote parent of `span` (for OpenTelemetry export).
-    pub fn adopt(&self, span: &tracing::Span) {
-        handoff_core::otel::adopt(span, self.trace_id, self.span_id, self.sampled);
+    /// Binds this trace to `span` and records it as the span's `trace_id` field (declare it
+    /// `Empty`): a caller's context becomes the span's remote parent; a trace begun here takes
+    /// the span's own OpenTelemetry ids when spans are exported, so logs and export agree.
+    /// Returns the trace as bound.
+    pub fn bind(&self, span: &tracing::Span) -> TraceContext {
+        let bound = if self.remote {
+            handoff_core::otel::adopt(span, self.trace_id, self.span_id, self.sampled);
+            *self
+        } else {
+            match handoff_core::otel::ids(span) {
+                Some((trace_id, span_id)) => TraceContext { trace_id, span_id, ..*self },
+                None => *self,
+            }
+        };
+        span.record("trace_id", bound.trace_id());
+        bound
     }
 
     /// Puts this trace into outgoing gRPC metadata, from the current span when OpenTelemetry

@@ -5,11 +5,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use handoff_core::tls::ServerTls;
-use handoff_discovery::ServerAccess;
 use handoff_scheduler::policy::{KvAwareWeights, PolicyParams};
 use handoff_scheduler::{PolicyKind, SchedulerConfig};
-use handoff_transfer::TransferKind;
 
 /// handoff: prefill/decode disaggregated LLM serving, entered from the decode side.
 #[derive(Debug, Parser)]
@@ -50,232 +47,6 @@ pub enum Command {
     Frontend(FrontendArgs),
     /// Ask a running cluster what it believes (instances, directories).
     Ctl(CtlArgs),
-}
-
-/// `handoff ctl`.
-#[derive(Debug, Clone, Args)]
-pub struct CtlArgs {
-    /// A scheduler replica to ask (host:port); default: the replicas registered in etcd.
-    #[arg(long, global = true)]
-    pub scheduler: Option<String>,
-    /// Print JSON instead of tables.
-    #[arg(long, global = true)]
-    pub json: bool,
-    /// How to reach the cluster (etcd/NATS, token, TLS).
-    #[command(flatten)]
-    pub discovery: DiscoveryArgs,
-    /// What to ask.
-    #[command(subcommand)]
-    pub command: CtlCommand,
-}
-
-/// What `handoff ctl` asks.
-#[derive(Debug, Clone, Subcommand)]
-pub enum CtlCommand {
-    /// Every instance: role, dp/tp, load, breaker, last heard, indexed blocks.
-    Instances,
-    /// An instance's bootstrap directory: its rank table and whether it is complete.
-    Directory {
-        /// The instance id.
-        id: String,
-    },
-    /// Takes a prefill instance out of routing and waits for its requests in flight; the
-    /// process keeps running until stopped.
-    Drain {
-        /// The instance id.
-        id: String,
-        /// Seconds to wait for its requests in flight.
-        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u32).range(0..=3600))]
-        grace_secs: u32,
-    },
-    /// A recent request's evidence, by one of its rooms: attempts, stages, error codes.
-    Trace {
-        /// The `bootstrap_room` (decimal), as in a request's evidence or a log line.
-        room: u64,
-        /// A frontend's HTTP address (host:port) to ask; default: every frontend registered.
-        #[arg(long)]
-        frontend: Vec<String>,
-    },
-}
-
-/// Where instances find each other.
-#[derive(Debug, Clone, Args)]
-pub struct DiscoveryArgs {
-    /// etcd endpoints (comma-separated URLs) for the registry; with --nats. Without both,
-    /// discovery is in-memory (one process).
-    #[arg(long, env = "HANDOFF_ETCD", requires = "nats")]
-    pub etcd: Option<String>,
-    /// NATS server URL for heartbeats and KV events; with --etcd.
-    #[arg(long, env = "HANDOFF_NATS", requires = "etcd")]
-    pub nats: Option<String>,
-    /// Lease TTL of registrations, in seconds (kept alive every TTL/3).
-    #[arg(long, default_value_t = 10)]
-    pub lease_ttl_secs: u64,
-    /// The cluster's shared secret: required as a bearer token on bootstrap directory writes,
-    /// on the scheduler and prefill gRPC services, and on every KV transfer connection and
-    /// handshake; sent by this process on its own.
-    #[arg(long, env = "HANDOFF_TOKEN", hide_env_values = true)]
-    pub token: Option<String>,
-    /// Let a role without a token listen on a non-loopback address (anyone who can reach
-    /// it can then write directories and open transfer connections).
-    #[arg(long)]
-    pub insecure: bool,
-    /// This process's certificate chain (PEM): with --tls-key and --tls-ca, the cluster's own
-    /// traffic (KV transfers, the scheduler and prefill gRPC services, the bootstrap
-    /// directories) runs over mutual TLS with the cluster's CA. The certificate must name the
-    /// host the others dial (the advertised host).
-    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
-    pub tls_cert: Option<std::path::PathBuf>,
-    /// Its private key (PEM).
-    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
-    pub tls_key: Option<std::path::PathBuf>,
-    /// The cluster's CA certificate (PEM): peers must hold a certificate it signed.
-    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
-    pub tls_ca: Option<std::path::PathBuf>,
-    /// TLS and credentials for etcd and NATS.
-    #[command(flatten)]
-    pub access: BackendAccessArgs,
-    /// How KV moves between prefill ranks and the frontend (prefill, frontend and up; the
-    /// scheduler moves no KV and ignores it).
-    #[arg(long, value_enum, default_value_t = TransferArg::Tcp)]
-    pub transfer: TransferArg,
-    /// The address KV transfer listeners bind (each on an ephemeral port). Beyond loopback
-    /// (another host, a pod), give this host's address, or 0.0.0.0 with --transfer-advertise.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub transfer_bind: std::net::IpAddr,
-    /// The host peers dial for this process's KV transfers (default: --transfer-bind).
-    #[arg(long)]
-    pub transfer_advertise: Option<String>,
-}
-
-/// TLS and credentials for the etcd and NATS servers, handed to their client libraries.
-#[derive(Debug, Clone, Default, Args)]
-pub struct BackendAccessArgs {
-    /// The CA of etcd's server certificate (PEM); endpoints are then `https://`.
-    #[arg(long)]
-    pub etcd_ca: Option<PathBuf>,
-    /// A client certificate for etcd (PEM), with --etcd-key.
-    #[arg(long, requires = "etcd_key")]
-    pub etcd_cert: Option<PathBuf>,
-    /// Its private key (PEM).
-    #[arg(long, requires = "etcd_cert")]
-    pub etcd_key: Option<PathBuf>,
-    /// etcd user, with --etcd-password.
-    #[arg(long, env = "HANDOFF_ETCD_USER", requires = "etcd_password")]
-    pub etcd_user: Option<String>,
-    /// etcd password.
-    #[arg(long, env = "HANDOFF_ETCD_PASSWORD", hide_env_values = true, requires = "etcd_user")]
-    pub etcd_password: Option<String>,
-    /// The CA of the NATS server's certificate (PEM); the connection then requires TLS.
-    #[arg(long)]
-    pub nats_ca: Option<PathBuf>,
-    /// A client certificate for NATS (PEM), with --nats-key.
-    #[arg(long, requires = "nats_key")]
-    pub nats_cert: Option<PathBuf>,
-    /// Its private key (PEM).
-    #[arg(long, requires = "nats_cert")]
-    pub nats_key: Option<PathBuf>,
-    /// NATS user, with --nats-password.
-    #[arg(long, env = "HANDOFF_NATS_USER", requires = "nats_password")]
-    pub nats_user: Option<String>,
-    /// NATS password.
-    #[arg(long, env = "HANDOFF_NATS_PASSWORD", hide_env_values = true, requires = "nats_user")]
-    pub nats_password: Option<String>,
-    /// A NATS credentials file (JWT and NKey seed).
-    #[arg(long, env = "HANDOFF_NATS_CREDS")]
-    pub nats_creds: Option<PathBuf>,
-}
-
-impl BackendAccessArgs {
-    /// How to reach etcd.
-    pub fn etcd(&self) -> ServerAccess {
-        ServerAccess {
-            ca: self.etcd_ca.clone(),
-            identity: self.etcd_cert.clone().zip(self.etcd_key.clone()),
-            user: self.etcd_user.clone().zip(self.etcd_password.clone()),
-            credentials: None,
-        }
-    }
-
-    /// How to reach NATS.
-    pub fn nats(&self) -> ServerAccess {
-        ServerAccess {
-            ca: self.nats_ca.clone(),
-            identity: self.nats_cert.clone().zip(self.nats_key.clone()),
-            user: self.nats_user.clone().zip(self.nats_password.clone()),
-            credentials: self.nats_creds.clone(),
-        }
-    }
-}
-
-/// The public listeners' certificate (the frontend's Generate gRPC and OpenAI HTTP).
-#[derive(Debug, Clone, Default, Args)]
-pub struct PublicTlsArgs {
-    /// Certificate chain (PEM) of the public listeners: with --public-tls-key, clients
-    /// connect with TLS (https, grpcs) and need no certificate of their own.
-    #[arg(long, requires = "public_tls_key")]
-    pub public_tls_cert: Option<PathBuf>,
-    /// Its private key (PEM).
-    #[arg(long, requires = "public_tls_cert")]
-    pub public_tls_key: Option<PathBuf>,
-    /// A CA (PEM) whose certificates clients of the public listeners must present (mutual
-    /// TLS for clients); without it, clients need none.
-    #[arg(long, requires = "public_tls_cert")]
-    pub public_tls_client_ca: Option<PathBuf>,
-}
-
-impl PublicTlsArgs {
-    /// The certificate, when the flags give one.
-    pub fn server_tls(&self) -> anyhow::Result<Option<ServerTls>> {
-        match (&self.public_tls_cert, &self.public_tls_key) {
-            (Some(c), Some(k)) => {
-                Ok(Some(ServerTls::from_files(c, k, self.public_tls_client_ca.as_deref())?))
-            }
-            _ => Ok(None),
-        }
-    }
-}
-
-impl DiscoveryArgs {
-    /// The cluster's mutual TLS, when the flags give it.
-    pub fn cluster_tls(&self) -> anyhow::Result<Option<handoff_core::tls::ClusterTls>> {
-        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
-            (Some(c), Some(k), Some(ca)) => {
-                Ok(Some(handoff_core::tls::ClusterTls::from_files(c, k, ca)?))
-            }
-            _ => Ok(None),
-        }
-    }
-
-    /// The transfer backend on --transfer-bind: tcp (with the flags' TLS) or mooncake; `fake`
-    /// only within one process (`handoff up`).
-    pub fn transfer(&self) -> anyhow::Result<TransferKind> {
-        let bind_ip = self.transfer_bind;
-        if bind_ip.is_unspecified() && self.transfer_advertise.is_none() {
-            anyhow::bail!(
-                "--transfer-bind {bind_ip} needs --transfer-advertise: peers cannot dial an unspecified address"
-            );
-        }
-        let advertise_ip = self.transfer_advertise.clone();
-        Ok(match self.transfer {
-            TransferArg::Tcp => {
-                TransferKind::Tcp { bind_ip, advertise_ip, tls: self.cluster_tls()? }
-            }
-            TransferArg::Mooncake if self.tls_cert.is_some() => anyhow::bail!(
-                "--transfer mooncake cannot use --tls-cert: Mooncake's wire has no TLS (use --transfer tcp for mutual TLS on KV)"
-            ),
-            TransferArg::Mooncake => TransferKind::Mooncake { bind_ip, advertise_ip },
-            TransferArg::Fake => TransferKind::Fake(handoff_transfer::FakeNetwork::new()),
-        })
-    }
-
-    /// As [`DiscoveryArgs::transfer`], refusing `fake` (its agents live in one process).
-    pub fn network_transfer(&self) -> anyhow::Result<TransferKind> {
-        if self.transfer == TransferArg::Fake {
-            anyhow::bail!("--transfer fake works only within one process (handoff up)");
-        }
-        self.transfer()
-    }
 }
 
 /// `handoff scheduler`.
@@ -446,6 +217,10 @@ pub struct FrontendArgs {
     /// Decode tp size.
     #[arg(long, default_value_t = 1)]
     pub decode_tp: u32,
+    /// Seconds requests in flight get to finish on SIGTERM (drain: out of discovery and not
+    /// ready at once, still serving).
+    #[arg(long, default_value_t = 30)]
+    pub drain_secs: u64,
     /// The public listeners' TLS.
     #[command(flatten)]
     pub public_tls: PublicTlsArgs,
@@ -455,17 +230,6 @@ pub struct FrontendArgs {
     /// The engine.
     #[command(flatten)]
     pub engine: EngineArgs,
-}
-
-/// Which transfer backend agents use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum TransferArg {
-    /// Real bytes over TCP sockets, handoff's own framing (token, optional mutual TLS).
-    Tcp,
-    /// Mooncake Transfer Engine's TCP wire (interoperates with Mooncake peers; no TLS).
-    Mooncake,
-    /// In-process, no sockets (`handoff up` only).
-    Fake,
 }
 
 /// Which engine serves.
@@ -565,6 +329,11 @@ pub struct UpArgs {
     pub discovery: DiscoveryArgs,
 }
 
+mod ctl;
+mod discovery;
 pub mod engine;
+
+pub use ctl::{CtlArgs, CtlCommand};
+pub use discovery::{BackendAccessArgs, DiscoveryArgs, PublicTlsArgs, TransferArg};
 #[cfg(test)]
 mod tests;

@@ -68,6 +68,22 @@ impl Counter {
     }
 }
 
+/// A count kept elsewhere and copied in at scrape time: rendered as a counter.
+#[derive(Debug, Default)]
+pub struct Tally(AtomicU64);
+
+impl Tally {
+    /// Sets the count (it only ever grows where it is kept).
+    pub fn set(&self, n: u64) {
+        self.0.store(n, Relaxed);
+    }
+
+    /// The count.
+    pub fn get(&self) -> u64 {
+        self.0.load(Relaxed)
+    }
+}
+
 /// A value that goes up and down (stored as f64 bits).
 #[derive(Debug, Default)]
 pub struct Gauge(AtomicU64);
@@ -166,6 +182,17 @@ trait Series: Send + Sync {
     fn write(&self, name: &str, labels: &str, out: &mut String);
 }
 
+/// A sample value as the text format spells it (`+Inf`, `-Inf`, `NaN`).
+fn value(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".to_owned()
+    } else if v.is_infinite() {
+        if v > 0.0 { "+Inf" } else { "-Inf" }.to_owned()
+    } else {
+        v.to_string()
+    }
+}
+
 fn braces(labels: &str) -> String {
     if labels.is_empty() { String::new() } else { format!("{{{labels}}}") }
 }
@@ -177,10 +204,17 @@ impl Series for Counter {
     }
 }
 
+impl Series for Tally {
+    const KIND: &'static str = "counter";
+    fn write(&self, name: &str, labels: &str, out: &mut String) {
+        let _ = writeln!(out, "{name}{} {}", braces(labels), self.get());
+    }
+}
+
 impl Series for Gauge {
     const KIND: &'static str = "gauge";
     fn write(&self, name: &str, labels: &str, out: &mut String) {
-        let _ = writeln!(out, "{name}{} {}", braces(labels), self.get());
+        let _ = writeln!(out, "{name}{} {}", braces(labels), value(self.get()));
     }
 }
 
@@ -201,7 +235,7 @@ impl Series for Histogram {
             let le = self.bounds.get(i).map_or_else(|| "+Inf".to_owned(), |b| b.to_string());
             let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {cumulative}");
         }
-        let _ = writeln!(out, "{name}_sum{} {}", braces(labels), self.sum());
+        let _ = writeln!(out, "{name}_sum{} {}", braces(labels), value(self.sum()));
         let _ = writeln!(out, "{name}_count{} {cumulative}", braces(labels));
     }
 }
@@ -367,6 +401,18 @@ impl Registry {
         labels: &'static [&'static str],
     ) -> Arc<Family<Gauge>> {
         let f = Arc::new(Family::new(labels, Gauge::default));
+        self.add(name, help, Box::new(FamilyOf(f.clone())));
+        f
+    }
+
+    /// A new family of counts kept elsewhere ([`Tally`]) named `name` with `labels`.
+    pub fn tallies(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &'static [&'static str],
+    ) -> Arc<Family<Tally>> {
+        let f = Arc::new(Family::new(labels, Tally::default));
         self.add(name, help, Box::new(FamilyOf(f.clone())));
         f
     }

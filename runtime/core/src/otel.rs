@@ -21,7 +21,12 @@ pub fn adopt(span: &tracing::Span, trace_id: u128, span_id: u64, sampled: bool) 
 
 /// The current span's (trace id, span id), when an OpenTelemetry layer records it.
 pub fn current() -> Option<(u128, u64)> {
-    let cx = tracing::Span::current().context();
+    ids(&tracing::Span::current())
+}
+
+/// `span`'s (trace id, span id), when an OpenTelemetry layer records it.
+pub fn ids(span: &tracing::Span) -> Option<(u128, u64)> {
+    let cx = span.context();
     let span = cx.span();
     let sc = span.span_context();
     sc.is_valid().then(|| {

@@ -54,8 +54,8 @@ pub enum Protocol {
     /// gRPC: the route is the method path, the status the `grpc-status` of a trailers-only
     /// answer (an error), else `0`.
     Grpc,
-    /// HTTP: the route is the matched route pattern (`unmatched` for none), the status the
-    /// HTTP status.
+    /// HTTP: the route is the matched route pattern, the status the HTTP status (requests
+    /// no route matched are not counted).
     Http,
 }
 
@@ -78,6 +78,15 @@ pub struct Counted<S> {
     protocol: Protocol,
 }
 
+/// A gRPC method path as a label: handoff's own services and gRPC health by name, anything
+/// else (a caller can send any path) as `unknown`, so callers cannot grow the label set.
+fn grpc_route(path: &str) -> String {
+    let ours = ["/handoff.v1.", "/grpc.health.v1."].iter().any(|p| path.starts_with(p));
+    let plain = path.len() <= 64
+        && path.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'/' || b == b'.' || b == b'_');
+    if ours && plain { path.to_owned() } else { "unknown".to_owned() }
+}
+
 type Boxed<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
 
 impl<S, B, RB> tower::Service<Request<B>> for Counted<S>
@@ -95,12 +104,12 @@ where
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let (protocol, route) = match self.protocol {
-            Protocol::Grpc => ("grpc", req.uri().path().to_owned()),
+            Protocol::Grpc => ("grpc", grpc_route(req.uri().path())),
             Protocol::Http => (
                 "http",
                 req.extensions()
                     .get::<MatchedPath>()
-                    .map_or_else(|| "unmatched".to_owned(), |m| m.as_str().to_owned()),
+                    .map_or_else(|| "unknown".to_owned(), |m| m.as_str().to_owned()),
             ),
         };
         let grpc = matches!(self.protocol, Protocol::Grpc);
@@ -123,5 +132,21 @@ where
             t.seconds.with(&[protocol, &route]).observe_duration(started.elapsed());
             res
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_known_grpc_methods_become_labels() {
+        use super::grpc_route;
+        assert_eq!(
+            grpc_route("/handoff.v1.Scheduler/SelectPrefill"),
+            "/handoff.v1.Scheduler/SelectPrefill"
+        );
+        assert_eq!(grpc_route("/grpc.health.v1.Health/Check"), "/grpc.health.v1.Health/Check");
+        assert_eq!(grpc_route("/evil.Service/x"), "unknown");
+        assert_eq!(grpc_route(&format!("/handoff.v1.{}", "a".repeat(100))), "unknown");
+        assert_eq!(grpc_route("/handoff.v1.X/\"\n"), "unknown");
     }
 }

@@ -42,6 +42,10 @@ pub struct FrontendConfig {
     /// The public listeners' certificate (Generate gRPC and the HTTP API): clients then
     /// connect with TLS and need no certificate of their own.
     pub public_tls: Option<ServerTls>,
+    /// Ready (`/readyz`) only once a prefill instance is registered in discovery: off when
+    /// the frontend follows no registry that prefills register in (a static `--scheduler`
+    /// without etcd), where it learns prefills from its selections alone.
+    pub require_registered_prefill: bool,
 }
 
 impl Default for FrontendConfig {
@@ -61,6 +65,7 @@ impl Default for FrontendConfig {
             transfer_token: None,
             tls: None,
             public_tls: None,
+            require_registered_prefill: true,
         }
     }
 }

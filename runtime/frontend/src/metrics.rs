@@ -134,6 +134,11 @@ impl Metrics {
         }
     }
 
+    /// Requests being served.
+    pub(crate) fn in_flight(&self) -> i64 {
+        self.in_flight.get()
+    }
+
     /// A request arrived: counted in flight until its [`InFlight`] is dropped.
     pub(crate) fn arrived(self: &Arc<Self>) -> InFlight {
         self.in_flight.inc();
@@ -239,14 +244,17 @@ pub(crate) fn ops(fe: &Arc<crate::Frontend>) -> Ops {
         })
         .ready_when(move || {
             let fe = b.upgrade().ok_or("shutting down")?;
+            if fe.draining.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err("draining".into());
+            }
             let (all, suspect) = (fe.schedulers().addrs(), fe.schedulers().suspects());
             if all.is_empty() {
                 return Err("no scheduler replica known".into());
             }
             if all.len() == suspect.len() {
-                return Err(format!("every scheduler replica failed lately ({})", all.join(", ")));
+                return Err("every scheduler replica failed lately".into());
             }
-            if fe.prefills_known() == 0 {
+            if fe.cfg.require_registered_prefill && fe.prefills_known() == 0 {
                 return Err("no prefill instance registered".into());
             }
             Ok(())

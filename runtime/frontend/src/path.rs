@@ -25,7 +25,7 @@ use crate::input::Plan;
 use crate::lease::{Lease, outcome_of};
 use crate::metrics::Metrics;
 use crate::schedulers::{SelectFailure, Selected};
-use crate::traces::{Recent, RequestTrace};
+use crate::traces::Recent;
 use crate::{Cause, FrontendConfig, FrontendError, Schedulers};
 
 /// A request whose KV is verified and loaded: ready to stream.
@@ -54,7 +54,9 @@ pub struct Frontend {
     /// Prefill instances registered in discovery (while followed).
     prefills_known: std::sync::atomic::AtomicUsize,
     ops: std::sync::OnceLock<Arc<handoff_core::ops::Ops>>,
-    recent: Recent,
+    pub(crate) recent: Recent,
+    /// Set when the frontend drains: readiness fails, requests in flight finish.
+    pub(crate) draining: std::sync::atomic::AtomicBool,
 }
 
 fn retry_after(s: &tonic::Status) -> std::time::Duration {
@@ -130,6 +132,7 @@ impl Frontend {
             prefills_known: Default::default(),
             ops: Default::default(),
             recent: Recent::default(),
+            draining: Default::default(),
         }))
     }
 
@@ -236,6 +239,16 @@ impl Frontend {
         self.ops.get_or_init(|| Arc::new(crate::metrics::ops(self))).clone()
     }
 
+    /// Starts a drain: `/readyz` fails from now on (requests still served).
+    pub fn start_draining(&self) {
+        self.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Requests being served (arrived and not yet streamed to their end).
+    pub fn in_flight(&self) -> u64 {
+        self.metrics.in_flight().max(0) as u64
+    }
+
     /// Prefill instances registered in discovery, as followed.
     pub fn prefills_known(&self) -> usize {
         self.prefills_known.load(std::sync::atomic::Ordering::Relaxed)
@@ -323,51 +336,8 @@ impl Frontend {
         }
     }
 
-    /// Runs attempts until one yields verified KV loaded into a decoder, or the attempts,
-    /// the instances or the deadline run out. Queueing is not failure: an attempt may take
-    /// the queue wait the scheduler expects plus `attempt_timeout`.
-    pub async fn prefill(&self, plan: &Plan) -> Result<Ready, FrontendError> {
-        let (arrived, started) = (std::time::SystemTime::now(), Instant::now());
-        let mut failed = Vec::new();
-        let span = tracing::info_span!("request", trace_id = %plan.trace.trace_id());
-        plan.trace.adopt(&span);
-        let result = self.attempts(plan, &mut failed).instrument(span).await;
-        let (attempts, error, code) = match &result {
-            Ok(r) => {
-                let e = &r.evidence;
-                let won = Attempt {
-                    bootstrap_room: e.bootstrap_room,
-                    instance_id: e.instance_id.clone(),
-                    dp_rank: e.dp_rank,
-                    stages: e.stages,
-                    error: String::new(),
-                };
-                let mut all = e.failed_attempts.clone();
-                all.push(won);
-                (all, String::new(), "OK".to_owned())
-            }
-            Err(e) => {
-                let code = tonic::Status::from(e.clone()).code();
-                (failed, e.to_string(), format!("{code:?}"))
-            }
-        };
-        self.recent.record(RequestTrace {
-            arrived,
-            took: started.elapsed(),
-            attempts,
-            error,
-            code,
-        });
-        result
-    }
-
-    /// The evidence of a recent request one of whose attempts had `room`.
-    pub fn trace(&self, room: u64) -> Option<std::sync::Arc<RequestTrace>> {
-        self.recent.find(room)
-    }
-
     /// [`Frontend::prefill`]'s attempts; failed ones are pushed on `failed`.
-    async fn attempts(
+    pub(crate) async fn attempts(
         &self,
         plan: &Plan,
         failed: &mut Vec<Attempt>,

@@ -1,6 +1,6 @@
 //! [`Recent`]: the evidence of the frontend's most recent requests (every attempt's room,
 //! instance, dp rank, stage timings and error), found by any of their rooms: what
-//! `handoff ctl trace ROOM` shows an operator.
+//! `handoff ctl trace ROOM` shows an operator. [`Frontend::prefill`] records them.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -8,6 +8,12 @@ use std::time::{Duration, SystemTime};
 
 use handoff_proto::v1::Attempt;
 use serde_json::{Value, json};
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::input::Plan;
+use crate::path::Ready;
+use crate::{Frontend, FrontendError};
 
 /// Requests remembered.
 pub const RECENT_REQUESTS: usize = 4096;
@@ -23,7 +29,9 @@ pub struct RequestTrace {
     pub attempts: Vec<Attempt>,
     /// The request's error, empty when it succeeded.
     pub error: String,
-    /// The status its client got (`OK`, or the gRPC code's name).
+    /// How its prefill phase ended: `OK` when its KV was loaded and streaming began (a later
+    /// decode failure is not recorded here), else the gRPC code's name its client got.
+    /// Requests whose client left during the prefill phase are not recorded.
     pub code: String,
 }
 
@@ -97,6 +105,51 @@ impl Recent {
     pub fn find(&self, room: u64) -> Option<Arc<RequestTrace>> {
         let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         ring.iter().rev().find(|t| t.attempts.iter().any(|a| a.bootstrap_room == room)).cloned()
+    }
+}
+
+impl Frontend {
+    /// Runs attempts until one yields verified KV loaded into a decoder, or the attempts,
+    /// the instances or the deadline run out. Queueing is not failure: an attempt may take
+    /// the queue wait the scheduler expects plus `attempt_timeout`.
+    pub async fn prefill(&self, plan: &Plan) -> Result<Ready, FrontendError> {
+        let (arrived, started) = (std::time::SystemTime::now(), Instant::now());
+        let mut failed = Vec::new();
+        let span = tracing::info_span!("request", trace_id = tracing::field::Empty);
+        plan.trace.bind(&span);
+        let result = self.attempts(plan, &mut failed).instrument(span).await;
+        let (attempts, error, code) = match &result {
+            Ok(r) => {
+                let e = &r.evidence;
+                let won = Attempt {
+                    bootstrap_room: e.bootstrap_room,
+                    instance_id: e.instance_id.clone(),
+                    dp_rank: e.dp_rank,
+                    stages: e.stages,
+                    error: String::new(),
+                };
+                let mut all = e.failed_attempts.clone();
+                all.push(won);
+                (all, String::new(), "OK".to_owned())
+            }
+            Err(e) => {
+                let code = tonic::Status::from(e.clone()).code();
+                (failed, e.to_string(), format!("{code:?}"))
+            }
+        };
+        self.recent.record(RequestTrace {
+            arrived,
+            took: started.elapsed(),
+            attempts,
+            error,
+            code,
+        });
+        result
+    }
+
+    /// The evidence of a recent request one of whose attempts had `room`.
+    pub fn trace(&self, room: u64) -> Option<std::sync::Arc<RequestTrace>> {
+        self.recent.find(room)
     }
 }
 

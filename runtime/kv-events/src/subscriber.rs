@@ -237,7 +237,9 @@ impl EngineStream {
         };
         self.stats.batches += 1;
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-        self.stats.lag_secs = now.map_or(0.0, |n| (n.as_secs_f64() - batch.ts).max(0.0));
+        let lag = now.map_or(0.0, |n| n.as_secs_f64() - batch.ts);
+        // A timestamp that is no time at all (NaN, infinite) says nothing about lag.
+        self.stats.lag_secs = if lag.is_finite() { lag.max(0.0) } else { 0.0 };
         let mut ops = Vec::new();
         for ev in &batch.events {
             match self.chains.apply(ev) {

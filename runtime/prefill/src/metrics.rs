@@ -32,7 +32,8 @@ impl Default for PrefillMetrics {
         PrefillMetrics {
             requests: r.counters(
                 "handoff_prefill_requests_total",
-                "Prefill requests by result (ok, invalid, overloaded, deadline, engine, transfer).",
+                "Prefill requests by result (ok, invalid, overloaded, deadline, engine, transfer, \
+                 cancelled).",
                 &["result"],
             ),
             stages: r.histograms(
@@ -80,6 +81,11 @@ impl PrefillMetrics {
             Err(_) => "other",
         };
         self.requests.with(&[label]).inc();
+    }
+
+    /// A request dropped before it was answered (the decode went away).
+    pub(crate) fn cancelled(&self) {
+        self.requests.with(&["cancelled"]).inc();
     }
 
     pub(crate) fn stage(&self, stage: &'static str, took: Duration) {

@@ -146,6 +146,17 @@ impl Drop for Running<'_> {
     }
 }
 
+/// Counts a request dropped before it was answered (its caller went away) as cancelled.
+struct Unanswered<'a>(Option<&'a crate::metrics::PrefillMetrics>);
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some(m) = self.0 {
+            m.cancelled();
+        }
+    }
+}
+
 /// Holds a place in a dp rank's queue until dropped.
 struct Queued<'a>(&'a AtomicUsize);
 
@@ -268,7 +279,9 @@ impl PrefillService {
 
     async fn run(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
         let _running = Running::new(&self.inner, req.token_ids.len() as u64);
+        let mut unanswered = Unanswered(Some(&self.inner.metrics));
         let served = self.serve(req).await;
+        unanswered.0 = None;
         self.inner.metrics.ended(served.as_ref().map(|_| ()));
         served
     }
@@ -390,11 +403,11 @@ impl PrefillRpc for PrefillService {
         let r = req.into_inner();
         let span = tracing::info_span!(
             "prefill",
-            trace_id = %trace.trace_id(),
+            trace_id = tracing::field::Empty,
             room = r.bootstrap_room,
             dp_rank = r.dp_rank
         );
-        trace.adopt(&span);
+        trace.bind(&span);
         Ok(Response::new(self.run(r).instrument(span).await?))
     }
 

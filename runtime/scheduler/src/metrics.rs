@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use handoff_core::metrics::{Counter, Family, Gauge, Histogram, LATENCY_BUCKETS, Registry};
+use handoff_core::metrics::{Counter, Family, Gauge, Histogram, LATENCY_BUCKETS, Registry, Tally};
 use handoff_core::ops::Ops;
 use handoff_kv_events::StreamStats;
 
@@ -24,6 +24,8 @@ pub struct SchedulerMetrics {
     pub(crate) registered: AtomicBool,
     /// Each followed engine stream's stats.
     engine_streams: Mutex<Vec<EngineMeter>>,
+    /// The operations surface, made once.
+    ops: std::sync::OnceLock<Arc<Ops>>,
 }
 
 fn policy_label(p: PolicyKind) -> &'static str {
@@ -74,6 +76,7 @@ impl Default for SchedulerMetrics {
             registry: r,
             registered: AtomicBool::new(false),
             engine_streams: Mutex::default(),
+            ops: Default::default(),
         }
     }
 }
@@ -127,9 +130,9 @@ struct Gauges {
     breaker_open: Arc<Family<Gauge>>,
     token_cost: Arc<Family<Gauge>>,
     bookings: Arc<Gauge>,
-    rejects: Arc<Family<Gauge>>,
+    rejects: Arc<Family<Tally>>,
     index_blocks: Arc<Gauge>,
-    engine_batches: Arc<Family<Gauge>>,
+    engine_batches: Arc<Family<Tally>>,
     engine_lag: Arc<Family<Gauge>>,
 }
 
@@ -162,8 +165,8 @@ impl Gauges {
                 &["instance"],
             ),
             bookings: r.gauge("handoff_scheduler_open_bookings", "Bookings not yet reported."),
-            rejects: r.gauges(
-                "handoff_scheduler_rejected_inputs",
+            rejects: r.tallies(
+                "handoff_scheduler_rejected_inputs_total",
                 "Bad input dropped since start, by kind (malformed events, sequence gaps, ...).",
                 &["kind"],
             ),
@@ -171,8 +174,8 @@ impl Gauges {
                 "handoff_scheduler_index_blocks",
                 "Blocks held in the KV index, over every instance and dp rank.",
             ),
-            engine_batches: r.gauges(
-                "handoff_scheduler_engine_event_batches",
+            engine_batches: r.tallies(
+                "handoff_scheduler_engine_event_batches_total",
                 "KV event batches of an engine's dp rank stream since start, by what became of \
                  them (applied, replayed, refused, rebuilds).",
                 &["engine", "dp_rank", "kind"],
@@ -213,18 +216,22 @@ impl Gauges {
                 ("refused", st.refused),
                 ("rebuilds", st.rebuilds),
             ] {
-                self.engine_batches.with(&[id, &dp, kind]).set(n as f64);
+                self.engine_batches.with(&[id, &dp, kind]).set(n);
             }
             self.engine_lag.with(&[id, &dp]).set(st.lag_secs);
         }
         for (kind, n) in state.rejects().totals() {
-            self.rejects.with(&[kind]).set(n as f64);
+            self.rejects.with(&[kind]).set(n);
         }
     }
 }
 
 /// The scheduler's operations surface: metrics and readiness (registered in discovery).
-pub fn ops(state: &Arc<SchedulerState>) -> Ops {
+pub fn ops(state: &Arc<SchedulerState>) -> Arc<Ops> {
+    state.metrics().ops.get_or_init(|| Arc::new(make_ops(state))).clone()
+}
+
+fn make_ops(state: &Arc<SchedulerState>) -> Ops {
     let r = state.metrics().registry.clone();
     let gauges = Gauges::new(&r);
     let (a, b) = (Arc::downgrade(state), Arc::downgrade(state));

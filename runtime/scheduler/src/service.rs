@@ -78,9 +78,8 @@ impl SchedulerRpc for SchedulerService {
         &self,
         req: Request<SelectPrefillRequest>,
     ) -> Result<Response<SelectPrefillResponse>, Status> {
-        let trace = TraceContext::from_metadata(req.metadata());
-        let span = tracing::info_span!("select", trace_id = %trace.trace_id());
-        trace.adopt(&span);
+        let span = tracing::info_span!("select", trace_id = tracing::field::Empty);
+        TraceContext::from_metadata(req.metadata()).bind(&span);
         let _entered = span.entered();
         let r = req.into_inner();
         let policy = policy_from_wire(r.policy)?;

@@ -306,12 +306,12 @@ impl SchedulerState {
         &self.cfg
     }
 
-    /// Bad input seen, logged once per kind.
     /// Its counters and histograms.
     pub fn metrics(&self) -> &crate::metrics::SchedulerMetrics {
         &self.metrics
     }
 
+    /// Bad input seen, logged once per kind.
     pub(crate) fn rejects(&self) -> &crate::rejects::Rejects {
         &self.rejects
     }

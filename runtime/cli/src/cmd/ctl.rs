@@ -179,9 +179,9 @@ impl<'a> Ctl<'a> {
             .await
             .context("timed out")??;
         let dims = [info.dp_size, info.attn_cp_size, info.attn_tp_size, info.pp_size];
-        let total: i64 = dims.iter().product();
-        if total > 4096 {
-            bail!("directory at {addr} claims {total} ranks (dp/cp/tp/pp {dims:?})");
+        let total = dims.iter().try_fold(1i64, |acc, d| acc.checked_mul(*d));
+        if total.is_none_or(|t| t > 4096) {
+            bail!("directory at {addr} claims too many ranks (dp/cp/tp/pp {dims:?})");
         }
         let mut ranks = Vec::new();
         let mut missing = 0;
@@ -230,28 +230,28 @@ fn role_name(r: Role) -> &'static str {
 }
 
 fn instances_json(replica: &str, list: &[InstanceStatus], others: &[Instance]) -> Value {
-    let instances: Vec<Value> =
-        list.iter()
-            .map(|i| {
-                json!({
-                    "role": "prefill",
-                    "id": i.instance_id,
-                    "model": i.model,
-                    "dp": i.dp_size, "tp": i.tp_size, "pp": i.pp_size,
-                    "in_flight": i.in_flight,
-                    "breaker": if i.breaker_closed { "closed" } else { "open" },
-                    "routable": i.routable,
-                    "silent_ms": i.silent_ms,
-                    "cached_blocks": i.cached_blocks,
-                    "prefill_ns_per_token": i.prefill_ns_per_token,
-                    "bootstrap_addr": i.bootstrap_addr,
-                    "grpc_addr": i.prefill_addr,
-                })
+    let instances: Vec<Value> = list
+        .iter()
+        .map(|i| {
+            json!({
+                "role": "prefill",
+                "id": i.instance_id,
+                "model": i.model,
+                "dp": i.dp_size, "tp": i.tp_size, "pp": i.pp_size,
+                "in_flight": i.in_flight,
+                "breaker": if i.breaker_closed { "closed" } else { "open" },
+                "routable": i.routable,
+                "silent_ms": i.silent_ms,
+                "cached_blocks": i.cached_blocks,
+                "prefill_ns_per_token": i.prefill_ns_per_token,
+                "bootstrap_addr": i.bootstrap_addr,
+                "grpc_addr": i.prefill_addr,
             })
-            .chain(others.iter().map(
-                |s| json!({"role": "scheduler", "id": s.id.as_str(), "grpc_addr": s.grpc_addr}),
-            ))
-            .collect();
+        })
+        .chain(others.iter().map(
+            |s| json!({"role": role_name(s.role), "id": s.id.as_str(), "grpc_addr": s.grpc_addr}),
+        ))
+        .collect();
     json!({"asked": replica, "instances": instances})
 }
 

@@ -38,6 +38,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         transfer: args.discovery.network_transfer()?,
         tls: args.discovery.cluster_tls()?,
         public_tls: args.public_tls.server_tls()?,
+        require_registered_prefill: args.discovery.etcd.is_some(),
         ..FrontendConfig::default()
     };
     let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, &tasks).await?;
@@ -82,17 +83,29 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
             tracing::warn!(error = %e, "HTTP stopped");
         }
     });
-    let serving =
-        handoff_frontend::service::serve(
-            grpc,
-            frontend,
-            async move { t2.shutdown_requested().await },
-        );
+    let serving = handoff_frontend::service::serve(grpc, frontend.clone(), async move {
+        t2.shutdown_requested().await
+    });
+    tokio::pin!(serving);
     tokio::select! {
-        r = serving => r?,
+        r = &mut serving => return Ok(r?),
         _ = shutdown_signal() => {}
     }
+    // Drain: out of discovery and not ready at once; streams in flight finish while the
+    // listeners still serve, for at most --drain-secs.
+    frontend.start_draining();
     let _ = registry.deregister(&id).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.drain_secs);
+    let drained = async {
+        while frontend.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::select! {
+        r = &mut serving => r?,
+        _ = drained => {}
+    }
+    tracing::info!(left = frontend.in_flight(), "frontend drained");
     tasks.shutdown().await;
     Ok(())
 }

@@ -62,7 +62,7 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
             }
         });
     }
-    let ops = std::sync::Arc::new(handoff_scheduler::metrics::ops(scheduler.state()));
+    let ops = handoff_scheduler::metrics::ops(scheduler.state());
     if let Some(a) = crate::cmd::serve_ops(args.ops_listen, ops, &tasks).await? {
         ready.push_str(&format!(" ops http://{a}"));
     }

@@ -293,7 +293,7 @@ async fn drive(
     let scrape = super::operations::http_get(&ops, "/metrics").await.1;
     let batches = |kind: &str| {
         let series = format!(
-            "handoff_scheduler_engine_event_batches{{engine=\"sgl-a\",dp_rank=\"1\",kind=\"{kind}\"}} "
+            "handoff_scheduler_engine_event_batches_total{{engine=\"sgl-a\",dp_rank=\"1\",kind=\"{kind}\"}} "
         );
         let line = scrape.lines().find(|l| l.starts_with(&series));
         line.and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).unwrap_or(0.0)

@@ -27,6 +27,20 @@ fn sample(scrape: &str, series: &str) -> Option<f64> {
     scrape.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
+/// Waits until the scheduler whose ops listener is `ops` routes to `n` instances.
+pub(crate) async fn wait_routable(ops: &str, n: usize) {
+    let series = "handoff_scheduler_instances{routable=\"true\"}";
+    let start = Instant::now();
+    loop {
+        let scrape = http_get(ops, "/metrics").await.1;
+        if sample(&scrape, series).unwrap_or(0.0) as usize == n {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{n} routable: {scrape}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn wait_ready(addr: &str, within: Duration) {
     let start = Instant::now();
     loop {
@@ -199,6 +213,7 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     assert!(drained.starts_with("p1: out of routing, nothing in flight"), "{drained}");
     let (code, why) = http_get(&prefill_ops, "/readyz").await;
     assert_eq!(code, 503, "{why}");
+    wait_routable(&sched_ops, 0).await;
     let start = Instant::now();
     while http_get(&fe_http, "/readyz").await.0 == 200 {
         assert!(start.elapsed() < Duration::from_secs(5), "the frontend sees the prefill go");
@@ -206,6 +221,87 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     }
     let err = one(&mut client, 99).await.expect_err("nothing to route to");
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+}
+
+/// etcd, NATS, a scheduler, a slow prefill (20 ms per prompt token: a 40-token prompt
+/// computes for 800 ms) and a frontend, as processes.
+struct SlowFleet {
+    etcd: Server,
+    nats: Server,
+    frontend: Handoff,
+    _others: Vec<Handoff>,
+    prefill_ops: String,
+    client: GenerateClient<tonic::transport::Channel>,
+}
+
+impl SlowFleet {
+    async fn start() -> SlowFleet {
+        let etcd = Server::etcd();
+        let nats = Server::nats();
+        let d = ["--etcd", etcd.url.as_str(), "--nats", nats.url.as_str()];
+        let (sched, line) = Handoff::spawn(
+            &[&["scheduler", "--listen", "127.0.0.1:0", "--ops-listen", "127.0.0.1:0"][..], &d]
+                .concat(),
+        );
+        let sched_ops = addr_after(&line, "ops http://");
+        let (prefill, line) = Handoff::spawn(
+            &[
+                &["prefill", "--engine", "mock", "--mock-prefill-us", "20000", "--id", "slow"][..],
+                &["--bootstrap-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0"],
+                &["--ops-listen", "127.0.0.1:0"],
+                &d,
+            ]
+            .concat(),
+        );
+        let prefill_ops = addr_after(&line, "ops http://");
+        let (frontend, line) = Handoff::spawn(
+            &[
+                &["frontend", "--engine", "mock", "--listen", "127.0.0.1:0"][..],
+                &["--http-listen", "127.0.0.1:0"],
+                &d,
+            ]
+            .concat(),
+        );
+        let client = GenerateClient::connect(format!("http://{}", addr_after(&line, "grpc://")))
+            .await
+            .unwrap();
+        wait_routable(&sched_ops, 1).await;
+        SlowFleet { etcd, nats, frontend, _others: vec![sched, prefill], prefill_ops, client }
+    }
+
+    /// Starts a request and waits until the prefill is computing it.
+    async fn one_in_flight(&self) -> tokio::task::JoinHandle<Result<String, tonic::Status>> {
+        let mut client = self.client.clone();
+        let request = tokio::spawn(async move { one(&mut client, 7).await });
+        let start = Instant::now();
+        let running = "handoff_prefill_running";
+        while sample(&http_get(&self.prefill_ops, "/metrics").await.1, running) != Some(1.0) {
+            assert!(start.elapsed() < Duration::from_secs(5), "the request reaches the prefill");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        request
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_waits_for_the_requests_in_flight() {
+    let f = SlowFleet::start().await;
+    let request = f.one_in_flight().await;
+    let drained = ctl(&f.etcd, &f.nats, &["drain", "slow", "--grace-secs", "10"]);
+    assert!(drained.starts_with("slow: out of routing, nothing in flight"), "{drained}");
+    assert_eq!(request.await.unwrap().unwrap(), "slow", "the request in flight was served");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_a_frontends_streams_finish() {
+    let mut f = SlowFleet::start().await;
+    let request = f.one_in_flight().await;
+    let pid = f.frontend.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert_eq!(request.await.unwrap().unwrap(), "slow", "the stream in flight finished");
+    let exited =
+        tokio::task::spawn_blocking(move || f.frontend.child.wait()).await.unwrap().unwrap();
+    assert!(exited.success(), "drained and exited cleanly: {exited:?}");
 }
 
 /// Posts a small completion with `traceparent` to the frontend's HTTP API until it is served
@@ -266,11 +362,13 @@ async fn a_callers_traceparent_reaches_the_scheduler_and_the_prefill_logs() {
     let nats = Server::nats();
     let d = ["--log-format", "json", "--etcd", etcd.url.as_str(), "--nats", nats.url.as_str()];
     let (sched_log, prefill_log) = (LogFile::new("scheduler"), LogFile::new("prefill"));
-    let _sched = Handoff::spawn_logging(
-        &[&["scheduler", "--listen", "127.0.0.1:0"][..], &d].concat(),
+    let (_sched, line) = Handoff::spawn_logging(
+        &[&["scheduler", "--listen", "127.0.0.1:0", "--ops-listen", "127.0.0.1:0"][..], &d]
+            .concat(),
         "handoff_scheduler=debug",
         sched_log.stdio(),
     );
+    let sched_ops = addr_after(&line, "ops http://");
     let _prefill = Handoff::spawn_logging(
         &[
             &["prefill", "--engine", "mock", "--id", "p1"][..],
@@ -291,6 +389,7 @@ async fn a_callers_traceparent_reaches_the_scheduler_and_the_prefill_logs() {
     );
     let fe_http = addr_after(&line, "http://");
     wait_ready(&fe_http, Duration::from_secs(10)).await;
+    wait_routable(&sched_ops, 1).await;
 
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     post_completion(&fe_http, &format!("00-{trace_id}-00f067aa0ba902b7-01")).await;

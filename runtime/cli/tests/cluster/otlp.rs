@@ -14,7 +14,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 
-use super::operations::{http_get, post_completion};
+use super::operations::{http_get, post_completion, wait_routable};
 use super::processes::addr_after;
 use super::servers::{Handoff, Server};
 
@@ -78,7 +78,11 @@ async fn spans_from_three_processes_form_one_linked_trace() {
     let nats = Server::nats();
     let d =
         ["--otlp-endpoint", &endpoint, "--etcd", etcd.url.as_str(), "--nats", nats.url.as_str()];
-    let _sched = Handoff::spawn(&[&["scheduler", "--listen", "127.0.0.1:0"][..], &d].concat());
+    let (_sched, line) = Handoff::spawn(
+        &[&["scheduler", "--listen", "127.0.0.1:0", "--ops-listen", "127.0.0.1:0"][..], &d]
+            .concat(),
+    );
+    let sched_ops = addr_after(&line, "ops http://");
     let _prefill = Handoff::spawn(
         &[
             &["prefill", "--engine", "mock", "--id", "p1"][..],
@@ -101,6 +105,8 @@ async fn spans_from_three_processes_form_one_linked_trace() {
         assert!(start.elapsed() < Duration::from_secs(10), "frontend ready");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Routable at the scheduler too, so the one request is served at its first try.
+    wait_routable(&sched_ops, 1).await;
     let (trace_id, caller) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
     post_completion(&fe_http, &format!("00-{trace_id}-{caller}-01")).await;
 

@@ -264,7 +264,6 @@ impl SchedulerState {
     /// feeds the instance's circuit breaker. Idempotent: returns `false` (and changes
     /// nothing) when the booking is not open: reported before, expired, or its instance gone.
     pub fn report(&self, booking: BookingId, outcome: Outcome) -> bool {
-        self.metrics.reported(outcome);
         let mut inner = self.lock();
         let Some(b) = inner.bookings.close(booking) else {
             self.rejects.note(
@@ -276,6 +275,7 @@ impl SchedulerState {
             );
             return false;
         };
+        self.metrics.reported(outcome);
         inner.release(&b);
         if let Some(m) = inner.members.get_mut(&b.instance) {
             match outcome.breaker() {
