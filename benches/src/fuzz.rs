@@ -228,6 +228,7 @@ fn instance(id: &str) -> Instance {
         topology: Topology { dp: 2, tp: 1, pp: 1, cp: 1 },
         page_size: 16,
         version: 1,
+        engine: None,
     }
 }
 

@@ -45,6 +45,7 @@ pub fn instance(w: u64) -> Instance {
         topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
         page_size: PAGE,
         version: 1,
+        engine: None,
     }
 }
 

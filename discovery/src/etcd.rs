@@ -32,6 +32,7 @@ fn role_dir(role: Role) -> &'static str {
         Role::Prefill => "prefill",
         Role::Frontend => "frontend",
         Role::Scheduler => "scheduler",
+        Role::Engine => "engine",
     }
 }
 
@@ -207,7 +208,7 @@ impl Registry for EtcdRegistry {
             stop.cancel();
         }
         let mut client = self.client.clone();
-        for role in [Role::Prefill, Role::Frontend, Role::Scheduler] {
+        for role in [Role::Prefill, Role::Frontend, Role::Scheduler, Role::Engine] {
             client
                 .delete(format!("{KEY_PREFIX}{}/{id}", role_dir(role)), None)
                 .await

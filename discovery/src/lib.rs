@@ -48,6 +48,28 @@ pub enum Role {
     Frontend,
     /// A scheduler.
     Scheduler,
+    /// An engine instance (vLLM, SGLang) that schedulers route to by its KV events; its
+    /// registration carries [`EngineEndpoints`].
+    Engine,
+}
+
+/// Where an engine instance publishes its KV events, for the schedulers that follow it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineEndpoints {
+    /// What it is (`vllm`, `sglang`, ...; for people).
+    #[serde(default)]
+    pub kind: String,
+    /// Each dp rank's KV event PUB socket (`tcp://host:port`), in rank order.
+    pub events: Vec<String>,
+    /// Each dp rank's replay ROUTER socket, in rank order (empty: none).
+    #[serde(default)]
+    pub replay: Vec<String>,
+    /// The topic to subscribe to (empty: every topic).
+    #[serde(default)]
+    pub topic: String,
+    /// `host:port` answering `GET /health` while the engine is up.
+    #[serde(default)]
+    pub health: Option<String>,
 }
 
 /// An instance's parallel topology.
@@ -74,7 +96,7 @@ pub struct Instance {
     pub model: String,
     /// host:port of its bootstrap directory (prefill); a frontend's HTTP API.
     pub bootstrap_addr: String,
-    /// host:port of its gRPC service.
+    /// host:port of its gRPC service; an engine's: where routers send its requests.
     pub grpc_addr: String,
     /// Its ranks.
     pub topology: Topology,
@@ -82,6 +104,9 @@ pub struct Instance {
     pub page_size: u32,
     /// Bumped on every re-registration, so caches keyed by it are invalidated.
     pub version: u64,
+    /// For an engine instance (role engine): where it publishes its KV events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<Box<EngineEndpoints>>,
 }
 
 /// A change in the set of instances of one role.

@@ -57,6 +57,7 @@ async fn requests_go_to_the_engine_holding_their_prompt() {
             topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
             page_size: 16,
             version: 1,
+            engine: None,
         });
     }
     let prompt: Vec<u32> = (500..628).collect();

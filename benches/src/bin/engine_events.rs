@@ -36,6 +36,7 @@ fn engine(id: &str) -> Instance {
         topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
         page_size: PAGE as u32,
         version: 1,
+        engine: None,
     }
 }
 

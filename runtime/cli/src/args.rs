@@ -47,6 +47,25 @@ pub enum Command {
     Frontend(FrontendArgs),
     /// Ask a running cluster what it believes (instances, directories).
     Ctl(CtlArgs),
+    /// Register an engine instance (vLLM, SGLang) in etcd for every scheduler to follow, for
+    /// as long as this process runs (a sidecar next to the engine).
+    RegisterEngine(RegisterEngineArgs),
+}
+
+/// `handoff register-engine`.
+#[derive(Debug, Clone, Args)]
+pub struct RegisterEngineArgs {
+    /// The engine, as `handoff scheduler --engine` takes it: `id=NAME,events=tcp://HOST:PORT
+    /// [,replay=tcp://HOST:PORT][,dp=N][,page=N][,url=HOST:PORT][,health=HOST:PORT]
+    /// [,model=NAME][,topic=TOPIC][,kind=vllm|sglang]`.
+    #[arg(long, value_parser = engine::engine_arg)]
+    pub engine: engine::EngineArg,
+    /// Tokens per page requests hash their prompts with, unless the spec gives `page=`.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub page_size: u32,
+    /// Discovery (etcd and NATS are required).
+    #[command(flatten)]
+    pub discovery: DiscoveryArgs,
 }
 
 /// `handoff scheduler`.

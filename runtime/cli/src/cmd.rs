@@ -3,6 +3,7 @@
 pub mod ctl;
 pub mod frontend;
 pub mod prefill;
+pub mod register_engine;
 pub mod scheduler;
 pub mod up;
 

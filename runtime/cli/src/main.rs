@@ -12,6 +12,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Prefill(_) => "handoff-prefill",
         Command::Frontend(_) => "handoff-frontend",
         Command::Ctl(_) => "handoff-ctl",
+        Command::RegisterEngine(_) => "handoff-register-engine",
     };
     let _telemetry = handoff::telemetry::init(cli.log_format, cli.otlp_endpoint.as_deref(), role)?;
     match cli.command {
@@ -20,5 +21,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Prefill(args) => handoff::cmd::prefill::run(args).await,
         Command::Frontend(args) => handoff::cmd::frontend::run(args).await,
         Command::Ctl(args) => handoff::cmd::ctl::run(args).await,
+        Command::RegisterEngine(args) => handoff::cmd::register_engine::run(args).await,
     }
 }

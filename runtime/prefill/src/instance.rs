@@ -166,6 +166,7 @@ impl PrefillInstance {
             topology: Topology { dp: cfg.dp, tp: cfg.tp, pp: cfg.pp, cp: cfg.cp },
             page_size: info.page_size as u32,
             version: rand_version(),
+            engine: None,
         };
         // Snapshot requests first, so a scheduler that hears of us can resync at once.
         let mut asks = bus.subscribe(&snapshot_subject(&cfg.id)).await.map_err(startup)?;

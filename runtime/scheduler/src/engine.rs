@@ -4,11 +4,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_core::Tasks;
-use handoff_discovery::Instance;
+use std::collections::HashMap;
+
+use futures::StreamExt;
+use handoff_core::{InstanceId, Tasks};
+use handoff_discovery::{Instance, Registry, Role, Update};
 use handoff_kv_events::{EngineEndpoint, EngineStream};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::{Scheduler, SchedulerState};
 
@@ -29,7 +32,95 @@ pub struct EngineSpec {
     pub probe_every: Duration,
 }
 
+impl EngineSpec {
+    /// What to follow for an engine's registration in discovery (role engine); `None` when
+    /// it names no event stream.
+    pub fn from_registration(instance: Instance) -> Option<EngineSpec> {
+        let e = *instance.engine.clone()?;
+        if e.events.is_empty() || e.events.len() != instance.topology.dp.max(1) as usize {
+            return None;
+        }
+        let events = e
+            .events
+            .iter()
+            .enumerate()
+            .map(|(r, ev)| EngineEndpoint {
+                events: ev.clone(),
+                replay: e.replay.get(r).filter(|r| !r.is_empty()).cloned(),
+                topic: e.topic.clone(),
+            })
+            .collect();
+        Some(EngineSpec { instance, events, health: e.health, probe_every: PROBE_EVERY })
+    }
+}
+
+/// How often a registered engine's health is probed.
+pub const PROBE_EVERY: Duration = Duration::from_secs(1);
+
 impl Scheduler {
+    /// Follows the engines registered in `registry` (role engine) on `tasks`: each one from
+    /// its registration until it is removed (or registered again, then afresh).
+    pub async fn follow_registered_engines(
+        &self,
+        registry: Arc<dyn Registry>,
+        tasks: &Tasks,
+    ) -> Result<(), handoff_discovery::DiscoveryError> {
+        let mut updates = registry.watch(Role::Engine).await?;
+        let (me, t) = (self.clone(), tasks.clone());
+        tasks.spawn(async move {
+            let mut followed: HashMap<InstanceId, (u64, Tasks)> = HashMap::new();
+            loop {
+                let u = tokio::select! {
+                    _ = t.shutdown_requested() => break,
+                    u = updates.next() => match u { Some(u) => u, None => break },
+                };
+                let (add, remove): (Vec<Instance>, Vec<InstanceId>) = match u {
+                    Update::Reset(all) => {
+                        let ids: Vec<InstanceId> = all.iter().map(|i| i.id.clone()).collect();
+                        let gone =
+                            followed.keys().filter(|k| !ids.contains(k)).cloned().collect();
+                        (all, gone)
+                    }
+                    Update::Add(i) => (vec![i], Vec::new()),
+                    Update::Remove(id) => (Vec::new(), vec![id]),
+                };
+                for id in remove {
+                    me.unfollow_engine(&id, &mut followed).await;
+                }
+                for i in add {
+                    if followed.get(&i.id).is_some_and(|(v, _)| *v == i.version) {
+                        continue;
+                    }
+                    me.unfollow_engine(&i.id, &mut followed).await;
+                    let (id, version) = (i.id.clone(), i.version);
+                    let Some(spec) = EngineSpec::from_registration(i) else {
+                        warn!(instance = %id, "engine registration without one event stream per dp rank ignored");
+                        continue;
+                    };
+                    let own = t.child();
+                    me.follow_engine(spec, &own);
+                    followed.insert(id, (version, own));
+                }
+            }
+            for (_, (_, own)) in followed {
+                own.shutdown().await;
+            }
+        });
+        Ok(())
+    }
+
+    async fn unfollow_engine(
+        &self,
+        id: &InstanceId,
+        followed: &mut HashMap<InstanceId, (u64, Tasks)>,
+    ) {
+        if let Some((_, own)) = followed.remove(id) {
+            own.shutdown().await;
+            self.state().remove_engine(id);
+            self.state().metrics().forget_engine(id);
+        }
+    }
+
     /// Routes to `spec`'s engine: registers it, follows each dp rank's KV events into the
     /// index, and keeps it in routing while it publishes or answers its health probe.
     pub fn follow_engine(&self, spec: EngineSpec, tasks: &Tasks) {

@@ -113,6 +113,12 @@ impl SchedulerMetrics {
         meter
     }
 
+    /// Forgets engine `id`'s streams (it was removed).
+    pub fn forget_engine(&self, id: &handoff_core::InstanceId) {
+        let mut all = self.engine_streams.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|(i, _, _)| i != id.as_str());
+    }
+
     /// Marks the scheduler registered in discovery (ready).
     pub fn set_registered(&self, yes: bool) {
         self.registered.store(yes, Relaxed);
@@ -206,6 +212,8 @@ impl Gauges {
         }
         self.bookings.set(state.open_bookings() as f64);
         self.index_blocks.set(all.iter().map(|s| s.cached_blocks as f64).sum());
+        self.engine_batches.clear();
+        self.engine_lag.clear();
         let streams = state.metrics().engine_streams.lock().unwrap_or_else(|e| e.into_inner());
         for (id, dp, meter) in streams.iter() {
             let st = *meter.lock().unwrap_or_else(|e| e.into_inner());

@@ -19,6 +19,7 @@ fn inst(id: &str) -> Instance {
         topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
         page_size: 16,
         version: 1,
+        engine: None,
     }
 }
 

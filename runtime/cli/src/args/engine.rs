@@ -1,15 +1,13 @@
 //! `--engine SPEC`: an engine instance (vLLM, SGLang) the scheduler routes to, without
 //! discovery: `id=NAME,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N][,page=N]
-//! [,url=HOST:PORT][,health=HOST:PORT][,model=NAME][,topic=TOPIC]`.
+//! [,url=HOST:PORT][,health=HOST:PORT][,model=NAME][,topic=TOPIC][,kind=vllm|sglang|...]`.
 //!
 //! dp rank r publishes on the events (and replay) port + r, as vLLM and SGLang do. `page` is
 //! the page size requests hash their prompts with (ours; default the scheduler's
 //! `--page-size`), whatever the engine's block size. `url` is where routers send the
 //! engine's requests; `health` (default `url`) answers `GET /health`.
 
-use std::time::Duration;
-
-use handoff_discovery::{Instance, Role, Topology};
+use handoff_discovery::{EngineEndpoints, Instance, Role, Topology};
 use handoff_kv_events::EngineEndpoint;
 use handoff_scheduler::engine::EngineSpec;
 
@@ -25,6 +23,7 @@ pub struct EngineArg {
     health: Option<String>,
     model: String,
     topic: String,
+    kind: String,
 }
 
 /// `tcp://host:port`.
@@ -53,7 +52,7 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
                 .ok_or_else(|| format!("{k}={v} is not a number from 1 to 1024"))
         })
     };
-    let known = ["id", "events", "replay", "dp", "page", "url", "health", "model", "topic"];
+    let known = ["id", "events", "replay", "dp", "page", "url", "health", "model", "topic", "kind"];
     if let Some(k) = fields.keys().find(|k| !known.contains(k)) {
         return Err(format!("unknown key {k:?} (known: {})", known.join(", ")));
     }
@@ -90,10 +89,30 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
         health: fields.get("health").or(fields.get("url")).map(|h| h.to_string()),
         model: fields.get("model").map(|m| m.to_string()).unwrap_or_default(),
         topic: fields.get("topic").map(|t| t.to_string()).unwrap_or_default(),
+        kind: fields.get("kind").map(|k| k.to_string()).unwrap_or_default(),
     })
 }
 
 impl EngineArg {
+    /// Its id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Its registration in discovery (role engine), for the schedulers that follow
+    /// registered engines; without `page=`, `page_size`.
+    pub fn registration(&self, page_size: u32) -> Instance {
+        let spec = self.spec(page_size);
+        let endpoints = EngineEndpoints {
+            kind: self.kind.clone(),
+            events: spec.events.iter().map(|e| e.events.clone()).collect(),
+            replay: spec.events.iter().map(|e| e.replay.clone().unwrap_or_default()).collect(),
+            topic: self.topic.clone(),
+            health: spec.health.clone(),
+        };
+        Instance { role: Role::Engine, engine: Some(Box::new(endpoints)), ..spec.instance }
+    }
+
     /// What the scheduler follows; without `page=`, `page_size` (the scheduler's
     /// `--page-size`, which requests share).
     pub fn spec(&self, page_size: u32) -> EngineSpec {
@@ -115,12 +134,13 @@ impl EngineArg {
             topology: Topology { dp: self.dp, tp: 1, pp: 1, cp: 1 },
             page_size: self.page.unwrap_or(page_size),
             version: rand::random::<u64>() | 1,
+            engine: None,
         };
         EngineSpec {
             instance,
             events,
             health: self.health.clone(),
-            probe_every: Duration::from_secs(1),
+            probe_every: handoff_scheduler::engine::PROBE_EVERY,
         }
     }
 }
@@ -137,6 +157,9 @@ mod tests {
         assert_eq!(s.events[1].events, "tcp://10.0.0.5:5558");
         assert_eq!(s.events[1].replay.as_deref(), Some("tcp://10.0.0.5:5568"));
         assert_eq!((s.instance.page_size, s.health.as_deref()), (16, Some("10.0.0.5:8000")));
+        let back = EngineSpec::from_registration(e.registration(16)).expect("a full registration");
+        assert_eq!(back.events, s.events, "what a scheduler follows from etcd is the same");
+        assert_eq!((back.health, back.instance.role), (s.health, Role::Engine));
         for (bad, why) in [
             ("events=tcp://h:1,url=h:2", "id= is required"),
             ("id=a,url=h:2", "events= is required"),

@@ -37,6 +37,10 @@ pub async fn answer(args: &CtlArgs, tasks: &Tasks) -> anyhow::Result<String> {
             let (replica, list) = ctl.instances().await?;
             let mut registered = ctl.registered(Role::Scheduler).await?;
             registered.extend(ctl.registered(Role::Frontend).await?);
+            // Engines appear in the scheduler's list; registered but not followed ones here.
+            let listed: Vec<&str> = list.iter().map(|i| i.instance_id.as_str()).collect();
+            let engines = ctl.registered(Role::Engine).await?;
+            registered.extend(engines.into_iter().filter(|e| !listed.contains(&e.id.as_str())));
             Ok(if args.json {
                 instances_json(&replica, &list, &registered).to_string()
             } else {
@@ -226,6 +230,7 @@ fn role_name(r: Role) -> &'static str {
         Role::Prefill => "prefill",
         Role::Frontend => "frontend",
         Role::Scheduler => "scheduler",
+        Role::Engine => "engine",
     }
 }
 

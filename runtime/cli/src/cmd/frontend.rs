@@ -64,6 +64,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         topology: Topology { dp: 1, tp: args.decode_tp, pp: 1, cp: 1 },
         page_size: 0,
         version: 1,
+        engine: None,
     };
     let id = me.id.clone();
     registry.register(me).await?;

@@ -32,6 +32,8 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
         }
         scheduler.follow_engine(spec, &tasks);
     }
+    // And the engines registered in discovery (`handoff register-engine`).
+    scheduler.follow_registered_engines(registry.clone(), &tasks).await?;
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
@@ -46,6 +48,7 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
         topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
         page_size: 0,
         version: 1,
+        engine: None,
     };
     registry.register(me).await?;
     scheduler.state().metrics().set_registered(true);

@@ -304,3 +304,70 @@ async fn drive(
     let lag: f64 = scrape.lines().find_map(|l| l.strip_prefix(lag)?.parse().ok()).unwrap();
     assert!((0.0..60.0).contains(&lag), "lag {lag}");
 }
+
+/// An engine registered in etcd (`handoff register-engine`, as a sidecar would run it) is
+/// followed by a scheduler that was given no `--engine`, and leaves routing, its index
+/// entries with it, when its registration goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_registered_in_etcd_is_followed_until_its_registration_goes() {
+    let etcd = super::servers::Server::etcd();
+    let nats = super::servers::Server::nats();
+    let (port, mut replay) = (free_port(), free_port());
+    while replay.abs_diff(port) < 2 {
+        replay = free_port();
+    }
+    let mut vllm = tokio::task::block_in_place(|| {
+        EnginePublisher::start("vllm_publisher.py", port, replay, 1)
+    });
+    let d = ["--etcd", etcd.url.as_str(), "--nats", nats.url.as_str()];
+    let (_s, line) = Handoff::spawn(&[&["scheduler", "--listen", "127.0.0.1:0"][..], &d].concat());
+    let client =
+        SchedulerClient::connect(format!("http://{}", addr_after(&line, "grpc://"))).await.unwrap();
+    let spec = format!(
+        "id=vllm-r,kind=vllm,events=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay},url=127.0.0.1:30000"
+    );
+    let (mut registration, line) =
+        Handoff::spawn(&[&["register-engine", "--engine", &spec][..], &d].concat());
+    assert_eq!(line.trim(), "engine vllm-r registered");
+    let listed = |client: &SchedulerClient<tonic::transport::Channel>| {
+        let mut client = client.clone();
+        async move {
+            let all = client.list_instances(handoff_proto::v1::ListInstancesRequest {}).await;
+            let all = all.unwrap().into_inner().instances;
+            all.into_iter().find(|i| i.instance_id == "vllm-r").map(|i| i.cached_blocks)
+        }
+    };
+    let a: Vec<u32> = (300..364).collect();
+    let mut blocks = None;
+    for i in 0..100 {
+        if listed(&client).await.is_some() {
+            tokio::task::block_in_place(|| vllm.send(vllm_store(0, -20 - i, &a)));
+        }
+        blocks = listed(&client).await;
+        if blocks == Some(4) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(blocks, Some(4), "the registered engine is followed: A's 4 pages indexed");
+    let hashes = block_hashes(&a, 16).into_iter().map(|h| h.0).collect();
+    let ask =
+        SelectPrefillRequest { block_hashes: hashes, prompt_tokens: 64, ..Default::default() };
+    let sel = client.clone().select_prefill(ask).await.unwrap().into_inner();
+    assert_eq!(
+        (sel.instance_id.as_str(), sel.cached_blocks, sel.prefill_addr.as_str()),
+        ("vllm-r", 4, "127.0.0.1:30000")
+    );
+
+    let pid = registration.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let _ = registration.child.wait();
+    for _ in 0..100 {
+        blocks = listed(&client).await;
+        if blocks.is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(blocks, None, "deregistered: out of the scheduler's instances");
+}

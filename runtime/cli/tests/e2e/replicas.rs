@@ -27,6 +27,7 @@ async fn replica(instances: &[&str]) -> (String, oneshot::Sender<()>) {
             topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
             page_size: 16,
             version: 1,
+            engine: None,
         })
         .collect();
     state.apply_update(Update::Reset(all));

@@ -82,6 +82,17 @@ impl SchedulerState {
         true
     }
 
+    /// Forgets the engine `id`: out of routing, its index entries dropped.
+    pub fn remove_engine(&self, id: &InstanceId) {
+        let mut inner = self.lock();
+        if inner.engines.remove(id) {
+            info!(instance = %id, "engine instance removed");
+            inner.drop_member(id);
+        }
+        drop(inner);
+        self.settle_index();
+    }
+
     /// Whether `id` is an engine instance registered here.
     pub fn is_engine(&self, id: &InstanceId) -> bool {
         self.lock().engines.contains(id)

@@ -14,6 +14,7 @@ pub(super) fn inst(id: &str, dp: u32) -> Instance {
         topology: Topology { dp, tp: 1, pp: 1, cp: 1 },
         page_size: 16,
         version: 1,
+        engine: None,
     }
 }
 
