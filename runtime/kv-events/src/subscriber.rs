@@ -165,7 +165,7 @@ impl EngineStream {
         sink: &mut impl FnMut(Vec<IndexOp>) -> bool,
     ) {
         let Some((seq, payload)) = seq_and_payload(frames) else {
-            self.stats.refused += 1;
+            self.refuse(&"a message without sequence and payload frames");
             return;
         };
         match self.last {
@@ -219,6 +219,17 @@ impl EngineStream {
         }
     }
 
+    /// Counts a refused message or event: the stream's first is logged as a warning, the
+    /// rest at debug level (the count is in [`StreamStats::refused`] and the metrics).
+    fn refuse(&mut self, what: &dyn std::fmt::Display) {
+        self.stats.refused += 1;
+        if self.stats.refused == 1 {
+            warn!(endpoint = %self.endpoint.events, %what, "KV event refused (further ones are counted, logged at debug level)");
+        } else {
+            debug!(endpoint = %self.endpoint.events, %what, "KV event refused");
+        }
+    }
+
     fn rebuild(&mut self, sink: &mut impl FnMut(Vec<IndexOp>) -> bool) {
         self.stats.rebuilds += 1;
         self.chains.reset();
@@ -230,8 +241,7 @@ impl EngineStream {
         let batch = match decode_batch(payload) {
             Ok(b) => b,
             Err(e) => {
-                self.stats.refused += 1;
-                debug!(endpoint = %self.endpoint.events, seq, error = %e, "KV event batch refused");
+                self.refuse(&format_args!("batch {seq}: {e}"));
                 return;
             }
         };
@@ -245,8 +255,7 @@ impl EngineStream {
             match self.chains.apply(ev) {
                 Ok(o) => ops.extend(o),
                 Err(e @ (ChainError::UnknownParent(_) | ChainError::Inconsistent { .. })) => {
-                    self.stats.refused += 1;
-                    debug!(endpoint = %self.endpoint.events, seq, error = %e, "KV event skipped");
+                    self.refuse(&format_args!("batch {seq}: event skipped: {e}"));
                 }
             }
         }

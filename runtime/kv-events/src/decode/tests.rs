@@ -1,5 +1,6 @@
-//! Golden payloads recorded from vLLM's own publisher (`../shared/interop/kv-events.md` §1),
-//! and hand-built ones for SGLang's signed hashes and vLLM's bytes hashes.
+//! Golden payloads recorded from vLLM's and SGLang's own code (`../shared/interop/kv-events.md`
+//! §1; SGLang 0.5.23's `KVEventBatch` through its publisher's `msgspec` encoder), and
+//! hand-built ones for vLLM's bytes hashes.
 
 use rmpv::Value;
 
@@ -14,6 +15,33 @@ const VLLM_033: &str = "93cb41dac3723315a6bf91de0009a474797065ab426c6f636b53746f
 
 /// vLLM 0.22: BlockStored, BlockRemoved and AllBlocksCleared, array encoding, ts 1.5.
 const VLLM_022: &str = "93cb3ff8000000000000939cab426c6f636b53746f726564920102c092050601c0a3475055c0c0c0c0c094ac426c6f636b52656d6f7665649102c0c091b0416c6c426c6f636b73436c6561726564c0";
+
+/// SGLang 0.5.23: BlockStored (signed hashes -7, -8, parent -6, tokens 11 and 12, block size
+/// 1), BlockRemoved (-8) and AllBlocksCleared, dp rank 1, ts 2.5: map-tagged events, as its
+/// `ZmqEventPublisher` encodes them.
+const SGLANG_0523: &str = "93cb40040000000000009387a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392f9f8b1706172656e745f626c6f636b5f68617368faa9746f6b656e5f696473920b0caa626c6f636b5f73697a6501a76c6f72615f6964c0a66d656469756da347505583a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391f8a66d656469756da347505581a474797065b0416c6c426c6f636b73436c656172656401";
+
+#[test]
+fn sglang_0523_events_with_signed_hashes() {
+    let b = decode_batch(&hex(SGLANG_0523)).unwrap();
+    assert_eq!((b.ts, b.dp_rank), (2.5, Some(1)));
+    assert_eq!(b.events.len(), 3);
+    let signed = |h: i64| h as u64;
+    assert!(
+        matches!(
+            &b.events[0],
+            Event::Stored { hashes, parent: Some(p), token_ids, block_size: 1, lora_name: None, .. }
+                if hashes == &[signed(-7), signed(-8)] && *p == signed(-6) && token_ids == &[11, 12]
+        ),
+        "{:?}",
+        b.events[0]
+    );
+    assert_eq!(
+        b.events[1],
+        Event::Removed { hashes: vec![signed(-8)], medium: Some("GPU".into()) }
+    );
+    assert_eq!(b.events[2], Event::Cleared);
+}
 
 #[test]
 fn vllm_033_map_events() {
