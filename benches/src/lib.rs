@@ -3,6 +3,7 @@
 //! holding them.
 
 pub mod fuzz;
+pub mod path;
 
 use handoff_core::{BlockHash, InstanceId};
 use handoff_discovery::{Instance, KvEvent, KvEventKind, Role, Topology, Update};

@@ -15,11 +15,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use handoff::{Cluster, ClusterConfig};
+use handoff_benches::path::{pct, prompt, ttft, us};
 use handoff_engine::{MockConfig, MockEngine};
 use handoff_proto::v1::generate_client::GenerateClient;
-use handoff_proto::v1::generate_request::Input;
-use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
-use tonic::transport::Channel;
 use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::reload;
@@ -40,29 +38,6 @@ impl Ops {
             Ops::MetricsAndLogs => "metrics + traces + JSON logs (INFO)",
         }
     }
-}
-
-fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| 2 + (seed.wrapping_mul(7919) + i * 104_729) % 31_000).collect()
-}
-
-async fn ttft(client: &mut GenerateClient<Channel>, tokens: Vec<u32>) -> anyhow::Result<Duration> {
-    let req = GenerateRequest {
-        input: Some(Input::TokenIds(TokenIds { ids: tokens })),
-        sampling: Some(SamplingParams { max_tokens: 1, ignore_eos: true, ..Default::default() }),
-        ..Default::default()
-    };
-    let start = Instant::now();
-    let mut stream = client.generate(req).await?.into_inner();
-    let first = stream.message().await?;
-    let t = start.elapsed();
-    anyhow::ensure!(first.is_some(), "no first token");
-    while stream.message().await?.is_some() {}
-    Ok(t)
-}
-
-fn pct(sorted: &[Duration], p: f64) -> f64 {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e6
 }
 
 #[tokio::main]
@@ -127,12 +102,12 @@ async fn main() -> anyhow::Result<()> {
         let n = (per_round * rounds) as f64;
         let off_p50 = {
             ttfts[0].sort();
-            pct(&ttfts[0], 0.5)
+            us(pct(&ttfts[0], 0.5))
         };
         let off_rate = n / walls[0].as_secs_f64();
         for (k, ops) in configs.iter().enumerate() {
             ttfts[k].sort();
-            let (p50, p99) = (pct(&ttfts[k], 0.5), pct(&ttfts[k], 0.99));
+            let (p50, p99) = (us(pct(&ttfts[k], 0.5)), us(pct(&ttfts[k], 0.99)));
             let rate = n / walls[k].as_secs_f64();
             writeln!(
                 out,

@@ -13,38 +13,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use handoff::{Cluster, ClusterConfig};
+use handoff_benches::path::{pct, prompt, ttft, us};
 use handoff_engine::{Engine, MockConfig, MockEngine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
-use handoff_proto::v1::generate_request::Input;
-use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
-use tonic::transport::Channel;
-
-fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| 2 + (seed.wrapping_mul(7919) + i * 104_729) % 31_000).collect()
-}
-
-async fn ttft(client: &mut GenerateClient<Channel>, tokens: Vec<u32>) -> anyhow::Result<Duration> {
-    let req = GenerateRequest {
-        input: Some(Input::TokenIds(TokenIds { ids: tokens })),
-        sampling: Some(SamplingParams { max_tokens: 1, ignore_eos: true, ..Default::default() }),
-        ..Default::default()
-    };
-    let start = Instant::now();
-    let mut stream = client.generate(req).await?.into_inner();
-    let first = stream.message().await?;
-    let t = start.elapsed();
-    anyhow::ensure!(first.is_some(), "no first token");
-    while stream.message().await?.is_some() {}
-    Ok(t)
-}
-
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

@@ -41,7 +41,19 @@ pub(crate) async fn wait_routable(ops: &str, n: usize) {
     }
 }
 
-async fn wait_ready(addr: &str, within: Duration) {
+/// A `handoff frontend` (mock engine, ephemeral ports) with `d`'s flags, and its ready line.
+pub(crate) fn spawn_frontend(d: &[&str]) -> (Handoff, String) {
+    Handoff::spawn(
+        &[
+            &["frontend", "--engine", "mock", "--listen", "127.0.0.1:0"][..],
+            &["--http-listen", "127.0.0.1:0"],
+            d,
+        ]
+        .concat(),
+    )
+}
+
+pub(crate) async fn wait_ready(addr: &str, within: Duration) {
     let start = Instant::now();
     loop {
         let (code, body) = http_get(addr, "/readyz").await;
@@ -75,14 +87,7 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     );
     let sched_ops = addr_after(&line, "ops http://");
     wait_ready(&sched_ops, Duration::from_secs(5)).await;
-    let (_fe, line) = Handoff::spawn(
-        &[
-            &["frontend", "--engine", "mock", "--listen", "127.0.0.1:0"][..],
-            &["--http-listen", "127.0.0.1:0"],
-            &d,
-        ]
-        .concat(),
-    );
+    let (_fe, line) = spawn_frontend(&d);
     let (fe_grpc, fe_http) = (addr_after(&line, "grpc://"), addr_after(&line, "http://"));
     assert_eq!(http_get(&fe_http, "/livez").await, (200, "ok".to_owned()));
     let (code, why) = http_get(&fe_http, "/readyz").await;
@@ -254,14 +259,7 @@ impl SlowFleet {
             .concat(),
         );
         let prefill_ops = addr_after(&line, "ops http://");
-        let (frontend, line) = Handoff::spawn(
-            &[
-                &["frontend", "--engine", "mock", "--listen", "127.0.0.1:0"][..],
-                &["--http-listen", "127.0.0.1:0"],
-                &d,
-            ]
-            .concat(),
-        );
+        let (frontend, line) = spawn_frontend(&d);
         let client = GenerateClient::connect(format!("http://{}", addr_after(&line, "grpc://")))
             .await
             .unwrap();
@@ -379,14 +377,7 @@ async fn a_callers_traceparent_reaches_the_scheduler_and_the_prefill_logs() {
         "handoff_prefill=debug",
         prefill_log.stdio(),
     );
-    let (_fe, line) = Handoff::spawn(
-        &[
-            &["frontend", "--engine", "mock", "--listen", "127.0.0.1:0"][..],
-            &["--http-listen", "127.0.0.1:0"],
-            &d,
-        ]
-        .concat(),
-    );
+    let (_fe, line) = spawn_frontend(&d);
     let fe_http = addr_after(&line, "http://");
     wait_ready(&fe_http, Duration::from_secs(10)).await;
     wait_routable(&sched_ops, 1).await;

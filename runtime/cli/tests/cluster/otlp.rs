@@ -14,7 +14,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 
-use super::operations::{http_get, post_completion, wait_routable};
+use super::operations::{post_completion, spawn_frontend, wait_ready, wait_routable};
 use super::processes::addr_after;
 use super::servers::{Handoff, Server};
 
@@ -91,20 +91,9 @@ async fn spans_from_three_processes_form_one_linked_trace() {
         ]
         .concat(),
     );
-    let (_fe, line) = Handoff::spawn(
-        &[
-            &["frontend", "--engine", "mock", "--listen", "127.0.0.1:0"][..],
-            &["--http-listen", "127.0.0.1:0"],
-            &d,
-        ]
-        .concat(),
-    );
+    let (_fe, line) = spawn_frontend(&d);
     let fe_http = addr_after(&line, "http://");
-    let start = Instant::now();
-    while http_get(&fe_http, "/readyz").await.0 != 200 {
-        assert!(start.elapsed() < Duration::from_secs(10), "frontend ready");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_ready(&fe_http, Duration::from_secs(10)).await;
     // Routable at the scheduler too, so the one request is served at its first try.
     wait_routable(&sched_ops, 1).await;
     let (trace_id, caller) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
