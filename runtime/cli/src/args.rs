@@ -238,7 +238,7 @@ pub struct FrontendArgs {
     pub decode_tp: u32,
     /// Seconds requests in flight get to finish on SIGTERM (drain: out of discovery and not
     /// ready at once, still serving).
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub drain_secs: u64,
     /// The public listeners' TLS.
     #[command(flatten)]

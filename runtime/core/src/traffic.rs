@@ -78,13 +78,22 @@ pub struct Counted<S> {
     protocol: Protocol,
 }
 
-/// A gRPC method path as a label: handoff's own services and gRPC health by name, anything
-/// else (a caller can send any path) as `unknown`, so callers cannot grow the label set.
+/// The gRPC methods handoff serves, by path.
+const GRPC_METHODS: &[&str] = &[
+    "/handoff.v1.Generate/Generate",
+    "/handoff.v1.Scheduler/SelectPrefill",
+    "/handoff.v1.Scheduler/ReportOutcome",
+    "/handoff.v1.Scheduler/ListInstances",
+    "/handoff.v1.Prefill/Prefill",
+    "/handoff.v1.Prefill/Drain",
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+];
+
+/// A gRPC method path as a label: one of [`GRPC_METHODS`], anything else (a caller can send
+/// any path) as `unknown`, so callers cannot grow the label set.
 fn grpc_route(path: &str) -> String {
-    let ours = ["/handoff.v1.", "/grpc.health.v1."].iter().any(|p| path.starts_with(p));
-    let plain = path.len() <= 64
-        && path.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'/' || b == b'.' || b == b'_');
-    if ours && plain { path.to_owned() } else { "unknown".to_owned() }
+    GRPC_METHODS.iter().find(|m| **m == path).map_or("unknown", |m| m).to_owned()
 }
 
 type Boxed<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
@@ -146,6 +155,7 @@ mod tests {
         );
         assert_eq!(grpc_route("/grpc.health.v1.Health/Check"), "/grpc.health.v1.Health/Check");
         assert_eq!(grpc_route("/evil.Service/x"), "unknown");
+        assert_eq!(grpc_route("/handoff.v1.Scheduler/Invented"), "unknown");
         assert_eq!(grpc_route(&format!("/handoff.v1.{}", "a".repeat(100))), "unknown");
         assert_eq!(grpc_route("/handoff.v1.X/\"\n"), "unknown");
     }

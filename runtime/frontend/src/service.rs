@@ -68,9 +68,14 @@ pub(crate) async fn stream(
         }
         generated += 1;
         let released = text.push(&*fe.engine, token);
-        if tx.send(chunk(token, released.text)).await.is_err() {
+        // A client that stops reading holds this send: shutdown must not wait on it.
+        let sent = tokio::select! {
+            r = tx.send(chunk(token, released.text)) => r.is_ok(),
+            _ = fe.tasks.shutdown_requested() => false,
+        };
+        if !sent {
             m.ended(Ending::Cancelled);
-            return; // the client left
+            return; // the client left (or the frontend stops)
         }
         let now = Instant::now();
         if generated == 1 {

@@ -37,7 +37,17 @@ impl EngineSpec {
     /// it names no event stream.
     pub fn from_registration(instance: Instance) -> Option<EngineSpec> {
         let e = *instance.engine.clone()?;
-        if e.events.is_empty() || e.events.len() != instance.topology.dp.max(1) as usize {
+        let dp = instance.topology.dp;
+        let tcp = |s: &String| s.starts_with("tcp://") && s.len() <= 256;
+        let plausible = instance.role == Role::Engine
+            && (1..=MAX_ENGINE_DP).contains(&dp)
+            && e.events.len() == dp as usize
+            && e.events.iter().all(tcp)
+            && e.replay.len() <= dp as usize
+            && e.replay.iter().all(|r| r.is_empty() || tcp(r))
+            && (1..=4096).contains(&instance.page_size)
+            && e.topic.len() <= 256;
+        if !plausible {
             return None;
         }
         let events = e
@@ -53,6 +63,9 @@ impl EngineSpec {
         Some(EngineSpec { instance, events, health: e.health, probe_every: PROBE_EVERY })
     }
 }
+
+/// Most dp ranks an engine registration may name (one event stream each).
+pub const MAX_ENGINE_DP: u32 = 1024;
 
 /// How often a registered engine's health is probed.
 pub const PROBE_EVERY: Duration = Duration::from_secs(1);
@@ -94,12 +107,15 @@ impl Scheduler {
                     me.unfollow_engine(&i.id, &mut followed).await;
                     let (id, version) = (i.id.clone(), i.version);
                     let Some(spec) = EngineSpec::from_registration(i) else {
-                        warn!(instance = %id, "engine registration without one event stream per dp rank ignored");
+                        warn!(instance = %id, "engine registration ignored: not role engine with 1 to 1024 dp ranks, one tcp:// event stream each, and a page size");
                         continue;
                     };
                     let own = t.child();
-                    me.follow_engine(spec, &own);
-                    followed.insert(id, (version, own));
+                    if me.follow_engine(spec, &own) {
+                        followed.insert(id, (version, own));
+                    } else {
+                        warn!(instance = %id, "engine registration ignored: its id is taken");
+                    }
                 }
             }
             for (_, (_, own)) in followed {
@@ -123,11 +139,14 @@ impl Scheduler {
 
     /// Routes to `spec`'s engine: registers it, follows each dp rank's KV events into the
     /// index, and keeps it in routing while it publishes or answers its health probe.
-    pub fn follow_engine(&self, spec: EngineSpec, tasks: &Tasks) {
+    /// `false` (nothing followed) when its id is already taken.
+    pub fn follow_engine(&self, spec: EngineSpec, tasks: &Tasks) -> bool {
         let state = self.state().clone();
         let id = spec.instance.id.clone();
         let page_size = spec.instance.page_size.max(1) as usize;
-        state.add_engine(spec.instance);
+        if !state.add_engine(spec.instance) {
+            return false;
+        }
         for (dp, endpoint) in spec.events.into_iter().enumerate() {
             let (s, id, t) = (state.clone(), id.clone(), tasks.clone());
             let meter = state.metrics().engine_stream(&id, dp as u32);
@@ -147,6 +166,7 @@ impl Scheduler {
             let (t, every) = (tasks.clone(), spec.probe_every.max(Duration::from_millis(100)));
             tasks.spawn(probe(state, id, addr, every, t));
         }
+        true
     }
 }
 

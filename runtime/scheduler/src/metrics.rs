@@ -182,8 +182,8 @@ impl Gauges {
             ),
             engine_batches: r.tallies(
                 "handoff_scheduler_engine_event_batches_total",
-                "KV event batches of an engine's dp rank stream since start, by what became of \
-                 them (applied, replayed, refused, rebuilds).",
+                "An engine's dp rank stream since start: batches applied and replayed, messages \
+                 and events refused, and rebuilds of its index entries.",
                 &["engine", "dp_rank", "kind"],
             ),
             engine_lag: r.gauges(

@@ -351,6 +351,10 @@ impl SchedulerState {
                 }
                 info!(instances = keep.len(), dropped = gone.len(), "prefill membership reset");
                 for i in all {
+                    if inner.engines.contains(&i.id) {
+                        warn!(instance = %i.id, "prefill registration with an engine's id ignored");
+                        continue;
+                    }
                     // A reset re-lists everyone: not news from a known instance itself.
                     match inner.members.get_mut(&i.id) {
                         Some(m) if m.instance.version == i.version => {
@@ -362,10 +366,14 @@ impl SchedulerState {
                     }
                 }
             }
+            Update::Add(i) if inner.engines.contains(&i.id) => {
+                warn!(instance = %i.id, "prefill registration with an engine's id ignored");
+            }
             Update::Add(i) => {
                 info!(instance = %i.id, bootstrap = %i.bootstrap_addr, "prefill instance added");
                 inner.admit(i, now);
             }
+            Update::Remove(id) if inner.engines.contains(&id) => {}
             Update::Remove(id) => {
                 info!(instance = %id, "prefill instance removed");
                 inner.drop_member(&id);

@@ -88,9 +88,14 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         t2.shutdown_requested().await
     });
     tokio::pin!(serving);
-    tokio::select! {
-        r = &mut serving => return Ok(r?),
-        _ = shutdown_signal() => {}
+    let stopped = tokio::select! {
+        r = &mut serving => Some(r),
+        _ = shutdown_signal() => None,
+    };
+    if let Some(r) = stopped {
+        let _ = registry.deregister(&id).await;
+        tasks.shutdown().await;
+        return Ok(r?);
     }
     // Drain: out of discovery and not ready at once; streams in flight finish while the
     // listeners still serve, for at most --drain-secs.
@@ -107,6 +112,11 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         _ = drained => {}
     }
     tracing::info!(left = frontend.in_flight(), "frontend drained");
-    tasks.shutdown().await;
+    // Graceful: the listeners stop accepting and hand out what their streams still hold.
+    let (_, served) =
+        tokio::join!(tasks.shutdown(), tokio::time::timeout(Duration::from_secs(5), &mut serving));
+    if let Ok(r) = served {
+        r?;
+    }
     Ok(())
 }

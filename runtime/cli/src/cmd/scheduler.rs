@@ -30,7 +30,9 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
         if !ids.insert(spec.instance.id.clone()) {
             anyhow::bail!("--engine id={} given twice", spec.instance.id);
         }
-        scheduler.follow_engine(spec, &tasks);
+        if !scheduler.follow_engine(spec, &tasks) {
+            anyhow::bail!("--engine id={}: the id is taken", e.id());
+        }
     }
     // And the engines registered in discovery (`handoff register-engine`).
     scheduler.follow_registered_engines(registry.clone(), &tasks).await?;

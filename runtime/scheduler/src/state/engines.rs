@@ -8,20 +8,25 @@ use std::time::Instant;
 use handoff_core::InstanceId;
 use handoff_discovery::Instance;
 use handoff_kv_events::IndexOp;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::SchedulerState;
 
 impl SchedulerState {
-    /// Registers an engine instance (routable at once, as if just heard from).
-    pub fn add_engine(&self, instance: Instance) {
-        self.add_engine_at(instance, Instant::now());
+    /// Registers an engine instance (routable at once, as if just heard from). Refused
+    /// (`false`) when its id is already taken, by a prefill instance or another engine.
+    pub fn add_engine(&self, instance: Instance) -> bool {
+        self.add_engine_at(instance, Instant::now())
     }
 
     /// [`SchedulerState::add_engine`] as of `now`.
-    pub fn add_engine_at(&self, instance: Instance, now: Instant) {
+    pub fn add_engine_at(&self, instance: Instance, now: Instant) -> bool {
         let mut inner = self.lock();
         let id = instance.id.clone();
+        if inner.members.contains_key(&id) {
+            warn!(instance = %id, "engine not added: its id is taken");
+            return false;
+        }
         info!(instance = %id, "engine instance added");
         inner.engines.insert(id.clone());
         inner.admit(instance, now);
@@ -29,6 +34,7 @@ impl SchedulerState {
             // Its index comes from its own stream: never ask it for a handoff snapshot.
             m.seq = Some(0);
         }
+        true
     }
 
     /// The engine `id` was heard from (an event, or an answered health probe) at `now`.

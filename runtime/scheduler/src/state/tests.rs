@@ -408,3 +408,25 @@ fn engine_instances_survive_resets_take_their_own_ops_and_go_silent_like_others(
     assert!(s.apply_engine_ops(&id, 0, &mut epoch, stored(&h[..2])));
     assert_eq!(s.indexed_blocks(&id, 0), h[..2].to_vec());
 }
+
+#[test]
+fn engine_and_prefill_ids_never_take_each_others_place() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Add(inst("p", 1)));
+    assert!(!s.add_engine(inst("p", 2)), "a prefill's id is taken");
+    assert!(!s.is_engine(&"p".parse().unwrap()));
+    assert!(s.add_engine(inst("e", 2)));
+    assert!(!s.add_engine(inst("e", 1)), "so is another engine's");
+    // The prefill watch cannot replace or drop the engine, nor the engine watch the prefill.
+    s.apply_update(Update::Add(inst("e", 1)));
+    s.apply_update(Update::Remove("e".parse().unwrap()));
+    s.apply_update(Update::Reset(vec![inst("p", 1), inst("e", 1)]));
+    let all = s.instances();
+    let e = all.iter().find(|i| i.instance.id.as_str() == "e").expect("the engine stays");
+    assert_eq!(e.instance.topology.dp, 2, "as the engine registered it");
+    assert!(s.is_engine(&"e".parse().unwrap()));
+    s.remove_engine(&"p".parse().unwrap());
+    assert!(s.instances().iter().any(|i| i.instance.id.as_str() == "p"), "not an engine: kept");
+    s.remove_engine(&"e".parse().unwrap());
+    assert!(!s.instances().iter().any(|i| i.instance.id.as_str() == "e"));
+}
