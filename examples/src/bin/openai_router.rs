@@ -5,7 +5,7 @@
 //! handoff scheduler --http-listen 127.0.0.1:50053 \
 //!     --engine id=vllm-a,events=tcp://10.0.0.5:5557,url=10.0.0.5:8000 \
 //!     --engine id=vllm-b,events=tcp://10.0.0.6:5557,url=10.0.0.6:8000
-//! cargo run -p handoff-examples --bin openai_router -- 127.0.0.1:9000 127.0.0.1:50053
+//! HANDOFF_TOKEN=... cargo run -p handoff-examples --bin openai_router -- 127.0.0.1:9000 127.0.0.1:50053
 //! curl -s 127.0.0.1:9000/v1/completions -d '{"model": "m", "prompt": [1, 2, 3], "max_tokens": 8}'
 //! ```
 
@@ -28,6 +28,8 @@ async fn main() -> anyhow::Result<()> {
     let stop = async {
         let _ = tokio::signal::ctrl_c().await;
     };
-    handoff_examples::router::serve(listener, scheduler, stop).await?;
+    // The cluster's token, when the scheduler has one.
+    let token = std::env::var("HANDOFF_TOKEN").ok().filter(|t| !t.is_empty());
+    handoff_examples::router::serve(listener, scheduler, token, stop).await?;
     Ok(())
 }
