@@ -14,6 +14,9 @@ use tonic::transport::{
 };
 use tower::layer::util::Stack;
 
+/// How often an internal channel pings its server, and how long it waits for the answer.
+pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
+
 /// How long a TLS handshake may take, on either side.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -96,5 +99,13 @@ pub fn cluster_channel(
             )
             .map_err(GrpcError::Tls)?,
     };
-    Ok(ep.tcp_nodelay(true).connect_timeout(connect_timeout).connect_lazy())
+    // HTTP/2 pings find a connection the network lost within seconds, so a call on it fails
+    // (and is retried elsewhere) instead of waiting out its deadline.
+    Ok(ep
+        .tcp_nodelay(true)
+        .connect_timeout(connect_timeout)
+        .http2_keep_alive_interval(KEEPALIVE_EVERY)
+        .keep_alive_timeout(KEEPALIVE_EVERY)
+        .keep_alive_while_idle(true)
+        .connect_lazy())
 }

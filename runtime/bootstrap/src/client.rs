@@ -58,7 +58,9 @@ impl DirectoryClient {
             .https_or_http()
             .enable_http1()
             .wrap_connector(conn);
-        let http = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(64).build(conn);
+        // No idle connections kept: directory calls are rare (answers are cached), and a kept
+        // connection the network has since lost would hold a call until its caller's deadline.
+        let http = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(conn);
         let scheme = if tls.is_some() { "https" } else { "http" };
         DirectoryClient { http, scheme, token }
     }

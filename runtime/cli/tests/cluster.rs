@@ -5,8 +5,10 @@
 mod cluster {
     pub(crate) mod discovery;
     pub(crate) mod engines;
+    pub(crate) mod netbed;
     pub(crate) mod operations;
     pub(crate) mod otlp;
+    pub(crate) mod partitions;
     pub(crate) mod processes;
     pub(crate) mod resync;
     pub(crate) mod servers;

@@ -28,6 +28,9 @@ use crate::{
 };
 use wire::Frame;
 
+/// How long an idle pooled connection gets to answer a handshake before a fresh one is tried.
+const POOLED_ACK_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Settings of the tcp backend.
 #[derive(Debug, Clone)]
 pub struct TcpConfig {
@@ -167,6 +170,14 @@ impl TcpTransfer {
     }
 
     async fn checkout(&self, peer: &AgentAddr) -> Result<Box<dyn ClientIo>, TransferError> {
+        match self.pooled(peer) {
+            Some(s) => Ok(s),
+            None => self.dial(peer).await,
+        }
+    }
+
+    /// An idle connection to `peer` that still looks alive, if any.
+    fn pooled(&self, peer: &AgentAddr) -> Option<Box<dyn ClientIo>> {
         loop {
             let pooled = self
                 .idle
@@ -174,15 +185,19 @@ impl TcpTransfer {
                 .unwrap_or_else(|e| e.into_inner())
                 .get_mut(peer)
                 .and_then(Vec::pop);
-            let Some(s) = pooled else { break };
+            let s = pooled?;
             // An idle connection must have nothing to read: data or EOF means it is stale (a
             // byte taken from under TLS here only ever belongs to a connection thrown away).
             let mut probe = [0u8; 1];
             let idle = s.socket().try_read(&mut probe);
             if matches!(idle, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock) {
-                return Ok(s);
+                return Some(s);
             }
         }
+    }
+
+    /// A new connection to `peer`, authenticated when the agent has a token.
+    async fn dial(&self, peer: &AgentAddr) -> Result<Box<dyn ClientIo>, TransferError> {
         let dial = TcpStream::connect((peer.ip.as_str(), peer.port));
         let s = tokio::time::timeout(self.cfg.connect_timeout, dial)
             .await
@@ -218,6 +233,28 @@ impl TcpTransfer {
         Ok(s)
     }
 
+    /// Sends `req` over `s` and reads its ack within `within`; `s` goes back to the pool
+    /// when the exchange completed.
+    async fn handshake(
+        &self,
+        peer: &AgentAddr,
+        mut s: Box<dyn ClientIo>,
+        req: &ConnectRequest,
+        within: Duration,
+    ) -> Result<(), TransferError> {
+        let exchange = async {
+            wire::write_connect(&mut s, req).await.map_err(|e| Self::io_err(peer, e))?;
+            self.read_ack(peer, &mut s).await
+        };
+        let res = tokio::time::timeout(within, exchange)
+            .await
+            .map_err(|_| TransferError::Timeout(format!("handshake with {peer}")))?;
+        if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
+            self.checkin(peer, s);
+        }
+        res
+    }
+
     fn checkin(&self, peer: &AgentAddr, s: Box<dyn ClientIo>) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let v = idle.entry(peer.clone()).or_default();
@@ -251,18 +288,17 @@ impl TransferBackend for TcpTransfer {
     }
 
     async fn connect(&self, peer: &AgentAddr, req: ConnectRequest) -> Result<(), TransferError> {
-        let mut s = self.checkout(peer).await?;
-        let exchange = async {
-            wire::write_connect(&mut s, &req).await.map_err(|e| Self::io_err(peer, e))?;
-            self.read_ack(peer, &mut s).await
-        };
-        let res = tokio::time::timeout(self.cfg.io_timeout, exchange)
-            .await
-            .map_err(|_| TransferError::Timeout(format!("handshake with {peer}")))?;
-        if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
-            self.checkin(peer, s);
+        // An idle connection gets a short leash: one the network lost (a partition, a peer
+        // gone without a FIN) would otherwise hold the handshake for the whole I/O timeout.
+        // When it does not answer in time, a fresh connection tries, with the full timeouts.
+        if let Some(s) = self.pooled(peer) {
+            match self.handshake(peer, s, &req, POOLED_ACK_TIMEOUT).await {
+                Err(TransferError::Timeout(_) | TransferError::Io { .. }) => {}
+                done => return done,
+            }
         }
-        res
+        let s = self.dial(peer).await?;
+        self.handshake(peer, s, &req, self.cfg.io_timeout).await
     }
 
     async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError> {

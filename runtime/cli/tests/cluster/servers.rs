@@ -10,9 +10,9 @@ pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn wait_for_port(port: u16, what: &str) {
+fn wait_for_port(ip: &str, port: u16, what: &str) {
     let start = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+    while std::net::TcpStream::connect((ip, port)).is_err() {
         assert!(
             start.elapsed() < Duration::from_secs(20),
             "{what} did not listen on {port} within 20 s"
@@ -36,6 +36,7 @@ pub(crate) struct Server {
     child: Option<Child>,
     args: Vec<String>,
     bin: PathBuf,
+    ip: String,
     port: u16,
     dir: Option<PathBuf>,
     pub(crate) url: String,
@@ -49,7 +50,9 @@ impl Server {
         url: String,
         dir: Option<PathBuf>,
     ) -> Self {
-        let mut s = Server { child: None, args, bin, port, dir, url };
+        let ip = url.rsplit_once("://").map_or("127.0.0.1", |(_, a)| a);
+        let ip = ip.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h).to_owned();
+        let mut s = Server { child: None, args, bin, ip, port, dir, url };
         s.start();
         s
     }
@@ -63,7 +66,7 @@ impl Server {
             .spawn()
             .unwrap();
         self.child = Some(child);
-        wait_for_port(self.port, &self.bin.display().to_string());
+        wait_for_port(&self.ip, self.port, &self.bin.display().to_string());
     }
 
     /// Stops the server (SIGKILL).
@@ -75,21 +78,26 @@ impl Server {
     }
 
     pub(crate) fn etcd() -> Self {
-        Self::etcd_with(None)
+        Self::etcd_with(None, "127.0.0.1")
+    }
+
+    /// etcd listening on `ip` (the host's address on a test bed's bridge).
+    pub(crate) fn etcd_on(ip: &str) -> Self {
+        Self::etcd_with(None, ip)
     }
 
     /// etcd serving clients over TLS with `pem`'s certificate, and accepting only clients
     /// with a certificate its CA signed.
     pub(crate) fn etcd_tls(pem: &PemFiles) -> Self {
-        Self::etcd_with(Some(pem))
+        Self::etcd_with(Some(pem), "127.0.0.1")
     }
 
-    fn etcd_with(tls: Option<&PemFiles>) -> Self {
+    fn etcd_with(tls: Option<&PemFiles>, ip: &str) -> Self {
         let (client, peer) = (free_port(), free_port());
         let dir =
             std::env::temp_dir().join(format!("handoff-etcd-{}-{client}", std::process::id()));
         let scheme = if tls.is_some() { "https" } else { "http" };
-        let c = format!("{scheme}://127.0.0.1:{client}");
+        let c = format!("{scheme}://{ip}:{client}");
         let p = format!("http://127.0.0.1:{peer}");
         let mut args = [
             "--name",
@@ -117,9 +125,14 @@ impl Server {
     }
 
     pub(crate) fn nats() -> Self {
+        Self::nats_on("127.0.0.1")
+    }
+
+    /// NATS listening on `ip`.
+    pub(crate) fn nats_on(ip: &str) -> Self {
         let port = free_port();
-        let args = ["-a", "127.0.0.1", "-p", &port.to_string()].map(String::from).to_vec();
-        Self::spawn(binary("nats-server"), args, port, format!("nats://127.0.0.1:{port}"), None)
+        let args = ["-a", ip, "-p", &port.to_string()].map(String::from).to_vec();
+        Self::spawn(binary("nats-server"), args, port, format!("nats://{ip}:{port}"), None)
     }
 
     /// NATS requiring TLS with `pem`'s certificate, a client certificate its CA signed, and
@@ -208,15 +221,21 @@ impl Handoff {
         Self::spawn_logging(args, "warn", Stdio::null())
     }
 
+    /// As [`Handoff::spawn`], in the network namespace `ns`.
+    pub(crate) fn spawn_in(ns: &str, args: &[&str]) -> (Self, String) {
+        let mut all = vec!["netns", "exec", ns, env!("CARGO_BIN_EXE_handoff")];
+        all.extend_from_slice(args);
+        Self::start(Command::new("ip").args(all), args, "warn", Stdio::null())
+    }
+
     /// As [`Handoff::spawn`], logging at `level` into `stderr`.
     pub(crate) fn spawn_logging(args: &[&str], level: &str, stderr: Stdio) -> (Self, String) {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
-            .args(args)
-            .env("RUST_LOG", level)
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .unwrap();
+        Self::start(Command::new(env!("CARGO_BIN_EXE_handoff")).args(args), args, level, stderr)
+    }
+
+    fn start(cmd: &mut Command, args: &[&str], level: &str, stderr: Stdio) -> (Self, String) {
+        let mut child =
+            cmd.env("RUST_LOG", level).stdout(Stdio::piped()).stderr(stderr).spawn().unwrap();
         let mut line = String::new();
         let mut out = BufReader::new(child.stdout.take().unwrap());
         out.read_line(&mut line).unwrap();

@@ -1,0 +1,83 @@
+//! A test bed of hosts on one machine: each host a network namespace with its own address on
+//! a bridge, the machine itself on the bridge too (where the tests' etcd and NATS listen and
+//! their clients run). A host's link to an address can be cut (its packets there refused).
+//! Everything is removed on drop. Needs root (`ip netns`), as CI has.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Runs `ip ARGS` (or another tool), panicking with its output when it fails.
+fn run(tool: &str, args: &[&str]) {
+    let out = Command::new(tool).args(args).output().unwrap_or_else(|e| panic!("{tool}: {e}"));
+    assert!(
+        out.status.success(),
+        "{tool} {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// One host: its namespace and address.
+#[derive(Debug, Clone)]
+pub(crate) struct Host {
+    /// The network namespace.
+    pub(crate) ns: String,
+    /// Its address on the bridge.
+    pub(crate) ip: String,
+}
+
+/// The bed: a bridge and its hosts.
+#[derive(Debug)]
+pub(crate) struct Bed {
+    bridge: String,
+    /// The machine's own address on the bridge.
+    pub(crate) gateway: String,
+    pub(crate) hosts: Vec<Host>,
+}
+
+impl Bed {
+    /// A bridge with `n` hosts on a /24 of its own (chosen from the process id).
+    pub(crate) fn new(n: usize) -> Bed {
+        static BEDS: AtomicU32 = AtomicU32::new(0);
+        let pid = std::process::id();
+        let tag = format!("hb{}{}", pid % 100_000, BEDS.fetch_add(1, Ordering::Relaxed) % 10);
+        let net = format!("10.{}.{}", 100 + (pid >> 8) % 100, pid % 256);
+        let bed = Bed { bridge: format!("{tag}b"), gateway: format!("{net}.1"), hosts: Vec::new() };
+        run("ip", &["link", "add", &bed.bridge, "type", "bridge"]);
+        let mut bed = bed;
+        run("ip", &["addr", "add", &format!("{}/24", bed.gateway), "dev", &bed.bridge]);
+        run("ip", &["link", "set", &bed.bridge, "up"]);
+        for i in 0..n {
+            let host = Host { ns: format!("{tag}n{i}"), ip: format!("{net}.{}", 10 + i) };
+            let (outer, inner) = (format!("{tag}v{i}"), format!("{tag}p{i}"));
+            run("ip", &["netns", "add", &host.ns]);
+            bed.hosts.push(host.clone());
+            run("ip", &["link", "add", &outer, "type", "veth", "peer", "name", &inner]);
+            run("ip", &["link", "set", &inner, "netns", &host.ns]);
+            run("ip", &["link", "set", &outer, "master", &bed.bridge, "up"]);
+            let ns = host.ns.as_str();
+            run("ip", &["-n", ns, "link", "set", &inner, "name", "eth0"]);
+            run("ip", &["-n", ns, "addr", "add", &format!("{}/24", host.ip), "dev", "eth0"]);
+            run("ip", &["-n", ns, "link", "set", "eth0", "up"]);
+            run("ip", &["-n", ns, "link", "set", "lo", "up"]);
+        }
+        bed
+    }
+
+    /// Host `i` can no longer reach `ip` (its packets there are refused at once; the other
+    /// direction is untouched).
+    pub(crate) fn cut(&self, i: usize, ip: &str) {
+        let ns = self.hosts[i].ns.as_str();
+        run("ip", &["-n", ns, "route", "add", "unreachable", &format!("{ip}/32")]);
+    }
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        // A namespace takes its end of the veth pair with it, and the pair's other end goes too.
+        for h in &self.hosts {
+            let _ = Command::new("ip").args(["netns", "del", &h.ns]).status();
+        }
+        let _ = Command::new("ip").args(["link", "del", &self.bridge]).status();
+    }
+}
