@@ -1,7 +1,8 @@
 //! A test bed of hosts on one machine: each host a network namespace with its own address on
 //! a bridge, the machine itself on the bridge too (where the tests' etcd and NATS listen and
 //! their clients run). A host's link to an address can be cut (its packets there refused).
-//! Everything is removed on drop. Needs root (`ip netns`), as CI has.
+//! Everything is removed on drop. Needs root (`ip netns`), as CI has. (This machine's kernel
+//! has no `netem` qdisc, so links are not delayed or made lossy here yet.)
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -8,7 +8,9 @@ use handoff_proto::v1::generate_client::GenerateClient;
 use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{GenerateRequest, ListInstancesRequest, SamplingParams, TokenIds};
 
-use super::netbed::Bed;
+use handoff_proto::v1::Evidence;
+
+use super::netbed::{Bed, Host};
 use super::processes::addr_after;
 use super::servers::{Handoff, Server};
 
@@ -18,60 +20,73 @@ fn bound(ip: &str) -> String {
     format!("{ip}:0")
 }
 
-/// A frontend cut off from one prefill that the scheduler still hears: every request is
-/// served, the attempts on the unreachable prefill fail fast and are retried on the other, and
-/// that prefill's circuit breaker opens (the other's stays closed), after which no request
-/// tries it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frontend_cut_off_from_one_prefill_routes_around_it() {
-    let bed = Bed::new(4);
-    let (sched_h, a_h, b_h, fe_h) = (&bed.hosts[0], &bed.hosts[1], &bed.hosts[2], &bed.hosts[3]);
-    let etcd = Server::etcd_on(&bed.gateway);
-    let nats = Server::nats_on(&bed.gateway);
-    let d = ["--etcd", etcd.url.as_str(), "--nats", nats.url.as_str(), "--token", TOKEN];
-    let (_sched, line) = Handoff::spawn_in(
-        &sched_h.ns,
-        &[&["scheduler", "--listen", &bound(&sched_h.ip), "--advertise-host", &sched_h.ip][..], &d]
-            .concat(),
-    );
-    let sched_addr = addr_after(&line, "grpc://");
-    let prefill = |h: &super::netbed::Host, id: &str| {
-        Handoff::spawn_in(
-            &h.ns,
+/// A scheduler on host 0, prefills `a` and `b` on hosts 1 and 2, a frontend on host 3; etcd
+/// and NATS on the machine.
+struct Fleet {
+    bed: Bed,
+    _servers: (Server, Server),
+    _roles: Vec<Handoff>,
+    sched: SchedulerClient<tonic::transport::Channel>,
+    client: GenerateClient<tonic::transport::Channel>,
+}
+
+impl Fleet {
+    async fn start() -> Fleet {
+        let bed = Bed::new(4);
+        let etcd = Server::etcd_on(&bed.gateway);
+        let nats = Server::nats_on(&bed.gateway);
+        let d = ["--etcd", etcd.url.as_str(), "--nats", nats.url.as_str(), "--token", TOKEN];
+        let h = bed.hosts.clone();
+        let (scheduler, line) = Handoff::spawn_in(
+            &h[0].ns,
+            &[&["scheduler", "--listen", &bound(&h[0].ip), "--advertise-host", &h[0].ip][..], &d]
+                .concat(),
+        );
+        let sched_addr = addr_after(&line, "grpc://");
+        let prefill = |h: &Host, id: &str| {
+            Handoff::spawn_in(
+                &h.ns,
+                &[
+                    &["prefill", "--engine", "mock", "--id", id][..],
+                    &["--bootstrap-listen", &bound(&h.ip), "--grpc-listen", &bound(&h.ip)],
+                    &["--advertise-host", &h.ip, "--transfer-bind", &h.ip],
+                    &d,
+                ]
+                .concat(),
+            )
+            .0
+        };
+        let (a, b) = (prefill(&h[1], "a"), prefill(&h[2], "b"));
+        let (fe, line) = Handoff::spawn_in(
+            &h[3].ns,
             &[
-                &["prefill", "--engine", "mock", "--id", id][..],
-                &["--bootstrap-listen", &bound(&h.ip), "--grpc-listen", &bound(&h.ip)],
-                &["--advertise-host", &h.ip, "--transfer-bind", &h.ip],
+                &["frontend", "--engine", "mock", "--listen", &bound(&h[3].ip)][..],
+                &["--http-listen", &bound(&h[3].ip), "--advertise-host", &h[3].ip],
+                &["--transfer-bind", &h[3].ip],
                 &d,
             ]
             .concat(),
-        )
-        .0
-    };
-    let (_a, _b) = (prefill(a_h, "a"), prefill(b_h, "b"));
-    let (_fe, line) = Handoff::spawn_in(
-        &fe_h.ns,
-        &[
-            &["frontend", "--engine", "mock", "--listen", &bound(&fe_h.ip)][..],
-            &["--http-listen", &bound(&fe_h.ip), "--advertise-host", &fe_h.ip],
-            &["--transfer-bind", &fe_h.ip],
-            &d,
-        ]
-        .concat(),
-    );
-    let fe_addr = addr_after(&line, "grpc://");
-    let sched = SchedulerClient::connect(format!("http://{sched_addr}")).await.unwrap();
-    let list = |mut s: SchedulerClient<tonic::transport::Channel>| async move {
-        let ask = handoff_proto::auth::request(ListInstancesRequest {}, Some(TOKEN));
-        s.list_instances(ask).await.unwrap().into_inner().instances
-    };
-    let start = Instant::now();
-    while list(sched.clone()).await.iter().filter(|i| i.routable).count() < 2 {
-        assert!(start.elapsed() < Duration::from_secs(20), "both prefills routable");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        );
+        let fe_addr = addr_after(&line, "grpc://");
+        let sched = SchedulerClient::connect(format!("http://{sched_addr}")).await.unwrap();
+        let client = GenerateClient::connect(format!("http://{fe_addr}")).await.unwrap();
+        let fleet =
+            Fleet { bed, _servers: (etcd, nats), _roles: vec![scheduler, a, b, fe], sched, client };
+        let start = Instant::now();
+        while fleet.instances().await.iter().filter(|i| i.routable).count() < 2 {
+            assert!(start.elapsed() < Duration::from_secs(20), "both prefills routable");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        fleet
     }
-    let client = GenerateClient::connect(format!("http://{fe_addr}")).await.unwrap();
-    let one = |seed: u32| {
+
+    async fn instances(&self) -> Vec<handoff_proto::v1::InstanceStatus> {
+        let ask = handoff_proto::auth::request(ListInstancesRequest {}, Some(TOKEN));
+        self.sched.clone().list_instances(ask).await.unwrap().into_inner().instances
+    }
+
+    /// One request of 40 tokens for 2: its evidence and time to first token.
+    async fn one(&self, seed: u32) -> Result<(Evidence, Duration), tonic::Status> {
         let ids = (0..40).map(|i| 2 + (seed * 31 + i) % 30_000).collect();
         let req = GenerateRequest {
             input: Some(handoff_proto::v1::generate_request::Input::TokenIds(TokenIds { ids })),
@@ -79,29 +94,43 @@ async fn a_frontend_cut_off_from_one_prefill_routes_around_it() {
             deadline_ms: 10_000,
             ..Default::default()
         };
-        let mut c = client.clone();
-        async move {
-            let mut s = c.generate(req).await?.into_inner();
-            let mut evidence = None;
-            while let Some(m) = s.message().await? {
-                if let Some(handoff_proto::v1::generate_response::Event::Complete(done)) = m.event {
-                    evidence = done.evidence;
-                }
+        let start = Instant::now();
+        let mut s = self.client.clone().generate(req).await?.into_inner();
+        let (mut evidence, mut ttft) = (None, None);
+        while let Some(m) = s.message().await? {
+            ttft.get_or_insert_with(|| start.elapsed());
+            if let Some(handoff_proto::v1::generate_response::Event::Complete(done)) = m.event {
+                evidence = done.evidence;
             }
-            Ok::<_, tonic::Status>(evidence.unwrap_or_default())
         }
-    };
-    // Both serve while the network is whole.
-    for seed in 0..6 {
-        let ev = one(seed).await.unwrap();
-        assert!(ev.failed_attempts.is_empty(), "{ev:?}");
+        Ok((evidence.unwrap_or_default(), ttft.unwrap_or_default()))
     }
+}
 
-    bed.cut(3, &a_h.ip);
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// A frontend cut off from one prefill that the scheduler still hears: every request is
+/// served, the attempts on the unreachable prefill fail fast and are retried on the other, and
+/// that prefill's circuit breaker opens (the other's stays closed), after which no request
+/// tries it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frontend_cut_off_from_one_prefill_routes_around_it() {
+    let f = Fleet::start().await;
+    let mut whole = Vec::new();
+    for seed in 0..20 {
+        let (ev, ttft) = f.one(seed).await.unwrap();
+        assert!(ev.failed_attempts.is_empty(), "both serve while the network is whole: {ev:?}");
+        whole.push(ttft);
+    }
+    let a_ip = f.bed.hosts[1].ip.clone();
+    f.bed.cut(3, &a_ip);
     let cut = Instant::now();
-    let (mut failed_on_a, mut last_failure) = (0, None);
+    let (mut failed_on_a, mut last_failure, mut cut_ttft) = (0, None, Vec::new());
     for seed in 100..140 {
-        let ev = one(seed).await.unwrap_or_else(|e| panic!("request {seed} failed: {e}"));
+        let (ev, ttft) = f.one(seed).await.unwrap_or_else(|e| panic!("request {seed} failed: {e}"));
+        cut_ttft.push(ttft);
         assert_eq!(ev.instance_id, "b", "served by the reachable prefill");
         for a in &ev.failed_attempts {
             assert_eq!(a.instance_id, "a", "{a:?}");
@@ -109,12 +138,18 @@ async fn a_frontend_cut_off_from_one_prefill_routes_around_it() {
             last_failure = Some(cut.elapsed());
         }
     }
-    let instances = list(sched.clone()).await;
+    let instances = f.instances().await;
     let breaker = |id: &str| instances.iter().find(|i| i.instance_id == id).unwrap().breaker_closed;
+    whole.sort();
+    cut_ttft.sort();
     eprintln!(
-        "cut: 40 requests, 0 failed; {failed_on_a} attempts on the cut-off prefill, the last {last_failure:?} after the cut; breakers a closed={} b closed={}",
+        "cut: 40 requests, 0 failed; {failed_on_a} attempts on the cut-off prefill, the last {last_failure:?} after the cut; breakers a closed={} b closed={}; TTFT p50/p99 whole {:?}/{:?}, after the cut {:?}/{:?}",
         breaker("a"),
-        breaker("b")
+        breaker("b"),
+        pct(&whole, 0.5),
+        pct(&whole, 0.99),
+        pct(&cut_ttft, 0.5),
+        pct(&cut_ttft, 0.99)
     );
     assert!(failed_on_a > 0, "some request first tried the cut-off prefill");
     assert!(!breaker("a") && breaker("b"), "a's breaker opened, b's did not");
