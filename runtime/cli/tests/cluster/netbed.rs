@@ -31,8 +31,11 @@ pub(crate) struct Host {
 #[derive(Debug)]
 pub(crate) struct Bed {
     bridge: String,
-    /// The machine's own address on the bridge.
+    /// The machine's own address on the bridge (where the tests' etcd listens).
     pub(crate) gateway: String,
+    /// A second address of the machine's on the bridge (where NATS listens), so a host can
+    /// be cut off from one server and not the other.
+    pub(crate) gateway2: String,
     pub(crate) hosts: Vec<Host>,
 }
 
@@ -43,10 +46,16 @@ impl Bed {
         let pid = std::process::id();
         let tag = format!("hb{}{}", pid % 100_000, BEDS.fetch_add(1, Ordering::Relaxed) % 10);
         let net = format!("10.{}.{}", 100 + (pid >> 8) % 100, pid % 256);
-        let bed = Bed { bridge: format!("{tag}b"), gateway: format!("{net}.1"), hosts: Vec::new() };
+        let mut bed = Bed {
+            bridge: format!("{tag}b"),
+            gateway: format!("{net}.1"),
+            gateway2: format!("{net}.2"),
+            hosts: Vec::new(),
+        };
         run("ip", &["link", "add", &bed.bridge, "type", "bridge"]);
-        let mut bed = bed;
-        run("ip", &["addr", "add", &format!("{}/24", bed.gateway), "dev", &bed.bridge]);
+        for ip in [&bed.gateway, &bed.gateway2] {
+            run("ip", &["addr", "add", &format!("{ip}/24"), "dev", &bed.bridge]);
+        }
         run("ip", &["link", "set", &bed.bridge, "up"]);
         for i in 0..n {
             let host = Host { ns: format!("{tag}n{i}"), ip: format!("{net}.{}", 10 + i) };
@@ -70,6 +79,12 @@ impl Bed {
     pub(crate) fn cut(&self, i: usize, ip: &str) {
         let ns = self.hosts[i].ns.as_str();
         run("ip", &["-n", ns, "route", "add", "unreachable", &format!("{ip}/32")]);
+    }
+
+    /// Undoes [`Bed::cut`].
+    pub(crate) fn heal(&self, i: usize, ip: &str) {
+        let ns = self.hosts[i].ns.as_str();
+        run("ip", &["-n", ns, "route", "del", "unreachable", &format!("{ip}/32")]);
     }
 }
 
