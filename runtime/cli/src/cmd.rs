@@ -66,6 +66,23 @@ pub fn check_exposure(args: &DiscoveryArgs, binds: &[(&str, SocketAddr)]) -> any
     )
 }
 
+/// Checks an address this process advertises (`flag` names it): an error for one no peer can
+/// dial (0.0.0.0), a warning for an IP that is not this host's (peers dialing it reach this
+/// process only if something forwards it). Host names are not checked.
+pub fn check_advertised(flag: &str, host: &str) -> anyhow::Result<()> {
+    let Ok(ip) = host.parse::<std::net::IpAddr>() else { return Ok(()) };
+    if ip.is_unspecified() {
+        anyhow::bail!("{flag} {host}: peers cannot dial an unspecified address; give this host's");
+    }
+    if let Err(e) = std::net::UdpSocket::bind((ip, 0)) {
+        tracing::warn!(
+            "{flag} {host} is not an address of this host ({e}): peers dialing it reach this \
+             process only if something forwards it"
+        );
+    }
+    Ok(())
+}
+
 /// Serves `ops` on `bind` on `tasks` (when given): returns the bound address.
 pub async fn serve_ops(
     bind: Option<SocketAddr>,
@@ -119,6 +136,16 @@ mod tests {
             transfer_bind: std::net::Ipv4Addr::LOCALHOST.into(),
             transfer_advertise: None,
         }
+    }
+
+    #[test]
+    fn advertised_addresses_peers_cannot_dial_are_refused() {
+        assert!(check_advertised("--advertise-host", "127.0.0.1").is_ok());
+        assert!(check_advertised("--advertise-host", "prefill-0.example").is_ok());
+        // Not this host's: a warning, not an error (NAT may forward it).
+        assert!(check_advertised("--advertise-host", "192.0.2.7").is_ok());
+        let e = check_advertised("--advertise-host", "0.0.0.0").unwrap_err().to_string();
+        assert!(e.contains("unspecified"), "{e}");
     }
 
     #[test]

@@ -30,6 +30,10 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         &args.discovery,
         &[("the frontend", args.listen), ("the OpenAI API", args.http_listen)],
     )?;
+    crate::cmd::check_advertised("--advertise-host", &args.advertise_host)?;
+    if let Some(t) = &args.discovery.transfer_advertise {
+        crate::cmd::check_advertised("--transfer-advertise", t)?;
+    }
     let tasks = Tasks::new();
     let (registry, _bus) = discovery(&args.discovery, &tasks).await?;
     let cfg = FrontendConfig {

@@ -18,6 +18,10 @@ pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
             .chain(args.ops_listen.map(|a| ("the prefill's metrics", a)))
             .collect::<Vec<_>>(),
     )?;
+    crate::cmd::check_advertised("--advertise-host", &args.advertise_host)?;
+    if let Some(t) = &args.discovery.transfer_advertise {
+        crate::cmd::check_advertised("--transfer-advertise", t)?;
+    }
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
     let engine = engines(&args.engine)?()?;

@@ -16,6 +16,7 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     binds.extend(args.http_listen.map(|a| ("the scheduler's JSON API", a)));
     binds.extend(args.ops_listen.map(|a| ("the scheduler's metrics", a)));
     crate::cmd::check_exposure(&args.discovery, &binds)?;
+    crate::cmd::check_advertised("--advertise-host", &args.advertise_host)?;
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
     let cfg = SchedulerConfig {
