@@ -21,7 +21,8 @@ fn bound(ip: &str) -> String {
 }
 
 /// A scheduler on host 0, prefills `a` and `b` on hosts 1 and 2 (leases of 2 s), a frontend
-/// on host 3; etcd and NATS on the machine, on addresses of their own.
+/// on host 3, and a second scheduler replica on host 4 when asked; etcd and NATS on the
+/// machine, on addresses of their own.
 struct Fleet {
     bed: Bed,
     _servers: (Server, Server),
@@ -32,17 +33,26 @@ struct Fleet {
 
 impl Fleet {
     async fn start() -> Fleet {
-        let bed = Bed::new(4);
+        Self::start_with(1).await
+    }
+
+    async fn start_with(schedulers: usize) -> Fleet {
+        let bed = Bed::new(3 + schedulers);
         let etcd = Server::etcd_on(&bed.gateway);
         let nats = Server::nats_on(&bed.gateway2);
         let d = ["--etcd", etcd.url.as_str(), "--nats", nats.url.as_str(), "--token", TOKEN];
         let h = bed.hosts.clone();
-        let (scheduler, line) = Handoff::spawn_in(
-            &h[0].ns,
-            &[&["scheduler", "--listen", &bound(&h[0].ip), "--advertise-host", &h[0].ip][..], &d]
-                .concat(),
-        );
+        let scheduler = |h: &Host| {
+            Handoff::spawn_in(
+                &h.ns,
+                &[&["scheduler", "--listen", &bound(&h.ip), "--advertise-host", &h.ip][..], &d]
+                    .concat(),
+            )
+        };
+        let (first, line) = scheduler(&h[0]);
         let sched_addr = addr_after(&line, "grpc://");
+        let mut roles = vec![first];
+        roles.extend(h.iter().skip(4).map(|h| scheduler(h).0));
         let prefill = |h: &Host, id: &str| {
             Handoff::spawn_in(
                 &h.ns,
@@ -71,8 +81,8 @@ impl Fleet {
         let fe_addr = addr_after(&line, "grpc://");
         let sched = SchedulerClient::connect(format!("http://{sched_addr}")).await.unwrap();
         let client = GenerateClient::connect(format!("http://{fe_addr}")).await.unwrap();
-        let fleet =
-            Fleet { bed, _servers: (etcd, nats), _roles: vec![scheduler, a, b, fe], sched, client };
+        roles.extend([a, b, fe]);
+        let fleet = Fleet { bed, _servers: (etcd, nats), _roles: roles, sched, client };
         let start = Instant::now();
         while fleet.instances().await.iter().filter(|i| i.routable).count() < 2 {
             assert!(start.elapsed() < Duration::from_secs(20), "both prefills routable");
@@ -200,4 +210,30 @@ async fn a_prefill_cut_off_from_etcd_leaves_and_rejoins() {
         "etcd cut: {seed} requests, 0 failed; out of routing {gone:?} after the cut, back {back:?} after the heal"
     );
     assert!(on_a, "a serves again");
+}
+
+/// One of two scheduler replicas cut off from NATS, not from the frontend: it hears no more
+/// heartbeats, load or KV events, and keeps routing on what it last knew (silence from
+/// everyone at once is taken for the bus, not the fleet), while the other replica routes on
+/// fresh state. No request fails, through the liveness timeout and well beyond.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduler_cut_off_from_nats_costs_no_request() {
+    let f = Fleet::start_with(2).await;
+    let nats_ip = f.bed.gateway2.clone();
+    f.bed.cut(0, &nats_ip);
+    let cut = Instant::now();
+    let (mut sent, mut by) = (0u32, std::collections::HashMap::<String, u32>::new());
+    while cut.elapsed() < Duration::from_secs(8) {
+        let (ev, _) = f.one(sent).await.unwrap_or_else(|e| panic!("request {sent} failed: {e}"));
+        *by.entry(ev.instance_id).or_default() += 1;
+        sent += 1;
+    }
+    // The cut-off replica still answers, from the state it last knew.
+    let listed = f.instances().await;
+    eprintln!(
+        "nats cut: {sent} requests over 8 s, 0 failed; served by {by:?}; the cut-off replica lists {} instances",
+        listed.len()
+    );
+    assert_eq!(listed.len(), 2, "it still knows both prefills (etcd is reachable)");
+    assert!(by.len() == 2, "both prefills keep serving: {by:?}");
 }
