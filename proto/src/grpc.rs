@@ -14,8 +14,10 @@ use tonic::transport::{
 };
 use tower::layer::util::Stack;
 
-/// How often an internal channel pings its server, and how long it waits for the answer.
-pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
+/// How often an internal channel pings its server when it has heard nothing ...
+pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
+/// ... and how long it waits for the answer before the connection counts as lost.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a TLS handshake may take, on either side.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -99,13 +101,13 @@ pub fn cluster_channel(
             )
             .map_err(GrpcError::Tls)?,
     };
-    // HTTP/2 pings find a connection the network lost within seconds, so a call on it fails
-    // (and is retried elsewhere) instead of waiting out its deadline.
+    // HTTP/2 pings find a connection the network lost within 15 s, so a call on it fails (and
+    // is retried elsewhere) instead of waiting out its deadline.
     Ok(ep
         .tcp_nodelay(true)
         .connect_timeout(connect_timeout)
         .http2_keep_alive_interval(KEEPALIVE_EVERY)
-        .keep_alive_timeout(KEEPALIVE_EVERY)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
         .keep_alive_while_idle(true)
         .connect_lazy())
 }

@@ -1,5 +1,7 @@
 //! A pooled keep-alive client of the directory protocol, and [`DirectoryCache`], which keeps
 //! each instance's server info and rank addresses until the instance's registration changes.
+//! A call on a kept connection that does not answer within [`POOLED_CALL_TIMEOUT`] (one the
+//! network lost, say) is made again on a fresh connection.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,10 +21,16 @@ use crate::{ClientError, RankAddr, Registration, ServerInfo};
 /// with the cluster's mutual TLS.
 #[derive(Clone, Debug)]
 pub struct DirectoryClient {
+    /// Keeps connections.
     http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    /// Keeps none: for a call the kept connection did not answer.
+    fresh: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     scheme: &'static str,
     token: Option<String>,
 }
+
+/// How long a call on a kept connection may take before it is made on a fresh one.
+pub const POOLED_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Default for DirectoryClient {
     fn default() -> Self {
@@ -58,11 +66,11 @@ impl DirectoryClient {
             .https_or_http()
             .enable_http1()
             .wrap_connector(conn);
-        // No idle connections kept: directory calls are rare (answers are cached), and a kept
-        // connection the network has since lost would hold a call until its caller's deadline.
-        let http = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(conn);
+        let http =
+            Client::builder(TokioExecutor::new()).pool_max_idle_per_host(64).build(conn.clone());
+        let fresh = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(conn);
         let scheme = if tls.is_some() { "https" } else { "http" };
-        DirectoryClient { http, scheme, token }
+        DirectoryClient { http, fresh, scheme, token }
     }
 
     async fn call(
@@ -82,14 +90,21 @@ impl DirectoryClient {
                 req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
             }
         }
-        let req = req
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))
-            .map_err(|e| bad(e.to_string()))?;
-        let resp = self
-            .http
-            .request(req)
-            .await
-            .map_err(|source| ClientError::Unreachable { addr: addr.to_owned(), source })?;
+        let body = Bytes::from(body.unwrap_or_default());
+        let req = req.body(Full::new(body.clone())).map_err(|e| bad(e.to_string()))?;
+        let (parts, _) = req.into_parts();
+        let request = |body: Bytes| Request::from_parts(parts.clone(), Full::new(body));
+        let unreachable = |source| ClientError::Unreachable { addr: addr.to_owned(), source };
+        // Directory calls are reads and idempotent registrations: safe to make again.
+        let resp = match tokio::time::timeout(
+            POOLED_CALL_TIMEOUT,
+            self.http.request(request(body.clone())),
+        )
+        .await
+        {
+            Ok(r) => r.map_err(unreachable)?,
+            Err(_) => self.fresh.request(request(body)).await.map_err(unreachable)?,
+        };
         let status = resp.status();
         let body = resp
             .into_body()

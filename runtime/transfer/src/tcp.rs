@@ -290,10 +290,12 @@ impl TransferBackend for TcpTransfer {
     async fn connect(&self, peer: &AgentAddr, req: ConnectRequest) -> Result<(), TransferError> {
         // An idle connection gets a short leash: one the network lost (a partition, a peer
         // gone without a FIN) would otherwise hold the handshake for the whole I/O timeout.
-        // When it does not answer in time, a fresh connection tries, with the full timeouts.
+        // One that broke (an I/O error: the request did not get through) is replaced by a
+        // fresh connection; one that did not answer in time fails the handshake, which is not
+        // sent again: the peer may have taken it, and a second copy would be a second sender.
         if let Some(s) = self.pooled(peer) {
             match self.handshake(peer, s, &req, POOLED_ACK_TIMEOUT).await {
-                Err(TransferError::Timeout(_) | TransferError::Io { .. }) => {}
+                Err(TransferError::Io { .. }) => {}
                 done => return done,
             }
         }

@@ -44,8 +44,17 @@ impl Bed {
     pub(crate) fn new(n: usize) -> Bed {
         static BEDS: AtomicU32 = AtomicU32::new(0);
         let pid = std::process::id();
-        let tag = format!("hb{}{}", pid % 100_000, BEDS.fetch_add(1, Ordering::Relaxed) % 10);
-        let net = format!("10.{}.{}", 100 + (pid >> 8) % 100, pid % 256);
+        let n_bed = BEDS.fetch_add(1, Ordering::Relaxed) % 10;
+        let tag = format!("hb{}{n_bed}", pid % 100_000);
+        // 198.18.0.0/15 is for benchmarking networks: no real network of CI's is there. A /24
+        // some interface (another test's bed) already has is passed over.
+        let taken = Command::new("ip").args(["-o", "addr"]).output().unwrap().stdout;
+        let taken = String::from_utf8_lossy(&taken);
+        let net = (0..512)
+            .map(|k| (pid.wrapping_mul(10) + n_bed + k) % 512)
+            .map(|slot| format!("198.{}.{}", 18 + slot / 256, slot % 256))
+            .find(|net| !taken.contains(&format!(" {net}.")))
+            .expect("a free /24 in 198.18.0.0/15");
         let mut bed = Bed {
             bridge: format!("{tag}b"),
             gateway: format!("{net}.1"),

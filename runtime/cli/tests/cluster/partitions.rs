@@ -24,11 +24,12 @@ fn bound(ip: &str) -> String {
 /// on host 3, and a second scheduler replica on host 4 when asked; etcd and NATS on the
 /// machine, on addresses of their own.
 struct Fleet {
-    bed: Bed,
-    _servers: (Server, Server),
     _roles: Vec<Handoff>,
+    _servers: (Server, Server),
     sched: SchedulerClient<tonic::transport::Channel>,
     client: GenerateClient<tonic::transport::Channel>,
+    /// Last: the processes inside its namespaces stop first.
+    bed: Bed,
 }
 
 impl Fleet {
@@ -82,7 +83,7 @@ impl Fleet {
         let sched = SchedulerClient::connect(format!("http://{sched_addr}")).await.unwrap();
         let client = GenerateClient::connect(format!("http://{fe_addr}")).await.unwrap();
         roles.extend([a, b, fe]);
-        let fleet = Fleet { bed, _servers: (etcd, nats), _roles: roles, sched, client };
+        let fleet = Fleet { _roles: roles, _servers: (etcd, nats), sched, client, bed };
         let start = Instant::now();
         while fleet.instances().await.iter().filter(|i| i.routable).count() < 2 {
             assert!(start.elapsed() < Duration::from_secs(20), "both prefills routable");
