@@ -4,6 +4,8 @@
 //! values beyond the bound share one `"_other"` series instead of growing the table.
 
 use std::collections::BTreeMap;
+
+use key::{Key, Probe, Values};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock};
@@ -244,7 +246,7 @@ impl Series for Histogram {
 pub struct Family<M> {
     labels: &'static [&'static str],
     make: Box<dyn Fn() -> M + Send + Sync>,
-    series: RwLock<BTreeMap<Vec<String>, Arc<M>>>,
+    series: RwLock<BTreeMap<Key, Arc<M>>>,
     /// Handed out while recording is off (never rendered).
     unrecorded: Arc<M>,
 }
@@ -271,21 +273,24 @@ impl<M: Send + Sync> Family<M> {
         if !enabled() {
             return self.unrecorded.clone();
         }
-        let mut key: Vec<String> = values.iter().map(|v| (*v).to_owned()).collect();
-        if let Some(m) = self.series.read().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        // Found without allocating: the hot path of every series after its first use.
+        let probe = Probe(values);
+        let probe: &dyn Values = &probe;
+        if let Some(m) = self.series.read().unwrap_or_else(|e| e.into_inner()).get(probe) {
             return m.clone();
         }
         let mut map = self.series.write().unwrap_or_else(|e| e.into_inner());
-        if map.len() >= MAX_SERIES && !map.contains_key(&key) {
-            key = vec!["_other".to_owned(); self.labels.len()];
+        let mut key = Key::of(values);
+        if map.len() >= MAX_SERIES && !map.contains_key(probe) {
+            key = Key(vec!["_other".to_owned(); self.labels.len()]);
         }
         map.entry(key).or_insert_with(|| Arc::new((self.make)())).clone()
     }
 
     /// Drops the series for `values` (an instance that left).
     pub fn remove(&self, values: &[&str]) {
-        let key: Vec<String> = values.iter().map(|v| (*v).to_owned()).collect();
-        self.series.write().unwrap_or_else(|e| e.into_inner()).remove(&key);
+        let probe = Probe(values);
+        self.series.write().unwrap_or_else(|e| e.into_inner()).remove(&probe as &dyn Values);
     }
 
     /// Drops every series (before setting gauges afresh from current state).
@@ -314,7 +319,7 @@ impl<M: Series> Rendered for FamilyOf<M> {
                 .0
                 .labels
                 .iter()
-                .zip(values)
+                .zip(&values.0)
                 .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
                 .collect();
             m.write(name, &labels.join(","), out);
@@ -449,6 +454,8 @@ impl<M: Series> Rendered for SharedSeries<M> {
         self.0.write(name, "", out);
     }
 }
+
+mod key;
 
 #[cfg(test)]
 mod tests;

@@ -7,21 +7,23 @@ mod member;
 mod pending;
 mod replicas;
 mod select;
+mod status;
 mod sync;
 
 pub use bookings::BookingId;
 pub use pending::MAX_PENDING_BLOCKS;
 pub use replicas::MAX_REPLICAS;
 pub use select::{Ask, Outcome, Work};
+pub use status::InstanceStatus;
 pub use sync::{MAX_BUFFERED_EVENTS, MAX_SNAPSHOT_PAGES, Resynced};
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
-use handoff_core::{BlockHash, InstanceId};
+use handoff_core::InstanceId;
 use handoff_discovery::{Heartbeat, Instance, Update};
-use handoff_kv_index::{KvIndex, WorkerKey};
+use handoff_kv_index::KvIndex;
 use parking_lot::{Mutex, MutexGuard};
 use tracing::{info, warn};
 
@@ -252,25 +254,6 @@ pub struct SchedulerState {
     metrics: crate::metrics::SchedulerMetrics,
 }
 
-/// Status of one instance, for `ListInstances` and operators.
-#[derive(Debug, Clone, PartialEq)]
-pub struct InstanceStatus {
-    /// The registration.
-    pub instance: Instance,
-    /// Requests in flight over all its dp ranks.
-    pub in_flight: u32,
-    /// Blocks indexed over all its dp ranks.
-    pub cached_blocks: u64,
-    /// Whether requests are routed to it.
-    pub routable: bool,
-    /// Its measured prefill cost per computed token, in microseconds (0: not known yet).
-    pub token_cost_us: f32,
-    /// Whether its circuit breaker is closed (not open or half-open).
-    pub breaker_closed: bool,
-    /// Time since it was last heard from.
-    pub silent_for: Duration,
-}
-
 impl SchedulerState {
     /// An empty state.
     pub fn new(cfg: SchedulerConfig) -> Self {
@@ -460,41 +443,6 @@ impl SchedulerState {
         drop(inner);
         self.settle_index();
         stale
-    }
-
-    /// The blocks indexed for (instance, dp rank).
-    pub fn indexed_blocks(&self, instance: &InstanceId, dp_rank: u32) -> Vec<BlockHash> {
-        self.lock().index.blocks(&WorkerKey { instance: instance.clone(), dp_rank })
-    }
-
-    /// Every known instance with its load and indexed blocks.
-    pub fn instances(&self) -> Vec<InstanceStatus> {
-        self.instances_at(Instant::now())
-    }
-
-    /// [`SchedulerState::instances`] as of `now`.
-    pub fn instances_at(&self, now: Instant) -> Vec<InstanceStatus> {
-        let inner = self.lock();
-        inner
-            .members
-            .values()
-            .map(|m| {
-                let (mut in_flight, mut cached_blocks) = (0, 0);
-                for s in &m.slots {
-                    in_flight += inner.load[s.index()].in_flight;
-                    cached_blocks += inner.index.held_at(*s) as u64;
-                }
-                InstanceStatus {
-                    instance: m.instance.clone(),
-                    in_flight,
-                    cached_blocks,
-                    routable: m.routable(),
-                    token_cost_us: m.token_cost_us,
-                    breaker_closed: m.breaker.is_closed(),
-                    silent_for: now.saturating_duration_since(m.seen),
-                }
-            })
-            .collect()
     }
 }
 

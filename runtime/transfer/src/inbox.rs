@@ -26,15 +26,16 @@ use std::time::Duration;
 use handoff_core::Room;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tracing::debug;
 
 use crate::{ConnId, ConnectRequest, KvPoll, Notice, RegionId, SenderId, TransferError};
 
 mod handshakes;
 pub mod placement;
+mod region;
 
 use handshakes::Handshakes;
 use placement::Placement;
+use region::Region;
 
 /// Bounds of an inbox.
 #[derive(Debug, Clone)]
@@ -78,87 +79,6 @@ pub struct Received {
     pub buf: Vec<u8>,
     /// Every sender's verified notice.
     pub notices: Vec<Notice>,
-}
-
-struct Region {
-    room: Room,
-    buf: Vec<u8>,
-    /// Each expected sender's ranges and progress.
-    expected: HashMap<SenderId, Placement>,
-    /// The connection each sender is bound to (that of its first write or notice).
-    bound: HashMap<SenderId, ConnId>,
-    notices: Vec<Notice>,
-    state: watch::Sender<KvPoll>,
-    error: Option<String>,
-}
-
-impl Region {
-    /// Applies written segments from `sender` over `conn` (see [`Inbox::on_write`]).
-    fn write(
-        &mut self,
-        id: RegionId,
-        sender: SenderId,
-        conn: ConnId,
-        segments: &[(u64, &[u8])],
-    ) -> Result<(), TransferError> {
-        if matches!(*self.state.borrow(), KvPoll::Failed | KvPoll::Success) {
-            return Err(TransferError::Failed(format!("region {id:?} is closed")));
-        }
-        if !self.expected.contains_key(&sender) {
-            let reason = format!("write from unexpected sender {sender:?}");
-            self.fail(reason.clone());
-            return Err(TransferError::Failed(reason));
-        }
-        self.bind(id, sender, conn)?;
-        let Region { buf, expected, .. } = self;
-        let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
-        let checked = segments.iter().try_for_each(|&(off, b)| {
-            p.check(off, b.len() as u64)?;
-            // Checked segment by segment: two segments of one frame may overlap too.
-            p.record(off, b);
-            // An empty segment lands nowhere, whatever its offset (fuzzing found one at 2^34).
-            if !b.is_empty() {
-                buf[off as usize..off as usize + b.len()].copy_from_slice(b);
-            }
-            Ok::<(), String>(())
-        });
-        if let Err(e) = checked {
-            let reason = format!("{sender:?}: {e}");
-            self.fail(reason.clone());
-            return Err(TransferError::Failed(reason));
-        }
-        self.advance(KvPoll::Transferring);
-        Ok(())
-    }
-
-    /// Binds `sender` to `conn`, or refuses `conn` if the sender is bound to another.
-    fn bind(&mut self, id: RegionId, sender: SenderId, conn: ConnId) -> Result<(), TransferError> {
-        match *self.bound.entry(sender).or_insert(conn) {
-            c if c == conn => Ok(()),
-            _ => Err(TransferError::Forbidden(format!(
-                "{sender:?} of region {id:?} is bound to another connection"
-            ))),
-        }
-    }
-
-    fn advance(&mut self, to: KvPoll) {
-        self.state.send_if_modified(|s| {
-            let forward = *s != KvPoll::Failed && *s != KvPoll::Success && to > *s;
-            if forward {
-                *s = to;
-            }
-            forward
-        });
-    }
-
-    fn fail(&mut self, reason: String) {
-        if matches!(*self.state.borrow(), KvPoll::Success | KvPoll::Failed) {
-            return;
-        }
-        debug!(room = %self.room, %reason, "KV transfer failed");
-        self.error = Some(reason);
-        self.state.send_replace(KvPoll::Failed);
-    }
 }
 
 /// Region map shards: a region is found under its shard's lock, then written under its own,

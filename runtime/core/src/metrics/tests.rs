@@ -79,3 +79,17 @@ fn concurrent_observations_all_count() {
     assert_eq!(h.count(), 40_000);
     assert!((h.sum() - 40.0).abs() < 1e-6, "{}", h.sum());
 }
+
+#[test]
+fn a_series_is_found_by_its_values_whatever_their_lengths() {
+    let r = Registry::new();
+    let f = r.counters("k_total", "two labels", &["a", "b"]);
+    let ab = f.with(&["a", "b"]);
+    let abb = f.with(&["a", "bb"]);
+    let a_b = f.with(&["ab", ""]);
+    assert!(Arc::ptr_eq(&ab, &f.with(&["a", "b"])), "the same series, found again");
+    assert!(!Arc::ptr_eq(&ab, &abb) && !Arc::ptr_eq(&ab, &a_b), "values are not concatenated");
+    f.remove(&["a", "bb"]);
+    let text = r.render();
+    assert!(text.contains("k_total{a=\"a\",b=\"b\"} 0") && !text.contains("b=\"bb\""), "{text}");
+}

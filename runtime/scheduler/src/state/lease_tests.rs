@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use handoff_core::block_hashes;
+use handoff_core::{BlockHash, block_hashes};
 use handoff_discovery::Heartbeat;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

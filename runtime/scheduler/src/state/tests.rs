@@ -1,4 +1,4 @@
-use handoff_core::block_hashes;
+use handoff_core::{BlockHash, block_hashes};
 use handoff_discovery::{KvEvent, KvEventKind, KvSnapshot, Role, Topology};
 
 use super::*;

@@ -1,0 +1,98 @@
+//! [`Region`]: one room's receive buffer, what each sender may write into it and has, the
+//! connection each sender is bound to, and its state.
+
+use std::collections::HashMap;
+
+use handoff_core::Room;
+use tokio::sync::watch;
+use tracing::debug;
+
+use super::placement::Placement;
+use crate::{ConnId, KvPoll, Notice, RegionId, SenderId, TransferError};
+
+/// A receive region (see the module docs).
+pub(super) struct Region {
+    pub(super) room: Room,
+    pub(super) buf: Vec<u8>,
+    /// Each expected sender's ranges and progress.
+    pub(super) expected: HashMap<SenderId, Placement>,
+    /// The connection each sender is bound to (that of its first write or notice).
+    pub(super) bound: HashMap<SenderId, ConnId>,
+    pub(super) notices: Vec<Notice>,
+    pub(super) state: watch::Sender<KvPoll>,
+    pub(super) error: Option<String>,
+}
+
+impl Region {
+    /// Applies written segments from `sender` over `conn` (see [`Inbox::on_write`]).
+    pub(super) fn write(
+        &mut self,
+        id: RegionId,
+        sender: SenderId,
+        conn: ConnId,
+        segments: &[(u64, &[u8])],
+    ) -> Result<(), TransferError> {
+        if matches!(*self.state.borrow(), KvPoll::Failed | KvPoll::Success) {
+            return Err(TransferError::Failed(format!("region {id:?} is closed")));
+        }
+        if !self.expected.contains_key(&sender) {
+            let reason = format!("write from unexpected sender {sender:?}");
+            self.fail(reason.clone());
+            return Err(TransferError::Failed(reason));
+        }
+        self.bind(id, sender, conn)?;
+        let Region { buf, expected, .. } = self;
+        let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
+        let checked = segments.iter().try_for_each(|&(off, b)| {
+            p.check(off, b.len() as u64)?;
+            // Checked segment by segment: two segments of one frame may overlap too.
+            p.record(off, b);
+            // An empty segment lands nowhere, whatever its offset (fuzzing found one at 2^34).
+            if !b.is_empty() {
+                buf[off as usize..off as usize + b.len()].copy_from_slice(b);
+            }
+            Ok::<(), String>(())
+        });
+        if let Err(e) = checked {
+            let reason = format!("{sender:?}: {e}");
+            self.fail(reason.clone());
+            return Err(TransferError::Failed(reason));
+        }
+        self.advance(KvPoll::Transferring);
+        Ok(())
+    }
+
+    /// Binds `sender` to `conn`, or refuses `conn` if the sender is bound to another.
+    pub(super) fn bind(
+        &mut self,
+        id: RegionId,
+        sender: SenderId,
+        conn: ConnId,
+    ) -> Result<(), TransferError> {
+        match *self.bound.entry(sender).or_insert(conn) {
+            c if c == conn => Ok(()),
+            _ => Err(TransferError::Forbidden(format!(
+                "{sender:?} of region {id:?} is bound to another connection"
+            ))),
+        }
+    }
+
+    pub(super) fn advance(&mut self, to: KvPoll) {
+        self.state.send_if_modified(|s| {
+            let forward = *s != KvPoll::Failed && *s != KvPoll::Success && to > *s;
+            if forward {
+                *s = to;
+            }
+            forward
+        });
+    }
+
+    pub(super) fn fail(&mut self, reason: String) {
+        if matches!(*self.state.borrow(), KvPoll::Success | KvPoll::Failed) {
+            return;
+        }
+        debug!(room = %self.room, %reason, "KV transfer failed");
+        self.error = Some(reason);
+        self.state.send_replace(KvPoll::Failed);
+    }
+}
