@@ -12,5 +12,6 @@ mod cluster {
     pub(crate) mod processes;
     pub(crate) mod resync;
     pub(crate) mod servers;
+    pub(crate) mod sglang;
     pub(crate) mod tls;
 }

@@ -6,13 +6,16 @@
 //! - [`attempt`] — one attempt at the request path on one prefill instance: resolve the
 //!   topology and rank addresses (cached), register receive regions, connect, prefill,
 //!   verify, reassemble the KV. Each stage is timed.
+//! - [`sglang`] — one attempt on an SGLang prefill server (protocol `sglang`): its
+//!   `/generate` with the bootstrap fields, the KV received as SGLang's decode.
 //! - [`schedulers`] — [`Schedulers`]: the scheduler replicas, followed through discovery;
 //!   a selection fails over from a replica that does not answer to another.
 //! - `lease` — a booking held until its attempt ends, reported cancelled when dropped.
 //! - `metrics` — what `/metrics` serves, readiness, and the measured decode step.
 //! - [`traces`] — the evidence of recent requests, found by room (`handoff ctl trace`).
-//! - [`path`] — [`Frontend`]: scheduler selection (a booking), fresh room per attempt,
-//!   retries before the first token, and outcomes reported back (cancelled when dropped).
+//! - [`path`] — [`Frontend`]: scheduler selection (a booking), fresh room per attempt, the
+//!   attempt the chosen instance's protocol calls for, retries before the first token, and
+//!   outcomes reported back (cancelled when dropped).
 //! - [`service`] — the gRPC service: streams the first token and the decoded ones.
 //! - [`text`] — incremental detokenization and stop strings.
 //! - [`http`] — the OpenAI-compatible HTTP API, `/health`, the operations endpoints and
@@ -28,6 +31,7 @@ mod metrics;
 pub mod path;
 pub mod schedulers;
 pub mod service;
+pub mod sglang;
 pub mod text;
 pub mod traces;
 

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use tonic::transport::Channel;
 use tracing::{Instrument, debug, warn};
 
-use crate::attempt::{self, AttemptCtx, Stages, Target};
+use crate::attempt::{AttemptCtx, Stages};
 use crate::input::Plan;
 use crate::lease::{Lease, outcome_of};
 use crate::metrics::Metrics;
@@ -48,6 +48,8 @@ pub struct Frontend {
     directory: DirectoryCache,
     schedulers: Arc<Schedulers>,
     prefills: Mutex<HashMap<String, PrefillClient<Channel>>>,
+    /// The decode side of SGLang's PD protocol, for SGLang prefill servers.
+    sglang: crate::sglang::SglangPrefills,
     pub(crate) tasks: Tasks,
     pub(crate) limit: Arc<Semaphore>,
     pub(crate) metrics: Arc<Metrics>,
@@ -79,6 +81,11 @@ impl std::fmt::Debug for Frontend {
 }
 
 const MAX_PREFILL_CLIENTS: usize = 4096;
+
+/// The protocols this frontend drives prefills with (see [`target`]).
+const PROTOCOLS: [&str; 2] = ["handoff", "sglang"];
+
+mod target;
 
 impl Frontend {
     /// A frontend that asks the scheduler replicas at `scheduler_addrs` (host:port; more
@@ -119,6 +126,13 @@ impl Frontend {
         );
         schedulers.reset(scheduler_addrs)?;
         let directory = DirectoryCache::new(DirectoryClient::with_tls(None, cfg.tls.as_ref()));
+        let sglang = crate::sglang::SglangPrefills::new(
+            engine.clone(),
+            &cfg.transfer,
+            // SGLang's Mooncake wire carries no token: its peers are the ranks it registered with.
+            handoff_transfer::InboxConfig { token: None, ..cfg.inbox.clone() },
+            tasks,
+        );
         Ok(Arc::new(Frontend {
             limit: Arc::new(Semaphore::new(cfg.max_concurrent)),
             cfg,
@@ -127,6 +141,7 @@ impl Frontend {
             directory,
             schedulers,
             prefills: Mutex::default(),
+            sglang,
             tasks: tasks.clone(),
             metrics: Arc::new(Metrics::new()),
             prefills_known: Default::default(),
@@ -254,7 +269,10 @@ impl Frontend {
         self.prefills_known.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn prefill_client(&self, addr: &str) -> Result<PrefillClient<Channel>, FrontendError> {
+    pub(crate) fn prefill_client(
+        &self,
+        addr: &str,
+    ) -> Result<PrefillClient<Channel>, FrontendError> {
         let mut map = self.prefills.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
@@ -293,6 +311,7 @@ impl Frontend {
             policy: plan.policy as i32,
             exclude_instances: exclude.to_vec(),
             deadline_ms: left.as_millis().clamp(1, u128::from(u32::MAX)) as u32,
+            protocols: PROTOCOLS.iter().map(|p| p.to_string()).collect(),
         };
         // The call runs on its own task and wraps its booking in a lease there: if this
         // request is dropped while the scheduler books it, the lease is dropped with the
@@ -379,34 +398,17 @@ impl Frontend {
             let mut stages = Stages::start();
             let wait = std::time::Duration::from_millis(u64::from(sel.expected_wait_ms));
             let deadline = plan.deadline.min(Instant::now() + wait + self.cfg.attempt_timeout);
-            let result = match self.prefill_client(&sel.prefill_addr) {
-                Ok(prefill) => {
-                    let target = Target {
-                        instance: sel.instance_id.clone(),
-                        dp_rank: sel.dp_rank,
-                        bootstrap_addr: sel.bootstrap_addr.clone(),
-                        prefill,
-                    };
-                    let span = tracing::info_span!(
-                        "attempt",
-                        %room,
-                        instance = %sel.instance_id,
-                        dp_rank = sel.dp_rank
-                    );
-                    attempt::run(
-                        &ctx,
-                        target,
-                        room,
-                        &plan.tokens,
-                        &plan.sampling,
-                        deadline,
-                        &mut stages,
-                    )
-                    .instrument(span)
-                    .await
-                }
-                Err(e) => Err(e),
-            };
+            let span = tracing::info_span!(
+                "attempt",
+                %room,
+                instance = %sel.instance_id,
+                dp_rank = sel.dp_rank,
+                protocol = %sel.protocol,
+            );
+            let result = self
+                .attempt_on(&ctx, &sel, room, plan, deadline, &mut stages)
+                .instrument(span)
+                .await;
             let outcome = result.and_then(|p| {
                 let sampling = handoff_prefill_sampling(&plan.sampling);
                 let decoder = self

@@ -163,6 +163,7 @@ fn select_inner(api: &Api, body: &[u8]) -> Result<Response, ApiError> {
         policy: None,
         exclude: &exclude,
         deadline: b.deadline_ms.filter(|&d| d > 0).map(Duration::from_millis),
+        protocols: crate::Protocols::ANY,
     };
     let sel = api.state.select(&ask)?;
     Ok(Json(Selected {

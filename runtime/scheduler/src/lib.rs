@@ -3,6 +3,7 @@
 //! - [`state`] — [`SchedulerState`]: the instances (from a discovery watch), the KV index
 //!   (from KV events) and the in-flight load per (instance, dp rank); selection and outcomes.
 //! - [`policy`] — the policies, one file each, chosen by [`PolicyKind`].
+//! - [`protocol`] — how a routed instance is driven, and what a caller can drive.
 //! - [`metrics`] — its counters, and `/metrics` and readiness ([`metrics::ops`]).
 //! - [`service`] — the `handoff.v1.Scheduler` gRPC service and `serve(listener, shutdown)`.
 //! - [`Scheduler::start`] (this file): wires a state to a registry and an event bus with
@@ -13,6 +14,7 @@ mod error;
 pub mod http;
 pub mod metrics;
 pub mod policy;
+pub mod protocol;
 mod rejects;
 pub mod service;
 pub mod state;
@@ -34,6 +36,7 @@ use rejects::Reject;
 
 pub use error::{RETRY_AFTER_MS, SchedulerError};
 pub use policy::PolicyKind;
+pub use protocol::{Protocol, Protocols};
 pub use state::{
     Ask, BookingId, BreakerConfig, MAX_BUFFERED_EVENTS, MAX_SNAPSHOT_PAGES, Outcome, Resynced,
     SchedulerConfig, SchedulerState, Selection, Work,

@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status};
 use tracing::debug;
 
 use crate::state::{Ask, BookingId, Outcome};
-use crate::{PolicyKind, SchedulerState};
+use crate::{PolicyKind, Protocol, Protocols, SchedulerState};
 
 /// The gRPC face of a [`SchedulerState`].
 #[derive(Debug, Clone)]
@@ -93,17 +93,19 @@ impl SchedulerRpc for SchedulerService {
             exclude: &exclude,
             deadline: (r.deadline_ms > 0)
                 .then(|| std::time::Duration::from_millis(u64::from(r.deadline_ms))),
+            protocols: Protocols::from_names(&r.protocols)?,
         };
         let sel = self.state.select(&ask)?;
         debug!(instance = %sel.instance.id, dp_rank = sel.dp_rank, cached = sel.cached_blocks, "prefill selected");
         Ok(Response::new(SelectPrefillResponse {
             instance_id: sel.instance.id.to_string(),
             dp_rank: sel.dp_rank,
-            bootstrap_addr: sel.instance.bootstrap_addr,
-            prefill_addr: sel.instance.grpc_addr,
             cached_blocks: sel.cached_blocks,
             booking_id: sel.booking.0,
             expected_wait_ms: sel.expected_wait.as_millis().min(u128::from(u32::MAX)) as u32,
+            protocol: Protocol::of(&sel.instance).name().to_owned(),
+            bootstrap_addr: sel.instance.bootstrap_addr,
+            prefill_addr: sel.instance.grpc_addr,
         }))
     }
 

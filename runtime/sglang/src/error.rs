@@ -11,6 +11,9 @@ pub enum SglangError {
     /// A topology or layout this receiver does not serve (yet).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// The decode's receive memory (page pool, rows, inbox) is spoken for: overload.
+    #[error("full: {0}")]
+    Full(String),
     /// A ZMQ message that does not parse.
     #[error("malformed SGLang message: {0}")]
     Malformed(String),

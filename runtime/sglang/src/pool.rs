@@ -84,7 +84,7 @@ impl PagePool {
 
     /// `pages` contiguous pages and a row.
     pub fn lease(&self, pages: u64) -> Result<Lease, SglangError> {
-        let full = || SglangError::Unsupported("the decode page pool is full".into());
+        let full = || SglangError::Full("the decode page pool is full".into());
         let row = lock(&self.rows).pop().ok_or_else(full)?;
         let mut free = lock(&self.free);
         let Some((&start, &len)) = free.iter().find(|(_, len)| **len >= pages) else {

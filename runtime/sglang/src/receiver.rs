@@ -107,10 +107,12 @@ fn pool_bases(layout: &SglangLayout) -> (Vec<u64>, Vec<u64>) {
 
 impl SglangReceiver {
     /// Listens on `bind_ip` (Mooncake handshake and data ports, a ZMQ PULL port) for a model
-    /// of `layout`, its tasks on `tasks`.
+    /// of `layout`, telling prefills to reach it at `advertise_ip` (default `bind_ip`), its
+    /// tasks on `tasks`.
     pub async fn start(
         layout: SglangLayout,
         bind_ip: IpAddr,
+        advertise_ip: Option<String>,
         inbox: InboxConfig,
         tasks: &Tasks,
     ) -> Result<Self, SglangError> {
@@ -119,9 +121,15 @@ impl SglangReceiver {
         let rpc = TcpListener::bind((bind_ip, 0)).await.map_err(io)?;
         let data = TcpListener::bind((bind_ip, 0)).await.map_err(io)?;
         let inbox = Arc::new(Inbox::new(inbox));
-        let mooncake =
-            MooncakeTransfer::serve(rpc, data, None, inbox, MooncakeConfig::default(), tasks)
-                .map_err(io)?;
+        let mooncake = MooncakeTransfer::serve(
+            rpc,
+            data,
+            advertise_ip.clone(),
+            inbox,
+            MooncakeConfig::default(),
+            tasks,
+        )
+        .map_err(io)?;
         let mut pull = PullSocket::new();
         let endpoint = pull.bind(&format!("tcp://{bind_ip}:0")).await.map_err(zmq)?;
         let Endpoint::Tcp(_, pull_port) = endpoint else {
@@ -149,7 +157,7 @@ impl SglangReceiver {
             pool: PagePool::default(),
             kv_bases,
             aux_bases,
-            pull_ip: bind_ip.to_string(),
+            pull_ip: advertise_ip.unwrap_or_else(|| bind_ip.to_string()),
             pull_port,
             pushes: Mutex::default(),
             waiters,

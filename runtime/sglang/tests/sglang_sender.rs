@@ -85,10 +85,15 @@ async fn receive(
 ) -> (Result<handoff_sglang::SglangKv, SglangError>, SglangLayout, Tasks) {
     let l = layout(&p.report);
     let tasks = Tasks::new();
-    let rx =
-        SglangReceiver::start(l.clone(), [127, 0, 0, 1].into(), InboxConfig::default(), &tasks)
-            .await
-            .unwrap();
+    let rx = SglangReceiver::start(
+        l.clone(),
+        [127, 0, 0, 1].into(),
+        None,
+        InboxConfig::default(),
+        &tasks,
+    )
+    .await
+    .unwrap();
     let shape = KvShape { layers: l.layers, kv_heads: l.kv_heads, head_bytes: l.head_bytes };
     let deadline = Instant::now() + Duration::from_secs(30);
     let got = rx.receive(&p.boot, Room::try_from(room).unwrap(), tokens, shape, deadline).await;

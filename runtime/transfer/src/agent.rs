@@ -97,6 +97,23 @@ impl TransferKind {
         }
     }
 
+    /// Where its listeners bind (loopback for the in-process fake).
+    pub fn bind_ip(&self) -> std::net::IpAddr {
+        match self {
+            TransferKind::Tcp { bind_ip, .. } | TransferKind::Mooncake { bind_ip, .. } => *bind_ip,
+            TransferKind::Fake(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+        }
+    }
+
+    /// What peers dial, when it is not the bind address.
+    pub fn advertise_ip(&self) -> Option<String> {
+        match self {
+            TransferKind::Tcp { advertise_ip, .. }
+            | TransferKind::Mooncake { advertise_ip, .. } => advertise_ip.clone(),
+            TransferKind::Fake(_) => None,
+        }
+    }
+
     /// Starts an agent on this backend, its tasks on `tasks`; with `faults`, its writes go
     /// through a [`crate::FaultyTransfer`]. The inbox's token, when set, is required of
     /// every inbound connection and sent on every outbound one.

@@ -1,11 +1,14 @@
 //! `--engine SPEC`: an engine instance (vLLM, SGLang) the scheduler routes to, without
 //! discovery: `id=NAME,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N][,page=N]
-//! [,url=HOST:PORT][,health=HOST:PORT][,model=NAME][,topic=TOPIC][,kind=vllm|sglang|...]`.
+//! [,url=HOST:PORT][,health=HOST:PORT][,bootstrap=HOST:PORT][,model=NAME][,topic=TOPIC]
+//! [,kind=vllm|sglang|...]`.
 //!
 //! dp rank r publishes on the events (and replay) port + r, as vLLM and SGLang do. `page` is
 //! the page size requests hash their prompts with (ours; default the scheduler's
 //! `--page-size`), whatever the engine's block size. `url` is where routers send the
-//! engine's requests; `health` (default `url`) answers `GET /health`.
+//! engine's requests; `health` (default `url`) answers `GET /health`. `bootstrap` is an
+//! SGLang prefill server's disaggregation bootstrap port (`--disaggregation-bootstrap-port`):
+//! with `kind=sglang` and `url`, handoff frontends drive it as a prefill (protocol `sglang`).
 
 use handoff_discovery::{EngineEndpoints, Instance, Role, Topology};
 use handoff_kv_events::EngineEndpoint;
@@ -21,6 +24,7 @@ pub struct EngineArg {
     page: Option<u32>,
     url: String,
     health: Option<String>,
+    bootstrap: String,
     model: String,
     topic: String,
     kind: String,
@@ -52,7 +56,19 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
                 .ok_or_else(|| format!("{k}={v} is not a number from 1 to 1024"))
         })
     };
-    let known = ["id", "events", "replay", "dp", "page", "url", "health", "model", "topic", "kind"];
+    let known = [
+        "id",
+        "events",
+        "replay",
+        "dp",
+        "page",
+        "url",
+        "health",
+        "bootstrap",
+        "model",
+        "topic",
+        "kind",
+    ];
     if let Some(k) = fields.keys().find(|k| !known.contains(k)) {
         return Err(format!("unknown key {k:?} (known: {})", known.join(", ")));
     }
@@ -68,7 +84,7 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
             return Err(format!("{what} port {p} + {dp} dp ranks overflows"));
         }
     }
-    for k in ["url", "health"] {
+    for k in ["url", "health", "bootstrap"] {
         if let Some(v) = fields.get(k)
             && (v.contains("://")
                 || v.rsplit_once(':').is_none_or(|(_, p)| p.parse::<u16>().is_err()))
@@ -79,6 +95,11 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
     if !fields.contains_key("url") && !fields.contains_key("health") {
         return Err("give health= (or url=): an engine is live while it answers GET /health".into());
     }
+    if fields.contains_key("bootstrap")
+        && (fields.get("kind") != Some(&"sglang") || !fields.contains_key("url"))
+    {
+        return Err("bootstrap= is an SGLang prefill's: give it with kind=sglang and url=".into());
+    }
     Ok(EngineArg {
         id,
         events,
@@ -87,6 +108,7 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
         page: fields.contains_key("page").then(|| number("page", 16)).transpose()?,
         url: fields.get("url").map(|u| u.to_string()).unwrap_or_default(),
         health: fields.get("health").or(fields.get("url")).map(|h| h.to_string()),
+        bootstrap: fields.get("bootstrap").map(|b| b.to_string()).unwrap_or_default(),
         model: fields.get("model").map(|m| m.to_string()).unwrap_or_default(),
         topic: fields.get("topic").map(|t| t.to_string()).unwrap_or_default(),
         kind: fields.get("kind").map(|k| k.to_string()).unwrap_or_default(),
@@ -102,15 +124,7 @@ impl EngineArg {
     /// Its registration in discovery (role engine), for the schedulers that follow
     /// registered engines; without `page=`, `page_size`.
     pub fn registration(&self, page_size: u32) -> Instance {
-        let spec = self.spec(page_size);
-        let endpoints = EngineEndpoints {
-            kind: self.kind.clone(),
-            events: spec.events.iter().map(|e| e.events.clone()).collect(),
-            replay: spec.events.iter().map(|e| e.replay.clone().unwrap_or_default()).collect(),
-            topic: self.topic.clone(),
-            health: spec.health.clone(),
-        };
-        Instance { role: Role::Engine, engine: Some(Box::new(endpoints)), ..spec.instance }
+        Instance { role: Role::Engine, ..self.spec(page_size).instance }
     }
 
     /// What the scheduler follows; without `page=`, `page_size` (the scheduler's
@@ -118,23 +132,30 @@ impl EngineArg {
     pub fn spec(&self, page_size: u32) -> EngineSpec {
         let at =
             |(host, port): &(String, u16), r: u32| format!("tcp://{host}:{}", *port as u32 + r);
-        let events = (0..self.dp)
+        let events: Vec<EngineEndpoint> = (0..self.dp)
             .map(|r| EngineEndpoint {
                 events: at(&self.events, r),
                 replay: self.replay.as_ref().map(|p| at(p, r)),
                 topic: self.topic.clone(),
             })
             .collect();
+        let endpoints = EngineEndpoints {
+            kind: self.kind.clone(),
+            events: events.iter().map(|e| e.events.clone()).collect(),
+            replay: events.iter().map(|e| e.replay.clone().unwrap_or_default()).collect(),
+            topic: self.topic.clone(),
+            health: self.health.clone(),
+        };
         let instance = Instance {
             id: self.id.parse().unwrap_or_else(|_| unreachable!("checked when parsed")),
             role: Role::Prefill,
             model: self.model.clone(),
-            bootstrap_addr: String::new(),
+            bootstrap_addr: self.bootstrap.clone(),
             grpc_addr: self.url.clone(),
             topology: Topology { dp: self.dp, tp: 1, pp: 1, cp: 1 },
             page_size: self.page.unwrap_or(page_size),
             version: rand::random::<u64>() | 1,
-            engine: None,
+            engine: Some(Box::new(endpoints)),
         };
         EngineSpec {
             instance,
@@ -160,6 +181,13 @@ mod tests {
         let back = EngineSpec::from_registration(e.registration(16)).expect("a full registration");
         assert_eq!(back.events, s.events, "what a scheduler follows from etcd is the same");
         assert_eq!((back.health, back.instance.role), (s.health, Role::Engine));
+        let g = engine_arg("id=sgl-a,events=tcp://h:5557,kind=sglang,url=h:30000,bootstrap=h:8998")
+            .unwrap();
+        let back = EngineSpec::from_registration(g.registration(16)).unwrap();
+        assert_eq!(back.instance.bootstrap_addr, "h:8998");
+        assert_eq!(handoff_scheduler::Protocol::of(&back.instance).name(), "sglang");
+        assert_eq!(handoff_scheduler::Protocol::of(&g.spec(16).instance).name(), "sglang");
+        assert_eq!(handoff_scheduler::Protocol::of(&s.instance).name(), "engine");
         for (bad, why) in [
             ("events=tcp://h:1,url=h:2", "id= is required"),
             ("id=a,url=h:2", "events= is required"),
@@ -171,6 +199,9 @@ mod tests {
             ("id=a,events=tcp://h:1,replay=tcp://h:65535,dp=2,url=h:2", "replay port"),
             ("id=a,events=tcp://h:1,url=http://h:2", "HOST:PORT"),
             ("id=a,events=tcp://h:1", "health="),
+            ("id=a,events=tcp://h:1,url=h:2,bootstrap=h:3", "kind=sglang"),
+            ("id=a,events=tcp://h:1,kind=sglang,health=h:2,bootstrap=h:3", "url="),
+            ("id=a,events=tcp://h:1,kind=sglang,url=h:2,bootstrap=h", "HOST:PORT"),
         ] {
             let e = engine_arg(bad).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");

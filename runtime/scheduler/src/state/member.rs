@@ -11,6 +11,7 @@ use tracing::{info, warn};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::BreakerConfig;
+use crate::Protocol;
 
 /// What selection reads of one slot, mirrored from its member whenever the member changes,
 /// so choosing among a thousand workers walks dense vectors by slot.
@@ -26,6 +27,8 @@ pub(super) struct Route {
     pub(super) page_size: u32,
     /// Its instance's measured prefill cost, in microseconds per computed token (0: unknown).
     pub(super) token_cost_us: f32,
+    /// How its instance is driven.
+    pub(super) protocol: Protocol,
 }
 
 /// A breaker as selection sees it.
@@ -175,9 +178,9 @@ impl Member {
     pub(super) fn routes(&self) -> impl Iterator<Item = (Slot, Route)> + '_ {
         let (live, gate, page_size, token_cost_us) =
             (self.routable(), self.breaker.gate(), self.instance.page_size, self.token_cost_us);
-        self.slots
-            .iter()
-            .zip(&self.ring)
-            .map(move |(&s, &ring)| (s, Route { live, gate, ring, page_size, token_cost_us }))
+        let protocol = Protocol::of(&self.instance);
+        self.slots.iter().zip(&self.ring).map(move |(&s, &ring)| {
+            (s, Route { live, gate, ring, page_size, token_cost_us, protocol })
+        })
     }
 }

@@ -12,9 +12,9 @@ use super::admission::{self, Budget};
 use super::bookings::{Booking, BookingId};
 use super::pending;
 use super::{Inner, SchedulerState, Selection};
-use crate::SchedulerError;
 use crate::policy::{Candidate, PolicyKind, Request};
 use crate::rejects::Reject;
+use crate::{Protocols, SchedulerError};
 
 /// How an attempt ended, as far as its instance is concerned (the wire's `Outcome`). Only
 /// [`Outcome::InstanceFault`] counts against the instance's circuit breaker: overload,
@@ -61,12 +61,21 @@ pub struct Ask<'a> {
     pub exclude: &'a [InstanceId],
     /// Time left before the request's deadline, if it has one.
     pub deadline: Option<Duration>,
+    /// The protocols the caller can drive: instances speaking others are not chosen.
+    pub protocols: Protocols,
 }
 
 impl<'a> Ask<'a> {
     /// A request for `hashes` of a `prompt_tokens`-token prompt, default policy, no deadline.
     pub fn new(hashes: &'a [BlockHash], prompt_tokens: u32) -> Self {
-        Ask { hashes, prompt_tokens, policy: None, exclude: &[], deadline: None }
+        Ask {
+            hashes,
+            prompt_tokens,
+            policy: None,
+            exclude: &[],
+            deadline: None,
+            protocols: Protocols::ANY,
+        }
     }
 }
 
@@ -175,6 +184,9 @@ impl SchedulerState {
                 }
                 if passes == pass {
                     continue; // first pass: the passing ones; second: the ejected ones
+                }
+                if !ask.protocols.contains(route.protocol) {
+                    continue;
                 }
                 let slot = index.slot_at(s);
                 if !ask.exclude.is_empty()

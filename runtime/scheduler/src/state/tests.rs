@@ -60,11 +60,9 @@ fn exclusion_removal_and_bad_requests() {
     for _ in 0..4 {
         assert_eq!(
             s.select(&Ask {
-                hashes: &[],
-                prompt_tokens: 10,
                 policy: Some(PolicyKind::RoundRobin),
                 exclude: std::slice::from_ref(&a),
-                deadline: None
+                ..Ask::new(&[], 10)
             })
             .unwrap()
             .instance
@@ -75,18 +73,43 @@ fn exclusion_removal_and_bad_requests() {
     }
     s.apply_update(Update::Remove("b".parse().unwrap()));
     assert!(matches!(
-        s.select(&Ask {
-            hashes: &[],
-            prompt_tokens: 10,
-            policy: None,
-            exclude: &[a],
-            deadline: None
-        }),
+        s.select(&Ask { exclude: &[a], ..Ask::new(&[], 10) }),
         Err(SchedulerError::NoInstance(_))
     ));
     assert!(matches!(s.select(&Ask::new(&[], 0)), Err(SchedulerError::Invalid(_))));
     let too_many = vec![BlockHash(1); (1 << 16) + 1];
     assert!(matches!(s.select(&Ask::new(&too_many, 10)), Err(SchedulerError::Invalid(_))));
+}
+
+#[test]
+fn instances_speaking_a_protocol_the_caller_cannot_drive_are_not_chosen() {
+    use crate::{Protocol, Protocols};
+    let s = SchedulerState::new(SchedulerConfig::default());
+    let engine = |id: &str, kind: &str, boot: &str| Instance {
+        engine: Some(Box::new(handoff_discovery::EngineEndpoints {
+            kind: kind.into(),
+            ..Default::default()
+        })),
+        bootstrap_addr: boot.into(),
+        ..inst(id, 1)
+    };
+    s.apply_update(Update::Reset(vec![inst("a", 1)]));
+    assert!(s.add_engine(engine("v", "vllm", "")));
+    assert!(s.add_engine(engine("g", "sglang", "g:8998")));
+    let frontend: Protocols = Protocols::from_names(&["handoff".into(), "sglang".into()]).unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..12 {
+        let ask =
+            Ask { policy: Some(PolicyKind::RoundRobin), protocols: frontend, ..Ask::new(&[], 10) };
+        let sel = s.select(&ask).unwrap();
+        seen.insert((sel.instance.id.to_string(), Protocol::of(&sel.instance).name()));
+    }
+    let want = [("a".to_owned(), "handoff"), ("g".to_owned(), "sglang")];
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), want, "never the vLLM engine");
+    let only = Ask { protocols: Protocol::Engine.into(), ..Ask::new(&[], 10) };
+    assert_eq!(s.select(&only).unwrap().instance.id.as_str(), "v");
+    s.remove_engine(&"v".parse().unwrap());
+    assert!(matches!(s.select(&only), Err(SchedulerError::NoInstance(_))));
 }
 
 #[test]
@@ -109,13 +132,7 @@ fn removed_or_restarted_instances_lose_their_index() {
 /// Books a request on `on`, the other instances excluded.
 fn book(s: &SchedulerState, on: &str, others: &[InstanceId]) -> Selection {
     let sel = s
-        .select(&Ask {
-            hashes: &[],
-            prompt_tokens: 10,
-            policy: Some(PolicyKind::RoundRobin),
-            exclude: others,
-            deadline: None,
-        })
+        .select(&Ask { policy: Some(PolicyKind::RoundRobin), exclude: others, ..Ask::new(&[], 10) })
         .unwrap();
     assert_eq!(sel.instance.id.as_str(), on);
     sel

@@ -1,0 +1,186 @@
+//! A handoff frontend decoding for an SGLang prefill server: `handoff scheduler --engine
+//! id=..,kind=sglang,url=..,bootstrap=..` routes a request to it, the frontend POSTs it to the
+//! server's `/generate` with the bootstrap fields and receives the KV as SGLang's decode, then
+//! streams the tokens. The server is `peers/sglang_server.py` in the sglang crate, a MOCK named
+//! as such: SGLang 0.5.23's own bootstrap server, KV manager and sender over the real Mooncake
+//! wheel, with the KV of each prompt computed beforehand by our engine (no torch here).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use handoff_engine::{Engine, Sampling};
+use handoff_proto::v1::generate_client::GenerateClient;
+use handoff_proto::v1::generate_request::Input;
+use handoff_proto::v1::generate_response::Event;
+use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
+use handoff_sglang::SglangLayout;
+use handoff_smollm::{SmolConfig, SmolLm};
+
+use super::processes::addr_after;
+use super::servers::{Handoff, free_port};
+
+/// The mock SGLang prefill server, killed on drop.
+struct MockSglangServer {
+    child: Child,
+    http: u16,
+    bootstrap: u16,
+}
+
+impl Drop for MockSglangServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl MockSglangServer {
+    fn start(spec: &std::path::Path) -> Self {
+        let python = std::env::var("HANDOFF_PEERS_PYTHON").unwrap_or_else(|_| {
+            panic!("HANDOFF_PEERS_PYTHON is not set: run `export HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\"` (scripts/test does)")
+        });
+        let script =
+            format!("{}/../sglang/tests/peers/sglang_server.py", env!("CARGO_MANIFEST_DIR"));
+        let (http, bootstrap) = (free_port(), free_port());
+        let mut child = Command::new(python)
+            .args([&script, &http.to_string(), &bootstrap.to_string()])
+            .arg(spec)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the peers' python runs");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.contains("\"http\""), "the mock SGLang server did not start: {line:?}");
+        MockSglangServer { child, http, bootstrap }
+    }
+}
+
+struct Prompt {
+    tokens: Vec<u32>,
+    /// Greedy tokens of the engine aggregated: prefill and decode in one process.
+    expected: Vec<u32>,
+}
+
+/// Computes `text`'s KV with the real model, writes it in SGLang's pages for the mock server,
+/// and the tokens the engine generates from it.
+async fn prepare(
+    m: &SmolLm,
+    text: &str,
+    dir: &std::path::Path,
+    aux_room_delta: u64,
+) -> (Prompt, serde_json::Value) {
+    let tokens = m.tokenize(text).unwrap();
+    let p = m.prefill(&tokens, None, &Sampling::default()).await.unwrap();
+    let shape = p.kv.shape();
+    let layout = SglangLayout {
+        layers: shape.layers,
+        page_size: 16,
+        kv_heads: shape.kv_heads,
+        head_bytes: shape.head_bytes,
+        aux_row_bytes: handoff_sglang::layout::AUX_ROW_BYTES.to_vec(),
+    };
+    let file = dir.join(format!("kv-{}.bin", free_port()));
+    std::fs::write(&file, layout.pages_from_kv(&p.kv).unwrap()).unwrap();
+    let entry = serde_json::json!({
+        "input_ids": tokens, "first_token": p.first_token, "kv_file": file,
+        "aux_room_delta": aux_room_delta,
+    });
+    let mut expected = vec![p.first_token];
+    let mut d = m.decoder(p.kv, p.first_token, &Sampling::default()).unwrap();
+    while expected.len() < 8 {
+        expected.push(d.step().await.unwrap());
+    }
+    (Prompt { tokens, expected }, entry)
+}
+
+async fn generate(
+    client: &mut GenerateClient<tonic::transport::Channel>,
+    tokens: &[u32],
+) -> Result<(Vec<u32>, u64), tonic::Status> {
+    let req = GenerateRequest {
+        input: Some(Input::TokenIds(TokenIds { ids: tokens.to_vec() })),
+        sampling: Some(SamplingParams { max_tokens: 8, ignore_eos: true, ..Default::default() }),
+        deadline_ms: 60_000,
+        ..Default::default()
+    };
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = stream.message().await? {
+        match m.event {
+            Some(Event::Chunk(c)) => out.extend(c.token_ids),
+            Some(Event::Complete(c)) => {
+                let room = c.evidence.map_or(0, |e| e.bootstrap_room);
+                return Ok((out, room));
+            }
+            None => {}
+        }
+    }
+    Err(tonic::Status::internal("stream ended without Complete"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frontend_decodes_what_an_sglang_prefill_server_computed() {
+    let path = std::env::var("HANDOFF_MODEL").unwrap_or_else(|_| {
+        panic!("HANDOFF_MODEL is not set: run `export HANDOFF_MODEL=\"$(scripts/fetch-model)\"` (scripts/test does)")
+    });
+    let m = SmolLm::load(&SmolConfig::new(path)).unwrap();
+    let dir = std::env::temp_dir().join(format!("handoff-sglang-server-{}", free_port()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (paris, a) = prepare(&m, "The capital of France is", &dir, 0).await;
+    let (colours, b) =
+        prepare(&m, "The three primary colours are red, blue and yellow; mixing two", &dir, 0)
+            .await;
+    // The metadata row of this one names another room: somebody else's KV.
+    let (corrupt, c) = prepare(&m, "def fibonacci(n):", &dir, 1).await;
+    let s = m.info().shape;
+    let spec = serde_json::json!({
+        "layers": s.layers, "page_size": 16, "kv_heads": s.kv_heads, "head_bytes": s.head_bytes,
+        "prompts": [a, b, c],
+    });
+    let spec_file = dir.join("spec.json");
+    std::fs::write(&spec_file, spec.to_string()).unwrap();
+    let server = MockSglangServer::start(&spec_file);
+
+    let engine = format!(
+        "id=sgl-0,kind=sglang,events=tcp://127.0.0.1:{},url=127.0.0.1:{},bootstrap=127.0.0.1:{}",
+        free_port(),
+        server.http,
+        server.bootstrap
+    );
+    let (_scheduler, line) =
+        Handoff::spawn(&["scheduler", "--listen", "127.0.0.1:0", "--engine", &engine]);
+    let scheduler = addr_after(&line, "grpc://");
+    let (_frontend, line) = Handoff::spawn(&[
+        "frontend",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--scheduler",
+        &scheduler,
+    ]);
+    let mut client =
+        GenerateClient::connect(format!("http://{}", addr_after(&line, "grpc://"))).await.unwrap();
+
+    // Twice the first prompt (the decode registered with the rank once), then another.
+    let mut rooms = Vec::new();
+    for p in [&paris, &paris, &colours] {
+        let (tokens, room) =
+            tokio::time::timeout(Duration::from_secs(90), generate(&mut client, &p.tokens))
+                .await
+                .expect("answered in time")
+                .expect("generated from the SGLang prefill's KV");
+        assert_eq!(tokens, p.expected, "token for token what the engine generates aggregated");
+        rooms.push(room);
+    }
+    rooms.dedup();
+    assert_eq!(rooms.len(), 3, "a fresh room each request: {rooms:?}");
+
+    // A corrupted row fails its request with the reason; the next request is unaffected.
+    let err = generate(&mut client, &corrupt.tokens).await.expect_err("a foreign room is refused");
+    assert!(err.message().contains("bootstrap_room mismatch"), "{}: {}", err.code(), err.message());
+    let (tokens, _) = generate(&mut client, &colours.tokens).await.expect("still served");
+    assert_eq!(tokens, colours.expected);
+    let _ = std::fs::remove_dir_all(&dir);
+}

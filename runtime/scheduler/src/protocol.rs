@@ -1,0 +1,128 @@
+//! [`Protocol`]: how a routed instance is driven, and [`Protocols`]: the set a caller can
+//! drive. A frontend that speaks handoff and SGLang is never handed a vLLM engine it could
+//! not use; a router that drives engines itself asks for any.
+
+use handoff_discovery::Instance;
+
+use crate::SchedulerError;
+
+/// How a routed instance is driven.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Protocol {
+    /// A handoff prefill: its Prefill gRPC service, KV over the agent in its directory.
+    #[default]
+    Handoff,
+    /// An SGLang prefill server (registered `kind=sglang` with a bootstrap directory): HTTP
+    /// `/generate` with the bootstrap fields, KV over Mooncake per SGLang's PD protocol.
+    Sglang,
+    /// Any other engine: routers drive it themselves, over its own HTTP API.
+    Engine,
+}
+
+impl Protocol {
+    /// Every protocol, in wire-name order.
+    pub const ALL: [Protocol; 3] = [Protocol::Handoff, Protocol::Sglang, Protocol::Engine];
+
+    /// How `instance` is driven: engines by their registered kind, and only those with a
+    /// bootstrap directory speak SGLang's PD protocol.
+    pub fn of(instance: &Instance) -> Protocol {
+        match &instance.engine {
+            None => Protocol::Handoff,
+            Some(e) if e.kind == "sglang" && !instance.bootstrap_addr.is_empty() => {
+                Protocol::Sglang
+            }
+            Some(_) => Protocol::Engine,
+        }
+    }
+
+    /// Its name on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Handoff => "handoff",
+            Protocol::Sglang => "sglang",
+            Protocol::Engine => "engine",
+        }
+    }
+
+    fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
+/// A set of protocols a caller can drive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Protocols(u8);
+
+impl Protocols {
+    /// Every instance, whatever it speaks.
+    pub const ANY: Protocols = Protocols(0b111);
+
+    /// Whether `p` is in the set.
+    pub fn contains(self, p: Protocol) -> bool {
+        self.0 & p.bit() != 0
+    }
+
+    /// The set named on the wire (empty: any); an unknown name is refused.
+    pub fn from_names(names: &[String]) -> Result<Protocols, SchedulerError> {
+        if names.is_empty() {
+            return Ok(Protocols::ANY);
+        }
+        if names.len() > Protocol::ALL.len() * 4 {
+            return Err(SchedulerError::Invalid(format!("{} protocols named", names.len())));
+        }
+        names.iter().try_fold(Protocols(0), |set, n| {
+            let p = Protocol::ALL.into_iter().find(|p| p.name() == n).ok_or_else(|| {
+                SchedulerError::Invalid(format!(
+                    "unknown protocol {:?} (known: handoff, sglang, engine)",
+                    n.chars().take(64).collect::<String>()
+                ))
+            })?;
+            Ok(Protocols(set.0 | p.bit()))
+        })
+    }
+}
+
+impl From<Protocol> for Protocols {
+    fn from(p: Protocol) -> Self {
+        Protocols(p.bit())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use handoff_discovery::{EngineEndpoints, Role, Topology};
+
+    fn instance(engine: Option<&str>, bootstrap: &str) -> Instance {
+        Instance {
+            id: "i-1".parse().unwrap(),
+            role: Role::Prefill,
+            model: String::new(),
+            bootstrap_addr: bootstrap.into(),
+            grpc_addr: "h:1".into(),
+            topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+            page_size: 16,
+            version: 1,
+            engine: engine
+                .map(|k| Box::new(EngineEndpoints { kind: k.into(), ..Default::default() })),
+        }
+    }
+
+    #[test]
+    fn instances_are_driven_by_what_they_registered() {
+        assert_eq!(Protocol::of(&instance(None, "h:2")), Protocol::Handoff);
+        assert_eq!(Protocol::of(&instance(Some("sglang"), "h:8998")), Protocol::Sglang);
+        assert_eq!(Protocol::of(&instance(Some("sglang"), "")), Protocol::Engine, "no directory");
+        assert_eq!(Protocol::of(&instance(Some("vllm"), "h:2")), Protocol::Engine);
+    }
+
+    #[test]
+    fn sets_parse_from_names_and_unknown_names_are_refused() {
+        let set = Protocols::from_names(&["handoff".into(), "sglang".into()]).unwrap();
+        assert!(set.contains(Protocol::Handoff) && set.contains(Protocol::Sglang));
+        assert!(!set.contains(Protocol::Engine));
+        assert_eq!(Protocols::from_names(&[]).unwrap(), Protocols::ANY);
+        let e = Protocols::from_names(&["nixl".into()]).unwrap_err();
+        assert!(e.to_string().contains("unknown protocol \"nixl\""), "{e}");
+    }
+}

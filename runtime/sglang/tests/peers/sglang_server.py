@@ -1,0 +1,188 @@
+"""A MOCK SGLang prefill server, for tests: SGLang 0.5.23's own PD prefill classes
+(CommonKVBootstrapServer, MooncakeKVManager in PREFILL mode, one MooncakeKVSender per request)
+run unmodified from the wheel on CPU buffers, through the real Mooncake wheel; what SGLang's
+scheduler and model runner would add is played by this script. There is no forward pass here
+(no torch, no GPU): the KV of each prompt it serves was computed beforehand by handoff's engine
+and is named in SPEC; a prompt it was not given is refused with 400.
+
+argv: HTTP_PORT BOOT_PORT SPEC. SPEC is a JSON file: the layout (layers, page_size, kv_heads,
+head_bytes) and `prompts`, each {input_ids, first_token, kv_file[, aux_room_delta]} (kv_file:
+every K/V buffer's pages in turn; aux_room_delta: added to the room written in the metadata
+row, a corrupted row the decode must refuse). Serves, as SGLang's HTTP server does:
+- POST /generate with GenerateReqInput's input_ids, sampling_params, bootstrap_host,
+  bootstrap_port, bootstrap_room: leases pages and a metadata row of its pool, writes the
+  prompt's KV there, creates a sender for the room (bootstrap_host:BOOT_PORT, as
+  PrefillBootstrapQueue does), waits for the decode's transfer info, sends the pages in two
+  chunks and the row, and answers once the sender reaches Success (500 if it fails);
+- GET /health.
+Prints one JSON line when ready: {"http": port, "bootstrap": port}."""
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+os.environ.setdefault("MC_FORCE_TCP", "1")
+os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+import sgl_shim  # noqa: E402  (before any sglang import)
+
+logging.basicConfig(level=logging.WARNING)
+if not hasattr(logging.Logger, "warning_once"):
+    logging.Logger.warning_once = logging.Logger.warning
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer  # noqa: E402
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVSender  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+
+http_port, boot_port = int(sys.argv[1]), int(sys.argv[2])
+spec = json.load(open(sys.argv[3]))
+LAYERS, PAGE, HEADS, HEAD_BYTES = (spec[k] for k in ("layers", "page_size", "kv_heads", "head_bytes"))
+ITEM_LEN = PAGE * HEADS * HEAD_BYTES  # bytes of one page of one K or V buffer
+PROMPTS = {}
+for p in spec["prompts"]:
+    n = -(-len(p["input_ids"]) // PAGE)
+    data = np.fromfile(p["kv_file"], dtype=np.uint8).reshape(2 * LAYERS, n, ITEM_LEN)
+    PROMPTS[tuple(p["input_ids"])] = (data, p["first_token"], p.get("aux_room_delta", 0))
+POOL_PAGES, AUX_ROWS = 64, 16
+# MetadataBuffers rows without speculative decoding: (dtype, width); bootstrap_room last.
+AUX = [(np.int32, 16), (np.int32, 16), (np.float32, 16), (np.int32, 16), (np.float32, 128),
+       (np.int32, 128), (np.float32, 16), (np.int64, 16), (np.float32, 16), (np.uint64, 8)]
+
+sgl_shim.CONFIG["disagg"].set(disaggregation_bootstrap_port=boot_port)
+server_args = sgl_shim.Config("server_args", enable_pd_role_switch=False)
+CommonKVBootstrapServer(host="127.0.0.1", port=boot_port)
+
+from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (  # noqa: E402
+    init_mooncake_transfer_engine,
+)
+from sglang.srt.utils.network import get_local_ip_auto  # noqa: E402
+
+init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=0, ib_device=None)
+
+# The pool as MHATokenToKVPool lays it out: per layer a K and a V tensor [rows, heads, dim],
+# one padding page; kv_data_ptrs = all K, then all V.
+kv = [np.zeros(((POOL_PAGES + 1) * PAGE, HEADS, HEAD_BYTES), dtype=np.uint8)
+      for _ in range(2 * LAYERS)]
+aux = [np.zeros((AUX_ROWS, w), dtype=dt) for dt, w in AUX]
+
+args = KVArgs()
+args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = 0, 0, None, None
+args.kv_cache_dtype_str, args.kv_layout = "auto", None
+args.prefill_start_layer, args.prefill_end_layer = 0, LAYERS
+args.kv_data_ptrs = [t.ctypes.data for t in kv]
+args.kv_data_lens = [t.nbytes for t in kv]
+args.kv_item_lens = [ITEM_LEN] * len(kv)
+args.num_draft_entries, args.kv_layer_ids = 0, []
+args.kv_head_num = args.total_kv_head_num = HEADS
+args.page_size = PAGE
+args.aux_data_ptrs = [a.ctypes.data for a in aux]
+args.aux_data_lens = [a.nbytes for a in aux]
+args.aux_item_lens = [a[0].nbytes for a in aux]
+args.ib_device, args.gpu_id = None, 0
+args.state_types, args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], [], []
+args.state_dim_per_tensor, args.state_slice_outer_counts, args.state_layer_ids = [], [], []
+args.is_hybrid_mla_backend, args.state_conv_shard_groups = False, []
+args.swa_kv_cache_layout, args.mla_compression_ratios = None, None
+manager = MooncakeKVManager(args, DisaggregationMode.PREFILL, server_args, is_mla_backend=False)
+
+# The scheduler's side: free pages (page 0 is padding) and rows, one lock for the pool and
+# the manager's calls (SGLang's scheduler makes them from one thread).
+lock = threading.Lock()
+free_pages = list(range(1, POOL_PAGES + 1))
+free_rows = list(range(AUX_ROWS))
+
+
+def wait(sender, states, timeout):
+    end = time.time() + timeout
+    while time.time() < end:
+        s = sender.poll()
+        if s in states or s == KVPoll.Failed:
+            return s
+        time.sleep(0.002)
+    return sender.poll()
+
+
+def prefill(req):
+    """Runs one request: (status, answer)."""
+    ids = req.get("input_ids")
+    room = req.get("bootstrap_room")
+    if not isinstance(ids, list) or not isinstance(room, int) or not req.get("bootstrap_host"):
+        return 400, {"error": {"message": "input_ids, bootstrap_host and bootstrap_room are required"}}
+    known = PROMPTS.get(tuple(ids))
+    if known is None:
+        return 400, {"error": {"message": "mock server: no KV was given for this prompt"}}
+    data, first_token, delta = known
+    n = data.shape[1]
+    with lock:
+        if len(free_pages) < n or not free_rows:
+            return 503, {"error": {"message": "the KV pool is full"}}
+        pages = np.array([free_pages.pop() for _ in range(n)], dtype=np.int32)
+        row = free_rows.pop()
+        for b, t in enumerate(kv):
+            t.reshape(-1, ITEM_LEN)[pages] = data[b]
+        for a in aux:
+            a[row] = 0
+        aux[0][row][0] = first_token
+        aux[-1][row][0] = (room + delta) % (1 << 64)
+        sender = MooncakeKVSender(mgr=manager, bootstrap_addr=f"{req['bootstrap_host']}:{boot_port}",
+                                  bootstrap_room=room, req_has_disagg_prefill_dp_rank=False)
+    try:
+        if wait(sender, {KVPoll.WaitingForInput}, 30) != KVPoll.WaitingForInput:
+            return 500, {"error": {"message": "no decode asked for the room"}}
+        with lock:
+            sender.init(num_kv_indices=n, aux_index=row)
+            cut = max(1, n - 1)
+            sender.send(pages[:cut])  # two chunks, as chunked prefill sends them
+            if cut < n:
+                sender.send(pages[cut:])
+        state = wait(sender, {KVPoll.Success}, 30)
+        if state != KVPoll.Success:
+            return 500, {"error": {"message": f"KV transfer failed (poll {state})"}}
+        return 200, {"text": "", "output_ids": [first_token], "meta_info": {
+            "id": str(room), "prompt_tokens": len(ids), "completion_tokens": 1,
+            "cached_tokens": 0, "finish_reason": {"type": "length", "length": 1}}}
+    finally:
+        with lock:
+            sender.clear()
+            free_pages.extend(int(p) for p in pages)
+            free_rows.append(row)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def answer(self, status, body):
+        out = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def do_GET(self):
+        if self.path == "/health":
+            self.answer(200, {})
+        else:
+            self.answer(404, {"error": {"message": "not found"}})
+
+    def do_POST(self):
+        if self.path != "/generate":
+            return self.answer(404, {"error": {"message": "not found"}})
+        try:
+            req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        except ValueError as e:
+            return self.answer(400, {"error": {"message": f"not JSON: {e}"}})
+        self.answer(*prefill(req))
+
+
+server = ThreadingHTTPServer(("127.0.0.1", http_port), Handler)
+print(json.dumps({"http": http_port, "bootstrap": boot_port}), flush=True)
+server.serve_forever()
