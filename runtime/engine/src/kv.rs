@@ -98,6 +98,24 @@ impl Kv {
         &mut self.data[r]
     }
 
+    /// Byte range of layer `layer` (its K and V runs of every head over all tokens: one
+    /// contiguous run of the layout).
+    pub fn layer_range(&self, layer: usize) -> Range<usize> {
+        let len = 2 * self.shape.kv_heads * self.tokens * self.shape.head_bytes;
+        layer * len..(layer + 1) * len
+    }
+
+    /// The bytes of layer `layer`.
+    pub fn layer(&self, layer: usize) -> &[u8] {
+        &self.data[self.layer_range(layer)]
+    }
+
+    /// Mutable bytes of layer `layer`.
+    pub fn layer_mut(&mut self, layer: usize) -> &mut [u8] {
+        let r = self.layer_range(layer);
+        &mut self.data[r]
+    }
+
     /// A copy of tokens `toks`.
     pub fn slice_tokens(&self, toks: Range<usize>) -> Kv {
         let mut out = Kv::zeroed(self.shape, toks.len());

@@ -64,6 +64,19 @@ pub struct Prefilled {
     pub first_token: u32,
 }
 
+/// One layer of a prompt's KV, handed on by [`Engine::prefill_streamed`] as soon as it is
+/// computed: [`Kv::layer`] of the finished KV, every prompt token (cached prefix included).
+#[derive(Debug, Clone)]
+pub struct LayerKv {
+    /// The layer.
+    pub layer: usize,
+    /// Its K and V runs, canonical layout.
+    pub bytes: bytes::Bytes,
+}
+
+/// Where a streamed prefill hands its layers, in layer order.
+pub type LayerSink = tokio::sync::mpsc::UnboundedSender<LayerKv>;
+
 /// A model runtime.
 #[async_trait]
 pub trait Engine: Send + Sync + 'static {
@@ -87,6 +100,26 @@ pub trait Engine: Send + Sync + 'static {
         prefix: Option<Kv>,
         sampling: &Sampling,
     ) -> Result<Prefilled, EngineError>;
+
+    /// As [`Engine::prefill`], handing each layer's KV to `layers` as soon as it is computed,
+    /// so it can travel while later layers compute. The default computes the whole prompt,
+    /// then hands every layer on.
+    async fn prefill_streamed(
+        &self,
+        tokens: &[u32],
+        prefix: Option<Kv>,
+        sampling: &Sampling,
+        layers: LayerSink,
+    ) -> Result<Prefilled, EngineError> {
+        let p = self.prefill(tokens, prefix, sampling).await?;
+        for layer in 0..p.kv.shape().layers {
+            let bytes = bytes::Bytes::copy_from_slice(p.kv.layer(layer));
+            if layers.send(LayerKv { layer, bytes }).is_err() {
+                break; // nobody listens any more
+            }
+        }
+        Ok(p)
+    }
 
     /// How many engine handles take turns on this one's compute, itself included (1: it has
     /// its compute to itself). A cost measured while it ran alone is this many times too

@@ -1,36 +1,16 @@
-//! One rank of a prefill instance, and how it sends its KV shard.
+//! One rank of a prefill instance, and how it sends its KV shard: to each decode rank that
+//! reads from it, layer by layer as the engine computes them, one notice over them all.
 
-use bytes::Bytes;
+use std::ops::Range;
+
 use futures::future::try_join_all;
-use handoff_bootstrap::mapping::{self, Parallel, RegionLayout};
+use handoff_bootstrap::mapping::{self, Parallel, RegionLayout, Shard};
 use handoff_core::Room;
-use handoff_engine::{Kv, KvShape, kv::run_range};
-use handoff_transfer::{Agent, ConnectRequest, SenderId, WriteRequest};
+use handoff_engine::{KvShape, LayerKv, kv::run_range};
+use handoff_transfer::{Agent, ConnectRequest, SenderId, WriteStream};
 use tokio::time::Instant;
 
 use crate::PrefillError;
-
-/// A prompt's KV, shared (not copied) by every rank's sends.
-#[derive(Debug, Clone)]
-pub struct SharedKv {
-    bytes: Bytes,
-    shape: KvShape,
-    tokens: usize,
-}
-
-impl SharedKv {
-    /// Its size in bytes.
-    pub fn byte_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
-impl From<Kv> for SharedKv {
-    fn from(kv: Kv) -> Self {
-        let (shape, tokens) = (kv.shape(), kv.tokens());
-        SharedKv { bytes: Bytes::from(kv.into_bytes()), shape, tokens }
-    }
-}
 
 /// What every notice of a request carries besides the room.
 #[derive(Debug, Clone, Copy)]
@@ -57,16 +37,16 @@ pub struct Rank {
 }
 
 impl Rank {
-    /// Waits for the handshakes of every decode rank that reads from this rank for `room`,
-    /// and sends each its shard. Returns the handshakes served.
-    pub async fn send(
+    /// Waits for the handshakes of every decode rank that reads from this rank for `room`
+    /// (`tokens` prompt tokens of `shape`), and opens a streamed write to each.
+    pub async fn destinations(
         &self,
         par: Parallel,
         room: Room,
-        kv: &SharedKv,
-        meta: SendMeta,
+        shape: KvShape,
+        tokens: usize,
         deadline: Instant,
-    ) -> Result<usize, PrefillError> {
+    ) -> Result<Vec<Destination>, PrefillError> {
         let inbox = self.agent.inbox();
         let mut hs = inbox.accept(room, 1, deadline).await?;
         let d = hs[0].dst_tp_size as usize;
@@ -80,25 +60,24 @@ impl Rank {
         if hs.len() < peers {
             hs.extend(inbox.accept(room, peers - hs.len(), deadline).await?);
         }
-        let sends = hs.iter().map(|h| self.send_one(par, room, kv, meta, h, d));
-        Ok(try_join_all(sends).await?.len())
+        let opens = hs.iter().map(|h| self.destination(par, shape, tokens, h, d));
+        try_join_all(opens).await
     }
 
-    async fn send_one(
+    async fn destination(
         &self,
         par: Parallel,
-        room: Room,
-        kv: &SharedKv,
-        meta: SendMeta,
+        shape: KvShape,
+        tokens: usize,
         h: &ConnectRequest,
         d: usize,
-    ) -> Result<(), PrefillError> {
+    ) -> Result<Destination, PrefillError> {
         let (tp, pp, dst) = (self.tp as usize, self.pp as usize, h.dst_tp_rank as usize);
-        let heads = kv.shape.kv_heads;
-        if h.dst_tp_size as usize != d || dst >= d || h.tokens as usize != kv.tokens {
+        let heads = shape.kv_heads;
+        if h.dst_tp_size as usize != d || dst >= d || h.tokens as usize != tokens {
             return Err(PrefillError::Invalid(format!(
-                "handshake for decode rank {dst}/{} of {} tokens does not match this request ({} tokens)",
-                h.dst_tp_size, h.tokens, kv.tokens
+                "handshake for decode rank {dst}/{} of {} tokens does not match this request ({tokens} tokens)",
+                h.dst_tp_size, h.tokens
             )));
         }
         let decode = Parallel { tp: d, pp: 1, cp: 1 };
@@ -109,12 +88,12 @@ impl Rank {
                 "decode rank {dst} does not read from tp rank {tp}"
             )));
         }
-        let shard = mapping::shard(par, d, tp, pp, dst, heads, kv.shape.layers);
+        let shard = mapping::shard(par, d, tp, pp, dst, heads, shape.layers);
         let layout = RegionLayout {
-            layers: kv.shape.layers,
+            layers: shape.layers,
             heads: mapping::heads_per_rank(d, heads),
-            tokens: kv.tokens,
-            head_bytes: kv.shape.head_bytes,
+            tokens,
+            head_bytes: shape.head_bytes,
         };
         if h.region_len != layout.len() {
             return Err(PrefillError::Invalid(format!(
@@ -123,27 +102,56 @@ impl Rank {
                 layout.len()
             )));
         }
-        let mut pairs = Vec::with_capacity(shard.layers.len() * 2 * shard.heads);
-        for l in shard.layers.clone() {
-            for k in 0..2 {
-                for i in 0..shard.heads {
-                    let src =
-                        run_range(kv.shape, kv.tokens, l, k, shard.src_head + i, 0..kv.tokens);
-                    pairs.push((kv.bytes.slice(src), layout.run_offset(l, k, shard.dst_head + i)));
-                }
+        let sender = SenderId::new(self.tp as u16, self.pp as u16);
+        let stream = self.agent.open_write(&h.receiver, h.region, sender).await?;
+        Ok(Destination { shard, layout, shape, tokens, stream })
+    }
+}
+
+/// One decode rank this rank sends a room's KV to: its shard, where each run lands, and the
+/// write streamed to it.
+#[derive(Debug)]
+pub struct Destination {
+    shard: Shard,
+    layout: RegionLayout,
+    shape: KvShape,
+    tokens: usize,
+    stream: WriteStream,
+}
+
+impl Destination {
+    /// Posts the shard's runs of `layer` (none when the shard does not hold it).
+    pub async fn post_layer(&mut self, layer: &LayerKv) -> Result<(), PrefillError> {
+        let l = layer.layer;
+        if !self.shard.layers.contains(&l) {
+            return Ok(());
+        }
+        let base = run_range(self.shape, self.tokens, l, 0, 0, 0..0).start;
+        let runs = (0..2).flat_map(|k| (0..self.shard.heads).map(move |i| (k, i)));
+        // (source range in the layer's bytes, destination offset), adjacent runs merged.
+        let mut merged: Vec<(Range<usize>, u64)> = Vec::with_capacity(2);
+        for (k, i) in runs {
+            let src = run_range(self.shape, self.tokens, l, k, self.shard.src_head + i, 0..self.tokens);
+            let src = src.start - base..src.end - base;
+            let dst = self.layout.run_offset(l, k, self.shard.dst_head + i);
+            match merged.last_mut() {
+                Some((r, at)) if r.end == src.start && *at + r.len() as u64 == dst => r.end = src.end,
+                _ => merged.push((src, dst)),
             }
         }
-        let sender = SenderId::new(self.tp as u16, self.pp as u16);
-        let w = WriteRequest::new(
-            h.region,
-            pairs,
-            room,
-            sender,
-            meta.first_token,
-            kv.tokens as u32,
-            meta.cached_tokens,
-        );
-        self.agent.post_write(&h.receiver, w).await?;
-        Ok(())
+        if merged.last().is_some_and(|(r, _)| r.end > layer.bytes.len()) {
+            return Err(PrefillError::Invalid(format!(
+                "layer {l} of {} bytes is short of its runs",
+                layer.bytes.len()
+            )));
+        }
+        let pairs = merged.into_iter().map(|(r, at)| (layer.bytes.slice(r), at)).collect();
+        Ok(self.stream.post(pairs).await?)
+    }
+
+    /// Closes the write with its notice and waits for the decode's verification.
+    pub async fn finish(self, room: Room, meta: SendMeta) -> Result<(), PrefillError> {
+        let tokens = self.tokens as u32;
+        Ok(self.stream.finish(room, meta.first_token, tokens, meta.cached_tokens).await?)
     }
 }

@@ -28,7 +28,7 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, debug, info, warn};
 
 use crate::cache::CacheDelta;
-use crate::rank::{Rank, SendMeta, SharedKv};
+use crate::rank::{Destination, Rank, SendMeta};
 use crate::{PrefillError, PrefixCache};
 
 /// One dp rank's engine slot, queue and prefix cache.
@@ -366,29 +366,47 @@ impl PrefillService {
         let prefix = lock(&dp.cache).lookup(&hashes, tokens.len());
         let cached = prefix.as_ref().map_or(0, |p| p.tokens());
         let sampling = sampling_from_wire(req.sampling.as_ref());
-        let started = Instant::now();
-        let out = me.engine.prefill(&tokens, prefix, &sampling).await?;
-        self.measured(tokens.len() - cached, started.elapsed());
-        me.metrics.stage("compute", started.elapsed());
-        me.metrics.tokens(tokens.len() - cached, cached);
-        let delta = lock(&dp.cache).store(&hashes, &out.kv);
-        drop(permit);
-        self.publish(req.dp_rank, delta);
-
-        let kv = SharedKv::from(out.kv);
-        let meta = SendMeta { first_token: out.first_token, cached_tokens: cached as u32 };
+        let (sink, mut layers) = tokio::sync::mpsc::unbounded_channel();
+        let compute = async {
+            let started = Instant::now();
+            let out = me.engine.prefill_streamed(&tokens, prefix, &sampling, sink).await;
+            drop(permit);
+            let out = out?;
+            self.measured(tokens.len() - cached, started.elapsed());
+            me.metrics.stage("compute", started.elapsed());
+            me.metrics.tokens(tokens.len() - cached, cached);
+            let delta = lock(&dp.cache).store(&hashes, &out.kv);
+            self.publish(req.dp_rank, delta);
+            Ok::<_, PrefillError>(out)
+        };
+        // The decode sent its handshakes before this call: they are taken while the engine
+        // computes, and each layer travels to every decode rank as soon as it is done.
         let hs_deadline = deadline.min(Instant::now() + me.handshake_timeout);
-        let sends = dp.senders.iter().map(|r| r.send(me.par, room, &kv, meta, hs_deadline));
+        let stream = async {
+            let opens = dp.senders.iter().map(|r| {
+                r.destinations(me.par, room, info.shape, tokens.len(), hs_deadline)
+            });
+            let opened = try_join_all(opens).await?;
+            let ranks = opened.iter().filter(|d| !d.is_empty()).count();
+            let mut dests: Vec<Destination> = opened.into_iter().flatten().collect();
+            while let Some(layer) = layers.recv().await {
+                try_join_all(dests.iter_mut().map(|d| d.post_layer(&layer))).await?;
+            }
+            Ok::<_, PrefillError>((ranks, dests))
+        };
+        let (out, (ranks, dests)) = tokio::try_join!(compute, stream)?;
+        // The notices: every byte already sent, each decode rank verifies its whole region.
+        let meta = SendMeta { first_token: out.first_token, cached_tokens: cached as u32 };
         let sending = Instant::now();
-        let served = try_join_all(sends).await?;
+        try_join_all(dests.into_iter().map(|d| d.finish(room, meta))).await?;
         me.metrics.stage("send", sending.elapsed());
-        me.metrics.sent(kv.byte_len() as u64);
+        me.metrics.sent(out.kv.as_bytes().len() as u64);
         debug!(%room, dp_rank = req.dp_rank, cached, tokens = tokens.len(), "prefill sent");
         Ok(PrefillResponse {
             first_token: out.first_token,
             cached_tokens: cached as u32,
             computed_tokens: (tokens.len() - cached) as u32,
-            ranks_sent: served.iter().filter(|&&n| n > 0).count() as u32,
+            ranks_sent: ranks as u32,
         })
     }
 }

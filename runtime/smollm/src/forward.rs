@@ -56,20 +56,19 @@ impl Seq {
         Ok(s)
     }
 
-    /// Exports the KV in the canonical layout.
-    pub(crate) fn to_kv(&self, hp: &Hyper) -> Kv {
-        let mut kv = Kv::zeroed(Self::shape(hp), self.len);
-        for l in 0..hp.layers {
-            for h in 0..hp.kv_heads {
-                for (kind, src) in [(0, &self.k), (1, &self.v)] {
-                    let dst = kv.run_mut(l, kind, h);
-                    for (d, x) in dst.chunks_exact_mut(4).zip(&src[l * hp.kv_heads + h]) {
-                        d.copy_from_slice(&x.to_le_bytes());
-                    }
-                }
+    /// Writes layer `l`'s K and V in the canonical layout (`Kv::layer`) into `out`: every
+    /// token this sequence holds for that layer.
+    pub(crate) fn write_layer(&self, hp: &Hyper, l: usize, out: &mut [u8]) {
+        let runs = (0..2).flat_map(|kind| (0..hp.kv_heads).map(move |h| (kind, h)));
+        let mut at = out.chunks_exact_mut(4);
+        for (kind, h) in runs {
+            let src = if kind == 0 { &self.k } else { &self.v };
+            // The run first: zip takes from its first iterator before it learns the second
+            // is done, and a byte slot must not be skipped at each run's end.
+            for (x, d) in src[l * hp.kv_heads + h].iter().zip(at.by_ref()) {
+                d.copy_from_slice(&x.to_le_bytes());
             }
         }
-        kv
     }
 }
 
@@ -117,12 +116,15 @@ fn rope(row: &mut [f32], head_dim: usize, pos: usize, table: &(Vec<f32>, Vec<f32
 
 /// Runs `rows` (sequence index, token) through the model: rows of one sequence must be
 /// consecutive and in order, and are appended at its end. Returns the logits of the rows
-/// listed in `logits_for` (indices into `rows`), in that order.
+/// listed in `logits_for` (indices into `rows`), in that order. `layer_done(l, seqs[0])` runs
+/// as soon as layer `l`'s KV is appended, before its attention: a prefill streams its layers
+/// from there.
 pub(crate) fn forward(
     w: &Weights,
     seqs: &mut [&mut Seq],
     rows: &[(usize, u32)],
     logits_for: &[usize],
+    layer_done: &mut dyn FnMut(usize, &Seq),
 ) -> Result<Vec<Vec<f32>>, SmolError> {
     let hp = &w.hp;
     let (n, dim, hd) = (rows.len(), hp.dim, hp.head_dim);
@@ -167,6 +169,9 @@ pub(crate) fn forward(
                 seq.k[c].extend_from_slice(&k[r * kv_dim + kh * hd..r * kv_dim + (kh + 1) * hd]);
                 seq.v[c].extend_from_slice(&v[r * kv_dim + kh * hd..r * kv_dim + (kh + 1) * hd]);
             }
+        }
+        if let Some(first) = seqs.first() {
+            layer_done(li, first);
         }
         let mut attn = vec![0f32; n * dim];
         for r in 0..n {

@@ -17,7 +17,8 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use handoff_engine::{
-    ChatMessage, Decoder, Engine, EngineError, Kv, ModelInfo, Prefilled, Sampling,
+    ChatMessage, Decoder, Engine, EngineError, Kv, LayerKv, LayerSink, ModelInfo, Prefilled,
+    Sampling,
 };
 use tokenizers::Tokenizer;
 use tokio::sync::oneshot;
@@ -70,6 +71,8 @@ enum Job {
         tokens: Vec<u32>,
         prefix: Option<Kv>,
         sampling: Sampling,
+        /// Where each layer goes as soon as it is computed (a streamed prefill).
+        layers: Option<LayerSink>,
         reply: oneshot::Sender<Result<Prefilled, SmolError>>,
     },
     Step {
@@ -159,10 +162,10 @@ fn run(shared: &Shared, rx: &mpsc::Receiver<Job>) {
         match job {
             // Nobody waits for it any more (the request was cancelled): not computed.
             Job::Prefill { reply, .. } if reply.is_closed() => {}
-            Job::Prefill { tokens, prefix, sampling, reply } => {
-                let r =
-                    catch_unwind(AssertUnwindSafe(|| prefill(shared, &tokens, prefix, &sampling)))
-                        .unwrap_or_else(|_| Err(SmolError::Format("prefill panicked".into())));
+            Job::Prefill { tokens, prefix, sampling, layers, reply } => {
+                let run = || prefill(shared, &tokens, prefix, &sampling, layers.as_ref());
+                let r = catch_unwind(AssertUnwindSafe(run))
+                    .unwrap_or_else(|_| Err(SmolError::Format("prefill panicked".into())));
                 let _ = reply.send(r);
             }
             Job::Step { seq, last, index, sampling, reply } => {
@@ -185,11 +188,14 @@ fn run(shared: &Shared, rx: &mpsc::Receiver<Job>) {
     }
 }
 
+/// Computes the prompt's KV layer by layer into the canonical layout (handing each layer to
+/// `layers` as it is done) and samples the first token.
 fn prefill(
     shared: &Shared,
     tokens: &[u32],
     prefix: Option<Kv>,
     sampling: &Sampling,
+    layers: Option<&LayerSink>,
 ) -> Result<Prefilled, SmolError> {
     let hp = &shared.weights.hp;
     if tokens.is_empty() {
@@ -210,9 +216,19 @@ fn prefill(
         return Err(SmolError::Input("cached prefix covers the whole prompt".into()));
     }
     let rows: Vec<(usize, u32)> = tokens[seq.len..].iter().map(|&t| (0, t)).collect();
-    let logits = forward(&shared.weights, &mut [&mut seq], &rows, &[rows.len() - 1])?;
+    let mut kv = Kv::zeroed(Seq::shape(hp), tokens.len());
+    let mut layer_done = |l: usize, s: &Seq| {
+        s.write_layer(hp, l, kv.layer_mut(l));
+        if let Some(sink) = layers {
+            let bytes = bytes::Bytes::copy_from_slice(kv.layer(l));
+            // A listener gone (the request failed) leaves the compute to finish on its own.
+            let _ = sink.send(LayerKv { layer: l, bytes });
+        }
+    };
+    let logits =
+        forward(&shared.weights, &mut [&mut seq], &rows, &[rows.len() - 1], &mut layer_done)?;
     let first_token = sample(&logits[0], sampling, 0);
-    Ok(Prefilled { kv: seq.to_kv(hp), first_token })
+    Ok(Prefilled { kv, first_token })
 }
 
 fn steps(shared: &Shared, batch: Vec<(Box<Seq>, u32, u64, Sampling, StepReply)>) {
@@ -230,7 +246,8 @@ fn steps(shared: &Shared, batch: Vec<(Box<Seq>, u32, u64, Sampling, StepReply)>)
     let all: Vec<usize> = (0..rows.len()).collect();
     let result = {
         let mut seqs: Vec<&mut Seq> = ready.iter_mut().map(|b| &mut *b.0).collect();
-        catch_unwind(AssertUnwindSafe(|| forward(&shared.weights, &mut seqs, &rows, &all)))
+        let run = || forward(&shared.weights, &mut seqs, &rows, &all, &mut |_, _| {});
+        catch_unwind(AssertUnwindSafe(run))
             .unwrap_or_else(|_| Err(SmolError::Format("decode panicked".into())))
     };
     match result {
@@ -285,6 +302,20 @@ impl SmolLm {
         Ok(SmolLm { shared, worker })
     }
 
+    async fn run_prefill(
+        &self,
+        tokens: &[u32],
+        prefix: Option<Kv>,
+        sampling: &Sampling,
+        layers: Option<LayerSink>,
+    ) -> Result<Prefilled, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        let job =
+            Job::Prefill { tokens: tokens.to_vec(), prefix, sampling: sampling.clone(), layers, reply };
+        self.worker.send(job)?;
+        Ok(rx.await.map_err(|_| SmolError::Stopped)??)
+    }
+
     /// Another handle on the same weights, with its own compute thread.
     pub fn fork(&self) -> Result<Self, SmolError> {
         Ok(SmolLm { shared: self.shared.clone(), worker: Worker::start(self.shared.clone())? })
@@ -327,14 +358,17 @@ impl Engine for SmolLm {
         prefix: Option<Kv>,
         sampling: &Sampling,
     ) -> Result<Prefilled, EngineError> {
-        let (reply, rx) = oneshot::channel();
-        self.worker.send(Job::Prefill {
-            tokens: tokens.to_vec(),
-            prefix,
-            sampling: sampling.clone(),
-            reply,
-        })?;
-        Ok(rx.await.map_err(|_| SmolError::Stopped)??)
+        self.run_prefill(tokens, prefix, sampling, None).await
+    }
+
+    async fn prefill_streamed(
+        &self,
+        tokens: &[u32],
+        prefix: Option<Kv>,
+        sampling: &Sampling,
+        layers: LayerSink,
+    ) -> Result<Prefilled, EngineError> {
+        self.run_prefill(tokens, prefix, sampling, Some(layers)).await
     }
 
     fn decoder(

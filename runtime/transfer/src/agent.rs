@@ -53,6 +53,17 @@ impl Agent {
         Ok(())
     }
 
+    /// Opens `sender`'s streamed write into `region` at the receiver `peer` (see
+    /// [`crate::WriteStream`]).
+    pub async fn open_write(
+        &self,
+        peer: &AgentAddr,
+        region: crate::RegionId,
+        sender: crate::SenderId,
+    ) -> Result<crate::WriteStream, TransferError> {
+        crate::WriteStream::open(self.backend.clone(), peer, region, sender).await
+    }
+
     /// Posts a write to a receiver.
     pub async fn post_write(
         &self,

@@ -12,6 +12,8 @@
 //! - [`inbox`] — the receiving side every backend delivers into: regions, verification,
 //!   states, and the sender's table of pending handshakes. Bounded.
 //! - [`agent`] — [`Agent`], a backend plus its inbox: what ranks and the frontend use.
+//! - [`stream`] — [`WriteStream`]: one write posted in parts as they are computed, one notice
+//!   over them all.
 //! - [`tcp`] — real bytes over TCP sockets, pooled connections, length-prefixed frames.
 //! - [`fake`] — in-process, no sockets: for control-plane tests and single-process setups.
 //! - [`faulty`] — a wrapper that injects faults into any backend (wrong room, flipped byte,
@@ -24,6 +26,7 @@ pub mod faulty;
 pub mod inbox;
 mod listen;
 pub mod mooncake;
+pub mod stream;
 pub mod tcp;
 
 use std::fmt;
@@ -38,6 +41,7 @@ pub use error::TransferError;
 pub use fake::{FakeNetwork, FakeTransfer};
 pub use faulty::{Fault, FaultSwitch, FaultyTransfer};
 pub use inbox::{Inbox, InboxConfig, Received};
+pub use stream::{StreamConn, WriteStream};
 pub use tcp::TcpTransfer;
 
 /// A transfer endpoint, as a bootstrap directory publishes it (`rank_ip`, `rank_port`).
@@ -190,4 +194,13 @@ pub trait TransferBackend: Send + Sync + 'static {
     /// Writes every pair, then the notice (if any), to the receiver at `peer`. With a notice,
     /// returns once the receiver has verified it (or rejected the write).
     async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError>;
+
+    /// A connection to `peer` dedicated to one streamed write ([`WriteStream`]); `None` (the
+    /// default): the stream's parts are held and posted in one write at its end.
+    async fn open_stream(
+        &self,
+        _peer: &AgentAddr,
+    ) -> Result<Option<Box<dyn StreamConn>>, TransferError> {
+        Ok(None)
+    }
 }

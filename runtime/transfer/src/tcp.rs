@@ -8,6 +8,7 @@
 //! that writes over another's binding, or keeps writing to regions that do not exist (a
 //! peer guessing ids), is closed; the regions it named are not touched.
 
+mod stream;
 mod wire;
 
 use std::collections::{HashMap, HashSet};
@@ -103,7 +104,37 @@ impl ClientIo for tokio_rustls::client::TlsStream<TcpStream> {
 pub struct TcpTransfer {
     addr: AgentAddr,
     cfg: TcpConfig,
-    idle: Mutex<HashMap<AgentAddr, Vec<Box<dyn ClientIo>>>>,
+    idle: Arc<Idle>,
+}
+
+/// Idle connections by peer.
+type Idle = Mutex<HashMap<AgentAddr, Vec<Box<dyn ClientIo>>>>;
+
+/// Returns `s` to the idle pool, unless `max` connections to `peer` already wait there.
+fn checkin(idle: &Idle, peer: &AgentAddr, s: Box<dyn ClientIo>, max: usize) {
+    let mut idle = idle.lock().unwrap_or_else(|e| e.into_inner());
+    let v = idle.entry(peer.clone()).or_default();
+    if v.len() < max {
+        v.push(s);
+    }
+}
+
+fn io_err(peer: &AgentAddr, e: impl std::fmt::Display) -> TransferError {
+    TransferError::Io { peer: peer.clone(), reason: e.to_string() }
+}
+
+/// Reads the peer's ack of an exchange.
+async fn read_ack<S: AsyncRead + Unpin>(
+    peer: &AgentAddr,
+    s: &mut S,
+    max_frame: usize,
+) -> Result<(), TransferError> {
+    match wire::read_frame(s, max_frame).await? {
+        Some(Frame::Ack(Ok(()))) => Ok(()),
+        Some(Frame::Ack(Err(reason))) => Err(TransferError::Rejected(reason)),
+        Some(other) => Err(TransferError::Malformed(format!("expected an ack, got {other:?}"))),
+        None => Err(io_err(peer, "connection closed before the ack")),
+    }
 }
 
 impl TcpTransfer {
@@ -152,7 +183,7 @@ impl TcpTransfer {
                 }
             },
         );
-        Ok(TcpTransfer { addr, cfg, idle: Mutex::default() })
+        Ok(TcpTransfer { addr, cfg, idle: Arc::default() })
     }
 
     /// Binds `bind` and serves it (see [`TcpTransfer::serve`]).
@@ -166,7 +197,7 @@ impl TcpTransfer {
     }
 
     fn io_err(peer: &AgentAddr, e: impl std::fmt::Display) -> TransferError {
-        TransferError::Io { peer: peer.clone(), reason: e.to_string() }
+        io_err(peer, e)
     }
 
     async fn checkout(&self, peer: &AgentAddr) -> Result<Box<dyn ClientIo>, TransferError> {
@@ -256,11 +287,7 @@ impl TcpTransfer {
     }
 
     fn checkin(&self, peer: &AgentAddr, s: Box<dyn ClientIo>) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let v = idle.entry(peer.clone()).or_default();
-        if v.len() < self.cfg.max_idle_per_peer {
-            v.push(s);
-        }
+        checkin(&self.idle, peer, s, self.cfg.max_idle_per_peer);
     }
 
     async fn read_ack<S: AsyncRead + Unpin>(
@@ -268,12 +295,7 @@ impl TcpTransfer {
         peer: &AgentAddr,
         s: &mut S,
     ) -> Result<(), TransferError> {
-        match wire::read_frame(s, self.cfg.max_frame).await? {
-            Some(Frame::Ack(Ok(()))) => Ok(()),
-            Some(Frame::Ack(Err(reason))) => Err(TransferError::Rejected(reason)),
-            Some(other) => Err(TransferError::Malformed(format!("expected an ack, got {other:?}"))),
-            None => Err(Self::io_err(peer, "connection closed before the ack")),
-        }
+        read_ack(peer, s, self.cfg.max_frame).await
     }
 }
 
@@ -301,6 +323,14 @@ impl TransferBackend for TcpTransfer {
         }
         let s = self.dial(peer).await?;
         self.handshake(peer, s, &req, self.cfg.io_timeout).await
+    }
+
+    async fn open_stream(
+        &self,
+        peer: &AgentAddr,
+    ) -> Result<Option<Box<dyn crate::StreamConn>>, TransferError> {
+        let conn = self.checkout(peer).await?;
+        Ok(Some(Box::new(stream::TcpStreamConn::new(peer, conn, self))))
     }
 
     async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError> {

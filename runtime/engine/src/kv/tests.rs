@@ -19,3 +19,20 @@ fn from_bytes_rejects_wrong_length() {
     let shape = KvShape { layers: 1, kv_heads: 1, head_bytes: 4 };
     assert!(Kv::from_bytes(shape, 2, vec![0; 15]).is_err());
 }
+
+#[test]
+fn a_layer_is_its_k_and_v_runs_of_every_head_back_to_back() {
+    let shape = KvShape { layers: 3, kv_heads: 2, head_bytes: 4 };
+    let kv = numbered(shape, 5);
+    for l in 0..3 {
+        let mut runs = Vec::new();
+        for k in 0..2 {
+            for h in 0..2 {
+                runs.extend_from_slice(kv.run(l, k, h));
+            }
+        }
+        assert_eq!(kv.layer(l), &runs[..], "layer {l}");
+    }
+    let whole: Vec<u8> = (0..3).flat_map(|l| kv.layer(l).to_vec()).collect();
+    assert_eq!(whole, kv.as_bytes());
+}

@@ -1,0 +1,92 @@
+//! The tcp backend's streamed writes ([`crate::WriteStream`]): one pooled connection held for
+//! the whole stream, each part sent as it is posted, the notice's ack read at the end. The
+//! connection goes back to the pool only after a completed exchange; one that broke or timed
+//! out mid-stream is dropped, and so is the stream.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::io::{AsyncWriteExt, BufWriter};
+
+use super::{ClientIo, Idle, TcpTransfer, checkin, io_err, read_ack, wire};
+use crate::{AgentAddr, Notice, RegionId, SenderId, StreamConn, TransferError};
+
+/// One streamed write's connection.
+pub(super) struct TcpStreamConn {
+    peer: AgentAddr,
+    /// `None` once an exchange on it failed.
+    conn: Option<Box<dyn ClientIo>>,
+    idle: Arc<Idle>,
+    max_frame: usize,
+    max_idle: usize,
+    io_timeout: Duration,
+}
+
+impl TcpStreamConn {
+    pub(super) fn new(peer: &AgentAddr, conn: Box<dyn ClientIo>, t: &TcpTransfer) -> Self {
+        TcpStreamConn {
+            peer: peer.clone(),
+            conn: Some(conn),
+            idle: t.idle.clone(),
+            max_frame: t.cfg.max_frame,
+            max_idle: t.cfg.max_idle_per_peer,
+            io_timeout: t.cfg.io_timeout,
+        }
+    }
+
+    fn broken(&self) -> TransferError {
+        io_err(&self.peer, "the stream's connection broke earlier")
+    }
+}
+
+#[async_trait]
+impl StreamConn for TcpStreamConn {
+    async fn post(
+        &mut self,
+        region: RegionId,
+        sender: SenderId,
+        pairs: &[(Bytes, u64)],
+    ) -> Result<(), TransferError> {
+        let (peer, max_frame, within) = (self.peer.clone(), self.max_frame, self.io_timeout);
+        let Some(s) = self.conn.as_mut() else { return Err(self.broken()) };
+        let send = async {
+            let mut w = BufWriter::with_capacity(256 << 10, &mut *s);
+            wire::write_pairs(&mut w, region, sender, pairs, max_frame).await?;
+            w.flush().await
+        };
+        let res = match tokio::time::timeout(within, send).await {
+            Ok(r) => r.map_err(|e| io_err(&peer, e)),
+            Err(_) => Err(TransferError::Timeout(format!("streamed write to {peer}"))),
+        };
+        if res.is_err() {
+            self.conn = None;
+        }
+        res
+    }
+
+    async fn finish(
+        self: Box<Self>,
+        region: RegionId,
+        notice: Notice,
+    ) -> Result<(), TransferError> {
+        let me = *self;
+        let Some(mut s) = me.conn else {
+            return Err(io_err(&me.peer, "the stream's connection broke earlier"));
+        };
+        let peer = &me.peer;
+        let exchange = async {
+            wire::write_notice(&mut s, region, &notice).await.map_err(|e| io_err(peer, e))?;
+            s.flush().await.map_err(|e| io_err(peer, e))?;
+            read_ack(peer, &mut s, me.max_frame).await
+        };
+        let res = tokio::time::timeout(me.io_timeout, exchange)
+            .await
+            .map_err(|_| TransferError::Timeout(format!("notice to {peer}")))?;
+        if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
+            checkin(&me.idle, peer, s, me.max_idle);
+        }
+        res
+    }
+}
