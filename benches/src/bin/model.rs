@@ -7,7 +7,8 @@
 //! Prints: model load time; prefill tok/s at 32 / 256 / 1024 tokens; decode tok/s with 1
 //! and 4 concurrent streams; TTFT of a 256-token prompt aggregated (engine in-process) and
 //! disaggregated (through `handoff up`'s path); TTFT with 90 % of the prompt cached vs none;
-//! TTFT of the same prompts over the tcp and mooncake transfers, next to the engine alone.
+//! TTFT of the same prompts (256 and 1024 tokens) over the tcp and mooncake transfers, next to
+//! the engine alone (its prefill, no decoder, no gRPC: the unflattering comparison).
 
 use std::io::Write;
 use std::sync::Arc;
@@ -152,13 +153,23 @@ async fn main() -> anyhow::Result<()> {
     drop(out);
     cluster.shutdown().await;
 
-    // The same prompts through each transfer backend, against the engine alone, one run.
-    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(256, 40 + i)).collect();
+    // The same prompts through each transfer backend, against the engine alone, one run:
+    // 256-token prompts (median of 5) and 1024-token ones (median of 3).
+    // Salts distinct across shapes: no prompt shares a prefix with another (nothing cached).
+    let shapes: [(usize, u32, u32); 2] = [(256, 5, 40), (1024, 3, 60)];
+    let prompts: Vec<Vec<Vec<u32>>> = shapes
+        .iter()
+        .map(|&(n, reps, salt)| (0..reps).map(|i| prompt(n, salt + i)).collect())
+        .collect();
     let mut agg = Vec::new();
-    for p in &prompts {
-        agg.push(prefill_time(&e, p, None).await?);
+    for ps in &prompts {
+        let mut took = Vec::new();
+        for p in ps {
+            took.push(prefill_time(&e, p, None).await?);
+        }
+        agg.push(median(took));
     }
-    let mut rows = vec![("aggregated (engine alone)".to_owned(), median(agg))];
+    let mut rows = vec![("aggregated (engine alone)".to_owned(), agg)];
     let loopback = std::net::Ipv4Addr::LOCALHOST.into();
     for (label, transfer) in [
         ("tcp", TransferKind::Tcp { bind_ip: loopback, advertise_ip: None, tls: None }),
@@ -171,17 +182,33 @@ async fn main() -> anyhow::Result<()> {
         let mut client =
             GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
         ttft_through(&mut client, prompt(32, 78)).await?; // warm-up: connections
-        let mut took = Vec::new();
-        for p in &prompts {
-            took.push(ttft_through(&mut client, p.clone()).await?.0);
+        let mut medians = Vec::new();
+        for ps in &prompts {
+            let mut took = Vec::new();
+            for p in ps {
+                let (t, cached) = ttft_through(&mut client, p.clone()).await?;
+                anyhow::ensure!(cached == 0, "{cached} tokens cached: not equal work");
+                took.push(t);
+            }
+            medians.push(median(took));
         }
-        rows.push((format!("disaggregated, {label}"), median(took)));
+        rows.push((format!("disaggregated, {label}"), medians));
         cluster.shutdown().await;
     }
     let mut out = std::io::stdout().lock();
-    writeln!(out, "\nTTFT of 256-token prompts, median of 5, by transfer backend:")?;
+    writeln!(out, "\nTTFT by transfer backend (256 tokens: median of 5; 1024: median of 3):")?;
+    writeln!(out, "| path | 256 tokens (ms) | vs engine | 1024 tokens (ms) | vs engine |")?;
+    writeln!(out, "|---|---:|---:|---:|---:|")?;
+    let engine = rows[0].1.clone();
     for (label, t) in rows {
-        writeln!(out, "  {label}: {:.0} ms", ms(t))?;
+        let vs = |i: usize| {
+            format!(
+                "{:+.1} ms ({:+.1} %)",
+                ms(t[i]) - ms(engine[i]),
+                100.0 * (ms(t[i]) / ms(engine[i]) - 1.0)
+            )
+        };
+        writeln!(out, "| {label} | {:.1} | {} | {:.1} | {} |", ms(t[0]), vs(0), ms(t[1]), vs(1))?;
     }
     Ok(())
 }

@@ -116,14 +116,13 @@ impl Kv {
         &mut self.data[r]
     }
 
-    /// A copy of tokens `toks`.
+    /// A copy of tokens `toks` (each run's slice appended in layout order: no zeroing first).
     pub fn slice_tokens(&self, toks: Range<usize>) -> Kv {
-        let mut out = Kv::zeroed(self.shape, toks.len());
+        let mut data = Vec::with_capacity(self.shape.token_bytes() * toks.len());
         self.for_each_run(|l, k, h| {
-            let src = &self.data[self.run_range(l, k, h, toks.clone())];
-            out.run_mut(l, k, h).copy_from_slice(src);
+            data.extend_from_slice(&self.data[self.run_range(l, k, h, toks.clone())]);
         });
-        out
+        Kv { shape: self.shape, tokens: toks.len(), data }
     }
 
     /// Concatenates KV runs of consecutive tokens.

@@ -151,6 +151,53 @@ impl Engine for MockEngine {
         prefix: Option<Kv>,
         _sampling: &Sampling,
     ) -> Result<Prefilled, EngineError> {
+        let (out, computed) = self.compute(tokens, prefix)?;
+        if !self.cfg.prefill_per_token.is_zero() {
+            tokio::time::sleep(self.cfg.prefill_per_token * computed as u32).await;
+        }
+        Ok(out)
+    }
+
+    /// Each layer is handed on once its share of the compute time has passed (measured from
+    /// the start, so rounding does not add up).
+    async fn prefill_streamed(
+        &self,
+        tokens: &[u32],
+        prefix: Option<Kv>,
+        _sampling: &Sampling,
+        layers: crate::LayerSink,
+    ) -> Result<Prefilled, EngineError> {
+        let started = tokio::time::Instant::now();
+        let (out, computed) = self.compute(tokens, prefix)?;
+        let total = self.cfg.prefill_per_token * computed as u32;
+        let n = out.kv.shape().layers;
+        for layer in 0..n {
+            if !total.is_zero() {
+                tokio::time::sleep_until(started + total * (layer as u32 + 1) / n as u32).await;
+            }
+            let bytes = bytes::Bytes::copy_from_slice(out.kv.layer(layer));
+            let _ = layers.send(crate::LayerKv { layer, bytes });
+        }
+        Ok(out)
+    }
+
+    fn decoder(
+        &self,
+        kv: Kv,
+        last_token: u32,
+        _sampling: &Sampling,
+    ) -> Result<Box<dyn Decoder>, EngineError> {
+        self.start_decoder(kv, last_token)
+    }
+}
+
+impl MockEngine {
+    /// The prompt's KV and first token, and how many tokens were computed (not cached).
+    fn compute(
+        &self,
+        tokens: &[u32],
+        prefix: Option<Kv>,
+    ) -> Result<(Prefilled, usize), EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::InvalidInput("empty prompt".into()));
         }
@@ -166,24 +213,16 @@ impl Engine for MockEngine {
             return Err(EngineError::InvalidInput("cached prefix covers the whole prompt".into()));
         }
         let computed = tokens.len() - cached;
-        if !self.cfg.prefill_per_token.is_zero() {
-            tokio::time::sleep(self.cfg.prefill_per_token * computed as u32).await;
-        }
         let rest = Self::compute_kv(self.cfg.shape, &tokens[cached..], cached);
         let kv = match prefix {
             Some(p) => Kv::concat(self.cfg.shape, &[&p, &rest])?,
             None => rest,
         };
         let first_token = self.token_from_digest(xxh3_64(kv.as_bytes()));
-        Ok(Prefilled { kv, first_token })
+        Ok((Prefilled { kv, first_token }, computed))
     }
 
-    fn decoder(
-        &self,
-        kv: Kv,
-        last_token: u32,
-        _sampling: &Sampling,
-    ) -> Result<Box<dyn Decoder>, EngineError> {
+    fn start_decoder(&self, kv: Kv, last_token: u32) -> Result<Box<dyn Decoder>, EngineError> {
         if kv.shape() != self.cfg.shape {
             return Err(EngineError::KvShape(format!("{:?} != {:?}", kv.shape(), self.cfg.shape)));
         }

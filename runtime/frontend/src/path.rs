@@ -85,6 +85,7 @@ const MAX_PREFILL_CLIENTS: usize = 4096;
 /// The protocols this frontend drives prefills with (see [`target`]).
 const PROTOCOLS: [&str; 2] = ["handoff", "sglang"];
 
+mod first_token;
 mod target;
 
 impl Frontend {
@@ -409,13 +410,15 @@ impl Frontend {
                 .attempt_on(&ctx, &sel, room, plan, deadline, &mut stages)
                 .instrument(span)
                 .await;
-            let outcome = result.and_then(|p| {
+            let outcome = result.map(|p| {
                 let sampling = handoff_prefill_sampling(&plan.sampling);
-                let decoder = self
-                    .engine
-                    .decoder(p.kv, p.first_token, &sampling)
-                    .map_err(|e| FrontendError::at("consume", e))?;
-                Ok((decoder, p.first_token, p.cached_tokens, p.kv_bytes))
+                let decoder: Box<dyn Decoder> = Box::new(first_token::LoadOnFirstStep::new(
+                    self.engine.clone(),
+                    p.kv,
+                    p.first_token,
+                    sampling,
+                ));
+                (decoder, p.first_token, p.cached_tokens, p.kv_bytes)
             });
             match outcome {
                 Ok((decoder, first_token, cached_tokens, kv_bytes)) => {

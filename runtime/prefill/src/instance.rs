@@ -136,6 +136,7 @@ impl PrefillInstance {
             queued_tokens: Default::default(),
             metrics: Default::default(),
             registry: registry.clone(),
+            tasks: tasks.clone(),
         });
         let service = svc.clone();
         warm_up(&service, &*engine).await?;

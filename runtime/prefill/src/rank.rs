@@ -131,11 +131,14 @@ impl Destination {
         // (source range in the layer's bytes, destination offset), adjacent runs merged.
         let mut merged: Vec<(Range<usize>, u64)> = Vec::with_capacity(2);
         for (k, i) in runs {
-            let src = run_range(self.shape, self.tokens, l, k, self.shard.src_head + i, 0..self.tokens);
+            let src =
+                run_range(self.shape, self.tokens, l, k, self.shard.src_head + i, 0..self.tokens);
             let src = src.start - base..src.end - base;
             let dst = self.layout.run_offset(l, k, self.shard.dst_head + i);
             match merged.last_mut() {
-                Some((r, at)) if r.end == src.start && *at + r.len() as u64 == dst => r.end = src.end,
+                Some((r, at)) if r.end == src.start && *at + r.len() as u64 == dst => {
+                    r.end = src.end
+                }
                 _ => merged.push((src, dst)),
             }
         }

@@ -81,6 +81,8 @@ pub(crate) struct Inner {
     pub(crate) metrics: crate::metrics::PrefillMetrics,
     /// Where the instance is registered (a drain deregisters it).
     pub(crate) registry: Arc<dyn handoff_discovery::Registry>,
+    /// The instance's tasks (prompts are cached on them, off the requests' path).
+    pub(crate) tasks: handoff_core::Tasks,
 }
 
 /// Prefill compute time per computed token: a token-weighted moving average (each new
@@ -188,6 +190,28 @@ impl PrefillService {
             PrefillServer::new(self).max_decoding_message_size(64 << 20),
             bearer,
         )
+    }
+
+    /// Stores a prompt's pages in dp rank `dp_rank`'s prefix cache and publishes the change,
+    /// on the instance's tasks: copying every page of a long prompt takes milliseconds that
+    /// the request's answer does not wait for.
+    fn cache_later(
+        &self,
+        dp_rank: u32,
+        hashes: Vec<handoff_core::BlockHash>,
+        kv: handoff_engine::Kv,
+    ) {
+        let svc = self.clone();
+        self.inner.tasks.spawn(async move {
+            let store = move || {
+                let dp = &svc.inner.dps[dp_rank as usize];
+                let delta = lock(&dp.cache).store(&hashes, &kv);
+                svc.publish(dp_rank, delta);
+            };
+            if let Err(e) = tokio::task::spawn_blocking(store).await {
+                warn!(error = %e, "caching a prompt failed");
+            }
+        });
     }
 
     fn publish(&self, dp_rank: u32, delta: CacheDelta) {
@@ -375,17 +399,16 @@ impl PrefillService {
             self.measured(tokens.len() - cached, started.elapsed());
             me.metrics.stage("compute", started.elapsed());
             me.metrics.tokens(tokens.len() - cached, cached);
-            let delta = lock(&dp.cache).store(&hashes, &out.kv);
-            self.publish(req.dp_rank, delta);
             Ok::<_, PrefillError>(out)
         };
         // The decode sent its handshakes before this call: they are taken while the engine
         // computes, and each layer travels to every decode rank as soon as it is done.
         let hs_deadline = deadline.min(Instant::now() + me.handshake_timeout);
         let stream = async {
-            let opens = dp.senders.iter().map(|r| {
-                r.destinations(me.par, room, info.shape, tokens.len(), hs_deadline)
-            });
+            let opens = dp
+                .senders
+                .iter()
+                .map(|r| r.destinations(me.par, room, info.shape, tokens.len(), hs_deadline));
             let opened = try_join_all(opens).await?;
             let ranks = opened.iter().filter(|d| !d.is_empty()).count();
             let mut dests: Vec<Destination> = opened.into_iter().flatten().collect();
@@ -401,6 +424,7 @@ impl PrefillService {
         try_join_all(dests.into_iter().map(|d| d.finish(room, meta))).await?;
         me.metrics.stage("send", sending.elapsed());
         me.metrics.sent(out.kv.as_bytes().len() as u64);
+        self.cache_later(req.dp_rank, hashes, out.kv);
         debug!(%room, dp_rank = req.dp_rank, cached, tokens = tokens.len(), "prefill sent");
         Ok(PrefillResponse {
             first_token: out.first_token,

@@ -310,8 +310,13 @@ impl SmolLm {
         layers: Option<LayerSink>,
     ) -> Result<Prefilled, EngineError> {
         let (reply, rx) = oneshot::channel();
-        let job =
-            Job::Prefill { tokens: tokens.to_vec(), prefix, sampling: sampling.clone(), layers, reply };
+        let job = Job::Prefill {
+            tokens: tokens.to_vec(),
+            prefix,
+            sampling: sampling.clone(),
+            layers,
+            reply,
+        };
         self.worker.send(job)?;
         Ok(rx.await.map_err(|_| SmolError::Stopped)??)
     }

@@ -39,6 +39,12 @@ async fn an_event_gap_is_resynced_to_the_instances_own_view() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
+    // A prompt is cached just after its answer: all four first.
+    let start = Instant::now();
+    while own().await.len() < 16 {
+        assert!(start.elapsed() < Duration::from_secs(5), "4 prompts cached");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let before = wait_equal("in step").await;
     assert_eq!(before.len(), 16, "4 prompts of 4 full pages");
 

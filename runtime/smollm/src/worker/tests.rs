@@ -124,9 +124,10 @@ async fn a_streamed_prefill_hands_on_each_layer_as_it_is_computed() {
     for prefix in [None, Some(plain.kv.slice_tokens(0..160))] {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let (e2, p2, pre) = (e.clone(), prompt.clone(), prefix.clone());
-        let run = tokio::spawn(async move {
-            e2.prefill_streamed(&p2, pre, &Sampling::default(), tx).await
-        });
+        let run =
+            tokio::spawn(
+                async move { e2.prefill_streamed(&p2, pre, &Sampling::default(), tx).await },
+            );
         let first = rx.recv().await.expect("layer 0");
         if prefix.is_none() {
             assert!(!run.is_finished(), "layer 0 arrived while later layers compute");

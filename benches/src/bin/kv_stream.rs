@@ -1,0 +1,163 @@
+//! What moving a prompt's KV adds to the time to first token beyond the compute.
+//!
+//! ```text
+//! cargo run --release -p handoff-benches --bin kv_stream -- [REPS]
+//! ```
+//!
+//! The mock engine with SmolLM2-135M's KV shape (30 layers, 3 KV heads, 256 B per head and
+//! token: 46 KB per token) and an exact compute time per token, through a real cluster
+//! (frontend, scheduler, one prefill, decode tp 1) on loopback. Since the mock's compute time
+//! is exact, TTFT − compute is what the KV and the path cost. `tcp` streams each layer as
+//! it is computed; `mooncake` posts the KV whole once the compute is done (not streamed):
+//! equal work, same run, interleaved. Beside them, the floor: the KV's bytes through one
+//! plain loopback socket, and the path with a 1-token prompt (no KV to speak of).
+//! Shapes: 256 and 1024 tokens, at 0 (nothing to overlap: the unflattering one), 100 µs and
+//! 1 ms of compute per token. Prints p50 and p90 of the tail in ms. At 0 µs the tail also
+//! holds the mock's own making of its KV bytes (printed beside it), which no engine charges
+//! for its compute.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff::{Cluster, ClusterConfig};
+use handoff_benches::path::{pct, prompt, ttft};
+use handoff_engine::{Engine, KvShape, MockConfig, MockEngine};
+use handoff_proto::v1::generate_client::GenerateClient;
+use handoff_transfer::TransferKind;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SMOLLM: KvShape = KvShape { layers: 30, kv_heads: 3, head_bytes: 256 };
+
+/// The time to move `bytes` through one plain loopback TCP connection (best of 3).
+async fn socket_floor(bytes: usize) -> anyhow::Result<Duration> {
+    let data = vec![7u8; bytes];
+    let mut best = Duration::MAX;
+    for _ in 0..3 {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = l.local_addr()?;
+        let reader = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await?;
+            let mut buf = vec![0u8; 256 << 10];
+            let mut got = 0;
+            while got < bytes {
+                let k = s.read(&mut buf).await?;
+                anyhow::ensure!(k > 0, "closed early");
+                got += k;
+            }
+            s.write_all(b"k").await?;
+            Ok::<_, anyhow::Error>(())
+        });
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        let t = Instant::now();
+        s.write_all(&data).await?;
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack).await?;
+        best = best.min(t.elapsed());
+        reader.await??;
+    }
+    Ok(best)
+}
+
+/// What the mock spends making a prompt's KV bytes and first token (best of 3): CPU that
+/// lands in the tail when nothing else is charged for the compute.
+async fn mock_making(tokens: usize) -> anyhow::Result<Duration> {
+    let e = MockEngine::new(MockConfig { shape: SMOLLM, ..MockConfig::default() });
+    let mut best = Duration::MAX;
+    for i in 0..3 {
+        let t = Instant::now();
+        e.prefill(&prompt(1_000_000 + i, tokens), None, &Default::default()).await?;
+        best = best.min(t.elapsed());
+    }
+    Ok(best)
+}
+
+struct Path {
+    cluster: Cluster,
+    client: GenerateClient<tonic::transport::Channel>,
+}
+
+async fn path(transfer: TransferKind, per_token: Duration) -> anyhow::Result<Path> {
+    let cfg = ClusterConfig { prefills: 1, prefill_tp: 1, transfer, ..ClusterConfig::ephemeral() };
+    let mock = MockConfig { shape: SMOLLM, prefill_per_token: per_token, ..MockConfig::default() };
+    let cluster =
+        Cluster::start(cfg, &|| Ok(Arc::new(MockEngine::new(mock.clone())) as Arc<dyn Engine>))
+            .await?;
+    let mut client = GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
+    ttft(&mut client, prompt(999_999, 32)).await?; // warm-up: connections
+    Ok(Path { cluster, client })
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let reps: usize = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(15);
+    let mut out = std::io::stdout();
+    let loopback: std::net::IpAddr = std::net::Ipv4Addr::LOCALHOST.into();
+    writeln!(
+        out,
+        "KV of {} B per token (SmolLM2-135M's shape); tail = TTFT - compute, ms",
+        SMOLLM.token_bytes()
+    )?;
+    writeln!(
+        out,
+        "| tokens | compute/token | KV MB | socket floor | mock's KV making | 1-token path | tcp p50 / p90 (streamed) | mooncake p50 / p90 (whole) |"
+    )?;
+    writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    let mut seed = 0;
+    for per_token in [Duration::ZERO, Duration::from_micros(100), Duration::from_millis(1)] {
+        let mut paths = vec![
+            path(TransferKind::Tcp { bind_ip: loopback, advertise_ip: None, tls: None }, per_token)
+                .await?,
+            path(TransferKind::Mooncake { bind_ip: loopback, advertise_ip: None }, per_token)
+                .await?,
+        ];
+        // The path without KV: a 1-token prompt's tail on the tcp cluster.
+        let mut bare = Vec::new();
+        for _ in 0..reps {
+            seed += 1;
+            bare.push(ttft(&mut paths[0].client, prompt(seed, 1)).await?.saturating_sub(per_token));
+        }
+        bare.sort();
+        for tokens in [256usize, 1024] {
+            let compute = per_token * tokens as u32;
+            let mut tails: Vec<Vec<Duration>> = vec![Vec::new(); paths.len()];
+            for _ in 0..reps {
+                for (p, tail) in paths.iter_mut().zip(tails.iter_mut()) {
+                    seed += 1;
+                    let t = ttft(&mut p.client, prompt(seed, tokens)).await?;
+                    tail.push(t.saturating_sub(compute));
+                }
+            }
+            let bytes = tokens * SMOLLM.token_bytes();
+            let floor = socket_floor(bytes).await?;
+            let making = mock_making(tokens).await?;
+            let cells: Vec<String> = tails
+                .iter_mut()
+                .map(|t| {
+                    t.sort();
+                    format!("{:.2} / {:.2}", ms(pct(t, 0.5)), ms(pct(t, 0.9)))
+                })
+                .collect();
+            writeln!(
+                out,
+                "| {tokens} | {} µs | {:.1} | {:.2} | {:.2} | {:.2} | {} | {} |",
+                per_token.as_micros(),
+                bytes as f64 / 1e6,
+                ms(floor),
+                ms(making),
+                ms(pct(&bare, 0.5)),
+                cells[0],
+                cells[1]
+            )?;
+        }
+        for p in paths {
+            p.cluster.shutdown().await;
+        }
+    }
+    Ok(())
+}
