@@ -90,3 +90,6 @@ impl StreamConn for TcpStreamConn {
         res
     }
 }
+
+#[cfg(test)]
+mod tests;

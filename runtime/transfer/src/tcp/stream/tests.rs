@@ -1,0 +1,91 @@
+//! Streamed writes over tcp: parts land as they are posted, one notice verifies the whole,
+//! and a stream that leaves bytes out is refused at its notice.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use handoff_core::{Room, Tasks};
+use tokio::time::Instant;
+
+use crate::{
+    Agent, FaultSwitch, FaultyTransfer, Inbox, InboxConfig, KvPoll, SenderId, TcpTransfer,
+    TransferBackend, TransferError,
+};
+
+async fn agent(tasks: &Tasks) -> (Agent, Arc<dyn TransferBackend>) {
+    let inbox = Arc::new(Inbox::new(InboxConfig::default()));
+    let addr = "127.0.0.1:0".parse().unwrap();
+    let t: Arc<dyn TransferBackend> =
+        Arc::new(TcpTransfer::bind(addr, inbox.clone(), Default::default(), tasks).await.unwrap());
+    (Agent::new(t.clone(), inbox), t)
+}
+
+fn part(i: u8) -> Bytes {
+    (0..1000).map(|j| (j as u8).wrapping_mul(7).wrapping_add(i)).collect::<Vec<_>>().into()
+}
+
+/// Waits until region `id` of `rx` is in `state` (5 s at most).
+async fn until(rx: &Agent, id: crate::RegionId, state: KvPoll) {
+    let end = Instant::now() + Duration::from_secs(5);
+    while rx.inbox().poll(id) != state {
+        assert!(Instant::now() < end, "region never reached {state:?}: {:?}", rx.inbox().poll(id));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn parts_land_as_they_are_posted_and_one_notice_verifies_them_all() {
+    let tasks = Tasks::new();
+    let ((tx, _), (rx, _)) = (agent(&tasks).await, agent(&tasks).await);
+    let (room, s) = (Room::mint(), SenderId::new(0, 0));
+    let id =
+        rx.inbox().register_region(room, 3000, [(s, std::iter::once(0..3000).collect())]).unwrap();
+    let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
+    w.post(vec![(part(1), 0)]).await.unwrap();
+    // The first part is in the region before the others exist: nothing handed on yet.
+    until(&rx, id, KvPoll::Transferring).await;
+    w.post(vec![(part(3), 2000)]).await.unwrap();
+    w.post(vec![(part(2), 1000)]).await.unwrap();
+    w.finish(room, 42, 3, 1).await.unwrap();
+    let got = rx.inbox().wait(id, Instant::now() + Duration::from_secs(5)).await.unwrap();
+    let want: Vec<u8> = [part(1), part(2), part(3)].iter().flat_map(|b| b.to_vec()).collect();
+    assert_eq!(got.buf, want);
+    assert_eq!((got.notices[0].bytes, got.notices[0].first_token), (3000, 42));
+    tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_stream_that_leaves_bytes_out_is_refused_at_its_notice() {
+    let tasks = Tasks::new();
+    let ((tx, _), (rx, _)) = (agent(&tasks).await, agent(&tasks).await);
+    let (room, s) = (Room::mint(), SenderId::new(0, 0));
+    let id =
+        rx.inbox().register_region(room, 2000, [(s, std::iter::once(0..2000).collect())]).unwrap();
+    let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
+    w.post(vec![(part(1), 0)]).await.unwrap();
+    let refused = w.finish(room, 42, 2, 0).await;
+    assert!(matches!(refused, Err(TransferError::Rejected(_))), "{refused:?}");
+    assert_eq!(rx.inbox().poll(id), KvPoll::Failed);
+    tasks.shutdown().await;
+}
+
+/// A backend without streams (here the fault injector over tcp) holds the parts: nothing
+/// lands before the end, then everything, verified the same way.
+#[tokio::test]
+async fn without_a_stream_the_parts_travel_whole_at_the_end() {
+    let tasks = Tasks::new();
+    let ((_, tcp), (rx, _)) = (agent(&tasks).await, agent(&tasks).await);
+    let inbox = Arc::new(Inbox::new(InboxConfig::default()));
+    let tx = Agent::new(Arc::new(FaultyTransfer::new(tcp, FaultSwitch::new())), inbox);
+    let (room, s) = (Room::mint(), SenderId::new(0, 0));
+    let id =
+        rx.inbox().register_region(room, 2000, [(s, std::iter::once(0..2000).collect())]).unwrap();
+    let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
+    w.post(vec![(part(1), 0)]).await.unwrap();
+    w.post(vec![(part(2), 1000)]).await.unwrap();
+    w.finish(room, 7, 2, 0).await.unwrap();
+    let got = rx.inbox().wait(id, Instant::now() + Duration::from_secs(5)).await.unwrap();
+    assert_eq!(got.buf.len(), 2000);
+    tasks.shutdown().await;
+}
