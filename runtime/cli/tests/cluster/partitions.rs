@@ -20,11 +20,38 @@ fn bound(ip: &str) -> String {
     format!("{ip}:0")
 }
 
+/// A mock prefill `id` on host `h`, advertising `advertise` (discovery flags not included).
+fn prefill_args<'a>(id: &'a str, h: &'a Host, advertise: &'a str) -> Vec<String> {
+    let listen = bound(&h.ip);
+    [
+        "prefill",
+        "--engine",
+        "mock",
+        "--id",
+        id,
+        "--bootstrap-listen",
+        &listen,
+        "--grpc-listen",
+        &listen,
+        "--advertise-host",
+        advertise,
+        "--transfer-bind",
+        &h.ip,
+        "--lease-ttl-secs",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
 /// A scheduler on host 0, prefills `a` and `b` on hosts 1 and 2 (leases of 2 s), a frontend
 /// on host 3, and a second scheduler replica on host 4 when asked; etcd and NATS on the
 /// machine, on addresses of their own.
 struct Fleet {
     _roles: Vec<Handoff>,
+    /// The discovery flags every role runs with.
+    discovery: Vec<String>,
     _servers: (Server, Server),
     sched: SchedulerClient<tonic::transport::Channel>,
     client: GenerateClient<tonic::transport::Channel>,
@@ -55,18 +82,9 @@ impl Fleet {
         let mut roles = vec![first];
         roles.extend(h.iter().skip(4).map(|h| scheduler(h).0));
         let prefill = |h: &Host, id: &str| {
-            Handoff::spawn_in(
-                &h.ns,
-                &[
-                    &["prefill", "--engine", "mock", "--id", id][..],
-                    &["--bootstrap-listen", &bound(&h.ip), "--grpc-listen", &bound(&h.ip)],
-                    &["--advertise-host", &h.ip, "--transfer-bind", &h.ip],
-                    &["--lease-ttl-secs", "2"],
-                    &d,
-                ]
-                .concat(),
-            )
-            .0
+            let mut args = prefill_args(id, h, &h.ip);
+            args.extend(d.iter().map(|s| s.to_string()));
+            Handoff::spawn_in(&h.ns, &args.iter().map(String::as_str).collect::<Vec<_>>()).0
         };
         let (a, b) = (prefill(&h[1], "a"), prefill(&h[2], "b"));
         let (fe, line) = Handoff::spawn_in(
@@ -83,7 +101,14 @@ impl Fleet {
         let sched = SchedulerClient::connect(format!("http://{sched_addr}")).await.unwrap();
         let client = GenerateClient::connect(format!("http://{fe_addr}")).await.unwrap();
         roles.extend([a, b, fe]);
-        let fleet = Fleet { _roles: roles, _servers: (etcd, nats), sched, client, bed };
+        let fleet = Fleet {
+            _roles: roles,
+            discovery: d.iter().map(|s| s.to_string()).collect(),
+            _servers: (etcd, nats),
+            sched,
+            client,
+            bed,
+        };
         let start = Instant::now();
         while fleet.instances().await.iter().filter(|i| i.routable).count() < 2 {
             assert!(start.elapsed() < Duration::from_secs(20), "both prefills routable");
@@ -237,4 +262,38 @@ async fn a_scheduler_cut_off_from_nats_costs_no_request() {
     );
     assert_eq!(listed.len(), 2, "it still knows both prefills (etcd is reachable)");
     assert!(by.len() == 2, "both prefills keep serving: {by:?}");
+}
+
+/// A prefill that advertises another host's address (host 0's, where nothing serves its
+/// ports) refuses to start: it dials its own directory at the advertised address first, and
+/// says which address it could not reach. It never registers; the fleet serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_advertised_address_is_refused_at_startup() {
+    let f = Fleet::start().await;
+    let (h, wrong) = (&f.bed.hosts[1], f.bed.hosts[0].ip.clone());
+    let args = [prefill_args("c", h, &wrong), f.discovery.clone()].concat();
+    let started = Instant::now();
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &h.ns, env!("CARGO_BIN_EXE_handoff")])
+        .args(&args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let refused = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it does not start");
+    assert!(
+        stderr.contains(&format!("--advertise-host {wrong} is not an address of this host")),
+        "warned first: {stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("directory {wrong}:")) && stderr.contains("unreachable"),
+        "the error names the address it could not reach: {stderr}"
+    );
+    for seed in 0..10 {
+        f.one(seed).await.unwrap_or_else(|e| panic!("request {seed} failed: {e}"));
+    }
+    let ids: Vec<String> = f.instances().await.into_iter().map(|i| i.instance_id).collect();
+    eprintln!("wrong address: refused after {refused:?}; 10 requests, 0 failed; instances {ids:?}");
+    assert_eq!(ids.len(), 2, "c never registered: {ids:?}");
 }
