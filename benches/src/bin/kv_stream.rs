@@ -7,9 +7,10 @@
 //! The mock engine with SmolLM2-135M's KV shape (30 layers, 3 KV heads, 256 B per head and
 //! token: 46 KB per token) and an exact compute time per token, through a real cluster
 //! (frontend, scheduler, one prefill, decode tp 1) on loopback. Since the mock's compute time
-//! is exact, TTFT − compute is what the KV and the path cost. `tcp` streams each layer as
-//! it is computed; `mooncake` posts the KV whole once the compute is done (not streamed):
-//! equal work, same run, interleaved. Beside them, the floor: the KV's bytes through one
+//! is exact, TTFT − compute is what the KV and the path cost. `tcp streamed` and `mooncake
+//! streamed` send each layer as it is computed; `tcp whole` is the same tcp path with the
+//! prefill's agent behind an unarmed fault injector, which has no streams: the KV goes in one
+//! write after the compute, as before streaming. Equal work, same run, interleaved. Beside them, the floor: the KV's bytes through one
 //! plain loopback socket, and the path with a 1-token prompt (no KV to speak of).
 //! Shapes: 256 and 1024 tokens, at 0 (nothing to overlap: the unflattering one), 100 µs and
 //! 1 ms of compute per token. Prints p50 and p90 of the tail in ms. At 0 µs the tail also
@@ -24,7 +25,7 @@ use handoff::{Cluster, ClusterConfig};
 use handoff_benches::path::{pct, prompt, ttft};
 use handoff_engine::{Engine, KvShape, MockConfig, MockEngine};
 use handoff_proto::v1::generate_client::GenerateClient;
-use handoff_transfer::TransferKind;
+use handoff_transfer::{FaultSwitch, TransferKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SMOLLM: KvShape = KvShape { layers: 30, kv_heads: 3, head_bytes: 256 };
@@ -78,8 +79,17 @@ struct Path {
     client: GenerateClient<tonic::transport::Channel>,
 }
 
-async fn path(transfer: TransferKind, per_token: Duration) -> anyhow::Result<Path> {
-    let cfg = ClusterConfig { prefills: 1, prefill_tp: 1, transfer, ..ClusterConfig::ephemeral() };
+/// A cluster on `transfer`; `whole`: its prefill's agent behind an unarmed fault injector,
+/// which has no streams, so the KV goes in one write after the compute (today's baseline).
+async fn path(transfer: TransferKind, per_token: Duration, whole: bool) -> anyhow::Result<Path> {
+    let faults = if whole { vec![Some(FaultSwitch::new())] } else { Vec::new() };
+    let cfg = ClusterConfig {
+        prefills: 1,
+        prefill_tp: 1,
+        transfer,
+        faults,
+        ..ClusterConfig::ephemeral()
+    };
     let mock = MockConfig { shape: SMOLLM, prefill_per_token: per_token, ..MockConfig::default() };
     let cluster =
         Cluster::start(cfg, &|| Ok(Arc::new(MockEngine::new(mock.clone())) as Arc<dyn Engine>))
@@ -105,16 +115,17 @@ async fn main() -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "| tokens | compute/token | KV MB | socket floor | mock's KV making | 1-token path | tcp p50 / p90 (streamed) | mooncake p50 / p90 (whole) |"
+        "| tokens | compute/token | KV MB | socket floor | mock's KV making | 1-token path | tcp streamed p50 / p90 | tcp whole p50 / p90 | mooncake streamed p50 / p90 |"
     )?;
-    writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     let mut seed = 0;
     for per_token in [Duration::ZERO, Duration::from_micros(100), Duration::from_millis(1)] {
+        let tcp = TransferKind::Tcp { bind_ip: loopback, advertise_ip: None, tls: None };
+        let mooncake = TransferKind::Mooncake { bind_ip: loopback, advertise_ip: None };
         let mut paths = vec![
-            path(TransferKind::Tcp { bind_ip: loopback, advertise_ip: None, tls: None }, per_token)
-                .await?,
-            path(TransferKind::Mooncake { bind_ip: loopback, advertise_ip: None }, per_token)
-                .await?,
+            path(tcp.clone(), per_token, false).await?,
+            path(tcp, per_token, true).await?,
+            path(mooncake, per_token, false).await?,
         ];
         // The path without KV: a 1-token prompt's tail on the tcp cluster.
         let mut bare = Vec::new();
@@ -145,14 +156,15 @@ async fn main() -> anyhow::Result<()> {
                 .collect();
             writeln!(
                 out,
-                "| {tokens} | {} µs | {:.1} | {:.2} | {:.2} | {:.2} | {} | {} |",
+                "| {tokens} | {} µs | {:.1} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
                 per_token.as_micros(),
                 bytes as f64 / 1e6,
                 ms(floor),
                 ms(making),
                 ms(pct(&bare, 0.5)),
                 cells[0],
-                cells[1]
+                cells[1],
+                cells[2]
             )?;
         }
         for p in paths {

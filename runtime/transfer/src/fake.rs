@@ -64,6 +64,11 @@ impl TransferBackend for FakeTransfer {
         "fake"
     }
 
+    /// A sender is bound to its agent's port, whatever the call.
+    fn posts_parts(&self) -> bool {
+        true
+    }
+
     fn local_addr(&self) -> AgentAddr {
         self.addr.clone()
     }

@@ -195,8 +195,16 @@ pub trait TransferBackend: Send + Sync + 'static {
     /// returns once the receiver has verified it (or rejected the write).
     async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError>;
 
+    /// Whether a streamed write's parts may go as writes of their own (each part at once, the
+    /// notice alone at the end): true where a receiver binds a sender to its peer rather than
+    /// to one connection (mooncake, fake).
+    fn posts_parts(&self) -> bool {
+        false
+    }
+
     /// A connection to `peer` dedicated to one streamed write ([`WriteStream`]); `None` (the
-    /// default): the stream's parts are held and posted in one write at its end.
+    /// default): the parts go as writes of their own when [`TransferBackend::posts_parts`],
+    /// else they are held and posted in one write at the stream's end.
     async fn open_stream(
         &self,
         _peer: &AgentAddr,

@@ -230,6 +230,11 @@ impl TransferBackend for MooncakeTransfer {
         sent
     }
 
+    /// Writes land by the peer's address, whatever the connection (see `peer_conn`).
+    fn posts_parts(&self) -> bool {
+        true
+    }
+
     async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError> {
         let Some(base) = self.shared.remotes.base(req.region) else {
             return Err(TransferError::Failed(format!(

@@ -5,7 +5,9 @@
 //!
 //! A backend that can keep one connection for the whole stream implements
 //! [`TransferBackend::open_stream`] (tcp does: every part goes out at once over the connection
-//! the region binds the sender to). The others hold the parts and post them in one write at
+//! the region binds the sender to). One whose receivers bind a sender to its peer says
+//! [`TransferBackend::posts_parts`] (mooncake, fake): each part is a write of its own, the
+//! notice comes alone at the end. The others hold the parts and post them in one write at
 //! the end (the same bytes, verified the same way, without the overlap).
 
 use std::sync::Arc;
@@ -87,6 +89,11 @@ impl WriteStream {
         }
         match &mut self.conn {
             Some(c) => c.post(self.region, self.sender, &pairs).await,
+            None if self.backend.posts_parts() => {
+                let (region, sender) = (self.region, self.sender);
+                let part = WriteRequest { region, sender, pairs, notice: None };
+                self.backend.post_write(&self.peer, part).await
+            }
             None => {
                 self.held.extend(pairs);
                 Ok(())
