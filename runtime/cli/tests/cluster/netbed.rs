@@ -90,6 +90,18 @@ impl Bed {
         run("ip", &["-n", ns, "route", "add", "unreachable", &format!("{ip}/32")]);
     }
 
+    /// Host `i` sends at most `rate` (tc's syntax, `100mbit`): a token bucket on its link's
+    /// way out, so what it sends queues and then trickles (nothing is dropped under 500 ms).
+    pub(crate) fn limit(&self, i: usize, rate: &str) {
+        let ns = self.hosts[i].ns.as_str();
+        let tbf = ["tbf", "rate", rate, "burst", "64kb", "latency", "500ms"];
+        run(
+            "ip",
+            &[&["netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root"][..], &tbf]
+                .concat(),
+        );
+    }
+
     /// Undoes [`Bed::cut`].
     pub(crate) fn heal(&self, i: usize, ip: &str) {
         let ns = self.hosts[i].ns.as_str();

@@ -124,7 +124,12 @@ impl Fleet {
 
     /// One request of 40 tokens for 2: its evidence and time to first token.
     async fn one(&self, seed: u32) -> Result<(Evidence, Duration), tonic::Status> {
-        let ids = (0..40).map(|i| 2 + (seed * 31 + i) % 30_000).collect();
+        self.one_of(seed, 40).await
+    }
+
+    /// One request of `tokens` tokens for 2: its evidence and time to first token.
+    async fn one_of(&self, seed: u32, tokens: u32) -> Result<(Evidence, Duration), tonic::Status> {
+        let ids = (0..tokens).map(|i| 2 + (seed * 31 + i) % 30_000).collect();
         let req = GenerateRequest {
             input: Some(handoff_proto::v1::generate_request::Input::TokenIds(TokenIds { ids })),
             sampling: Some(SamplingParams { max_tokens: 2, ..Default::default() }),
@@ -296,4 +301,46 @@ async fn a_wrong_advertised_address_is_refused_at_startup() {
     let ids: Vec<String> = f.instances().await.into_iter().map(|i| i.instance_id).collect();
     eprintln!("wrong address: refused after {refused:?}; 10 requests, 0 failed; instances {ids:?}");
     assert_eq!(ids.len(), 2, "c never registered: {ids:?}");
+}
+
+/// A prefill whose link sends at most 100 Mbit/s, beside one on the full link, 1000-token
+/// prompts (1 MB of the mock's KV each: 80 ms at 100 Mbit/s). Expectation stated: no request
+/// fails, and requests the slow prefill serves pay about the KV's time on its link. The
+/// scheduler does not route around it yet: it prices a prefill's queue by its compute per
+/// token, and a slow link is not compute (see docs/testbed.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_on_a_100_mbit_link_costs_its_requests_the_transfer_time() {
+    let f = Fleet::start().await;
+    let mut whole: Vec<Duration> = Vec::new();
+    for seed in 0..10 {
+        whole.push(f.one_of(seed, 1000).await.unwrap().1);
+    }
+    f.bed.limit(1, "100mbit");
+    let mut by: std::collections::HashMap<String, Vec<Duration>> = Default::default();
+    for seed in 100..140 {
+        let (ev, ttft) = f.one_of(seed, 1000).await.unwrap_or_else(|e| panic!("{seed}: {e}"));
+        assert!(ev.failed_attempts.is_empty(), "slow is not failed: {ev:?}");
+        by.entry(ev.instance_id).or_default().push(ttft);
+    }
+    whole.sort();
+    let p50 = |v: &mut Vec<Duration>| {
+        v.sort();
+        pct(v, 0.5)
+    };
+    let (mut a, mut b) = (by.remove("a").unwrap_or_default(), by.remove("b").unwrap_or_default());
+    let (na, nb) = (a.len(), b.len());
+    let (slow, fast) = (p50(&mut a), p50(&mut b));
+    eprintln!(
+        "100 Mbit on a: 40 requests of 1000 tokens, 0 failed; a served {na} (TTFT p50 {slow:?}, p99 {:?}), b served {nb} (TTFT p50 {fast:?}, p99 {:?}); before the limit p50 {:?} p99 {:?}",
+        pct(&a, 0.99),
+        pct(&b, 0.99),
+        pct(&whole, 0.5),
+        pct(&whole, 0.99)
+    );
+    assert!(na > 0 && nb > 0, "both still chosen");
+    // 1000 tokens x 1 KB of KV at 100 Mbit/s is 82 ms on the slow link.
+    assert!(
+        slow >= fast + Duration::from_millis(40),
+        "the link's time shows: {slow:?} vs {fast:?}"
+    );
 }
