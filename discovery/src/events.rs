@@ -75,6 +75,11 @@ pub struct Heartbeat {
     /// scheduler prices queue waits with it. Optional on the wire.
     #[serde(default)]
     pub prefill_ns_per_token: u64,
+    /// Measured time its KV takes to reach the decodes after the compute, in nanoseconds per
+    /// prompt token (0: not measured, or nothing left after the compute). A slow link shows
+    /// here. Optional on the wire.
+    #[serde(default)]
+    pub send_ns_per_token: u64,
 }
 
 /// One page of everything an instance's prefix caches hold, as of KV event `seq`. A

@@ -128,6 +128,7 @@ impl PrefillInstance {
             publisher: publisher.clone(),
             seq: Default::default(),
             cost: Default::default(),
+            send_cost: Default::default(),
             snapshots: handoff_discovery::Snapshots::new(cfg.id.clone()),
             max_queue: cfg.max_queue_per_dp,
             token: cfg.inbox.token.clone(),

@@ -70,6 +70,8 @@ pub(crate) struct Inner {
     pub(crate) seq: Mutex<u64>,
     /// Measured prefill cost.
     pub(crate) cost: Mutex<TokenCost>,
+    /// Measured time the KV takes after the compute, per prompt token.
+    pub(crate) send_cost: Mutex<TokenCost>,
     /// Recent snapshots, served in pages.
     pub(crate) snapshots: Snapshots,
     pub(crate) max_queue: usize,
@@ -283,6 +285,7 @@ impl PrefillService {
             kv_bytes: me.dps.iter().map(|d| lock(&d.cache).used_bytes() as u64).sum(),
             prefill_ns_per_token: (lock(&me.cost).per_token_us(me.engine.compute_shared_by()) * 1e3)
                 as u64,
+            send_ns_per_token: (lock(&me.send_cost).per_token_us(1) * 1e3) as u64,
         }
     }
 
@@ -423,6 +426,8 @@ impl PrefillService {
         let sending = Instant::now();
         try_join_all(dests.into_iter().map(|d| d.finish(room, meta))).await?;
         me.metrics.stage("send", sending.elapsed());
+        // The link's share: what the KV still took once the compute was done, per token.
+        lock(&me.send_cost).add(tokens.len(), sending.elapsed());
         me.metrics.sent(out.kv.as_bytes().len() as u64);
         self.cache_later(req.dp_rank, hashes, out.kv);
         debug!(%room, dp_rank = req.dp_rank, cached, tokens = tokens.len(), "prefill sent");

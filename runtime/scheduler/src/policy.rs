@@ -41,6 +41,10 @@ pub struct Candidate {
     pub queued_tokens: u64,
     /// Requests in flight on it.
     pub in_flight: u32,
+    /// What this request's KV would take to leave it after the compute (its measured time
+    /// per prompt token over its compute per token), in prompt tokens of compute: a slow link
+    /// prices like a longer prompt.
+    pub send_tokens: u64,
 }
 
 /// Everything a policy sees of one request.

@@ -380,9 +380,12 @@ impl SchedulerState {
         let resumed = std::mem::replace(&mut m.silent, false);
         let unsynced = m.seq.is_none();
         let cost = hb.prefill_ns_per_token as f32 / 1e3;
-        let cost_changed = cost.is_finite() && cost >= 0.0 && cost != m.token_cost_us;
+        let send = hb.send_ns_per_token as f32 / 1e3;
+        let cost_changed = (cost.is_finite() && cost != m.token_cost_us)
+            || (send.is_finite() && send != m.send_cost_us);
         if cost_changed {
             m.token_cost_us = cost;
+            m.send_cost_us = send;
         }
         if resumed {
             info!(instance = %hb.instance, "heartbeats resumed; back in routing");

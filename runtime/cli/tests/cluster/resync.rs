@@ -82,6 +82,7 @@ async fn a_200k_block_instance_resyncs_through_stock_nats_while_events_flow() {
         running: 0,
         kv_bytes: 0,
         prefill_ns_per_token: 0,
+        send_ns_per_token: 0,
     };
     let beat = serde_json::to_vec(&beat).unwrap();
     let state = scheduler.state().clone();

@@ -39,12 +39,15 @@ async fn an_event_gap_is_resynced_to_the_instances_own_view() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    // A prompt is cached just after its answer: all four first.
-    let start = Instant::now();
-    while own().await.len() < 16 {
-        assert!(start.elapsed() < Duration::from_secs(5), "4 prompts cached");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // A prompt is cached just after its answer: wait for the instance to hold `n` blocks.
+    let own_holds = |n: usize| async move {
+        let start = Instant::now();
+        while own().await.len() < n {
+            assert!(start.elapsed() < Duration::from_secs(5), "{n} blocks cached");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    own_holds(16).await;
     let before = wait_equal("in step").await;
     assert_eq!(before.len(), 16, "4 prompts of 4 full pages");
 
@@ -87,6 +90,7 @@ async fn an_event_gap_is_resynced_to_the_instances_own_view() {
     assert_eq!(after, before, "the snapshot restored the lost blocks");
     // Events after the resync apply in order again.
     generate(&mut cl, &prompt(100, 40), 2).await.unwrap();
+    own_holds(18).await;
     assert_eq!(wait_equal("after the resync").await.len(), 18);
     c.shutdown().await;
 }

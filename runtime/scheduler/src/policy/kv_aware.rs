@@ -1,5 +1,6 @@
-//! `kv_aware`: cost = prefill tokens left after the cached overlap x `prefill` weight + queued
-//! prefill tokens x `load` weight. With `temperature` 0 the cheapest wins (ties: fewest in
+//! `kv_aware`: cost = (prefill tokens left after the cached overlap + the KV's time to leave
+//! after the compute, in tokens of compute) x `prefill` weight + queued prefill tokens x
+//! `load` weight. With `temperature` 0 the cheapest wins (ties: fewest in
 //! flight, then rotation); above 0, a candidate is drawn with probability
 //! softmax(-cost / (temperature x prompt tokens)), spreading load among near-equals.
 
@@ -28,7 +29,7 @@ impl Default for KvAwareWeights {
 pub(super) fn pick(req: &Request<'_>, w: &KvAwareWeights) -> usize {
     let cost = |c: &Candidate| {
         let left = req.prompt_tokens.saturating_sub(c.overlap_blocks * req.page_size) as f64;
-        left * w.prefill + c.queued_tokens as f64 * w.load
+        (left + c.send_tokens as f64) * w.prefill + c.queued_tokens as f64 * w.load
     };
     let n = req.candidates.len();
     if w.temperature > 0.0 {

@@ -15,6 +15,7 @@ fn cands(n: usize) -> Vec<Candidate> {
             overlap_blocks: 0,
             queued_tokens: 0,
             in_flight: 0,
+            send_tokens: 0,
         })
         .collect()
 }
@@ -80,4 +81,18 @@ fn kv_aware_with_temperature_still_prefers_the_cached_candidate() {
         .filter(|&t| PolicyKind::KvAware.pick(&req(&c, &[], t), &params) == Some(2))
         .count();
     assert!(hits > 180, "{hits}/200");
+}
+
+#[test]
+fn kv_aware_prices_a_slow_link_like_a_longer_prompt() {
+    let mut c = cands(2);
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    // Equal but for the link: the one whose KV takes 300 tokens' worth after the compute loses,
+    c[0].send_tokens = 300;
+    for t in 0..4 {
+        assert_eq!(PolicyKind::KvAware.pick(&req(&c, &h, t), &PolicyParams::default()), Some(1));
+    }
+    // until the other's queue (at half weight) costs more than the slow link.
+    c[1].queued_tokens = 700;
+    assert_eq!(PolicyKind::KvAware.pick(&req(&c, &h, 0), &PolicyParams::default()), Some(0));
 }

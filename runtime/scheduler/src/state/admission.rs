@@ -104,6 +104,7 @@ mod tests {
             overlap_blocks: overlap,
             queued_tokens: queued,
             in_flight: 0,
+            send_tokens: 0,
         }
     }
 

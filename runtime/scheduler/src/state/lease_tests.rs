@@ -18,6 +18,7 @@ fn beat(id: &str, ns_per_token: u64) -> Heartbeat {
         running: 0,
         kv_bytes: 0,
         prefill_ns_per_token: ns_per_token,
+        send_ns_per_token: 0,
     }
 }
 

@@ -27,6 +27,8 @@ pub(super) struct Route {
     pub(super) page_size: u32,
     /// Its instance's measured prefill cost, in microseconds per computed token (0: unknown).
     pub(super) token_cost_us: f32,
+    /// Its instance's measured time for the KV after the compute, microseconds per token.
+    pub(super) send_cost_us: f32,
     /// How its instance is driven.
     pub(super) protocol: Protocol,
 }
@@ -147,6 +149,9 @@ pub(super) struct Member {
     pub(super) breaker: Breaker,
     /// Prefill cost per computed token, in microseconds, as its heartbeats last said.
     pub(super) token_cost_us: f32,
+    /// The KV's time after the compute per prompt token, in microseconds, as its heartbeats
+    /// last said.
+    pub(super) send_cost_us: f32,
 }
 
 impl Member {
@@ -166,6 +171,7 @@ impl Member {
             cleared: 0,
             breaker: Breaker::Closed { failures: 0 },
             token_cost_us: 0.0,
+            send_cost_us: 0.0,
         }
     }
 
@@ -178,9 +184,9 @@ impl Member {
     pub(super) fn routes(&self) -> impl Iterator<Item = (Slot, Route)> + '_ {
         let (live, gate, page_size, token_cost_us) =
             (self.routable(), self.breaker.gate(), self.instance.page_size, self.token_cost_us);
-        let protocol = Protocol::of(&self.instance);
+        let (protocol, send_cost_us) = (Protocol::of(&self.instance), self.send_cost_us);
         self.slots.iter().zip(&self.ring).map(move |(&s, &ring)| {
-            (s, Route { live, gate, ring, page_size, token_cost_us, protocol })
+            (s, Route { live, gate, ring, page_size, token_cost_us, send_cost_us, protocol })
         })
     }
 }

@@ -48,6 +48,18 @@ impl Outcome {
     }
 }
 
+/// The time `route`'s KV of a `prompt_tokens`-token prompt takes after the compute, in
+/// tokens of its compute (at least 1 µs per token, so an instance whose compute is not
+/// measured yet, or free, still pays for a slow link). Selection then charges only what
+/// exceeds twice the best candidate's.
+fn send_tokens(prompt_tokens: u32, route: &super::member::Route) -> u64 {
+    if route.send_cost_us.is_nan() || route.send_cost_us <= 0.0 {
+        return 0;
+    }
+    let per = f64::from(route.send_cost_us) / f64::from(route.token_cost_us).max(1.0);
+    (f64::from(prompt_tokens) * per).min(u64::MAX as f64 / 4.0) as u64
+}
+
 /// One selection request.
 #[derive(Debug, Clone, Copy)]
 pub struct Ask<'a> {
@@ -201,6 +213,7 @@ impl SchedulerState {
                     overlap_blocks: overlap as usize,
                     queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
                     in_flight: l.in_flight.saturating_add(r.in_flight),
+                    send_tokens: send_tokens(ask.prompt_tokens, route),
                 });
             }
             // Panic threshold: failures alone never eject more than half of the fleet; past
@@ -209,6 +222,10 @@ impl SchedulerState {
                 break;
             }
         }
+        // Only a link well slower than the best counts: within twice the best is noise, and
+        // equals must keep taking turns.
+        let floor = candidates.iter().map(|c| c.send_tokens).min().unwrap_or(0).saturating_mul(2);
+        candidates.iter_mut().for_each(|c| c.send_tokens = c.send_tokens.saturating_sub(floor));
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
         let req = Request {
             candidates,

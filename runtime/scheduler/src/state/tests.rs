@@ -207,6 +207,7 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
         running: 0,
         kv_bytes: 0,
         prefill_ns_per_token: 0,
+        send_ns_per_token: 0,
     };
     let t0 = Instant::now();
     let at = |ms: u64| t0 + Duration::from_millis(ms);
@@ -412,6 +413,7 @@ fn engine_instances_survive_resets_take_their_own_ops_and_go_silent_like_others(
         running: 0,
         kv_bytes: 0,
         prefill_ns_per_token: 0,
+        send_ns_per_token: 0,
     };
     s.heartbeat_at(&hb, later);
     assert_eq!(s.sweep_at(later), vec![id.clone()]);
@@ -446,4 +448,39 @@ fn engine_and_prefill_ids_never_take_each_others_place() {
     assert!(s.instances().iter().any(|i| i.instance.id.as_str() == "p"), "not an engine: kept");
     s.remove_engine(&"e".parse().unwrap());
     assert!(!s.instances().iter().any(|i| i.instance.id.as_str() == "e"));
+}
+
+/// An instance whose KV measurably takes long after its compute (a slow link, as its
+/// heartbeats say) is not chosen while an equal one is free.
+#[test]
+fn a_slow_link_heard_in_heartbeats_moves_requests_away() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
+    let beat = |id: &str, send_ns: u64| handoff_discovery::Heartbeat {
+        instance: id.parse().unwrap(),
+        queued_tokens: 0,
+        running: 0,
+        kv_bytes: 0,
+        prefill_ns_per_token: 1_000,
+        send_ns_per_token: send_ns,
+    };
+    s.heartbeat(&beat("a", 80_000)); // 80 us per token after the compute: 80 tokens' worth each
+    s.heartbeat(&beat("b", 500));
+    let chosen: Vec<String> = (0..8)
+        .map(|_| {
+            let sel = s.select(&Ask::new(&[], 1000)).unwrap();
+            s.report(sel.booking, Outcome::Success);
+            sel.instance.id.to_string()
+        })
+        .collect();
+    assert!(chosen.iter().all(|c| c == "b"), "{chosen:?}");
+    s.heartbeat(&beat("a", 700)); // the link recovered: within twice b's is noise
+    let again: std::collections::BTreeSet<String> = (0..8)
+        .map(|_| {
+            let sel = s.select(&Ask::new(&[], 1000)).unwrap();
+            s.report(sel.booking, Outcome::Success);
+            sel.instance.id.to_string()
+        })
+        .collect();
+    assert_eq!(again.len(), 2, "both chosen again: {again:?}");
 }
