@@ -10,8 +10,9 @@
 //! is exact, TTFT − compute is what the KV and the path cost. `tcp streamed` and `mooncake
 //! streamed` send each layer as it is computed; `tcp whole` is the same tcp path with the
 //! prefill's agent behind an unarmed fault injector, which has no streams: the KV goes in one
-//! write after the compute, as before streaming. Equal work, same run, interleaved. Beside them, the floor: the KV's bytes through one
-//! plain loopback socket, and the path with a 1-token prompt (no KV to speak of).
+//! write after the compute, as before streaming. Equal work, same run, interleaved. Beside
+//! them, the floor: the KV's bytes through one plain loopback socket, and the path with a
+//! 1-token prompt (no KV to speak of).
 //! Shapes: 256 and 1024 tokens, at 0 (nothing to overlap: the unflattering one), 100 µs and
 //! 1 ms of compute per token. Prints p50 and p90 of the tail in ms. At 0 µs the tail also
 //! holds the mock's own making of its KV bytes (printed beside it), which no engine charges

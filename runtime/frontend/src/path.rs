@@ -88,6 +88,8 @@ const PROTOCOLS: [&str; 2] = ["handoff", "sglang"];
 mod first_token;
 mod target;
 
+use target::{handoff_prefill_sampling, summary};
+
 impl Frontend {
     /// A frontend that asks the scheduler replicas at `scheduler_addrs` (host:port; more
     /// can come from [`Frontend::follow_schedulers`]); its transfer agent and reports run on
@@ -410,7 +412,14 @@ impl Frontend {
                 .attempt_on(&ctx, &sel, room, plan, deadline, &mut stages)
                 .instrument(span)
                 .await;
-            let outcome = result.map(|p| {
+            let outcome = result.and_then(|p| {
+                // The engine loads the KV after the first token (LoadOnFirstStep): what can be
+                // checked before is checked here, where a failure is still retried.
+                let shape = self.engine.info().shape;
+                if p.kv.shape() != shape {
+                    let why = format!("KV of shape {:?}, the engine's is {shape:?}", p.kv.shape());
+                    return Err(FrontendError::at("consume", why));
+                }
                 let sampling = handoff_prefill_sampling(&plan.sampling);
                 let decoder: Box<dyn Decoder> = Box::new(first_token::LoadOnFirstStep::new(
                     self.engine.clone(),
@@ -418,7 +427,7 @@ impl Frontend {
                     p.first_token,
                     sampling,
                 ));
-                (decoder, p.first_token, p.cached_tokens, p.kv_bytes)
+                Ok((decoder, p.first_token, p.cached_tokens, p.kv_bytes))
             });
             match outcome {
                 Ok((decoder, first_token, cached_tokens, kv_bytes)) => {
@@ -469,24 +478,4 @@ impl Frontend {
             _ => FrontendError::Unavailable(summary(failed)),
         })
     }
-}
-
-fn handoff_prefill_sampling(s: &handoff_proto::v1::SamplingParams) -> handoff_engine::Sampling {
-    handoff_engine::Sampling {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k,
-        seed: s.seed,
-    }
-}
-
-fn summary(failed: &[Attempt]) -> String {
-    if failed.is_empty() {
-        return "no attempt made".into();
-    }
-    failed
-        .iter()
-        .map(|a| format!("[{} room {}: {}]", a.instance_id, a.bootstrap_room, a.error))
-        .collect::<Vec<_>>()
-        .join(" ")
 }

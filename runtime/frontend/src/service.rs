@@ -108,7 +108,10 @@ pub(crate) async fn stream(
             s = async {
                 let started = Instant::now();
                 let s = ready.decoder.step().await;
-                m.note_step(started.elapsed());
+                // The first step also loads the KV into the engine: not a step's time.
+                if generated > 1 {
+                    m.note_step(started.elapsed());
+                }
                 s
             } => s,
         };

@@ -107,7 +107,11 @@ impl SglangPrefills {
         deadline: Instant,
         stages: &mut Stages,
     ) -> Result<Prefilled, FrontendError> {
-        let receiver = self.receiver().await.map_err(|e| failure("register", e))?;
+        // The receiver is ours: its failing to start is the decode's, not the server's.
+        let receiver = self
+            .receiver()
+            .await
+            .map_err(|e| FrontendError::because("register", Cause::Decode, e))?;
         stages.timings.register_us = stages.mark();
         let (host, port) = split_host_port(&target.bootstrap_addr).ok_or_else(|| {
             FrontendError::at(
@@ -182,9 +186,11 @@ impl SglangPrefills {
             .to_bytes();
         if !status.is_success() {
             let text = String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned();
+            // 400 and 413 are the prompt's (too long, a token out of range); a body the server
+            // refuses otherwise (422: a field it does not take) is between us and it.
             let cause = match status.as_u16() {
                 429 | 503 => Cause::Overloaded,
-                400 | 413 | 422 => Cause::Invalid,
+                400 | 413 => Cause::Invalid,
                 _ => Cause::Instance,
             };
             return Err(FrontendError::because("prefill", cause, format!("{status}: {text}")));

@@ -138,6 +138,7 @@ impl PrefillInstance {
             metrics: Default::default(),
             registry: registry.clone(),
             tasks: tasks.clone(),
+            storing: Arc::new(tokio::sync::Semaphore::new(4)),
         });
         let service = svc.clone();
         warm_up(&service, &*engine).await?;

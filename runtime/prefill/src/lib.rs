@@ -7,12 +7,15 @@
 //!   decode ranks that connected for a room.
 //! - [`service`] — the `handoff.v1.Prefill` gRPC service: prefix reuse, compute, KV events,
 //!   and the ranks' sends.
+//! - `cost` — what it measures of itself for the schedulers: compute per token, and the
+//!   time its KV takes after the compute (a slow link).
 //! - [`metrics`] — its counters, `/metrics` and readiness.
 //! - [`instance`] — [`PrefillInstance::start`]: binds the directory, the ranks and the gRPC
 //!   service, registers the ranks in the directory and the instance in discovery.
 
 pub mod cache;
 pub mod config;
+mod cost;
 mod error;
 pub mod instance;
 pub mod metrics;

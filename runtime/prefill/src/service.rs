@@ -28,6 +28,7 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, debug, info, warn};
 
 use crate::cache::CacheDelta;
+use crate::cost::{SendCost, TokenCost};
 use crate::rank::{Destination, Rank, SendMeta};
 use crate::{PrefillError, PrefixCache};
 
@@ -71,7 +72,7 @@ pub(crate) struct Inner {
     /// Measured prefill cost.
     pub(crate) cost: Mutex<TokenCost>,
     /// Measured time the KV takes after the compute, per prompt token.
-    pub(crate) send_cost: Mutex<TokenCost>,
+    pub(crate) send_cost: Mutex<SendCost>,
     /// Recent snapshots, served in pages.
     pub(crate) snapshots: Snapshots,
     pub(crate) max_queue: usize,
@@ -85,47 +86,8 @@ pub(crate) struct Inner {
     pub(crate) registry: Arc<dyn handoff_discovery::Registry>,
     /// The instance's tasks (prompts are cached on them, off the requests' path).
     pub(crate) tasks: handoff_core::Tasks,
-}
-
-/// Prefill compute time per computed token: a token-weighted moving average (each new
-/// prefill's weight is its token count, older ones decay by [`TokenCost::DECAY`]), never
-/// below the warm-up's solo cost times the engines sharing the compute. A burst is priced
-/// by the cost of the moment it arrives; measured alone, that would be the solo cost,
-/// however many engines are about to compete for the same cores.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct TokenCost {
-    micros: f64,
-    tokens: f64,
-    /// The warm-up's cost per token, measured with the engine to itself.
-    solo_us: f64,
-}
-
-impl TokenCost {
-    const DECAY: f64 = 0.9;
-
-    /// Adds a prefill of `tokens` computed tokens that took `took`.
-    pub(crate) fn add(&mut self, tokens: usize, took: Duration) {
-        if tokens == 0 {
-            return;
-        }
-        self.micros = self.micros * Self::DECAY + took.as_secs_f64() * 1e6;
-        self.tokens = self.tokens * Self::DECAY + tokens as f64;
-    }
-
-    /// Adds the warm-up: a prefill of `tokens` that took `took` with the engine to itself.
-    pub(crate) fn add_solo(&mut self, tokens: usize, took: Duration) {
-        if tokens > 0 {
-            self.solo_us = took.as_secs_f64() * 1e6 / tokens as f64;
-        }
-        self.add(tokens, took);
-    }
-
-    /// Microseconds per token when `shared_by` engines take turns on the compute (0 before
-    /// any prefill).
-    pub(crate) fn per_token_us(&self, shared_by: usize) -> f64 {
-        let measured = if self.tokens > 0.0 { self.micros / self.tokens } else { 0.0 };
-        measured.max(self.solo_us * shared_by.max(1) as f64)
-    }
+    /// Prompts being cached at once (bounded: each holds its whole KV).
+    pub(crate) storing: Arc<Semaphore>,
 }
 
 /// Counts a request as running (and its tokens as queued) until dropped, even when the
@@ -203,8 +165,14 @@ impl PrefillService {
         hashes: Vec<handoff_core::BlockHash>,
         kv: handoff_engine::Kv,
     ) {
+        // A few stores at a time: past that a prompt goes uncached rather than queue its KV.
+        let Ok(storing) = self.inner.storing.clone().try_acquire_owned() else {
+            debug!(dp_rank, "prompt not cached: stores in flight");
+            return;
+        };
         let svc = self.clone();
         self.inner.tasks.spawn(async move {
+            let _storing = storing;
             let store = move || {
                 let dp = &svc.inner.dps[dp_rank as usize];
                 let delta = lock(&dp.cache).store(&hashes, &kv);
@@ -285,7 +253,8 @@ impl PrefillService {
             kv_bytes: me.dps.iter().map(|d| lock(&d.cache).used_bytes() as u64).sum(),
             prefill_ns_per_token: (lock(&me.cost).per_token_us(me.engine.compute_shared_by()) * 1e3)
                 as u64,
-            send_ns_per_token: (lock(&me.send_cost).per_token_us(1) * 1e3) as u64,
+            send_ns_per_token: (lock(&me.send_cost).per_token_us_at(std::time::Instant::now())
+                * 1e3) as u64,
         }
     }
 
@@ -402,7 +371,7 @@ impl PrefillService {
             self.measured(tokens.len() - cached, started.elapsed());
             me.metrics.stage("compute", started.elapsed());
             me.metrics.tokens(tokens.len() - cached, cached);
-            Ok::<_, PrefillError>(out)
+            Ok::<_, PrefillError>((out, Instant::now()))
         };
         // The decode sent its handshakes before this call: they are taken while the engine
         // computes, and each layer travels to every decode rank as soon as it is done.
@@ -420,14 +389,22 @@ impl PrefillService {
             }
             Ok::<_, PrefillError>((ranks, dests))
         };
-        let (out, (ranks, dests)) = tokio::try_join!(compute, stream)?;
+        // A compute that fails ends the request at once. A stream that fails still waits for
+        // the engine: its slot stays taken while it computes.
+        tokio::pin!(compute, stream);
+        let ((out, computed), (ranks, dests)) = tokio::select! {
+            c = &mut compute => { let c = c?; (c, stream.await?) }
+            s = &mut stream => match s {
+                Ok(s) => (compute.await?, s),
+                Err(e) => { let _ = compute.await; return Err(e) }
+            },
+        };
         // The notices: every byte already sent, each decode rank verifies its whole region.
         let meta = SendMeta { first_token: out.first_token, cached_tokens: cached as u32 };
-        let sending = Instant::now();
         try_join_all(dests.into_iter().map(|d| d.finish(room, meta))).await?;
-        me.metrics.stage("send", sending.elapsed());
         // The link's share: what the KV still took once the compute was done, per token.
-        lock(&me.send_cost).add(tokens.len(), sending.elapsed());
+        me.metrics.stage("send", computed.elapsed());
+        lock(&me.send_cost).add_at(tokens.len(), computed.elapsed(), Instant::now().into_std());
         me.metrics.sent(out.kv.as_bytes().len() as u64);
         self.cache_later(req.dp_rank, hashes, out.kv);
         debug!(%room, dp_rank = req.dp_rank, cached, tokens = tokens.len(), "prefill sent");
@@ -462,32 +439,5 @@ impl PrefillRpc for PrefillService {
         let grace = Duration::from_millis(u64::from(req.into_inner().grace_ms.min(3_600_000)));
         let left = PrefillService::drain(self, grace).await?;
         Ok(Response::new(DrainResponse { left: left.min(u32::MAX as usize) as u32 }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_cost_is_the_moving_average_but_never_below_the_solo_cost_times_the_sharers() {
-        let ms = Duration::from_millis;
-        let mut c = TokenCost::default();
-        assert_eq!(c.per_token_us(3), 0.0, "nothing measured");
-        c.add_solo(100, ms(100)); // 1 ms per token alone
-        assert_eq!(c.per_token_us(1), 1000.0);
-        // Three engines on the same cores: priced as if all were busy from the start.
-        assert_eq!(c.per_token_us(3), 3000.0);
-        // Measured slower than that under load: the measurement wins.
-        for _ in 0..50 {
-            c.add(100, ms(500));
-        }
-        assert!(c.per_token_us(3) > 4900.0, "{}", c.per_token_us(3));
-        // Measured faster (the others idle): the floor holds.
-        for _ in 0..100 {
-            c.add(100, ms(100));
-        }
-        assert!((c.per_token_us(3) - 3000.0).abs() < 1.0, "{}", c.per_token_us(3));
-        assert!((c.per_token_us(1) - 1000.0).abs() < 1.0, "{}", c.per_token_us(1));
     }
 }

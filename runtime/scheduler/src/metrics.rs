@@ -135,6 +135,7 @@ struct Gauges {
     cached_blocks: Arc<Family<Gauge>>,
     breaker_open: Arc<Family<Gauge>>,
     token_cost: Arc<Family<Gauge>>,
+    send_cost: Arc<Family<Gauge>>,
     bookings: Arc<Gauge>,
     rejects: Arc<Family<Tally>>,
     index_blocks: Arc<Gauge>,
@@ -170,6 +171,11 @@ impl Gauges {
                 "An instance's measured prefill time per computed token.",
                 &["instance"],
             ),
+            send_cost: r.gauges(
+                "handoff_scheduler_instance_send_cost_seconds",
+                "The time an instance's KV takes to leave after its compute, per prompt token.",
+                &["instance"],
+            ),
             bookings: r.gauge("handoff_scheduler_open_bookings", "Bookings not yet reported."),
             rejects: r.tallies(
                 "handoff_scheduler_rejected_inputs_total",
@@ -200,6 +206,7 @@ impl Gauges {
             f.clear();
         }
         self.token_cost.clear();
+        self.send_cost.clear();
         let routable = all.iter().filter(|s| s.routable).count();
         self.instances.with(&["true"]).set(routable as f64);
         self.instances.with(&["false"]).set((all.len() - routable) as f64);
@@ -209,6 +216,7 @@ impl Gauges {
             self.cached_blocks.with(&id).set(s.cached_blocks as f64);
             self.breaker_open.with(&id).set(if s.breaker_closed { 0.0 } else { 1.0 });
             self.token_cost.with(&id).set(f64::from(s.token_cost_us) / 1e6);
+            self.send_cost.with(&id).set(f64::from(s.send_cost_us) / 1e6);
         }
         self.bookings.set(state.open_bookings() as f64);
         self.index_blocks.set(all.iter().map(|s| s.cached_blocks as f64).sum());

@@ -142,6 +142,7 @@ impl SchedulerRpc for SchedulerService {
                 cached_blocks: s.cached_blocks,
                 routable: s.routable,
                 prefill_ns_per_token: (f64::from(s.token_cost_us) * 1e3) as u64,
+                send_ns_per_token: (f64::from(s.send_cost_us) * 1e3) as u64,
                 breaker_closed: s.breaker_closed,
                 silent_ms: s.silent_for.as_millis().min(u128::from(u64::MAX)) as u64,
                 model: s.instance.model,

@@ -8,12 +8,13 @@
 //! that writes over another's binding, or keeps writing to regions that do not exist (a
 //! peer guessing ids), is closed; the regions it named are not touched.
 
+mod pool;
 mod stream;
 mod wire;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -27,6 +28,7 @@ use crate::{
     AgentAddr, ConnId, ConnectRequest, Inbox, RegionId, TransferBackend, TransferError,
     WriteRequest,
 };
+use pool::{ClientIo, Idle, checkin, io_err, read_ack};
 use wire::Frame;
 
 /// How long an idle pooled connection gets to answer a handshake before a fresh one is tried.
@@ -81,60 +83,12 @@ impl Default for TcpConfig {
     }
 }
 
-/// A connection this agent dialed: plain, or TLS over the socket.
-trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + Sync + std::fmt::Debug {
-    /// The socket under it.
-    fn socket(&self) -> &TcpStream;
-}
-
-impl ClientIo for TcpStream {
-    fn socket(&self) -> &TcpStream {
-        self
-    }
-}
-
-impl ClientIo for tokio_rustls::client::TlsStream<TcpStream> {
-    fn socket(&self) -> &TcpStream {
-        self.get_ref().0
-    }
-}
-
 /// A tcp agent (see the module docs).
 #[derive(Debug)]
 pub struct TcpTransfer {
     addr: AgentAddr,
     cfg: TcpConfig,
     idle: Arc<Idle>,
-}
-
-/// Idle connections by peer.
-type Idle = Mutex<HashMap<AgentAddr, Vec<Box<dyn ClientIo>>>>;
-
-/// Returns `s` to the idle pool, unless `max` connections to `peer` already wait there.
-fn checkin(idle: &Idle, peer: &AgentAddr, s: Box<dyn ClientIo>, max: usize) {
-    let mut idle = idle.lock().unwrap_or_else(|e| e.into_inner());
-    let v = idle.entry(peer.clone()).or_default();
-    if v.len() < max {
-        v.push(s);
-    }
-}
-
-fn io_err(peer: &AgentAddr, e: impl std::fmt::Display) -> TransferError {
-    TransferError::Io { peer: peer.clone(), reason: e.to_string() }
-}
-
-/// Reads the peer's ack of an exchange.
-async fn read_ack<S: AsyncRead + Unpin>(
-    peer: &AgentAddr,
-    s: &mut S,
-    max_frame: usize,
-) -> Result<(), TransferError> {
-    match wire::read_frame(s, max_frame).await? {
-        Some(Frame::Ack(Ok(()))) => Ok(()),
-        Some(Frame::Ack(Err(reason))) => Err(TransferError::Rejected(reason)),
-        Some(other) => Err(TransferError::Malformed(format!("expected an ack, got {other:?}"))),
-        None => Err(io_err(peer, "connection closed before the ack")),
-    }
 }
 
 impl TcpTransfer {
@@ -478,6 +432,9 @@ async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
                 // A rejected write fails its region; the sender learns it at the notice.
                 match inbox.on_write(region, sender, conn, &segs) {
                     Ok(()) => {
+                        // A sender in good standing: writes it streamed into a region the
+                        // decode has since dropped (one per layer) do not add up against it.
+                        unknown = 0;
                         open.insert(region);
                         None
                     }

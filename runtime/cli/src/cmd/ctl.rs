@@ -249,6 +249,7 @@ fn instances_json(replica: &str, list: &[InstanceStatus], others: &[Instance]) -
                 "silent_ms": i.silent_ms,
                 "cached_blocks": i.cached_blocks,
                 "prefill_ns_per_token": i.prefill_ns_per_token,
+                "send_ns_per_token": i.send_ns_per_token,
                 "bootstrap_addr": i.bootstrap_addr,
                 "grpc_addr": i.prefill_addr,
             })

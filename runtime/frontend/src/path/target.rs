@@ -1,8 +1,9 @@
 //! Which attempt a selection gets, by the protocol its instance speaks: a handoff prefill's
-//! (`attempt`), or an SGLang prefill server's (`sglang`).
+//! (`attempt`), or an SGLang prefill server's (`sglang`); and what attempts share (the
+//! engine's sampling, the summary of failures).
 
 use handoff_core::Room;
-use handoff_proto::v1::SelectPrefillResponse;
+use handoff_proto::v1::{Attempt, SelectPrefillResponse};
 use tokio::time::Instant;
 
 use super::Frontend;
@@ -50,4 +51,28 @@ impl Frontend {
             )),
         }
     }
+}
+
+/// The engine's sampling for the request's.
+pub(super) fn handoff_prefill_sampling(
+    s: &handoff_proto::v1::SamplingParams,
+) -> handoff_engine::Sampling {
+    handoff_engine::Sampling {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        seed: s.seed,
+    }
+}
+
+/// Every failed attempt, for the error the client gets.
+pub(super) fn summary(failed: &[Attempt]) -> String {
+    if failed.is_empty() {
+        return "no attempt made".into();
+    }
+    failed
+        .iter()
+        .map(|a| format!("[{} room {}: {}]", a.instance_id, a.bootstrap_room, a.error))
+        .collect::<Vec<_>>()
+        .join(" ")
 }

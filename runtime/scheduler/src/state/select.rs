@@ -222,9 +222,10 @@ impl SchedulerState {
                 break;
             }
         }
-        // Only a link well slower than the best counts: within twice the best is noise, and
-        // equals must keep taking turns.
-        let floor = candidates.iter().map(|c| c.send_tokens).min().unwrap_or(0).saturating_mul(2);
+        // Only a link well slower than the best measured one counts: within twice the best is
+        // noise, and equals must keep taking turns. Unmeasured ones (0) set no floor.
+        let best = candidates.iter().map(|c| c.send_tokens).filter(|&t| t > 0).min();
+        let floor = best.unwrap_or(0).saturating_mul(2);
         candidates.iter_mut().for_each(|c| c.send_tokens = c.send_tokens.saturating_sub(floor));
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
         let req = Request {

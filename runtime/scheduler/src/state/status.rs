@@ -22,6 +22,8 @@ pub struct InstanceStatus {
     pub routable: bool,
     /// Its measured prefill cost per computed token, in microseconds (0: not known yet).
     pub token_cost_us: f32,
+    /// The time its KV takes after the compute, per prompt token, in microseconds.
+    pub send_cost_us: f32,
     /// Whether its circuit breaker is closed (not open or half-open).
     pub breaker_closed: bool,
     /// Time since it was last heard from.
@@ -57,6 +59,7 @@ impl SchedulerState {
                     cached_blocks,
                     routable: m.routable(),
                     token_cost_us: m.token_cost_us,
+                    send_cost_us: m.send_cost_us,
                     breaker_closed: m.breaker.is_closed(),
                     silent_for: now.saturating_duration_since(m.seen),
                 }

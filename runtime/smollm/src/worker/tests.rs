@@ -113,9 +113,10 @@ async fn bad_input_is_an_error_not_a_panic() {
     assert!(e.prefill(&[5, 6, 7], None, &Sampling::default()).await.is_ok(), "still serving");
 }
 
-/// A streamed prefill hands on every layer, in order, each the finished KV's layer, and the
-/// first long before the compute ends; with a cached prefix the layers still cover every
-/// prompt token. Its KV equals the plain prefill's.
+/// A streamed prefill hands on every layer, in order, each the finished KV's layer; with a
+/// cached prefix the layers still cover every prompt token. Its KV equals the plain
+/// prefill's. (That layers travel during the compute is measured by `kv_stream`, and shown
+/// for the transfer by the tcp stream tests.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_prefill_hands_on_each_layer_as_it_is_computed() {
     let e = engine();
@@ -123,15 +124,12 @@ async fn a_streamed_prefill_hands_on_each_layer_as_it_is_computed() {
     let plain = e.prefill(&prompt, None, &Sampling::default()).await.unwrap();
     for prefix in [None, Some(plain.kv.slice_tokens(0..160))] {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let (e2, p2, pre) = (e.clone(), prompt.clone(), prefix.clone());
+        let (e2, p2, pre) = (e.clone(), prompt.clone(), prefix);
         let run =
             tokio::spawn(
                 async move { e2.prefill_streamed(&p2, pre, &Sampling::default(), tx).await },
             );
         let first = rx.recv().await.expect("layer 0");
-        if prefix.is_none() {
-            assert!(!run.is_finished(), "layer 0 arrived while later layers compute");
-        }
         let got = run.await.unwrap().unwrap();
         assert!(got.kv == plain.kv && got.first_token == plain.first_token);
         let mut layers = vec![first];

@@ -10,7 +10,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::io::{AsyncWriteExt, BufWriter};
 
-use super::{ClientIo, Idle, TcpTransfer, checkin, io_err, read_ack, wire};
+use super::pool::{ClientIo, Idle, checkin, io_err, read_ack};
+use super::{TcpTransfer, wire};
 use crate::{AgentAddr, Notice, RegionId, SenderId, StreamConn, TransferError};
 
 /// One streamed write's connection.
@@ -50,9 +51,11 @@ impl StreamConn for TcpStreamConn {
         pairs: &[(Bytes, u64)],
     ) -> Result<(), TransferError> {
         let (peer, max_frame, within) = (self.peer.clone(), self.max_frame, self.io_timeout);
-        let Some(s) = self.conn.as_mut() else { return Err(self.broken()) };
+        // Out while it is written: a post abandoned midway leaves no connection behind with
+        // half a frame on it.
+        let Some(mut s) = self.conn.take() else { return Err(self.broken()) };
         let send = async {
-            let mut w = BufWriter::with_capacity(256 << 10, &mut *s);
+            let mut w = BufWriter::with_capacity(256 << 10, &mut s);
             wire::write_pairs(&mut w, region, sender, pairs, max_frame).await?;
             w.flush().await
         };
@@ -60,8 +63,8 @@ impl StreamConn for TcpStreamConn {
             Ok(r) => r.map_err(|e| io_err(&peer, e)),
             Err(_) => Err(TransferError::Timeout(format!("streamed write to {peer}"))),
         };
-        if res.is_err() {
-            self.conn = None;
+        if res.is_ok() {
+            self.conn = Some(s);
         }
         res
     }
