@@ -96,10 +96,18 @@ async fn before<T, E: std::fmt::Display>(
     stage: &'static str,
     f: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<T, FrontendError> {
-    match tokio::time::timeout_at(deadline, f).await {
-        Ok(r) => r.map_err(|e| FrontendError::at(stage, e)),
-        Err(_) => Err(FrontendError::because(stage, Cause::Deadline, "attempt deadline passed")),
-    }
+    within(deadline, stage, async { f.await.map_err(|e| FrontendError::at(stage, e)) }).await
+}
+
+/// `f`'s answer, or the attempt's deadline passing at `stage`.
+pub(crate) async fn within<T>(
+    deadline: Instant,
+    stage: &'static str,
+    f: impl std::future::Future<Output = Result<T, FrontendError>>,
+) -> Result<T, FrontendError> {
+    tokio::time::timeout_at(deadline, f).await.unwrap_or_else(|_| {
+        Err(FrontendError::because(stage, Cause::Deadline, "attempt deadline passed"))
+    })
 }
 
 /// Runs one attempt with `room` on `target`.
@@ -223,6 +231,8 @@ pub async fn run(
                 async move { ctx.agent.connect(&peer, req).await }
             })
     });
+    // (Not through `within`: an async block around this iterator chain is not `Send` to
+    // rustc.)
     match tokio::time::timeout_at(deadline, try_join_all(connects)).await {
         Ok(r) => r.map_err(|e| FrontendError::transfer("connect", e))?,
         Err(_) => {

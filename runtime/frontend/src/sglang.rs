@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
-use crate::attempt::{Prefilled, Stages};
+use crate::attempt::{Prefilled, Stages, within};
 use crate::{Cause, FrontendError};
 
 /// Most bytes of a `/generate` answer read (the prefill's answer is one token's).
@@ -76,13 +76,7 @@ impl SglangPrefills {
         self.receiver
             .get_or_try_init(|| async {
                 let info = self.engine.info();
-                let layout = SglangLayout {
-                    layers: info.shape.layers,
-                    page_size: info.page_size,
-                    kv_heads: info.shape.kv_heads,
-                    head_bytes: info.shape.head_bytes,
-                    aux_row_bytes: handoff_sglang::layout::AUX_ROW_BYTES.to_vec(),
-                };
+                let layout = SglangLayout::for_kv(info.shape, info.page_size);
                 let r = SglangReceiver::start(
                     layout,
                     self.bind_ip,
@@ -134,16 +128,7 @@ impl SglangPrefills {
                 .await
                 .map_err(|e| failure("verify", e))
         };
-        let generate = async {
-            match tokio::time::timeout_at(deadline, self.generate(&target.url, body)).await {
-                Ok(r) => r,
-                Err(_) => Err(FrontendError::because(
-                    "prefill",
-                    Cause::Deadline,
-                    "attempt deadline passed",
-                )),
-            }
-        };
+        let generate = within(deadline, "prefill", self.generate(&target.url, body));
         let (answer, got) = tokio::try_join!(generate, receive)?;
         // The server's answer, when it names its first token, must name the row's.
         if let Some(first) = answer["output_ids"].get(0).and_then(Value::as_u64)

@@ -51,6 +51,18 @@ pub struct RequestLayout {
 }
 
 impl SglangLayout {
+    /// The pages of a model whose KV has `shape`, `page_size` tokens per page, with SGLang's
+    /// metadata rows ([`AUX_ROW_BYTES`]).
+    pub fn for_kv(shape: KvShape, page_size: usize) -> Self {
+        SglangLayout {
+            layers: shape.layers,
+            page_size,
+            kv_heads: shape.kv_heads,
+            head_bytes: shape.head_bytes,
+            aux_row_bytes: AUX_ROW_BYTES.to_vec(),
+        }
+    }
+
     /// Bytes of one page of one buffer.
     pub fn item_len(&self) -> usize {
         self.page_size * self.kv_heads * self.head_bytes

@@ -167,13 +167,7 @@ async fn a_real_models_kv_through_sglangs_sender_decodes_the_same_tokens() {
         .unwrap();
     let exported = engine.prefill(&prompt, None, &Sampling::default()).await.unwrap();
     let shape = exported.kv.shape();
-    let l = SglangLayout {
-        layers: shape.layers,
-        page_size: 16,
-        kv_heads: shape.kv_heads,
-        head_bytes: shape.head_bytes,
-        aux_row_bytes: handoff_sglang::layout::AUX_ROW_BYTES.to_vec(),
-    };
+    let l = SglangLayout::for_kv(shape, 16);
     let pages = l.pages_from_kv(&exported.kv).unwrap();
     let dir = std::env::temp_dir().join(format!("handoff-sglang-kv-{}", free_port()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -72,14 +72,7 @@ async fn prepare(
 ) -> (Prompt, serde_json::Value) {
     let tokens = m.tokenize(text).unwrap();
     let p = m.prefill(&tokens, None, &Sampling::default()).await.unwrap();
-    let shape = p.kv.shape();
-    let layout = SglangLayout {
-        layers: shape.layers,
-        page_size: 16,
-        kv_heads: shape.kv_heads,
-        head_bytes: shape.head_bytes,
-        aux_row_bytes: handoff_sglang::layout::AUX_ROW_BYTES.to_vec(),
-    };
+    let layout = SglangLayout::for_kv(p.kv.shape(), 16);
     let file = dir.join(format!("kv-{}.bin", free_port()));
     std::fs::write(&file, layout.pages_from_kv(&p.kv).unwrap()).unwrap();
     let entry = serde_json::json!({

@@ -10,27 +10,14 @@ given, is a JSON file naming a real model's layout, first token and pages (a fil
 K/V buffer's pages in turn); without it, 4 pages of random bytes of a small model."""
 import hashlib
 import json
-import logging
 import os
 import sys
-import time
-
-os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
-os.environ.setdefault("MC_FORCE_TCP", "1")
-os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-import sgl_shim  # noqa: E402  (before any sglang import)
-
-logging.basicConfig(level=logging.WARNING)
-if not hasattr(logging.Logger, "warning_once"):
-    logging.Logger.warning_once = logging.Logger.warning
-
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
-from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer  # noqa: E402
-from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVSender  # noqa: E402
-from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from sgl_prefill_side import (  # noqa: E402  (sets the environment, installs the shim)
+    AUX, CommonKVBootstrapServer, DisaggregationMode, KVPoll, MooncakeKVManager,
+    MooncakeKVSender, kv_args, np, sgl_shim, start_mooncake, wait,
+)
 
 boot_port, room = int(sys.argv[1]), int(sys.argv[2])
 aux_room = int(sys.argv[3]) if len(sys.argv) > 3 else room
@@ -45,20 +32,12 @@ else:
     SRC_PAGES = np.array([3, 4, 5, 9], dtype=np.int32)
 ITEM_LEN = PAGE * HEADS * HEAD_BYTES  # bytes of one page of one K or V buffer
 POOL_PAGES, AUX_ROWS, AUX_ROW = int(SRC_PAGES.max()) + 4, 8, 1
-# MetadataBuffers rows without speculative decoding: (dtype, width); bootstrap_room last.
-AUX = [(np.int32, 16), (np.int32, 16), (np.float32, 16), (np.int32, 16), (np.float32, 128),
-       (np.int32, 128), (np.float32, 16), (np.int64, 16), (np.float32, 16), (np.uint64, 8)]
 
 sgl_shim.CONFIG["disagg"].set(disaggregation_bootstrap_port=boot_port)
 server_args = sgl_shim.Config("server_args", enable_pd_role_switch=False)
 CommonKVBootstrapServer(host="127.0.0.1", port=boot_port)
 
-from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (  # noqa: E402
-    init_mooncake_transfer_engine,
-)
-from sglang.srt.utils.network import get_local_ip_auto  # noqa: E402
-
-init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=0, ib_device=None)
+start_mooncake()
 
 # The pool as MHATokenToKVPool lays it out: per layer a K and a V tensor [rows, heads, dim],
 # one padding page; kv_data_ptrs = all K, then all V.
@@ -75,24 +54,7 @@ aux = [np.zeros((AUX_ROWS, w), dtype=dt) for dt, w in AUX]
 aux[0][AUX_ROW][0] = FIRST_TOKEN
 aux[-1][AUX_ROW][0] = aux_room
 
-args = KVArgs()
-args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = 0, 0, None, None
-args.kv_cache_dtype_str, args.kv_layout = "auto", None
-args.prefill_start_layer, args.prefill_end_layer = 0, LAYERS
-args.kv_data_ptrs = [t.ctypes.data for t in kv]
-args.kv_data_lens = [t.nbytes for t in kv]  # dtype does not matter to the transfer
-args.kv_item_lens = [ITEM_LEN] * len(kv)
-args.num_draft_entries, args.kv_layer_ids = 0, []
-args.kv_head_num = args.total_kv_head_num = HEADS
-args.page_size = PAGE
-args.aux_data_ptrs = [a.ctypes.data for a in aux]
-args.aux_data_lens = [a.nbytes for a in aux]
-args.aux_item_lens = [a[0].nbytes for a in aux]
-args.ib_device, args.gpu_id = None, 0
-args.state_types, args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], [], []
-args.state_dim_per_tensor, args.state_slice_outer_counts, args.state_layer_ids = [], [], []
-args.is_hybrid_mla_backend, args.state_conv_shard_groups = False, []
-args.swa_kv_cache_layout, args.mla_compression_ratios = None, None
+args = kv_args(kv, aux, LAYERS, HEADS, PAGE, ITEM_LEN)
 
 manager = MooncakeKVManager(args, DisaggregationMode.PREFILL, server_args, is_mla_backend=False)
 pages = [t.reshape(-1, ITEM_LEN)[SRC_PAGES] for t in kv]
@@ -106,23 +68,13 @@ sender = MooncakeKVSender(mgr=manager, bootstrap_addr=f"127.0.0.1:{boot_port}",
                           bootstrap_room=room, req_has_disagg_prefill_dp_rank=False)
 
 
-def wait(states, timeout):
-    end = time.time() + timeout
-    while time.time() < end:
-        s = sender.poll()
-        if s in states or s == KVPoll.Failed:
-            return s
-        time.sleep(0.005)
-    return sender.poll()
-
-
-if wait({KVPoll.WaitingForInput}, 60) != KVPoll.WaitingForInput:
+if wait(sender, {KVPoll.WaitingForInput}, 60) != KVPoll.WaitingForInput:
     sys.exit(1)
 sender.init(num_kv_indices=len(SRC_PAGES), aux_index=AUX_ROW)
 cut = max(1, len(SRC_PAGES) - 1)
 sender.send(SRC_PAGES[:cut])  # two chunks, as chunked prefill sends them
 if cut < len(SRC_PAGES):
     sender.send(SRC_PAGES[cut:])
-state = wait({KVPoll.Success}, 30)
+state = wait(sender, {KVPoll.Success}, 30)
 sender.clear()
 sys.exit(0 if state == KVPoll.Success else 1)

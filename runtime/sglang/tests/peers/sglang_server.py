@@ -17,29 +17,16 @@ row, a corrupted row the decode must refuse). Serves, as SGLang's HTTP server do
 - GET /health.
 Prints one JSON line when ready: {"http": port, "bootstrap": port}."""
 import json
-import logging
 import os
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
-os.environ.setdefault("MC_FORCE_TCP", "1")
-os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(__file__))
-import sgl_shim  # noqa: E402  (before any sglang import)
-
-logging.basicConfig(level=logging.WARNING)
-if not hasattr(logging.Logger, "warning_once"):
-    logging.Logger.warning_once = logging.Logger.warning
-
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
-from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer  # noqa: E402
-from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVSender  # noqa: E402
-from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from sgl_prefill_side import (  # noqa: E402  (sets the environment, installs the shim)
+    AUX, CommonKVBootstrapServer, DisaggregationMode, KVPoll, MooncakeKVManager,
+    MooncakeKVSender, kv_args, np, sgl_shim, start_mooncake, wait,
+)
 
 http_port, boot_port = int(sys.argv[1]), int(sys.argv[2])
 spec = json.load(open(sys.argv[3]))
@@ -51,20 +38,12 @@ for p in spec["prompts"]:
     data = np.fromfile(p["kv_file"], dtype=np.uint8).reshape(2 * LAYERS, n, ITEM_LEN)
     PROMPTS[tuple(p["input_ids"])] = (data, p["first_token"], p.get("aux_room_delta", 0))
 POOL_PAGES, AUX_ROWS = 64, 16
-# MetadataBuffers rows without speculative decoding: (dtype, width); bootstrap_room last.
-AUX = [(np.int32, 16), (np.int32, 16), (np.float32, 16), (np.int32, 16), (np.float32, 128),
-       (np.int32, 128), (np.float32, 16), (np.int64, 16), (np.float32, 16), (np.uint64, 8)]
 
 sgl_shim.CONFIG["disagg"].set(disaggregation_bootstrap_port=boot_port)
 server_args = sgl_shim.Config("server_args", enable_pd_role_switch=False)
 CommonKVBootstrapServer(host="127.0.0.1", port=boot_port)
 
-from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (  # noqa: E402
-    init_mooncake_transfer_engine,
-)
-from sglang.srt.utils.network import get_local_ip_auto  # noqa: E402
-
-init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=0, ib_device=None)
+start_mooncake()
 
 # The pool as MHATokenToKVPool lays it out: per layer a K and a V tensor [rows, heads, dim],
 # one padding page; kv_data_ptrs = all K, then all V.
@@ -72,24 +51,7 @@ kv = [np.zeros(((POOL_PAGES + 1) * PAGE, HEADS, HEAD_BYTES), dtype=np.uint8)
       for _ in range(2 * LAYERS)]
 aux = [np.zeros((AUX_ROWS, w), dtype=dt) for dt, w in AUX]
 
-args = KVArgs()
-args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = 0, 0, None, None
-args.kv_cache_dtype_str, args.kv_layout = "auto", None
-args.prefill_start_layer, args.prefill_end_layer = 0, LAYERS
-args.kv_data_ptrs = [t.ctypes.data for t in kv]
-args.kv_data_lens = [t.nbytes for t in kv]
-args.kv_item_lens = [ITEM_LEN] * len(kv)
-args.num_draft_entries, args.kv_layer_ids = 0, []
-args.kv_head_num = args.total_kv_head_num = HEADS
-args.page_size = PAGE
-args.aux_data_ptrs = [a.ctypes.data for a in aux]
-args.aux_data_lens = [a.nbytes for a in aux]
-args.aux_item_lens = [a[0].nbytes for a in aux]
-args.ib_device, args.gpu_id = None, 0
-args.state_types, args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], [], []
-args.state_dim_per_tensor, args.state_slice_outer_counts, args.state_layer_ids = [], [], []
-args.is_hybrid_mla_backend, args.state_conv_shard_groups = False, []
-args.swa_kv_cache_layout, args.mla_compression_ratios = None, None
+args = kv_args(kv, aux, LAYERS, HEADS, PAGE, ITEM_LEN)
 manager = MooncakeKVManager(args, DisaggregationMode.PREFILL, server_args, is_mla_backend=False)
 
 # The scheduler's side: free pages (page 0 is padding) and rows, one lock for the pool and
@@ -97,16 +59,6 @@ manager = MooncakeKVManager(args, DisaggregationMode.PREFILL, server_args, is_ml
 lock = threading.Lock()
 free_pages = list(range(1, POOL_PAGES + 1))
 free_rows = list(range(AUX_ROWS))
-
-
-def wait(sender, states, timeout):
-    end = time.time() + timeout
-    while time.time() < end:
-        s = sender.poll()
-        if s in states or s == KVPoll.Failed:
-            return s
-        time.sleep(0.002)
-    return sender.poll()
 
 
 def prefill(req):
