@@ -415,9 +415,12 @@ impl Frontend {
             let outcome = result.and_then(|p| {
                 // The engine loads the KV after the first token (LoadOnFirstStep): what can be
                 // checked before is checked here, where a failure is still retried.
-                let shape = self.engine.info().shape;
-                if p.kv.shape() != shape {
-                    let why = format!("KV of shape {:?}, the engine's is {shape:?}", p.kv.shape());
+                if p.kv.tokens() != plan.tokens.len() {
+                    let why = format!(
+                        "KV of {} tokens for a {}-token prompt",
+                        p.kv.tokens(),
+                        plan.tokens.len()
+                    );
                     return Err(FrontendError::at("consume", why));
                 }
                 let sampling = handoff_prefill_sampling(&plan.sampling);

@@ -60,17 +60,27 @@ impl SendCost {
     pub(crate) const HALF_LIFE: Duration = Duration::from_secs(30);
 
     /// Adds a request of `tokens` prompt tokens whose KV took `took` after the compute, at
-    /// `now`.
+    /// `now`. What was measured before counts as decayed by then, in value and in weight: one
+    /// fast request after a long quiet is not outvoted by the slow ones of long ago.
     pub(crate) fn add_at(&mut self, tokens: usize, took: Duration, now: Instant) {
+        if let Some(last) = self.last {
+            let f = Self::factor(now.saturating_duration_since(last));
+            self.average.micros *= f * f;
+            self.average.tokens *= f;
+        }
         self.average.add(tokens, took);
         self.last = Some(now);
+    }
+
+    /// What a measurement counts for after `idle` without a new one.
+    fn factor(idle: Duration) -> f64 {
+        0.5f64.powf(idle.as_secs_f64() / Self::HALF_LIFE.as_secs_f64())
     }
 
     /// Microseconds per prompt token as of `now` (0 before any measurement).
     pub(crate) fn per_token_us_at(&self, now: Instant) -> f64 {
         let Some(last) = self.last else { return 0.0 };
-        let idle = now.saturating_duration_since(last).as_secs_f64();
-        self.average.per_token_us(1) * 0.5f64.powf(idle / Self::HALF_LIFE.as_secs_f64())
+        self.average.per_token_us(1) * Self::factor(now.saturating_duration_since(last))
     }
 }
 
@@ -90,7 +100,16 @@ mod tests {
         assert!((later(&c, SendCost::HALF_LIFE * 2) - 20.0).abs() < 1e-9);
         c.add_at(1000, Duration::from_millis(80), t0 + SendCost::HALF_LIFE * 2);
         let again = later(&c, SendCost::HALF_LIFE * 2);
-        assert!((again - 80.0).abs() < 1e-9, "measured again: {again}");
+        assert!(again > 40.0, "measured slow again, it counts slow again: {again}");
+        // Slow for long, then quiet for ten half-lives: one fast request sets the price.
+        let mut d = SendCost::default();
+        for _ in 0..20 {
+            d.add_at(1000, Duration::from_millis(80), t0);
+        }
+        let healed = t0 + SendCost::HALF_LIFE * 10;
+        d.add_at(1000, Duration::from_millis(1), healed);
+        let now = d.per_token_us_at(healed);
+        assert!(now < 5.0, "the healed link is priced by its probe: {now}");
     }
 
     #[test]

@@ -404,7 +404,7 @@ impl PrefillService {
         try_join_all(dests.into_iter().map(|d| d.finish(room, meta))).await?;
         // The link's share: what the KV still took once the compute was done, per token.
         me.metrics.stage("send", computed.elapsed());
-        lock(&me.send_cost).add_at(tokens.len(), computed.elapsed(), Instant::now().into_std());
+        lock(&me.send_cost).add_at(tokens.len(), computed.elapsed(), std::time::Instant::now());
         me.metrics.sent(out.kv.as_bytes().len() as u64);
         self.cache_later(req.dp_rank, hashes, out.kv);
         debug!(%room, dp_rank = req.dp_rank, cached, tokens = tokens.len(), "prefill sent");

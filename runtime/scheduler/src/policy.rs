@@ -45,6 +45,8 @@ pub struct Candidate {
     /// per prompt token over its compute per token), in prompt tokens of compute: a slow link
     /// prices like a longer prompt.
     pub send_tokens: u64,
+    /// Whether its instance has reported that time (unmeasured ones set no floor).
+    pub send_measured: bool,
 }
 
 /// Everything a policy sees of one request.

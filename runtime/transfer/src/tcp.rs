@@ -50,8 +50,9 @@ pub struct TcpConfig {
     /// When set, connections authenticate with it in their first frame, both ways: this
     /// agent requires it of inbound connections and sends it on the ones it dials.
     pub token: Option<String>,
-    /// Writes to unknown regions a connection may send before it is closed (a sender can
-    /// legitimately trail a region its receiver gave up on; a peer guessing ids cannot).
+    /// Writes to unknown regions a connection may send in a row (no accepted write between)
+    /// before it is closed: a sender can legitimately trail a region its receiver gave up on;
+    /// a peer guessing ids cannot.
     pub max_unknown_writes: u32,
     /// An inbound connection with no frame begun for this long is closed.
     pub idle_timeout: Duration,
@@ -432,8 +433,8 @@ async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
                 // A rejected write fails its region; the sender learns it at the notice.
                 match inbox.on_write(region, sender, conn, &segs) {
                     Ok(()) => {
-                        // A sender in good standing: writes it streamed into a region the
-                        // decode has since dropped (one per layer) do not add up against it.
+                        // A sender in good standing: what it trailed into regions dropped by
+                        // their decodes earlier does not add up against it across requests.
                         unknown = 0;
                         open.insert(region);
                         None

@@ -51,7 +51,7 @@ impl Outcome {
 /// The time `route`'s KV of a `prompt_tokens`-token prompt takes after the compute, in
 /// tokens of its compute (at least 1 µs per token, so an instance whose compute is not
 /// measured yet, or free, still pays for a slow link). Selection then charges only what
-/// exceeds twice the best candidate's.
+/// exceeds twice the best measured candidate's.
 fn send_tokens(prompt_tokens: u32, route: &super::member::Route) -> u64 {
     if route.send_cost_us.is_nan() || route.send_cost_us <= 0.0 {
         return 0;
@@ -214,6 +214,7 @@ impl SchedulerState {
                     queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
                     in_flight: l.in_flight.saturating_add(r.in_flight),
                     send_tokens: send_tokens(ask.prompt_tokens, route),
+                    send_measured: route.send_cost_us > 0.0,
                 });
             }
             // Panic threshold: failures alone never eject more than half of the fleet; past
@@ -223,8 +224,9 @@ impl SchedulerState {
             }
         }
         // Only a link well slower than the best measured one counts: within twice the best is
-        // noise, and equals must keep taking turns. Unmeasured ones (0) set no floor.
-        let best = candidates.iter().map(|c| c.send_tokens).filter(|&t| t > 0).min();
+        // noise, and equals must keep taking turns. Unmeasured ones (engines that do not say,
+        // prefills not heard yet) set no floor.
+        let best = candidates.iter().filter(|c| c.send_measured).map(|c| c.send_tokens).min();
         let floor = best.unwrap_or(0).saturating_mul(2);
         candidates.iter_mut().for_each(|c| c.send_tokens = c.send_tokens.saturating_sub(floor));
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);

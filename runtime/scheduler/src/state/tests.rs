@@ -474,6 +474,15 @@ fn a_slow_link_heard_in_heartbeats_moves_requests_away() {
         })
         .collect();
     assert!(chosen.iter().all(|c| c == "b"), "{chosen:?}");
+    // A short prompt: b's measured cost rounds to no token at all, and still sets the floor.
+    let short: Vec<String> = (0..6)
+        .map(|_| {
+            let sel = s.select(&Ask::new(&[], 1)).unwrap();
+            s.report(sel.booking, Outcome::Success);
+            sel.instance.id.to_string()
+        })
+        .collect();
+    assert!(short.iter().all(|c| c == "b"), "{short:?}");
     s.heartbeat(&beat("a", 700)); // the link recovered: within twice b's is noise
     let again: std::collections::BTreeSet<String> = (0..8)
         .map(|_| {
