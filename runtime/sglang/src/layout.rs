@@ -8,10 +8,18 @@
 //! (the room in slot 0, a u64).
 //!
 //! A receive region for one request packs exactly what the request needs: its pages of each
-//! of the `2 * layers` buffers (pages 0..n, contiguous), then one row of each aux buffer (row
-//! 0). The pointers SGLang is given point into that region, so every byte of it is written
-//! exactly once: the pages by the prefill rank's Mooncake connection, the rows by it too or
-//! over ZMQ (two senders of the region, each bound to where its bytes come from).
+//! of the `2 * layers` buffers (pages 0..n, contiguous), then one row of each aux buffer per
+//! prefill rank. The pointers SGLang is given point into that region, so every byte of it is
+//! written exactly once: the pages by the prefill ranks' Mooncake connections, the rows by
+//! them too or over ZMQ (two senders per rank, each bound to where its bytes come from).
+//!
+//! A prefill of attention TP `N` > 1 (the decode being TP 1) splits the KV heads: rank `t`
+//! holds heads `[t * H/N, (t+1) * H/N)` and writes, for every page and token slot, just
+//! those heads' bytes (SGLang's `send_kvcache_slice`), so each rank's share of the pages is
+//! one small range per token slot. Every rank writes the metadata row too; each gets rows of
+//! its own (the registration tells each rank its own metadata pointers), and all must agree.
+
+use std::ops::Range;
 
 use handoff_engine::{Kv, KvShape};
 
@@ -44,10 +52,27 @@ pub struct RequestLayout {
     pub pages: usize,
     /// Offset of each K/V buffer's pages (all K, then all V).
     pub kv: Vec<u64>,
-    /// Offset of each metadata row.
+    /// Offset of each metadata row of rank 0; rank `t`'s are `t * rows` further.
     pub aux: Vec<u64>,
+    /// Prefill ranks (attention TP), each writing its heads of every page and its own rows.
+    pub ranks: usize,
+    /// Bytes of one rank's metadata rows.
+    pub rows: u64,
     /// The region's length.
     pub len: u64,
+}
+
+impl RequestLayout {
+    /// Offsets of rank `rank`'s metadata rows.
+    pub fn rows_of(&self, rank: usize) -> Vec<u64> {
+        self.aux.iter().map(|a| a + rank as u64 * self.rows).collect()
+    }
+
+    /// Rank `rank`'s metadata rows, as one range of the region.
+    pub fn rows_span(&self, rank: usize) -> Range<u64> {
+        let start = self.aux.first().map_or(self.len, |a| a + rank as u64 * self.rows);
+        start..start + self.rows
+    }
 }
 
 impl SglangLayout {
@@ -68,10 +93,23 @@ impl SglangLayout {
         self.page_size * self.kv_heads * self.head_bytes
     }
 
-    /// The region for a request of `tokens` tokens.
+    /// The region for a request of `tokens` tokens from one prefill rank.
     pub fn request(&self, tokens: usize) -> Result<RequestLayout, SglangError> {
+        self.request_from(tokens, 1)
+    }
+
+    /// The region for a request of `tokens` tokens from a prefill of attention TP `ranks`:
+    /// each rank must hold whole heads of its own (replicated heads, TP above the KV heads,
+    /// are refused).
+    pub fn request_from(&self, tokens: usize, ranks: usize) -> Result<RequestLayout, SglangError> {
         if self.page_size == 0 || self.kv_heads == 0 || self.head_bytes == 0 || self.layers == 0 {
             return Err(SglangError::Unsupported(format!("empty layout {self:?}")));
+        }
+        if ranks == 0 || !self.kv_heads.is_multiple_of(ranks) {
+            return Err(SglangError::Unsupported(format!(
+                "prefill attn tp {ranks} over {} KV heads: each rank must hold whole heads of its own",
+                self.kv_heads
+            )));
         }
         if self.aux_row_bytes.len() < 2 {
             return Err(SglangError::Unsupported("fewer than 2 metadata buffers".into()));
@@ -81,7 +119,8 @@ impl SglangLayout {
         let buffer = pages.checked_mul(self.item_len()).ok_or_else(too_big)? as u64;
         buffer.checked_mul(2 * self.layers as u64 + 1).ok_or_else(too_big)?;
         let kv: Vec<u64> = (0..2 * self.layers as u64).map(|i| i * buffer).collect();
-        let mut at = 2 * self.layers as u64 * buffer;
+        let pages_end = 2 * self.layers as u64 * buffer;
+        let mut at = pages_end;
         let aux = self
             .aux_row_bytes
             .iter()
@@ -91,7 +130,29 @@ impl SglangLayout {
                 here
             })
             .collect();
-        Ok(RequestLayout { pages, kv, aux, len: at })
+        let rows = at - pages_end;
+        let len = pages_end + rows * ranks as u64;
+        Ok(RequestLayout { pages, kv, aux, ranks, rows, len })
+    }
+
+    /// The bytes of the pages rank `rank` of `req.ranks` writes: with one rank, all of them;
+    /// otherwise its heads' slice of every token slot of every page.
+    pub fn rank_pages(&self, req: &RequestLayout, rank: usize) -> Vec<Range<u64>> {
+        let buffer = (req.pages * self.item_len()) as u64;
+        if req.ranks <= 1 {
+            return req.kv.iter().map(|&b| b..b + buffer).collect();
+        }
+        let slice = (self.kv_heads / req.ranks * self.head_bytes) as u64;
+        let token_row = (self.kv_heads * self.head_bytes) as u64;
+        let slots = (req.pages * self.page_size) as u64;
+        let mut out = Vec::with_capacity(req.kv.len() * slots as usize);
+        for &b in &req.kv {
+            for slot in 0..slots {
+                let start = b + slot * token_row + rank as u64 * slice;
+                out.push(start..start + slice);
+            }
+        }
+        out
     }
 
     /// The engine's KV for `tokens` tokens out of a filled region: page rows become
@@ -163,16 +224,15 @@ impl SglangLayout {
     }
 }
 
-/// The first token, from the `output_ids` row.
-pub fn first_token(req: &RequestLayout, region: &[u8]) -> u32 {
-    let at = req.aux[0] as usize;
+/// The first token, from rank `rank`'s `output_ids` row.
+pub fn first_token(req: &RequestLayout, region: &[u8], rank: usize) -> u32 {
+    let at = req.rows_span(rank).start as usize;
     region.get(at..at + 4).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
 }
 
-/// The room the `bootstrap_room` row (the last) names; 0 if it was never written.
-pub fn room(req: &RequestLayout, region: &[u8]) -> u64 {
-    let Some(&at) = req.aux.last() else { return 0 };
-    let at = at as usize;
+/// The room rank `rank`'s `bootstrap_room` row (the last) names; 0 if it was never written.
+pub fn room(req: &RequestLayout, region: &[u8], rank: usize) -> u64 {
+    let Some(at) = req.rows_of(rank).last().map(|&a| a as usize) else { return 0 };
     region.get(at..at + 8).map_or(0, |b| {
         let mut w = [0u8; 8];
         w.copy_from_slice(b);
@@ -243,15 +303,42 @@ mod tests {
     }
 
     #[test]
+    fn head_sliced_ranks_split_every_token_slot_and_get_rows_of_their_own() {
+        let l = layout();
+        let one = l.request(6).unwrap();
+        let r = l.request_from(6, 2).unwrap();
+        assert_eq!((r.ranks, r.rows), (2, one.len - one.aux[0]));
+        assert_eq!(r.len, one.len + r.rows, "a second set of rows");
+        assert_eq!(r.rows_of(1)[0], r.aux[0] + r.rows);
+        assert_eq!(r.rows_span(1), r.aux[0] + r.rows..r.len);
+        // Rank t writes head t of every token slot: 3 bytes at slot * 6 + t * 3.
+        let (a, b) = (l.rank_pages(&r, 0), l.rank_pages(&r, 1));
+        assert_eq!(a.len(), 4 * 8, "one range per buffer and token slot (2 pages of 4)");
+        assert_eq!((a[1].clone(), b[1].clone()), (6..9, 9..12));
+        let mut all: Vec<_> = a.into_iter().chain(b).collect();
+        all.sort_by_key(|x| x.start);
+        let mut at = 0;
+        for x in &all {
+            assert_eq!(x.start, at, "the ranks' slices tile the pages, disjoint");
+            at = x.end;
+        }
+        assert_eq!(at, r.aux[0]);
+        assert_eq!(l.rank_pages(&one, 0), one.kv.iter().map(|&k| k..k + 48).collect::<Vec<_>>());
+        for ranks in [0, 3, 4] {
+            assert!(l.request_from(6, ranks).is_err(), "tp {ranks} over 2 heads");
+        }
+    }
+
+    #[test]
     fn the_room_and_first_token_rows() {
         let l = layout();
         let r = l.request(1).unwrap();
         let mut region = vec![0u8; r.len as usize];
-        assert_eq!(room(&r, &region), 0);
+        assert_eq!(room(&r, &region, 0), 0);
         let at = *r.aux.last().unwrap() as usize;
         region[at..at + 8].copy_from_slice(&0x0123_4567_89ab_cdefu64.to_le_bytes());
         region[r.aux[0] as usize..r.aux[0] as usize + 4].copy_from_slice(&31337u32.to_le_bytes());
-        assert_eq!(room(&r, &region), 0x0123_4567_89ab_cdef);
-        assert_eq!(first_token(&r, &region), 31337);
+        assert_eq!(room(&r, &region, 0), 0x0123_4567_89ab_cdef);
+        assert_eq!(first_token(&r, &region, 0), 31337);
     }
 }

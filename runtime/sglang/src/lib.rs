@@ -13,6 +13,7 @@ mod error;
 pub mod layout;
 pub mod pool;
 pub mod receiver;
+mod sockets;
 pub mod wire;
 
 pub use error::SglangError;

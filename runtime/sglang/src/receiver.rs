@@ -1,20 +1,24 @@
 //! [`SglangReceiver`]: an SGLang decode for requests whose KV an SGLang prefill computed.
 //!
-//! Per request: read the prefill's directory (page size and topology must fit), find the
-//! rank's ZMQ address, lease pages and a metadata row in the virtual pool and map them onto a
-//! fresh receive region, register with the rank (once per rank, on one PUSH socket, so ZMQ
-//! keeps registration before metadata), send the transfer info, and wait on the PULL socket
-//! for the rank's status. Pages land through the Mooncake target; a metadata row may instead
-//! come as `AUX_DATA` over ZMQ. On success every byte of the region must have been written
-//! exactly once, and the row's `bootstrap_room` must be the room minted for the request.
+//! Per request: read the prefill's directory (page size and topology must fit), find its
+//! attention-TP ranks' ZMQ addresses, lease pages and a metadata row in the virtual pool and
+//! map them onto a fresh receive region, register with each rank (once per rank, on one PUSH
+//! socket, so ZMQ keeps registration before metadata), send each the transfer info, and wait
+//! on the PULL socket for every rank's status. Pages land through the Mooncake target; a
+//! metadata row may instead come as `AUX_DATA` over ZMQ. On success every byte of the region
+//! must have been written exactly once, every rank's row must name the room minted for the
+//! request, and the ranks must agree on the first token.
+//!
+//! A prefill of attention TP `N` > 1 sends each rank's heads of every token slot (see
+//! [`crate::layout`]); SGLang serves that as this decode being TP 1 (`required_dst_info_num`
+//! 1, a status from each of the `N` ranks).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use bytes::Bytes;
-use handoff_bootstrap::DirectoryClient;
+use handoff_bootstrap::{DirectoryClient, ServerInfo};
 use handoff_core::{Room, Tasks};
 use handoff_engine::{Kv, KvShape};
 use handoff_transfer::mooncake::{MooncakeConfig, MooncakeTransfer, peer_conn, resolve};
@@ -23,26 +27,35 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::debug;
-use zeromq::{Endpoint, PullSocket, PushSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{Endpoint, PullSocket, Socket, SocketRecv};
 
 use crate::SglangError;
 use crate::layout::{self, RequestLayout, SglangLayout};
 use crate::pool::{Lease, POOL_PAGES, POOL_ROWS, PagePool};
+use crate::sockets::{RankSockets, zmq};
 use crate::wire::{Inbound, Registration, STATUS_FAILED, STATUS_SUCCESS, TransferInfo};
 
-/// The senders of an SGLang region, both the prefill rank (equal tp on both sides): its
-/// pages come over its Mooncake connections, its metadata rows over Mooncake or over ZMQ.
-const PAGES: SenderId = SenderId(0);
-const ROWS: SenderId = SenderId(1);
-/// How long connecting to a rank and sending it a message may take.
-const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// The largest prefill attention TP served.
+pub const MAX_PREFILL_TP: usize = 16;
+
+/// The senders of an SGLang region, two per prefill rank: its pages come over its Mooncake
+/// connections, its metadata rows over Mooncake or over ZMQ.
+fn pages_of(rank: usize) -> SenderId {
+    SenderId(2 * rank as u32)
+}
+fn rows_of(rank: usize) -> SenderId {
+    SenderId(2 * rank as u32 + 1)
+}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn zmq(e: impl std::fmt::Display) -> SglangError {
-    SglangError::Zmq(e.to_string())
+/// One attention-TP rank of a prefill: where its ZMQ socket is, and the addresses its
+/// Mooncake writes may come from.
+struct Rank {
+    addr: String,
+    ips: Vec<IpAddr>,
 }
 
 /// What an SGLang prefill delivered for one request.
@@ -60,10 +73,6 @@ pub struct SglangKv {
 
 type Waiters = Arc<Mutex<HashMap<u64, mpsc::Sender<Inbound>>>>;
 
-/// One prefill rank's PUSH socket (registered once), behind its own lock: a slow rank holds
-/// up only its own requests.
-type Push = Arc<tokio::sync::Mutex<Option<PushSocket>>>;
-
 /// An SGLang decode (see the module docs).
 pub struct SglangReceiver {
     layout: SglangLayout,
@@ -71,10 +80,11 @@ pub struct SglangReceiver {
     directory: DirectoryClient,
     pool: PagePool,
     kv_bases: Vec<u64>,
-    aux_bases: Vec<u64>,
+    /// Each prefill rank's metadata buffers (rank `t`'s rows land in rows of its own).
+    aux_bases: Vec<Vec<u64>>,
     pull_ip: String,
     pull_port: u16,
-    pushes: Mutex<HashMap<String, Push>>,
+    sockets: RankSockets,
     waiters: Waiters,
 }
 
@@ -87,21 +97,25 @@ impl std::fmt::Debug for SglangReceiver {
     }
 }
 
-/// The virtual pool's base addresses: K/V buffers, then metadata buffers.
-fn pool_bases(layout: &SglangLayout) -> (Vec<u64>, Vec<u64>) {
+/// The virtual pool's base addresses: K/V buffers, then each prefill rank's metadata
+/// buffers.
+fn pool_bases(layout: &SglangLayout) -> (Vec<u64>, Vec<Vec<u64>>) {
     let base = rand::random_range(1u64 << 40..1 << 44) & !0xfffff;
     let buffer = POOL_PAGES * layout.item_len() as u64;
     let kv: Vec<u64> = (0..2 * layout.layers as u64).map(|i| base + i * buffer).collect();
     let mut at = base + 2 * layout.layers as u64 * buffer;
-    let aux = layout
-        .aux_row_bytes
-        .iter()
-        .map(|&row| {
-            let here = at;
-            at += u64::from(POOL_ROWS) * row as u64;
-            here
-        })
-        .collect();
+    let mut rank_bases = || {
+        layout
+            .aux_row_bytes
+            .iter()
+            .map(|&row| {
+                let here = at;
+                at += u64::from(POOL_ROWS) * row as u64;
+                here
+            })
+            .collect()
+    };
+    let aux = (0..MAX_PREFILL_TP).map(|_| rank_bases()).collect();
     (kv, aux)
 }
 
@@ -159,7 +173,7 @@ impl SglangReceiver {
             aux_bases,
             pull_ip: advertise_ip.unwrap_or_else(|| bind_ip.to_string()),
             pull_port,
-            pushes: Mutex::default(),
+            sockets: RankSockets::default(),
             waiters,
         })
     }
@@ -180,34 +194,8 @@ impl SglangReceiver {
         deadline: Instant,
     ) -> Result<SglangKv, SglangError> {
         let info = self.directory.server_info(bootstrap).await?;
-        if info.page_size as usize != self.layout.page_size {
-            return Err(SglangError::Unsupported(format!(
-                "the prefill's page size is {}, ours {}",
-                info.page_size, self.layout.page_size
-            )));
-        }
-        if (info.attn_tp_size, info.attn_cp_size, info.pp_size) != (1, 1, 1) {
-            return Err(SglangError::Unsupported(format!(
-                "prefill attn tp {} / cp {} / pp {}: only 1/1/1 is served yet",
-                info.attn_tp_size, info.attn_cp_size, info.pp_size
-            )));
-        }
-        let dp = if info.follow_bootstrap_room {
-            (room.get() % info.dp_size.max(1) as u64) as u32
-        } else if info.dp_size == 1 {
-            0
-        } else {
-            return Err(SglangError::Unsupported("dp ranks not following the room".into()));
-        };
-        let rank = self.directory.rank(bootstrap, dp, 0, 0, 0).await?;
-        let rank_ips = resolve(&rank.rank_ip).await;
-        if rank_ips.is_empty() {
-            return Err(SglangError::Unsupported(format!(
-                "the rank's address {:?} does not resolve",
-                rank.rank_ip
-            )));
-        }
-        let req = self.layout.request(tokens)?;
+        let ranks = self.ranks(bootstrap, &info, room).await?;
+        let req = self.layout.request_from(tokens, ranks.len())?;
         let (tx, rx) = mpsc::channel(64);
         {
             let mut waiters = lock(&self.waiters);
@@ -223,8 +211,9 @@ impl SglangReceiver {
                 return Err(e);
             }
         };
-        let rows = req.aux[0];
-        let plan = [(PAGES, vec_of(0..rows)), (ROWS, vec_of(rows..req.len))];
+        let plan = (0..ranks.len()).flat_map(|t| {
+            [(pages_of(t), self.layout.rank_pages(&req, t)), (rows_of(t), vec![req.rows_span(t)])]
+        });
         let id = match self.mooncake.inbox().register_region(room, req.len, plan) {
             Ok(id) => id,
             Err(e) => {
@@ -234,8 +223,7 @@ impl SglangReceiver {
             }
         };
         let mut held = Held { r: self, id, lease, room: room.get(), waiter: tx, done: false };
-        self.map(id, &req, lease, &rank_ips)?;
-        let rank_addr = format!("{}:{}", rank.rank_ip, rank.rank_port);
+        self.map(id, &req, lease, &ranks)?;
         let info = TransferInfo {
             room: room.get(),
             decode_ip: self.pull_ip.clone(),
@@ -245,85 +233,103 @@ impl SglangReceiver {
             aux_index: lease.row,
             required_dst_info_num: 1,
         };
-        self.send(&rank_addr, info.frames()).await?;
-        let peer = rank_ips.first().copied();
+        for (t, rank) in ranks.iter().enumerate() {
+            let register = || self.registration(t);
+            self.sockets.send(&rank.addr, t, register, info.frames()).await?;
+        }
+        let peer = ranks[0].ips.first().copied();
         self.await_status(&held, &req, rx, peer, deadline).await?;
         let got = self.mooncake.inbox().wait(id, deadline).await?;
-        let found = layout::room(&req, &got.buf);
-        if found != room.get() {
-            return Err(SglangError::RoomMismatch { expected: room.get(), got: found });
-        }
+        let first_token = agreed_rows(&req, &got.buf, room.get())?;
         held.done = true;
         let kv = self.layout.to_kv(&req, &got.buf, tokens, shape)?;
-        let first_token = layout::first_token(&req, &got.buf);
         Ok(SglangKv { kv, first_token, raw: got.buf, layout: req })
     }
 
-    /// Maps the lease's pages and row onto region `id`.
+    /// The prefill's attention-TP ranks serving `room` (its dp rank follows the room), after
+    /// checking the directory's topology and page size fit.
+    async fn ranks(
+        &self,
+        bootstrap: &str,
+        info: &ServerInfo,
+        room: Room,
+    ) -> Result<Vec<Rank>, SglangError> {
+        if info.page_size as usize != self.layout.page_size {
+            return Err(SglangError::Unsupported(format!(
+                "the prefill's page size is {}, ours {}",
+                info.page_size, self.layout.page_size
+            )));
+        }
+        let tp = info.attn_tp_size;
+        if (info.attn_cp_size, info.pp_size) != (1, 1) || !(1..=MAX_PREFILL_TP as i64).contains(&tp)
+        {
+            return Err(SglangError::Unsupported(format!(
+                "prefill attn tp {tp} / cp {} / pp {}: tp 1..={MAX_PREFILL_TP} with cp 1 and pp 1 is served",
+                info.attn_cp_size, info.pp_size
+            )));
+        }
+        let dp = if info.follow_bootstrap_room {
+            (room.get() % info.dp_size.max(1) as u64) as u32
+        } else if info.dp_size == 1 {
+            0
+        } else {
+            return Err(SglangError::Unsupported("dp ranks not following the room".into()));
+        };
+        let mut ranks = Vec::with_capacity(tp as usize);
+        for t in 0..tp as u32 {
+            let rank = self.directory.rank(bootstrap, dp, 0, t, 0).await?;
+            let ips = resolve(&rank.rank_ip).await;
+            if ips.is_empty() {
+                return Err(SglangError::Unsupported(format!(
+                    "tp rank {t}'s address {:?} does not resolve",
+                    rank.rank_ip
+                )));
+            }
+            ranks.push(Rank { addr: format!("{}:{}", rank.rank_ip, rank.rank_port), ips });
+        }
+        Ok(ranks)
+    }
+
+    /// This decode's registration with prefill tp rank `rank`: the pages are shared, the
+    /// metadata buffers the rank's own.
+    fn registration(&self, rank: usize) -> Registration {
+        Registration {
+            decode_ip: self.pull_ip.clone(),
+            decode_port: self.pull_port,
+            session: self.session().to_owned(),
+            kv_ptrs: self.kv_bases.clone(),
+            aux_ptrs: self.aux_bases[rank].clone(),
+            dst_tp_rank: 0,
+            dst_attn_tp_size: 1,
+            kv_item_len: self.layout.item_len() as u64,
+        }
+    }
+
+    /// Maps the lease's pages and each rank's row onto region `id`.
     fn map(
         &self,
         id: RegionId,
         req: &RequestLayout,
         lease: Lease,
-        peers: &[IpAddr],
+        ranks: &[Rank],
     ) -> Result<(), SglangError> {
         let item = self.layout.item_len() as u64;
+        let every: Vec<IpAddr> = ranks.iter().flat_map(|r| r.ips.iter().copied()).collect();
         for (base, &offset) in self.kv_bases.iter().zip(&req.kv) {
             let start = base + lease.page * item;
-            self.mooncake.map(id, start, lease.pages * item, offset, peers)?;
+            self.mooncake.map(id, start, lease.pages * item, offset, &every)?;
         }
-        for ((base, &offset), &row) in
-            self.aux_bases.iter().zip(&req.aux).zip(&self.layout.aux_row_bytes)
-        {
-            let start = base + u64::from(lease.row) * row as u64;
-            self.mooncake.map(id, start, row as u64, offset, peers)?;
-        }
-        Ok(())
-    }
-
-    /// Sends `frames` to the rank at `addr`, registering with it first on a new socket. A
-    /// send that fails (or is abandoned) drops the socket: the next one registers again.
-    async fn send(&self, addr: &str, frames: Vec<Bytes>) -> Result<(), SglangError> {
-        let slot = {
-            let mut pushes = lock(&self.pushes);
-            if pushes.len() >= MAX_RANKS && !pushes.contains_key(addr) {
-                pushes.retain(|_, p| Arc::strong_count(p) > 1);
+        for (t, rank) in ranks.iter().enumerate() {
+            let rows = self.aux_bases[t].iter().zip(req.rows_of(t)).zip(&self.layout.aux_row_bytes);
+            for ((base, offset), &row) in rows {
+                let start = base + u64::from(lease.row) * row as u64;
+                self.mooncake.map(id, start, row as u64, offset, &rank.ips)?;
             }
-            pushes.entry(addr.to_owned()).or_default().clone()
-        };
-        let mut slot = slot.lock().await;
-        let mut push = match slot.take() {
-            Some(p) => p,
-            None => self.register(addr).await?,
-        };
-        send_on(&mut push, addr, frames).await?;
-        *slot = Some(push);
+        }
         Ok(())
     }
 
-    /// A new PUSH socket to the rank at `addr`, with this decode registered on it.
-    async fn register(&self, addr: &str) -> Result<PushSocket, SglangError> {
-        let mut push = PushSocket::new();
-        let endpoint = format!("tcp://{addr}");
-        tokio::time::timeout(SEND_TIMEOUT, push.connect(&endpoint))
-            .await
-            .map_err(|_| zmq(format!("connecting to {addr} timed out")))?
-            .map_err(zmq)?;
-        let registration = Registration {
-            decode_ip: self.pull_ip.clone(),
-            decode_port: self.pull_port,
-            session: self.session().to_owned(),
-            kv_ptrs: self.kv_bases.clone(),
-            aux_ptrs: self.aux_bases.clone(),
-            dst_tp_rank: 0,
-            dst_attn_tp_size: 1,
-            kv_item_len: self.layout.item_len() as u64,
-        };
-        send_on(&mut push, addr, registration.frames()).await?;
-        Ok(push)
-    }
-
-    /// Applies `AUX_DATA` rows and waits for the rank's status.
+    /// Applies `AUX_DATA` rows and waits for every rank's status.
     async fn await_status(
         &self,
         held: &Held<'_>,
@@ -333,14 +339,23 @@ impl SglangReceiver {
         deadline: Instant,
     ) -> Result<(), SglangError> {
         let inbox = self.mooncake.inbox();
-        loop {
+        let mut succeeded = vec![false; req.ranks];
+        // `AUX_DATA` does not say which rank sent it: the n-th row of a buffer is rank n's.
+        let mut aux_rows = vec![0usize; self.layout.aux_row_bytes.len()];
+        while succeeded.contains(&false) {
             let msg = tokio::time::timeout_at(deadline, rx.recv()).await;
             let Ok(Some(msg)) = msg else { return Err(SglangError::Timeout(held.room)) };
             match msg {
-                Inbound::Status { status: STATUS_SUCCESS, .. } => {
-                    inbox.finish(held.id, PAGES)?;
-                    inbox.finish(held.id, ROWS)?;
-                    return Ok(());
+                Inbound::Status { status: STATUS_SUCCESS, rank, .. } => {
+                    match succeeded.get_mut(rank as usize) {
+                        Some(done) if !*done => *done = true,
+                        _ => {
+                            return Err(SglangError::Malformed(format!(
+                                "a second or unknown success from rank {rank} of {}",
+                                req.ranks
+                            )));
+                        }
+                    }
                 }
                 Inbound::Status { status: STATUS_FAILED, rank, .. } => {
                     return Err(SglangError::PrefillFailed { room: held.room, rank });
@@ -349,39 +364,52 @@ impl SglangReceiver {
                     debug!(room = held.room, status, "SGLang status in passing");
                 }
                 Inbound::AuxData { buffer, row, data, .. } => {
-                    let (Some(&offset), Some(&len)) =
-                        (req.aux.get(buffer), self.layout.aux_row_bytes.get(buffer))
+                    let (Some(&len), Some(n)) =
+                        (self.layout.aux_row_bytes.get(buffer), aux_rows.get_mut(buffer))
                     else {
                         return Err(SglangError::Malformed(format!("AUX_DATA buffer {buffer}")));
                     };
-                    if row != held.lease.row || data.len() != len {
+                    if row != held.lease.row || data.len() != len || *n >= req.ranks {
                         return Err(SglangError::Malformed(format!(
-                            "AUX_DATA row {row} of {} bytes (ours: row {}, {len} bytes)",
+                            "AUX_DATA row {row} of {} bytes, number {} of buffer {buffer} (ours: row {}, {len} bytes, {} ranks)",
                             data.len(),
-                            held.lease.row
+                            *n + 1,
+                            held.lease.row,
+                            req.ranks
                         )));
                     }
+                    let offset = req.rows_of(*n)[buffer];
+                    *n += 1;
                     let conn = peer_conn(peer.unwrap_or(IpAddr::from([127, 0, 0, 1])));
-                    inbox.on_write(held.id, ROWS, conn, &[(offset, &data)])?;
+                    inbox.on_write(held.id, rows_of(*n - 1), conn, &[(offset, &data)])?;
                 }
             }
         }
+        for t in 0..req.ranks {
+            inbox.finish(held.id, pages_of(t))?;
+            inbox.finish(held.id, rows_of(t))?;
+        }
+        Ok(())
     }
 }
 
-fn vec_of(r: std::ops::Range<u64>) -> Vec<std::ops::Range<u64>> {
-    std::iter::once(r).collect()
-}
-
-/// Prefill ranks with a cached socket; past it, idle ones are dropped.
-const MAX_RANKS: usize = 4096;
-
-async fn send_on(push: &mut PushSocket, addr: &str, frames: Vec<Bytes>) -> Result<(), SglangError> {
-    let msg = ZmqMessage::try_from(frames).map_err(zmq)?;
-    tokio::time::timeout(SEND_TIMEOUT, push.send(msg))
-        .await
-        .map_err(|_| zmq(format!("sending to {addr} timed out")))?
-        .map_err(zmq)
+/// Checks every rank's metadata row names `room` and the ranks agree on the first token,
+/// which it returns.
+fn agreed_rows(req: &RequestLayout, region: &[u8], room: u64) -> Result<u32, SglangError> {
+    let first = layout::first_token(req, region, 0);
+    for t in 0..req.ranks {
+        let found = layout::room(req, region, t);
+        if found != room {
+            return Err(SglangError::RoomMismatch { expected: room, got: found });
+        }
+        let token = layout::first_token(req, region, t);
+        if token != first {
+            return Err(SglangError::Malformed(format!(
+                "prefill ranks disagree on the first token: rank 0 says {first}, rank {t} {token}"
+            )));
+        }
+    }
+    Ok(first)
 }
 
 /// Routes an inbound message to the request waiting for its room.

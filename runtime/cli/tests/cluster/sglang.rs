@@ -35,7 +35,7 @@ impl Drop for MockSglangServer {
 }
 
 impl MockSglangServer {
-    fn start(spec: &std::path::Path) -> Self {
+    fn start(spec: &std::path::Path, env: &[(&str, &str)]) -> Self {
         let python = std::env::var("HANDOFF_PEERS_PYTHON").unwrap_or_else(|_| {
             panic!("HANDOFF_PEERS_PYTHON is not set: run `export HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\"` (scripts/test does)")
         });
@@ -45,6 +45,7 @@ impl MockSglangServer {
         let mut child = Command::new(python)
             .args([&script, &http.to_string(), &bootstrap.to_string()])
             .arg(spec)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -112,60 +113,89 @@ async fn generate(
     Err(tonic::Status::internal("stream ended without Complete"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frontend_decodes_what_an_sglang_prefill_server_computed() {
+/// The model, and a fresh directory for the mock server's files.
+fn model_and_dir() -> (SmolLm, std::path::PathBuf) {
     let path = std::env::var("HANDOFF_MODEL").unwrap_or_else(|_| {
         panic!("HANDOFF_MODEL is not set: run `export HANDOFF_MODEL=\"$(scripts/fetch-model)\"` (scripts/test does)")
     });
     let m = SmolLm::load(&SmolConfig::new(path)).unwrap();
     let dir = std::env::temp_dir().join(format!("handoff-sglang-server-{}", free_port()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (paris, a) = prepare(&m, "The capital of France is", &dir, 0).await;
-    let (colours, b) =
-        prepare(&m, "The three primary colours are red, blue and yellow; mixing two", &dir, 0)
-            .await;
-    // The metadata row of this one names another room: somebody else's KV.
-    let (corrupt, c) = prepare(&m, "def fibonacci(n):", &dir, 1).await;
+    (m, dir)
+}
+
+/// Starts the mock server of attention TP `tp` for `prompts`, with `env`.
+fn serve(
+    m: &SmolLm,
+    dir: &std::path::Path,
+    tp: usize,
+    prompts: &[serde_json::Value],
+    env: &[(&str, &str)],
+) -> MockSglangServer {
     let s = m.info().shape;
     let spec = serde_json::json!({
         "layers": s.layers, "page_size": 16, "kv_heads": s.kv_heads, "head_bytes": s.head_bytes,
-        "prompts": [a, b, c],
+        "tp": tp, "prompts": prompts,
     });
     let spec_file = dir.join("spec.json");
     std::fs::write(&spec_file, spec.to_string()).unwrap();
-    let server = MockSglangServer::start(&spec_file);
+    MockSglangServer::start(&spec_file, env)
+}
 
+/// A scheduler routing to `server` and a frontend asking it: the processes and a client.
+async fn cluster(
+    server: &MockSglangServer,
+) -> (Handoff, Handoff, GenerateClient<tonic::transport::Channel>) {
     let engine = format!(
         "id=sgl-0,kind=sglang,events=tcp://127.0.0.1:{},url=127.0.0.1:{},bootstrap=127.0.0.1:{}",
         free_port(),
         server.http,
         server.bootstrap
     );
-    let (_scheduler, line) =
+    let (scheduler, line) =
         Handoff::spawn(&["scheduler", "--listen", "127.0.0.1:0", "--engine", &engine]);
-    let scheduler = addr_after(&line, "grpc://");
-    let (_frontend, line) = Handoff::spawn(&[
+    let at = addr_after(&line, "grpc://");
+    let (frontend, line) = Handoff::spawn(&[
         "frontend",
         "--listen",
         "127.0.0.1:0",
         "--http-listen",
         "127.0.0.1:0",
         "--scheduler",
-        &scheduler,
+        &at,
     ]);
-    let mut client =
+    let client =
         GenerateClient::connect(format!("http://{}", addr_after(&line, "grpc://"))).await.unwrap();
+    (scheduler, frontend, client)
+}
+
+/// Generates `p` and checks it is token for token what the engine generates aggregated:
+/// the room it had.
+async fn same_tokens(client: &mut GenerateClient<tonic::transport::Channel>, p: &Prompt) -> u64 {
+    let (tokens, room) = tokio::time::timeout(Duration::from_secs(90), generate(client, &p.tokens))
+        .await
+        .expect("answered in time")
+        .expect("generated from the SGLang prefill's KV");
+    assert_eq!(tokens, p.expected, "token for token what the engine generates aggregated");
+    room
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frontend_decodes_what_an_sglang_prefill_server_computed() {
+    let (m, dir) = model_and_dir();
+    let (paris, a) = prepare(&m, "The capital of France is", &dir, 0).await;
+    let (colours, b) =
+        prepare(&m, "The three primary colours are red, blue and yellow; mixing two", &dir, 0)
+            .await;
+    // The metadata row of this one names another room: somebody else's KV.
+    let (corrupt, c) = prepare(&m, "def fibonacci(n):", &dir, 1).await;
+    let server = serve(&m, &dir, 1, &[a, b, c], &[]);
+    let (_scheduler, _frontend, mut client) = cluster(&server).await;
 
     // Twice the first prompt (the decode registered with the rank once), then another.
     let mut rooms = Vec::new();
     for p in [&paris, &paris, &colours] {
-        let (tokens, room) =
-            tokio::time::timeout(Duration::from_secs(90), generate(&mut client, &p.tokens))
-                .await
-                .expect("answered in time")
-                .expect("generated from the SGLang prefill's KV");
-        assert_eq!(tokens, p.expected, "token for token what the engine generates aggregated");
-        rooms.push(room);
+        rooms.push(same_tokens(&mut client, p).await);
     }
     rooms.dedup();
     assert_eq!(rooms.len(), 3, "a fresh room each request: {rooms:?}");
@@ -173,7 +203,41 @@ async fn a_frontend_decodes_what_an_sglang_prefill_server_computed() {
     // A corrupted row fails its request with the reason; the next request is unaffected.
     let err = generate(&mut client, &corrupt.tokens).await.expect_err("a foreign room is refused");
     assert!(err.message().contains("bootstrap_room mismatch"), "{}: {}", err.code(), err.message());
-    let (tokens, _) = generate(&mut client, &colours.tokens).await.expect("still served");
-    assert_eq!(tokens, colours.expected);
+    same_tokens(&mut client, &colours).await;
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A prefill of attention TP 3 (SmolLM2 has 3 KV heads, one per rank): each rank sends its
+/// head of every token slot (SGLang's `send_kvcache_slice`) and a metadata row of its own
+/// (over Mooncake, or over ZMQ with `env`). One rank's row naming another room fails the
+/// request.
+async fn decodes_from_a_prefill_of_attention_tp_3(env: &[(&str, &str)]) {
+    let (m, dir) = model_and_dir();
+    assert_eq!(m.info().shape.kv_heads, 3, "one head per rank");
+    let (paris, a) = prepare(&m, "The capital of France is", &dir, 0).await;
+    let (colours, b) =
+        prepare(&m, "The three primary colours are red, blue and yellow; mixing two", &dir, 0)
+            .await;
+    let (corrupt, mut c) = prepare(&m, "def fibonacci(n):", &dir, 1).await;
+    c["aux_room_rank"] = serde_json::json!(2);
+    let server = serve(&m, &dir, 3, &[a, b, c], env);
+    let (_scheduler, _frontend, mut client) = cluster(&server).await;
+
+    for p in [&paris, &colours, &paris] {
+        same_tokens(&mut client, p).await;
+    }
+    let err = generate(&mut client, &corrupt.tokens).await.expect_err("rank 2's row is foreign");
+    assert!(err.message().contains("bootstrap_room mismatch"), "{}: {}", err.code(), err.message());
+    same_tokens(&mut client, &colours).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frontend_decodes_from_an_sglang_prefill_of_attention_tp_3() {
+    decodes_from_a_prefill_of_attention_tp_3(&[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tp_3_prefills_metadata_rows_may_come_over_zmq() {
+    decodes_from_a_prefill_of_attention_tp_3(&[("SGLANG_MOONCAKE_SEND_AUX_TCP", "1")]).await;
 }

@@ -37,8 +37,9 @@ def start_mooncake():
     init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=0, ib_device=None)
 
 
-def kv_args(kv, aux, layers, heads, page, item_len):
-    """The KVArgs of a CPU pool: `kv` (every K buffer, then every V), `aux` (metadata rows)."""
+def kv_args(kv, aux, layers, heads, page, item_len, total_heads=None):
+    """The KVArgs of a CPU pool: `kv` (every K buffer, then every V), `aux` (metadata rows);
+    `heads` of the model's `total_heads` (default all of them) on this rank."""
     args = KVArgs()
     args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = 0, 0, None, None
     args.kv_cache_dtype_str, args.kv_layout = "auto", None
@@ -47,7 +48,7 @@ def kv_args(kv, aux, layers, heads, page, item_len):
     args.kv_data_lens = [t.nbytes for t in kv]  # dtype does not matter to the transfer
     args.kv_item_lens = [item_len] * len(kv)
     args.num_draft_entries, args.kv_layer_ids = 0, []
-    args.kv_head_num = args.total_kv_head_num = heads
+    args.kv_head_num, args.total_kv_head_num = heads, total_heads or heads
     args.page_size = page
     args.aux_data_ptrs = [a.ctypes.data for a in aux]
     args.aux_data_lens = [a.nbytes for a in aux]

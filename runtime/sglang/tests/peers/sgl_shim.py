@@ -10,7 +10,8 @@ facts from ../shared/interop/sglang-sender.md):
 - sglang.srt.utils.common: five small helpers the path calls, taken from the wheel's own
   source by name, plus is_npu() = False.
 - server_args, configs.model_config, distributed.parallel_state, mem_cache.page_interleave,
-  observability.req_time_stats: attribute stubs (types and branches this path never takes);
+  observability.req_time_stats, triton and sglang.kernels' pointer-table module: attribute
+  stubs (types, decorators and branches this path never takes);
   parallel_state.get_mooncake_transfer_engine delegates to SGLang's real one.
 - runtime_context: strict namespaces holding exactly the config this path reads; any other
   read raises, naming the leaf.
@@ -83,6 +84,15 @@ for name in [
     "sglang.srt.distributed.parallel_state",
     "sglang.srt.mem_cache.page_interleave",
     "sglang.srt.observability.req_time_stats",
+    # For heterogeneous TP: send_kvcache_slice imports compute_head_slice_params from
+    # common/staging_buffer.py, whose module level imports triton and a CUDA pointer-table
+    # kernel (used only by the staging path, off here).
+    "triton",
+    "triton.language",
+    "sglang.kernels",
+    "sglang.kernels.ops",
+    "sglang.kernels.ops.memory",
+    "sglang.kernels.ops.memory.ptr_table",
 ]:
     install(name, Stub(name))
 
