@@ -22,7 +22,7 @@ use handoff_bootstrap::{DirectoryClient, ServerInfo};
 use handoff_core::{Room, Tasks};
 use handoff_engine::{Kv, KvShape};
 use handoff_transfer::mooncake::{MooncakeConfig, MooncakeTransfer, peer_conn, resolve};
-use handoff_transfer::{Inbox, InboxConfig, RegionId, SenderId};
+use handoff_transfer::{Inbox, InboxConfig, RegionId, SenderId, TransferError};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -386,7 +386,14 @@ impl SglangReceiver {
             }
         }
         for t in 0..req.ranks {
-            inbox.finish(held.id, pages_of(t))?;
+            inbox.finish(held.id, pages_of(t)).map_err(|e| match e {
+                // The likeliest cause of a gap: pages of another element size than ours.
+                TransferError::Failed(gap) => TransferError::Failed(format!(
+                    "{gap} (pages of {} bytes expected: f32 KV, --dtype float32)",
+                    self.layout.item_len()
+                )),
+                e => e,
+            })?;
             inbox.finish(held.id, rows_of(t))?;
         }
         Ok(())

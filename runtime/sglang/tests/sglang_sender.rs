@@ -83,7 +83,16 @@ async fn receive(
     room: u64,
     tokens: usize,
 ) -> (Result<handoff_sglang::SglangKv, SglangError>, SglangLayout, Tasks) {
-    let l = layout(&p.report);
+    receive_as(p, room, tokens, layout(&p.report)).await
+}
+
+/// As [`receive`], with the decode's layout `l`.
+async fn receive_as(
+    p: &Prefill,
+    room: u64,
+    tokens: usize,
+    l: SglangLayout,
+) -> (Result<handoff_sglang::SglangKv, SglangError>, SglangLayout, Tasks) {
     let tasks = Tasks::new();
     let rx = SglangReceiver::start(
         l.clone(),
@@ -149,6 +158,23 @@ async fn a_metadata_row_naming_another_room_is_refused() {
         }
         other => panic!("expected a room mismatch, got {other:?}"),
     }
+    tasks.shutdown().await;
+}
+
+/// A prefill whose KV elements are half the size of ours (bf16 against our f32) fills half
+/// of each page: the request fails when the prefill reports success, naming the gap and the
+/// likely cause, not at its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_of_another_element_size_fail_at_once_with_the_reason() {
+    let room = 0x0123_4567_89ab_cdef;
+    let p = prefill(room, room, &[], None);
+    let mut ours = layout(&p.report);
+    ours.head_bytes *= 2;
+    let (got, _, tasks) = receive_as(&p, room, TOKENS, ours).await;
+    let err = got.expect_err("half-filled pages are refused");
+    assert!(matches!(err, SglangError::Transfer(_)), "the transfer's failure: {err}");
+    let err = err.to_string();
+    assert!(err.contains("gap") && err.contains("--dtype float32"), "{err}");
     tasks.shutdown().await;
 }
 
