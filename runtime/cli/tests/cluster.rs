@@ -5,6 +5,8 @@
 mod cluster {
     pub(crate) mod discovery;
     pub(crate) mod engines;
+    pub(crate) mod fleet;
+    pub(crate) mod links;
     pub(crate) mod netbed;
     pub(crate) mod operations;
     pub(crate) mod otlp;

@@ -29,6 +29,7 @@ pub mod input;
 mod lease;
 mod metrics;
 pub mod path;
+pub mod reach;
 pub mod schedulers;
 pub mod service;
 pub mod sglang;

@@ -13,7 +13,7 @@ use handoff_discovery::{Registry, Role, Update};
 use handoff_engine::{Decoder, Engine};
 use handoff_proto::grpc::cluster_channel;
 use handoff_proto::v1::prefill_client::PrefillClient;
-use handoff_proto::v1::{Attempt, Evidence, Outcome, SelectPrefillRequest};
+use handoff_proto::v1::{Attempt, Evidence, Outcome};
 use handoff_transfer::Agent;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -22,9 +22,10 @@ use tracing::{Instrument, debug, warn};
 
 use crate::attempt::{AttemptCtx, Stages};
 use crate::input::Plan;
-use crate::lease::{Lease, outcome_of};
+use crate::lease::outcome_of;
 use crate::metrics::Metrics;
-use crate::schedulers::{SelectFailure, Selected};
+use crate::reach::{Reach, unreachable};
+use crate::schedulers::Selected;
 use crate::traces::Recent;
 use crate::{Cause, FrontendConfig, FrontendError, Schedulers};
 
@@ -57,18 +58,10 @@ pub struct Frontend {
     prefills_known: std::sync::atomic::AtomicUsize,
     ops: std::sync::OnceLock<Arc<handoff_core::ops::Ops>>,
     pub(crate) recent: Recent,
+    /// The prefills this frontend cannot reach, in its own view.
+    reach: Reach,
     /// Set when the frontend drains: readiness fails, requests in flight finish.
     pub(crate) draining: std::sync::atomic::AtomicBool,
-}
-
-fn retry_after(s: &tonic::Status) -> std::time::Duration {
-    let ms = s
-        .metadata()
-        .get(crate::error::RETRY_AFTER_MS)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(1000);
-    std::time::Duration::from_millis(ms)
 }
 
 impl std::fmt::Debug for Frontend {
@@ -82,10 +75,8 @@ impl std::fmt::Debug for Frontend {
 
 const MAX_PREFILL_CLIENTS: usize = 4096;
 
-/// The protocols this frontend drives prefills with (see [`target`]).
-const PROTOCOLS: [&str; 2] = ["handoff", "sglang"];
-
 mod first_token;
+mod select;
 mod target;
 
 use target::{handoff_prefill_sampling, summary};
@@ -150,6 +141,7 @@ impl Frontend {
             prefills_known: Default::default(),
             ops: Default::default(),
             recent: Recent::default(),
+            reach: Reach::default(),
             draining: Default::default(),
         }))
     }
@@ -291,73 +283,6 @@ impl Frontend {
         Ok(c)
     }
 
-    fn backoff(&self, failures: usize) -> std::time::Duration {
-        let base = self.cfg.backoff.as_secs_f64() * 1.5f64.powi(failures.saturating_sub(1) as i32);
-        let jittered = base.min(self.cfg.max_backoff.as_secs_f64()) * rand::random_range(0.8..1.2);
-        std::time::Duration::from_secs_f64(jittered)
-    }
-
-    /// Asks a scheduler replica where the prompt goes, booking it there.
-    async fn select(
-        &self,
-        plan: &Plan,
-        hashes: &[u64],
-        exclude: &[String],
-        failed: &[Attempt],
-    ) -> Result<(Lease, Selected), FrontendError> {
-        // The prefill must leave the decode its time before the deadline.
-        let left = plan.deadline.saturating_duration_since(Instant::now());
-        let left = left.saturating_sub(self.metrics.decode_time(plan.max_tokens.saturating_sub(1)));
-        let req = SelectPrefillRequest {
-            block_hashes: hashes.to_vec(),
-            prompt_tokens: plan.tokens.len() as u32,
-            policy: plan.policy as i32,
-            exclude_instances: exclude.to_vec(),
-            deadline_ms: left.as_millis().clamp(1, u128::from(u32::MAX)) as u32,
-            protocols: PROTOCOLS.iter().map(|p| p.to_string()).collect(),
-        };
-        // The call runs on its own task and wraps its booking in a lease there: if this
-        // request is dropped while the scheduler books it, the lease is dropped with the
-        // task's output and the booking reported cancelled, not left to expire.
-        let (schedulers, tasks, deadline, trace) =
-            (self.schedulers.clone(), self.tasks.clone(), plan.deadline, plan.trace);
-        let call = self.tasks.spawn(
-            async move {
-                let sel = schedulers.select(req, deadline, &trace).await?;
-                let lease =
-                    Lease::new(schedulers, tasks, sel.replica.clone(), sel.selection.booking_id);
-                Ok::<_, SelectFailure>((lease, sel))
-            }
-            .instrument(tracing::Span::current()),
-        );
-        let answer = call.await.unwrap_or_else(|e| {
-            Err(SelectFailure::NoReplica(Some(tonic::Status::internal(format!(
-                "selection task: {e}"
-            )))))
-        });
-        match answer {
-            Ok(booked) => Ok(booked),
-            Err(SelectFailure::Answer(s)) => Err(match s.code() {
-                tonic::Code::InvalidArgument => FrontendError::Invalid(s.message().to_owned()),
-                tonic::Code::ResourceExhausted => FrontendError::Overloaded {
-                    retry_after: retry_after(&s),
-                    // Said once: the error's own display says it is overload.
-                    reason: s.message().trim_start_matches("overloaded: ").to_owned(),
-                },
-                _ => FrontendError::Unavailable(format!("scheduler: {}", s.message())),
-            }),
-            Err(SelectFailure::NoReplica(_)) if Instant::now() >= plan.deadline => {
-                Err(FrontendError::Deadline(summary(failed)))
-            }
-            Err(SelectFailure::NoReplica(s)) => {
-                let why = s.map_or("no scheduler replica known".to_owned(), |s| {
-                    format!("no scheduler replica answered: {}", s.message())
-                });
-                Err(FrontendError::Unavailable(why))
-            }
-        }
-    }
-
     /// [`Frontend::prefill`]'s attempts; failed ones are pushed on `failed`.
     pub(crate) async fn attempts(
         &self,
@@ -387,7 +312,7 @@ impl Frontend {
             }
             let asked = Instant::now();
             let (lease, Selected { selection: sel, .. }) =
-                match self.select(plan, &hashes, &exclude, failed).await {
+                match self.select_reachable(plan, &hashes, &exclude, failed).await {
                     Ok(s) => s,
                     // Nothing else to retry on: the earlier attempt's failure is the answer.
                     Err(FrontendError::Unavailable(why)) if !failed.is_empty() => {
@@ -434,6 +359,7 @@ impl Frontend {
             });
             match outcome {
                 Ok((decoder, first_token, cached_tokens, kv_bytes)) => {
+                    self.reach.reached(&sel.instance_id);
                     stages.timings.consume_us = stages.mark();
                     self.metrics.attempt_stages(&stages.timings);
                     self.metrics.kv_received(kv_bytes);
@@ -450,6 +376,13 @@ impl Frontend {
                 }
                 Err(e) => {
                     warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed");
+                    if unreachable(&e) && self.reach.failed_at(&sel.instance_id, Instant::now()) {
+                        warn!(
+                            instance = %sel.instance_id,
+                            "this frontend cannot reach the instance: passed over for {:?}",
+                            crate::reach::AVOID_FOR
+                        );
+                    }
                     self.metrics.attempt_failed(&e);
                     lease.end(outcome_of(&e), e.to_string());
                     failed.push(Attempt {

@@ -1,11 +1,15 @@
 //! A test bed of hosts on one machine: each host a network namespace with its own address on
-//! a bridge, the machine itself on the bridge too (where the tests' etcd and NATS listen and
-//! their clients run). A host's link to an address can be cut (its packets there refused).
-//! Everything is removed on drop. Needs root (`ip netns`), as CI has. (This machine's kernel
-//! has no `netem` qdisc, so links are not delayed or made lossy here yet.)
+//! a bridge, the machine itself on the bridge too (where the tests' clients run). A host's link to an address can be cut (its packets there refused),
+//! limited in rate (a `tbf` qdisc), or delayed, jittered and made lossy ([`Shaper`]: this
+//! machine's kernel has no `netem` qdisc, so that is done in user space through NFQUEUE).
+//! Everything is removed on drop. Needs root (`ip netns`, `iptables`), as CI has.
+
+mod shaper;
 
 use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, Ordering};
+
+pub(crate) use shaper::{Counts, Link, Shaper};
 
 /// Runs `ip ARGS` (or another tool), panicking with its output when it fails.
 fn run(tool: &str, args: &[&str]) {
@@ -31,11 +35,8 @@ pub(crate) struct Host {
 #[derive(Debug)]
 pub(crate) struct Bed {
     bridge: String,
-    /// The machine's own address on the bridge (where the tests' etcd listens).
-    pub(crate) gateway: String,
-    /// A second address of the machine's on the bridge (where NATS listens), so a host can
-    /// be cut off from one server and not the other.
-    pub(crate) gateway2: String,
+    /// The machine's own address on the bridge.
+    gateway: String,
     pub(crate) hosts: Vec<Host>,
 }
 
@@ -55,16 +56,10 @@ impl Bed {
             .map(|slot| format!("198.{}.{}", 18 + slot / 256, slot % 256))
             .find(|net| !taken.contains(&format!(" {net}.")))
             .expect("a free /24 in 198.18.0.0/15");
-        let mut bed = Bed {
-            bridge: format!("{tag}b"),
-            gateway: format!("{net}.1"),
-            gateway2: format!("{net}.2"),
-            hosts: Vec::new(),
-        };
+        let mut bed =
+            Bed { bridge: format!("{tag}b"), gateway: format!("{net}.1"), hosts: Vec::new() };
         run("ip", &["link", "add", &bed.bridge, "type", "bridge"]);
-        for ip in [&bed.gateway, &bed.gateway2] {
-            run("ip", &["addr", "add", &format!("{ip}/24"), "dev", &bed.bridge]);
-        }
+        run("ip", &["addr", "add", &format!("{}/24", bed.gateway), "dev", &bed.bridge]);
         run("ip", &["link", "set", &bed.bridge, "up"]);
         for i in 0..n {
             let host = Host { ns: format!("{tag}n{i}"), ip: format!("{net}.{}", 10 + i) };
@@ -100,6 +95,15 @@ impl Bed {
             &[&["netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root"][..], &tbf]
                 .concat(),
         );
+    }
+
+    /// Shapes what host `i` sends to each of `to` as `link` (delay, jitter, loss), until
+    /// the shaper is dropped or stopped; randomness from `seed`.
+    pub(crate) fn shape(&self, i: usize, to: &[&str], link: Link, seed: u64) -> Shaper {
+        static QUEUES: AtomicU16 = AtomicU16::new(0);
+        let queue = QUEUES.fetch_add(1, Ordering::Relaxed);
+        let to: Vec<String> = to.iter().map(|s| s.to_string()).collect();
+        Shaper::start(&self.hosts[i].ns, queue, &to, link, seed)
     }
 
     /// Undoes [`Bed::cut`].

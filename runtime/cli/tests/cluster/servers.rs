@@ -39,6 +39,8 @@ pub(crate) struct Server {
     ip: String,
     port: u16,
     dir: Option<PathBuf>,
+    /// The network namespace it runs in, if not the machine's.
+    ns: Option<String>,
     pub(crate) url: String,
 }
 
@@ -49,22 +51,28 @@ impl Server {
         port: u16,
         url: String,
         dir: Option<PathBuf>,
+        ns: Option<&str>,
     ) -> Self {
         let ip = url.rsplit_once("://").map_or("127.0.0.1", |(_, a)| a);
         let ip = ip.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h).to_owned();
-        let mut s = Server { child: None, args, bin, ip, port, dir, url };
+        let ns = ns.map(str::to_owned);
+        let mut s = Server { child: None, args, bin, ip, port, dir, ns, url };
         s.start();
         s
     }
 
     /// (Re)starts the server on the same port and data.
     pub(crate) fn start(&mut self) {
-        let child = Command::new(&self.bin)
-            .args(&self.args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut cmd = match &self.ns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&self.bin);
+                c
+            }
+            None => Command::new(&self.bin),
+        };
+        let child =
+            cmd.args(&self.args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
         self.child = Some(child);
         wait_for_port(&self.ip, self.port, &self.bin.display().to_string());
     }
@@ -78,21 +86,21 @@ impl Server {
     }
 
     pub(crate) fn etcd() -> Self {
-        Self::etcd_with(None, "127.0.0.1")
+        Self::etcd_with(None, "127.0.0.1", None)
     }
 
-    /// etcd listening on `ip` (the host's address on a test bed's bridge).
-    pub(crate) fn etcd_on(ip: &str) -> Self {
-        Self::etcd_with(None, ip)
+    /// etcd in network namespace `ns`, listening on its address `ip`.
+    pub(crate) fn etcd_in(ns: &str, ip: &str) -> Self {
+        Self::etcd_with(None, ip, Some(ns))
     }
 
     /// etcd serving clients over TLS with `pem`'s certificate, and accepting only clients
     /// with a certificate its CA signed.
     pub(crate) fn etcd_tls(pem: &PemFiles) -> Self {
-        Self::etcd_with(Some(pem), "127.0.0.1")
+        Self::etcd_with(Some(pem), "127.0.0.1", None)
     }
 
-    fn etcd_with(tls: Option<&PemFiles>, ip: &str) -> Self {
+    fn etcd_with(tls: Option<&PemFiles>, ip: &str, ns: Option<&str>) -> Self {
         let (client, peer) = (free_port(), free_port());
         let dir =
             std::env::temp_dir().join(format!("handoff-etcd-{}-{client}", std::process::id()));
@@ -121,18 +129,23 @@ impl Server {
             args.extend(t.args(&["--cert-file", "--key-file", "--trusted-ca-file"]));
             args.push("--client-cert-auth".into());
         }
-        Self::spawn(binary("etcd"), args, client, c, Some(dir))
+        Self::spawn(binary("etcd"), args, client, c, Some(dir), ns)
     }
 
     pub(crate) fn nats() -> Self {
-        Self::nats_on("127.0.0.1")
+        Self::nats_with("127.0.0.1", None)
     }
 
-    /// NATS listening on `ip`.
-    pub(crate) fn nats_on(ip: &str) -> Self {
+    /// NATS in network namespace `ns`, listening on its address `ip`.
+    pub(crate) fn nats_in(ns: &str, ip: &str) -> Self {
+        Self::nats_with(ip, Some(ns))
+    }
+
+    fn nats_with(ip: &str, ns: Option<&str>) -> Self {
         let port = free_port();
         let args = ["-a", ip, "-p", &port.to_string()].map(String::from).to_vec();
-        Self::spawn(binary("nats-server"), args, port, format!("nats://{ip}:{port}"), None)
+        let url = format!("nats://{ip}:{port}");
+        Self::spawn(binary("nats-server"), args, port, url, None, ns)
     }
 
     /// NATS requiring TLS with `pem`'s certificate, a client certificate its CA signed, and
@@ -144,7 +157,14 @@ impl Server {
             .to_vec();
         args.extend(pem.args(&["--tlscert", "--tlskey", "--tlscacert"]));
         args.extend(["--tls", "--tlsverify"].map(String::from));
-        Self::spawn(binary("nats-server"), args, port, format!("nats://127.0.0.1:{port}"), None)
+        Self::spawn(
+            binary("nats-server"),
+            args,
+            port,
+            format!("nats://127.0.0.1:{port}"),
+            None,
+            None,
+        )
     }
 }
 

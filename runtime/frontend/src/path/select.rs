@@ -1,0 +1,120 @@
+//! Selecting a prefill for an attempt: asking a scheduler replica (booking it there), past
+//! the instances this frontend cannot reach ([`crate::reach`]), and the backoff between
+//! attempts.
+
+use handoff_proto::v1::{Attempt, SelectPrefillRequest};
+use tokio::time::Instant;
+use tracing::{Instrument, debug};
+
+use super::Frontend;
+use super::target::summary;
+use crate::FrontendError;
+use crate::input::Plan;
+use crate::lease::Lease;
+use crate::schedulers::{SelectFailure, Selected};
+
+/// The protocols this frontend drives prefills with (see [`super::target`]).
+const PROTOCOLS: [&str; 2] = ["handoff", "sglang"];
+
+fn retry_after(s: &tonic::Status) -> std::time::Duration {
+    let ms = s
+        .metadata()
+        .get(crate::error::RETRY_AFTER_MS)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1000);
+    std::time::Duration::from_millis(ms)
+}
+
+impl Frontend {
+    pub(super) fn backoff(&self, failures: usize) -> std::time::Duration {
+        let base = self.cfg.backoff.as_secs_f64() * 1.5f64.powi(failures.saturating_sub(1) as i32);
+        let jittered = base.min(self.cfg.max_backoff.as_secs_f64()) * rand::random_range(0.8..1.2);
+        std::time::Duration::from_secs_f64(jittered)
+    }
+
+    /// As [`Frontend::select`], passing over the instances this frontend cannot reach as
+    /// well; if that leaves nothing, asking again without them.
+    pub(super) async fn select_reachable(
+        &self,
+        plan: &Plan,
+        hashes: &[u64],
+        exclude: &[String],
+        failed: &[Attempt],
+    ) -> Result<(Lease, Selected), FrontendError> {
+        let mut avoided = self.reach.avoided_at(Instant::now());
+        avoided.retain(|a| !exclude.contains(a));
+        if avoided.is_empty() {
+            return self.select(plan, hashes, exclude, failed).await;
+        }
+        let wider: Vec<String> = exclude.iter().chain(&avoided).cloned().collect();
+        match self.select(plan, hashes, &wider, failed).await {
+            Err(FrontendError::Unavailable(why)) => {
+                debug!(%why, ?avoided, "only instances this frontend avoids: asking for them");
+                self.select(plan, hashes, exclude, failed).await
+            }
+            other => other,
+        }
+    }
+
+    /// Asks a scheduler replica where the prompt goes, booking it there.
+    async fn select(
+        &self,
+        plan: &Plan,
+        hashes: &[u64],
+        exclude: &[String],
+        failed: &[Attempt],
+    ) -> Result<(Lease, Selected), FrontendError> {
+        // The prefill must leave the decode its time before the deadline.
+        let left = plan.deadline.saturating_duration_since(Instant::now());
+        let left = left.saturating_sub(self.metrics.decode_time(plan.max_tokens.saturating_sub(1)));
+        let req = SelectPrefillRequest {
+            block_hashes: hashes.to_vec(),
+            prompt_tokens: plan.tokens.len() as u32,
+            policy: plan.policy as i32,
+            exclude_instances: exclude.to_vec(),
+            deadline_ms: left.as_millis().clamp(1, u128::from(u32::MAX)) as u32,
+            protocols: PROTOCOLS.iter().map(|p| p.to_string()).collect(),
+        };
+        // The call runs on its own task and wraps its booking in a lease there: if this
+        // request is dropped while the scheduler books it, the lease is dropped with the
+        // task's output and the booking reported cancelled, not left to expire.
+        let (schedulers, tasks, deadline, trace) =
+            (self.schedulers.clone(), self.tasks.clone(), plan.deadline, plan.trace);
+        let call = self.tasks.spawn(
+            async move {
+                let sel = schedulers.select(req, deadline, &trace).await?;
+                let lease =
+                    Lease::new(schedulers, tasks, sel.replica.clone(), sel.selection.booking_id);
+                Ok::<_, SelectFailure>((lease, sel))
+            }
+            .instrument(tracing::Span::current()),
+        );
+        let answer = call.await.unwrap_or_else(|e| {
+            Err(SelectFailure::NoReplica(Some(tonic::Status::internal(format!(
+                "selection task: {e}"
+            )))))
+        });
+        match answer {
+            Ok(booked) => Ok(booked),
+            Err(SelectFailure::Answer(s)) => Err(match s.code() {
+                tonic::Code::InvalidArgument => FrontendError::Invalid(s.message().to_owned()),
+                tonic::Code::ResourceExhausted => FrontendError::Overloaded {
+                    retry_after: retry_after(&s),
+                    // Said once: the error's own display says it is overload.
+                    reason: s.message().trim_start_matches("overloaded: ").to_owned(),
+                },
+                _ => FrontendError::Unavailable(format!("scheduler: {}", s.message())),
+            }),
+            Err(SelectFailure::NoReplica(_)) if Instant::now() >= plan.deadline => {
+                Err(FrontendError::Deadline(summary(failed)))
+            }
+            Err(SelectFailure::NoReplica(s)) => {
+                let why = s.map_or("no scheduler replica known".to_owned(), |s| {
+                    format!("no scheduler replica answered: {}", s.message())
+                });
+                Err(FrontendError::Unavailable(why))
+            }
+        }
+    }
+}
