@@ -33,7 +33,12 @@ impl Stages {
     }
 
     pub(crate) fn mark(&self) -> u64 {
-        (self.start.elapsed().as_micros() as u64).max(1)
+        self.mark_at(Instant::now())
+    }
+
+    /// The stage that ended at `at`.
+    pub(crate) fn mark_at(&self, at: Instant) -> u64 {
+        (at.saturating_duration_since(self.start).as_micros() as u64).max(1)
     }
 }
 
@@ -231,19 +236,23 @@ pub async fn run(
                 async move { ctx.agent.connect(&peer, req).await }
             })
     });
-    // (Not through `within`: an async block around this iterator chain is not `Send` to
-    // rustc.)
-    match tokio::time::timeout_at(deadline, try_join_all(connects)).await {
-        Ok(r) => r.map_err(|e| FrontendError::transfer("connect", e))?,
-        Err(_) => {
-            return Err(FrontendError::because(
-                "connect",
-                Cause::Deadline,
-                "attempt deadline passed",
-            ));
-        }
+    // Connecting runs alongside the prefill call below, not before it: the prefill waits for
+    // the handshakes while it computes (up to its handshake timeout), so asking both at once
+    // saves a round trip. A failed handshake drops (cancels) the call.
+    let connecting = try_join_all(connects);
+    let connected = async move {
+        match tokio::time::timeout_at(deadline, connecting).await {
+            Ok(r) => r.map_err(|e| FrontendError::transfer("connect", e))?,
+            Err(_) => {
+                return Err(FrontendError::because(
+                    "connect",
+                    Cause::Deadline,
+                    "attempt deadline passed",
+                ));
+            }
+        };
+        Ok(Instant::now())
     };
-    stages.timings.connect_us = stages.mark();
 
     // prefill, and the KV it sends
     let left = deadline.saturating_duration_since(Instant::now());
@@ -269,7 +278,8 @@ pub async fn run(
         let w = regions.iter().map(|g| inbox.wait(g.id, deadline));
         try_join_all(w).await.map_err(|e| FrontendError::transfer("verify", e))
     };
-    let (resp, mut received) = tokio::try_join!(rpc, waits)?;
+    let (connected_at, resp, mut received) = tokio::try_join!(connected, rpc, waits)?;
+    stages.timings.connect_us = stages.mark_at(connected_at);
 
     // verify: every notice of every region names our room, one first token, our prompt.
     let mut kv_bytes = 0;

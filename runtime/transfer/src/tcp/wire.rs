@@ -42,9 +42,15 @@ fn malformed(s: impl Into<String>) -> TransferError {
     TransferError::Malformed(s.into())
 }
 
-async fn header<W: AsyncWrite + Unpin>(w: &mut W, kind: u8, body: usize) -> std::io::Result<()> {
-    w.write_u32_le((body + 1) as u32).await?;
-    w.write_u8(kind).await
+/// A frame's header (length, kind) for a body of `body` bytes, then `first` of the body,
+/// in one buffer: each frame leaves in one write (two small writes would be two packets, the
+/// second held back by the kernel until the first is sent).
+fn framed(kind: u8, body: usize, first: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(5 + first.len());
+    b.extend_from_slice(&((body + 1) as u32).to_le_bytes());
+    b.push(kind);
+    b.extend_from_slice(first);
+    b
 }
 
 pub(super) async fn write_connect<W: AsyncWrite + Unpin>(
@@ -52,8 +58,7 @@ pub(super) async fn write_connect<W: AsyncWrite + Unpin>(
     req: &ConnectRequest,
 ) -> std::io::Result<()> {
     let body = serde_json::to_vec(req).map_err(std::io::Error::other)?;
-    header(w, CONNECT, body.len()).await?;
-    w.write_all(&body).await?;
+    w.write_all(&framed(CONNECT, body.len(), &body)).await?;
     // Under TLS, written is not sent until flushed; the peer answers only what it has.
     w.flush().await
 }
@@ -76,7 +81,8 @@ pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
             n += 1;
         }
         let (now, later) = rest.split_at(n);
-        let mut head = Vec::with_capacity(16 + 12 * n);
+        let mut head = framed(WRITE, size - 1, &[]);
+        head.reserve(16 + 12 * n);
         head.extend_from_slice(&region.0.to_le_bytes());
         head.extend_from_slice(&sender.0.to_le_bytes());
         head.extend_from_slice(&(n as u32).to_le_bytes());
@@ -84,7 +90,6 @@ pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
             head.extend_from_slice(&off.to_le_bytes());
             head.extend_from_slice(&(b.len() as u32).to_le_bytes());
         }
-        header(w, WRITE, size - 1).await?;
         w.write_all(&head).await?;
         for (b, _) in now {
             w.write_all(b).await?;
@@ -98,8 +103,7 @@ pub(super) async fn write_hello<W: AsyncWrite + Unpin>(
     w: &mut W,
     token: &str,
 ) -> std::io::Result<()> {
-    header(w, HELLO, token.len()).await?;
-    w.write_all(token.as_bytes()).await?;
+    w.write_all(&framed(HELLO, token.len(), token.as_bytes())).await?;
     w.flush().await
 }
 
@@ -108,7 +112,7 @@ pub(super) async fn write_notice<W: AsyncWrite + Unpin>(
     region: RegionId,
     n: &Notice,
 ) -> std::io::Result<()> {
-    let mut b = Vec::with_capacity(NOTICE_LEN);
+    let mut b = framed(NOTICE, NOTICE_LEN, &[]);
     b.extend_from_slice(&region.0.to_le_bytes());
     b.extend_from_slice(&n.room.get().to_le_bytes());
     b.extend_from_slice(&n.sender.0.to_le_bytes());
@@ -117,7 +121,7 @@ pub(super) async fn write_notice<W: AsyncWrite + Unpin>(
     b.extend_from_slice(&n.cached_tokens.to_le_bytes());
     b.extend_from_slice(&n.bytes.to_le_bytes());
     b.extend_from_slice(&n.checksum.to_le_bytes());
-    header(w, NOTICE, b.len()).await?;
+    debug_assert_eq!(b.len(), 5 + NOTICE_LEN);
     w.write_all(&b).await
 }
 
@@ -127,9 +131,9 @@ pub(super) async fn write_ack<W: AsyncWrite + Unpin>(
 ) -> std::io::Result<()> {
     let msg = res.as_ref().err().map(String::as_bytes).unwrap_or_default();
     let msg = &msg[..msg.len().min(4096)];
-    header(w, ACK, 1 + msg.len()).await?;
-    w.write_u8(u8::from(res.is_ok())).await?;
-    w.write_all(msg).await?;
+    let mut b = framed(ACK, 1 + msg.len(), &[u8::from(res.is_ok())]);
+    b.extend_from_slice(msg);
+    w.write_all(&b).await?;
     w.flush().await
 }
 
