@@ -106,6 +106,17 @@ impl Bed {
         Shaper::start(&self.hosts[i].ns, queue, &to, link, seed)
     }
 
+    /// Host `i` loses the network altogether (its link goes down: nothing in or out) until
+    /// [`Bed::rejoin`].
+    pub(crate) fn isolate(&self, i: usize) {
+        run("ip", &["-n", &self.hosts[i].ns, "link", "set", "eth0", "down"]);
+    }
+
+    /// Undoes [`Bed::isolate`].
+    pub(crate) fn rejoin(&self, i: usize) {
+        run("ip", &["-n", &self.hosts[i].ns, "link", "set", "eth0", "up"]);
+    }
+
     /// Undoes [`Bed::cut`].
     pub(crate) fn heal(&self, i: usize, ip: &str) {
         let ns = self.hosts[i].ns.as_str();

@@ -1,6 +1,6 @@
 //! Partitions on the network-namespace test bed (`fleet`): a frontend cut off from a
-//! prefill, a prefill from etcd, a scheduler replica from NATS, and a prefill advertising an
-//! address that is not its own.
+//! prefill, a prefill from etcd, a prefill from everything, a scheduler replica from NATS,
+//! and a prefill advertising an address that is not its own.
 
 use std::time::{Duration, Instant};
 
@@ -182,4 +182,44 @@ async fn a_wrong_advertised_address_is_refused_at_startup() {
     let ids: Vec<String> = f.instances().await.into_iter().map(|i| i.instance_id).collect();
     eprintln!("wrong address: refused after {refused:?}; 10 requests, 0 failed; instances {ids:?}");
     assert_eq!(ids.len(), 3, "d never registered: {ids:?}");
+}
+
+/// A prefill host that loses the network altogether while requests run (its link down): no
+/// request fails (an attempt caught on it fails over), it leaves routing when its lease
+/// lapses, and when the host comes back it registers again and serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_host_off_the_network_leaves_and_comes_back() {
+    let f = Fleet::start().await;
+    let listed = |all: &[handoff_proto::v1::InstanceStatus]| {
+        all.iter().any(|i| i.instance_id == "a" && i.routable)
+    };
+    f.bed.isolate(A);
+    let cut = Instant::now();
+    let (mut seed, mut retried) = (0, 0);
+    while listed(&f.instances().await) {
+        assert!(cut.elapsed() < Duration::from_secs(15), "a leaves routing");
+        let (ev, _) = f.one(seed).await.unwrap_or_else(|e| panic!("request {seed} failed: {e}"));
+        assert_ne!(ev.instance_id, "a", "nothing is served by a host off the network");
+        retried += ev.failed_attempts.len();
+        seed += 1;
+    }
+    let gone = cut.elapsed();
+    f.bed.rejoin(A);
+    let back = Instant::now();
+    while !listed(&f.instances().await) {
+        assert!(back.elapsed() < Duration::from_secs(20), "a registers again");
+        f.one(seed).await.unwrap_or_else(|e| panic!("request {seed} failed: {e}"));
+        seed += 1;
+    }
+    let rejoined = back.elapsed();
+    let mut on_a = false;
+    for _ in 0..40 {
+        let (ev, _) = f.one(seed + 10_000).await.unwrap();
+        on_a |= ev.instance_id == "a";
+        seed += 1;
+    }
+    eprintln!(
+        "host off the network: {seed} requests, 0 failed, {retried} attempts retried; out of routing {gone:?} after, back {rejoined:?} after it rejoined"
+    );
+    assert!(on_a, "a serves again");
 }
