@@ -15,6 +15,7 @@ use handoff_proto::v1::{PrefillRequest, SamplingParams, StageTimings};
 use handoff_transfer::{Agent, ConnectRequest, Inbox, RegionId, SenderId};
 use tokio::time::Instant;
 use tonic::transport::Channel;
+use tracing::debug;
 
 use crate::{Cause, FrontendError};
 
@@ -94,6 +95,8 @@ pub struct AttemptCtx<'a> {
     pub transfer_token: Option<String>,
     /// The request's trace, sent on to the prefill.
     pub trace: handoff_proto::trace::TraceContext,
+    /// Where the Prefill call runs (it may end after the attempt has gone on).
+    pub tasks: &'a handoff_core::Tasks,
 }
 
 async fn before<T, E: std::fmt::Display>(
@@ -264,45 +267,44 @@ pub async fn run(
         sampling: Some(sampling.clone()),
         deadline_ms: left.as_millis().min(u128::from(u32::MAX)) as u32,
     };
-    let rpc = async {
-        client
-            .prefill(handoff_proto::trace::traced(
-                handoff_proto::auth::request(req, ctx.transfer_token.as_deref()),
-                &ctx.trace,
-            ))
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|s| FrontendError::prefill_status(&s))
-    };
+    let request = handoff_proto::trace::traced(
+        handoff_proto::auth::request(req, ctx.transfer_token.as_deref()),
+        &ctx.trace,
+    );
+    // The call runs on the frontend's tasks: the attempt goes on once the KV is verified (its
+    // notices carry the first token), not a round trip later when the prefill, its notices
+    // acknowledged, answers. A call that fails first (a refusal, an error) ends the attempt.
+    let mut call = ctx.tasks.spawn(async move {
+        let answer = match tokio::time::timeout_at(deadline, client.prefill(request)).await {
+            Ok(a) => a.map(|_| ()).map_err(|s| FrontendError::prefill_status(&s)),
+            Err(_) => {
+                Err(FrontendError::because("prefill", Cause::Deadline, "attempt deadline passed"))
+            }
+        };
+        if let Err(e) = &answer {
+            debug!(%room, error = %e, "the Prefill call failed");
+        }
+        answer
+    });
     let waits = async {
         let w = regions.iter().map(|g| inbox.wait(g.id, deadline));
         try_join_all(w).await.map_err(|e| FrontendError::transfer("verify", e))
     };
-    let (connected_at, resp, mut received) = tokio::try_join!(connected, rpc, waits)?;
+    let kv = async { tokio::try_join!(connected, waits) };
+    tokio::pin!(kv);
+    let (connected_at, mut received) = tokio::select! {
+        got = &mut kv => got?,
+        answer = &mut call => {
+            answer.map_err(|e| FrontendError::at("prefill", format!("the Prefill call: {e}")))??;
+            kv.await?
+        }
+    };
     stages.timings.connect_us = stages.mark_at(connected_at);
 
-    // verify: every notice of every region names our room, one first token, our prompt.
-    let mut kv_bytes = 0;
-    for rec in &received {
-        for n in &rec.notices {
-            if n.room != room || rec.room != room {
-                return Err(FrontendError::at(
-                    "verify",
-                    format!("bootstrap_room mismatch: expected {room}, got {}", n.room),
-                ));
-            }
-            if n.first_token != resp.first_token || n.tokens as usize != t {
-                return Err(FrontendError::at(
-                    "verify",
-                    format!(
-                        "notice says first token {} over {} tokens; prefill answered {} over {t}",
-                        n.first_token, n.tokens, resp.first_token
-                    ),
-                ));
-            }
-            kv_bytes += n.bytes;
-        }
-    }
+    // verify: every notice of every region names our room and our prompt, and all agree on
+    // the first token and the cached prefix.
+    let (said, kv_bytes) = agreed_notices(&received, room, t)?;
+    let (first_token, cached_tokens) = said;
     stages.timings.verify_us = stages.mark();
 
     // consume: a single region holding every head is already the engine's layout; several
@@ -312,12 +314,7 @@ pub async fn run(
     {
         let kv = Kv::from_bytes(shape, t, std::mem::take(&mut only.buf))
             .map_err(|e| FrontendError::at("consume", e))?;
-        return Ok(Prefilled {
-            kv,
-            first_token: resp.first_token,
-            cached_tokens: resp.cached_tokens,
-            kv_bytes,
-        });
+        return Ok(Prefilled { kv, first_token, cached_tokens, kv_bytes });
     }
     let mut kv = Kv::zeroed(shape, t);
     let mut filled = vec![false; shape.kv_heads];
@@ -339,5 +336,44 @@ pub async fn run(
     if filled.iter().any(|f| !f) {
         return Err(FrontendError::at("consume", "some KV heads were not received"));
     }
-    Ok(Prefilled { kv, first_token: resp.first_token, cached_tokens: resp.cached_tokens, kv_bytes })
+    Ok(Prefilled { kv, first_token, cached_tokens, kv_bytes })
+}
+
+/// Checks that every notice of `received` names `room` and `tokens` tokens and that all say
+/// the same first token and cached prefix: those, and the bytes verified.
+fn agreed_notices(
+    received: &[handoff_transfer::Received],
+    room: Room,
+    tokens: usize,
+) -> Result<((u32, u32), u64), FrontendError> {
+    let mut said = None;
+    let mut kv_bytes = 0;
+    for rec in received {
+        for n in &rec.notices {
+            if n.room != room || rec.room != room {
+                return Err(FrontendError::at(
+                    "verify",
+                    format!("bootstrap_room mismatch: expected {room}, got {}", n.room),
+                ));
+            }
+            if n.tokens as usize != tokens {
+                return Err(FrontendError::at(
+                    "verify",
+                    format!("a notice says {} tokens, the prompt has {tokens}", n.tokens),
+                ));
+            }
+            let this = (n.first_token, n.cached_tokens);
+            if *said.get_or_insert(this) != this {
+                return Err(FrontendError::at(
+                    "verify",
+                    format!(
+                        "notices disagree: first token and cached prefix {said:?}, then {this:?}"
+                    ),
+                ));
+            }
+            kv_bytes += n.bytes;
+        }
+    }
+    let said = said.ok_or_else(|| FrontendError::at("verify", "no notice"))?;
+    Ok((said, kv_bytes))
 }

@@ -293,6 +293,7 @@ impl Frontend {
         let hashes: Vec<u64> =
             block_hashes(&plan.tokens, info.page_size).into_iter().map(|h| h.0).collect();
         let ctx = AttemptCtx {
+            tasks: &self.tasks,
             engine: &*self.engine,
             agent: &self.agent,
             directory: &self.directory,

@@ -97,13 +97,13 @@ impl Bed {
         );
     }
 
-    /// Shapes what host `i` sends to each of `to` as `link` (delay, jitter, loss), until
-    /// the shaper is dropped or stopped; randomness from `seed`.
-    pub(crate) fn shape(&self, i: usize, to: &[&str], link: Link, seed: u64) -> Shaper {
+    /// Shapes what host `i` receives from each of `from` as `link` (delay, jitter, loss),
+    /// until the shaper is dropped or stopped; randomness from `seed`.
+    pub(crate) fn shape(&self, i: usize, from: &[&str], link: Link, seed: u64) -> Shaper {
         static QUEUES: AtomicU16 = AtomicU16::new(0);
         let queue = QUEUES.fetch_add(1, Ordering::Relaxed);
-        let to: Vec<String> = to.iter().map(|s| s.to_string()).collect();
-        Shaper::start(&self.hosts[i].ns, queue, &to, link, seed)
+        let from: Vec<String> = from.iter().map(|s| s.to_string()).collect();
+        Shaper::start(&self.hosts[i].ns, queue, &from, link, seed)
     }
 
     /// Host `i` loses the network altogether (its link goes down: nothing in or out) until

@@ -86,6 +86,7 @@ pub(crate) async fn direct_attempt(
         decode_tp,
         transfer_token: None,
         trace: Default::default(),
+        tasks: &tasks,
     };
     let p = &c.prefills[0];
     let target = Target {

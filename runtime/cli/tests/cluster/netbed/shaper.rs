@@ -1,8 +1,11 @@
-//! [`Shaper`]: delay, jitter and loss on one host's packets to chosen addresses, done in user
-//! space. This machine's kernel has no `netem` qdisc, but it has NFQUEUE: `iptables` in the
-//! host's namespace hands the chosen outgoing packets to a queue, and a thread of the test
-//! process, moved into that namespace, holds each one for the delay (give or take the
-//! jitter) and then lets it go, or drops it with the loss probability. Like `netem` with
+//! [`Shaper`]: delay, jitter and loss on the packets one host receives from chosen addresses,
+//! done in user space. This machine's kernel has no `netem` qdisc, but it has NFQUEUE:
+//! `iptables` in the host's namespace hands the chosen incoming packets to a queue, and a
+//! thread of the test process, moved into that namespace, holds each one for the delay (give
+//! or take the jitter) and then lets it go, or drops it with the loss probability. Packets
+//! are held on arrival, not on the way out: a packet held in the sender's OUTPUT chain is
+//! still charged to its socket, and TCP's small-queue limit would then stall the sender
+//! after a few KB per delay (netem avoids that; a real link does not have it). Like `netem` with
 //! jitter, packets may leave in another order than they came. The rules are removed on drop
 //! (and go with the namespace anyway); `--queue-bypass` lets packets pass while no thread
 //! listens.
@@ -48,9 +51,9 @@ pub(crate) struct Shaper {
 }
 
 impl Shaper {
-    /// Shapes what namespace `ns` sends to each of `to` as `link`, on NFQUEUE number `queue`
-    /// (one per shaper in a namespace), its randomness from `seed`.
-    pub(crate) fn start(ns: &str, queue: u16, to: &[String], link: Link, seed: u64) -> Shaper {
+    /// Shapes what namespace `ns` receives from each of `from` as `link`, on NFQUEUE number
+    /// `queue` (one per shaper in a namespace), its randomness from `seed`.
+    pub(crate) fn start(ns: &str, queue: u16, from: &[String], link: Link, seed: u64) -> Shaper {
         let stop = Arc::new(AtomicBool::new(false));
         let (ready_tx, ready) = mpsc::channel();
         let (path, halt) = (format!("/var/run/netns/{ns}"), stop.clone());
@@ -70,10 +73,10 @@ impl Shaper {
         }
         let mut shaper =
             Shaper { ns: ns.to_owned(), rules: Vec::new(), stop, thread: Some(thread) };
-        for ip in to {
+        for ip in from {
             let rule: Vec<String> = [
-                "OUTPUT",
-                "-d",
+                "INPUT",
+                "-s",
                 ip,
                 "-j",
                 "NFQUEUE",
