@@ -15,9 +15,10 @@ use handoff_proto::v1::{PrefillRequest, SamplingParams, StageTimings};
 use handoff_transfer::{Agent, ConnectRequest, Inbox, RegionId, SenderId};
 use tokio::time::Instant;
 use tonic::transport::Channel;
-use tracing::debug;
 
 use crate::{Cause, FrontendError};
+
+mod call;
 
 /// When each stage completed, in microseconds since the attempt started.
 #[derive(Debug, Clone, Copy)]
@@ -241,7 +242,7 @@ pub async fn run(
     });
     // Connecting runs alongside the prefill call below, not before it: the prefill waits for
     // the handshakes while it computes (up to its handshake timeout), so asking both at once
-    // saves a round trip. A failed handshake drops (cancels) the call.
+    // saves a round trip. A failed handshake fails the attempt, which aborts the call.
     let connecting = try_join_all(connects);
     let connected = async move {
         match tokio::time::timeout_at(deadline, connecting).await {
@@ -259,7 +260,7 @@ pub async fn run(
 
     // prefill, and the KV it sends
     let left = deadline.saturating_duration_since(Instant::now());
-    let mut client = target.prefill.clone();
+    let client = target.prefill.clone();
     let req = PrefillRequest {
         bootstrap_room: room.get(),
         token_ids: tokens.to_vec(),
@@ -271,34 +272,36 @@ pub async fn run(
         handoff_proto::auth::request(req, ctx.transfer_token.as_deref()),
         &ctx.trace,
     );
-    // The call runs on the frontend's tasks: the attempt goes on once the KV is verified (its
-    // notices carry the first token), not a round trip later when the prefill, its notices
-    // acknowledged, answers. A call that fails first (a refusal, an error) ends the attempt.
-    let mut call = ctx.tasks.spawn(async move {
-        let answer = match tokio::time::timeout_at(deadline, client.prefill(request)).await {
-            Ok(a) => a.map(|_| ()).map_err(|s| FrontendError::prefill_status(&s)),
-            Err(_) => {
-                Err(FrontendError::because("prefill", Cause::Deadline, "attempt deadline passed"))
-            }
-        };
-        if let Err(e) = &answer {
-            debug!(%room, error = %e, "the Prefill call failed");
-        }
-        answer
-    });
+    // The attempt goes on once the KV is verified (its notices carry the first token), not
+    // when the call answers (see `call`). A call that fails first (a refusal, an error) fails
+    // the attempt, unless the handshakes fail too: theirs then names the failure (a prefill
+    // this frontend cannot reach fails both, and `reach` counts connect failures).
+    let mut call = call::PrefillCall::start(ctx.tasks, client, request, room, deadline);
     let waits = async {
         let w = regions.iter().map(|g| inbox.wait(g.id, deadline));
         try_join_all(w).await.map_err(|e| FrontendError::transfer("verify", e))
     };
-    let kv = async { tokio::try_join!(connected, waits) };
-    tokio::pin!(kv);
-    let (connected_at, mut received) = tokio::select! {
-        got = &mut kv => got?,
-        answer = &mut call => {
-            answer.map_err(|e| FrontendError::at("prefill", format!("the Prefill call: {e}")))??;
-            kv.await?
+    tokio::pin!(connected, waits);
+    let mut connected_at = None;
+    let mut received = loop {
+        tokio::select! {
+            c = &mut connected, if connected_at.is_none() => connected_at = Some(c?),
+            w = &mut waits => break w?,
+            a = call.answer(), if call.is_out() => {
+                if let Err(e) = a {
+                    if connected_at.is_none() {
+                        (&mut connected).await?;
+                    }
+                    return Err(e);
+                }
+            }
         }
     };
+    let connected_at = match connected_at {
+        Some(at) => at,
+        None => (&mut connected).await?,
+    };
+    call.let_run();
     stages.timings.connect_us = stages.mark_at(connected_at);
 
     // verify: every notice of every region names our room and our prompt, and all agree on
@@ -376,4 +379,42 @@ fn agreed_notices(
     }
     let said = said.ok_or_else(|| FrontendError::at("verify", "no notice"))?;
     Ok((said, kv_bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use handoff_transfer::{Notice, Received};
+
+    use super::*;
+
+    fn notice(room: Room, first_token: u32, cached_tokens: u32) -> Notice {
+        Notice {
+            room,
+            sender: SenderId::new(0, 0),
+            first_token,
+            tokens: 4,
+            cached_tokens,
+            bytes: 10,
+            checksum: 0,
+        }
+    }
+
+    fn received(room: Room, notices: Vec<Notice>) -> Vec<Received> {
+        vec![Received { room, buf: Vec::new(), notices }]
+    }
+
+    #[test]
+    fn the_notices_must_name_the_room_and_prompt_and_agree() {
+        let room = Room::mint();
+        let ok = received(room, vec![notice(room, 7, 2), notice(room, 7, 2)]);
+        assert_eq!(agreed_notices(&ok, room, 4).unwrap(), ((7, 2), 20));
+        let disagree = received(room, vec![notice(room, 7, 2), notice(room, 8, 2)]);
+        assert!(agreed_notices(&disagree, room, 4).unwrap_err().to_string().contains("disagree"));
+        let other = Room::mint();
+        let foreign = received(room, vec![notice(other, 7, 2)]);
+        let err = agreed_notices(&foreign, room, 4).unwrap_err().to_string();
+        assert!(err.contains("bootstrap_room mismatch"), "{err}");
+        assert!(agreed_notices(&ok, room, 5).is_err(), "another prompt length");
+        assert!(agreed_notices(&received(room, vec![]), room, 4).is_err(), "no notice");
+    }
 }

@@ -3,12 +3,14 @@
 //! The scheduler's circuit breakers count every frontend's failures together, so a prefill
 //! that one frontend cannot reach while others can is never ejected: the others' successes
 //! keep closing its breaker, and this frontend would go on losing an attempt (and its time)
-//! on it. So each frontend also keeps its own count: [`UNREACHABLE_AFTER`] attempts in a row
-//! that could not get through to an instance (its directory or its transfer connection
-//! refused, unreachable, or out of time) make this frontend pass it over in its selections
-//! for [`AVOID_FOR`]. After
-//! that one attempt may try it again: a success forgets it, a failure avoids it again at
-//! once. A selection that finds nothing else is asked again without the avoided instances:
+//! on it. So each frontend also keeps its own count: [`UNREACHABLE_AFTER`] attempts that
+//! could not get through to an instance (its directory or its transfer connection refused or
+//! unreachable), with no success between, make this frontend pass it over in its selections
+//! for [`AVOID_FOR`]. A deadline passing while connecting does not count: under load that is
+//! the load, not the network. After the while the instance may be tried again: a success
+//! forgets it, a failure avoids it again at once (so only the attempts already under way
+//! when the while ends can lose to it; a single probe would need the scheduler to pick it
+//! for that one selection, or the instance would stay avoided). A selection that finds nothing else is asked again without the avoided instances:
 //! this frontend's view never makes the service unavailable by itself.
 
 use std::collections::HashMap;
@@ -39,14 +41,15 @@ pub struct Reach {
 }
 
 /// Whether `e` says the instance could not be got through to: reading its directory or
-/// connecting to its ranks failed (for its own sake or out of time), before it was given any
-/// work. Overload, a failed prefill or transfer, and the decode's own faults do not count.
+/// connecting to its ranks failed for the instance's sake, before it was given any work.
+/// Deadlines, overload, a failed prefill or transfer, and the decode's own faults do not
+/// count.
 pub fn unreachable(e: &FrontendError) -> bool {
     matches!(
         e,
         FrontendError::Attempt {
             stage: "resolve-topology" | "resolve-rank" | "connect",
-            cause: Cause::Instance | Cause::Deadline,
+            cause: Cause::Instance,
             ..
         }
     )
@@ -84,7 +87,7 @@ impl Reach {
         self.lock().remove(instance);
     }
 
-    /// The instances avoided at `now`.
+    /// The instances a selection at `now` passes over.
     pub fn avoided_at(&self, now: Instant) -> Vec<String> {
         self.lock()
             .iter()
@@ -107,7 +110,7 @@ mod tests {
         assert!(r.avoided_at(t0).is_empty(), "two are not enough");
         assert!(r.failed_at("a", t0), "the third avoids it");
         assert_eq!(r.avoided_at(t0 + AVOID_FOR / 2), vec!["a".to_owned()]);
-        // After the while, one attempt may try it; a failure avoids it again at once.
+        // After the while it may be tried again; a failure avoids it again at once.
         let later = t0 + AVOID_FOR;
         assert!(r.avoided_at(later).is_empty());
         assert!(r.failed_at("a", later));
@@ -125,8 +128,8 @@ mod tests {
         let busy = FrontendError::because("connect", Cause::Overloaded, "full");
         let verify = FrontendError::because("verify", Cause::Instance, "checksum mismatch");
         let directory = FrontendError::because("resolve-topology", Cause::Instance, "refused");
-        assert!(unreachable(&connect) && unreachable(&slow) && unreachable(&directory));
-        assert!(!unreachable(&busy) && !unreachable(&verify));
+        assert!(unreachable(&connect) && unreachable(&directory));
+        assert!(!unreachable(&slow) && !unreachable(&busy) && !unreachable(&verify));
     }
 
     #[test]

@@ -373,7 +373,7 @@ impl PrefillService {
             me.metrics.tokens(tokens.len() - cached, cached);
             Ok::<_, PrefillError>((out, Instant::now()))
         };
-        // The decode sent its handshakes before this call: they are taken while the engine
+        // The decode sends its handshakes alongside this call: they are taken while the engine
         // computes, and each layer travels to every decode rank as soon as it is done.
         let hs_deadline = deadline.min(Instant::now() + me.handshake_timeout);
         let stream = async {

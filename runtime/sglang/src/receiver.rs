@@ -196,7 +196,9 @@ impl SglangReceiver {
         let info = self.directory.server_info(bootstrap).await?;
         let ranks = self.ranks(bootstrap, &info, room).await?;
         let req = self.layout.request_from(tokens, ranks.len())?;
-        let (tx, rx) = mpsc::channel(64);
+        // Room for everything the ranks send before it is read: a status and every metadata
+        // row (over ZMQ) from each, and as much again.
+        let (tx, rx) = mpsc::channel(2 * ranks.len() * (self.layout.aux_row_bytes.len() + 1));
         {
             let mut waiters = lock(&self.waiters);
             if waiters.contains_key(&room.get()) {
@@ -233,10 +235,16 @@ impl SglangReceiver {
             aux_index: lease.row,
             required_dst_info_num: 1,
         };
-        for (t, rank) in ranks.iter().enumerate() {
-            let register = || self.registration(t);
-            self.sockets.send(&rank.addr, t, register, info.frames()).await?;
-        }
+        let sends = async {
+            for (t, rank) in ranks.iter().enumerate() {
+                let register = || self.registration(t);
+                self.sockets.send(&rank.addr, t, register, info.frames()).await?;
+            }
+            Ok::<(), SglangError>(())
+        };
+        tokio::time::timeout_at(deadline, sends)
+            .await
+            .map_err(|_| SglangError::Timeout(room.get()))??;
         let peer = ranks[0].ips.first().copied();
         self.await_status(&held, &req, rx, peer, deadline).await?;
         let got = self.mooncake.inbox().wait(id, deadline).await?;
@@ -388,8 +396,8 @@ impl SglangReceiver {
         for t in 0..req.ranks {
             inbox.finish(held.id, pages_of(t)).map_err(|e| match e {
                 // The likeliest cause of a gap: pages of another element size than ours.
-                TransferError::Failed(gap) => TransferError::Failed(format!(
-                    "{gap} (pages of {} bytes expected: f32 KV, --dtype float32)",
+                TransferError::Failed(why) => TransferError::Failed(format!(
+                    "{why} (if bytes are missing: pages of {} bytes expected, f32 KV, --dtype float32)",
                     self.layout.item_len()
                 )),
                 e => e,

@@ -92,7 +92,7 @@ async fn delay_and_loss_on_every_transfer_link_fail_no_request() {
         f.bed.shape(FRONTEND2, &prefills, link, 5),
     ];
     let (mut shaped, mut retried, mut stages) = (Vec::new(), 0, Vec::new());
-    for seed in 100..160 {
+    for seed in 100..200 {
         let one = if seed % 2 == 0 { f.one(seed).await } else { f.one_via_second(seed).await };
         let (ev, ttft) = one.unwrap_or_else(|e| panic!("request {seed} failed: {e}"));
         retried += ev.failed_attempts.len();
@@ -105,7 +105,7 @@ async fn delay_and_loss_on_every_transfer_link_fail_no_request() {
     shaped.sort();
     let added = pct(&shaped, 0.5).saturating_sub(pct(&whole, 0.5));
     eprintln!(
-        "20 ms +- 5 ms and 1 % loss each way: 60 requests, 0 failed, {retried} attempts retried; {passed} packets delayed, {dropped} dropped; TTFT p50/p99 without {:?}/{:?}, with {:?}/{:?}: p50 +{added:?} ({:.1} round trips of 40 ms)",
+        "20 ms +- 5 ms and 1 % loss each way: 100 requests, 0 failed, {retried} attempts retried; {passed} packets delayed, {dropped} dropped; TTFT p50/p99 without {:?}/{:?}, with {:?}/{:?}: p50 +{added:?} ({:.1} round trips of 40 ms)",
         pct(&whole, 0.5),
         pct(&whole, 0.99),
         pct(&shaped, 0.5),

@@ -8,7 +8,7 @@ use super::fleet::{A, ETCD, FRONTEND, Fleet, NATS, SCHEDULER, pct, prefill_args}
 
 /// The first frontend cut off from one prefill that the scheduler and the second frontend
 /// still reach: every request is served. The first frontend's attempts on the unreachable
-/// prefill fail fast and are retried on another; after three in a row it passes that prefill
+/// prefill fail fast and are retried on another; after three that could not get through it passes that prefill
 /// over in its own selections, so no later request tries it. The scheduler's breaker for it
 /// stays closed: the second frontend reaches it, and its requests never fail an attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -54,10 +54,12 @@ async fn a_frontend_cut_off_from_one_prefill_routes_around_it() {
         pct(&cut_ttft, 0.5),
         pct(&cut_ttft, 0.99)
     );
-    assert_eq!(
-        failed_on_a,
-        handoff_frontend::reach::UNREACHABLE_AFTER,
-        "three attempts on the cut-off prefill, then it is passed over"
+    // Three that could not get through, and perhaps one handshake that timed out on the way
+    // (a deadline, which does not count); then it is passed over.
+    let after = handoff_frontend::reach::UNREACHABLE_AFTER;
+    assert!(
+        (after..=after + 1).contains(&failed_on_a),
+        "{failed_on_a} attempts on the cut-off prefill: it is passed over after {after}"
     );
     assert!(second.contains_key("a"), "the other frontend still uses a: {second:?}");
     assert!(breaker("a") && breaker("b") && breaker("c"), "no breaker opened for a partial cut");

@@ -97,12 +97,24 @@ impl Shaper {
         self.undo()
     }
 
+    /// Removes the rules and stops the thread. While a test is already failing (unwinding)
+    /// nothing here panics: a second panic would abort the process before the bed is
+    /// cleaned up.
     fn undo(&mut self) -> Counts {
+        let quiet = std::thread::panicking();
         for rule in std::mem::take(&mut self.rules) {
-            iptables(&self.ns, "-D", &rule);
+            if quiet {
+                let _ = iptables_status(&self.ns, "-D", &rule);
+            } else {
+                iptables(&self.ns, "-D", &rule);
+            }
         }
         self.stop.store(true, Ordering::Relaxed);
-        self.thread.take().map(|t| t.join().expect("the shaper thread")).unwrap_or_default()
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Ok(counts)) => counts,
+            Some(Err(_)) if !quiet => panic!("the shaper thread panicked"),
+            _ => Counts::default(),
+        }
     }
 }
 
@@ -114,12 +126,14 @@ impl Drop for Shaper {
     }
 }
 
-/// Runs `iptables OP RULE` in namespace `ns`.
+/// Runs `iptables OP RULE` in namespace `ns`: its output.
+fn iptables_status(ns: &str, op: &str, rule: &[String]) -> std::io::Result<std::process::Output> {
+    std::process::Command::new("ip").args(["netns", "exec", ns, "iptables", op]).args(rule).output()
+}
+
+/// Runs `iptables OP RULE` in namespace `ns`, panicking with the reason if it fails.
 fn iptables(ns: &str, op: &str, rule: &[String]) {
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", ns, "iptables", op])
-        .args(rule)
-        .output()
+    let out = iptables_status(ns, op, rule)
         .expect("ip netns exec iptables runs (scripts/install-tools installs iptables)");
     assert!(
         out.status.success(),

@@ -1,0 +1,83 @@
+//! [`PrefillCall`]: an attempt's `Prefill` gRPC call, run on the frontend's tasks.
+//!
+//! The attempt goes on as soon as the KV verifies, not a round trip later when the prefill,
+//! its notices acknowledged, answers; so the call runs as a task of its own. Until the KV
+//! verifies the call belongs to the attempt: an attempt that fails or is dropped (a client
+//! gone, a retry elsewhere) aborts it, which resets the stream and stops the prefill's work,
+//! as dropping the call did when it was awaited in place. Once the KV has verified, the call
+//! is let run to its answer (the prefill caches the prompt then), bounded by the attempt's
+//! deadline and the frontend's shutdown.
+
+use handoff_core::{Room, Tasks};
+use handoff_proto::v1::PrefillRequest;
+use handoff_proto::v1::prefill_client::PrefillClient;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tonic::transport::Channel;
+use tracing::debug;
+
+use crate::{Cause, FrontendError};
+
+/// The call (see the module docs); aborted on drop unless let run.
+pub(super) struct PrefillCall {
+    handle: Option<JoinHandle<Result<(), FrontendError>>>,
+}
+
+impl PrefillCall {
+    /// Starts `request` on `client` for room `room`, on `tasks`, until `deadline`.
+    pub(super) fn start(
+        tasks: &Tasks,
+        mut client: PrefillClient<Channel>,
+        request: tonic::Request<PrefillRequest>,
+        room: Room,
+        deadline: Instant,
+    ) -> Self {
+        let stop = tasks.clone();
+        let handle = tasks.spawn(async move {
+            let answer = tokio::select! {
+                _ = stop.shutdown_requested() => {
+                    Err(FrontendError::because("prefill", Cause::Decode, "the frontend is stopping"))
+                }
+                a = tokio::time::timeout_at(deadline, client.prefill(request)) => match a {
+                    Ok(a) => a.map(|_| ()).map_err(|s| FrontendError::prefill_status(&s)),
+                    Err(_) => Err(FrontendError::because(
+                        "prefill",
+                        Cause::Deadline,
+                        "attempt deadline passed",
+                    )),
+                },
+            };
+            if let Err(e) = &answer {
+                debug!(%room, error = %e, "the Prefill call failed");
+            }
+            answer
+        });
+        PrefillCall { handle: Some(handle) }
+    }
+
+    /// Whether the call is still out.
+    pub(super) fn is_out(&self) -> bool {
+        self.handle.is_some()
+    }
+
+    /// Waits for the call's answer (at once if it has come). Cancel-safe.
+    pub(super) async fn answer(&mut self) -> Result<(), FrontendError> {
+        let Some(h) = self.handle.as_mut() else { return Ok(()) };
+        let joined = h.await;
+        self.handle = None;
+        joined.map_err(|e| FrontendError::at("prefill", format!("the Prefill call: {e}")))?
+    }
+
+    /// Lets the call run to its answer on the frontend's tasks (the KV has verified).
+    pub(super) fn let_run(mut self) {
+        self.handle.take();
+    }
+}
+
+impl Drop for PrefillCall {
+    fn drop(&mut self) {
+        if let Some(h) = self.handle.take() {
+            h.abort();
+        }
+    }
+}
