@@ -410,6 +410,8 @@ mod tests {
         assert_eq!(agreed_notices(&ok, room, 4).unwrap(), ((7, 2), 20));
         let disagree = received(room, vec![notice(room, 7, 2), notice(room, 8, 2)]);
         assert!(agreed_notices(&disagree, room, 4).unwrap_err().to_string().contains("disagree"));
+        let cached_differs = received(room, vec![notice(room, 7, 2), notice(room, 7, 3)]);
+        assert!(agreed_notices(&cached_differs, room, 4).is_err(), "the cached prefix too");
         let other = Room::mint();
         let foreign = received(room, vec![notice(other, 7, 2)]);
         let err = agreed_notices(&foreign, room, 4).unwrap_err().to_string();
