@@ -94,6 +94,14 @@ pub enum TransferKind {
         /// What peers dial (defaults to `bind_ip`).
         advertise_ip: Option<String>,
     },
+    /// NIXL WRITEs (UCX underneath) through the library `scripts/fetch-nixl` installs, with a
+    /// control listener on `bind_ip` (an ephemeral port, advertised).
+    Nixl {
+        /// Where the control listener binds.
+        bind_ip: std::net::IpAddr,
+        /// What peers dial (defaults to `bind_ip`).
+        advertise_ip: Option<String>,
+    },
     /// In-process, on this fake network.
     Fake(Arc<crate::FakeNetwork>),
 }
@@ -111,7 +119,9 @@ impl TransferKind {
     /// Where its listeners bind (loopback for the in-process fake).
     pub fn bind_ip(&self) -> std::net::IpAddr {
         match self {
-            TransferKind::Tcp { bind_ip, .. } | TransferKind::Mooncake { bind_ip, .. } => *bind_ip,
+            TransferKind::Tcp { bind_ip, .. }
+            | TransferKind::Mooncake { bind_ip, .. }
+            | TransferKind::Nixl { bind_ip, .. } => *bind_ip,
             TransferKind::Fake(_) => std::net::Ipv4Addr::LOCALHOST.into(),
         }
     }
@@ -120,7 +130,8 @@ impl TransferKind {
     pub fn advertise_ip(&self) -> Option<String> {
         match self {
             TransferKind::Tcp { advertise_ip, .. }
-            | TransferKind::Mooncake { advertise_ip, .. } => advertise_ip.clone(),
+            | TransferKind::Mooncake { advertise_ip, .. }
+            | TransferKind::Nixl { advertise_ip, .. } => advertise_ip.clone(),
             TransferKind::Fake(_) => None,
         }
     }
@@ -161,6 +172,19 @@ impl TransferKind {
                     cfg,
                     tasks,
                 )?)
+            }
+            TransferKind::Nixl { bind_ip, advertise_ip } => {
+                let control = tokio::net::TcpListener::bind((*bind_ip, 0)).await?;
+                let cfg = crate::nixl::NixlConfig { token, ..Default::default() };
+                let nixl = crate::nixl::NixlTransfer::serve(
+                    control,
+                    advertise_ip.clone(),
+                    inbox.clone(),
+                    cfg,
+                    tasks,
+                )
+                .map_err(std::io::Error::other)?;
+                Arc::new(nixl)
             }
             TransferKind::Fake(net) => Arc::new(crate::FakeTransfer::new(net, &inbox)),
         };

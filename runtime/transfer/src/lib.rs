@@ -15,6 +15,8 @@
 //! - [`stream`] — [`WriteStream`]: one write posted in parts as they are computed, one notice
 //!   over them all.
 //! - [`tcp`] — real bytes over TCP sockets, pooled connections, length-prefixed frames.
+//! - [`mooncake`] — Mooncake Transfer Engine's TCP wire, compatible with its wheel.
+//! - [`nixl`] — NIXL WRITEs through its C API (UCX underneath), a control wire beside them.
 //! - [`fake`] — in-process, no sockets: for control-plane tests and single-process setups.
 //! - [`faulty`] — a wrapper that injects faults into any backend (wrong room, flipped byte,
 //!   truncated frame, sender gone mid-transfer).
@@ -26,6 +28,7 @@ pub mod faulty;
 pub mod inbox;
 mod listen;
 pub mod mooncake;
+pub mod nixl;
 pub mod stream;
 pub mod tcp;
 
@@ -176,6 +179,14 @@ impl WriteRequest {
         let notice = Notice { room, sender, first_token, tokens, cached_tokens, bytes, checksum };
         WriteRequest { region, sender, pairs, notice: Some(notice) }
     }
+}
+
+/// Whether `got` is the token `want` asks for (anything, when `want` is `None`), compared in
+/// time independent of where they differ.
+pub(crate) fn token_accepted(want: Option<&str>, got: Option<&[u8]>) -> bool {
+    let Some(want) = want.map(str::as_bytes) else { return true };
+    let got = got.unwrap_or_default();
+    got.len() == want.len() && got.iter().zip(want).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
 /// A transfer backend: moves handshakes and writes to peers' inboxes.

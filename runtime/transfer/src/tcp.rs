@@ -362,12 +362,6 @@ struct ConnCfg {
     hello_timeout: Duration,
 }
 
-/// Whether `got` is `want`, in time independent of where they differ.
-fn same_token(got: &[u8], want: &str) -> bool {
-    let want = want.as_bytes();
-    got.len() == want.len() && got.iter().zip(want).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
-}
-
 /// Serves one inbound connection until it closes or breaks the protocol.
 async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
     stream: S,
@@ -413,7 +407,7 @@ async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
         };
         let reply = match frame {
             Frame::Hello(token) => {
-                authed = cfg.token.as_deref().is_none_or(|t| same_token(&token, t));
+                authed = crate::token_accepted(cfg.token.as_deref(), Some(&token));
                 if !authed {
                     let _ = wire::write_ack(&mut w, &Err("wrong token".into())).await;
                     debug!(%peer, "transfer connection with a wrong token; closing");

@@ -156,7 +156,7 @@ impl DiscoveryArgs {
         }
     }
 
-    /// The transfer backend on --transfer-bind: tcp (with the flags' TLS) or mooncake; `fake`
+    /// The transfer backend on --transfer-bind: tcp (with the flags' TLS), mooncake or nixl; `fake`
     /// only within one process (`handoff up`).
     pub fn transfer(&self) -> anyhow::Result<TransferKind> {
         let bind_ip = self.transfer_bind;
@@ -174,6 +174,10 @@ impl DiscoveryArgs {
                 "--transfer mooncake cannot use --tls-cert: Mooncake's wire has no TLS (use --transfer tcp for mutual TLS on KV)"
             ),
             TransferArg::Mooncake => TransferKind::Mooncake { bind_ip, advertise_ip },
+            TransferArg::Nixl if self.tls_cert.is_some() => anyhow::bail!(
+                "--transfer nixl cannot use --tls-cert: NIXL over UCX/TCP has no TLS (use --transfer tcp for mutual TLS on KV)"
+            ),
+            TransferArg::Nixl => TransferKind::Nixl { bind_ip, advertise_ip },
             TransferArg::Fake => TransferKind::Fake(handoff_transfer::FakeNetwork::new()),
         })
     }
@@ -194,6 +198,9 @@ pub enum TransferArg {
     Tcp,
     /// Mooncake Transfer Engine's TCP wire (interoperates with Mooncake peers; no TLS).
     Mooncake,
+    /// NIXL WRITEs over UCX (TCP here), through the library `scripts/fetch-nixl` installs
+    /// (put its directory on LD_LIBRARY_PATH); no TLS.
+    Nixl,
     /// In-process, no sockets (`handoff up` only).
     Fake,
 }

@@ -118,6 +118,34 @@ async fn the_mooncake_backend_runs_the_same_path() {
     c.shutdown().await;
 }
 
+/// NIXL (the wheel's library, UCX over TCP) between handoff's own prefill ranks and
+/// frontend: tp 2 prefills into a tp 1 decode, 50 requests with the cluster token, tokens as
+/// aggregated, no receive region left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_nixl_backend_runs_the_same_path() {
+    let cfg = ClusterConfig {
+        transfer: TransferKind::Nixl {
+            bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+            advertise_ip: None,
+        },
+        token: Some("cluster-secret".into()),
+        ..ClusterConfig::ephemeral()
+    };
+    let c = cluster(cfg).await;
+    assert_eq!(c.frontend.agent().backend_name(), "nixl");
+    let mut cl = client(&c).await;
+    for seed in 0..50 {
+        let p = prompt(seed, 30 + seed as usize * 7);
+        let (tokens, done) = generate(&mut cl, &p, 4).await.unwrap();
+        assert_eq!(tokens, aggregated(&*engine(), &p, 4).await, "prompt {seed}");
+        let ev = done.evidence.unwrap();
+        assert!(ev.failed_attempts.is_empty(), "prompt {seed}: {:?}", ev.failed_attempts);
+        assert!(ev.kv_bytes > 0);
+    }
+    assert_eq!(c.frontend.agent().inbox().regions(), 0, "no receive region left behind");
+    c.shutdown().await;
+}
+
 #[tokio::test]
 async fn bad_requests_get_invalid_argument_and_the_frontend_keeps_serving() {
     let c = cluster(ClusterConfig::ephemeral()).await;

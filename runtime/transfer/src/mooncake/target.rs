@@ -94,20 +94,12 @@ fn on_notify(body: &[u8], peer: SocketAddr, s: &Shared) -> Result<(), TransferEr
             Ok(())
         }
         Control::Notice { region, notice, token } => {
-            if !same_token(s.cfg.token.as_deref(), token.as_deref()) {
+            if !crate::token_accepted(s.cfg.token.as_deref(), token.as_deref().map(str::as_bytes)) {
                 return Err(TransferError::Unauthorized);
             }
             s.inbox.on_notice(region, peer_conn(peer.ip()), notice)
         }
     }
-}
-
-/// Whether `got` is the token `want` asks for (compared in constant time).
-fn same_token(want: Option<&str>, got: Option<&str>) -> bool {
-    let Some(want) = want else { return true };
-    let got = got.unwrap_or_default().as_bytes();
-    got.len() == want.len()
-        && got.iter().zip(want.as_bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
 /// One data connection: headers, bodies into regions, a status after each (v2).

@@ -1,0 +1,393 @@
+//! The `nixl` backend: KV bytes move as NIXL WRITEs (UCX underneath; over TCP on a machine
+//! without RDMA), through NIXL's C API (`libnixl_capi.so` from the pinned `nixl-cu13` wheel,
+//! loaded at run time by `nixl-sys`). UCX's wire is its own: nothing here speaks it.
+//!
+//! Every process runs one NIXL agent, and a control listener (the address directories
+//! publish) for what NIXL does not carry ([`control`]):
+//!
+//! - **Handshake (receiver to sender).** The receiver registers a zeroed staging buffer of the
+//!   region's size for that sender alone, and sends the sender the [`crate::ConnectRequest`],
+//!   the buffer's address and its agent's metadata. The sender checks the token, loads the
+//!   metadata and records where the region lands.
+//! - **Write (sender).** The sender copies the pairs into one registered source buffer and
+//!   WRITEs every segment into the receiver's staging buffer. NIXL reports success once the
+//!   bytes are complete at the receiver (it flushes the endpoint).
+//! - **Notice (sender to receiver).** Then the sender sends its [`crate::Notice`] and the list
+//!   of segments it wrote over the control wire. The receiver deregisters that sender's
+//!   staging buffer (no peer can reach it any more), applies the listed segments to the
+//!   region through the inbox, and verifies the notice exactly as for tcp: every byte of the
+//!   sender's ranges once, the room, the checksum. Its verdict is the answer.
+//!
+//! NIXL over UCX/TCP has no authentication, and an agent's metadata names its registered
+//! memory by raw address. A receiver registers only the staging buffers of open handshakes,
+//! each until its sender's notice, and nothing of what it sends; a sender registers each
+//! write's source only while it is written. `docs/security.md` says what is left open.
+
+mod control;
+mod engine;
+mod memory;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use handoff_core::Tasks;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+use tracing::debug;
+
+use crate::inbox::lock;
+use crate::{
+    AgentAddr, ConnectRequest, Inbox, RegionId, TransferBackend, TransferError, WriteRequest,
+};
+use control::{Control, Reply};
+use engine::{Engine, Segment};
+use memory::{Pinned, Registered};
+
+/// Settings of the nixl backend.
+#[derive(Debug, Clone)]
+pub struct NixlConfig {
+    /// Time for one control exchange (handshake or notice), connection included.
+    pub control_timeout: Duration,
+    /// Time for one write's bytes to complete at the receiver.
+    pub io_timeout: Duration,
+    /// The agent's progress thread waits on UCX's event fd and wakes at least this often
+    /// (whole milliseconds); idle, that is all it costs.
+    pub progress_delay: Duration,
+    /// Inbound control connections served at once.
+    pub max_inbound: usize,
+    /// Open handshakes, either side, before new ones are refused (closed regions' entries
+    /// are swept first).
+    pub max_open: usize,
+    /// A sender forgets a handshake whose write never came after this long.
+    pub handshake_ttl: Duration,
+    /// The cluster's token: sent in handshakes and notices, required of them.
+    pub token: Option<String>,
+}
+
+impl Default for NixlConfig {
+    fn default() -> Self {
+        NixlConfig {
+            control_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(30),
+            progress_delay: Duration::from_millis(10),
+            max_inbound: 1024,
+            max_open: 4096,
+            handshake_ttl: Duration::from_secs(120),
+            token: None,
+        }
+    }
+}
+
+/// Where a region's KV lands at its receiver (sender side).
+#[derive(Debug)]
+struct Remote {
+    agent: String,
+    addr: u64,
+    len: u64,
+    since: Instant,
+    /// (offset, length) of every segment written so far: the notice lists them all.
+    written: Vec<(u64, u64)>,
+}
+
+struct Shared {
+    inbox: Arc<Inbox>,
+    engine: Engine,
+    addr: AgentAddr,
+    cfg: NixlConfig,
+    /// Receiving side: each open handshake's staging buffer, by region and sender address.
+    staging: Mutex<HashMap<(RegionId, AgentAddr), Registered>>,
+    /// Sending side: where each handshaken region lands.
+    remotes: Mutex<HashMap<RegionId, Remote>>,
+}
+
+/// The nixl backend (see the module docs).
+pub struct NixlTransfer {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for NixlTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlTransfer")
+            .field("addr", &self.shared.addr)
+            .field("agent", &self.shared.engine.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl NixlTransfer {
+    /// Starts this process's NIXL agent and serves the control listener `control` into
+    /// `inbox` on `tasks` until they shut down. `advertise_ip` is the host peers dial
+    /// (defaults to the listener's). Fails, saying what to install, when NIXL's library is
+    /// not found.
+    pub fn serve(
+        control: TcpListener,
+        advertise_ip: Option<String>,
+        inbox: Arc<Inbox>,
+        cfg: NixlConfig,
+        tasks: &Tasks,
+    ) -> Result<Self, TransferError> {
+        let local: SocketAddr = control
+            .local_addr()
+            .map_err(|e| TransferError::Failed(format!("nixl control listener: {e}")))?;
+        let addr = AgentAddr {
+            ip: advertise_ip.unwrap_or_else(|| local.ip().to_string()),
+            port: local.port(),
+        };
+        let name = format!("handoff-{addr}-{:016x}", rand::random::<u64>());
+        let engine = Engine::start(&name, cfg.progress_delay)?;
+        let shared = Arc::new(Shared {
+            inbox,
+            engine,
+            addr,
+            cfg,
+            staging: Mutex::default(),
+            remotes: Mutex::default(),
+        });
+        let s = shared.clone();
+        let max = shared.cfg.max_inbound;
+        crate::listen::serve_accepts(control, max, tasks, "nixl control", move |st, peer, _| {
+            let s = s.clone();
+            async move { serve_control(st, peer, &s).await }
+        });
+        Ok(NixlTransfer { shared })
+    }
+
+    /// This process's NIXL agent name.
+    pub fn agent_name(&self) -> &str {
+        self.shared.engine.name()
+    }
+
+    /// Staging buffers registered for open handshakes (receiver side).
+    pub fn open_staging(&self) -> usize {
+        lock(&self.shared.staging).len()
+    }
+}
+
+/// One control connection: a message, its answer, then close.
+async fn serve_control(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
+    let deadline = s.cfg.control_timeout;
+    let served = async {
+        let msg = control::read_message::<_, Control>(&mut st).await;
+        let reply: Reply = match msg {
+            Ok(Control::Connect { req, metadata, addr }) => {
+                on_connect(s, req, &metadata, addr).into()
+            }
+            Ok(Control::Notice { region, from, notice, segments, token }) => {
+                if !crate::token_accepted(
+                    s.cfg.token.as_deref(),
+                    token.as_deref().map(str::as_bytes),
+                ) {
+                    Err(TransferError::Unauthorized).into()
+                } else {
+                    let conn = crate::mooncake::peer_conn(peer.ip());
+                    on_notice(s, region, &from, conn, notice, &segments).into()
+                }
+            }
+            Err(e) => Err(e).into(),
+        };
+        control::write_message(&mut st, &reply).await
+    };
+    match tokio::time::timeout(deadline, served).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => debug!(%peer, error = %e, "nixl control answer not sent"),
+        Err(_) => debug!(%peer, "nixl control exchange too slow"),
+    }
+}
+
+/// A receiver's handshake, at the sender: token first (the metadata is parsed by NIXL only
+/// for a peer that has it), then the metadata, then the inbox's table.
+fn on_connect(
+    s: &Shared,
+    req: ConnectRequest,
+    metadata: &str,
+    addr: u64,
+) -> Result<(), TransferError> {
+    if !crate::token_accepted(s.cfg.token.as_deref(), req.token.as_deref().map(str::as_bytes)) {
+        return Err(TransferError::Unauthorized);
+    }
+    let region = req.region;
+    let len = req.region_len;
+    {
+        let mut remotes = lock(&s.remotes);
+        if remotes.len() >= s.cfg.max_open && !remotes.contains_key(&region) {
+            let ttl = s.cfg.handshake_ttl;
+            remotes.retain(|_, r| r.since.elapsed() < ttl);
+            if remotes.len() >= s.cfg.max_open {
+                return Err(TransferError::Full("nixl handshake"));
+            }
+        }
+    }
+    let agent = s.engine.load(&control::unhex(metadata)?)?;
+    s.inbox.on_connect(req)?;
+    let remote = Remote { agent, addr, len, since: Instant::now(), written: Vec::new() };
+    lock(&s.remotes).insert(region, remote);
+    Ok(())
+}
+
+/// A sender's notice, at the receiver: its staging buffer settled, the segments it lists
+/// applied to the region, the notice verified (see the module docs).
+fn on_notice(
+    s: &Shared,
+    region: RegionId,
+    from: &AgentAddr,
+    conn: crate::ConnId,
+    notice: crate::Notice,
+    segments: &[(u64, u64)],
+) -> Result<(), TransferError> {
+    let staged = lock(&s.staging).remove(&(region, from.clone()));
+    let Some(staged) = staged else {
+        return Err(TransferError::Forbidden(format!(
+            "no nixl handshake for region {region:?} with {from}"
+        )));
+    };
+    let Some(settled) = staged.settle() else {
+        let reason = "nixl could not deregister the staging buffer";
+        s.inbox.fail(region, reason);
+        return Err(TransferError::Failed(reason.into()));
+    };
+    let bytes = settled.bytes();
+    let mut parts = Vec::with_capacity(segments.len());
+    for &(off, len) in segments {
+        let end = off.checked_add(len).filter(|&e| e <= bytes.len() as u64);
+        let Some(end) = end else {
+            let reason = format!("segment [{off}, +{len}) outside the region");
+            s.inbox.fail(region, reason.clone());
+            return Err(TransferError::Malformed(reason));
+        };
+        parts.push((off, &bytes[off as usize..end as usize]));
+    }
+    s.inbox.on_write(region, notice.sender, conn, &parts)?;
+    s.inbox.on_notice(region, conn, notice)
+}
+
+impl Shared {
+    /// Registers a staging buffer for `req`'s region and sender `peer`, after sweeping the
+    /// buffers of regions the inbox has closed (timed out, failed, taken) without a notice.
+    fn stage(&self, peer: &AgentAddr, req: &ConnectRequest) -> Result<u64, TransferError> {
+        let key = (req.region, peer.clone());
+        {
+            let mut staging = lock(&self.staging);
+            staging.retain(|(id, _), _| self.inbox.open_len(*id).is_some());
+            if staging.len() >= self.cfg.max_open && !staging.contains_key(&key) {
+                return Err(TransferError::Full("nixl staging"));
+            }
+        }
+        let len = usize::try_from(req.region_len)
+            .map_err(|_| TransferError::Malformed("region too large".into()))?;
+        let buf = self.engine.register(Pinned::zeroed(len))?;
+        let addr = buf.addr() as u64;
+        lock(&self.staging).insert(key, buf);
+        Ok(addr)
+    }
+}
+
+#[async_trait]
+impl TransferBackend for NixlTransfer {
+    fn name(&self) -> &'static str {
+        "nixl"
+    }
+
+    fn local_addr(&self) -> AgentAddr {
+        self.shared.addr.clone()
+    }
+
+    async fn connect(&self, peer: &AgentAddr, req: ConnectRequest) -> Result<(), TransferError> {
+        let s = &self.shared;
+        let key = (req.region, peer.clone());
+        let addr = s.stage(peer, &req)?;
+        let sent = async {
+            let metadata = control::hex(&s.engine.metadata()?);
+            control::call(peer, &Control::Connect { req, metadata, addr }, s.cfg.control_timeout)
+                .await
+        }
+        .await;
+        if sent.is_err() {
+            lock(&s.staging).remove(&key);
+        }
+        sent
+    }
+
+    async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError> {
+        let s = &self.shared;
+        let remote = lock(&s.remotes).get(&req.region).map(|r| (r.agent.clone(), r.addr, r.len));
+        let Some((agent, base, len)) = remote else {
+            return Err(TransferError::Failed(format!(
+                "no nixl handshake for region {:?} from {peer}",
+                req.region
+            )));
+        };
+        let Gathered { source, segments, listed } = gather(&req, base, len)?;
+        if !segments.is_empty() {
+            let src = s.engine.register(Pinned::from_vec(source))?;
+            let shared = self.shared.clone();
+            let deadline = std::time::Instant::now() + s.cfg.io_timeout;
+            let written = tokio::task::spawn_blocking(move || {
+                shared.engine.write(src, &segments, &agent, deadline).map(drop)
+            })
+            .await
+            .map_err(|e| TransferError::Failed(format!("nixl write task: {e}")))?;
+            if let Err(e) = written {
+                lock(&s.remotes).remove(&req.region);
+                return Err(e);
+            }
+        }
+        let written = {
+            let mut remotes = lock(&s.remotes);
+            let Some(notice) = req.notice else {
+                if let Some(r) = remotes.get_mut(&req.region) {
+                    r.written.extend(listed);
+                }
+                return Ok(());
+            };
+            let mut all = remotes.remove(&req.region).map(|r| r.written).unwrap_or_default();
+            all.extend(listed);
+            (notice, all)
+        };
+        let (notice, segments) = written;
+        let msg = Control::Notice {
+            region: req.region,
+            from: s.addr.clone(),
+            notice,
+            segments,
+            token: s.cfg.token.clone(),
+        };
+        control::call(peer, &msg, s.cfg.control_timeout).await
+    }
+}
+
+/// A write's pairs, gathered for one WRITE.
+struct Gathered {
+    /// Every pair's bytes, one after the other.
+    source: Vec<u8>,
+    /// Each pair's segment: where in `source`, where at the receiver.
+    segments: Vec<Segment>,
+    /// Each pair's (offset, length) in the region, as the notice lists them.
+    listed: Vec<(u64, u64)>,
+}
+
+/// Gathers `req`'s pairs into a region of `region_len` bytes at `base`. Empty pairs are
+/// skipped; a pair outside the region is refused.
+fn gather(req: &WriteRequest, base: u64, region_len: u64) -> Result<Gathered, TransferError> {
+    let total: usize = req.pairs.iter().map(|(b, _)| b.len()).sum();
+    let mut source = Vec::with_capacity(total);
+    let mut segments = Vec::with_capacity(req.pairs.len());
+    let mut listed = Vec::with_capacity(req.pairs.len());
+    for (bytes, off) in req.pairs.iter().filter(|(b, _)| !b.is_empty()) {
+        let len = bytes.len() as u64;
+        if off.checked_add(len).is_none_or(|end| end > region_len) {
+            return Err(TransferError::Malformed(format!(
+                "write [{off}, +{len}) outside the {region_len}-byte region"
+            )));
+        }
+        segments.push(Segment { src: source.len(), dst: base + off, len: bytes.len() });
+        listed.push((*off, len));
+        source.extend_from_slice(bytes);
+    }
+    Ok(Gathered { source, segments, listed })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,126 @@
+//! [`Engine`]: this process's NIXL agent with its UCX backend, and the few calls the backend
+//! makes on it. NIXL's calls return at once; a transfer is waited for by polling its status
+//! on a blocking thread, sleeping between polls.
+
+use std::time::{Duration, Instant};
+
+use nixl_sys::{Agent, AgentConfig, MemType, ThreadSync, XferDescList, XferOp, XferStatus};
+
+use super::memory::{Pinned, Registered};
+use crate::TransferError;
+
+/// One WRITE's segment: `len` bytes at `src` (an offset into the source buffer) to the
+/// remote address `dst`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Segment {
+    pub(crate) src: usize,
+    pub(crate) dst: u64,
+    pub(crate) len: usize,
+}
+
+/// This process's agent (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Engine {
+    agent: Agent,
+    name: String,
+}
+
+fn failed(what: &str, e: nixl_sys::NixlError) -> TransferError {
+    TransferError::Failed(format!("nixl {what}: {e}"))
+}
+
+impl Engine {
+    /// An agent named `name` with a UCX backend. Its progress thread waits on UCX's event fd
+    /// and wakes at least every `progress_delay` (NIXL rounds it up to whole milliseconds):
+    /// idle, it costs a wakeup per period instead of a core.
+    pub(crate) fn start(name: &str, progress_delay: Duration) -> Result<Self, TransferError> {
+        if nixl_sys::is_stub() {
+            return Err(TransferError::Failed(
+                "libnixl_capi.so not found: put the directory `scripts/fetch-nixl` prints on \
+                 LD_LIBRARY_PATH (NIXL 1.5.1, from the nixl-cu13 wheel)"
+                    .into(),
+            ));
+        }
+        let cfg = AgentConfig {
+            enable_prog_thread: true,
+            pthr_delay_us: progress_delay.as_micros().clamp(1, u128::from(u32::MAX)) as u64,
+            thread_sync: ThreadSync::Rw,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new_configured(name, &cfg).map_err(|e| failed("agent", e))?;
+        let (_mems, params) =
+            agent.get_plugin_params("UCX").map_err(|e| failed("UCX plugin", e))?;
+        agent.create_backend("UCX", &params).map_err(|e| failed("UCX backend", e))?;
+        Ok(Engine { agent, name: name.to_owned() })
+    }
+
+    /// The agent's name, as peers' notifications and metadata name it.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Registers `mem`: peers that load this agent's metadata afterwards can reach it.
+    pub(crate) fn register(&self, mem: Pinned) -> Result<Registered, TransferError> {
+        Registered::new(&self.agent, mem).map_err(|e| failed("register", e))
+    }
+
+    /// This agent's metadata: its UCX address and every registered buffer's key.
+    pub(crate) fn metadata(&self) -> Result<Vec<u8>, TransferError> {
+        self.agent.get_local_md().map_err(|e| failed("metadata", e))
+    }
+
+    /// Loads (or refreshes) a peer's metadata; returns the peer's agent name.
+    pub(crate) fn load(&self, md: &[u8]) -> Result<String, TransferError> {
+        self.agent.load_remote_md(md).map_err(|e| failed("load metadata", e))
+    }
+
+    /// WRITEs `segments` of `src` into `remote`'s memory and waits until they are complete
+    /// there (NIXL flushes the endpoint before it reports success), or `deadline`; returns the
+    /// source. Blocks the calling thread: run it on a blocking thread. A write still in
+    /// progress at the deadline may still read its source, so the source is then leaked,
+    /// never freed.
+    pub(crate) fn write(
+        &self,
+        src: Registered,
+        segments: &[Segment],
+        remote: &str,
+        deadline: Instant,
+    ) -> Result<Registered, TransferError> {
+        let mut local = XferDescList::new(MemType::Dram).map_err(|e| failed("descriptors", e))?;
+        let mut far = XferDescList::new(MemType::Dram).map_err(|e| failed("descriptors", e))?;
+        for s in segments {
+            if s.src + s.len > src.len() {
+                return Err(TransferError::Malformed(format!(
+                    "segment [{}, +{}) outside the {}-byte source",
+                    s.src,
+                    s.len,
+                    src.len()
+                )));
+            }
+            local.add_desc(src.addr() + s.src, s.len, 0);
+            far.add_desc(s.dst as usize, s.len, 0);
+        }
+        let req = self
+            .agent
+            .create_xfer_req(XferOp::Write, &local, &far, remote, None)
+            .map_err(|e| failed("write request", e))?;
+        let mut in_progress =
+            self.agent.post_xfer_req(&req, None).map_err(|e| failed("post", e))?;
+        let mut pause = Duration::from_micros(20);
+        while in_progress {
+            match self.agent.get_xfer_status(&req).map_err(|e| failed("write", e))? {
+                XferStatus::Success => in_progress = false,
+                XferStatus::InProgress if Instant::now() >= deadline => {
+                    tracing::warn!(len = src.len(), %remote, "nixl write past its deadline: source kept");
+                    std::mem::forget(src);
+                    return Err(TransferError::Timeout("nixl write in progress".into()));
+                }
+                XferStatus::InProgress => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(1));
+                }
+            }
+        }
+        Ok(src)
+    }
+}

@@ -1,0 +1,196 @@
+//! Two handoff agents over the nixl backend: real NIXL agents (the wheel's library) in one
+//! process, UCX over TCP on loopback. They fail, saying what to install, without the library.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use handoff_core::Room;
+use tokio::time::Instant;
+
+use super::*;
+use crate::{Agent, InboxConfig, KvPoll, SenderId};
+
+struct Pair {
+    tasks: Tasks,
+    tx: Agent,
+    rx: Agent,
+    rx_backend: Arc<NixlTransfer>,
+}
+
+async fn agent(tasks: &Tasks, token: Option<&str>) -> (Agent, Arc<NixlTransfer>) {
+    let cfg = InboxConfig { token: token.map(String::from), ..InboxConfig::default() };
+    let inbox = Arc::new(Inbox::new(cfg));
+    let control = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let nc = NixlConfig { token: token.map(String::from), ..NixlConfig::default() };
+    let t = Arc::new(NixlTransfer::serve(control, None, inbox.clone(), nc, tasks).unwrap());
+    (Agent::new(t.clone(), inbox), t)
+}
+
+async fn pair(token: Option<&str>) -> Pair {
+    let tasks = Tasks::new();
+    let (tx, _) = agent(&tasks, token).await;
+    let (rx, rx_backend) = agent(&tasks, token).await;
+    Pair { tasks, tx, rx, rx_backend }
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    (0..len).map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed)).collect::<Vec<_>>().into()
+}
+
+fn connect_request(
+    p: &Pair,
+    r: Room,
+    id: RegionId,
+    len: u64,
+    token: Option<&str>,
+) -> ConnectRequest {
+    ConnectRequest {
+        room: r,
+        receiver: p.rx.addr(),
+        region: id,
+        region_len: len,
+        dst_tp_size: 1,
+        dst_tp_rank: 0,
+        tokens: 1,
+        token: token.map(String::from),
+    }
+}
+
+/// Registers a region of `len` bytes for `senders` (equal parts), and shakes hands.
+async fn region(
+    p: &Pair,
+    r: Room,
+    len: u64,
+    senders: &[SenderId],
+    token: Option<&str>,
+) -> RegionId {
+    let part = len / senders.len() as u64;
+    let plan = senders.iter().enumerate().map(|(i, s)| {
+        let start = i as u64 * part;
+        (*s, std::iter::once(start..start + part).collect())
+    });
+    let id = p.rx.inbox().register_region(r, len, plan).unwrap();
+    p.rx.connect(&p.tx.addr(), connect_request(p, r, id, len, token)).await.unwrap();
+    assert_eq!(p.tx.inbox().accept(r, 1, deadline()).await.unwrap().len(), 1);
+    id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_moves_between_handoff_agents_and_is_verified() {
+    let p = pair(Some("secret")).await;
+    let r = Room::mint();
+    let s = SenderId::new(0, 0);
+    let len = 3_000_000u64;
+    let id = region(&p, r, len, &[s], Some("secret")).await;
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::WaitingForInput);
+    assert_eq!(p.rx_backend.open_staging(), 1);
+    // Many pairs, out of order: each lands where its offset says.
+    let chunks: Vec<(Bytes, u64)> =
+        (0..30u64).rev().map(|i| (pattern(100_000, i as u8), i * 100_000)).collect();
+    let w = WriteRequest::new(id, chunks.clone(), r, s, 7, 10, 0);
+    p.tx.post_write(&p.rx.addr(), w).await.unwrap();
+    let got = p.rx.inbox().wait(id, deadline()).await.unwrap();
+    let mut want = vec![0u8; len as usize];
+    for (b, off) in &chunks {
+        want[*off as usize..*off as usize + b.len()].copy_from_slice(b);
+    }
+    assert!(got.buf == want, "bytes differ");
+    assert_eq!(got.notices[0].first_token, 7);
+    assert_eq!(p.rx_backend.open_staging(), 0, "the staging buffer is released at the notice");
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_senders_write_their_own_ranges_of_one_region() {
+    let p = pair(None).await;
+    let (tx2, _) = agent(&p.tasks, None).await;
+    let r = Room::mint();
+    let (a, b) = (SenderId::new(0, 0), SenderId::new(1, 0));
+    let half = 200_000u64;
+    let plan =
+        [(a, std::iter::once(0..half).collect()), (b, std::iter::once(half..2 * half).collect())];
+    let id = p.rx.inbox().register_region(r, 2 * half, plan).unwrap();
+    for peer in [p.tx.addr(), tx2.addr()] {
+        p.rx.connect(&peer, connect_request(&p, r, id, 2 * half, None)).await.unwrap();
+    }
+    let (wa, wb) = (pattern(half as usize, 1), pattern(half as usize, 2));
+    let rx = p.rx.addr();
+    let post_a = p.tx.post_write(&rx, WriteRequest::new(id, vec![(wa.clone(), 0)], r, a, 5, 1, 0));
+    let post_b =
+        tx2.post_write(&rx, WriteRequest::new(id, vec![(wb.clone(), half)], r, b, 5, 1, 0));
+    let (ra, rb) = tokio::join!(post_a, post_b);
+    ra.unwrap();
+    rb.unwrap();
+    let got = p.rx.inbox().wait(id, deadline()).await.unwrap();
+    assert!(got.buf[..half as usize] == wa[..] && got.buf[half as usize..] == wb[..]);
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_room_a_write_outside_its_range_or_a_missing_token_is_refused() {
+    let p = pair(Some("secret")).await;
+    let s = SenderId::new(0, 0);
+    // Right bytes, wrong room in the notice: the region fails by name.
+    let r = Room::mint();
+    let id = region(&p, r, 1000, &[s], Some("secret")).await;
+    let w = WriteRequest::new(id, vec![(pattern(1000, 3), 0)], Room::mint(), s, 1, 1, 0);
+    let e = p.tx.post_write(&p.rx.addr(), w).await.unwrap_err();
+    assert!(e.to_string().contains("bootstrap_room mismatch"), "{e}");
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::Failed);
+    // Past the region's end: refused by the sender before anything moves.
+    let r = Room::mint();
+    let id = region(&p, r, 1000, &[s], Some("secret")).await;
+    let w = WriteRequest::new(id, vec![(pattern(100, 3), 950)], r, s, 1, 1, 0);
+    assert!(matches!(p.tx.post_write(&p.rx.addr(), w).await, Err(TransferError::Malformed(_))));
+    assert_eq!(p.rx_backend.open_staging(), 1, "its region is still open");
+    p.rx.inbox().release(id);
+    // A handshake without the token: refused, nothing pending at the sender.
+    let r = Room::mint();
+    let id =
+        p.rx.inbox().register_region(r, 1000, [(s, std::iter::once(0..1000).collect())]).unwrap();
+    let e = p.rx.connect(&p.tx.addr(), connect_request(&p, r, id, 1000, None)).await.unwrap_err();
+    assert!(e.to_string().contains("unauthorized"), "{e}");
+    assert_eq!(p.tx.inbox().pending_rooms(), 0);
+    assert_eq!(
+        p.rx_backend.open_staging(),
+        0,
+        "closed regions' buffers are swept, a refused one not kept"
+    );
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_changed_after_the_write_fail_the_checksum() {
+    // A notice whose segments do not hold what was hashed (here: a notice for other bytes
+    // than the ones written) fails verification: the receiver hashes what landed.
+    let p = pair(None).await;
+    let s = SenderId::new(0, 0);
+    let r = Room::mint();
+    let id = region(&p, r, 4096, &[s], None).await;
+    let mut w = WriteRequest::new(id, vec![(pattern(4096, 9), 0)], r, s, 1, 1, 0);
+    let claimed = WriteRequest::new(id, vec![(pattern(4096, 10), 0)], r, s, 1, 1, 0);
+    w.notice = claimed.notice;
+    let e = p.tx.post_write(&p.rx.addr(), w).await.unwrap_err();
+    assert!(e.to_string().contains("checksum mismatch"), "{e}");
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notice_for_a_handshake_never_made_is_forbidden() {
+    let p = pair(None).await;
+    let s = SenderId::new(0, 0);
+    let r = Room::mint();
+    let id = region(&p, r, 1000, &[s], None).await;
+    // The notice claims to come from another sender address than the handshake went to.
+    let notice = WriteRequest::new(id, vec![(pattern(1000, 1), 0)], r, s, 1, 1, 0).notice.unwrap();
+    let from = AgentAddr { ip: "127.0.0.1".into(), port: 1 };
+    let msg = Control::Notice { region: id, from, notice, segments: vec![(0, 1000)], token: None };
+    let e = control::call(&p.rx.addr(), &msg, Duration::from_secs(5)).await.unwrap_err();
+    assert!(e.to_string().contains("no nixl handshake"), "{e}");
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::WaitingForInput, "nothing else changed");
+    p.tasks.shutdown().await;
+}
