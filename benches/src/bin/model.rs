@@ -7,7 +7,8 @@
 //! Prints: model load time; prefill tok/s at 32 / 256 / 1024 tokens; decode tok/s with 1
 //! and 4 concurrent streams; TTFT of a 256-token prompt aggregated (engine in-process) and
 //! disaggregated (through `handoff up`'s path); TTFT with 90 % of the prompt cached vs none;
-//! TTFT of the same prompts (256 and 1024 tokens) over the tcp and mooncake transfers, next to
+//! TTFT of the same prompts (256 and 1024 tokens) over the tcp, mooncake and nixl transfers
+//! (nixl: run with `eval "$(scripts/fetch-nixl --env)"`), next to
 //! the engine alone (its prefill, no decoder, no gRPC: the unflattering comparison).
 
 use std::io::Write;
@@ -174,6 +175,7 @@ async fn main() -> anyhow::Result<()> {
     for (label, transfer) in [
         ("tcp", TransferKind::Tcp { bind_ip: loopback, advertise_ip: None, tls: None }),
         ("mooncake", TransferKind::Mooncake { bind_ip: loopback, advertise_ip: None }),
+        ("nixl", TransferKind::Nixl { bind_ip: loopback, advertise_ip: None }),
     ] {
         let base = e.clone();
         let cfg = ClusterConfig { prefill_tp: 1, transfer, ..ClusterConfig::ephemeral() };

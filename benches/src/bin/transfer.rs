@@ -3,11 +3,13 @@
 //! layers x K/V of a small model): tcp with no credential, with a cluster token, and with
 //! token and mutual TLS, and mooncake; against the ceiling of the same bytes over plain
 //! sockets (write, read, discard: no framing, no copy into a region, no verification) and
-//! the Mooncake wheel writing the same batches to itself, in the same run. Then the
-//! per-request cost of a small transfer (64 KiB): register, handshake, write, notice,
-//! verify, take.
+//! the Mooncake wheel writing the same batches to itself, in the same run; and nixl (NIXL's
+//! library, UCX over TCP). Then the per-request cost of a small transfer (64 KiB): register,
+//! handshake, write, notice, verify, take. First, the CPU two idle nixl agents cost (their
+//! progress threads), against the process idle without them.
 //!
 //! ```text
+//! eval "$(scripts/fetch-nixl --env)"
 //! cargo run --release -p handoff-benches --bin transfer
 //! cargo run --release -p handoff-benches --bin transfer -- --rounds 5
 //! ```
@@ -157,6 +159,24 @@ fn wheel_rate(rounds: usize) -> anyhow::Result<f64> {
     v["gbps"].as_f64().ok_or_else(|| anyhow::anyhow!("no gbps in the wheel's report"))
 }
 
+/// This process's CPU time (user + system) over `span` of idling, as a fraction of a core.
+async fn idle_cpu(span: Duration) -> anyhow::Result<f64> {
+    let before = process_cpu()?;
+    tokio::time::sleep(span).await;
+    Ok((process_cpu()? - before).as_secs_f64() / span.as_secs_f64())
+}
+
+/// User + system time of this process so far, from `/proc/self/stat` (clock ticks of 10 ms).
+fn process_cpu() -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // Fields after the command name (which may hold spaces) closed by ')'.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 =
+        f.get(11).unwrap_or(&"0").parse::<u64>()? + f.get(12).unwrap_or(&"0").parse::<u64>()?;
+    Ok(Duration::from_millis(ticks * 10))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut rounds = 3usize;
@@ -174,6 +194,8 @@ async fn main() -> anyhow::Result<()> {
         bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
         advertise_ip: None,
     };
+    let nixl =
+        TransferKind::Nixl { bind_ip: std::net::Ipv4Addr::LOCALHOST.into(), advertise_ip: None };
     let mut pairs = Vec::new();
     for (label, kind, token) in [
         ("tcp", tcp(None), None),
@@ -184,8 +206,21 @@ async fn main() -> anyhow::Result<()> {
         let (tx, rx) = agents(&kind, token, &tasks).await;
         pairs.push(Pair { label, tx, rx, token });
     }
+    // Idle CPU: the process as it is, then with two nixl agents more.
+    let idle = Duration::from_secs(3);
+    let without = idle_cpu(idle).await?;
+    let (tx, rx) = agents(&nixl, token, &tasks).await;
+    let with = idle_cpu(idle).await?;
+    pairs.push(Pair { label: "nixl + token", tx, rx, token });
     let wheel = wheel_rate(rounds)?;
     let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "idle over {idle:?}: process without nixl agents {:.1} % of a core, with two {:.1} % ({:.2} % per agent)\n",
+        100.0 * without,
+        100.0 * with,
+        50.0 * (with - without)
+    )?;
     writeln!(
         out,
         "12 MB regions ({RUNS} runs of {} KiB), {rounds} rounds per shape, best of 3, loopback",
@@ -194,10 +229,10 @@ async fn main() -> anyhow::Result<()> {
     let labels: Vec<&str> = pairs.iter().map(|p| p.label).collect();
     writeln!(
         out,
-        "| concurrent | plain sockets | {} | Mooncake wheel to itself | tcp / sockets | mooncake / sockets |",
+        "| concurrent | plain sockets | {} | Mooncake wheel to itself | tcp / sockets | mooncake / sockets | nixl / sockets |",
         labels.join(" | ")
     )?;
-    writeln!(out, "|---:|---:|{}---:|---:|---:|", "---:|".repeat(labels.len()))?;
+    writeln!(out, "|---:|---:|{}---:|---:|---:|---:|", "---:|".repeat(labels.len()))?;
     for n in [1usize, 4, 16] {
         // Each variant three times, interleaved; the best of each (the machine is shared).
         let mut ceiling = 0f64;
@@ -213,10 +248,11 @@ async fn main() -> anyhow::Result<()> {
         let wheel_cell = if n == 1 { format!("{wheel:.2}") } else { "-".into() };
         writeln!(
             out,
-            "| {n} | {ceiling:.2} | {} | {wheel_cell} | {:.2} | {:.2} |",
+            "| {n} | {ceiling:.2} | {} | {wheel_cell} | {:.2} | {:.2} | {:.2} |",
             cells.join(" | "),
             rates[0] / ceiling,
-            rates[3] / ceiling
+            rates[3] / ceiling,
+            rates[4] / ceiling
         )?;
     }
     writeln!(out, "(GB/s; every transfer includes the receiver's handshake and the verification)")?;

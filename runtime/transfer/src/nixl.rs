@@ -7,8 +7,9 @@
 //!
 //! - **Handshake (receiver to sender).** The receiver registers a zeroed staging buffer of the
 //!   region's size for that sender alone, and sends the sender the [`crate::ConnectRequest`],
-//!   the buffer's address and its agent's metadata. The sender checks the token, loads the
-//!   metadata and records where the region lands.
+//!   the buffer's address, its agent's introduction (UCX address, no memory) and the metadata
+//!   of that buffer alone. The sender checks the token, loads both and records where the
+//!   region lands. No sender ever holds the key of a buffer staged for another.
 //! - **Write (sender).** The sender copies the pairs into one registered source buffer and
 //!   WRITEs every segment into the receiver's staging buffer. NIXL reports success once the
 //!   bytes are complete at the receiver (it flushes the endpoint).
@@ -20,8 +21,9 @@
 //!
 //! NIXL over UCX/TCP has no authentication, and an agent's metadata names its registered
 //! memory by raw address. A receiver registers only the staging buffers of open handshakes,
-//! each until its sender's notice, and nothing of what it sends; a sender registers each
-//! write's source only while it is written. `docs/security.md` says what is left open.
+//! each until its sender's notice, and hands each buffer's key to its sender alone; a sender
+//! registers each write's source only while it is written. `docs/security.md` says what is
+//! left open.
 
 mod control;
 mod engine;
@@ -172,8 +174,8 @@ async fn serve_control(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
     let served = async {
         let msg = control::read_message::<_, Control>(&mut st).await;
         let reply: Reply = match msg {
-            Ok(Control::Connect { req, metadata, addr }) => {
-                on_connect(s, req, &metadata, addr).into()
+            Ok(Control::Connect { req, introduction, metadata, addr }) => {
+                on_connect(s, req, &introduction, &metadata, addr).into()
             }
             Ok(Control::Notice { region, from, notice, segments, token }) => {
                 if !crate::token_accepted(
@@ -198,10 +200,12 @@ async fn serve_control(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
 }
 
 /// A receiver's handshake, at the sender: token first (the metadata is parsed by NIXL only
-/// for a peer that has it), then the metadata, then the inbox's table.
+/// for a peer that has it), then the introduction and the buffer's metadata (one agent's
+/// both), then the inbox's table.
 fn on_connect(
     s: &Shared,
     req: ConnectRequest,
+    introduction: &str,
     metadata: &str,
     addr: u64,
 ) -> Result<(), TransferError> {
@@ -220,7 +224,10 @@ fn on_connect(
             }
         }
     }
-    let agent = s.engine.load(&control::unhex(metadata)?)?;
+    let agent = s.engine.load(&control::unhex(introduction)?)?;
+    if s.engine.load(&control::unhex(metadata)?)? != agent {
+        return Err(TransferError::Malformed("nixl metadata of two agents".into()));
+    }
     s.inbox.on_connect(req)?;
     let remote = Remote { agent, addr, len, since: Instant::now(), written: Vec::new() };
     lock(&s.remotes).insert(region, remote);
@@ -266,7 +273,11 @@ fn on_notice(
 impl Shared {
     /// Registers a staging buffer for `req`'s region and sender `peer`, after sweeping the
     /// buffers of regions the inbox has closed (timed out, failed, taken) without a notice.
-    fn stage(&self, peer: &AgentAddr, req: &ConnectRequest) -> Result<u64, TransferError> {
+    fn stage(
+        &self,
+        peer: &AgentAddr,
+        req: &ConnectRequest,
+    ) -> Result<(u64, Vec<u8>), TransferError> {
         let key = (req.region, peer.clone());
         {
             let mut staging = lock(&self.staging);
@@ -279,8 +290,9 @@ impl Shared {
             .map_err(|_| TransferError::Malformed("region too large".into()))?;
         let buf = self.engine.register(Pinned::zeroed(len))?;
         let addr = buf.addr() as u64;
+        let metadata = self.engine.metadata_of(&buf)?;
         lock(&self.staging).insert(key, buf);
-        Ok(addr)
+        Ok((addr, metadata))
     }
 }
 
@@ -297,13 +309,14 @@ impl TransferBackend for NixlTransfer {
     async fn connect(&self, peer: &AgentAddr, req: ConnectRequest) -> Result<(), TransferError> {
         let s = &self.shared;
         let key = (req.region, peer.clone());
-        let addr = s.stage(peer, &req)?;
-        let sent = async {
-            let metadata = control::hex(&s.engine.metadata()?);
-            control::call(peer, &Control::Connect { req, metadata, addr }, s.cfg.control_timeout)
-                .await
-        }
-        .await;
+        let (addr, metadata) = s.stage(peer, &req)?;
+        let msg = Control::Connect {
+            req,
+            introduction: control::hex(s.engine.introduction()),
+            metadata: control::hex(&metadata),
+            addr,
+        };
+        let sent = control::call(peer, &msg, s.cfg.control_timeout).await;
         if sent.is_err() {
             lock(&s.staging).remove(&key);
         }

@@ -17,8 +17,9 @@ pub(super) const MAX_MESSAGE: usize = 4 << 20;
 #[serde(tag = "handoff", rename_all = "snake_case")]
 pub(super) enum Control {
     /// Receiver to sender: where a room's KV must land: `req.region_len` bytes from `addr` in
-    /// the memory of the agent `metadata` (hex) describes.
-    Connect { req: ConnectRequest, metadata: String, addr: u64 },
+    /// the memory of the agent `introduction` (hex: its address, no memory) names, reached by
+    /// the key in `metadata` (hex: that buffer's alone).
+    Connect { req: ConnectRequest, introduction: String, metadata: String, addr: u64 },
     /// Sender to receiver, after its WRITE completed: its notice and the (offset, length) of
     /// every segment it wrote into the region. `from` is the address the receiver's
     /// handshake went to.

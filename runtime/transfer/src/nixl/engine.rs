@@ -4,7 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use nixl_sys::{Agent, AgentConfig, MemType, ThreadSync, XferDescList, XferOp, XferStatus};
+use nixl_sys::{
+    Agent, AgentConfig, Backend, MemType, OptArgs, RegDescList, ThreadSync, XferDescList, XferOp,
+    XferStatus,
+};
 
 use super::memory::{Pinned, Registered};
 use crate::TransferError;
@@ -19,10 +22,18 @@ pub(crate) struct Segment {
 }
 
 /// This process's agent (see the module docs).
-#[derive(Debug)]
 pub(crate) struct Engine {
     agent: Agent,
+    ucx: Backend,
     name: String,
+    /// The agent's metadata before anything was registered: its address, no memory.
+    introduction: Vec<u8>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("name", &self.name).finish_non_exhaustive()
+    }
 }
 
 fn failed(what: &str, e: nixl_sys::NixlError) -> TransferError {
@@ -50,8 +61,9 @@ impl Engine {
         let agent = Agent::new_configured(name, &cfg).map_err(|e| failed("agent", e))?;
         let (_mems, params) =
             agent.get_plugin_params("UCX").map_err(|e| failed("UCX plugin", e))?;
-        agent.create_backend("UCX", &params).map_err(|e| failed("UCX backend", e))?;
-        Ok(Engine { agent, name: name.to_owned() })
+        let ucx = agent.create_backend("UCX", &params).map_err(|e| failed("UCX backend", e))?;
+        let introduction = agent.get_local_md().map_err(|e| failed("metadata", e))?;
+        Ok(Engine { agent, ucx, name: name.to_owned(), introduction })
     }
 
     /// The agent's name, as peers' notifications and metadata name it.
@@ -64,9 +76,20 @@ impl Engine {
         Registered::new(&self.agent, mem).map_err(|e| failed("register", e))
     }
 
-    /// This agent's metadata: its UCX address and every registered buffer's key.
-    pub(crate) fn metadata(&self) -> Result<Vec<u8>, TransferError> {
-        self.agent.get_local_md().map_err(|e| failed("metadata", e))
+    /// This agent's metadata as it started: its UCX address and no memory. Peers load it
+    /// before any buffer's ([`Engine::metadata_of`]).
+    pub(crate) fn introduction(&self) -> &[u8] {
+        &self.introduction
+    }
+
+    /// The metadata of `buf` alone (its key, no address): a peer that loads it can reach that
+    /// buffer and no other.
+    pub(crate) fn metadata_of(&self, buf: &Registered) -> Result<Vec<u8>, TransferError> {
+        let mut descs = RegDescList::new(MemType::Dram).map_err(|e| failed("descriptors", e))?;
+        descs.add_desc(buf.addr(), buf.len(), 0);
+        let mut opts = OptArgs::new().map_err(|e| failed("options", e))?;
+        opts.add_backend(&self.ucx).map_err(|e| failed("options", e))?;
+        self.agent.get_local_partial_md(&descs, Some(&opts)).map_err(|e| failed("metadata", e))
     }
 
     /// Loads (or refreshes) a peer's metadata; returns the peer's agent name.

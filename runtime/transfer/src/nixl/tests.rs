@@ -194,3 +194,23 @@ async fn a_notice_for_a_handshake_never_made_is_forbidden() {
     assert_eq!(p.rx.inbox().poll(id), KvPoll::WaitingForInput, "nothing else changed");
     p.tasks.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_cannot_write_the_buffer_staged_for_another() {
+    let p = pair(None).await;
+    let (tx2, tx2_backend) = agent(&p.tasks, None).await;
+    let r = Room::mint();
+    let (a, b) = (SenderId::new(0, 0), SenderId::new(1, 0));
+    let plan = [(a, std::iter::once(0..500).collect()), (b, std::iter::once(500..1000).collect())];
+    let id = p.rx.inbox().register_region(r, 1000, plan).unwrap();
+    for peer in [p.tx.addr(), tx2.addr()] {
+        p.rx.connect(&peer, connect_request(&p, r, id, 1000, None)).await.unwrap();
+    }
+    // Point the second sender at the buffer staged for the first: it never got its key.
+    let theirs = lock(&p.rx_backend.shared.staging)[&(id, p.tx.addr())].addr() as u64;
+    lock(&tx2_backend.shared.remotes).get_mut(&id).unwrap().addr = theirs;
+    let w = WriteRequest::new(id, vec![(pattern(500, 4), 500)], r, b, 1, 1, 0);
+    let e = tx2.post_write(&p.rx.addr(), w).await.unwrap_err();
+    assert!(e.to_string().contains("nixl write request"), "refused by NIXL itself: {e}");
+    p.tasks.shutdown().await;
+}
