@@ -12,6 +12,7 @@
 //! eval "$(scripts/fetch-nixl --env)"
 //! cargo run --release -p handoff-benches --bin transfer
 //! cargo run --release -p handoff-benches --bin transfer -- --rounds 5
+//! cargo run --release -p handoff-benches --bin transfer -- --nixl-only 200   # to profile
 //! ```
 
 use std::io::Write;
@@ -180,9 +181,12 @@ fn process_cpu() -> anyhow::Result<Duration> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut rounds = 3usize;
+    let mut nixl_only = 0usize;
     parse_flags(|flag, val| {
         match flag {
             "--rounds" => rounds = val.parse()?,
+            // For profiling: only this many sequential nixl transfers, nothing printed.
+            "--nixl-only" => nixl_only = val.parse()?,
             other => anyhow::bail!("unknown flag {other}"),
         }
         Ok(())
@@ -196,6 +200,13 @@ async fn main() -> anyhow::Result<()> {
     };
     let nixl =
         TransferKind::Nixl { bind_ip: std::net::Ipv4Addr::LOCALHOST.into(), advertise_ip: None };
+    if nixl_only > 0 {
+        let (tx, rx) = agents(&nixl, token, &tasks).await;
+        let p = Pair { label: "nixl", tx, rx, token };
+        handoff_rate(&p, 1, nixl_only, &data).await;
+        tasks.shutdown().await;
+        return Ok(());
+    }
     let mut pairs = Vec::new();
     for (label, kind, token) in [
         ("tcp", tcp(None), None),

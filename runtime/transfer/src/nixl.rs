@@ -28,6 +28,7 @@
 mod control;
 mod engine;
 mod memory;
+mod pool;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -46,7 +47,8 @@ use crate::{
 };
 use control::{Control, Reply};
 use engine::{Engine, Segment};
-use memory::{Pinned, Registered};
+use memory::Registered;
+use pool::Pool;
 
 /// Settings of the nixl backend.
 #[derive(Debug, Clone)]
@@ -67,6 +69,10 @@ pub struct NixlConfig {
     pub handshake_ttl: Duration,
     /// The cluster's token: sent in handshakes and notices, required of them.
     pub token: Option<String>,
+    /// Buffers kept for reuse between transfers (staging and sources, unregistered)...
+    pub pool_buffers: usize,
+    /// ... and their bytes at most.
+    pub pool_bytes: usize,
 }
 
 impl Default for NixlConfig {
@@ -79,6 +85,8 @@ impl Default for NixlConfig {
             max_open: 4096,
             handshake_ttl: Duration::from_secs(120),
             token: None,
+            pool_buffers: 16,
+            pool_bytes: 512 << 20,
         }
     }
 }
@@ -103,6 +111,8 @@ struct Shared {
     staging: Mutex<HashMap<(RegionId, AgentAddr), Registered>>,
     /// Sending side: where each handshaken region lands.
     remotes: Mutex<HashMap<RegionId, Remote>>,
+    /// Staging and source memory between uses.
+    pool: Pool,
 }
 
 /// The nixl backend (see the module docs).
@@ -144,9 +154,10 @@ impl NixlTransfer {
             inbox,
             engine,
             addr,
-            cfg,
             staging: Mutex::default(),
             remotes: Mutex::default(),
+            pool: Pool::new(cfg.pool_buffers, cfg.pool_bytes),
+            cfg,
         });
         let s = shared.clone();
         let max = shared.cfg.max_inbound;
@@ -259,6 +270,7 @@ fn on_notice(
     let mut parts = Vec::with_capacity(segments.len());
     for &(off, len) in segments {
         let end = off.checked_add(len).filter(|&e| e <= bytes.len() as u64);
+        // (The buffer may be longer than the region; the inbox bounds the region.)
         let Some(end) = end else {
             let reason = format!("segment [{off}, +{len}) outside the region");
             s.inbox.fail(region, reason.clone());
@@ -266,7 +278,10 @@ fn on_notice(
         };
         parts.push((off, &bytes[off as usize..end as usize]));
     }
-    s.inbox.on_write(region, notice.sender, conn, &parts)?;
+    let applied = s.inbox.on_write(region, notice.sender, conn, &parts);
+    drop(parts);
+    s.pool.give(settled.into_pinned());
+    applied?;
     s.inbox.on_notice(region, conn, notice)
 }
 
@@ -288,7 +303,7 @@ impl Shared {
         }
         let len = usize::try_from(req.region_len)
             .map_err(|_| TransferError::Malformed("region too large".into()))?;
-        let buf = self.engine.register(Pinned::zeroed(len))?;
+        let buf = self.engine.register(self.pool.take(len, true))?;
         let addr = buf.addr() as u64;
         let metadata = self.engine.metadata_of(&buf)?;
         lock(&self.staging).insert(key, buf);
@@ -332,13 +347,19 @@ impl TransferBackend for NixlTransfer {
                 req.region
             )));
         };
-        let Gathered { source, segments, listed } = gather(&req, base, len)?;
+        let total: usize = req.pairs.iter().map(|(b, _)| b.len()).sum();
+        let mut source = s.pool.take(total, false);
+        let Gathered { segments, listed } = gather(&req, base, len, source.bytes_mut())?;
         if !segments.is_empty() {
-            let src = s.engine.register(Pinned::from_vec(source))?;
+            let src = s.engine.register(source)?;
             let shared = self.shared.clone();
             let deadline = std::time::Instant::now() + s.cfg.io_timeout;
             let written = tokio::task::spawn_blocking(move || {
-                shared.engine.write(src, &segments, &agent, deadline).map(drop)
+                let src = shared.engine.write(src, &segments, &agent, deadline)?;
+                if let Some(settled) = src.settle() {
+                    shared.pool.give(settled.into_pinned());
+                }
+                Ok::<(), TransferError>(())
             })
             .await
             .map_err(|e| TransferError::Failed(format!("nixl write task: {e}")))?;
@@ -346,6 +367,8 @@ impl TransferBackend for NixlTransfer {
                 lock(&s.remotes).remove(&req.region);
                 return Err(e);
             }
+        } else {
+            s.pool.give(source);
         }
         let written = {
             let mut remotes = lock(&s.remotes);
@@ -373,19 +396,22 @@ impl TransferBackend for NixlTransfer {
 
 /// A write's pairs, gathered for one WRITE.
 struct Gathered {
-    /// Every pair's bytes, one after the other.
-    source: Vec<u8>,
-    /// Each pair's segment: where in `source`, where at the receiver.
+    /// Each pair's segment: where in the source buffer, where at the receiver.
     segments: Vec<Segment>,
     /// Each pair's (offset, length) in the region, as the notice lists them.
     listed: Vec<(u64, u64)>,
 }
 
-/// Gathers `req`'s pairs into a region of `region_len` bytes at `base`. Empty pairs are
-/// skipped; a pair outside the region is refused.
-fn gather(req: &WriteRequest, base: u64, region_len: u64) -> Result<Gathered, TransferError> {
-    let total: usize = req.pairs.iter().map(|(b, _)| b.len()).sum();
-    let mut source = Vec::with_capacity(total);
+/// Gathers `req`'s pairs, one after the other, into `source` (at least their total length),
+/// for a region of `region_len` bytes at `base`. Empty pairs are skipped; a pair outside the
+/// region is refused.
+fn gather(
+    req: &WriteRequest,
+    base: u64,
+    region_len: u64,
+    source: &mut [u8],
+) -> Result<Gathered, TransferError> {
+    let mut at = 0;
     let mut segments = Vec::with_capacity(req.pairs.len());
     let mut listed = Vec::with_capacity(req.pairs.len());
     for (bytes, off) in req.pairs.iter().filter(|(b, _)| !b.is_empty()) {
@@ -395,11 +421,12 @@ fn gather(req: &WriteRequest, base: u64, region_len: u64) -> Result<Gathered, Tr
                 "write [{off}, +{len}) outside the {region_len}-byte region"
             )));
         }
-        segments.push(Segment { src: source.len(), dst: base + off, len: bytes.len() });
+        segments.push(Segment { src: at, dst: base + off, len: bytes.len() });
         listed.push((*off, len));
-        source.extend_from_slice(bytes);
+        source[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
     }
-    Ok(Gathered { source, segments, listed })
+    Ok(Gathered { segments, listed })
 }
 
 #[cfg(test)]

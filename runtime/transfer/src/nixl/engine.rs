@@ -140,7 +140,7 @@ impl Engine {
                 }
                 XferStatus::InProgress => {
                     std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(1));
+                    pause = (pause * 2).min(Duration::from_micros(250));
                 }
             }
         }

@@ -4,9 +4,9 @@
 //! - [`Pinned`]: a heap buffer owned through a raw pointer, so no Rust reference to its bytes
 //!   exists while the agent's progress thread may write them (a receive staging buffer) or
 //!   read them (a send source).
-//! - [`Registered`]: a [`Pinned`] registered with an agent. Its bytes cannot be read from Rust;
-//!   [`Registered::settle`] deregisters it first and only then hands out a [`Settled`], whose
-//!   bytes can be read.
+//! - [`Registered`]: a [`Pinned`] registered with an agent. Its bytes cannot be reached from
+//!   Rust; [`Registered::settle`] deregisters it first and only then hands out a [`Settled`],
+//!   whose bytes can be read, and which gives the [`Pinned`] back for reuse.
 #![expect(
     unsafe_code,
     reason = "nixl-sys's MemoryRegion::as_ptr is an unsafe method, and registered memory is \
@@ -54,6 +54,14 @@ impl Pinned {
     /// Its length in bytes.
     pub(crate) fn len(&self) -> usize {
         self.ptr.len()
+    }
+
+    /// Its bytes, to fill. A `Pinned` outside a [`Registered`] is reachable by no agent.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` is a live, initialized allocation owned by `self` (see `from_vec`);
+        // `&mut self` makes this the only access: no agent holds it (registration moves it
+        // into a `Registered`, which gives it back only after deregistering).
+        unsafe { &mut *self.ptr.as_ptr() }
     }
 }
 
@@ -145,6 +153,11 @@ pub(crate) struct Settled {
 }
 
 impl Settled {
+    /// The memory, for reuse.
+    pub(crate) fn into_pinned(self) -> Pinned {
+        self.mem
+    }
+
     /// Its bytes.
     pub(crate) fn bytes(&self) -> &[u8] {
         // SAFETY: the allocation is live for `self`'s lifetime and initialized (it started
