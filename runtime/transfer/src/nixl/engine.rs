@@ -97,6 +97,34 @@ impl Engine {
         self.agent.load_remote_md(md).map_err(|e| failed("load metadata", e))
     }
 
+    /// READs `segments` of `remote`'s memory (`dst` the remote address, `src` the offset in
+    /// `into`) into `into`, then has NIXL send `remote` the notification `notify`; waits
+    /// until the bytes are here, or `deadline`. As [`Engine::write`] otherwise.
+    pub(crate) fn read(
+        &self,
+        into: Registered,
+        segments: &[Segment],
+        remote: &str,
+        notify: Option<&[u8]>,
+        deadline: Instant,
+    ) -> Result<Registered, TransferError> {
+        let opts = match notify {
+            Some(msg) => {
+                let mut o = OptArgs::new().map_err(|e| failed("options", e))?;
+                o.set_notification_message(msg).map_err(|e| failed("options", e))?;
+                o.set_has_notification(true).map_err(|e| failed("options", e))?;
+                Some(o)
+            }
+            None => None,
+        };
+        self.transfer(XferOp::Read, into, segments, remote, opts.as_ref(), deadline)
+    }
+
+    /// Sends `remote` the notification `msg` (a peer's own protocol message).
+    pub(crate) fn notify(&self, remote: &str, msg: &[u8]) -> Result<(), TransferError> {
+        self.agent.send_notification(remote, msg, Some(&self.ucx)).map_err(|e| failed("notify", e))
+    }
+
     /// WRITEs `segments` of `src` into `remote`'s memory and waits until they are complete
     /// there (NIXL flushes the endpoint before it reports success), or `deadline`; returns the
     /// source. Blocks the calling thread: run it on a blocking thread. A write still in
@@ -109,10 +137,25 @@ impl Engine {
         remote: &str,
         deadline: Instant,
     ) -> Result<Registered, TransferError> {
+        self.transfer(XferOp::Write, src, segments, remote, None, deadline)
+    }
+
+    /// One transfer between `local` (at each segment's `src` offset) and `remote`'s memory
+    /// (at each segment's `dst` address).
+    fn transfer(
+        &self,
+        op: XferOp,
+        src: Registered,
+        segments: &[Segment],
+        remote: &str,
+        opts: Option<&OptArgs>,
+        deadline: Instant,
+    ) -> Result<Registered, TransferError> {
+        let what = if op == XferOp::Write { "write" } else { "read" };
         let mut local = XferDescList::new(MemType::Dram).map_err(|e| failed("descriptors", e))?;
         let mut far = XferDescList::new(MemType::Dram).map_err(|e| failed("descriptors", e))?;
         for s in segments {
-            if s.src + s.len > src.len() {
+            if s.src.checked_add(s.len).is_none_or(|end| end > src.len()) {
                 return Err(TransferError::Malformed(format!(
                     "segment [{}, +{}) outside the {}-byte source",
                     s.src,
@@ -125,18 +168,18 @@ impl Engine {
         }
         let req = self
             .agent
-            .create_xfer_req(XferOp::Write, &local, &far, remote, None)
-            .map_err(|e| failed("write request", e))?;
+            .create_xfer_req(op, &local, &far, remote, opts)
+            .map_err(|e| failed(&format!("{what} request"), e))?;
         let mut in_progress =
             self.agent.post_xfer_req(&req, None).map_err(|e| failed("post", e))?;
         let mut pause = Duration::from_micros(20);
         while in_progress {
-            match self.agent.get_xfer_status(&req).map_err(|e| failed("write", e))? {
+            match self.agent.get_xfer_status(&req).map_err(|e| failed(what, e))? {
                 XferStatus::Success => in_progress = false,
                 XferStatus::InProgress if Instant::now() >= deadline => {
-                    tracing::warn!(len = src.len(), %remote, "nixl write past its deadline: source kept");
+                    tracing::warn!(len = src.len(), %remote, "nixl {what} past its deadline: buffer kept");
                     std::mem::forget(src);
-                    return Err(TransferError::Timeout("nixl write in progress".into()));
+                    return Err(TransferError::Timeout(format!("nixl {what} in progress")));
                 }
                 XferStatus::InProgress => {
                     std::thread::sleep(pause);

@@ -56,6 +56,14 @@ impl Pinned {
         self.ptr.len()
     }
 
+    /// The buffer as a `Vec`, without a copy.
+    pub(crate) fn into_vec(self) -> Vec<u8> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `ptr` came from `Box::into_raw` in `from_vec`; `ManuallyDrop` keeps `Drop`
+        // from freeing it too, so ownership passes to the `Box` exactly once.
+        unsafe { Box::from_raw(this.ptr.as_ptr()) }.into_vec()
+    }
+
     /// Its bytes, to fill. A `Pinned` outside a [`Registered`] is reachable by no agent.
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` is a live, initialized allocation owned by `self` (see `from_vec`);

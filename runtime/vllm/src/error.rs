@@ -1,0 +1,27 @@
+use handoff_transfer::TransferError;
+use thiserror::Error;
+
+/// Errors of the vLLM protocol.
+#[derive(Debug, Error)]
+pub enum VllmError {
+    /// The side channel could not be reached, or did not answer in time.
+    #[error("vLLM side channel {addr}: {reason}")]
+    SideChannel {
+        /// `host:port`.
+        addr: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// An answer that is not vLLM's protocol.
+    #[error("malformed vLLM handshake: {0}")]
+    Malformed(String),
+    /// Valid, but a layout or feature this decode does not read.
+    #[error("unsupported vLLM KV layout: {0}")]
+    Unsupported(String),
+    /// A request this decode refuses to send (block ids out of range, too many bytes).
+    #[error("invalid vLLM read: {0}")]
+    Invalid(String),
+    /// NIXL failed.
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+}
