@@ -208,7 +208,7 @@ pub trait TransferBackend: Send + Sync + 'static {
 
     /// Whether a streamed write's parts may go as writes of their own (each part at once, the
     /// notice alone at the end): true where a receiver binds a sender to its peer rather than
-    /// to one connection (mooncake, fake).
+    /// to one connection (mooncake, nixl, fake).
     fn posts_parts(&self) -> bool {
         false
     }

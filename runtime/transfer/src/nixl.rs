@@ -385,6 +385,12 @@ impl TransferBackend for NixlTransfer {
         sent
     }
 
+    /// A streamed write's parts go as WRITEs of their own, each into the staging buffer its
+    /// handshake gave this sender; the notice at the end lists every part's segments.
+    fn posts_parts(&self) -> bool {
+        true
+    }
+
     async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError> {
         let s = &self.shared;
         let remote = lock(&s.remotes).get(&req.region).map(|r| (r.agent.clone(), r.addr, r.len));

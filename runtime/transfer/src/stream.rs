@@ -6,7 +6,7 @@
 //! A backend that can keep one connection for the whole stream implements
 //! [`TransferBackend::open_stream`] (tcp does: every part goes out at once over the connection
 //! the region binds the sender to). One whose receivers bind a sender to its peer says
-//! [`TransferBackend::posts_parts`] (mooncake, fake): each part is a write of its own, the
+//! [`TransferBackend::posts_parts`] (mooncake, nixl, fake): each part is a write of its own, the
 //! notice comes alone at the end. The others hold the parts and post them in one write at
 //! the end (the same bytes, verified the same way, without the overlap).
 

@@ -14,6 +14,7 @@ struct Pair {
     tasks: Tasks,
     tx: Agent,
     rx: Agent,
+    tx_backend: Arc<NixlTransfer>,
     rx_backend: Arc<NixlTransfer>,
 }
 
@@ -28,9 +29,9 @@ async fn agent(tasks: &Tasks, token: Option<&str>) -> (Agent, Arc<NixlTransfer>)
 
 async fn pair(token: Option<&str>) -> Pair {
     let tasks = Tasks::new();
-    let (tx, _) = agent(&tasks, token).await;
+    let (tx, tx_backend) = agent(&tasks, token).await;
     let (rx, rx_backend) = agent(&tasks, token).await;
-    Pair { tasks, tx, rx, rx_backend }
+    Pair { tasks, tx, rx, tx_backend, rx_backend }
 }
 
 fn deadline() -> Instant {
@@ -212,5 +213,25 @@ async fn a_sender_cannot_write_the_buffer_staged_for_another() {
     let w = WriteRequest::new(id, vec![(pattern(500, 4), 500)], r, b, 1, 1, 0);
     let e = tx2.post_write(&p.rx.addr(), w).await.unwrap_err();
     assert!(e.to_string().contains("nixl write request"), "refused by NIXL itself: {e}");
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_write_lands_part_by_part_and_one_notice_covers_every_part() {
+    let p = pair(None).await;
+    let s = SenderId::new(0, 0);
+    let r = Room::mint();
+    let id = region(&p, r, 400_000, &[s], None).await;
+    let mut stream = p.tx.open_write(&p.rx.addr(), id, s).await.unwrap();
+    for i in 0..4u64 {
+        stream.post(vec![(pattern(100_000, i as u8), i * 100_000)]).await.unwrap();
+        let written = lock(&p.tx_backend.shared.remotes)[&id].written.len();
+        assert_eq!(written, i as usize + 1, "part {i} written at once, not held");
+        assert_ne!(p.rx.inbox().poll(id), KvPoll::Success, "nothing verified before the notice");
+    }
+    stream.finish(r, 3, 1, 0).await.unwrap();
+    let got = p.rx.inbox().wait(id, deadline()).await.unwrap();
+    let want: Vec<u8> = (0..4).flat_map(|i| pattern(100_000, i).to_vec()).collect();
+    assert!(got.buf == want);
     p.tasks.shutdown().await;
 }
