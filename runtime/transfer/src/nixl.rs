@@ -5,25 +5,31 @@
 //! Every process runs one NIXL agent, and a control listener (the address directories
 //! publish) for what NIXL does not carry ([`control`]):
 //!
-//! - **Handshake (receiver to sender).** The receiver registers a zeroed staging buffer of the
-//!   region's size for that sender alone, and sends the sender the [`crate::ConnectRequest`],
-//!   the buffer's address, its agent's introduction (UCX address, no memory) and the metadata
-//!   of that buffer alone. The sender checks the token, loads both and records where the
-//!   region lands. No sender ever holds the key of a buffer staged for another.
+//! - **Handshake (receiver to sender).** The receiver lends a zeroed slot of the region's size,
+//!   for that sender alone, from its staging arena (registered once, for the agent's life),
+//!   and sends the sender the [`crate::ConnectRequest`], the slot's address, its agent's
+//!   introduction (UCX address, no memory) and the arena's metadata. The sender checks the
+//!   token, loads both and records where the region lands.
 //! - **Write (sender).** The sender copies the pairs into one registered source buffer and
-//!   WRITEs every segment into the receiver's staging buffer. NIXL reports success once the
-//!   bytes are complete at the receiver (it flushes the endpoint).
+//!   WRITEs every segment into its slot. NIXL reports success once the bytes are complete at
+//!   the receiver (it flushes the endpoint). A streamed write's parts go as WRITEs of their
+//!   own as they are computed.
 //! - **Notice (sender to receiver).** Then the sender sends its [`crate::Notice`] and the list
-//!   of segments it wrote over the control wire. The receiver deregisters that sender's
-//!   staging buffer (no peer can reach it any more), applies the listed segments to the
-//!   region through the inbox, and verifies the notice exactly as for tcp: every byte of the
-//!   sender's ranges once, the room, the checksum. Its verdict is the answer.
+//!   of segments it wrote over the control wire. The receiver copies the listed segments of
+//!   that sender's slot into the region through the inbox, gives the slot back, and verifies
+//!   the notice exactly as for tcp: every byte of the sender's ranges once, the room, the
+//!   checksum. Its verdict is the answer.
 //!
-//! NIXL over UCX/TCP has no authentication, and an agent's metadata names its registered
-//! memory by raw address. A receiver registers only the staging buffers of open handshakes,
-//! each until its sender's notice, and hands each buffer's key to its sender alone; a sender
-//! registers each write's source only while it is written. `docs/security.md` says what is
-//! left open.
+//! Why one arena: NIXL keeps, for every peer, each memory range that peer's metadata ever
+//! named. Buffers registered per handshake and freed come back from the allocator overlapping
+//! old ranges, and NIXL then refuses transfers into them (seen: a request in 15 failed so).
+//!
+//! NIXL over UCX/TCP has no authentication, its metadata names registered memory by raw
+//! address, and UCX's software RMA over TCP writes wherever a peer says, registered or not
+//! (tested: a WRITE with a key already deregistered still lands). So a peer that reaches the
+//! agent can write this process's memory; keys protect nothing here. What the backend adds is
+//! verification: a sender's bytes are taken from its own slot only, at the segments its notice
+//! lists, and checked as for tcp. `docs/security.md` says what that leaves open.
 
 mod control;
 mod engine;
@@ -47,7 +53,7 @@ use crate::{
 };
 use control::{Control, Reply};
 use engine::{Engine, Segment};
-use memory::Registered;
+use memory::{Arena, Slot};
 use pool::Pool;
 
 /// Settings of the nixl backend.
@@ -69,7 +75,9 @@ pub struct NixlConfig {
     pub handshake_ttl: Duration,
     /// The cluster's token: sent in handshakes and notices, required of them.
     pub token: Option<String>,
-    /// Buffers kept for reuse between transfers (staging and sources, unregistered)...
+    /// Receive staging memory, registered once: the most KV this agent receives at once.
+    pub staging_bytes: usize,
+    /// Send sources kept for reuse between transfers (unregistered)...
     pub pool_buffers: usize,
     /// ... and their bytes at most.
     pub pool_bytes: usize,
@@ -85,6 +93,7 @@ impl Default for NixlConfig {
             max_open: 4096,
             handshake_ttl: Duration::from_secs(120),
             token: None,
+            staging_bytes: 1 << 30,
             pool_buffers: 16,
             pool_bytes: 512 << 20,
         }
@@ -107,8 +116,12 @@ struct Shared {
     engine: Engine,
     addr: AgentAddr,
     cfg: NixlConfig,
-    /// Receiving side: each open handshake's staging buffer, by region and sender address.
-    staging: Mutex<HashMap<(RegionId, AgentAddr), Registered>>,
+    /// Receiving side: each open handshake's staging slot, by region and sender address.
+    staging: Mutex<HashMap<(RegionId, AgentAddr), Slot>>,
+    /// The staging memory, registered once.
+    arena: Arena,
+    /// The arena's metadata (its key, not the agent's address), as senders load it.
+    arena_metadata: Vec<u8>,
     /// Sending side: where each handshaken region lands.
     remotes: Mutex<HashMap<RegionId, Remote>>,
     /// Staging and source memory between uses.
@@ -150,11 +163,15 @@ impl NixlTransfer {
         };
         let name = format!("handoff-{addr}-{:016x}", rand::random::<u64>());
         let engine = Engine::start(&name, cfg.progress_delay)?;
+        let arena = engine.arena(cfg.staging_bytes)?;
+        let arena_metadata = engine.metadata_of(arena.registered())?;
         let shared = Arc::new(Shared {
             inbox,
             engine,
             addr,
             staging: Mutex::default(),
+            arena,
+            arena_metadata,
             remotes: Mutex::default(),
             pool: Pool::new(cfg.pool_buffers, cfg.pool_bytes),
             cfg,
@@ -220,7 +237,7 @@ impl NixlTransfer {
         self.shared.engine.notify(peer, msg)
     }
 
-    /// Staging buffers registered for open handshakes (receiver side).
+    /// Staging slots lent to open handshakes (receiver side).
     pub fn open_staging(&self) -> usize {
         lock(&self.shared.staging).len()
     }
@@ -292,8 +309,8 @@ fn on_connect(
     Ok(())
 }
 
-/// A sender's notice, at the receiver: its staging buffer settled, the segments it lists
-/// applied to the region, the notice verified (see the module docs).
+/// A sender's notice, at the receiver: the segments it lists copied from its staging slot
+/// into the region, the slot given back, the notice verified (see the module docs).
 fn on_notice(
     s: &Shared,
     region: RegionId,
@@ -302,22 +319,32 @@ fn on_notice(
     notice: crate::Notice,
     segments: &[(u64, u64)],
 ) -> Result<(), TransferError> {
-    let staged = lock(&s.staging).remove(&(region, from.clone()));
-    let Some(staged) = staged else {
+    let slot = lock(&s.staging).remove(&(region, from.clone()));
+    let Some(slot) = slot else {
         return Err(TransferError::Forbidden(format!(
             "no nixl handshake for region {region:?} with {from}"
         )));
     };
-    let Some(settled) = staged.settle() else {
-        let reason = "nixl could not deregister the staging buffer";
-        s.inbox.fail(region, reason);
-        return Err(TransferError::Failed(reason.into()));
-    };
-    let bytes = settled.bytes();
+    let applied = apply(s, region, &slot, conn, notice.sender, segments);
+    s.arena.give(slot);
+    applied?;
+    s.inbox.on_notice(region, conn, notice)
+}
+
+/// Copies the listed segments of `slot` into the region, through the inbox's checks.
+fn apply(
+    s: &Shared,
+    region: RegionId,
+    slot: &Slot,
+    conn: crate::ConnId,
+    sender: crate::SenderId,
+    segments: &[(u64, u64)],
+) -> Result<(), TransferError> {
+    let bytes = s.arena.bytes(slot);
     let mut parts = Vec::with_capacity(segments.len());
     for &(off, len) in segments {
+        // (A slot may be longer than its region, by page rounding; the inbox bounds it.)
         let end = off.checked_add(len).filter(|&e| e <= bytes.len() as u64);
-        // (The buffer may be longer than the region; the inbox bounds the region.)
         let Some(end) = end else {
             let reason = format!("segment [{off}, +{len}) outside the region");
             s.inbox.fail(region, reason.clone());
@@ -325,36 +352,37 @@ fn on_notice(
         };
         parts.push((off, &bytes[off as usize..end as usize]));
     }
-    let applied = s.inbox.on_write(region, notice.sender, conn, &parts);
-    drop(parts);
-    s.pool.give(settled.into_pinned());
-    applied?;
-    s.inbox.on_notice(region, conn, notice)
+    s.inbox.on_write(region, sender, conn, &parts)
 }
 
 impl Shared {
-    /// Registers a staging buffer for `req`'s region and sender `peer`, after sweeping the
-    /// buffers of regions the inbox has closed (timed out, failed, taken) without a notice.
-    fn stage(
-        &self,
-        peer: &AgentAddr,
-        req: &ConnectRequest,
-    ) -> Result<(u64, Vec<u8>), TransferError> {
+    /// Lends a zeroed staging slot for `req`'s region and sender `peer`, after giving back
+    /// the slots of regions the inbox has closed (timed out, failed, taken) without a notice;
+    /// returns its address.
+    fn stage(&self, peer: &AgentAddr, req: &ConnectRequest) -> Result<u64, TransferError> {
         let key = (req.region, peer.clone());
-        {
-            let mut staging = lock(&self.staging);
-            staging.retain(|(id, _), _| self.inbox.open_len(*id).is_some());
-            if staging.len() >= self.cfg.max_open && !staging.contains_key(&key) {
-                return Err(TransferError::Full("nixl staging"));
-            }
-        }
         let len = usize::try_from(req.region_len)
             .map_err(|_| TransferError::Malformed("region too large".into()))?;
-        let buf = self.engine.register(self.pool.take(len, true))?;
-        let addr = buf.addr() as u64;
-        let metadata = self.engine.metadata_of(&buf)?;
-        lock(&self.staging).insert(key, buf);
-        Ok((addr, metadata))
+        let mut staging = lock(&self.staging);
+        let closed: Vec<_> =
+            staging.extract_if(|(id, _), _| self.inbox.open_len(*id).is_none()).collect();
+        closed.into_iter().for_each(|(_, slot)| self.arena.give(slot));
+        if staging.contains_key(&key) {
+            return Err(TransferError::Malformed(format!(
+                "a second handshake for region {:?} with {peer}",
+                req.region
+            )));
+        }
+        if staging.len() >= self.cfg.max_open {
+            return Err(TransferError::Full("nixl staging"));
+        }
+        let slot = self
+            .arena
+            .take(len)
+            .ok_or(TransferError::Full("nixl staging memory (NixlConfig::staging_bytes)"))?;
+        let addr = (self.arena.registered().addr() + slot.offset()) as u64;
+        staging.insert(key, slot);
+        Ok(addr)
     }
 }
 
@@ -371,16 +399,18 @@ impl TransferBackend for NixlTransfer {
     async fn connect(&self, peer: &AgentAddr, req: ConnectRequest) -> Result<(), TransferError> {
         let s = &self.shared;
         let key = (req.region, peer.clone());
-        let (addr, metadata) = s.stage(peer, &req)?;
+        let addr = s.stage(peer, &req)?;
         let msg = Control::Connect {
             req,
             introduction: control::hex(s.engine.introduction()),
-            metadata: control::hex(&metadata),
+            metadata: control::hex(&s.arena_metadata),
             addr,
         };
         let sent = control::call(peer, &msg, s.cfg.control_timeout).await;
-        if sent.is_err() {
-            lock(&s.staging).remove(&key);
+        if sent.is_err()
+            && let Some(slot) = lock(&s.staging).remove(&key)
+        {
+            s.arena.give(slot);
         }
         sent
     }

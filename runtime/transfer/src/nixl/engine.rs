@@ -71,6 +71,11 @@ impl Engine {
         &self.name
     }
 
+    /// Staging memory of `len` bytes, registered for the agent's life.
+    pub(crate) fn arena(&self, len: usize) -> Result<super::memory::Arena, TransferError> {
+        super::memory::Arena::new(&self.agent, len).map_err(|e| failed("register", e))
+    }
+
     /// Registers `mem`: peers that load this agent's metadata afterwards can reach it.
     pub(crate) fn register(&self, mem: Pinned) -> Result<Registered, TransferError> {
         Registered::new(&self.agent, mem).map_err(|e| failed("register", e))
@@ -82,8 +87,7 @@ impl Engine {
         &self.introduction
     }
 
-    /// The metadata of `buf` alone (its key, no address): a peer that loads it can reach that
-    /// buffer and no other.
+    /// The metadata of `buf` alone (its key, not the agent's address).
     pub(crate) fn metadata_of(&self, buf: &Registered) -> Result<Vec<u8>, TransferError> {
         let mut descs = RegDescList::new(MemType::Dram).map_err(|e| failed("descriptors", e))?;
         descs.add_desc(buf.addr(), buf.len(), 0);

@@ -7,6 +7,10 @@
 //! - [`Registered`]: a [`Pinned`] registered with an agent. Its bytes cannot be reached from
 //!   Rust; [`Registered::settle`] deregisters it first and only then hands out a [`Settled`],
 //!   whose bytes can be read, and which gives the [`Pinned`] back for reuse.
+//! - [`Arena`]: one [`Registered`] buffer for the life of the agent, lent out in [`Slot`]s:
+//!   receive staging. Registered once, so peers' views of this agent's memory never go stale
+//!   (NIXL keeps every range a peer's metadata ever named; ranges registered and freed over
+//!   and over come back overlapping old ones, and NIXL then refuses transfers into them).
 #![expect(
     unsafe_code,
     reason = "nixl-sys's MemoryRegion::as_ptr is an unsafe method, and registered memory is \
@@ -154,7 +158,100 @@ impl Drop for Registered {
     }
 }
 
-/// Memory no agent can reach any more: its bytes can be read.
+/// A range of an [`Arena`], lent to one handshake. Not `Clone`: given back once.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    off: usize,
+    len: usize,
+}
+
+impl Slot {
+    /// Its offset in the arena.
+    pub(crate) fn offset(&self) -> usize {
+        self.off
+    }
+}
+
+/// One registered buffer, lent out in slots (see the module docs). First fit over a sorted
+/// list of free ranges, coalesced on return; slots start page-aligned.
+#[derive(Debug)]
+pub(crate) struct Arena {
+    mem: Registered,
+    free: std::sync::Mutex<Vec<std::ops::Range<usize>>>,
+}
+
+const PAGE: usize = 4096;
+
+impl Arena {
+    /// `len` bytes (rounded up to a page), registered with `agent`. Pages are touched only as
+    /// slots are used.
+    pub(crate) fn new(agent: &Agent, len: usize) -> Result<Self, nixl_sys::NixlError> {
+        let len = len.max(PAGE).next_multiple_of(PAGE);
+        let mem = Registered::new(agent, Pinned::zeroed(len))?;
+        Ok(Arena { mem, free: std::sync::Mutex::new(std::iter::once(0..len).collect()) })
+    }
+
+    /// The registered buffer (for its metadata).
+    pub(crate) fn registered(&self) -> &Registered {
+        &self.mem
+    }
+
+    /// A zeroed slot of `len` bytes, or `None` if no free range is long enough.
+    pub(crate) fn take(&self, len: usize) -> Option<Slot> {
+        let want = len.max(1).checked_next_multiple_of(PAGE)?;
+        let off = {
+            let mut free = self.free.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let i = free.iter().position(|r| r.len() >= want)?;
+            let off = free[i].start;
+            free[i].start += want;
+            if free[i].is_empty() {
+                free.remove(i);
+            }
+            off
+        };
+        // SAFETY: `[off, off + want)` lies inside the arena's live allocation (it came from
+        // the free list, which only holds ranges of it) and was just taken out of the free
+        // list, so no other slot covers it; no honest peer has been told its address yet.
+        unsafe { std::ptr::write_bytes((self.mem.addr() + off) as *mut u8, 0, want) };
+        Some(Slot { off, len: want })
+    }
+
+    /// The bytes of `slot`.
+    pub(crate) fn bytes(&self, slot: &Slot) -> &[u8] {
+        // SAFETY: the slot lies inside the arena's live, initialized allocation, and `&Slot`
+        // proves it is not free. Its sender wrote it before its notice (NIXL reports a WRITE
+        // complete only once the bytes are at this agent), so honest peers no longer write
+        // it. A hostile UCX peer can write any address of this process over UCX's TCP
+        // transport (docs/security.md); that is outside what Rust can contain, and a torn
+        // copy fails the notice's checksum.
+        unsafe { std::slice::from_raw_parts((self.mem.addr() + slot.off) as *const u8, slot.len) }
+    }
+
+    /// Gives `slot` back.
+    pub(crate) fn give(&self, slot: Slot) {
+        let mut free = self.free.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = free.partition_point(|r| r.start < slot.off);
+        free.insert(at, slot.off..slot.off + slot.len);
+        // Coalesce with the neighbours.
+        if at + 1 < free.len() && free[at].end == free[at + 1].start {
+            free[at].end = free[at + 1].end;
+            free.remove(at + 1);
+        }
+        if at > 0 && free[at - 1].end == free[at].start {
+            free[at - 1].end = free[at].end;
+            free.remove(at);
+        }
+    }
+
+    /// Bytes not lent out.
+    #[cfg(test)]
+    pub(crate) fn free_bytes(&self) -> usize {
+        let free = self.free.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        free.iter().map(|r| r.len()).sum()
+    }
+}
+
+/// Memory no agent can reach any more, for reuse.
 #[derive(Debug)]
 pub(crate) struct Settled {
     mem: Pinned,
@@ -164,15 +261,5 @@ impl Settled {
     /// The memory, for reuse.
     pub(crate) fn into_pinned(self) -> Pinned {
         self.mem
-    }
-
-    /// Its bytes.
-    pub(crate) fn bytes(&self) -> &[u8] {
-        // SAFETY: the allocation is live for `self`'s lifetime and initialized (it started
-        // zeroed or as a `Vec`'s contents). It is deregistered, so the agent no longer writes
-        // it: remote writes name it by its registration, which is gone. Should a write still
-        // in flight land during this borrow, the bytes could be torn, never out of bounds;
-        // the caller verifies them against the sender's checksum before anything uses them.
-        unsafe { std::slice::from_raw_parts(self.mem.addr() as *const u8, self.mem.len()) }
     }
 }

@@ -101,7 +101,9 @@ async fn kv_moves_between_handoff_agents_and_is_verified() {
     }
     assert!(got.buf == want, "bytes differ");
     assert_eq!(got.notices[0].first_token, 7);
-    assert_eq!(p.rx_backend.open_staging(), 0, "the staging buffer is released at the notice");
+    assert_eq!(p.rx_backend.open_staging(), 0, "the staging slot is given back at the notice");
+    let arena = &p.rx_backend.shared.arena;
+    assert_eq!(arena.free_bytes(), NixlConfig::default().staging_bytes, "all of it free again");
     p.tasks.shutdown().await;
 }
 
@@ -197,7 +199,10 @@ async fn a_notice_for_a_handshake_never_made_is_forbidden() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sender_cannot_write_the_buffer_staged_for_another() {
+async fn a_write_into_another_senders_slot_never_verifies() {
+    // Every sender holds the staging arena's key (UCX over TCP would not check keys anyway):
+    // what keeps a sender out of another's bytes is the inbox, which takes each sender's
+    // bytes from its own slot only, and the checksum.
     let p = pair(None).await;
     let (tx2, tx2_backend) = agent(&p.tasks, None).await;
     let r = Room::mint();
@@ -207,12 +212,14 @@ async fn a_sender_cannot_write_the_buffer_staged_for_another() {
     for peer in [p.tx.addr(), tx2.addr()] {
         p.rx.connect(&peer, connect_request(&p, r, id, 1000, None)).await.unwrap();
     }
-    // Point the second sender at the buffer staged for the first: it never got its key.
-    let theirs = lock(&p.rx_backend.shared.staging)[&(id, p.tx.addr())].addr() as u64;
-    lock(&tx2_backend.shared.remotes).get_mut(&id).unwrap().addr = theirs;
+    // Point the second sender at the first one's slot.
+    let arena = p.rx_backend.shared.arena.registered().addr();
+    let theirs = arena + lock(&p.rx_backend.shared.staging)[&(id, p.tx.addr())].offset();
+    lock(&tx2_backend.shared.remotes).get_mut(&id).unwrap().addr = theirs as u64;
     let w = WriteRequest::new(id, vec![(pattern(500, 4), 500)], r, b, 1, 1, 0);
     let e = tx2.post_write(&p.rx.addr(), w).await.unwrap_err();
-    assert!(e.to_string().contains("nixl write request"), "refused by NIXL itself: {e}");
+    assert!(e.to_string().contains("checksum mismatch"), "{e}");
+    assert_eq!(p.rx.inbox().poll(id), KvPoll::Failed);
     p.tasks.shutdown().await;
 }
 
@@ -234,4 +241,22 @@ async fn a_streamed_write_lands_part_by_part_and_one_notice_covers_every_part() 
     let want: Vec<u8> = (0..4).flat_map(|i| pattern(100_000, i).to_vec()).collect();
     assert!(got.buf == want);
     p.tasks.shutdown().await;
+}
+
+#[test]
+fn the_arena_lends_page_aligned_zeroed_slots_and_coalesces_them_back() {
+    let engine = Engine::start("arena-test", Duration::from_millis(10)).unwrap();
+    let arena = engine.arena(64 << 10).unwrap();
+    let a = arena.take(5000).unwrap();
+    let b = arena.take(4096).unwrap();
+    let c = arena.take(1).unwrap();
+    assert_eq!((a.offset(), b.offset(), c.offset()), (0, 8192, 12288), "page-aligned, first fit");
+    assert!(arena.bytes(&b).iter().all(|&x| x == 0));
+    assert!(arena.take(60 << 10).is_none(), "not that much left");
+    arena.give(b);
+    arena.give(a);
+    arena.give(c);
+    assert_eq!(arena.free_bytes(), 64 << 10);
+    let whole = arena.take(64 << 10).expect("coalesced into one range again");
+    assert_eq!(whole.offset(), 0);
 }
