@@ -35,6 +35,8 @@ mod control;
 mod engine;
 mod memory;
 mod pool;
+mod serve;
+mod staging;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -43,18 +45,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use handoff_core::Tasks;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tracing::debug;
 
 use crate::inbox::lock;
 use crate::{
     AgentAddr, ConnectRequest, Inbox, RegionId, TransferBackend, TransferError, WriteRequest,
 };
-use control::{Control, Reply};
+use control::Control;
 use engine::{Engine, Segment};
-use memory::{Arena, Slot};
 use pool::Pool;
+use staging::Staging;
 
 /// Settings of the nixl backend.
 #[derive(Debug, Clone)]
@@ -106,6 +107,8 @@ struct Remote {
     agent: String,
     addr: u64,
     len: u64,
+    /// The receiver's ticket for this sender: its notice carries it.
+    ticket: u64,
     since: Instant,
     /// (offset, length) of every segment written so far: the notice lists them all.
     written: Vec<(u64, u64)>,
@@ -116,14 +119,14 @@ struct Shared {
     engine: Engine,
     addr: AgentAddr,
     cfg: NixlConfig,
-    /// Receiving side: each open handshake's staging slot, by region and sender address.
-    staging: Mutex<HashMap<(RegionId, AgentAddr), Slot>>,
-    /// The staging memory, registered once.
-    arena: Arena,
-    /// The arena's metadata (its key, not the agent's address), as senders load it.
+    /// Receiving side: the staging memory and the slots lent to open handshakes.
+    staging: Staging,
+    /// The staging arena's metadata (its key, not the agent's address), as senders load it.
     arena_metadata: Vec<u8>,
     /// Sending side: where each handshaken region lands.
     remotes: Mutex<HashMap<RegionId, Remote>>,
+    /// Sending side: peers whose metadata is loaded, and when it was last used.
+    loaded: Mutex<HashMap<String, Instant>>,
     /// Staging and source memory between uses.
     pool: Pool,
 }
@@ -165,14 +168,16 @@ impl NixlTransfer {
         let engine = Engine::start(&name, cfg.progress_delay)?;
         let arena = engine.arena(cfg.staging_bytes)?;
         let arena_metadata = engine.metadata_of(arena.registered())?;
+        // A late WRITE may still land until the sender's own deadlines pass.
+        let rest = cfg.io_timeout + cfg.control_timeout;
         let shared = Arc::new(Shared {
             inbox,
             engine,
             addr,
-            staging: Mutex::default(),
-            arena,
+            staging: Staging::new(arena, rest, cfg.max_open),
             arena_metadata,
             remotes: Mutex::default(),
+            loaded: Mutex::default(),
             pool: Pool::new(cfg.pool_buffers, cfg.pool_bytes),
             cfg,
         });
@@ -180,7 +185,7 @@ impl NixlTransfer {
         let max = shared.cfg.max_inbound;
         crate::listen::serve_accepts(control, max, tasks, "nixl control", move |st, peer, _| {
             let s = s.clone();
-            async move { serve_control(st, peer, &s).await }
+            async move { serve::serve_control(st, peer, &s).await }
         });
         Ok(NixlTransfer { shared })
     }
@@ -239,150 +244,7 @@ impl NixlTransfer {
 
     /// Staging slots lent to open handshakes (receiver side).
     pub fn open_staging(&self) -> usize {
-        lock(&self.shared.staging).len()
-    }
-}
-
-/// One control connection: a message, its answer, then close.
-async fn serve_control(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
-    let deadline = s.cfg.control_timeout;
-    let served = async {
-        let msg = control::read_message::<_, Control>(&mut st).await;
-        let reply: Reply = match msg {
-            Ok(Control::Connect { req, introduction, metadata, addr }) => {
-                on_connect(s, req, &introduction, &metadata, addr).into()
-            }
-            Ok(Control::Notice { region, from, notice, segments, token }) => {
-                if !crate::token_accepted(
-                    s.cfg.token.as_deref(),
-                    token.as_deref().map(str::as_bytes),
-                ) {
-                    Err(TransferError::Unauthorized).into()
-                } else {
-                    let conn = crate::mooncake::peer_conn(peer.ip());
-                    on_notice(s, region, &from, conn, notice, &segments).into()
-                }
-            }
-            Err(e) => Err(e).into(),
-        };
-        control::write_message(&mut st, &reply).await
-    };
-    match tokio::time::timeout(deadline, served).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => debug!(%peer, error = %e, "nixl control answer not sent"),
-        Err(_) => debug!(%peer, "nixl control exchange too slow"),
-    }
-}
-
-/// A receiver's handshake, at the sender: token first (the metadata is parsed by NIXL only
-/// for a peer that has it), then the introduction and the buffer's metadata (one agent's
-/// both), then the inbox's table.
-fn on_connect(
-    s: &Shared,
-    req: ConnectRequest,
-    introduction: &str,
-    metadata: &str,
-    addr: u64,
-) -> Result<(), TransferError> {
-    if !crate::token_accepted(s.cfg.token.as_deref(), req.token.as_deref().map(str::as_bytes)) {
-        return Err(TransferError::Unauthorized);
-    }
-    let region = req.region;
-    let len = req.region_len;
-    {
-        let mut remotes = lock(&s.remotes);
-        if remotes.len() >= s.cfg.max_open && !remotes.contains_key(&region) {
-            let ttl = s.cfg.handshake_ttl;
-            remotes.retain(|_, r| r.since.elapsed() < ttl);
-            if remotes.len() >= s.cfg.max_open {
-                return Err(TransferError::Full("nixl handshake"));
-            }
-        }
-    }
-    let agent = s.engine.load(&control::unhex(introduction)?)?;
-    if s.engine.load(&control::unhex(metadata)?)? != agent {
-        return Err(TransferError::Malformed("nixl metadata of two agents".into()));
-    }
-    s.inbox.on_connect(req)?;
-    let remote = Remote { agent, addr, len, since: Instant::now(), written: Vec::new() };
-    lock(&s.remotes).insert(region, remote);
-    Ok(())
-}
-
-/// A sender's notice, at the receiver: the segments it lists copied from its staging slot
-/// into the region, the slot given back, the notice verified (see the module docs).
-fn on_notice(
-    s: &Shared,
-    region: RegionId,
-    from: &AgentAddr,
-    conn: crate::ConnId,
-    notice: crate::Notice,
-    segments: &[(u64, u64)],
-) -> Result<(), TransferError> {
-    let slot = lock(&s.staging).remove(&(region, from.clone()));
-    let Some(slot) = slot else {
-        return Err(TransferError::Forbidden(format!(
-            "no nixl handshake for region {region:?} with {from}"
-        )));
-    };
-    let applied = apply(s, region, &slot, conn, notice.sender, segments);
-    s.arena.give(slot);
-    applied?;
-    s.inbox.on_notice(region, conn, notice)
-}
-
-/// Copies the listed segments of `slot` into the region, through the inbox's checks.
-fn apply(
-    s: &Shared,
-    region: RegionId,
-    slot: &Slot,
-    conn: crate::ConnId,
-    sender: crate::SenderId,
-    segments: &[(u64, u64)],
-) -> Result<(), TransferError> {
-    let bytes = s.arena.bytes(slot);
-    let mut parts = Vec::with_capacity(segments.len());
-    for &(off, len) in segments {
-        // (A slot may be longer than its region, by page rounding; the inbox bounds it.)
-        let end = off.checked_add(len).filter(|&e| e <= bytes.len() as u64);
-        let Some(end) = end else {
-            let reason = format!("segment [{off}, +{len}) outside the region");
-            s.inbox.fail(region, reason.clone());
-            return Err(TransferError::Malformed(reason));
-        };
-        parts.push((off, &bytes[off as usize..end as usize]));
-    }
-    s.inbox.on_write(region, sender, conn, &parts)
-}
-
-impl Shared {
-    /// Lends a zeroed staging slot for `req`'s region and sender `peer`, after giving back
-    /// the slots of regions the inbox has closed (timed out, failed, taken) without a notice;
-    /// returns its address.
-    fn stage(&self, peer: &AgentAddr, req: &ConnectRequest) -> Result<u64, TransferError> {
-        let key = (req.region, peer.clone());
-        let len = usize::try_from(req.region_len)
-            .map_err(|_| TransferError::Malformed("region too large".into()))?;
-        let mut staging = lock(&self.staging);
-        let closed: Vec<_> =
-            staging.extract_if(|(id, _), _| self.inbox.open_len(*id).is_none()).collect();
-        closed.into_iter().for_each(|(_, slot)| self.arena.give(slot));
-        if staging.contains_key(&key) {
-            return Err(TransferError::Malformed(format!(
-                "a second handshake for region {:?} with {peer}",
-                req.region
-            )));
-        }
-        if staging.len() >= self.cfg.max_open {
-            return Err(TransferError::Full("nixl staging"));
-        }
-        let slot = self
-            .arena
-            .take(len)
-            .ok_or(TransferError::Full("nixl staging memory (NixlConfig::staging_bytes)"))?;
-        let addr = (self.arena.registered().addr() + slot.offset()) as u64;
-        staging.insert(key, slot);
-        Ok(addr)
+        self.shared.staging.regions()
     }
 }
 
@@ -398,25 +260,28 @@ impl TransferBackend for NixlTransfer {
 
     async fn connect(&self, peer: &AgentAddr, req: ConnectRequest) -> Result<(), TransferError> {
         let s = &self.shared;
-        let key = (req.region, peer.clone());
-        let addr = s.stage(peer, &req)?;
+        let region = req.region;
+        let len = usize::try_from(req.region_len)
+            .map_err(|_| TransferError::Malformed("region too large".into()))?;
+        let inbox = &s.inbox;
+        let (addr, ticket) =
+            s.staging.lend(region, len, Instant::now(), |id| inbox.open_len(id).is_some())?;
         let msg = Control::Connect {
             req,
             introduction: control::hex(s.engine.introduction()),
             metadata: control::hex(&s.arena_metadata),
             addr,
+            ticket,
         };
         let sent = control::call(peer, &msg, s.cfg.control_timeout).await;
-        if sent.is_err()
-            && let Some(slot) = lock(&s.staging).remove(&key)
-        {
-            s.arena.give(slot);
+        if sent.is_err() {
+            s.staging.cancel(region, ticket, Instant::now());
         }
         sent
     }
 
-    /// A streamed write's parts go as WRITEs of their own, each into the staging buffer its
-    /// handshake gave this sender; the notice at the end lists every part's segments.
+    /// A streamed write's parts go as WRITEs of their own, each into the staging slot its
+    /// handshake lent this sender; the notice at the end lists every part's segments.
     fn posts_parts(&self) -> bool {
         true
     }
@@ -461,14 +326,20 @@ impl TransferBackend for NixlTransfer {
                 }
                 return Ok(());
             };
-            let mut all = remotes.remove(&req.region).map(|r| r.written).unwrap_or_default();
+            let Some(remote) = remotes.remove(&req.region) else {
+                return Err(TransferError::Failed(format!(
+                    "no nixl handshake for region {:?} from {peer}",
+                    req.region
+                )));
+            };
+            let mut all = remote.written;
             all.extend(listed);
-            (notice, all)
+            (notice, remote.ticket, all)
         };
-        let (notice, segments) = written;
+        let (notice, ticket, segments) = written;
         let msg = Control::Notice {
             region: req.region,
-            from: s.addr.clone(),
+            ticket,
             notice,
             segments,
             token: s.cfg.token.clone(),
@@ -504,7 +375,10 @@ fn gather(
                 "write [{off}, +{len}) outside the {region_len}-byte region"
             )));
         }
-        segments.push(Segment { src: at, dst: base + off, len: bytes.len() });
+        let dst = base.checked_add(*off).ok_or_else(|| {
+            TransferError::Malformed(format!("receiver address {base:#x} + {off} overflows"))
+        })?;
+        segments.push(Segment { src: at, dst, len: bytes.len() });
         listed.push((*off, len));
         source[at..at + bytes.len()].copy_from_slice(bytes);
         at += bytes.len();

@@ -116,6 +116,31 @@ impl Handshake {
     }
 }
 
+/// Refuses what `read_blocks` would read wrongly: several KV cache groups (their blocks are
+/// listed per group), state-space or packed regions, a block order other than NHD or HND.
+fn refuse_other_layouts(m: &[(Value, Value)], meta: &AgentMetadata) -> Result<(), VllmError> {
+    let unsupported = |s: String| Err(VllmError::Unsupported(s));
+    if !matches!(meta.kv_cache_layout.as_str(), "NHD" | "HND") {
+        return unsupported(format!("kv_cache_layout {:?}", meta.kv_cache_layout));
+    }
+    if let Some(Value::Array(groups)) = field(m, "region_group_ids")
+        && groups.iter().any(|g| g != &groups[0])
+    {
+        return unsupported("several KV cache groups".into());
+    }
+    if let Some(Value::Array(ssm)) = field(m, "ssm_sizes")
+        && ssm.iter().any(|v| v.as_u64() != Some(0))
+    {
+        return unsupported("state-space (Mamba) regions".into());
+    }
+    if let Some(Value::Map(packed)) = field(m, "packed_member_layouts")
+        && !packed.is_empty()
+    {
+        return unsupported("packed KV rows".into());
+    }
+    Ok(())
+}
+
 impl AgentMetadata {
     /// Decodes and checks an encoded `NixlAgentMetadata`.
     pub fn decode(encoded: &[u8]) -> Result<Self, VllmError> {
@@ -145,6 +170,7 @@ impl AgentMetadata {
         {
             return Err(VllmError::Unsupported("regions of different block counts".into()));
         }
+        refuse_other_layouts(&m, &meta)?;
         meta.check()?;
         Ok(meta)
     }
@@ -240,6 +266,16 @@ mod tests {
                 "region 0",
             ),
             (vec![("engine_id", 5.into())], "engine_id"),
+            (vec![("kv_cache_layout", "XYZ".into())], "kv_cache_layout"),
+            (vec![("region_group_ids", Value::Array(vec![0.into(), 1.into()]))], "groups"),
+            (vec![("ssm_sizes", Value::Array(vec![64.into(), 0.into()]))], "Mamba"),
+            (
+                vec![(
+                    "packed_member_layouts",
+                    Value::Map(vec![("k".into(), Value::Array(vec![0.into(), 8.into()]))]),
+                )],
+                "packed",
+            ),
         ];
         for (extra, want) in cases {
             let e = AgentMetadata::decode(&meta(extra)).unwrap_err().to_string();

@@ -92,47 +92,30 @@ async fn the_fake_backend_runs_the_same_path() {
     c.shutdown().await;
 }
 
-/// Mooncake's wire between handoff's own prefill ranks and frontend: tp 2 prefills into a
-/// tp 1 decode, 50 requests with the cluster token, tokens as aggregated.
+/// Mooncake's wire between handoff's own prefill ranks and frontend.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mooncake_backend_runs_the_same_path() {
-    let cfg = ClusterConfig {
-        transfer: TransferKind::Mooncake {
-            bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
-            advertise_ip: None,
-        },
-        token: Some("cluster-secret".into()),
-        ..ClusterConfig::ephemeral()
-    };
-    let c = cluster(cfg).await;
-    assert_eq!(c.frontend.agent().backend_name(), "mooncake");
-    let mut cl = client(&c).await;
-    for seed in 0..50 {
-        let p = prompt(seed, 30 + seed as usize * 7);
-        let (tokens, done) = generate(&mut cl, &p, 4).await.unwrap();
-        assert_eq!(tokens, aggregated(&*engine(), &p, 4).await, "prompt {seed}");
-        let ev = done.evidence.unwrap();
-        assert!(ev.failed_attempts.is_empty(), "prompt {seed}: {:?}", ev.failed_attempts);
-        assert!(ev.kv_bytes > 0);
-    }
-    c.shutdown().await;
+    let bind_ip = std::net::Ipv4Addr::LOCALHOST.into();
+    same_path_over(TransferKind::Mooncake { bind_ip, advertise_ip: None }, "mooncake").await;
 }
 
-/// NIXL (the wheel's library, UCX over TCP) between handoff's own prefill ranks and
-/// frontend: tp 2 prefills into a tp 1 decode, 50 requests with the cluster token, tokens as
-/// aggregated, no receive region left behind.
+/// NIXL (the wheel's library, UCX over TCP) between handoff's own prefill ranks and frontend.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_nixl_backend_runs_the_same_path() {
+    let bind_ip = std::net::Ipv4Addr::LOCALHOST.into();
+    same_path_over(TransferKind::Nixl { bind_ip, advertise_ip: None }, "nixl").await;
+}
+
+/// tp 2 prefills into a tp 1 decode over `transfer`, 50 requests with the cluster token:
+/// tokens as aggregated, no failed attempt, no receive region left behind.
+async fn same_path_over(transfer: TransferKind, name: &str) {
     let cfg = ClusterConfig {
-        transfer: TransferKind::Nixl {
-            bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
-            advertise_ip: None,
-        },
+        transfer,
         token: Some("cluster-secret".into()),
         ..ClusterConfig::ephemeral()
     };
     let c = cluster(cfg).await;
-    assert_eq!(c.frontend.agent().backend_name(), "nixl");
+    assert_eq!(c.frontend.agent().backend_name(), name);
     let mut cl = client(&c).await;
     for seed in 0..50 {
         let p = prompt(seed, 30 + seed as usize * 7);

@@ -18,14 +18,13 @@ pub(super) const MAX_MESSAGE: usize = 4 << 20;
 pub(super) enum Control {
     /// Receiver to sender: where a room's KV must land: `req.region_len` bytes from `addr` in
     /// the memory of the agent `introduction` (hex: its address, no memory) names, reached by
-    /// the key in `metadata` (hex: that buffer's alone).
-    Connect { req: ConnectRequest, introduction: String, metadata: String, addr: u64 },
-    /// Sender to receiver, after its WRITE completed: its notice and the (offset, length) of
-    /// every segment it wrote into the region. `from` is the address the receiver's
-    /// handshake went to.
+    /// the key in `metadata` (hex: the staging arena's). `ticket` is this sender's alone.
+    Connect { req: ConnectRequest, introduction: String, metadata: String, addr: u64, ticket: u64 },
+    /// Sender to receiver, after its WRITEs completed: its notice, the (offset, length) of
+    /// every segment it wrote into the region, and the ticket its handshake gave it.
     Notice {
         region: RegionId,
-        from: AgentAddr,
+        ticket: u64,
         notice: Notice,
         segments: Vec<(u64, u64)>,
         token: Option<String>,

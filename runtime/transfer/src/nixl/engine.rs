@@ -124,6 +124,13 @@ impl Engine {
         self.transfer(XferOp::Read, into, segments, remote, opts.as_ref(), deadline)
     }
 
+    /// Forgets a peer's metadata (and NIXL's connection to it).
+    pub(crate) fn forget(&self, remote: &str) {
+        if let Err(e) = self.agent.invalidate_remote_md(remote) {
+            tracing::debug!(%remote, error = %e, "nixl peer not forgotten");
+        }
+    }
+
     /// Sends `remote` the notification `msg` (a peer's own protocol message).
     pub(crate) fn notify(&self, remote: &str, msg: &[u8]) -> Result<(), TransferError> {
         self.agent.send_notification(remote, msg, Some(&self.ucx)).map_err(|e| failed("notify", e))
@@ -131,9 +138,9 @@ impl Engine {
 
     /// WRITEs `segments` of `src` into `remote`'s memory and waits until they are complete
     /// there (NIXL flushes the endpoint before it reports success), or `deadline`; returns the
-    /// source. Blocks the calling thread: run it on a blocking thread. A write still in
-    /// progress at the deadline may still read its source, so the source is then leaked,
-    /// never freed.
+    /// source. Blocks the calling thread: run it on a blocking thread. A write that fails or
+    /// passes its deadline once posted may still read its source, so the source is then
+    /// leaked, never freed.
     pub(crate) fn write(
         &self,
         src: Registered,
@@ -174,15 +181,31 @@ impl Engine {
             .agent
             .create_xfer_req(op, &local, &far, remote, opts)
             .map_err(|e| failed(&format!("{what} request"), e))?;
-        let mut in_progress =
-            self.agent.post_xfer_req(&req, None).map_err(|e| failed("post", e))?;
+        match self.run(&req, what, deadline) {
+            Ok(()) => Ok(src),
+            Err(e) => {
+                // Posted and not known complete: some of its operations may still read or
+                // write the buffer, so it is never freed (nor deregistered).
+                tracing::warn!(len = src.len(), %remote, error = %e, "nixl {what} failed: buffer kept");
+                std::mem::forget(src);
+                Err(e)
+            }
+        }
+    }
+
+    /// Posts `req` and polls it until it succeeds, fails or passes `deadline`.
+    fn run(
+        &self,
+        req: &nixl_sys::XferRequest,
+        what: &str,
+        deadline: Instant,
+    ) -> Result<(), TransferError> {
+        let mut in_progress = self.agent.post_xfer_req(req, None).map_err(|e| failed("post", e))?;
         let mut pause = Duration::from_micros(20);
         while in_progress {
-            match self.agent.get_xfer_status(&req).map_err(|e| failed(what, e))? {
+            match self.agent.get_xfer_status(req).map_err(|e| failed(what, e))? {
                 XferStatus::Success => in_progress = false,
                 XferStatus::InProgress if Instant::now() >= deadline => {
-                    tracing::warn!(len = src.len(), %remote, "nixl {what} past its deadline: buffer kept");
-                    std::mem::forget(src);
                     return Err(TransferError::Timeout(format!("nixl {what} in progress")));
                 }
                 XferStatus::InProgress => {
@@ -191,6 +214,6 @@ impl Engine {
                 }
             }
         }
-        Ok(src)
+        Ok(())
     }
 }

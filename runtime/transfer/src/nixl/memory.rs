@@ -138,7 +138,9 @@ impl Registered {
         self.release().map(|mem| Settled { mem })
     }
 
-    /// Deregisters and takes the memory, or leaks it if deregistration failed.
+    /// Deregisters and takes the memory, or leaks it if deregistration failed. (nixl-sys
+    /// 1.5.2 does not pass on the C call's status, so a refusal is not seen; the callers
+    /// release only memory no transfer of theirs still uses.)
     fn release(&mut self) -> Option<Pinned> {
         let mem = self.mem.take()?;
         match self.handle.deregister() {
@@ -158,9 +160,11 @@ impl Drop for Registered {
     }
 }
 
-/// A range of an [`Arena`], lent to one handshake. Not `Clone`: given back once.
+/// A range of an [`Arena`], lent out. Not `Clone`: given back once, to the arena it came
+/// from (checked).
 #[derive(Debug)]
 pub(crate) struct Slot {
+    arena: u64,
     off: usize,
     len: usize,
 }
@@ -173,9 +177,11 @@ impl Slot {
 }
 
 /// One registered buffer, lent out in slots (see the module docs). First fit over a sorted
-/// list of free ranges, coalesced on return; slots start page-aligned.
+/// list of free ranges, coalesced on return; slots are whole pages of the arena.
 #[derive(Debug)]
 pub(crate) struct Arena {
+    /// Tells this arena's slots from another's.
+    id: u64,
     mem: Registered,
     free: std::sync::Mutex<Vec<std::ops::Range<usize>>>,
 }
@@ -188,7 +194,8 @@ impl Arena {
     pub(crate) fn new(agent: &Agent, len: usize) -> Result<Self, nixl_sys::NixlError> {
         let len = len.max(PAGE).next_multiple_of(PAGE);
         let mem = Registered::new(agent, Pinned::zeroed(len))?;
-        Ok(Arena { mem, free: std::sync::Mutex::new(std::iter::once(0..len).collect()) })
+        let free = std::sync::Mutex::new(std::iter::once(0..len).collect());
+        Ok(Arena { id: rand::random(), mem, free })
     }
 
     /// The registered buffer (for its metadata).
@@ -213,13 +220,23 @@ impl Arena {
         // the free list, which only holds ranges of it) and was just taken out of the free
         // list, so no other slot covers it; no honest peer has been told its address yet.
         unsafe { std::ptr::write_bytes((self.mem.addr() + off) as *mut u8, 0, want) };
-        Some(Slot { off, len: want })
+        Some(Slot { arena: self.id, off, len: want })
     }
 
-    /// The bytes of `slot`.
-    pub(crate) fn bytes(&self, slot: &Slot) -> &[u8] {
-        // SAFETY: the slot lies inside the arena's live, initialized allocation, and `&Slot`
-        // proves it is not free. Its sender wrote it before its notice (NIXL reports a WRITE
+    /// Whether `slot` is one of this arena's, inside it.
+    fn owns(&self, slot: &Slot) -> bool {
+        slot.arena == self.id && slot.off.checked_add(slot.len).is_some_and(|e| e <= self.mem.len())
+    }
+
+    /// The bytes of `slot`, for as long as both are borrowed (a slot cannot be given back,
+    /// and so lent again and zeroed, while its bytes are read). Empty for another arena's slot.
+    pub(crate) fn bytes<'a>(&'a self, slot: &'a Slot) -> &'a [u8] {
+        if !self.owns(slot) {
+            return &[];
+        }
+        // SAFETY: the slot lies inside the arena's live, initialized allocation (`owns`), and
+        // it is not free: a slot leaves the free list only as one `Slot`, which `give`
+        // consumes, and `'a` keeps it borrowed for as long as the slice lives. Its sender wrote it before its notice (NIXL reports a WRITE
         // complete only once the bytes are at this agent), so honest peers no longer write
         // it. A hostile UCX peer can write any address of this process over UCX's TCP
         // transport (docs/security.md); that is outside what Rust can contain, and a torn
@@ -227,8 +244,12 @@ impl Arena {
         unsafe { std::slice::from_raw_parts((self.mem.addr() + slot.off) as *const u8, slot.len) }
     }
 
-    /// Gives `slot` back.
+    /// Gives `slot` back (another arena's slot is refused, and leaked: never lent twice).
     pub(crate) fn give(&self, slot: Slot) {
+        if !self.owns(&slot) {
+            tracing::warn!(off = slot.off, len = slot.len, "slot of another arena not taken back");
+            return;
+        }
         let mut free = self.free.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let at = free.partition_point(|r| r.start < slot.off);
         free.insert(at, slot.off..slot.off + slot.len);

@@ -102,7 +102,7 @@ async fn kv_moves_between_handoff_agents_and_is_verified() {
     assert!(got.buf == want, "bytes differ");
     assert_eq!(got.notices[0].first_token, 7);
     assert_eq!(p.rx_backend.open_staging(), 0, "the staging slot is given back at the notice");
-    let arena = &p.rx_backend.shared.arena;
+    let arena = p.rx_backend.shared.staging.arena();
     assert_eq!(arena.free_bytes(), NixlConfig::default().staging_bytes, "all of it free again");
     p.tasks.shutdown().await;
 }
@@ -190,8 +190,8 @@ async fn a_notice_for_a_handshake_never_made_is_forbidden() {
     let id = region(&p, r, 1000, &[s], None).await;
     // The notice claims to come from another sender address than the handshake went to.
     let notice = WriteRequest::new(id, vec![(pattern(1000, 1), 0)], r, s, 1, 1, 0).notice.unwrap();
-    let from = AgentAddr { ip: "127.0.0.1".into(), port: 1 };
-    let msg = Control::Notice { region: id, from, notice, segments: vec![(0, 1000)], token: None };
+    let msg =
+        Control::Notice { region: id, ticket: 1, notice, segments: vec![(0, 1000)], token: None };
     let e = control::call(&p.rx.addr(), &msg, Duration::from_secs(5)).await.unwrap_err();
     assert!(e.to_string().contains("no nixl handshake"), "{e}");
     assert_eq!(p.rx.inbox().poll(id), KvPoll::WaitingForInput, "nothing else changed");
@@ -199,10 +199,10 @@ async fn a_notice_for_a_handshake_never_made_is_forbidden() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_write_into_another_senders_slot_never_verifies() {
+async fn bytes_written_anywhere_but_where_the_notice_says_never_verify() {
     // Every sender holds the staging arena's key (UCX over TCP would not check keys anyway):
-    // what keeps a sender out of another's bytes is the inbox, which takes each sender's
-    // bytes from its own slot only, and the checksum.
+    // what keeps a sender's bytes where they belong is the inbox, which takes them from the
+    // segments its notice lists, and the checksum.
     let p = pair(None).await;
     let (tx2, tx2_backend) = agent(&p.tasks, None).await;
     let r = Room::mint();
@@ -212,14 +212,16 @@ async fn a_write_into_another_senders_slot_never_verifies() {
     for peer in [p.tx.addr(), tx2.addr()] {
         p.rx.connect(&peer, connect_request(&p, r, id, 1000, None)).await.unwrap();
     }
-    // Point the second sender at the first one's slot.
-    let arena = p.rx_backend.shared.arena.registered().addr();
-    let theirs = arena + lock(&p.rx_backend.shared.staging)[&(id, p.tx.addr())].offset();
-    lock(&tx2_backend.shared.remotes).get_mut(&id).unwrap().addr = theirs as u64;
+    assert_eq!(p.rx_backend.open_staging(), 1, "one slot for the region, shared");
+    // The second sender's bytes for [500, 1000) land over the first one's [0, 500).
+    lock(&tx2_backend.shared.remotes).get_mut(&id).unwrap().addr -= 500;
     let w = WriteRequest::new(id, vec![(pattern(500, 4), 500)], r, b, 1, 1, 0);
     let e = tx2.post_write(&p.rx.addr(), w).await.unwrap_err();
     assert!(e.to_string().contains("checksum mismatch"), "{e}");
     assert_eq!(p.rx.inbox().poll(id), KvPoll::Failed);
+    // The first sender may still be writing: the slot rests instead of being lent again.
+    assert_eq!(p.rx_backend.open_staging(), 0);
+    assert_eq!(p.rx_backend.shared.staging.resting(), 1);
     p.tasks.shutdown().await;
 }
 
@@ -244,14 +246,13 @@ async fn a_streamed_write_lands_part_by_part_and_one_notice_covers_every_part() 
 }
 
 #[test]
-fn the_arena_lends_page_aligned_zeroed_slots_and_coalesces_them_back() {
+fn the_arena_lends_whole_pages_zeroed_and_coalesces_them_back() {
     let engine = Engine::start("arena-test", Duration::from_millis(10)).unwrap();
     let arena = engine.arena(64 << 10).unwrap();
     let a = arena.take(5000).unwrap();
     let b = arena.take(4096).unwrap();
     let c = arena.take(1).unwrap();
-    assert_eq!((a.offset(), b.offset(), c.offset()), (0, 8192, 12288), "page-aligned, first fit");
-    assert!(arena.bytes(&b).iter().all(|&x| x == 0));
+    assert_eq!((a.offset(), b.offset(), c.offset()), (0, 8192, 12288), "whole pages, first fit");
     assert!(arena.take(60 << 10).is_none(), "not that much left");
     arena.give(b);
     arena.give(a);
@@ -259,4 +260,17 @@ fn the_arena_lends_page_aligned_zeroed_slots_and_coalesces_them_back() {
     assert_eq!(arena.free_bytes(), 64 << 10);
     let whole = arena.take(64 << 10).expect("coalesced into one range again");
     assert_eq!(whole.offset(), 0);
+    // A slot given back dirty comes back zeroed.
+    let addr = arena.registered().addr();
+    let peer = Engine::start("arena-peer", Duration::from_millis(10)).unwrap();
+    let name = peer.load(engine.introduction()).unwrap();
+    peer.load(&engine.metadata_of(arena.registered()).unwrap()).unwrap();
+    let src = peer.register(memory::Pinned::from_vec(vec![7u8; 4096])).unwrap();
+    let seg = [Segment { src: 0, dst: addr as u64 + 4096, len: 4096 }];
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    peer.write(src, &seg, &name, deadline).unwrap();
+    assert!(arena.bytes(&whole)[4096..8192].iter().all(|&x| x == 7), "the write landed");
+    arena.give(whole);
+    let again = arena.take(64 << 10).unwrap();
+    assert!(arena.bytes(&again).iter().all(|&x| x == 0), "zeroed when lent again");
 }

@@ -13,7 +13,7 @@ Stand-ins: vLLM's logger (logging), make_zmq_path and make_zmq_socket (a bound R
 classes for the names only type hints and other code paths use.
 
 The cache: LAYERS layers, K and V regions each (vLLM's split FlashAttention layout, NHD),
-NUM_BLOCKS blocks of BLOCK_LEN bytes, random bytes.
+NUM_BLOCKS blocks of BLOCK_LEN bytes, STRIDE bytes apart, random bytes.
 
 argv: PORT. First line: {"engine_id", "regions", "num_blocks", "block_len", "block_size"}.
 stdin, one JSON object per line:
@@ -43,6 +43,8 @@ from nixl_cu13._api import nixl_agent, nixl_agent_config
 
 LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, ELEM = 4, 64, 16, 3, 64, 4
 BLOCK_LEN = BLOCK_SIZE * HEADS * HEAD_DIM * ELEM
+# Blocks twice their length apart, so a reader that steps by the length reads wrong blocks.
+STRIDE = 2 * BLOCK_LEN
 
 src = os.path.join(os.path.dirname(sys.executable), "..", "vllm-src", "vllm")
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
@@ -126,7 +128,7 @@ def main():
     # As vLLM's worker makes its agent (base_worker.py).
     agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(num_threads=4, backends=["UCX"]))
     rng = np.random.default_rng(7)
-    regions = [rng.integers(0, 256, NUM_BLOCKS * BLOCK_LEN, dtype=np.uint8) for _ in range(2 * LAYERS)]
+    regions = [rng.integers(0, 256, NUM_BLOCKS * STRIDE, dtype=np.uint8) for _ in range(2 * LAYERS)]
     descs = agent.get_reg_descs([(r.ctypes.data, r.nbytes, 0, "") for r in regions], "DRAM")
     agent.register_memory(descs)
     engine_id = str(uuid.uuid4())
@@ -137,7 +139,7 @@ def main():
         device_id=0,
         num_blocks=NUM_BLOCKS,
         block_lens=[BLOCK_LEN] * len(regions),
-        block_strides=[BLOCK_LEN] * len(regions),
+        block_strides=[STRIDE] * len(regions),
         kv_cache_layout="NHD",
         block_size=BLOCK_SIZE,
         ssm_sizes=(0, 0),
@@ -186,7 +188,7 @@ def main():
                 worker._reqs_to_send[req] = time.perf_counter() + 30
                 worker._reqs_to_process.add(req)
                 sums = [
-                    hashlib.sha256(r[b * BLOCK_LEN:(b + 1) * BLOCK_LEN].tobytes()).hexdigest()
+                    hashlib.sha256(r[b * STRIDE:b * STRIDE + BLOCK_LEN].tobytes()).hexdigest()
                     for r in regions for b in cmd["blocks"]
                 ]
                 print(json.dumps({"req": req, "sha256": sums}), flush=True)

@@ -1,0 +1,156 @@
+//! The control listener's side of the nixl backend: a receiver's handshake at the sender, a
+//! sender's notice at the receiver.
+
+use std::net::SocketAddr;
+
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tracing::debug;
+
+use super::control::{self, Control, Reply};
+use super::memory::Slot;
+use super::{Remote, Shared};
+use crate::inbox::lock;
+use crate::{ConnectRequest, RegionId, TransferError};
+
+/// One control connection: a message, its answer, then close.
+pub(super) async fn serve_control(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
+    let deadline = s.cfg.control_timeout;
+    let served = async {
+        let msg = control::read_message::<_, Control>(&mut st).await;
+        let reply: Reply = match msg {
+            Ok(Control::Connect { req, introduction, metadata, addr, ticket }) => {
+                on_connect(s, req, &introduction, &metadata, (addr, ticket)).into()
+            }
+            Ok(Control::Notice { region, ticket, notice, segments, token }) => {
+                if !crate::token_accepted(
+                    s.cfg.token.as_deref(),
+                    token.as_deref().map(str::as_bytes),
+                ) {
+                    Err(TransferError::Unauthorized).into()
+                } else {
+                    let conn = crate::mooncake::peer_conn(peer.ip());
+                    on_notice(s, region, ticket, conn, notice, &segments).into()
+                }
+            }
+            Err(e) => Err(e).into(),
+        };
+        control::write_message(&mut st, &reply).await
+    };
+    match tokio::time::timeout(deadline, served).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => debug!(%peer, error = %e, "nixl control answer not sent"),
+        Err(_) => debug!(%peer, "nixl control exchange too slow"),
+    }
+}
+
+/// A receiver's handshake, at the sender: token first (the metadata is parsed by NIXL only
+/// for a peer that has it), then the introduction and the buffer's metadata (one agent's
+/// both), then the inbox's table.
+fn on_connect(
+    s: &Shared,
+    req: ConnectRequest,
+    introduction: &str,
+    metadata: &str,
+    (addr, ticket): (u64, u64),
+) -> Result<(), TransferError> {
+    if !crate::token_accepted(s.cfg.token.as_deref(), req.token.as_deref().map(str::as_bytes)) {
+        return Err(TransferError::Unauthorized);
+    }
+    let region = req.region;
+    let len = req.region_len;
+    {
+        let mut remotes = lock(&s.remotes);
+        if remotes.len() >= s.cfg.max_open && !remotes.contains_key(&region) {
+            let ttl = s.cfg.handshake_ttl;
+            remotes.retain(|_, r| r.since.elapsed() < ttl);
+            if remotes.len() >= s.cfg.max_open {
+                return Err(TransferError::Full("nixl handshake"));
+            }
+        }
+    }
+    let agent = s.engine.load(&control::unhex(introduction)?)?;
+    if s.engine.load(&control::unhex(metadata)?)? != agent {
+        return Err(TransferError::Malformed("nixl metadata of two agents".into()));
+    }
+    s.remember(&agent);
+    // Recorded before the inbox's table wakes the prefill, whose first write looks it up.
+    let remote = Remote { agent, addr, len, ticket, since: Instant::now(), written: Vec::new() };
+    lock(&s.remotes).insert(region, remote);
+    let accepted = s.inbox.on_connect(req);
+    if accepted.is_err() {
+        lock(&s.remotes).remove(&region);
+    }
+    accepted
+}
+
+/// A sender's notice, at the receiver: its ticket redeemed, the segments it lists copied
+/// from the region's staging slot into the region, the notice verified (see the module docs),
+/// the slot given back once the region is done with it.
+fn on_notice(
+    s: &Shared,
+    region: RegionId,
+    ticket: u64,
+    conn: crate::ConnId,
+    notice: crate::Notice,
+    segments: &[(u64, u64)],
+) -> Result<(), TransferError> {
+    let slot = s.staging.redeem(region, ticket)?;
+    let verified = apply(s, region, &slot, conn, notice.sender, segments)
+        .and_then(|()| s.inbox.on_notice(region, conn, notice));
+    drop(slot);
+    let closed = s.inbox.open_len(region).is_none();
+    s.staging.settle(region, closed, Instant::now());
+    verified
+}
+
+/// Copies the listed segments of `slot` into the region, through the inbox's checks.
+fn apply(
+    s: &Shared,
+    region: RegionId,
+    slot: &Slot,
+    conn: crate::ConnId,
+    sender: crate::SenderId,
+    segments: &[(u64, u64)],
+) -> Result<(), TransferError> {
+    let bytes = s.staging.arena().bytes(slot);
+    let mut parts = Vec::with_capacity(segments.len());
+    for &(off, len) in segments {
+        // (A slot may be longer than its region, by page rounding; the inbox bounds it.)
+        let end = off.checked_add(len).filter(|&e| e <= bytes.len() as u64);
+        let Some(end) = end else {
+            let reason = format!("segment [{off}, +{len}) outside the region");
+            s.inbox.fail(region, reason.clone());
+            return Err(TransferError::Malformed(reason));
+        };
+        parts.push((off, &bytes[off as usize..end as usize]));
+    }
+    s.inbox.on_write(region, sender, conn, &parts)
+}
+
+/// Peers' metadata kept before idle ones are forgotten.
+const MAX_PEERS: usize = 256;
+
+impl Shared {
+    /// Notes that peer `agent`'s metadata was just used; past [`MAX_PEERS`], forgets the peers
+    /// no handshake waits on that have been idle past the handshake's lifetime (a restarted
+    /// receiver comes back under a new name, and NIXL would keep the old one forever).
+    fn remember(&self, agent: &str) {
+        let now = Instant::now();
+        let idle = {
+            let mut loaded = lock(&self.loaded);
+            loaded.insert(agent.to_owned(), now);
+            if loaded.len() <= MAX_PEERS {
+                return;
+            }
+            let waited_on: std::collections::HashSet<String> =
+                lock(&self.remotes).values().map(|r| r.agent.clone()).collect();
+            let ttl = self.cfg.handshake_ttl;
+            loaded
+                .extract_if(|name, at| !waited_on.contains(name) && now - *at > ttl)
+                .map(|(name, _)| name)
+                .collect::<Vec<_>>()
+        };
+        idle.iter().for_each(|name| self.engine.forget(name));
+    }
+}
