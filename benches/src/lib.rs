@@ -1,9 +1,10 @@
-//! What the index and selection benchmarks share: the shapes of the Dynamo comparison (W
-//! instances each storing sequences of D blocks that share a P-block prefix) and a scheduler
-//! holding them.
+//! What the benchmarks share: the shapes of the Dynamo comparison (W instances each storing
+//! sequences of D blocks that share a P-block prefix) and a scheduler holding them; the path
+//! helpers; and [`record::Report`], the JSON record every bench writes beside its table.
 
 pub mod fuzz;
 pub mod path;
+pub mod record;
 
 use handoff_core::{BlockHash, InstanceId};
 use handoff_discovery::{Instance, KvEvent, KvEventKind, Role, Topology, Update};

@@ -208,7 +208,7 @@ fn main() -> anyhow::Result<()> {
         Ok(())
     })?;
     let state = Arc::new(fleet(a.instances));
-    let mut out = std::io::stdout().lock();
+    let mut out = handoff_benches::record::Report::new("churn");
     writeln!(
         out,
         "selection over {} instances ({} blocks each, kv_aware) {}, {} s per phase, seed {}, churn: {}",
@@ -257,5 +257,6 @@ fn main() -> anyhow::Result<()> {
         )?;
     }
     writeln!(out, "selection p99 under churn / alone = {:.2}", busy / quiet)?;
+    out.finish()?;
     Ok(())
 }

@@ -239,7 +239,7 @@ async fn recovery(covered: bool) -> anyhow::Result<f64> {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
-    let mut out = std::io::stdout().lock();
+    let mut out = handoff_benches::record::Report::new("engine_events");
     writeln!(
         out,
         "engine KV events (batches of 1 BlockStored, 4 blocks of 16 tokens) into the index"
@@ -268,5 +268,6 @@ async fn main() -> anyhow::Result<()> {
         "  gap the replay no longer covers, cleared and rebuilt: {:.1} ms",
         recovery(false).await?
     )?;
+    out.finish()?;
     Ok(())
 }

@@ -47,7 +47,7 @@ async fn main() -> anyhow::Result<()> {
     cap_heap()?;
     let bus = fuzz::bus_payloads(inputs, seed);
     let reports = [frames, http, bus];
-    let mut out = std::io::stdout().lock();
+    let mut out = handoff_benches::record::Report::new("fuzz");
     writeln!(out, "| decoder | inputs | inputs/s | failures |")?;
     writeln!(out, "|---|---:|---:|---:|")?;
     for r in &reports {
@@ -74,5 +74,6 @@ async fn main() -> anyhow::Result<()> {
     if reports.iter().any(|r| r.failed > 0) {
         anyhow::bail!("fuzzing found failures");
     }
+    out.finish()?;
     Ok(())
 }

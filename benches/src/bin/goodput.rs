@@ -173,7 +173,7 @@ async fn run_load(a: &Args, load: f64) -> anyhow::Result<Vec<Sample>> {
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse()?;
     let cap = a.capacity();
-    let mut out = std::io::stdout().lock();
+    let mut out = handoff_benches::record::Report::new("goodput");
     writeln!(
         out,
         "{} instances, {}-token prompts at {} us/token, {} tokens each at {} us/token, deadline {} ms, {} s per load (first {} s not counted), seed {}: capacity {cap:.2} req/s\n",
@@ -193,7 +193,6 @@ async fn main() -> anyhow::Result<()> {
     )?;
     writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     out.flush()?;
-    drop(out);
     for &load in &a.loads {
         let samples = run_load(&a, load).await?;
         let window = (a.warmup, a.seconds);
@@ -205,7 +204,6 @@ async fn main() -> anyhow::Result<()> {
         let mut refused: Vec<Duration> = of(Outcome::Refused).map(|s| s.latency).collect();
         let mut answered: Vec<Duration> = of(Outcome::Answered).map(|s| s.latency).collect();
         let other = of(Outcome::Other).count();
-        let mut out = std::io::stdout().lock();
         writeln!(
             out,
             "| {load:.1}x | {:.2} | {goodput:.2} | {:.0} % | {} | {} | {:.2} ms | {:.2} ms | {:.0} ms | {:.0} ms | {other} |",
@@ -220,5 +218,6 @@ async fn main() -> anyhow::Result<()> {
         )?;
         out.flush()?;
     }
+    out.finish()?;
     Ok(())
 }

@@ -107,7 +107,7 @@ fn ms(d: Duration) -> f64 {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let reps: usize = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(15);
-    let mut out = std::io::stdout();
+    let mut out = handoff_benches::record::Report::new("kv_stream");
     let loopback: std::net::IpAddr = std::net::Ipv4Addr::LOCALHOST.into();
     writeln!(
         out,
@@ -172,5 +172,6 @@ async fn main() -> anyhow::Result<()> {
             p.cluster.shutdown().await;
         }
     }
+    out.finish()?;
     Ok(())
 }

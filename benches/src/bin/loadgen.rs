@@ -406,7 +406,11 @@ async fn main() -> anyhow::Result<()> {
             errors: std::mem::take(&mut r.errors),
         });
     }
-    let mut out = std::io::stdout().lock();
+    let mut out = handoff_benches::record::Report::new("loadgen");
+    let seeds: Vec<u64> = (0..a.policies.len() as u64)
+        .map(|i| if a.frontend.is_some() { 42 + i } else { 42 })
+        .collect();
+    out.note("seeds", serde_json::json!(seeds));
     let cluster = match &a.frontend {
         Some(f) => format!("the cluster at {f}"),
         None => format!(
@@ -452,5 +456,6 @@ async fn main() -> anyhow::Result<()> {
         std::fs::write(path, svg(&rows))?;
         writeln!(out, "\nplot: {path}")?;
     }
+    out.finish()?;
     Ok(())
 }

@@ -84,7 +84,7 @@ async fn main() -> anyhow::Result<()> {
         std::path::PathBuf::from(std::env::var("HOME").unwrap_or_default())
             .join(".cache/handoff/models/SmolLM2-135M-Instruct.Q4_1.gguf")
     });
-    let mut out = std::io::stdout().lock();
+    let mut out = handoff_benches::record::Report::new("model");
     let t = Instant::now();
     let e = SmolLm::load(&SmolConfig::new(&path))?;
     writeln!(out, "model load (incl. Q4_1 -> Q8_0 requantization): {:.0} ms", ms(t.elapsed()))?;
@@ -113,7 +113,6 @@ async fn main() -> anyhow::Result<()> {
         ms(none),
         ms(hit)
     )?;
-    drop(out);
 
     // The path: 2 prefill instances (tp 1), decode tp 1, tcp transfer.
     let base = e.clone();
@@ -124,7 +123,6 @@ async fn main() -> anyhow::Result<()> {
         .await?;
     let mut client = GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
     ttft_through(&mut client, prompt(32, 77)).await?; // warm-up: connections
-    let mut out = std::io::stdout().lock();
     let agg = {
         let t = Instant::now();
         e.prefill(&prompt(256, 11), None, &Sampling::default()).await?;
@@ -151,7 +149,6 @@ async fn main() -> anyhow::Result<()> {
         ms(cold),
         ms(warm)
     )?;
-    drop(out);
     cluster.shutdown().await;
 
     // The same prompts through each transfer backend, against the engine alone, one run:
@@ -197,7 +194,6 @@ async fn main() -> anyhow::Result<()> {
         rows.push((format!("disaggregated, {label}"), medians));
         cluster.shutdown().await;
     }
-    let mut out = std::io::stdout().lock();
     writeln!(out, "\nTTFT by transfer backend (256 tokens: median of 5; 1024: median of 3):")?;
     writeln!(out, "| path | 256 tokens (ms) | vs engine | 1024 tokens (ms) | vs engine |")?;
     writeln!(out, "|---|---:|---:|---:|---:|")?;
@@ -212,6 +208,7 @@ async fn main() -> anyhow::Result<()> {
         };
         writeln!(out, "| {label} | {:.1} | {} | {:.1} | {} |", ms(t[0]), vs(0), ms(t[1]), vs(1))?;
     }
+    out.finish()?;
     Ok(())
 }
 

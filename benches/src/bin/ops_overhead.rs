@@ -58,7 +58,7 @@ async fn main() -> anyhow::Result<()> {
     let cluster = Cluster::start_shared(ClusterConfig::ephemeral(), engine).await?;
     let client = GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
     let configs = [Ops::Off, Ops::Metrics, Ops::MetricsAndLogs];
-    let mut out = std::io::stdout().lock();
+    let mut out = handoff_benches::record::Report::new("ops_overhead");
     writeln!(
         out,
         "prompt {prompt_tokens} tokens, {rounds} interleaved rounds of {per_round} requests per configuration, mock compute 0, tcp transfer"
@@ -118,8 +118,8 @@ async fn main() -> anyhow::Result<()> {
             )?;
         }
     }
-    drop(out);
     handoff_core::metrics::set_enabled(true);
     cluster.shutdown().await;
+    out.finish()?;
     Ok(())
 }

@@ -38,7 +38,7 @@ async fn main() -> anyhow::Result<()> {
 
     let cluster = Cluster::start_shared(ClusterConfig::ephemeral(), engine.clone()).await?;
     let client = GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
-    let mut out = std::io::stdout().lock();
+    let mut out = handoff_benches::record::Report::new("overhead");
     writeln!(
         out,
         "prompt {prompt_tokens} tokens, {per_level} requests per level, 2 prefill instances (tp 2), decode tp 1, tcp transfer, mock compute 0"
@@ -89,7 +89,7 @@ async fn main() -> anyhow::Result<()> {
             per_level as f64 / wall.as_secs_f64()
         )?;
     }
-    drop(out);
     cluster.shutdown().await;
+    out.finish()?;
     Ok(())
 }

@@ -224,7 +224,7 @@ async fn main() -> anyhow::Result<()> {
     let with = idle_cpu(idle).await?;
     pairs.push(Pair { label: "nixl + token", tx, rx, token });
     let wheel = wheel_rate(rounds)?;
-    let mut out = std::io::stdout().lock();
+    let mut out = handoff_benches::record::Report::new("transfer");
     writeln!(
         out,
         "idle over {idle:?}: process without nixl agents {:.1} % of a core, with two {:.1} % ({:.2} % per agent)\n",
@@ -285,7 +285,7 @@ async fn main() -> anyhow::Result<()> {
             took[took.len() * 99 / 100]
         )?;
     }
-    drop(out);
     tasks.shutdown().await;
+    out.finish()?;
     Ok(())
 }

@@ -68,7 +68,7 @@ fn p50_per_call(mut f: impl FnMut(usize)) -> Duration {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let mut out = std::io::stdout().lock();
+    let mut out = handoff_benches::record::Report::new("vs_dynamo");
     writeln!(
         out,
         "shapes: W workers x {PER_WORKER} sequences of {DEPTH} blocks sharing a {PREFIX}-block prefix; {QUERIES} queries\n"
@@ -179,5 +179,6 @@ async fn main() -> anyhow::Result<()> {
         )?;
     }
     writeln!(out, "\nselect: handoff target <= 10 us at 1024 instances")?;
+    out.finish()?;
     Ok(())
 }
