@@ -7,8 +7,11 @@
 //! waiting for an answer. Each policy runs on a fresh cluster of `--instances` prefill
 //! instances (mock engine, cold caches) with the same workload and seed.
 //!
+//! Every policy runs `--seeds` times (3 by default), each on a workload of its own seed.
 //! Prints, per policy, prefix cache hit rate, TTFT p50/p95/p99, inter-token latency,
-//! throughput and errors as a Markdown table, and writes an SVG plot. The hit rate's
+//! throughput and errors as a Markdown table (means over the seeds, with the least and
+//! greatest hit rate and TTFT p50 beside), and writes an SVG plot with the spread and the
+//! hit rate's ceiling drawn. The hit rate's
 //! *ceiling* is what one infinite cache would have hit: per request, the full pages of its
 //! prompt that the prompts prefilled before it (first token back earlier) began with. A
 //! prefill caches prompts, not answers, so a policy can pass it only by the odd race.
@@ -22,8 +25,9 @@
 //! cargo run --release -p handoff-benches --bin loadgen -- --frontend 127.0.0.1:50051 --rate 0.5
 //! ```
 
+mod plot;
+
 use std::collections::HashSet;
-use std::fmt::Write as _;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -54,6 +58,8 @@ struct Args {
     decode_us: u64,
     svg: Option<String>,
     policies: Vec<Policy>,
+    /// Runs per policy, each on its own seed.
+    seeds: u64,
     load_weight: f64,
     frontend: Option<String>,
     page_size: usize,
@@ -82,6 +88,7 @@ impl Args {
             load_weight: handoff_scheduler::policy::KvAwareWeights::default().load,
             frontend: None,
             page_size: 16,
+            seeds: 3,
             policies: vec![
                 Policy::KvAware,
                 Policy::RoundRobin,
@@ -107,6 +114,7 @@ impl Args {
                 "--load-weight" => a.load_weight = val.parse()?,
                 "--frontend" => a.frontend = Some(val.to_owned()),
                 "--page-size" => a.page_size = val.parse()?,
+                "--seeds" => a.seeds = val.parse::<u64>()?.max(1),
                 "--policies" => {
                     a.policies = val
                         .split(',')
@@ -313,8 +321,8 @@ fn name(p: Policy) -> &'static str {
     }
 }
 
+/// One policy on one seed.
 struct Row {
-    policy: &'static str,
     hit: f64,
     ceiling: f64,
     ttft: [Duration; 3],
@@ -324,93 +332,60 @@ struct Row {
     errors: usize,
 }
 
-fn svg(rows: &[Row]) -> String {
-    let (w, h, pad) = (720.0, 360.0, 60.0);
-    let max_ttft = rows.iter().map(|r| r.ttft[0].as_secs_f64()).fold(0.0, f64::max).max(1e-3);
-    let bw = (w - 2.0 * pad) / rows.len() as f64;
-    let mut s = format!(
-        "<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='12'>\n"
-    );
-    let _ = writeln!(
-        s,
-        "<text x='{pad}' y='20'>TTFT p50 (bars, left axis) and prefix cache hit rate (dots, right axis) per policy</text>"
-    );
-    for (i, r) in rows.iter().enumerate() {
-        let x = pad + i as f64 * bw;
-        let bh = (h - 2.0 * pad) * r.ttft[0].as_secs_f64() / max_ttft;
-        let _ = writeln!(
-            s,
-            "<rect x='{:.1}' y='{:.1}' width='{:.1}' height='{:.1}' fill='#4a7bd0'/>",
-            x + bw * 0.2,
-            h - pad - bh,
-            bw * 0.6,
-            bh
-        );
-        let _ = writeln!(
-            s,
-            "<text x='{:.1}' y='{:.1}' text-anchor='middle'>{:.0} ms</text>",
-            x + bw / 2.0,
-            h - pad - bh - 4.0,
-            r.ttft[0].as_secs_f64() * 1e3
-        );
-        let hy = h - pad - (h - 2.0 * pad) * r.hit;
-        let _ = writeln!(
-            s,
-            "<circle cx='{:.1}' cy='{hy:.1}' r='5' fill='#d0504a'/><text x='{:.1}' y='{:.1}' fill='#d0504a'>{:.0} %</text>",
-            x + bw / 2.0,
-            x + bw / 2.0 + 8.0,
-            hy + 4.0,
-            r.hit * 100.0
-        );
-        let _ = writeln!(
-            s,
-            "<text x='{:.1}' y='{:.1}' text-anchor='middle'>{}</text>",
-            x + bw / 2.0,
-            h - pad + 18.0,
-            r.policy
-        );
+/// One policy over every seed.
+struct Summary {
+    policy: &'static str,
+    runs: Vec<Row>,
+}
+
+impl Summary {
+    /// The mean, least and greatest of `f` over the seeds.
+    fn spread(&self, f: impl Fn(&Row) -> f64) -> (f64, f64, f64) {
+        let v: Vec<f64> = self.runs.iter().map(f).collect();
+        let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+        let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (mean, min, max)
     }
-    let _ = writeln!(
-        s,
-        "<line x1='{pad}' y1='{}' x2='{}' y2='{}' stroke='black'/>",
-        h - pad,
-        w - pad,
-        h - pad
-    );
-    s.push_str("</svg>\n");
-    s
+}
+
+/// A run's row.
+fn row_of(mut r: Report) -> Row {
+    let prompt: u64 = r.samples.iter().map(|s| u64::from(s.prompt)).sum();
+    let cached: u64 = r.samples.iter().map(|s| u64::from(s.cached)).sum();
+    let ceiling: u64 = r.samples.iter().map(|s| u64::from(s.ceiling)).sum();
+    let generated: u64 = r.samples.iter().map(|s| u64::from(s.generated)).sum();
+    let mut ttft: Vec<Duration> = r.samples.iter().map(|s| s.ttft).collect();
+    let mut itl: Vec<Duration> = r.samples.iter().filter_map(|s| s.itl).collect();
+    Row {
+        hit: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+        ceiling: if prompt == 0 { 0.0 } else { ceiling as f64 / prompt as f64 },
+        ttft: [pct(&mut ttft, 0.5), pct(&mut ttft, 0.95), pct(&mut ttft, 0.99)],
+        itl: pct(&mut itl, 0.5),
+        tps: generated as f64 / r.wall.as_secs_f64(),
+        requests: r.samples.len(),
+        errors: std::mem::take(&mut r.errors),
+    }
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse()?;
     let mut rows = Vec::new();
+    let mut seeds_run = Vec::new();
     for (i, &p) in a.policies.iter().enumerate() {
-        // A live cluster keeps its caches between policies: give each its own prompts.
-        let seed = if a.frontend.is_some() { 42 + i as u64 } else { 42 };
-        let mut r = run_policy(&a, p, seed).await?;
-        let prompt: u64 = r.samples.iter().map(|s| u64::from(s.prompt)).sum();
-        let cached: u64 = r.samples.iter().map(|s| u64::from(s.cached)).sum();
-        let ceiling: u64 = r.samples.iter().map(|s| u64::from(s.ceiling)).sum();
-        let generated: u64 = r.samples.iter().map(|s| u64::from(s.generated)).sum();
-        let mut ttft: Vec<Duration> = r.samples.iter().map(|s| s.ttft).collect();
-        let mut itl: Vec<Duration> = r.samples.iter().filter_map(|s| s.itl).collect();
-        rows.push(Row {
-            policy: name(p),
-            hit: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
-            ceiling: if prompt == 0 { 0.0 } else { ceiling as f64 / prompt as f64 },
-            ttft: [pct(&mut ttft, 0.5), pct(&mut ttft, 0.95), pct(&mut ttft, 0.99)],
-            itl: pct(&mut itl, 0.5),
-            tps: generated as f64 / r.wall.as_secs_f64(),
-            requests: r.samples.len(),
-            errors: std::mem::take(&mut r.errors),
-        });
+        let mut runs = Vec::new();
+        for k in 0..a.seeds {
+            // The same workloads for every policy on fresh clusters; a live cluster keeps
+            // its caches between runs, so there every run gets prompts of its own.
+            let seed = if a.frontend.is_some() { 42 + i as u64 * a.seeds + k } else { 42 + k };
+            seeds_run.push(seed);
+            runs.push(row_of(run_policy(&a, p, seed).await?));
+        }
+        rows.push(Summary { policy: name(p), runs });
     }
     let mut out = handoff_benches::record::Report::new("loadgen");
-    let seeds: Vec<u64> = (0..a.policies.len() as u64)
-        .map(|i| if a.frontend.is_some() { 42 + i } else { 42 })
-        .collect();
-    out.note("seeds", serde_json::json!(seeds));
+    out.note("seeds", serde_json::json!(seeds_run));
     let cluster = match &a.frontend {
         Some(f) => format!("the cluster at {f}"),
         None => format!(
@@ -430,30 +405,37 @@ async fn main() -> anyhow::Result<()> {
         a.rate,
         a.seconds,
     )?;
+    writeln!(out, "mean over {} seeds; min and max beside\n", a.seeds)?;
     writeln!(
         out,
-        "| policy | hit rate | ceiling | TTFT p50 (ms) | TTFT p95 (ms) | TTFT p99 (ms) | ITL p50 (ms) | tokens/s | requests | errors |"
+        "| policy | hit rate % | hit min | hit max | ceiling % | TTFT p50 (ms) | p50 min | p50 max | TTFT p95 (ms) | TTFT p99 (ms) | ITL p50 (ms) | tokens/s | requests | errors |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     for r in &rows {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let hit = r.spread(|x| x.hit * 100.0);
+        let p50 = r.spread(|x| ms(x.ttft[0]));
         writeln!(
             out,
-            "| {} | {:.1} % | {:.1} % | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} |",
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} |",
             r.policy,
-            r.hit * 100.0,
-            r.ceiling * 100.0,
-            ms(r.ttft[0]),
-            ms(r.ttft[1]),
-            ms(r.ttft[2]),
-            ms(r.itl),
-            r.tps,
-            r.requests,
-            r.errors
+            hit.0,
+            hit.1,
+            hit.2,
+            r.spread(|x| x.ceiling * 100.0).0,
+            p50.0,
+            p50.1,
+            p50.2,
+            r.spread(|x| ms(x.ttft[1])).0,
+            r.spread(|x| ms(x.ttft[2])).0,
+            r.spread(|x| ms(x.itl)).0,
+            r.spread(|x| x.tps).0,
+            r.runs.iter().map(|x| x.requests).sum::<usize>(),
+            r.runs.iter().map(|x| x.errors).sum::<usize>(),
         )?;
     }
     if let Some(path) = &a.svg {
-        std::fs::write(path, svg(&rows))?;
+        std::fs::write(path, plot::svg(&rows))?;
         writeln!(out, "\nplot: {path}")?;
     }
     out.finish()?;
