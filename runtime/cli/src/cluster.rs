@@ -52,6 +52,8 @@ pub struct ClusterConfig {
     pub faults: Vec<Option<Arc<FaultSwitch>>>,
     /// Shared secret for directory writes and transfer handshakes.
     pub token: Option<String>,
+    /// Each prefill's prefix cache budget per dp rank, in bytes.
+    pub prefill_cache_bytes: usize,
     /// The cluster's mutual TLS on gRPC and the bootstrap directories (the transfer's is
     /// part of `transfer`; the public listeners' certificate is `frontend.public_tls`).
     pub tls: Option<ClusterTls>,
@@ -76,6 +78,7 @@ impl Default for ClusterConfig {
             frontend: FrontendConfig::default(),
             faults: Vec::new(),
             token: None,
+            prefill_cache_bytes: PrefillConfig::default().cache_bytes_per_dp,
             tls: None,
         }
     }
@@ -178,6 +181,7 @@ impl Cluster {
                 grpc_bind: ([127, 0, 0, 1], port_plus(cfg.prefill_port, i)).into(),
                 transfer: cfg.transfer.clone(),
                 tls: cfg.tls.clone(),
+                cache_bytes_per_dp: cfg.prefill_cache_bytes,
                 ..PrefillConfig::default()
             }
             .with_token(cfg.token.clone());

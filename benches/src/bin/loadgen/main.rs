@@ -20,8 +20,13 @@
 //! the real model) instead: the policies run one after another on the same instances, each
 //! with its own system prompts (another seed) so one policy's cache does not serve the next.
 //!
+//! `--shape eviction` is the unflattering shape: 12 system prompts on 8 instances, the mock's
+//! KV sized like SmolLM2's (`--kv smollm2`) and 48 MB caches (`--cache-mb`), about one system
+//! prompt each, so every policy evicts.
+//!
 //! ```text
 //! cargo run --release -p handoff-benches --bin loadgen -- --svg loadgen.svg
+//! cargo run --release -p handoff-benches --bin loadgen -- --shape eviction --seconds 30
 //! cargo run --release -p handoff-benches --bin loadgen -- --frontend 127.0.0.1:50051 --rate 0.5
 //! ```
 
@@ -34,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use handoff::{Cluster, ClusterConfig};
 use handoff_core::{BlockHash, block_hashes};
-use handoff_engine::{Engine, MockConfig, MockEngine};
+use handoff_engine::{Engine, KvShape, MockConfig, MockEngine};
 use handoff_proto::v1::generate_client::GenerateClient;
 use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::generate_response::Event;
@@ -60,6 +65,10 @@ struct Args {
     policies: Vec<Policy>,
     /// Runs per policy, each on its own seed.
     seeds: u64,
+    /// The mock's KV per token: its own small shape, or SmolLM2-135M's (46 KB per token).
+    kv: KvShape,
+    /// Each instance's prefix cache, bytes.
+    cache_bytes: usize,
     load_weight: f64,
     frontend: Option<String>,
     page_size: usize,
@@ -89,6 +98,8 @@ impl Args {
             frontend: None,
             page_size: 16,
             seeds: 3,
+            kv: MockConfig::default().shape,
+            cache_bytes: ClusterConfig::default().prefill_cache_bytes,
             policies: vec![
                 Policy::KvAware,
                 Policy::RoundRobin,
@@ -115,6 +126,15 @@ impl Args {
                 "--frontend" => a.frontend = Some(val.to_owned()),
                 "--page-size" => a.page_size = val.parse()?,
                 "--seeds" => a.seeds = val.parse::<u64>()?.max(1),
+                "--kv" => a.kv = kv_shape(val)?,
+                "--cache-mb" => a.cache_bytes = val.parse::<usize>()? << 20,
+                // More system prompts than instances, SmolLM2-sized KV, and caches that
+                // hold about one system prompt each: every policy must evict.
+                "--shape" if val == "eviction" => {
+                    (a.instances, a.systems, a.kv) = (8, 12, SMOLLM2);
+                    a.cache_bytes = 48 << 20;
+                }
+                "--shape" => anyhow::bail!("unknown shape {val} (eviction)"),
                 "--policies" => {
                     a.policies = val
                         .split(',')
@@ -133,6 +153,17 @@ impl Args {
             Ok(())
         })?;
         Ok(a)
+    }
+}
+
+/// SmolLM2-135M's KV per token: 30 layers, 3 KV heads of 64 f32.
+const SMOLLM2: KvShape = KvShape { layers: 30, kv_heads: 3, head_bytes: 256 };
+
+fn kv_shape(name: &str) -> anyhow::Result<KvShape> {
+    match name {
+        "mock" => Ok(MockConfig::default().shape),
+        "smollm2" => Ok(SMOLLM2),
+        other => anyhow::bail!("unknown KV shape {other} (mock, smollm2)"),
     }
 }
 
@@ -217,11 +248,13 @@ async fn run_policy(a: &Args, policy: Policy, seed: u64) -> anyhow::Result<Repor
             let engine: Arc<dyn Engine> = Arc::new(MockEngine::new(MockConfig {
                 prefill_per_token: Duration::from_micros(a.prefill_us),
                 decode_per_token: Duration::from_micros(a.decode_us),
+                shape: a.kv,
                 ..MockConfig::default()
             }));
             let mut cfg = ClusterConfig {
                 prefills: a.instances,
                 prefill_tp: 1,
+                prefill_cache_bytes: a.cache_bytes,
                 ..ClusterConfig::ephemeral()
             };
             cfg.scheduler.params.kv_aware.load = a.load_weight;
@@ -389,8 +422,12 @@ async fn main() -> anyhow::Result<()> {
     let cluster = match &a.frontend {
         Some(f) => format!("the cluster at {f}"),
         None => format!(
-            "{} instances (mock prefill {} us/token, decode {} us/token)",
-            a.instances, a.prefill_us, a.decode_us
+            "{} instances (mock prefill {} us/token, decode {} us/token, KV {} B/token, cache {} MB each)",
+            a.instances,
+            a.prefill_us,
+            a.decode_us,
+            a.kv.token_bytes(),
+            a.cache_bytes >> 20
         ),
     };
     writeln!(
