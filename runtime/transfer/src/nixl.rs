@@ -5,20 +5,22 @@
 //! Every process runs one NIXL agent, and a control listener (the address directories
 //! publish) for what NIXL does not carry ([`control`]):
 //!
-//! - **Handshake (receiver to sender).** The receiver lends a zeroed slot of the region's size,
-//!   for that sender alone, from its staging arena (registered once, for the agent's life),
-//!   and sends the sender the [`crate::ConnectRequest`], the slot's address, its agent's
-//!   introduction (UCX address, no memory) and the arena's metadata. The sender checks the
-//!   token, loads both and records where the region lands.
+//! - **Handshake (receiver to sender).** The receiver lends the region a zeroed slot of its
+//!   size from its staging arena (registered once, for the agent's life; [`staging`]), shared
+//!   by the region's senders, and sends each sender the [`crate::ConnectRequest`], the slot's
+//!   address, a ticket of its own, its agent's introduction (UCX address, no memory) and the
+//!   arena's metadata. The sender checks the token, loads both and records where the region
+//!   lands.
 //! - **Write (sender).** The sender copies the pairs into one registered source buffer and
-//!   WRITEs every segment into its slot. NIXL reports success once the bytes are complete at
+//!   WRITEs every segment into the slot. NIXL reports success once the bytes are complete at
 //!   the receiver (it flushes the endpoint). A streamed write's parts go as WRITEs of their
 //!   own as they are computed.
-//! - **Notice (sender to receiver).** Then the sender sends its [`crate::Notice`] and the list
-//!   of segments it wrote over the control wire. The receiver copies the listed segments of
-//!   that sender's slot into the region through the inbox, gives the slot back, and verifies
-//!   the notice exactly as for tcp: every byte of the sender's ranges once, the room, the
-//!   checksum. Its verdict is the answer.
+//! - **Notice (sender to receiver).** Then the sender sends its [`crate::Notice`], its ticket
+//!   and the list of segments it wrote over the control wire. The receiver copies the listed
+//!   segments of the slot into the region through the inbox and verifies the notice exactly
+//!   as for tcp: every byte of the sender's ranges once, the room, the checksum. Its verdict
+//!   is the answer. The slot goes back when every ticket is redeemed, or, when the region
+//!   closed first, after resting long enough for late WRITEs to have landed.
 //!
 //! Why one arena: NIXL keeps, for every peer, each memory range that peer's metadata ever
 //! named. Buffers registered per handshake and freed come back from the allocator overlapping
@@ -28,8 +30,8 @@
 //! address, and UCX's software RMA over TCP writes wherever a peer says, registered or not
 //! (tested: a WRITE with a key already deregistered still lands). So a peer that reaches the
 //! agent can write this process's memory; keys protect nothing here. What the backend adds is
-//! verification: a sender's bytes are taken from its own slot only, at the segments its notice
-//! lists, and checked as for tcp. `docs/security.md` says what that leaves open.
+//! verification: a sender's bytes are taken only at the segments its notice lists, and checked
+//! as for tcp. `docs/security.md` says what that leaves open.
 
 mod control;
 mod engine;
