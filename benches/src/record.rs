@@ -4,7 +4,7 @@
 //! table it printed, each row an object keyed by the table's header (numbers as numbers).
 //!
 //! Records go to `$HANDOFF_BENCH_RECORDS` if set, else `target/bench-records/`, as
-//! `<bench>-<unix seconds>.json`; the path is printed on stderr.
+//! `<bench>-<unix seconds>-<pid>.json`; the path is printed on stderr.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -23,6 +23,8 @@ struct Table {
 #[derive(Debug)]
 pub struct Report {
     bench: String,
+    /// The commit and whether the tree had changes, when the bench started.
+    git: (String, bool),
     started: SystemTime,
     clock: Instant,
     extra: Map<String, Value>,
@@ -38,6 +40,7 @@ impl Report {
     pub fn new(bench: &str) -> Self {
         Report {
             bench: bench.to_owned(),
+            git: git(),
             started: SystemTime::now(),
             clock: Instant::now(),
             extra: Map::new(),
@@ -81,7 +84,7 @@ impl Report {
         let started = self.started.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let tables: Vec<Value> =
             self.tables.iter().map(|t| json!({ "header": t.header, "rows": t.rows })).collect();
-        let (commit, dirty) = git();
+        let (commit, dirty) = &self.git;
         json!({
             "bench": self.bench,
             "commit": commit,
@@ -116,8 +119,9 @@ impl Report {
         std::io::stdout().flush()?;
         std::fs::create_dir_all(dir)?;
         let started = self.started.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let path = dir.join(format!("{}-{started}.json", self.bench));
-        std::fs::write(&path, serde_json::to_vec_pretty(&self.record())?)?;
+        let path = dir.join(format!("{}-{started}-{}.json", self.bench, std::process::id()));
+        let mut file = std::fs::File::create_new(&path)?;
+        file.write_all(&serde_json::to_vec_pretty(&self.record())?)?;
         eprintln!("record: {}", path.display());
         Ok(path)
     }
@@ -167,7 +171,8 @@ fn git() -> (String, bool) {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
     };
     let commit = run(&["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into());
-    let dirty = run(&["status", "--porcelain"]).is_some_and(|s| !s.is_empty());
+    let dirty =
+        run(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
     (commit, dirty)
 }
 

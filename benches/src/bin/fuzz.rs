@@ -59,8 +59,10 @@ async fn main() -> anyhow::Result<()> {
             r.inputs as f64 / r.secs.max(1e-9),
             r.failed
         )?;
+    }
+    for r in &reports {
         for f in &r.failures {
-            writeln!(out, "  {f}")?;
+            writeln!(out, "{}: {f}", r.name)?;
         }
     }
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
@@ -71,9 +73,9 @@ async fn main() -> anyhow::Result<()> {
         mib(HEAP.max_allocated()),
         HEADROOM >> 20
     )?;
+    out.finish()?;
     if reports.iter().any(|r| r.failed > 0) {
         anyhow::bail!("fuzzing found failures");
     }
-    out.finish()?;
     Ok(())
 }

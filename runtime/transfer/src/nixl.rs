@@ -74,7 +74,8 @@ pub struct NixlConfig {
     /// Open handshakes, either side, before new ones are refused (closed regions' entries
     /// are swept first).
     pub max_open: usize,
-    /// A sender forgets a handshake whose write never came after this long.
+    /// A sender forgets a handshake whose write never came after this long, and writes for
+    /// none older (the receiver rests a closed region's slot this long and more).
     pub handshake_ttl: Duration,
     /// The cluster's token: sent in handshakes and notices, required of them.
     pub token: Option<String>,
@@ -170,8 +171,9 @@ impl NixlTransfer {
         let engine = Engine::start(&name, cfg.progress_delay)?;
         let arena = engine.arena(cfg.staging_bytes)?;
         let arena_metadata = engine.metadata_of(arena.registered())?;
-        // A late WRITE may still land until the sender's own deadlines pass.
-        let rest = cfg.io_timeout + cfg.control_timeout;
+        // A late WRITE may still land until the sender's own deadlines pass: a sender writes
+        // for a handshake at most `handshake_ttl` old, each write within `io_timeout`.
+        let rest = cfg.handshake_ttl + cfg.io_timeout + cfg.control_timeout;
         let shared = Arc::new(Shared {
             inbox,
             engine,
@@ -290,7 +292,14 @@ impl TransferBackend for NixlTransfer {
 
     async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError> {
         let s = &self.shared;
-        let remote = lock(&s.remotes).get(&req.region).map(|r| (r.agent.clone(), r.addr, r.len));
+        let remote = {
+            let mut remotes = lock(&s.remotes);
+            // Past its lifetime a handshake's slot may be lent to another request.
+            if remotes.get(&req.region).is_some_and(|r| r.since.elapsed() > s.cfg.handshake_ttl) {
+                remotes.remove(&req.region);
+            }
+            remotes.get(&req.region).map(|r| (r.agent.clone(), r.addr, r.len))
+        };
         let Some((agent, base, len)) = remote else {
             return Err(TransferError::Failed(format!(
                 "no nixl handshake for region {:?} from {peer}",

@@ -445,7 +445,7 @@ async fn main() -> anyhow::Result<()> {
     writeln!(out, "mean over {} seeds; min and max beside\n", a.seeds)?;
     writeln!(
         out,
-        "| policy | hit rate % | hit min | hit max | ceiling % | TTFT p50 (ms) | p50 min | p50 max | TTFT p95 (ms) | TTFT p99 (ms) | ITL p50 (ms) | tokens/s | requests | errors |"
+        "| policy | hit rate % | hit min | hit max | ceiling % | TTFT p50 (ms) | p50 min | p50 max | TTFT p95 (ms) | TTFT p99 (ms) | ITL p50 (ms) | tokens/s | requests (all seeds) | errors (all seeds) |"
     )?;
     writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;

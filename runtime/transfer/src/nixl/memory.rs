@@ -228,20 +228,30 @@ impl Arena {
         slot.arena == self.id && slot.off.checked_add(slot.len).is_some_and(|e| e <= self.mem.len())
     }
 
-    /// The bytes of `slot`, for as long as both are borrowed (a slot cannot be given back,
-    /// and so lent again and zeroed, while its bytes are read). Empty for another arena's slot.
-    pub(crate) fn bytes<'a>(&'a self, slot: &'a Slot) -> &'a [u8] {
-        if !self.owns(slot) {
-            return &[];
+    /// `len` bytes at `off` in `slot`, for as long as both are borrowed (a slot cannot be given
+    /// back, and so lent again and zeroed, while read); `None` outside the slot or for another
+    /// arena's slot.
+    pub(crate) fn segment<'a>(
+        &'a self,
+        slot: &'a Slot,
+        off: usize,
+        len: usize,
+    ) -> Option<&'a [u8]> {
+        let inside = off.checked_add(len).is_some_and(|end| end <= slot.len);
+        if !self.owns(slot) || !inside {
+            return None;
         }
-        // SAFETY: the slot lies inside the arena's live, initialized allocation (`owns`), and
-        // it is not free: a slot leaves the free list only as one `Slot`, which `give`
-        // consumes, and `'a` keeps it borrowed for as long as the slice lives. Its sender wrote it before its notice (NIXL reports a WRITE
-        // complete only once the bytes are at this agent), so honest peers no longer write
-        // it. A hostile UCX peer can write any address of this process over UCX's TCP
-        // transport (docs/security.md); that is outside what Rust can contain, and a torn
-        // copy fails the notice's checksum.
-        unsafe { std::slice::from_raw_parts((self.mem.addr() + slot.off) as *const u8, slot.len) }
+        // SAFETY: the range lies inside the slot (`inside`), so inside the arena's live,
+        // initialized allocation (`owns`); the slot is not free (a slot leaves the free list
+        // only as one `Slot`, which `give` consumes, and `'a` keeps it borrowed as long as the
+        // slice lives). The caller reads a sender's own segments after its notice, and NIXL
+        // reports a WRITE complete only once its bytes are here, so no honest peer writes them
+        // any more (other senders of the region write other ranges). A hostile UCX peer can
+        // write any address of this process over UCX's TCP transport (docs/security.md); that
+        // is outside what Rust can contain, and a torn copy fails the notice's checksum.
+        Some(unsafe {
+            std::slice::from_raw_parts((self.mem.addr() + slot.off + off) as *const u8, len)
+        })
     }
 
     /// Gives `slot` back (another arena's slot is refused, and leaked: never lent twice).

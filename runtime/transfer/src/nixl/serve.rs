@@ -69,11 +69,8 @@ fn on_connect(
             }
         }
     }
-    let agent = s.engine.load(&control::unhex(introduction)?)?;
-    if s.engine.load(&control::unhex(metadata)?)? != agent {
-        return Err(TransferError::Malformed("nixl metadata of two agents".into()));
-    }
-    s.remember(&agent);
+    let (introduction, metadata) = (control::unhex(introduction)?, control::unhex(metadata)?);
+    let agent = s.load(&introduction, &metadata)?;
     // Recorded before the inbox's table wakes the prefill, whose first write looks it up.
     let remote = Remote { agent, addr, len, ticket, since: Instant::now(), written: Vec::new() };
     lock(&s.remotes).insert(region, remote);
@@ -113,17 +110,20 @@ fn apply(
     sender: crate::SenderId,
     segments: &[(u64, u64)],
 ) -> Result<(), TransferError> {
-    let bytes = s.staging.arena().bytes(slot);
+    let arena = s.staging.arena();
     let mut parts = Vec::with_capacity(segments.len());
     for &(off, len) in segments {
         // (A slot may be longer than its region, by page rounding; the inbox bounds it.)
-        let end = off.checked_add(len).filter(|&e| e <= bytes.len() as u64);
-        let Some(end) = end else {
+        let bytes = usize::try_from(off)
+            .ok()
+            .zip(usize::try_from(len).ok())
+            .and_then(|(o, l)| arena.segment(slot, o, l));
+        let Some(bytes) = bytes else {
             let reason = format!("segment [{off}, +{len}) outside the region");
             s.inbox.fail(region, reason.clone());
             return Err(TransferError::Malformed(reason));
         };
-        parts.push((off, &bytes[off as usize..end as usize]));
+        parts.push((off, bytes));
     }
     s.inbox.on_write(region, sender, conn, &parts)
 }
@@ -132,25 +132,26 @@ fn apply(
 const MAX_PEERS: usize = 256;
 
 impl Shared {
-    /// Notes that peer `agent`'s metadata was just used; past [`MAX_PEERS`], forgets the peers
-    /// no handshake waits on that have been idle past the handshake's lifetime (a restarted
-    /// receiver comes back under a new name, and NIXL would keep the old one forever).
-    fn remember(&self, agent: &str) {
+    /// Loads a receiver's introduction and arena metadata (one agent's both) and notes the
+    /// use; past [`MAX_PEERS`], forgets the peers no handshake waits on that have been idle
+    /// past the handshake's lifetime (a restarted receiver comes back under a new name, and
+    /// NIXL would keep the old one forever). All under one lock, so a peer is never forgotten
+    /// between its loading and its use being noted.
+    fn load(&self, introduction: &[u8], metadata: &[u8]) -> Result<String, TransferError> {
         let now = Instant::now();
-        let idle = {
-            let mut loaded = lock(&self.loaded);
-            loaded.insert(agent.to_owned(), now);
-            if loaded.len() <= MAX_PEERS {
-                return;
-            }
+        let mut loaded = lock(&self.loaded);
+        let agent = self.engine.load(introduction)?;
+        if self.engine.load(metadata)? != agent {
+            return Err(TransferError::Malformed("nixl metadata of two agents".into()));
+        }
+        loaded.insert(agent.clone(), now);
+        if loaded.len() > MAX_PEERS {
             let waited_on: std::collections::HashSet<String> =
                 lock(&self.remotes).values().map(|r| r.agent.clone()).collect();
             let ttl = self.cfg.handshake_ttl;
-            loaded
-                .extract_if(|name, at| !waited_on.contains(name) && now - *at > ttl)
-                .map(|(name, _)| name)
-                .collect::<Vec<_>>()
-        };
-        idle.iter().for_each(|name| self.engine.forget(name));
+            let idle = loaded.extract_if(|name, at| !waited_on.contains(name) && now - *at > ttl);
+            idle.for_each(|(name, _)| self.engine.forget(&name));
+        }
+        Ok(agent)
     }
 }

@@ -22,6 +22,9 @@ const MAX_TICKETS: usize = 256;
 struct Staged {
     slot: Arc<Slot>,
     tickets: Vec<u64>,
+    /// A handshake failed after its sender may have got it: that sender may write without
+    /// ever noticing, so the slot rests before it is lent again.
+    in_doubt: bool,
 }
 
 /// See the module docs.
@@ -76,15 +79,21 @@ impl Staging {
         match table.get_mut(&region) {
             // Another sender's handshake took one meanwhile: share it, give ours back.
             Some(staged) => {
-                staged.tickets.push(ticket);
+                let full = staged.tickets.len() >= MAX_TICKETS;
+                if !full {
+                    staged.tickets.push(ticket);
+                }
                 let addr = self.addr(&staged.slot);
                 drop(table);
                 self.give(slot, now);
+                if full {
+                    return Err(TransferError::Full("nixl senders of one region"));
+                }
                 Ok((addr, ticket))
             }
             None => {
                 let addr = self.addr(&slot);
-                table.insert(region, Staged { slot, tickets: vec![ticket] });
+                table.insert(region, Staged { slot, tickets: vec![ticket], in_doubt: false });
                 Ok((addr, ticket))
             }
         }
@@ -105,12 +114,13 @@ impl Staging {
         (self.arena.registered().addr() + slot.offset()) as u64
     }
 
-    /// Takes back `ticket`, whose handshake failed: its sender may have begun writing, so a
-    /// slot left without tickets rests before it is lent again.
+    /// Takes back `ticket`, whose handshake failed: its sender may have got it and begun
+    /// writing, so the slot rests before it is lent again, whenever it goes back.
     pub(super) fn cancel(&self, region: RegionId, ticket: u64, now: Instant) {
         let mut table = lock(&self.table);
         let Some(staged) = table.get_mut(&region) else { return };
         staged.tickets.retain(|t| *t != ticket);
+        staged.in_doubt = true;
         if staged.tickets.is_empty()
             && let Some(staged) = table.remove(&region)
         {
@@ -150,7 +160,7 @@ impl Staging {
 
     /// A region's slot back: at once if every sender noticed, else after resting.
     fn back(&self, staged: Staged, now: Instant) {
-        if staged.tickets.is_empty() {
+        if staged.tickets.is_empty() && !staged.in_doubt {
             self.give(staged.slot, now);
         } else {
             self.rest_slot(staged.slot, now);

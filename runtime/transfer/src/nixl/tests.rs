@@ -269,8 +269,47 @@ fn the_arena_lends_whole_pages_zeroed_and_coalesces_them_back() {
     let seg = [Segment { src: 0, dst: addr as u64 + 4096, len: 4096 }];
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     peer.write(src, &seg, &name, deadline).unwrap();
-    assert!(arena.bytes(&whole)[4096..8192].iter().all(|&x| x == 7), "the write landed");
+    let landed = arena.segment(&whole, 4096, 4096).unwrap();
+    assert!(landed.iter().all(|&x| x == 7), "the write landed");
+    assert!(arena.segment(&whole, 60 << 10, 8 << 10).is_none(), "nothing past the slot");
     arena.give(whole);
     let again = arena.take(64 << 10).unwrap();
-    assert!(arena.bytes(&again).iter().all(|&x| x == 0), "zeroed when lent again");
+    let all = arena.segment(&again, 0, 64 << 10).unwrap();
+    assert!(all.iter().all(|&x| x == 0), "zeroed when lent again");
+}
+
+#[test]
+fn a_slot_rests_when_a_failed_handshake_may_still_write_into_it() {
+    let engine = Engine::start("staging-test", Duration::from_millis(10)).unwrap();
+    let staging = staging::Staging::new(engine.arena(1 << 20).unwrap(), Duration::from_secs(60), 8);
+    let (r, now) = (RegionId(7), Instant::now());
+    let (_, first) = staging.lend(r, 4096, now, |_| true).unwrap();
+    let (_, second) = staging.lend(r, 4096, now, |_| true).unwrap();
+    assert_eq!(staging.regions(), 1, "one slot for the region's senders");
+    // The first handshake's answer was lost: that sender may write, and never notice.
+    staging.cancel(r, first, now);
+    let slot = staging.redeem(r, second).unwrap();
+    assert!(staging.redeem(r, first).is_err(), "a cancelled ticket is not redeemed");
+    drop(slot);
+    staging.settle(r, false, now);
+    assert_eq!((staging.regions(), staging.resting()), (0, 1), "rests, not lent again at once");
+    // Once rested, the next handshake takes it back into the arena.
+    staging.lend(RegionId(8), 4096, now + Duration::from_secs(61), |_| true).unwrap();
+    assert_eq!(staging.resting(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_past_its_lifetime_is_not_written_for() {
+    // The receiver may have lent its slot to another request by then.
+    let p = pair(None).await;
+    let s = SenderId::new(0, 0);
+    let r = Room::mint();
+    let id = region(&p, r, 1000, &[s], None).await;
+    let ttl = NixlConfig::default().handshake_ttl;
+    let old = Instant::now().checked_sub(ttl + Duration::from_secs(1)).unwrap();
+    lock(&p.tx_backend.shared.remotes).get_mut(&id).unwrap().since = old;
+    let w = WriteRequest::new(id, vec![(pattern(1000, 1), 0)], r, s, 1, 1, 0);
+    let e = p.tx.post_write(&p.rx.addr(), w).await.unwrap_err();
+    assert!(e.to_string().contains("no nixl handshake"), "{e}");
+    p.tasks.shutdown().await;
 }
