@@ -124,12 +124,14 @@ struct Shared {
     cfg: NixlConfig,
     /// Receiving side: the staging memory and the slots lent to open handshakes.
     staging: Staging,
-    /// The staging arena's metadata (its key, not the agent's address), as senders load it.
-    arena_metadata: Vec<u8>,
+    /// What every handshake carries and never changes: the agent's introduction and the
+    /// staging arena's metadata (its key, not the agent's address), hex-encoded once.
+    handshake_hex: (String, String),
     /// Sending side: where each handshaken region lands.
     remotes: Mutex<HashMap<RegionId, Remote>>,
-    /// Sending side: peers whose metadata is loaded, and when it was last used.
-    loaded: Mutex<HashMap<String, Instant>>,
+    /// Sending side: peers whose metadata is loaded, by the xxh3 of their introduction and
+    /// arena metadata (a receiver sends the same every time): its agent name and last use.
+    loaded: Mutex<HashMap<u64, (String, Instant)>>,
     /// Staging and source memory between uses.
     pool: Pool,
 }
@@ -170,7 +172,10 @@ impl NixlTransfer {
         let name = format!("handoff-{addr}-{:016x}", rand::random::<u64>());
         let engine = Engine::start(&name, cfg.progress_delay)?;
         let arena = engine.arena(cfg.staging_bytes)?;
-        let arena_metadata = engine.metadata_of(arena.registered())?;
+        let handshake_hex = (
+            control::hex(engine.introduction()),
+            control::hex(&engine.metadata_of(arena.registered())?),
+        );
         // A late WRITE may still land until the sender's own deadlines pass: a sender writes
         // for a handshake at most `handshake_ttl` old, each write within `io_timeout`.
         let rest = cfg.handshake_ttl + cfg.io_timeout + cfg.control_timeout;
@@ -179,7 +184,7 @@ impl NixlTransfer {
             engine,
             addr,
             staging: Staging::new(arena, rest, cfg.max_open),
-            arena_metadata,
+            handshake_hex,
             remotes: Mutex::default(),
             loaded: Mutex::default(),
             pool: Pool::new(cfg.pool_buffers, cfg.pool_bytes),
@@ -272,8 +277,8 @@ impl TransferBackend for NixlTransfer {
             s.staging.lend(region, len, Instant::now(), |id| inbox.open_len(id).is_some())?;
         let msg = Control::Connect {
             req,
-            introduction: control::hex(s.engine.introduction()),
-            metadata: control::hex(&s.arena_metadata),
+            introduction: s.handshake_hex.0.clone(),
+            metadata: s.handshake_hex.1.clone(),
             addr,
             ticket,
         };
@@ -313,6 +318,7 @@ impl TransferBackend for NixlTransfer {
             let src = s.engine.register(source)?;
             let shared = self.shared.clone();
             let deadline = std::time::Instant::now() + s.cfg.io_timeout;
+            let peer_agent = agent.clone();
             let written = tokio::task::spawn_blocking(move || {
                 let src = shared.engine.write(src, &segments, &agent, deadline)?;
                 if let Some(settled) = src.settle() {
@@ -324,6 +330,8 @@ impl TransferBackend for NixlTransfer {
             .map_err(|e| TransferError::Failed(format!("nixl write task: {e}")))?;
             if let Err(e) = written {
                 lock(&s.remotes).remove(&req.region);
+                // NIXL drops a peer it lost the connection to: load it afresh next time.
+                lock(&s.loaded).retain(|_, (name, _)| *name != peer_agent);
                 return Err(e);
             }
         } else {

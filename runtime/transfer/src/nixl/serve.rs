@@ -132,25 +132,32 @@ fn apply(
 const MAX_PEERS: usize = 256;
 
 impl Shared {
-    /// Loads a receiver's introduction and arena metadata (one agent's both) and notes the
-    /// use; past [`MAX_PEERS`], forgets the peers no handshake waits on that have been idle
-    /// past the handshake's lifetime (a restarted receiver comes back under a new name, and
-    /// NIXL would keep the old one forever). All under one lock, so a peer is never forgotten
-    /// between its loading and its use being noted.
+    /// Loads a receiver's introduction and arena metadata (one agent's both), unless the
+    /// same were loaded before (a receiver sends the same with every handshake: NIXL parses
+    /// them once), and notes the use; past [`MAX_PEERS`], forgets the peers no handshake
+    /// waits on that have been idle past the handshake's lifetime (a restarted receiver comes
+    /// back under a new name, and NIXL would keep the old one forever). All under one lock,
+    /// so a peer is never forgotten between its loading and its use being noted.
     fn load(&self, introduction: &[u8], metadata: &[u8]) -> Result<String, TransferError> {
         let now = Instant::now();
+        let key = xxhash_rust::xxh3::xxh3_64(&[introduction, metadata].concat());
         let mut loaded = lock(&self.loaded);
+        if let Some((agent, used)) = loaded.get_mut(&key) {
+            *used = now;
+            return Ok(agent.clone());
+        }
         let agent = self.engine.load(introduction)?;
         if self.engine.load(metadata)? != agent {
             return Err(TransferError::Malformed("nixl metadata of two agents".into()));
         }
-        loaded.insert(agent.clone(), now);
+        loaded.insert(key, (agent.clone(), now));
         if loaded.len() > MAX_PEERS {
             let waited_on: std::collections::HashSet<String> =
                 lock(&self.remotes).values().map(|r| r.agent.clone()).collect();
             let ttl = self.cfg.handshake_ttl;
-            let idle = loaded.extract_if(|name, at| !waited_on.contains(name) && now - *at > ttl);
-            idle.for_each(|(name, _)| self.engine.forget(&name));
+            let idle =
+                loaded.extract_if(|_, (name, at)| !waited_on.contains(name) && now - *at > ttl);
+            idle.for_each(|(_, (name, _))| self.engine.forget(&name));
         }
         Ok(agent)
     }

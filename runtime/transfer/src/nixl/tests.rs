@@ -313,3 +313,26 @@ async fn a_handshake_past_its_lifetime_is_not_written_for() {
     assert!(e.to_string().contains("no nixl handshake"), "{e}");
     p.tasks.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_nixl_dropped_is_loaded_again_after_a_failed_write() {
+    // A receiver's metadata is loaded once and its later handshakes reuse it; should NIXL
+    // drop the peer (it does when the connection is lost), the next write fails and the
+    // next handshake loads it again.
+    let p = pair(None).await;
+    let s = SenderId::new(0, 0);
+    let write = |id, r| WriteRequest::new(id, vec![(pattern(1000, 2), 0)], r, s, 1, 1, 0);
+    let r = Room::mint();
+    let id = region(&p, r, 1000, &[s], None).await;
+    p.tx.post_write(&p.rx.addr(), write(id, r)).await.unwrap();
+    let name = p.rx_backend.agent_name().to_owned();
+    p.tx_backend.shared.engine.forget(&name);
+    let r = Room::mint();
+    let id = region(&p, r, 1000, &[s], None).await;
+    assert!(p.tx.post_write(&p.rx.addr(), write(id, r)).await.is_err(), "its metadata is gone");
+    let r = Room::mint();
+    let id = region(&p, r, 1000, &[s], None).await;
+    p.tx.post_write(&p.rx.addr(), write(id, r)).await.unwrap();
+    assert_eq!(lock(&p.tx_backend.shared.loaded).len(), 1);
+    p.tasks.shutdown().await;
+}
