@@ -236,6 +236,11 @@ pub struct FrontendArgs {
     /// Decode tp size.
     #[arg(long, default_value_t = 1)]
     pub decode_tp: u32,
+    /// Also decode for vLLM prefill servers (registered `kind=vllm` with `side=`): their KV
+    /// is READ over NIXL, so this needs NIXL's library and UCX's settings
+    /// (`eval "$(scripts/fetch-nixl --env)"`).
+    #[arg(long)]
+    pub drive_vllm: bool,
     /// Seconds requests in flight get to finish on SIGTERM (drain: out of discovery and not
     /// ready at once, still serving).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=3600))]
@@ -353,6 +358,8 @@ mod discovery;
 pub mod engine;
 
 pub use ctl::{CtlArgs, CtlCommand};
-pub use discovery::{BackendAccessArgs, DiscoveryArgs, PublicTlsArgs, TransferArg};
+pub use discovery::{
+    BackendAccessArgs, DiscoveryArgs, PublicTlsArgs, TransferArg, nixl_environment,
+};
 #[cfg(test)]
 mod tests;

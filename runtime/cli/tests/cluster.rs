@@ -17,4 +17,5 @@ mod cluster {
     pub(crate) mod servers;
     pub(crate) mod sglang;
     pub(crate) mod tls;
+    pub(crate) mod vllm;
 }

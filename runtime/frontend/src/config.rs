@@ -46,6 +46,9 @@ pub struct FrontendConfig {
     /// the frontend follows no registry that prefills register in (a static `--scheduler`
     /// without etcd), where it learns prefills from its selections alone.
     pub require_registered_prefill: bool,
+    /// Drive vLLM prefill servers (protocol `vllm`: their KV READ over NIXL, whose library
+    /// and UCX settings the process must have): the frontend asks schedulers for them too.
+    pub drive_vllm: bool,
 }
 
 impl Default for FrontendConfig {
@@ -66,6 +69,7 @@ impl Default for FrontendConfig {
             tls: None,
             public_tls: None,
             require_registered_prefill: true,
+            drive_vllm: false,
         }
     }
 }

@@ -8,6 +8,9 @@
 //!   verify, reassemble the KV. Each stage is timed.
 //! - [`sglang`] — one attempt on an SGLang prefill server (protocol `sglang`): its
 //!   `/generate` with the bootstrap fields, the KV received as SGLang's decode.
+//! - [`vllm`] — one attempt on a vLLM prefill server (protocol `vllm`): its
+//!   `/v1/completions` with `kv_transfer_params`, the KV READ over NIXL as vLLM's decode.
+//! - `engine_http` — the JSON POST both engine protocols make.
 //! - [`schedulers`] — [`Schedulers`]: the scheduler replicas, followed through discovery;
 //!   a selection fails over from a replica that does not answer to another.
 //! - `lease` — a booking held until its attempt ends, reported cancelled when dropped.
@@ -23,6 +26,7 @@
 
 pub mod attempt;
 pub mod config;
+mod engine_http;
 mod error;
 pub mod http;
 pub mod input;
@@ -35,6 +39,7 @@ pub mod service;
 pub mod sglang;
 pub mod text;
 pub mod traces;
+pub mod vllm;
 
 pub use config::FrontendConfig;
 pub use error::{Cause, FrontendError, RETRY_AFTER_MS};

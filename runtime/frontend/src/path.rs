@@ -51,6 +51,8 @@ pub struct Frontend {
     prefills: Mutex<HashMap<String, PrefillClient<Channel>>>,
     /// The decode side of SGLang's PD protocol, for SGLang prefill servers.
     sglang: crate::sglang::SglangPrefills,
+    /// The decode side of vLLM's PD protocol (NIXL pull), for vLLM prefill servers.
+    vllm: crate::vllm::VllmPrefills,
     pub(crate) tasks: Tasks,
     pub(crate) limit: Arc<Semaphore>,
     pub(crate) metrics: Arc<Metrics>,
@@ -127,6 +129,8 @@ impl Frontend {
             handoff_transfer::InboxConfig { token: None, ..cfg.inbox.clone() },
             tasks,
         );
+        let vllm =
+            crate::vllm::VllmPrefills::new(engine.clone(), &cfg.transfer, cfg.inbox.clone(), tasks);
         Ok(Arc::new(Frontend {
             limit: Arc::new(Semaphore::new(cfg.max_concurrent)),
             cfg,
@@ -136,6 +140,7 @@ impl Frontend {
             schedulers,
             prefills: Mutex::default(),
             sglang,
+            vllm,
             tasks: tasks.clone(),
             metrics: Arc::new(Metrics::new()),
             prefills_known: Default::default(),

@@ -12,25 +12,18 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use handoff_core::{Room, Tasks};
 use handoff_engine::Engine;
 use handoff_proto::v1::SamplingParams;
 use handoff_sglang::{SglangError, SglangLayout, SglangReceiver};
 use handoff_transfer::{InboxConfig, TransferKind};
-use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use crate::attempt::{Prefilled, Stages, within};
+use crate::engine_http::{self, EngineHttp, post_json};
 use crate::{Cause, FrontendError};
-
-/// Most bytes of a `/generate` answer read (the prefill's answer is one token's).
-const MAX_ANSWER: usize = 1 << 20;
 
 /// Where an SGLang attempt goes.
 #[derive(Debug, Clone)]
@@ -49,7 +42,7 @@ pub(crate) struct SglangPrefills {
     inbox: InboxConfig,
     tasks: Tasks,
     receiver: OnceCell<SglangReceiver>,
-    http: Client<HttpConnector, Full<Bytes>>,
+    http: EngineHttp,
 }
 
 impl SglangPrefills {
@@ -68,7 +61,7 @@ impl SglangPrefills {
             inbox,
             tasks: tasks.clone(),
             receiver: OnceCell::new(),
-            http: Client::builder(TokioExecutor::new()).build_http(),
+            http: engine_http::client(),
         }
     }
 
@@ -128,7 +121,11 @@ impl SglangPrefills {
                 .await
                 .map_err(|e| failure("verify", e))
         };
-        let generate = within(deadline, "prefill", self.generate(&target.url, body));
+        let generate = within(
+            deadline,
+            "prefill",
+            post_json(&self.http, &target.url, "/generate", &[], &body),
+        );
         let (answer, got) = tokio::try_join!(generate, receive)?;
         // The server's answer, when it names its first token, must name the row's.
         if let Some(first) = answer["output_ids"].get(0).and_then(Value::as_u64)
@@ -150,38 +147,6 @@ impl SglangPrefills {
             first_token: got.first_token,
             cached_tokens: cached.min(tokens.len() as u64) as u32,
         })
-    }
-
-    /// POSTs `body` to `http://{url}/generate`: its JSON answer, or why not.
-    async fn generate(&self, url: &str, body: Value) -> Result<Value, FrontendError> {
-        let req = hyper::Request::post(format!("http://{url}/generate"))
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| FrontendError::at("prefill", format!("request to {url}: {e}")))?;
-        let resp = self
-            .http
-            .request(req)
-            .await
-            .map_err(|e| FrontendError::at("connect", format!("POST {url}/generate: {e}")))?;
-        let status = resp.status();
-        let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
-            .collect()
-            .await
-            .map_err(|e| FrontendError::at("prefill", format!("reading {url}'s answer: {e}")))?
-            .to_bytes();
-        if !status.is_success() {
-            let text = String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned();
-            // 400 and 413 are the prompt's (too long, a token out of range); a body the server
-            // refuses otherwise (422: a field it does not take) is between us and it.
-            let cause = match status.as_u16() {
-                429 | 503 => Cause::Overloaded,
-                400 | 413 => Cause::Invalid,
-                _ => Cause::Instance,
-            };
-            return Err(FrontendError::because("prefill", cause, format!("{status}: {text}")));
-        }
-        serde_json::from_slice(&bytes)
-            .map_err(|e| FrontendError::at("prefill", format!("{url}'s answer is not JSON: {e}")))
     }
 }
 
@@ -206,7 +171,7 @@ fn sampling_params(s: &SamplingParams) -> Value {
 }
 
 /// `host:port` (IPv6 hosts in brackets), the port parsed.
-fn split_host_port(addr: &str) -> Option<(&str, u16)> {
+pub(crate) fn split_host_port(addr: &str) -> Option<(&str, u16)> {
     let (host, port) = addr.rsplit_once(':')?;
     let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
     Some((host, port.parse().ok()?)).filter(|(h, _)| !h.is_empty())

@@ -15,22 +15,28 @@ pub enum Protocol {
     /// An SGLang prefill server (registered `kind=sglang` with a bootstrap directory): HTTP
     /// `/generate` with the bootstrap fields, KV over Mooncake per SGLang's PD protocol.
     Sglang,
+    /// A vLLM prefill with its NIXL connector (registered `kind=vllm` with its side channel):
+    /// HTTP `/v1/completions` with `kv_transfer_params`, KV READ over NIXL (vLLM's pull mode).
+    Vllm,
     /// Any other engine: routers drive it themselves, over its own HTTP API.
     Engine,
 }
 
 impl Protocol {
     /// Every protocol, in wire-name order.
-    pub const ALL: [Protocol; 3] = [Protocol::Handoff, Protocol::Sglang, Protocol::Engine];
+    pub const ALL: [Protocol; 4] =
+        [Protocol::Handoff, Protocol::Sglang, Protocol::Vllm, Protocol::Engine];
 
-    /// How `instance` is driven: engines by their registered kind, and only those with a
-    /// bootstrap directory speak SGLang's PD protocol.
+    /// How `instance` is driven: engines by their registered kind; only SGLang servers with a
+    /// bootstrap directory speak SGLang's PD protocol, and only vLLM servers with a NIXL side
+    /// channel (kept where SGLang's directory is) vLLM's.
     pub fn of(instance: &Instance) -> Protocol {
         match &instance.engine {
             None => Protocol::Handoff,
             Some(e) if e.kind == "sglang" && !instance.bootstrap_addr.is_empty() => {
                 Protocol::Sglang
             }
+            Some(e) if e.kind == "vllm" && !instance.bootstrap_addr.is_empty() => Protocol::Vllm,
             Some(_) => Protocol::Engine,
         }
     }
@@ -40,6 +46,7 @@ impl Protocol {
         match self {
             Protocol::Handoff => "handoff",
             Protocol::Sglang => "sglang",
+            Protocol::Vllm => "vllm",
             Protocol::Engine => "engine",
         }
     }
@@ -55,7 +62,7 @@ pub struct Protocols(u8);
 
 impl Protocols {
     /// Every instance, whatever it speaks.
-    pub const ANY: Protocols = Protocols(0b111);
+    pub const ANY: Protocols = Protocols(0b1111);
 
     /// Whether `p` is in the set.
     pub fn contains(self, p: Protocol) -> bool {
@@ -107,7 +114,9 @@ mod tests {
         assert_eq!(Protocol::of(&instance(None, "h:2")), Protocol::Handoff);
         assert_eq!(Protocol::of(&instance(Some("sglang"), "h:8998")), Protocol::Sglang);
         assert_eq!(Protocol::of(&instance(Some("sglang"), "")), Protocol::Engine, "no directory");
-        assert_eq!(Protocol::of(&instance(Some("vllm"), "h:2")), Protocol::Engine);
+        assert_eq!(Protocol::of(&instance(Some("vllm"), "h:5600")), Protocol::Vllm);
+        assert_eq!(Protocol::of(&instance(Some("vllm"), "")), Protocol::Engine, "no side channel");
+        assert_eq!(Protocol::of(&instance(Some("trt"), "h:2")), Protocol::Engine);
     }
 
     #[test]

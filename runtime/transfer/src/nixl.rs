@@ -246,6 +246,12 @@ impl NixlTransfer {
         .map_err(|e| TransferError::Failed(format!("nixl read task: {e}")))?
     }
 
+    /// Forgets agent `peer`'s metadata (and NIXL's connection to it): for a peer that may
+    /// have restarted, whose metadata is loaded again before the next read.
+    pub fn forget_peer(&self, peer: &str) {
+        self.shared.engine.forget(peer);
+    }
+
     /// Sends agent `peer` the notification `msg`.
     pub fn notify_peer(&self, peer: &str, msg: &[u8]) -> Result<(), TransferError> {
         self.shared.engine.notify(peer, msg)

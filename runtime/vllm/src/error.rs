@@ -12,8 +12,8 @@ pub enum VllmError {
         /// What went wrong.
         reason: String,
     },
-    /// An answer that is not vLLM's protocol.
-    #[error("malformed vLLM handshake: {0}")]
+    /// A handshake or prefill answer that is not vLLM's protocol.
+    #[error("malformed vLLM message: {0}")]
     Malformed(String),
     /// Valid, but a layout or feature this decode does not read.
     #[error("unsupported vLLM KV layout: {0}")]

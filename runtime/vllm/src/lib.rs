@@ -12,16 +12,22 @@
 //! - [`metadata`]: `NixlAgentMetadata` decoded and checked: what this decode supports (every
 //!   region of the same block count, no DCP/PCP, one physical block per logical one).
 //! - [`read`]: a request's blocks, read in vLLM's layout: region by region, block by block.
+//! - [`layout`]: those blocks, from every TP rank of the prefill, as our engine's KV.
+//! - [`params`]: the request a decode POSTs to the prefill server and the `kv_transfer_params`
+//!   it answers with (which blocks, under which id, on which side-channel port).
 //!
 //! Facts from the wheels: `../shared/interop/nixl.md` (sections 4 to 6). The tests run
 //! vLLM's own prefill-side code against this (`tests/vllm_nixl.rs`).
 
 mod error;
 pub mod handshake;
+pub mod layout;
 pub mod metadata;
+pub mod params;
 pub mod read;
 
 pub use error::VllmError;
 pub use handshake::{Peer, connect};
 pub use metadata::{AgentMetadata, Handshake};
+pub use params::{KvSource, prefill_request};
 pub use read::{Blocks, read_blocks};

@@ -23,7 +23,7 @@ pub struct AgentMetadata {
     pub engine_id: String,
     /// The NIXL agent metadata blob (its address and every registered region's key).
     pub agent_metadata: Vec<u8>,
-    /// Each KV region's base address (for split K/V caches: a layer's K, then its V).
+    /// Each KV region's base address (vLLM 0.33: one per attention layer, K and V packed).
     pub kv_caches_base_addr: Vec<u64>,
     /// Blocks in each region.
     pub num_blocks: u64,

@@ -177,10 +177,10 @@ impl DiscoveryArgs {
             TransferArg::Nixl if self.tls_cert.is_some() => anyhow::bail!(
                 "--transfer nixl cannot use --tls-cert: NIXL over UCX/TCP has no TLS (use --transfer tcp for mutual TLS on KV)"
             ),
-            TransferArg::Nixl if std::env::var_os("UCX_MODULES").is_none() => anyhow::bail!(
-                "--transfer nixl needs UCX_MODULES set: the NIXL wheel's UCX loads its InfiniBand modules by default, and with them the process crashes at exit (without RDMA set UCX_MODULES=^ib; `eval \"$(scripts/fetch-nixl --env)\"` sets it with NIXL's library path)"
-            ),
-            TransferArg::Nixl => TransferKind::Nixl { bind_ip, advertise_ip },
+            TransferArg::Nixl => {
+                nixl_environment("--transfer nixl")?;
+                TransferKind::Nixl { bind_ip, advertise_ip }
+            }
             TransferArg::Fake => TransferKind::Fake(handoff_transfer::FakeNetwork::new()),
         })
     }
@@ -192,6 +192,17 @@ impl DiscoveryArgs {
         }
         self.transfer()
     }
+}
+
+/// Refuses `what` (a flag that starts a NIXL agent) without `UCX_MODULES`: the NIXL wheel's
+/// UCX loads its InfiniBand modules by default, and with them the process crashes at exit.
+pub fn nixl_environment(what: &str) -> anyhow::Result<()> {
+    if std::env::var_os("UCX_MODULES").is_none() {
+        anyhow::bail!(
+            "{what} needs UCX_MODULES set: the NIXL wheel's UCX loads its InfiniBand modules by default, and with them the process crashes at exit (without RDMA set UCX_MODULES=^ib; `eval \"$(scripts/fetch-nixl --env)\"` sets it with NIXL's library path)"
+        );
+    }
+    Ok(())
 }
 
 /// Which transfer backend agents use.

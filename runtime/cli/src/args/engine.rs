@@ -1,7 +1,7 @@
 //! `--engine SPEC`: an engine instance (vLLM, SGLang) the scheduler routes to, without
 //! discovery: `id=NAME,events=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N][,page=N]
-//! [,url=HOST:PORT][,health=HOST:PORT][,bootstrap=HOST:PORT][,model=NAME][,topic=TOPIC]
-//! [,kind=vllm|sglang|...]`.
+//! [,url=HOST:PORT][,health=HOST:PORT][,bootstrap=HOST:PORT][,side=HOST:PORT][,model=NAME]
+//! [,topic=TOPIC][,kind=vllm|sglang|...]`.
 //!
 //! dp rank r publishes on the events (and replay) port + r, as vLLM and SGLang do. `page` is
 //! the page size requests hash their prompts with (ours; default the scheduler's
@@ -9,6 +9,9 @@
 //! engine's requests; `health` (default `url`) answers `GET /health`. `bootstrap` is an
 //! SGLang prefill server's disaggregation bootstrap port (`--disaggregation-bootstrap-port`):
 //! with `kind=sglang` and `url`, handoff frontends drive it as a prefill (protocol `sglang`).
+//! `side` is a vLLM prefill's NIXL side channel (`VLLM_NIXL_SIDE_CHANNEL_HOST` and `_PORT`):
+//! with `kind=vllm` and `url`, handoff frontends drive it as a prefill (protocol `vllm`) and
+//! read its KV from that host only. Either is kept as the instance's bootstrap address.
 
 use handoff_discovery::{EngineEndpoints, Instance, Role, Topology};
 use handoff_kv_events::EngineEndpoint;
@@ -65,6 +68,7 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
         "url",
         "health",
         "bootstrap",
+        "side",
         "model",
         "topic",
         "kind",
@@ -84,7 +88,7 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
             return Err(format!("{what} port {p} + {dp} dp ranks overflows"));
         }
     }
-    for k in ["url", "health", "bootstrap"] {
+    for k in ["url", "health", "bootstrap", "side"] {
         if let Some(v) = fields.get(k)
             && (v.contains("://")
                 || v.rsplit_once(':').is_none_or(|(_, p)| p.parse::<u16>().is_err()))
@@ -100,6 +104,13 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
     {
         return Err("bootstrap= is an SGLang prefill's: give it with kind=sglang and url=".into());
     }
+    if fields.contains_key("side")
+        && (fields.get("kind") != Some(&"vllm") || !fields.contains_key("url"))
+    {
+        return Err(
+            "side= is a vLLM prefill's NIXL side channel: give it with kind=vllm and url=".into()
+        );
+    }
     Ok(EngineArg {
         id,
         events,
@@ -108,7 +119,11 @@ pub fn engine_arg(s: &str) -> Result<EngineArg, String> {
         page: fields.contains_key("page").then(|| number("page", 16)).transpose()?,
         url: fields.get("url").map(|u| u.to_string()).unwrap_or_default(),
         health: fields.get("health").or(fields.get("url")).map(|h| h.to_string()),
-        bootstrap: fields.get("bootstrap").map(|b| b.to_string()).unwrap_or_default(),
+        bootstrap: fields
+            .get("bootstrap")
+            .or(fields.get("side"))
+            .map(|b| b.to_string())
+            .unwrap_or_default(),
         model: fields.get("model").map(|m| m.to_string()).unwrap_or_default(),
         topic: fields.get("topic").map(|t| t.to_string()).unwrap_or_default(),
         kind: fields.get("kind").map(|k| k.to_string()).unwrap_or_default(),
@@ -188,6 +203,10 @@ mod tests {
         assert_eq!(handoff_scheduler::Protocol::of(&back.instance).name(), "sglang");
         assert_eq!(handoff_scheduler::Protocol::of(&g.spec(16).instance).name(), "sglang");
         assert_eq!(handoff_scheduler::Protocol::of(&s.instance).name(), "engine");
+        let v = engine_arg("id=v-a,events=tcp://h:5557,kind=vllm,url=h:8000,side=h:5600").unwrap();
+        let back = EngineSpec::from_registration(v.registration(16)).unwrap();
+        assert_eq!(back.instance.bootstrap_addr, "h:5600");
+        assert_eq!(handoff_scheduler::Protocol::of(&back.instance).name(), "vllm");
         for (bad, why) in [
             ("events=tcp://h:1,url=h:2", "id= is required"),
             ("id=a,url=h:2", "events= is required"),
@@ -202,6 +221,9 @@ mod tests {
             ("id=a,events=tcp://h:1,url=h:2,bootstrap=h:3", "kind=sglang"),
             ("id=a,events=tcp://h:1,kind=sglang,health=h:2,bootstrap=h:3", "url="),
             ("id=a,events=tcp://h:1,kind=sglang,url=h:2,bootstrap=h", "HOST:PORT"),
+            ("id=a,events=tcp://h:1,kind=sglang,url=h:2,side=h:3", "kind=vllm"),
+            ("id=a,events=tcp://h:1,kind=vllm,health=h:2,side=h:3", "url="),
+            ("id=a,events=tcp://h:1,kind=vllm,url=h:2,side=h", "HOST:PORT"),
         ] {
             let e = engine_arg(bad).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");

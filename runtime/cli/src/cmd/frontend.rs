@@ -34,6 +34,9 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     if let Some(t) = &args.discovery.transfer_advertise {
         crate::cmd::check_advertised("--transfer-advertise", t)?;
     }
+    if args.drive_vllm {
+        crate::args::nixl_environment("--drive-vllm")?;
+    }
     let tasks = Tasks::new();
     let (registry, _bus) = discovery(&args.discovery, &tasks).await?;
     let cfg = FrontendConfig {
@@ -43,6 +46,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         tls: args.discovery.cluster_tls()?,
         public_tls: args.public_tls.server_tls()?,
         require_registered_prefill: args.discovery.etcd.is_some(),
+        drive_vllm: args.drive_vllm,
         ..FrontendConfig::default()
     };
     let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, &tasks).await?;

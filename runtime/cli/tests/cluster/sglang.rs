@@ -57,10 +57,22 @@ impl MockSglangServer {
     }
 }
 
-struct Prompt {
-    tokens: Vec<u32>,
+pub(crate) struct Prompt {
+    pub(crate) tokens: Vec<u32>,
     /// Greedy tokens of the engine aggregated: prefill and decode in one process.
-    expected: Vec<u32>,
+    pub(crate) expected: Vec<u32>,
+}
+
+/// `text` prefilled by the real model, and the 8 tokens the engine generates from it.
+pub(crate) async fn aggregated(m: &SmolLm, text: &str) -> (Prompt, handoff_engine::Prefilled) {
+    let tokens = m.tokenize(text).unwrap();
+    let p = m.prefill(&tokens, None, &Sampling::default()).await.unwrap();
+    let mut expected = vec![p.first_token];
+    let mut d = m.decoder(p.kv.clone(), p.first_token, &Sampling::default()).unwrap();
+    while expected.len() < 8 {
+        expected.push(d.step().await.unwrap());
+    }
+    (Prompt { tokens, expected }, p)
 }
 
 /// Computes `text`'s KV with the real model, writes it in SGLang's pages for the mock server,
@@ -71,24 +83,18 @@ async fn prepare(
     dir: &std::path::Path,
     aux_room_delta: u64,
 ) -> (Prompt, serde_json::Value) {
-    let tokens = m.tokenize(text).unwrap();
-    let p = m.prefill(&tokens, None, &Sampling::default()).await.unwrap();
+    let (prompt, p) = aggregated(m, text).await;
     let layout = SglangLayout::for_kv(p.kv.shape(), 16);
     let file = dir.join(format!("kv-{}.bin", free_port()));
     std::fs::write(&file, layout.pages_from_kv(&p.kv).unwrap()).unwrap();
     let entry = serde_json::json!({
-        "input_ids": tokens, "first_token": p.first_token, "kv_file": file,
+        "input_ids": prompt.tokens, "first_token": p.first_token, "kv_file": file,
         "aux_room_delta": aux_room_delta,
     });
-    let mut expected = vec![p.first_token];
-    let mut d = m.decoder(p.kv, p.first_token, &Sampling::default()).unwrap();
-    while expected.len() < 8 {
-        expected.push(d.step().await.unwrap());
-    }
-    (Prompt { tokens, expected }, entry)
+    (prompt, entry)
 }
 
-async fn generate(
+pub(crate) async fn generate(
     client: &mut GenerateClient<tonic::transport::Channel>,
     tokens: &[u32],
 ) -> Result<(Vec<u32>, u64), tonic::Status> {
@@ -114,7 +120,7 @@ async fn generate(
 }
 
 /// The model, and a fresh directory for the mock server's files.
-fn model_and_dir() -> (SmolLm, std::path::PathBuf) {
+pub(crate) fn model_and_dir() -> (SmolLm, std::path::PathBuf) {
     let path = std::env::var("HANDOFF_MODEL").unwrap_or_else(|_| {
         panic!("HANDOFF_MODEL is not set: run `export HANDOFF_MODEL=\"$(scripts/fetch-model)\"` (scripts/test does)")
     });
@@ -171,11 +177,14 @@ async fn cluster(
 
 /// Generates `p` and checks it is token for token what the engine generates aggregated:
 /// the room it had.
-async fn same_tokens(client: &mut GenerateClient<tonic::transport::Channel>, p: &Prompt) -> u64 {
+pub(crate) async fn same_tokens(
+    client: &mut GenerateClient<tonic::transport::Channel>,
+    p: &Prompt,
+) -> u64 {
     let (tokens, room) = tokio::time::timeout(Duration::from_secs(90), generate(client, &p.tokens))
         .await
         .expect("answered in time")
-        .expect("generated from the SGLang prefill's KV");
+        .expect("generated from the prefill server's KV");
     assert_eq!(tokens, p.expected, "token for token what the engine generates aggregated");
     room
 }

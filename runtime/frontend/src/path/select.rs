@@ -13,7 +13,8 @@ use crate::input::Plan;
 use crate::lease::Lease;
 use crate::schedulers::{SelectFailure, Selected};
 
-/// The protocols this frontend drives prefills with (see [`super::target`]).
+/// The protocols every frontend drives prefills with (see [`super::target`]); `vllm` too
+/// when configured ([`crate::FrontendConfig::drive_vllm`]).
 const PROTOCOLS: [&str; 2] = ["handoff", "sglang"];
 
 fn retry_after(s: &tonic::Status) -> std::time::Duration {
@@ -74,7 +75,11 @@ impl Frontend {
             policy: plan.policy as i32,
             exclude_instances: exclude.to_vec(),
             deadline_ms: left.as_millis().clamp(1, u128::from(u32::MAX)) as u32,
-            protocols: PROTOCOLS.iter().map(|p| p.to_string()).collect(),
+            protocols: PROTOCOLS
+                .iter()
+                .chain(self.cfg.drive_vllm.then_some(&"vllm"))
+                .map(|p| p.to_string())
+                .collect(),
         };
         // The call runs on its own task and wraps its booking in a lease there: if this
         // request is dropped while the scheduler books it, the lease is dropped with the

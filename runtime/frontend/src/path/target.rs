@@ -1,6 +1,6 @@
 //! Which attempt a selection gets, by the protocol its instance speaks: a handoff prefill's
-//! (`attempt`), or an SGLang prefill server's (`sglang`); and what attempts share (the
-//! engine's sampling, the summary of failures).
+//! (`attempt`), an SGLang prefill server's (`sglang`) or a vLLM one's (`vllm`); and what
+//! attempts share (the engine's sampling, the summary of failures).
 
 use handoff_core::Room;
 use handoff_proto::v1::{Attempt, SelectPrefillResponse};
@@ -10,6 +10,7 @@ use super::Frontend;
 use crate::attempt::{self, AttemptCtx, Prefilled, Stages, Target};
 use crate::input::Plan;
 use crate::sglang::SglangTarget;
+use crate::vllm::VllmTarget;
 use crate::{Cause, FrontendError};
 
 impl Frontend {
@@ -43,6 +44,14 @@ impl Frontend {
                 self.sglang
                     .attempt(&target, room, &plan.tokens, &plan.sampling, deadline, stages)
                     .await
+            }
+            "vllm" if self.cfg.drive_vllm => {
+                let target = VllmTarget {
+                    url: sel.prefill_addr.clone(),
+                    side_channel: sel.bootstrap_addr.clone(),
+                };
+                let sampling = handoff_prefill_sampling(&plan.sampling);
+                self.vllm.attempt(&target, room, &plan.tokens, &sampling, deadline, stages).await
             }
             other => Err(FrontendError::because(
                 "resolve-topology",

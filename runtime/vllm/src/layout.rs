@@ -1,0 +1,116 @@
+//! How a vLLM worker's KV cache holds a request's tokens, and how the blocks read from a
+//! prefill's tensor-parallel ranks become our engine's canonical KV.
+//!
+//! vLLM 0.33 registers one NIXL region per attention layer, K and V packed in the content
+//! dimension (each head of each token is `[K | V]`, `2 * head_size` elements), `block_size`
+//! tokens per block (`base_worker.py`: "each attention layer is a single NIXL region").
+//! Inside a block:
+//! - `HND` (vLLM's LBHNC, which its NIXL connector picks for attention models):
+//!   `[head][token][K | V]`;
+//! - `NHD` (LBNHC): `[token][head][K | V]`.
+//!
+//! A prefill of TP `N` splits the KV heads: rank `r` holds heads `[r * H/N, (r+1) * H/N)` of
+//! every layer, and its blocks are `1/N` the length. The element type is the decode's: a
+//! block whose length is not `heads * block_size * 2 * head_bytes` is refused (a prefill
+//! caching bf16 for a decode computing f32 is a configuration error, not something to guess).
+
+use handoff_engine::{Kv, KvShape};
+
+use crate::{AgentMetadata, Blocks, VllmError};
+
+/// One prefill rank's cache description and the blocks read from it (the request's first
+/// blocks, in order).
+pub type RankBlocks<'a> = (&'a AgentMetadata, &'a Blocks);
+
+/// Where head `h`, token `t` of a block starts, in units of one head's `[K | V]`.
+fn slot(layout: &str, heads: usize, block_size: usize, h: usize, t: usize) -> usize {
+    if layout == "HND" { h * block_size + t } else { t * heads + h }
+}
+
+/// Checks that `meta`, one of `ranks` TP ranks, caches `shape`'s KV as this decode reads it:
+/// one region per layer, whole heads per rank, blocks of the decode's element type.
+pub fn check(meta: &AgentMetadata, shape: KvShape, ranks: usize) -> Result<(), VllmError> {
+    let unsupported = |s: String| Err(VllmError::Unsupported(s));
+    if meta.regions() != shape.layers {
+        return unsupported(format!(
+            "{} KV regions for a model of {} layers (vLLM 0.33 registers one per layer)",
+            meta.regions(),
+            shape.layers
+        ));
+    }
+    if ranks == 0 || !shape.kv_heads.is_multiple_of(ranks) {
+        return unsupported(format!(
+            "prefill tp {ranks} over {} KV heads: each rank must hold whole heads of its own",
+            shape.kv_heads
+        ));
+    }
+    let block_size = usize::try_from(meta.block_size).unwrap_or(0);
+    if block_size == 0 || block_size > 1 << 16 {
+        return unsupported(format!("block size {}", meta.block_size));
+    }
+    let want = (shape.kv_heads / ranks * block_size * 2 * shape.head_bytes) as u64;
+    if let Some(&len) = meta.block_lens.iter().find(|&&l| l != want) {
+        return unsupported(format!(
+            "blocks of {len} bytes where this decode's model has {want} ({} heads per rank x {block_size} tokens x 2 x {} bytes): the prefill's KV dtype or head size is not the decode's",
+            shape.kv_heads / ranks,
+            shape.head_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// The canonical KV of the first `tokens` tokens from the blocks read from every rank of the
+/// prefill, rank `r` at `ranks[r]`, each checked with [`check`] and all of one block size.
+pub fn kv_from_ranks(
+    shape: KvShape,
+    tokens: usize,
+    ranks: &[RankBlocks<'_>],
+) -> Result<Kv, VllmError> {
+    let Some((first, _)) = ranks.first() else {
+        return Err(VllmError::Invalid("no prefill rank to read from".into()));
+    };
+    let block_size = first.block_size as usize;
+    let blocks = tokens.div_ceil(block_size.max(1));
+    let heads = shape.kv_heads / ranks.len().max(1);
+    let hb = shape.head_bytes;
+    let block_len = heads * block_size * 2 * hb;
+    let mut kv = Kv::zeroed(shape, tokens);
+    for (r, (meta, read)) in ranks.iter().enumerate() {
+        check(meta, shape, ranks.len())?;
+        if meta.block_size as usize != block_size || meta.kv_cache_layout != first.kv_cache_layout {
+            return Err(VllmError::Unsupported(format!(
+                "prefill rank {r} caches blocks of {} tokens in {}, rank 0 of {block_size} in {}",
+                meta.block_size, meta.kv_cache_layout, first.kv_cache_layout
+            )));
+        }
+        if read.bytes.len() != shape.layers * blocks * block_len {
+            return Err(VllmError::Invalid(format!(
+                "{} bytes read from rank {r} for {blocks} blocks of {block_len} bytes in {} layers",
+                read.bytes.len(),
+                shape.layers
+            )));
+        }
+        for layer in 0..shape.layers {
+            for b in 0..blocks {
+                let block = read.block(layer, b, block_len);
+                for t in 0..block_size.min(tokens - b * block_size) {
+                    let token = b * block_size + t;
+                    for h in 0..heads {
+                        let at = slot(&meta.kv_cache_layout, heads, block_size, h, t) * 2 * hb;
+                        for (part, bytes) in [&block[at..at + hb], &block[at + hb..at + 2 * hb]]
+                            .into_iter()
+                            .enumerate()
+                        {
+                            kv.run_mut(layer, part, r * heads + h)[token * hb..(token + 1) * hb]
+                                .copy_from_slice(bytes);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(kv)
+}
+
+#[cfg(test)]
+mod tests;
