@@ -149,7 +149,9 @@ impl VllmPrefills {
     }
 
     /// Reads the KV of the first `loaded` tokens of `source` from the prefill's side channel
-    /// host `host`, every TP rank at once (each notified so it frees the blocks).
+    /// host `host`, every TP rank at once (each notified so it frees the blocks). If the read
+    /// fails after the handshakes, each rank is still notified, so vLLM frees the blocks now
+    /// rather than when its lease runs out.
     async fn read(
         &self,
         nixl: &NixlTransfer,
@@ -158,15 +160,44 @@ impl VllmPrefills {
         loaded: usize,
         deadline: Instant,
     ) -> Result<(handoff_engine::Kv, u64), VllmError> {
-        let shape = self.engine.info().shape;
         let timeout = deadline.saturating_duration_since(Instant::now());
         let ranks =
             try_join_all((0..source.tp_size).map(|r| self.peer(nixl, host, source, r, timeout)))
                 .await?;
-        for p in &ranks {
+        let read = self.read_ranks(nixl, &ranks, source, loaded, timeout).await;
+        if let Err(e) = &read {
+            let done = format!("{}:1", source.request_id);
+            for p in &ranks {
+                if let Err(n) = nixl.notify_peer(&p.agent, done.as_bytes()) {
+                    tracing::debug!(agent = %p.agent, error = %n, "vLLM rank not notified");
+                }
+            }
+            if matches!(e, VllmError::Transfer(_)) {
+                // The prefill may have restarted: its ranks are asked again next time.
+                self.forget(nixl, host, source.port);
+            }
+        }
+        read
+    }
+
+    /// Reads `source`'s blocks of the first `loaded` tokens from each of `ranks` and turns
+    /// them into the engine's KV; the bytes read with it.
+    async fn read_ranks(
+        &self,
+        nixl: &NixlTransfer,
+        ranks: &[Peer],
+        source: &KvSource,
+        loaded: usize,
+        timeout: Duration,
+    ) -> Result<(handoff_engine::Kv, u64), VllmError> {
+        let shape = self.engine.info().shape;
+        for p in ranks {
             layout::check(&p.handshake.metadata, shape, ranks.len())?;
         }
-        let block_size = ranks[0].handshake.metadata.block_size as usize;
+        let Some(first) = ranks.first() else {
+            return Err(VllmError::Invalid("no prefill rank to read from".into()));
+        };
+        let block_size = first.handshake.metadata.block_size as usize;
         let blocks = loaded.div_ceil(block_size);
         let ids = source.block_ids.get(..blocks).ok_or_else(|| {
             VllmError::Malformed(format!(
@@ -178,15 +209,7 @@ impl VllmPrefills {
         let reads = try_join_all(
             ranks.iter().map(|p| read_blocks(nixl, p, &source.request_id, ids, 1, max, timeout)),
         )
-        .await;
-        let reads = match reads {
-            Ok(r) => r,
-            Err(e) => {
-                // The prefill may have restarted: its ranks are asked again next time.
-                self.forget(nixl, host, source.port);
-                return Err(e);
-            }
-        };
+        .await?;
         let pairs: Vec<_> = ranks.iter().map(|p| &p.handshake.metadata).zip(&reads).collect();
         let kv = layout::kv_from_ranks(shape, loaded, &pairs)?;
         Ok((kv, reads.iter().map(|r| r.bytes.len() as u64).sum()))

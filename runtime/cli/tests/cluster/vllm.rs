@@ -80,12 +80,12 @@ impl MockVllmServer {
         serde_json::from_str(text.split("\r\n\r\n").nth(1).unwrap()).unwrap()
     }
 
-    /// Waits until no request holds blocks (vLLM's code frees one on the decode's
+    /// Waits until only `stuck` requests hold blocks (vLLM's code frees one on the decode's
     /// notification, polled every millisecond); `/stats` then.
-    async fn settled(&self) -> Value {
+    async fn settled(&self, stuck: usize) -> Value {
         for _ in 0..400 {
             let s = self.stats();
-            if s["held"].as_array().is_some_and(Vec::is_empty) {
+            if s["held"].as_array().is_some_and(|h| h.len() == stuck) {
                 return s;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
@@ -94,12 +94,13 @@ impl MockVllmServer {
     }
 }
 
-/// `text`'s KV computed by the real model, written in the canonical layout for the mock.
-async fn prepare(m: &SmolLm, text: &str, dir: &std::path::Path) -> (Prompt, Value) {
+/// `text`'s KV computed by the real model, written in the canonical layout for the mock,
+/// which answers for it with `lie` in its `kv_transfer_params`.
+async fn prepare(m: &SmolLm, text: &str, dir: &std::path::Path, lie: Value) -> (Prompt, Value) {
     let (prompt, p) = aggregated(m, text).await;
     let file = dir.join(format!("kv-{}.bin", free_port()));
     std::fs::write(&file, p.kv.as_bytes()).unwrap();
-    let entry = json!({"input_ids": prompt.tokens, "kv_file": file});
+    let entry = json!({"input_ids": prompt.tokens, "kv_file": file, "answer": lie});
     (prompt, entry)
 }
 
@@ -144,10 +145,17 @@ async fn decodes_from_a_vllm_prefill(tp: usize, layout: &str) {
     let mut prompts = Vec::new();
     let mut entries = Vec::new();
     for text in TEXTS {
-        let (p, e) = prepare(&m, text, &dir).await;
+        let (p, e) = prepare(&m, text, &dir, json!({})).await;
         prompts.push(p);
         entries.push(e);
     }
+    // Two lying answers: blocks beyond the cache, and somebody else's request.
+    let (beyond, e) =
+        prepare(&m, "def fibonacci(n):", &dir, json!({"remote_block_ids": [[99, 98]]})).await;
+    entries.push(e);
+    let foreign = json!({"remote_request_id": "cmpl-someone-else-0-1a2b3c4d"});
+    let (theirs, e) = prepare(&m, "Hello, my name is", &dir, foreign).await;
+    entries.push(e);
     let server = MockVllmServer::start(&m, &dir, tp, layout, &entries);
     let (_scheduler, _frontend, mut client) = cluster(&server).await;
 
@@ -158,7 +166,7 @@ async fn decodes_from_a_vllm_prefill(tp: usize, layout: &str) {
     }
     rooms.dedup();
     assert_eq!(rooms.len(), 4, "a fresh room each request: {rooms:?}");
-    let stats = server.settled().await;
+    let stats = server.settled(0).await;
     assert_eq!(stats["freed"].as_array().unwrap().len(), 4, "vLLM's code freed each: {stats}");
     assert_eq!(stats["free_blocks"], 64, "every block back: {stats}");
     for (freed, room) in stats["freed"].as_array().unwrap().iter().zip(&rooms) {
@@ -168,12 +176,25 @@ async fn decodes_from_a_vllm_prefill(tp: usize, layout: &str) {
 
     // A prompt the server refuses fails its request with the server's reason; the next
     // request is unaffected.
-    let (other, _) = aggregated(&m, "def fibonacci(n):").await;
+    let (other, _) = aggregated(&m, "A prompt the server was never given").await;
     let err = generate(&mut client, &other.tokens).await.expect_err("the mock refuses it");
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("only the prompts in its SPEC"), "{}", err.message());
     same_tokens(&mut client, &prompts[1]).await;
-    server.settled().await;
+    server.settled(0).await;
+
+    // Blocks beyond the cache are not read; the prefill is still told it may free the real
+    // ones at once, not when its lease runs out.
+    let err = generate(&mut client, &beyond.tokens).await.expect_err("blocks beyond the cache");
+    assert!(err.message().contains("block 99 of a cache of 64"), "{}", err.message());
+    server.settled(0).await;
+    // An answer for another request is refused before anything is read or notified: its
+    // blocks wait for vLLM's lease.
+    let err = generate(&mut client, &theirs.tokens).await.expect_err("another request's KV");
+    assert!(err.message().contains("is not for request"), "{}", err.message());
+    same_tokens(&mut client, &prompts[2]).await;
+    let stats = server.settled(1).await;
+    assert_eq!(stats["free_blocks"], 63, "only the refused answer's block held: {stats}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -7,8 +7,9 @@ SPEC, and a prompt it was not given is refused with 400.
 
 argv: HTTP_PORT SIDE_PORT SPEC. SPEC is a JSON file: the model's shape (layers, kv_heads,
 head_bytes), the cache (block_size, num_blocks, layout "HND" or "NHD", tp), and prompts,
-each {input_ids, kv_file}: kv_file holds the prompt's KV in handoff's canonical layout,
-[layer][k|v][head][token][head_bytes].
+each {input_ids, kv_file[, answer]}: kv_file holds the prompt's KV in handoff's canonical
+layout, [layer][k|v][head][token][head_bytes]; answer, fields that replace those of the
+kv_transfer_params answered (a lying prefill the decode must refuse).
 
 The cache, as vLLM 0.33 lays it out: one NIXL region per layer and rank, blocks of
 block_size tokens, each token's head holding [K | V]; in a block, HND is [head][token][K|V]
@@ -49,7 +50,7 @@ PROMPTS = {}
 for p in spec["prompts"]:
     n = len(p["input_ids"])
     kv = np.fromfile(p["kv_file"], dtype=np.uint8).reshape(LAYERS, 2, HEADS, n, HEAD_BYTES)
-    PROMPTS[tuple(p["input_ids"])] = kv
+    PROMPTS[tuple(p["input_ids"])] = (kv, p.get("answer", {}))
 
 
 class Rank:
@@ -126,7 +127,7 @@ class Handler(BaseHTTPRequestHandler):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if not (req.get("kv_transfer_params") or {}).get("do_remote_decode"):
             return self.answer(400, {"error": "this mock only prefills for a remote decode"})
-        kv = PROMPTS.get(tuple(req["prompt"]))
+        kv, lie = PROMPTS.get(tuple(req["prompt"]), (None, None))
         if kv is None:
             return self.answer(400, {"error": "this MOCK serves only the prompts in its SPEC"})
         n = kv.shape[3]
@@ -155,6 +156,7 @@ class Handler(BaseHTTPRequestHandler):
                 "remote_port": side_port, "tp_size": TP, "dcp_size": 1, "pp_size": 1,
                 "remote_num_tokens": n, "remote_blocks_expiry_time": None,
                 "remote_registration_generation": 0, "transfer_mode": "pull",
+                **lie,
             },
         })
 
