@@ -4,10 +4,10 @@
 //! vLLM 0.33 registers one NIXL region per attention layer, K and V packed in the content
 //! dimension (each head of each token is `[K | V]`, `2 * head_size` elements), `block_size`
 //! tokens per block (`base_worker.py`: "each attention layer is a single NIXL region").
-//! Inside a block:
-//! - `HND` (vLLM's LBHNC, which its NIXL connector picks for attention models):
+//! Inside a block (vLLM's metadata names the layout by its `KVCacheLayout` name):
+//! - `LBHNC` (alias `HND`, which its NIXL connector picks for attention models):
 //!   `[head][token][K | V]`;
-//! - `NHD` (LBNHC): `[token][head][K | V]`.
+//! - `LBNHC` (alias `NHD`): `[token][head][K | V]`.
 //!
 //! A prefill of TP `N` splits the KV heads: rank `r` holds heads `[r * H/N, (r+1) * H/N)` of
 //! every layer, and its blocks are `1/N` the length. The element type is the decode's: a
@@ -23,8 +23,8 @@ use crate::{AgentMetadata, Blocks, VllmError};
 pub type RankBlocks<'a> = (&'a AgentMetadata, &'a Blocks);
 
 /// Where head `h`, token `t` of a block starts, in units of one head's `[K | V]`.
-fn slot(layout: &str, heads: usize, block_size: usize, h: usize, t: usize) -> usize {
-    if layout == "HND" { h * block_size + t } else { t * heads + h }
+fn slot(heads_outer: bool, heads: usize, block_size: usize, h: usize, t: usize) -> usize {
+    if heads_outer { h * block_size + t } else { t * heads + h }
 }
 
 /// Checks that `meta`, one of `ranks` TP ranks, caches `shape`'s KV as this decode reads it:
@@ -77,7 +77,7 @@ pub fn kv_from_ranks(
     let mut kv = Kv::zeroed(shape, tokens);
     for (r, (meta, read)) in ranks.iter().enumerate() {
         check(meta, shape, ranks.len())?;
-        if meta.block_size as usize != block_size || meta.kv_cache_layout != first.kv_cache_layout {
+        if meta.block_size as usize != block_size || meta.heads_outer() != first.heads_outer() {
             return Err(VllmError::Unsupported(format!(
                 "prefill rank {r} caches blocks of {} tokens in {}, rank 0 of {block_size} in {}",
                 meta.block_size, meta.kv_cache_layout, first.kv_cache_layout
@@ -96,7 +96,7 @@ pub fn kv_from_ranks(
                 for t in 0..block_size.min(tokens - b * block_size) {
                     let token = b * block_size + t;
                     for h in 0..heads {
-                        let at = slot(&meta.kv_cache_layout, heads, block_size, h, t) * 2 * hb;
+                        let at = slot(meta.heads_outer(), heads, block_size, h, t) * 2 * hb;
                         for (part, bytes) in [&block[at..at + hb], &block[at + hb..at + 2 * hb]]
                             .into_iter()
                             .enumerate()

@@ -31,7 +31,9 @@ pub struct AgentMetadata {
     pub block_lens: Vec<u64>,
     /// Bytes from one block to the next, per region.
     pub block_strides: Vec<u64>,
-    /// `NHD` or `HND`: the order inside a block.
+    /// The order inside a block, as vLLM 0.33 names it (`KVCacheLayout`'s names): `LBHNC`
+    /// (heads, then tokens) or `LBNHC` (tokens, then heads); or their older aliases `HND` and
+    /// `NHD`.
     pub kv_cache_layout: String,
     /// Tokens per block.
     pub block_size: u64,
@@ -120,7 +122,7 @@ impl Handshake {
 /// listed per group), state-space or packed regions, a block order other than NHD or HND.
 fn refuse_other_layouts(m: &[(Value, Value)], meta: &AgentMetadata) -> Result<(), VllmError> {
     let unsupported = |s: String| Err(VllmError::Unsupported(s));
-    if !matches!(meta.kv_cache_layout.as_str(), "NHD" | "HND") {
+    if !matches!(meta.kv_cache_layout.as_str(), "LBHNC" | "LBNHC" | "HND" | "NHD") {
         return unsupported(format!("kv_cache_layout {:?}", meta.kv_cache_layout));
     }
     if let Some(Value::Array(groups)) = field(m, "region_group_ids")
@@ -202,6 +204,12 @@ impl AgentMetadata {
         Ok(())
     }
 
+    /// Whether a block holds each head's tokens together (`LBHNC`, alias `HND`) rather than
+    /// each token's heads (`LBNHC`, alias `NHD`).
+    pub fn heads_outer(&self) -> bool {
+        matches!(self.kv_cache_layout.as_str(), "LBHNC" | "HND")
+    }
+
     /// Regions in the prefill's cache.
     pub fn regions(&self) -> usize {
         self.kv_caches_base_addr.len()
@@ -227,7 +235,7 @@ mod tests {
             ("num_blocks".into(), 8.into()),
             ("block_lens".into(), Value::Array(vec![64.into(), 64.into()])),
             ("block_strides".into(), Value::Array(vec![64.into(), 128.into()])),
-            ("kv_cache_layout".into(), "NHD".into()),
+            ("kv_cache_layout".into(), "LBHNC".into()),
             ("block_size".into(), 16.into()),
             ("attn_backend_name".into(), "FLASH_ATTN".into()),
             ("physical_blocks_per_logical_kv_block".into(), 1.into()),
@@ -267,6 +275,8 @@ mod tests {
             ),
             (vec![("engine_id", 5.into())], "engine_id"),
             (vec![("kv_cache_layout", "XYZ".into())], "kv_cache_layout"),
+            // Heads outside blocks: a block is not one contiguous run.
+            (vec![("kv_cache_layout", "LHBNC".into())], "kv_cache_layout"),
             (vec![("region_group_ids", Value::Array(vec![0.into(), 1.into()]))], "groups"),
             (vec![("ssm_sizes", Value::Array(vec![64.into(), 0.into()]))], "Mamba"),
             (

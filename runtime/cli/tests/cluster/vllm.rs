@@ -200,14 +200,14 @@ async fn decodes_from_a_vllm_prefill(tp: usize, layout: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frontend_decodes_what_a_vllm_prefill_server_computed() {
-    decodes_from_a_vllm_prefill(1, "HND").await;
+    decodes_from_a_vllm_prefill(1, "LBHNC").await;
 }
 
 /// SmolLM2 has 3 KV heads: at TP 3 each rank holds one, and the decode reads every rank
-/// (NHD blocks this time).
+/// (`LBNHC` blocks this time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frontend_decodes_from_a_vllm_prefill_of_tp_3() {
-    decodes_from_a_vllm_prefill(3, "NHD").await;
+    decodes_from_a_vllm_prefill(3, "LBNHC").await;
 }
 
 /// Without UCX_MODULES the wheel's UCX crashes the process at exit: `--drive-vllm` refuses

@@ -42,7 +42,7 @@ fn blocks_of(kv: &Kv, layout: &str, block_size: usize, rank: usize, ranks: usize
                 }
                 for h in 0..heads {
                     let at = match layout {
-                        "HND" => (h * block_size + t) * 2 * hb,
+                        "LBHNC" | "HND" => (h * block_size + t) * 2 * hb,
                         _ => (t * heads + h) * 2 * hb,
                     };
                     let head = rank * heads + h;
@@ -59,7 +59,7 @@ fn blocks_of(kv: &Kv, layout: &str, block_size: usize, rank: usize, ranks: usize
 
 #[test]
 fn blocks_of_every_layout_and_tp_become_the_canonical_kv() {
-    for layout in ["HND", "NHD"] {
+    for layout in ["LBHNC", "LBNHC", "HND", "NHD"] {
         for ranks in [1, 2, 3] {
             for tokens in [1, 15, 16, 37] {
                 let kv = numbered(tokens);

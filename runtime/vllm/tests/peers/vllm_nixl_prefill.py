@@ -46,7 +46,7 @@ def main():
     engine_id = str(uuid.uuid4())
     payload = vllm_shim.payload(
         agent, engine_id, [(r.ctypes.data, r.nbytes) for r in regions], NUM_BLOCKS, BLOCK_LEN,
-        STRIDE, BLOCK_SIZE, "HND",
+        STRIDE, BLOCK_SIZE, "LBHNC",
     )
     stop = vllm_shim.side_channel({(0, 0): payload}, port)
     worker, poll = vllm_shim.worker(agent)

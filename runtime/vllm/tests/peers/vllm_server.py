@@ -6,14 +6,15 @@ the KV of each prompt it serves was computed beforehand by handoff's engine and 
 SPEC, and a prompt it was not given is refused with 400.
 
 argv: HTTP_PORT SIDE_PORT SPEC. SPEC is a JSON file: the model's shape (layers, kv_heads,
-head_bytes), the cache (block_size, num_blocks, layout "HND" or "NHD", tp), and prompts,
+head_bytes), the cache (block_size, num_blocks, layout "LBHNC" or "LBNHC": vLLM 0.33 sends
+its KVCacheLayout's name; tp), and prompts,
 each {input_ids, kv_file[, answer]}: kv_file holds the prompt's KV in handoff's canonical
 layout, [layer][k|v][head][token][head_bytes]; answer, fields that replace those of the
 kv_transfer_params answered (a lying prefill the decode must refuse).
 
 The cache, as vLLM 0.33 lays it out: one NIXL region per layer and rank, blocks of
-block_size tokens, each token's head holding [K | V]; in a block, HND is [head][token][K|V]
-and NHD [token][head][K|V]. Rank t of tp holds heads [t*H/tp, (t+1)*H/tp).
+block_size tokens, each token's head holding [K | V]; in a block, LBHNC (alias HND) is
+[head][token][K|V] and LBNHC (alias NHD) [token][head][K|V]. Rank t of tp holds heads [t*H/tp, (t+1)*H/tp).
 
 Serves, as vLLM's OpenAI server does with its NixlConnector (kv_role kv_both):
 - POST /v1/completions with prompt (token ids) and kv_transfer_params {do_remote_decode:
@@ -78,7 +79,7 @@ class Rank:
             kvh = np.pad(kvh, ((0, 0), (0, pad), (0, 0)))
             for i, b in enumerate(blocks):
                 part = kvh[:, i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]  # [head][token][2*hb]
-                if LAYOUT == "NHD":
+                if LAYOUT == "LBNHC":
                     part = part.transpose(1, 0, 2)
                 self.regions[layer][b * BLOCK_LEN:(b + 1) * BLOCK_LEN] = part.reshape(-1)
 
