@@ -24,13 +24,22 @@
 //! KV sized like SmolLM2's (`--kv smollm2`) and 48 MB caches (`--cache-mb`), about one system
 //! prompt each, so every policy evicts.
 //!
+//! `--tune 0.25,0.5,1,2,4` chooses kv_aware's load weight among those on the chat shape, on
+//! seeds of its own, then reports every policy with it on the chat shape and on the eviction
+//! shape, which the choice never saw (`tune`).
+//!
 //! ```text
 //! cargo run --release -p handoff-benches --bin loadgen -- --svg loadgen.svg
 //! cargo run --release -p handoff-benches --bin loadgen -- --shape eviction --seconds 30
+//! cargo run --release -p handoff-benches --bin loadgen -- --tune 0.25,0.5,1,2,4 --seconds 30
 //! cargo run --release -p handoff-benches --bin loadgen -- --frontend 127.0.0.1:50051 --rate 0.5
 //! ```
 
 mod plot;
+mod table;
+mod tune;
+
+use table::{Summary, name, row_of};
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -72,6 +81,31 @@ struct Args {
     load_weight: f64,
     frontend: Option<String>,
     page_size: usize,
+    /// The workload's shape.
+    shape: Shape,
+    /// kv_aware load weights to choose from on the chat shape before reporting on both.
+    tune: Option<Vec<f64>>,
+}
+
+/// A workload shape: the chat shape of the flags given, or the eviction one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Chat,
+    /// More system prompts than instances, SmolLM2-sized KV, and caches that hold about one
+    /// system prompt each: every policy must evict.
+    Eviction,
+}
+
+impl Shape {
+    /// `a` in this shape.
+    fn apply(self, a: &Args) -> Args {
+        let mut a = a.clone();
+        if self == Shape::Eviction {
+            (a.instances, a.systems, a.kv) = (8, 12, SMOLLM2);
+            a.cache_bytes = 48 << 20;
+        }
+        a
+    }
 }
 
 impl Args {
@@ -97,6 +131,8 @@ impl Args {
             load_weight: handoff_scheduler::policy::KvAwareWeights::default().load,
             frontend: None,
             page_size: 16,
+            shape: Shape::Chat,
+            tune: None,
             seeds: 3,
             kv: MockConfig::default().shape,
             cache_bytes: ClusterConfig::default().prefill_cache_bytes,
@@ -128,13 +164,14 @@ impl Args {
                 "--seeds" => a.seeds = val.parse::<u64>()?.max(1),
                 "--kv" => a.kv = kv_shape(val)?,
                 "--cache-mb" => a.cache_bytes = val.parse::<usize>()? << 20,
-                // More system prompts than instances, SmolLM2-sized KV, and caches that
-                // hold about one system prompt each: every policy must evict.
-                "--shape" if val == "eviction" => {
-                    (a.instances, a.systems, a.kv) = (8, 12, SMOLLM2);
-                    a.cache_bytes = 48 << 20;
+                "--shape" if val == "eviction" => a.shape = Shape::Eviction,
+                "--shape" if val == "chat" => a.shape = Shape::Chat,
+                "--shape" => anyhow::bail!("unknown shape {val} (chat, eviction)"),
+                "--tune" => {
+                    let w = val.split(',').map(str::parse).collect::<Result<Vec<f64>, _>>()?;
+                    anyhow::ensure!(!w.is_empty(), "--tune needs load weights");
+                    a.tune = Some(w);
                 }
-                "--shape" => anyhow::bail!("unknown shape {val} (eviction)"),
                 "--policies" => {
                     a.policies = val
                         .split(',')
@@ -152,6 +189,10 @@ impl Args {
             }
             Ok(())
         })?;
+        anyhow::ensure!(
+            a.tune.is_none() || a.frontend.is_none(),
+            "--tune needs fresh clusters: it cannot run with --frontend"
+        );
         Ok(a)
     }
 }
@@ -335,77 +376,44 @@ async fn run_policy(a: &Args, policy: Policy, seed: u64) -> anyhow::Result<Repor
     Ok(r)
 }
 
-fn pct(v: &mut [Duration], p: f64) -> Duration {
-    if v.is_empty() {
-        return Duration::ZERO;
-    }
-    v.sort();
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
-
-fn name(p: Policy) -> &'static str {
-    match p {
-        Policy::KvAware => "kv_aware",
-        Policy::RoundRobin => "round_robin",
-        Policy::Random => "random",
-        Policy::PowerOfTwo => "power_of_two",
-        Policy::PrefixHash => "prefix_hash",
-        Policy::Unspecified => "default",
-    }
-}
-
-/// One policy on one seed.
-struct Row {
-    hit: f64,
-    ceiling: f64,
-    ttft: [Duration; 3],
-    itl: Duration,
-    tps: f64,
-    requests: usize,
-    errors: usize,
-}
-
-/// One policy over every seed.
-struct Summary {
-    policy: &'static str,
-    runs: Vec<Row>,
-}
-
-impl Summary {
-    /// The mean, least and greatest of `f` over the seeds.
-    fn spread(&self, f: impl Fn(&Row) -> f64) -> (f64, f64, f64) {
-        let v: Vec<f64> = self.runs.iter().map(f).collect();
-        let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
-        let min = v.iter().copied().fold(f64::INFINITY, f64::min);
-        let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        (mean, min, max)
-    }
-}
-
-/// A run's row.
-fn row_of(mut r: Report) -> Row {
-    let prompt: u64 = r.samples.iter().map(|s| u64::from(s.prompt)).sum();
-    let cached: u64 = r.samples.iter().map(|s| u64::from(s.cached)).sum();
-    let ceiling: u64 = r.samples.iter().map(|s| u64::from(s.ceiling)).sum();
-    let generated: u64 = r.samples.iter().map(|s| u64::from(s.generated)).sum();
-    let mut ttft: Vec<Duration> = r.samples.iter().map(|s| s.ttft).collect();
-    let mut itl: Vec<Duration> = r.samples.iter().filter_map(|s| s.itl).collect();
-    Row {
-        hit: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
-        ceiling: if prompt == 0 { 0.0 } else { ceiling as f64 / prompt as f64 },
-        ttft: [pct(&mut ttft, 0.5), pct(&mut ttft, 0.95), pct(&mut ttft, 0.99)],
-        itl: pct(&mut itl, 0.5),
-        tps: generated as f64 / r.wall.as_secs_f64(),
-        requests: r.samples.len(),
-        errors: std::mem::take(&mut r.errors),
-    }
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let a = Args::parse()?;
-    let mut rows = Vec::new();
+    let mut a = Args::parse()?;
+    let mut out = handoff_benches::record::Report::new("loadgen");
     let mut seeds_run = Vec::new();
+    let shapes = match &a.tune {
+        Some(weights) => {
+            let (best, lines) = tune::tune(&a, weights).await?;
+            for l in lines {
+                writeln!(out, "{l}")?;
+            }
+            a.load_weight = best;
+            // Chosen on the chat shape; reported on it and on the one it never saw.
+            vec![Shape::Chat, Shape::Eviction]
+        }
+        None => vec![a.shape],
+    };
+    for shape in shapes {
+        let a = shape.apply(&a);
+        let rows = run_policies(&a, &mut seeds_run).await?;
+        table::write(&mut out, &a, &rows)?;
+        if let Some(path) = &a.svg {
+            let path = match (a.tune.is_some(), shape) {
+                (true, Shape::Eviction) => path.replace(".svg", "-eviction.svg"),
+                _ => path.clone(),
+            };
+            std::fs::write(&path, plot::svg(&rows))?;
+            writeln!(out, "\nplot: {path}\n")?;
+        }
+    }
+    out.note("seeds", serde_json::json!(seeds_run));
+    out.finish()?;
+    Ok(())
+}
+
+/// Every policy of `a` over its seeds (noted in `seeds_run`).
+async fn run_policies(a: &Args, seeds_run: &mut Vec<u64>) -> anyhow::Result<Vec<Summary>> {
+    let mut rows = Vec::new();
     for (i, &p) in a.policies.iter().enumerate() {
         let mut runs = Vec::new();
         for k in 0..a.seeds {
@@ -413,68 +421,9 @@ async fn main() -> anyhow::Result<()> {
             // its caches between runs, so there every run gets prompts of its own.
             let seed = if a.frontend.is_some() { 42 + i as u64 * a.seeds + k } else { 42 + k };
             seeds_run.push(seed);
-            runs.push(row_of(run_policy(&a, p, seed).await?));
+            runs.push(row_of(run_policy(a, p, seed).await?));
         }
         rows.push(Summary { policy: name(p), runs });
     }
-    let mut out = handoff_benches::record::Report::new("loadgen");
-    out.note("seeds", serde_json::json!(seeds_run));
-    let cluster = match &a.frontend {
-        Some(f) => format!("the cluster at {f}"),
-        None => format!(
-            "{} instances (mock prefill {} us/token, decode {} us/token, KV {} B/token, cache {} MB each)",
-            a.instances,
-            a.prefill_us,
-            a.decode_us,
-            a.kv.token_bytes(),
-            a.cache_bytes >> 20
-        ),
-    };
-    writeln!(
-        out,
-        "{cluster}; {} users x {} turns, {} system prompts of {} tokens, {}-token questions, {}-token answers, {} req/s for {} s\n",
-        a.users,
-        a.turns,
-        a.systems,
-        a.system_tokens,
-        a.question_tokens,
-        a.answer_tokens,
-        a.rate,
-        a.seconds,
-    )?;
-    writeln!(out, "mean over {} seeds; min and max beside\n", a.seeds)?;
-    writeln!(
-        out,
-        "| policy | hit rate % | hit min | hit max | ceiling % | TTFT p50 (ms) | p50 min | p50 max | TTFT p95 (ms) | TTFT p99 (ms) | ITL p50 (ms) | tokens/s | requests (all seeds) | errors (all seeds) |"
-    )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    for r in &rows {
-        let hit = r.spread(|x| x.hit * 100.0);
-        let p50 = r.spread(|x| ms(x.ttft[0]));
-        writeln!(
-            out,
-            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} |",
-            r.policy,
-            hit.0,
-            hit.1,
-            hit.2,
-            r.spread(|x| x.ceiling * 100.0).0,
-            p50.0,
-            p50.1,
-            p50.2,
-            r.spread(|x| ms(x.ttft[1])).0,
-            r.spread(|x| ms(x.ttft[2])).0,
-            r.spread(|x| ms(x.itl)).0,
-            r.spread(|x| x.tps).0,
-            r.runs.iter().map(|x| x.requests).sum::<usize>(),
-            r.runs.iter().map(|x| x.errors).sum::<usize>(),
-        )?;
-    }
-    if let Some(path) = &a.svg {
-        std::fs::write(path, plot::svg(&rows))?;
-        writeln!(out, "\nplot: {path}")?;
-    }
-    out.finish()?;
-    Ok(())
+    Ok(rows)
 }
