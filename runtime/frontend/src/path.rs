@@ -129,8 +129,7 @@ impl Frontend {
             handoff_transfer::InboxConfig { token: None, ..cfg.inbox.clone() },
             tasks,
         );
-        let vllm =
-            crate::vllm::VllmPrefills::new(engine.clone(), &cfg.transfer, cfg.inbox.clone(), tasks);
+        let vllm = crate::vllm::VllmPrefills::new(engine.clone(), &cfg.inbox);
         Ok(Arc::new(Frontend {
             limit: Arc::new(Semaphore::new(cfg.max_concurrent)),
             cfg,

@@ -7,26 +7,27 @@
 //! frees them, turns them into the engine's KV, and computes the prompt's last token itself
 //! for the first token, as vLLM's decode does.
 //!
-//! Binding: the room goes as `X-Request-Id`, and an answer whose request id does not derive
-//! from it is refused; blocks are read only from the host the instance registered as its side
-//! channel. vLLM's wire carries no checksum: the bytes are the prefill's word
-//! (`docs/security.md`).
+//! Binding: the room goes as `X-Request-Id`, and an answer whose request id is not vLLM's
+//! for it (`cmpl-<id>-...`) is refused; the side channel asked is on the host the instance
+//! registered. The NIXL address comes from the metadata the prefill sends, and vLLM's wire
+//! carries no checksum: the bytes are the prefill's word (`docs/security.md`).
 //!
-//! The NIXL agent starts with the first such attempt: a frontend routed only to other
-//! prefills runs none.
+//! The NIXL agent (a reader: no listener, nothing registered but each read's own buffer)
+//! starts with the first such attempt: a frontend routed only to other prefills runs none.
+//! Once the handshakes are done, every rank is notified whatever happens next (the read's own
+//! notification, or a guard's when the read fails or the attempt is dropped), so vLLM frees
+//! the blocks at once rather than when its lease runs out.
 
-use std::collections::HashMap;
-use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::try_join_all;
-use handoff_core::{Room, Tasks};
-use handoff_engine::Engine;
-use handoff_transfer::nixl::{NixlConfig, NixlTransfer};
-use handoff_transfer::{Inbox, InboxConfig, TransferError, TransferKind};
-use handoff_vllm::{KvSource, Peer, VllmError, layout, prefill_request, read_blocks};
-use tokio::sync::OnceCell;
+use futures::future::{join_all, try_join_all};
+use handoff_core::Room;
+use handoff_engine::{Engine, Kv};
+use handoff_transfer::InboxConfig;
+use handoff_transfer::nixl::NixlReader;
+use handoff_vllm::{Blocks, KvSource, Peer, VllmError, layout, prefill_request, read_blocks};
+use tokio::sync::{OnceCell, Semaphore};
 use tokio::time::Instant;
 
 use crate::attempt::{Prefilled, Stages, within};
@@ -34,66 +35,51 @@ use crate::engine_http::{self, EngineHttp, post_json};
 use crate::sglang::split_host_port;
 use crate::{Cause, FrontendError};
 
-/// Side-channel handshakes remembered (a prefill rank each); past this, all are forgotten.
-const MAX_PEERS: usize = 1024;
+mod peers;
+
+use peers::{Notify, Peers};
+
+/// Kept back from the attempt's deadline for the reads' own timeouts, so that a read that
+/// times out still notifies the prefill before the attempt is given up.
+const NOTIFY_MARGIN: Duration = Duration::from_millis(200);
+
+/// How often the reader's progress thread wakes at least (it waits on UCX's event fd).
+const PROGRESS: Duration = Duration::from_millis(10);
 
 /// Where a vLLM attempt goes.
 #[derive(Debug, Clone)]
 pub struct VllmTarget {
     /// The server's HTTP address (`host:port`).
     pub url: String,
-    /// Its NIXL side channel as registered (`host:port`): blocks are read from this host only.
+    /// Its NIXL side channel as registered (`host:port`): the handshakes go to this host.
     pub side_channel: String,
 }
-
-/// A prefill rank's side channel: host, port, TP rank.
-type PeerKey = (String, u16, u32);
 
 /// The frontend's side of vLLM's PD protocol (see the module docs).
 pub(crate) struct VllmPrefills {
     engine: Arc<dyn Engine>,
-    bind_ip: IpAddr,
-    inbox: InboxConfig,
-    tasks: Tasks,
-    nixl: OnceCell<NixlTransfer>,
-    peers: Mutex<HashMap<PeerKey, Peer>>,
+    reader: OnceCell<NixlReader>,
+    peers: Peers,
     http: EngineHttp,
+    /// Most KV bytes one request reads, all ranks together.
+    max_request_bytes: u64,
+    /// KV bytes all requests read at once, in KiB.
+    budget: Arc<Semaphore>,
 }
 
 impl VllmPrefills {
-    /// Reads `engine`'s KV with a NIXL agent on `transfer`'s address (once started), at most
-    /// `inbox.max_region_bytes` per request, its tasks on `tasks`.
-    pub(crate) fn new(
-        engine: Arc<dyn Engine>,
-        transfer: &TransferKind,
-        inbox: InboxConfig,
-        tasks: &Tasks,
-    ) -> Self {
+    /// Reads `engine`'s KV within `inbox`'s bounds: `max_region_bytes` per request,
+    /// `max_total_bytes` in all.
+    pub(crate) fn new(engine: Arc<dyn Engine>, inbox: &InboxConfig) -> Self {
+        let kib = (inbox.max_total_bytes >> 10).min(Semaphore::MAX_PERMITS as u64) as usize;
         VllmPrefills {
             engine,
-            bind_ip: transfer.bind_ip(),
-            inbox,
-            tasks: tasks.clone(),
-            nixl: OnceCell::new(),
-            peers: Mutex::default(),
+            reader: OnceCell::new(),
+            peers: Peers::default(),
             http: engine_http::client(),
+            max_request_bytes: inbox.max_region_bytes,
+            budget: Arc::new(Semaphore::new(kib)),
         }
-    }
-
-    async fn nixl(&self) -> Result<&NixlTransfer, TransferError> {
-        self.nixl
-            .get_or_try_init(|| async {
-                let control = tokio::net::TcpListener::bind((self.bind_ip, 0))
-                    .await
-                    .map_err(|e| TransferError::Failed(format!("nixl control listener: {e}")))?;
-                // This agent only reads: nothing is ever written into its inbox.
-                let inbox = Arc::new(Inbox::new(self.inbox.clone()));
-                let n =
-                    NixlTransfer::serve(control, None, inbox, NixlConfig::default(), &self.tasks)?;
-                tracing::info!(agent = n.agent_name(), "vLLM decode side started");
-                Ok(n)
-            })
-            .await
     }
 
     /// Runs one attempt with `room` on the vLLM prefill server `target`.
@@ -107,8 +93,11 @@ impl VllmPrefills {
         stages: &mut Stages,
     ) -> Result<Prefilled, FrontendError> {
         // The agent is ours: its failing to start is the decode's, not the server's.
-        let nixl =
-            self.nixl().await.map_err(|e| FrontendError::because("register", Cause::Decode, e))?;
+        let reader = self
+            .reader
+            .get_or_try_init(|| async { NixlReader::start(PROGRESS) })
+            .await
+            .map_err(|e| FrontendError::because("register", Cause::Decode, e))?;
         stages.timings.register_us = stages.mark();
         let (host, _) = split_host_port(&target.side_channel).ok_or_else(|| {
             FrontendError::at(
@@ -119,26 +108,23 @@ impl VllmPrefills {
         let request = format!("handoff-room-{room}");
         let headers = [("x-request-id", request.as_str())];
         let body = prefill_request(tokens);
-        let answer = within(
-            deadline,
-            "prefill",
-            post_json(&self.http, &target.url, "/v1/completions", &headers, &body),
-        )
-        .await?;
+        let post = post_json(&self.http, &target.url, "/v1/completions", &headers, &body);
+        let answer = within(deadline, "prefill", post).await?;
         let source = KvSource::from_answer(&answer, &request).map_err(|e| failure("prefill", e))?;
         // The prompt's last token is computed here, for its logits, as vLLM's decode does.
         let loaded = (source.tokens as usize).min(tokens.len().saturating_sub(1));
-        let (kv, kv_bytes) = within(deadline, "verify", async {
-            self.read(nixl, host, &source, loaded, deadline).await.map_err(|e| failure("verify", e))
-        })
-        .await?;
+        // Bounded by the reads' own timeouts, which end before the deadline.
+        let by = deadline.checked_sub(NOTIFY_MARGIN).unwrap_or(deadline).max(Instant::now());
+        let (kv, kv_bytes) = self.read(reader, host, &source, loaded, by).await?;
         stages.timings.verify_us = stages.mark();
         let prefix = (loaded > 0).then_some(kv);
-        let done = self
-            .engine
-            .prefill(tokens, prefix, sampling)
-            .await
-            .map_err(|e| FrontendError::because("consume", Cause::Decode, e))?;
+        let compute = async {
+            self.engine
+                .prefill(tokens, prefix, sampling)
+                .await
+                .map_err(|e| FrontendError::because("consume", Cause::Decode, e))
+        };
+        let done = within(deadline, "consume", compute).await?;
         let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
         Ok(Prefilled {
             kv: done.kv,
@@ -149,116 +135,105 @@ impl VllmPrefills {
     }
 
     /// Reads the KV of the first `loaded` tokens of `source` from the prefill's side channel
-    /// host `host`, every TP rank at once (each notified so it frees the blocks). If the read
-    /// fails after the handshakes, each rank is still notified, so vLLM frees the blocks now
-    /// rather than when its lease runs out.
+    /// host `host`, every TP rank at once, by `by`. Once a rank's handshake is done it is
+    /// notified whatever happens (see the module docs); a failure forgets the ranks.
     async fn read(
         &self,
-        nixl: &NixlTransfer,
+        reader: &NixlReader,
         host: &str,
         source: &KvSource,
         loaded: usize,
-        deadline: Instant,
-    ) -> Result<(handoff_engine::Kv, u64), VllmError> {
-        let timeout = deadline.saturating_duration_since(Instant::now());
-        let ranks =
-            try_join_all((0..source.tp_size).map(|r| self.peer(nixl, host, source, r, timeout)))
-                .await?;
-        let read = self.read_ranks(nixl, &ranks, source, loaded, timeout).await;
-        if let Err(e) = &read {
-            let done = format!("{}:1", source.request_id);
-            for p in &ranks {
-                if let Err(n) = nixl.notify_peer(&p.agent, done.as_bytes()) {
-                    tracing::debug!(agent = %p.agent, error = %n, "vLLM rank not notified");
-                }
+        by: Instant,
+    ) -> Result<(Kv, u64), FrontendError> {
+        let timeout = by.saturating_duration_since(Instant::now());
+        let shook =
+            join_all((0..source.tp_size).map(|r| self.peers.get(reader, host, source, r, timeout)))
+                .await;
+        let (ranks, failed): (Vec<_>, Vec<_>) = shook.into_iter().partition(Result::is_ok);
+        let ranks: Vec<Peer> = ranks.into_iter().flatten().collect();
+        let notify = Notify::new(reader, &ranks, &source.request_id);
+        let read = match failed.into_iter().find_map(Result::err) {
+            Some(e) => Err(failure("connect", e)),
+            None => self.read_ranks(reader, &ranks, source, loaded, by).await,
+        };
+        match read {
+            Ok(kv) => {
+                notify.done();
+                Ok(kv)
             }
-            if matches!(e, VllmError::Transfer(_)) {
-                // The prefill may have restarted: its ranks are asked again next time.
-                self.forget(nixl, host, source.port);
+            Err(e) => {
+                // Told before forgotten: NIXL cannot notify an agent it no longer knows.
+                drop(notify);
+                self.peers.forget(reader, host, source.port);
+                Err(e)
             }
         }
-        read
     }
 
-    /// Reads `source`'s blocks of the first `loaded` tokens from each of `ranks` and turns
-    /// them into the engine's KV; the bytes read with it.
+    /// Reads `source`'s blocks of the first `loaded` tokens from each of `ranks`, by `by`,
+    /// within the byte bounds, and turns them into the engine's KV; the bytes read with it.
     async fn read_ranks(
         &self,
-        nixl: &NixlTransfer,
+        reader: &NixlReader,
         ranks: &[Peer],
         source: &KvSource,
         loaded: usize,
-        timeout: Duration,
-    ) -> Result<(handoff_engine::Kv, u64), VllmError> {
+        by: Instant,
+    ) -> Result<(Kv, u64), FrontendError> {
         let shape = self.engine.info().shape;
         for p in ranks {
-            layout::check(&p.handshake.metadata, shape, ranks.len())?;
+            layout::check(&p.handshake.metadata, shape, ranks.len())
+                .map_err(|e| failure("resolve-topology", e))?;
         }
         let Some(first) = ranks.first() else {
-            return Err(VllmError::Invalid("no prefill rank to read from".into()));
+            return Err(FrontendError::at("resolve-topology", "no prefill rank to read from"));
         };
         let block_size = first.handshake.metadata.block_size as usize;
         let blocks = loaded.div_ceil(block_size);
         let ids = source.block_ids.get(..blocks).ok_or_else(|| {
-            VllmError::Malformed(format!(
-                "{} blocks offered for {loaded} tokens of {block_size} per block",
-                source.block_ids.len()
-            ))
+            failure(
+                "verify",
+                VllmError::Malformed(format!(
+                    "{} blocks offered for {loaded} tokens of {block_size} per block",
+                    source.block_ids.len()
+                )),
+            )
         })?;
-        let max = self.inbox.max_region_bytes as usize;
-        let reads = try_join_all(
-            ranks.iter().map(|p| read_blocks(nixl, p, &source.request_id, ids, 1, max, timeout)),
+        // Every rank's blocks are a 1/N share of the heads: the whole request is this much.
+        let total =
+            (blocks * shape.layers * 2 * shape.kv_heads * block_size * shape.head_bytes) as u64;
+        if total > self.max_request_bytes {
+            let e = format!("{total} bytes of KV (at most {})", self.max_request_bytes);
+            return Err(failure("register", VllmError::TooLarge(e)));
+        }
+        let kib = u32::try_from(total.div_ceil(1024)).unwrap_or(u32::MAX);
+        let _budget = self.budget.clone().try_acquire_many_owned(kib).map_err(|_| {
+            FrontendError::because(
+                "register",
+                Cause::Decode,
+                "the decode's KV budget for vLLM reads is in use (inbox max_total_bytes)",
+            )
+        })?;
+        let timeout = by.saturating_duration_since(Instant::now());
+        let per_rank = (total as usize).div_ceil(ranks.len());
+        let reads: Vec<Blocks> = try_join_all(
+            ranks
+                .iter()
+                .map(|p| read_blocks(reader, p, &source.request_id, ids, 1, per_rank, timeout)),
         )
-        .await?;
-        let pairs: Vec<_> = ranks.iter().map(|p| &p.handshake.metadata).zip(&reads).collect();
-        let kv = layout::kv_from_ranks(shape, loaded, &pairs)?;
-        Ok((kv, reads.iter().map(|r| r.bytes.len() as u64).sum()))
-    }
-
-    /// TP rank `rank` of `source`'s prefill, handshaken once per prefill engine.
-    async fn peer(
-        &self,
-        nixl: &NixlTransfer,
-        host: &str,
-        source: &KvSource,
-        rank: u32,
-        timeout: Duration,
-    ) -> Result<Peer, VllmError> {
-        let key = (host.to_owned(), source.port, rank);
-        if let Some(p) = self.peers().get(&key)
-            && p.handshake.metadata.engine_id == source.engine_id
-        {
-            return Ok(p.clone());
-        }
-        let p = handoff_vllm::connect(nixl, host, source.port, 0, rank, timeout).await?;
-        if p.handshake.metadata.engine_id != source.engine_id {
-            return Err(VllmError::Malformed(format!(
-                "side channel {host}:{} rank {rank} is engine {:?}, the answer named {:?}",
-                source.port, p.handshake.metadata.engine_id, source.engine_id
-            )));
-        }
-        let mut peers = self.peers();
-        if peers.len() >= MAX_PEERS {
-            peers.clear();
-        }
-        peers.insert(key, p.clone());
-        Ok(p)
-    }
-
-    fn peers(&self) -> std::sync::MutexGuard<'_, HashMap<PeerKey, Peer>> {
-        self.peers.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Forgets the ranks behind side channel `host:port` (NIXL's copy of their metadata too).
-    fn forget(&self, nixl: &NixlTransfer, host: &str, port: u16) {
-        let mut peers = self.peers();
-        peers.retain(|(h, p, _), peer| {
-            let keep = h != host || *p != port;
-            if !keep {
-                nixl.forget_peer(&peer.agent);
-            }
-            keep
-        });
+        .await
+        .map_err(|e| failure("verify", e))?;
+        let kv_bytes = reads.iter().map(|r| r.bytes.len() as u64).sum();
+        let metas: Vec<_> = ranks.iter().map(|p| p.handshake.metadata.clone()).collect();
+        // A copy per head and token: off the async workers.
+        let kv = tokio::task::spawn_blocking(move || {
+            let pairs: Vec<_> = metas.iter().zip(&reads).collect();
+            layout::kv_from_ranks(shape, loaded, &pairs)
+        })
+        .await
+        .map_err(|e| FrontendError::because("verify", Cause::Decode, e))?
+        .map_err(|e| failure("verify", e))?;
+        Ok((kv, kv_bytes))
     }
 }
 
@@ -268,6 +243,8 @@ fn failure(stage: &'static str, e: VllmError) -> FrontendError {
         VllmError::Transfer(t) => FrontendError::transfer(stage, t),
         VllmError::SideChannel { .. } => FrontendError::at("connect", e),
         VllmError::Unsupported(_) => FrontendError::at("resolve-topology", e),
+        // The request's KV is more than this decode takes: the request's, not the prefill's.
+        VllmError::TooLarge(_) => FrontendError::because(stage, Cause::Invalid, e),
         VllmError::Malformed(_) | VllmError::Invalid(_) => FrontendError::at(stage, e),
     }
 }

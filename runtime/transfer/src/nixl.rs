@@ -37,6 +37,7 @@ mod control;
 mod engine;
 mod memory;
 mod pool;
+mod reader;
 mod serve;
 mod staging;
 
@@ -57,6 +58,7 @@ use crate::{
 use control::Control;
 use engine::{Engine, Segment};
 use pool::Pool;
+pub use reader::NixlReader;
 use staging::Staging;
 
 /// Settings of the nixl backend.
@@ -202,59 +204,6 @@ impl NixlTransfer {
     /// This process's NIXL agent name.
     pub fn agent_name(&self) -> &str {
         self.shared.engine.name()
-    }
-
-    /// Loads a foreign agent's metadata (another NIXL user's, such as vLLM's prefill), or
-    /// refreshes it; returns that agent's name.
-    pub fn load_peer(&self, metadata: &[u8]) -> Result<String, TransferError> {
-        self.shared.engine.load(metadata)
-    }
-
-    /// READs `ranges` (remote address, length) of agent `peer`'s memory, one after the
-    /// other, into a fresh buffer, and has NIXL send `peer` the notification `notify` once
-    /// they are here (vLLM's prefill frees its blocks on it). The buffer is registered only
-    /// for the read, and its key never leaves this agent. Fails after `timeout`.
-    pub async fn read_from(
-        &self,
-        peer: &str,
-        ranges: &[(u64, usize)],
-        notify: Option<Vec<u8>>,
-        timeout: Duration,
-    ) -> Result<Vec<u8>, TransferError> {
-        let mut at = 0usize;
-        let mut segments = Vec::with_capacity(ranges.len());
-        for &(dst, len) in ranges {
-            segments.push(Segment { src: at, dst, len });
-            at = at
-                .checked_add(len)
-                .ok_or_else(|| TransferError::Malformed("read too large".into()))?;
-        }
-        let into = self.shared.engine.register(memory::Pinned::zeroed(at))?;
-        let shared = self.shared.clone();
-        let peer = peer.to_owned();
-        let deadline = std::time::Instant::now() + timeout;
-        tokio::task::spawn_blocking(move || {
-            let into = shared.engine.read(into, &segments, &peer, notify.as_deref(), deadline)?;
-            let settled = into.settle().ok_or_else(|| {
-                TransferError::Failed("nixl could not deregister the read buffer".into())
-            })?;
-            let mut bytes = settled.into_pinned().into_vec();
-            bytes.truncate(at);
-            Ok(bytes)
-        })
-        .await
-        .map_err(|e| TransferError::Failed(format!("nixl read task: {e}")))?
-    }
-
-    /// Forgets agent `peer`'s metadata (and NIXL's connection to it): for a peer that may
-    /// have restarted, whose metadata is loaded again before the next read.
-    pub fn forget_peer(&self, peer: &str) {
-        self.shared.engine.forget(peer);
-    }
-
-    /// Sends agent `peer` the notification `msg`.
-    pub fn notify_peer(&self, peer: &str, msg: &[u8]) -> Result<(), TransferError> {
-        self.shared.engine.notify(peer, msg)
     }
 
     /// Staging slots lent to open handshakes (receiver side).

@@ -21,6 +21,9 @@ pub enum VllmError {
     /// A request this decode refuses to send (block ids out of range, too many bytes).
     #[error("invalid vLLM read: {0}")]
     Invalid(String),
+    /// More KV than the decode takes for one request: the request's, not the prefill's.
+    #[error("vLLM read too large: {0}")]
+    TooLarge(String),
     /// NIXL failed.
     #[error(transparent)]
     Transfer(#[from] TransferError),

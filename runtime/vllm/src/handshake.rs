@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use handoff_transfer::nixl::NixlTransfer;
+use handoff_transfer::nixl::NixlReader;
 use rmpv::Value;
 use zeromq::{ReqSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -42,7 +42,9 @@ pub async fn ask(
     tp_rank: u32,
     timeout: Duration,
 ) -> Result<Handshake, VllmError> {
-    let addr = format!("{host}:{port}");
+    // An IPv6 host keeps its brackets in the address.
+    let addr =
+        if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
     let side = |reason: String| VllmError::SideChannel { addr: addr.clone(), reason };
     let exchange = async {
         let mut sock = ReqSocket::new();
@@ -67,7 +69,7 @@ pub async fn ask(
 /// Handshakes with worker (`pp_rank`, `tp_rank`) of the prefill at `host:port` and loads its
 /// agent's metadata into `nixl`'s agent.
 pub async fn connect(
-    nixl: &NixlTransfer,
+    nixl: &NixlReader,
     host: &str,
     port: u16,
     pp_rank: u32,

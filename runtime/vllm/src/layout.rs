@@ -45,7 +45,7 @@ pub fn check(meta: &AgentMetadata, shape: KvShape, ranks: usize) -> Result<(), V
         ));
     }
     let block_size = usize::try_from(meta.block_size).unwrap_or(0);
-    if block_size == 0 || block_size > 1 << 16 {
+    if block_size == 0 || block_size > 4096 {
         return unsupported(format!("block size {}", meta.block_size));
     }
     let want = (shape.kv_heads / ranks * block_size * 2 * shape.head_bytes) as u64;

@@ -76,8 +76,8 @@ fn present<T>(v: Option<T>, name: &str) -> Result<T, VllmError> {
 
 impl KvSource {
     /// The KV source in `answer`, the prefill's JSON answer to the request sent with
-    /// `X-Request-Id: request` (vLLM's id for it must derive from that one: an answer for
-    /// another request is refused).
+    /// `X-Request-Id: request`: vLLM's id for it is `cmpl-<request>-<prompt>-<8 hex>`, and
+    /// an answer under any other is refused.
     pub fn from_answer(answer: &Value, request: &str) -> Result<Self, VllmError> {
         let params = match answer.get("kv_transfer_params") {
             None | Some(Value::Null) => {
@@ -121,7 +121,7 @@ impl KvSource {
             Ok(v)
         };
         let request_id = id(p.remote_request_id, "remote_request_id")?;
-        if !request_id.contains(&format!("-{request}-")) {
+        if !request_id.starts_with(&format!("cmpl-{request}-")) {
             return Err(malformed(format!(
                 "remote_request_id {request_id:?} is not for request {request:?}"
             )));
@@ -185,6 +185,7 @@ mod tests {
             (json!({"remote_port": 0}), "remote_port 0"),
             (json!({"remote_port": 70000}), "kv_transfer_params"),
             (json!({"remote_request_id": "cmpl-other-0-1a2b3c4d"}), "not for request"),
+            (json!({"remote_request_id": "x-cmpl-r42-0-1a2b3c4d"}), "not for request"),
             (json!({"remote_request_id": ""}), "0 bytes"),
             (json!({"remote_block_ids": "all"}), "kv_transfer_params"),
             (json!({"remote_num_tokens": null}), "remote_num_tokens"),

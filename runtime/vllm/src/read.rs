@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use handoff_transfer::nixl::NixlTransfer;
+use handoff_transfer::nixl::NixlReader;
 
 use crate::{Peer, VllmError};
 
@@ -31,7 +31,7 @@ impl Blocks {
 /// read this request from that prefill worker. With no blocks (a full prefix hit), only the
 /// notification goes, as vLLM's decode does. At most `max_bytes` are read.
 pub async fn read_blocks(
-    nixl: &NixlTransfer,
+    nixl: &NixlReader,
     peer: &Peer,
     remote_request_id: &str,
     block_ids: &[u64],
@@ -65,7 +65,7 @@ pub async fn read_blocks(
         }
     }
     if total > max_bytes {
-        return Err(VllmError::Invalid(format!("{total} bytes of KV (at most {max_bytes})")));
+        return Err(VllmError::TooLarge(format!("{total} bytes of KV (at most {max_bytes})")));
     }
     let bytes = nixl.read_from(&peer.agent, &ranges, Some(notify), timeout).await?;
     Ok(Blocks { bytes, region_starts })

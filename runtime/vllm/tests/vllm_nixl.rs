@@ -7,13 +7,10 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::Arc;
 use std::sync::mpsc::{Receiver, channel};
 use std::time::Duration;
 
-use handoff_core::Tasks;
-use handoff_transfer::nixl::{NixlConfig, NixlTransfer};
-use handoff_transfer::{Inbox, InboxConfig};
+use handoff_transfer::nixl::NixlReader;
 use handoff_vllm::{VllmError, connect, read_blocks};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -77,19 +74,14 @@ impl Prefill {
     }
 }
 
-fn nixl(tasks: &Tasks) -> NixlTransfer {
-    let control = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    control.set_nonblocking(true).unwrap();
-    let control = tokio::net::TcpListener::from_std(control).unwrap();
-    let inbox = Arc::new(Inbox::new(InboxConfig::default()));
-    NixlTransfer::serve(control, None, inbox, NixlConfig::default(), tasks).expect("NIXL's library")
+fn nixl() -> NixlReader {
+    NixlReader::start(Duration::from_millis(10)).expect("NIXL's library")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_read_from_vllms_prefill_land_in_its_layout_and_free_the_request() {
     let mut p = Prefill::start();
-    let tasks = Tasks::new();
-    let nixl = nixl(&tasks);
+    let nixl = nixl();
     let peer = connect(&nixl, "127.0.0.1", p.port, 0, 0, WAIT).await.unwrap();
     let meta = &peer.handshake.metadata;
     assert_eq!(meta.engine_id, p.report["engine_id"].as_str().unwrap());
@@ -112,19 +104,17 @@ async fn blocks_read_from_vllms_prefill_land_in_its_layout_and_free_the_request(
     let got = read_blocks(&nixl, &peer, "req-3", &[], 1, 1 << 30, WAIT).await.unwrap();
     assert!(got.bytes.is_empty());
     assert_eq!(p.freed(), vec!["req-3".to_owned()]);
-    tasks.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_reads_and_dead_side_channels_are_refused_and_the_peer_keeps_serving() {
     let mut p = Prefill::start();
-    let tasks = Tasks::new();
-    let nixl = nixl(&tasks);
+    let nixl = nixl();
     let peer = connect(&nixl, "127.0.0.1", p.port, 0, 0, WAIT).await.unwrap();
     let too_far = read_blocks(&nixl, &peer, "x", &[64], 1, 1 << 30, WAIT).await.unwrap_err();
     assert!(matches!(&too_far, VllmError::Invalid(m) if m.contains("block 64")), "{too_far}");
     let too_big = read_blocks(&nixl, &peer, "x", &[1, 2], 1, 1000, WAIT).await.unwrap_err();
-    assert!(matches!(&too_big, VllmError::Invalid(m) if m.contains("at most 1000")), "{too_big}");
+    assert!(matches!(&too_big, VllmError::TooLarge(m) if m.contains("at most 1000")), "{too_big}");
     // Nothing listens there: a clear error within the timeout.
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let e = connect(&nixl, "127.0.0.1", dead, 0, 0, Duration::from_secs(1)).await.unwrap_err();
@@ -137,5 +127,4 @@ async fn bad_reads_and_dead_side_channels_are_refused_and_the_peer_keeps_serving
         want[0]
     );
     assert_eq!(p.freed(), vec!["req-9".to_owned()]);
-    tasks.shutdown().await;
 }

@@ -164,7 +164,11 @@ impl Args {
                 "--seeds" => a.seeds = val.parse::<u64>()?.max(1),
                 "--kv" => a.kv = kv_shape(val)?,
                 "--cache-mb" => a.cache_bytes = val.parse::<usize>()? << 20,
-                "--shape" if val == "eviction" => a.shape = Shape::Eviction,
+                // The shape's settings, as flags given here: later flags still change them.
+                "--shape" if val == "eviction" => {
+                    a = Shape::Eviction.apply(&a);
+                    a.shape = Shape::Eviction;
+                }
                 "--shape" if val == "chat" => a.shape = Shape::Chat,
                 "--shape" => anyhow::bail!("unknown shape {val} (chat, eviction)"),
                 "--tune" => {
@@ -192,6 +196,10 @@ impl Args {
         anyhow::ensure!(
             a.tune.is_none() || a.frontend.is_none(),
             "--tune needs fresh clusters: it cannot run with --frontend"
+        );
+        anyhow::ensure!(
+            a.tune.is_none() || a.shape == Shape::Chat,
+            "--tune chooses on the chat shape and reports on both: leave out --shape"
         );
         Ok(a)
     }
@@ -381,7 +389,7 @@ async fn main() -> anyhow::Result<()> {
     let mut a = Args::parse()?;
     let mut out = handoff_benches::record::Report::new("loadgen");
     let mut seeds_run = Vec::new();
-    let shapes = match &a.tune {
+    let runs = match &a.tune {
         Some(weights) => {
             let (best, lines) = tune::tune(&a, weights).await?;
             for l in lines {
@@ -389,12 +397,11 @@ async fn main() -> anyhow::Result<()> {
             }
             a.load_weight = best;
             // Chosen on the chat shape; reported on it and on the one it never saw.
-            vec![Shape::Chat, Shape::Eviction]
+            vec![(Shape::Chat, a.clone()), (Shape::Eviction, Shape::Eviction.apply(&a))]
         }
-        None => vec![a.shape],
+        None => vec![(a.shape, a.clone())],
     };
-    for shape in shapes {
-        let a = shape.apply(&a);
+    for (shape, a) in runs {
         let rows = run_policies(&a, &mut seeds_run).await?;
         table::write(&mut out, &a, &rows)?;
         if let Some(path) = &a.svg {

@@ -10,8 +10,9 @@
 //! SGLang prefill server's disaggregation bootstrap port (`--disaggregation-bootstrap-port`):
 //! with `kind=sglang` and `url`, handoff frontends drive it as a prefill (protocol `sglang`).
 //! `side` is a vLLM prefill's NIXL side channel (`VLLM_NIXL_SIDE_CHANNEL_HOST` and `_PORT`):
-//! with `kind=vllm` and `url`, handoff frontends drive it as a prefill (protocol `vllm`) and
-//! read its KV from that host only. Either is kept as the instance's bootstrap address.
+//! with `kind=vllm` and `url`, handoff frontends drive it as a prefill (protocol `vllm`),
+//! asking that host only for its ranks' NIXL metadata. Either is kept as the instance's
+//! bootstrap address.
 
 use handoff_discovery::{EngineEndpoints, Instance, Role, Topology};
 use handoff_kv_events::EngineEndpoint;
