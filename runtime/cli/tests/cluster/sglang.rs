@@ -158,18 +158,22 @@ async fn cluster(
         server.http,
         server.bootstrap
     );
+    cluster_for(&engine, &[]).await
+}
+
+/// A scheduler routing to the engine `--engine engine` and a frontend (with `extra` flags)
+/// asking it: the processes and a client.
+pub(crate) async fn cluster_for(
+    engine: &str,
+    extra: &[&str],
+) -> (Handoff, Handoff, GenerateClient<tonic::transport::Channel>) {
     let (scheduler, line) =
-        Handoff::spawn(&["scheduler", "--listen", "127.0.0.1:0", "--engine", &engine]);
+        Handoff::spawn(&["scheduler", "--listen", "127.0.0.1:0", "--engine", engine]);
     let at = addr_after(&line, "grpc://");
-    let (frontend, line) = Handoff::spawn(&[
-        "frontend",
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--scheduler",
-        &at,
-    ]);
+    let mut args = vec!["frontend", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"];
+    args.extend(["--scheduler", &at]);
+    args.extend(extra);
+    let (frontend, line) = Handoff::spawn(&args);
     let client =
         GenerateClient::connect(format!("http://{}", addr_after(&line, "grpc://"))).await.unwrap();
     (scheduler, frontend, client)

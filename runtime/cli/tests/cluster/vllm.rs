@@ -16,9 +16,8 @@ use handoff_proto::v1::generate_client::GenerateClient;
 use handoff_smollm::SmolLm;
 use serde_json::{Value, json};
 
-use super::processes::addr_after;
 use super::servers::{Handoff, free_port};
-use super::sglang::{Prompt, aggregated, generate, model_and_dir, same_tokens};
+use super::sglang::{Prompt, aggregated, cluster_for, generate, model_and_dir, same_tokens};
 
 /// The mock vLLM prefill server, killed on drop.
 struct MockVllmServer {
@@ -115,22 +114,7 @@ async fn cluster(
         server.http,
         server.side
     );
-    let (scheduler, line) =
-        Handoff::spawn(&["scheduler", "--listen", "127.0.0.1:0", "--engine", &engine]);
-    let at = addr_after(&line, "grpc://");
-    let (frontend, line) = Handoff::spawn(&[
-        "frontend",
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--scheduler",
-        &at,
-        "--drive-vllm",
-    ]);
-    let client =
-        GenerateClient::connect(format!("http://{}", addr_after(&line, "grpc://"))).await.unwrap();
-    (scheduler, frontend, client)
+    cluster_for(&engine, &["--drive-vllm"]).await
 }
 
 /// Prompts of 6, 17 and 32 tokens: a partial block, one past a block, whole blocks.
