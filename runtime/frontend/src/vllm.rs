@@ -150,7 +150,7 @@ impl VllmPrefills {
             join_all((0..source.tp_size).map(|r| self.peers.get(reader, host, source, r, timeout)))
                 .await;
         let (ranks, failed): (Vec<_>, Vec<_>) = shook.into_iter().partition(Result::is_ok);
-        let ranks: Vec<Peer> = ranks.into_iter().flatten().collect();
+        let ranks: Vec<Arc<Peer>> = ranks.into_iter().flatten().collect();
         let notify = Notify::new(reader, &ranks, &source.request_id);
         let read = match failed.into_iter().find_map(Result::err) {
             Some(e) => Err(failure("connect", e)),
@@ -175,7 +175,7 @@ impl VllmPrefills {
     async fn read_ranks(
         &self,
         reader: &NixlReader,
-        ranks: &[Peer],
+        ranks: &[Arc<Peer>],
         source: &KvSource,
         loaded: usize,
         by: Instant,
@@ -224,10 +224,10 @@ impl VllmPrefills {
         .await
         .map_err(|e| failure("verify", e))?;
         let kv_bytes = reads.iter().map(|r| r.bytes.len() as u64).sum();
-        let metas: Vec<_> = ranks.iter().map(|p| p.handshake.metadata.clone()).collect();
+        let ranks = ranks.to_vec();
         // A copy per head and token: off the async workers.
         let kv = tokio::task::spawn_blocking(move || {
-            let pairs: Vec<_> = metas.iter().zip(&reads).collect();
+            let pairs: Vec<_> = ranks.iter().map(|p| &p.handshake.metadata).zip(&reads).collect();
             layout::kv_from_ranks(shape, loaded, &pairs)
         })
         .await

@@ -2,7 +2,7 @@
 //! rank it may free a request's blocks however the attempt ends.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use handoff_transfer::nixl::NixlReader;
@@ -17,11 +17,11 @@ type PeerKey = (String, u16, u32);
 /// See the module docs.
 #[derive(Default)]
 pub(super) struct Peers {
-    map: Mutex<HashMap<PeerKey, Peer>>,
+    map: Mutex<HashMap<PeerKey, Arc<Peer>>>,
 }
 
 impl Peers {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PeerKey, Peer>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PeerKey, Arc<Peer>>> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -34,14 +34,14 @@ impl Peers {
         source: &KvSource,
         rank: u32,
         timeout: Duration,
-    ) -> Result<Peer, VllmError> {
+    ) -> Result<Arc<Peer>, VllmError> {
         let key = (host.to_owned(), source.port, rank);
         if let Some(p) = self.lock().get(&key)
             && p.handshake.metadata.engine_id == source.engine_id
         {
             return Ok(p.clone());
         }
-        let p = handoff_vllm::connect(reader, host, source.port, 0, rank, timeout).await?;
+        let p = Arc::new(handoff_vllm::connect(reader, host, source.port, 0, rank, timeout).await?);
         if p.handshake.metadata.engine_id != source.engine_id {
             reader.forget_peer(&p.agent);
             return Err(VllmError::Malformed(format!(
@@ -94,7 +94,7 @@ pub(super) struct Notify<'a> {
 }
 
 impl<'a> Notify<'a> {
-    pub(super) fn new(reader: &'a NixlReader, ranks: &[Peer], request_id: &str) -> Self {
+    pub(super) fn new(reader: &'a NixlReader, ranks: &[Arc<Peer>], request_id: &str) -> Self {
         Notify {
             reader,
             agents: ranks.iter().map(|p| p.agent.clone()).collect(),
