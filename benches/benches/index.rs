@@ -40,12 +40,12 @@ fn matching(c: &mut Criterion) {
         let idx = filled(workers, (workers * DEPTH * PER_WORKER).min(1_000_000));
         let queries: Vec<_> =
             (0..20_000u64).map(|q| sequence(q % workers, q % PER_WORKER)).collect();
-        let (mut q, mut run) = (0, Vec::new());
+        let (mut q, mut run) = (0, handoff_kv_index::Run::new());
         g.bench_with_input(BenchmarkId::from_parameter(workers), &workers, |b, _| {
             b.iter(|| {
                 q = (q + 1) % queries.len();
                 idx.overlaps_into(&queries[q], &mut run);
-                black_box(run.iter().filter(|&&r| r > 0).count())
+                black_box(run.held().count())
             })
         });
     }

@@ -10,6 +10,7 @@
 //! compressed radix tree ([`tree`]) whose edges carry the set of slots holding them.
 
 mod hasher;
+mod run;
 mod slot_set;
 mod tree;
 
@@ -18,6 +19,8 @@ use std::collections::HashMap;
 use handoff_core::{BlockHash, InstanceId};
 
 use crate::tree::Tree;
+
+pub use crate::run::Run;
 
 /// One (instance, dp rank): the unit the scheduler routes to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -274,18 +277,17 @@ impl KvIndex {
 
     /// How many leading blocks of `hashes` each worker holds (see [`Overlaps`]).
     pub fn overlaps(&self, hashes: &[BlockHash]) -> Overlaps<'_> {
-        let mut run = Vec::new();
+        let mut run = Run::new();
         self.overlaps_into(hashes, &mut run);
         Overlaps { index: self, run }
     }
 
-    /// [`KvIndex::overlaps`] into a caller's buffer: afterwards `run[slot.index()]` is the
-    /// leading blocks held by the worker in that slot, for every slot below
-    /// [`KvIndex::slot_capacity`]. One map lookup and one pass over the holders per tree
-    /// edge the prompt crosses.
-    pub fn overlaps_into(&self, hashes: &[BlockHash], run: &mut Vec<u32>) {
-        run.clear();
-        run.resize(self.keys.len(), 0);
+    /// [`KvIndex::overlaps`] into a caller's [`Run`]: afterwards it holds the leading
+    /// blocks held by the worker in each slot below [`KvIndex::slot_capacity`]. One map
+    /// lookup and one pass over the holders per tree edge the prompt crosses, plus a reset
+    /// of the slots the previous query into `run` touched.
+    pub fn overlaps_into(&self, hashes: &[BlockHash], run: &mut Run) {
+        run.reset(self.keys.len());
         self.tree.overlaps(hashes, run);
     }
 }
@@ -294,7 +296,7 @@ impl KvIndex {
 #[derive(Debug)]
 pub struct Overlaps<'a> {
     index: &'a KvIndex,
-    run: Vec<u32>,
+    run: Run,
 }
 
 impl Overlaps<'_> {
@@ -305,16 +307,14 @@ impl Overlaps<'_> {
 
     /// Leading blocks the worker in `slot` holds.
     pub fn at(&self, slot: Slot) -> usize {
-        self.run.get(slot.index()).map_or(0, |&r| r as usize)
+        self.run.at(slot) as usize
     }
 
     /// Every worker holding at least the first block, with its run.
     pub fn iter(&self) -> impl Iterator<Item = (&WorkerKey, usize)> {
         self.run
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| **r > 0)
-            .filter_map(|(s, &r)| self.index.keys[s].as_ref().map(|k| (k, r as usize)))
+            .held()
+            .filter_map(|(s, r)| self.index.keys[s.index()].as_ref().map(|k| (k, r as usize)))
     }
 
     /// Workers holding at least the first block.

@@ -117,6 +117,7 @@ fn matches_a_set_model_under_random_operations() {
         let mut model: HashMap<WorkerKey, HashSet<BlockHash>> = HashMap::new();
         // Workers whose clear is going on a step at a time, with what they held before.
         let mut clearing: HashMap<WorkerKey, HashSet<BlockHash>> = HashMap::new();
+        let mut reused = Run::new();
         for step in 0..400 {
             let w = &workers[rng.random_range(0..workers.len())];
             let seq = &seqs[rng.random_range(0..seqs.len())];
@@ -194,9 +195,17 @@ fn matches_a_set_model_under_random_operations() {
             }
             for p in seqs.iter().take(8) {
                 let o = idx.overlaps(p);
+                // The same query into a run reused since the first step: what earlier queries
+                // (hits, misses, on slots since retired) left in it must not show.
+                idx.overlaps_into(p, &mut reused);
                 for k in workers.iter().filter(|k| !clearing.contains_key(*k)) {
-                    assert_eq!(o.get(k), model_run(&model, k, p), "seed {seed} step {step}: {k:?}");
+                    let want = model_run(&model, k, p);
+                    assert_eq!(o.get(k), want, "seed {seed} step {step}: {k:?}");
+                    let at = idx.slot(k).map_or(0, |s| reused.at(s) as usize);
+                    assert_eq!(at, want, "seed {seed} step {step}: {k:?} in a reused run");
                 }
+                let held: usize = reused.held().filter(|(_, r)| *r > 0).count();
+                assert_eq!(held, reused.as_slice().iter().filter(|r| **r > 0).count());
             }
         }
     }

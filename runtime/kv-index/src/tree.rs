@@ -15,6 +15,7 @@ use std::collections::hash_map::Entry;
 use handoff_core::BlockHash;
 
 use crate::hasher::BlockMap;
+use crate::run::Run;
 use crate::slot_set::SlotSet;
 
 const NIL: u32 = u32::MAX;
@@ -354,7 +355,8 @@ impl Tree {
 
     /// For each slot, how many leading blocks of `hashes` it holds without a gap, into `run`
     /// (zeroed, one entry per slot).
-    pub(crate) fn overlaps(&self, hashes: &[BlockHash], run: &mut [u32]) {
+    pub(crate) fn overlaps(&self, hashes: &[BlockHash], run: &mut Run) {
+        let (run, touched) = run.parts_mut();
         let mut i = 0;
         while i < hashes.len() {
             let Some((id, off)) = self.find(hashes[i]) else { break };
@@ -362,6 +364,20 @@ impl Tree {
             let n = common_prefix(&node.blocks[off..], &hashes[i..]);
             let (from, to) = (i as u32, (i + n) as u32);
             let mut extended = false;
+            if i == 0 {
+                // Every holder of the first node starts a run: these are all the slots the
+                // query touches (later nodes only extend them).
+                node.holders.for_each(|s| {
+                    run[s] = to;
+                    touched.push(s as u32);
+                    extended = true;
+                });
+                i += n;
+                if !extended {
+                    break;
+                }
+                continue;
+            }
             // Branch-free: whether a holder extends is data, not control flow.
             node.holders.for_each(|s| {
                 let r = &mut run[s];

@@ -158,7 +158,7 @@ struct Inner {
     last_beat: Option<Instant>,
     bus_quiet: bool,
     /// Reused by every selection: overlap per slot, and the candidate list.
-    run: Vec<u32>,
+    run: handoff_kv_index::Run,
     candidates: Vec<Candidate>,
     /// Engine instances registered here (kept across discovery resets).
     engines: HashSet<InstanceId>,
@@ -271,7 +271,7 @@ impl SchedulerState {
             resyncing: Default::default(),
             last_beat: None,
             bus_quiet: false,
-            run: Vec::new(),
+            run: handoff_kv_index::Run::new(),
             candidates: Vec::new(),
             engines: HashSet::new(),
         };

@@ -175,11 +175,11 @@ impl Built {
             let ours = self.ours.lock();
             (0..w_count).map(|w| ours.slot(&handoff_benches::worker(w))).collect()
         };
-        let mut run = Vec::new();
+        let mut run = handoff_kv_index::Run::new();
         let ours = p50_per_call(|i| {
             let index = self.ours.lock();
             index.overlaps_into(&q.ours[i], &mut run);
-            black_box(slots[i % w_count as usize].map(|s| run[s.index()]));
+            black_box(slots[i % w_count as usize].map(|s| run.at(s)));
         });
         // Its API takes the query by value: each call gets one made beforehand.
         let mut owned = q.theirs.clone();

@@ -12,7 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use handoff_core::BlockHash;
-use handoff_kv_index::Slot;
+use handoff_kv_index::{Run, Slot};
 
 /// Most block hashes held over all pending prompts.
 pub const MAX_PENDING_BLOCKS: usize = 1 << 20;
@@ -143,14 +143,12 @@ impl Pending {
 
     /// Raises `run[slot]` to the leading blocks of `hashes` pending on each slot, looking at
     /// the [`SCAN`] most recent prompts that share the first block.
-    pub(super) fn overlay(&self, hashes: &[BlockHash], run: &mut [u32]) {
+    pub(super) fn overlay(&self, hashes: &[BlockHash], run: &mut Run) {
         let Some(ids) = hashes.first().and_then(|f| self.by_first.get(f)) else { return };
         for id in ids.iter().rev().take(SCAN) {
             let Some(e) = self.entries.get(id) else { continue };
             let n = shared_prefix(&e.hashes, hashes) as u32;
-            if let Some(r) = run.get_mut(e.slot.index()) {
-                *r = (*r).max(n);
-            }
+            run.raise(e.slot, n);
         }
     }
 

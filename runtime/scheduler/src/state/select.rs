@@ -184,7 +184,7 @@ impl SchedulerState {
         // Dense by slot: routes, loads and overlaps are walked in step. Slots whose breaker
         // is open are counted, not offered, unless they are the majority (below).
         for pass in [false, true] {
-            let slots = routes.iter().zip(load.iter()).zip(remote_load.iter()).zip(run.iter());
+            let slots = routes.iter().zip(load.iter()).zip(remote_load.iter()).zip(run.as_slice());
             for (s, (((route, l), r), &overlap)) in slots.enumerate() {
                 if !route.live {
                     continue;
