@@ -13,6 +13,7 @@
 //! cargo run --release -p handoff-benches --bin transfer
 //! cargo run --release -p handoff-benches --bin transfer -- --rounds 5
 //! cargo run --release -p handoff-benches --bin transfer -- --nixl-only 200   # to profile
+//! cargo run --release -p handoff-benches --bin transfer -- --tcp-only 200
 //! ```
 
 use std::io::Write;
@@ -181,12 +182,13 @@ fn process_cpu() -> anyhow::Result<Duration> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut rounds = 3usize;
-    let mut nixl_only = 0usize;
+    let (mut nixl_only, mut tcp_only) = (0usize, 0usize);
     parse_flags(|flag, val| {
         match flag {
             "--rounds" => rounds = val.parse()?,
-            // For profiling: only this many sequential nixl transfers, nothing printed.
+            // For profiling: only this many sequential nixl (tcp) transfers, nothing printed.
             "--nixl-only" => nixl_only = val.parse()?,
+            "--tcp-only" => tcp_only = val.parse()?,
             other => anyhow::bail!("unknown flag {other}"),
         }
         Ok(())
@@ -200,10 +202,13 @@ async fn main() -> anyhow::Result<()> {
     };
     let nixl =
         TransferKind::Nixl { bind_ip: std::net::Ipv4Addr::LOCALHOST.into(), advertise_ip: None };
-    if nixl_only > 0 {
-        let (tx, rx) = agents(&nixl, token, &tasks).await;
-        let p = Pair { label: "nixl", tx, rx, token };
-        handoff_rate(&p, 1, nixl_only, &data).await;
+    for (only, kind, label) in [(nixl_only, &nixl, "nixl"), (tcp_only, &tcp(None), "tcp")] {
+        if only == 0 {
+            continue;
+        }
+        let (tx, rx) = agents(kind, token, &tasks).await;
+        let p = Pair { label, tx, rx, token };
+        handoff_rate(&p, 1, only, &data).await;
         tasks.shutdown().await;
         return Ok(());
     }

@@ -283,6 +283,31 @@ impl Inbox {
         r.write(id, sender, conn, segments)
     }
 
+    /// Applies one piece of a segment of `sender`'s whose bytes arrive in pieces, arrived
+    /// over `conn`: checked and landed as [`Inbox::on_write`] does, while its digest waits
+    /// for [`Inbox::on_segment_end`]. A segment left unfinished leaves the checksum short,
+    /// so its notice cannot verify.
+    pub fn on_piece(
+        &self,
+        id: RegionId,
+        sender: SenderId,
+        conn: ConnId,
+        offset: u64,
+        piece: &[u8],
+    ) -> Result<(), TransferError> {
+        let region = self.region(id)?;
+        let mut r = lock(&region);
+        r.write_piece(id, sender, conn, offset, piece)
+    }
+
+    /// Ends a segment written with [`Inbox::on_piece`]: `digest` is what
+    /// [`placement::segment_hasher`] made of its offset, length and every piece.
+    pub fn on_segment_end(&self, id: RegionId, sender: SenderId, conn: ConnId, digest: u64) {
+        if let Ok(region) = self.region(id) {
+            lock(&region).end_segment(sender, conn, digest);
+        }
+    }
+
     /// Applies one segment whose sender is not named (Mooncake's writes): the expected
     /// sender whose ranges hold `offset` wrote it, as the shard plan says. Otherwise as
     /// [`Inbox::on_write`]; one lock hold.

@@ -9,6 +9,7 @@
 //! peer guessing ids), is closed; the regions it named are not touched.
 
 mod pool;
+mod receive;
 mod stream;
 mod wire;
 
@@ -29,6 +30,7 @@ use crate::{
     WriteRequest,
 };
 use pool::{ClientIo, Idle, checkin, io_err, read_ack};
+use receive::Writer;
 use wire::Frame;
 
 /// How long an idle pooled connection gets to answer a handshake before a fresh one is tried.
@@ -292,7 +294,7 @@ impl TransferBackend for TcpTransfer {
         let mut s = self.checkout(peer).await?;
         let max_frame = self.cfg.max_frame;
         let exchange = async {
-            let mut w = BufWriter::with_capacity(256 << 10, &mut s);
+            let mut w = BufWriter::with_capacity(wire::BUFFERED, &mut s);
             let io = |e| Self::io_err(peer, e);
             wire::write_pairs(&mut w, req.region, req.sender, &req.pairs, max_frame)
                 .await
@@ -317,32 +319,22 @@ impl TransferBackend for TcpTransfer {
     }
 }
 
-/// A write frame's payload cut into its segments (the decoder checked the lengths add up).
-fn split<'a>(segments: &[(u64, u32)], payload: &'a [u8]) -> Vec<(u64, &'a [u8])> {
-    let mut at = 0usize;
-    segments
-        .iter()
-        .map(|&(off, len)| {
-            let end = (at + len as usize).min(payload.len());
-            let s = (off, &payload[at..end]);
-            at = end;
-            s
-        })
-        .collect()
-}
-
 /// Decodes `bytes` as the frames of one inbound connection and hands each to `inbox` as a
 /// served connection would, until the bytes end or a frame is malformed; returns how many
 /// frames were decoded. For fuzzing the decoder and the inbox behind it: no input may panic.
 pub async fn apply_frames(bytes: &[u8], inbox: &Inbox, max_frame: usize) -> usize {
     let mut r = bytes;
-    let mut n = 0;
+    let (mut n, mut piece) = (0, Vec::new());
     while let Ok(Some(frame)) = wire::read_frame(&mut r, max_frame).await {
         n += 1;
         let _ = match frame {
             Frame::Connect(req) => inbox.on_connect(req),
-            Frame::Write { region, sender, segments, payload } => {
-                inbox.on_write(region, sender, ConnId(0), &split(&segments, &payload))
+            Frame::Write { region, sender, segments } => {
+                let w = Writer { region, sender, conn: ConnId(0) };
+                match receive::land(&mut r, &mut piece, inbox, w, &segments).await {
+                    Ok(landed) => landed,
+                    Err(_) => break,
+                }
             }
             Frame::Notice { region, notice } => inbox.on_notice(region, ConnId(0), notice),
             Frame::Ack(_) | Frame::Hello(_) => Ok(()),
@@ -371,9 +363,11 @@ async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
     cfg: &ConnCfg,
 ) {
     let (r, mut w) = tokio::io::split(stream);
-    let mut r = BufReader::with_capacity(256 << 10, r);
+    let mut r = BufReader::with_capacity(wire::BUFFERED, r);
     let mut authed = cfg.token.is_none();
     let mut unknown = 0u32;
+    // Where write payloads pass through on their way into regions (see `receive`).
+    let mut piece = Vec::new();
     // Regions this connection wrote into and has not yet sent the notice for.
     let mut open: HashSet<RegionId> = HashSet::new();
     let reason = loop {
@@ -391,14 +385,25 @@ async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
             }
         }
         let frame_time = if authed { cfg.frame_timeout } else { cfg.hello_timeout };
-        let read = tokio::time::timeout(frame_time, wire::read_frame(&mut r, max_frame));
+        // The whole frame within its time, a write's payload landed as it arrives.
+        let read = tokio::time::timeout(frame_time, async {
+            let frame = wire::read_frame(&mut r, max_frame).await?;
+            let landed = match &frame {
+                Some(Frame::Write { region, sender, segments }) if authed => {
+                    let w = Writer { region: *region, sender: *sender, conn };
+                    Some(receive::land(&mut r, &mut piece, &inbox, w, segments).await?)
+                }
+                _ => None,
+            };
+            Ok::<_, TransferError>((frame, landed))
+        });
         let Ok(read) = read.await else {
             debug!(%peer, "transfer frame too slow; closing");
             break "sender connection too slow mid-frame".to_owned();
         };
-        let frame = match read {
-            Ok(Some(f)) => f,
-            Ok(None) => break "sender connection closed mid-transfer".to_owned(),
+        let (frame, landed) = match read {
+            Ok((Some(f), landed)) => (f, landed),
+            Ok((None, _)) => break "sender connection closed mid-transfer".to_owned(),
             Err(e) => {
                 debug!(%peer, error = %e, "bad transfer frame; closing");
                 let _ = wire::write_ack(&mut w, &Err(e.to_string())).await;
@@ -422,10 +427,9 @@ async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
                 break e.to_owned();
             }
             Frame::Connect(req) => Some(inbox.on_connect(req)),
-            Frame::Write { region, sender, segments, payload } => {
-                let segs = split(&segments, &payload);
+            Frame::Write { region, .. } => {
                 // A rejected write fails its region; the sender learns it at the notice.
-                match inbox.on_write(region, sender, conn, &segs) {
+                match landed.unwrap_or(Ok(())) {
                     Ok(()) => {
                         // A sender in good standing: what it trailed into regions dropped by
                         // their decodes earlier does not add up against it across requests.

@@ -16,11 +16,18 @@ use xxhash_rust::xxh3::Xxh3;
 /// The digest of one written segment: xxh3-64 over its offset, its length, its bytes. A
 /// transfer's checksum is the wrapping sum of its segments' digests.
 pub fn segment_digest(offset: u64, bytes: &[u8]) -> u64 {
-    let mut h = Xxh3::new();
-    h.update(&offset.to_le_bytes());
-    h.update(&(bytes.len() as u64).to_le_bytes());
+    let mut h = segment_hasher(offset, bytes.len() as u64);
     h.update(bytes);
     h.digest()
+}
+
+/// [`segment_digest`] for a segment of `len` bytes at `offset` whose bytes arrive in pieces:
+/// feed it every piece in order, then take its digest.
+pub fn segment_hasher(offset: u64, len: u64) -> Xxh3 {
+    let mut h = Xxh3::new();
+    h.update(&offset.to_le_bytes());
+    h.update(&len.to_le_bytes());
+    h
 }
 
 /// One sender's ranges and progress (see the module docs).
@@ -102,13 +109,26 @@ impl Placement {
 
     /// Records a checked segment.
     pub(super) fn record(&mut self, offset: u64, bytes: &[u8]) {
-        let (mut start, mut end) = (offset, offset + bytes.len() as u64);
+        // An empty segment lands nowhere and counts for nothing (backends may drop it).
+        if !bytes.is_empty() {
+            self.add_digest(segment_digest(offset, bytes));
+            self.record_range(offset, bytes.len() as u64);
+        }
+    }
+
+    /// Adds a whole segment's digest (see [`segment_hasher`]) to the checksum.
+    pub(super) fn add_digest(&mut self, digest: u64) {
+        self.checksum = self.checksum.wrapping_add(digest);
+    }
+
+    /// Records `len` checked bytes at `offset` as written, without their digest: a piece of
+    /// a segment arriving in pieces, whose digest comes at its end.
+    pub(super) fn record_range(&mut self, offset: u64, len: u64) {
+        let (mut start, mut end) = (offset, offset + len);
         if start == end {
-            // An empty segment lands nowhere and counts for nothing (backends may drop it).
             return;
         }
-        self.checksum = self.checksum.wrapping_add(segment_digest(offset, bytes));
-        self.bytes += bytes.len() as u64;
+        self.bytes += len;
         // Merge with the neighbours it touches.
         if let Some((&s, &e)) = self.written.range(..=start).next_back()
             && e == start

@@ -32,6 +32,55 @@ impl Region {
         conn: ConnId,
         segments: &[(u64, &[u8])],
     ) -> Result<(), TransferError> {
+        self.admit(id, sender, conn)?;
+        let Region { buf, expected, .. } = self;
+        let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
+        let checked = segments.iter().try_for_each(|&(off, b)| {
+            p.check(off, b.len() as u64)?;
+            // Checked segment by segment: two segments of one frame may overlap too.
+            p.record(off, b);
+            land(buf, off, b);
+            Ok::<(), String>(())
+        });
+        self.landed(sender, checked)
+    }
+
+    /// Applies a piece of one segment whose bytes arrive in pieces (a tcp frame read as it
+    /// comes): checked and landed as [`Region::write`] does, but its digest is left to
+    /// [`Region::end_segment`], which the caller calls with the whole segment's digest.
+    pub(super) fn write_piece(
+        &mut self,
+        id: RegionId,
+        sender: SenderId,
+        conn: ConnId,
+        off: u64,
+        piece: &[u8],
+    ) -> Result<(), TransferError> {
+        self.admit(id, sender, conn)?;
+        let Region { buf, expected, .. } = self;
+        let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
+        let checked = p.check(off, piece.len() as u64).map(|()| {
+            p.record_range(off, piece.len() as u64);
+            land(buf, off, piece);
+        });
+        self.landed(sender, checked)
+    }
+
+    /// Adds a segment written in pieces to `sender`'s checksum, by the digest its receiver
+    /// computed over the pieces ([`super::placement::segment_hasher`]).
+    /// Only over the connection the sender is bound to.
+    pub(super) fn end_segment(&mut self, sender: SenderId, conn: ConnId, digest: u64) {
+        if self.bound.get(&sender) != Some(&conn) {
+            return;
+        }
+        if let Some(p) = self.expected.get_mut(&sender) {
+            p.add_digest(digest);
+        }
+    }
+
+    /// Whether a write from `sender` over `conn` may touch the region: it is open, expects
+    /// the sender (else it fails), and the sender is bound to `conn`.
+    fn admit(&mut self, id: RegionId, sender: SenderId, conn: ConnId) -> Result<(), TransferError> {
         if matches!(*self.state.borrow(), KvPoll::Failed | KvPoll::Success) {
             return Err(TransferError::Failed(format!("region {id:?} is closed")));
         }
@@ -40,19 +89,15 @@ impl Region {
             self.fail(reason.clone());
             return Err(TransferError::Failed(reason));
         }
-        self.bind(id, sender, conn)?;
-        let Region { buf, expected, .. } = self;
-        let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
-        let checked = segments.iter().try_for_each(|&(off, b)| {
-            p.check(off, b.len() as u64)?;
-            // Checked segment by segment: two segments of one frame may overlap too.
-            p.record(off, b);
-            // An empty segment lands nowhere, whatever its offset (fuzzing found one at 2^34).
-            if !b.is_empty() {
-                buf[off as usize..off as usize + b.len()].copy_from_slice(b);
-            }
-            Ok::<(), String>(())
-        });
+        self.bind(id, sender, conn)
+    }
+
+    /// After a write: a refused one fails the region, with the sender named.
+    fn landed(
+        &mut self,
+        sender: SenderId,
+        checked: Result<(), String>,
+    ) -> Result<(), TransferError> {
         if let Err(e) = checked {
             let reason = format!("{sender:?}: {e}");
             self.fail(reason.clone());
@@ -94,5 +139,13 @@ impl Region {
         debug!(room = %self.room, %reason, "KV transfer failed");
         self.error = Some(reason);
         self.state.send_replace(KvPoll::Failed);
+    }
+}
+
+/// Copies checked bytes into the buffer. An empty segment lands nowhere, whatever its offset
+/// (fuzzing found one at 2^34).
+fn land(buf: &mut [u8], off: u64, b: &[u8]) {
+    if !b.is_empty() {
+        buf[off as usize..off as usize + b.len()].copy_from_slice(b);
     }
 }

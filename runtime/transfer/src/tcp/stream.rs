@@ -55,7 +55,7 @@ impl StreamConn for TcpStreamConn {
         // half a frame on it.
         let Some(mut s) = self.conn.take() else { return Err(self.broken()) };
         let send = async {
-            let mut w = BufWriter::with_capacity(256 << 10, &mut s);
+            let mut w = BufWriter::with_capacity(wire::BUFFERED, &mut s);
             wire::write_pairs(&mut w, region, sender, pairs, max_frame).await?;
             w.flush().await
         };
