@@ -121,7 +121,12 @@ async fn main() -> anyhow::Result<()> {
     writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     let mut seed = 0;
     for per_token in [Duration::ZERO, Duration::from_micros(100), Duration::from_millis(1)] {
-        let tcp = TransferKind::Tcp { bind_ip: loopback, advertise_ip: None, tls: None };
+        let tcp = TransferKind::Tcp {
+            bind_ip: loopback,
+            advertise_ip: None,
+            tls: None,
+            shared_memory: false,
+        };
         let mooncake = TransferKind::Mooncake { bind_ip: loopback, advertise_ip: None };
         let mut paths = vec![
             path(tcp.clone(), per_token, false).await?,

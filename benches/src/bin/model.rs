@@ -7,7 +7,7 @@
 //! Prints: model load time; prefill tok/s at 32 / 256 / 1024 tokens; decode tok/s with 1
 //! and 4 concurrent streams; TTFT of a 256-token prompt aggregated (engine in-process) and
 //! disaggregated (through `handoff up`'s path); TTFT with 90 % of the prompt cached vs none;
-//! TTFT of the same prompts (256 and 1024 tokens) over the tcp, mooncake and nixl transfers
+//! TTFT of the same prompts (256 and 1024 tokens) over the tcp (sockets, and its same-host shared memory), mooncake and nixl transfers
 //! (nixl: run with `eval "$(scripts/fetch-nixl --env)"`), next to
 //! the engine alone (its prefill, no decoder, no gRPC: the unflattering comparison).
 
@@ -170,7 +170,24 @@ async fn main() -> anyhow::Result<()> {
     let mut rows = vec![("aggregated (engine alone)".to_owned(), agg)];
     let loopback = std::net::Ipv4Addr::LOCALHOST.into();
     for (label, transfer) in [
-        ("tcp", TransferKind::Tcp { bind_ip: loopback, advertise_ip: None, tls: None }),
+        (
+            "tcp",
+            TransferKind::Tcp {
+                bind_ip: loopback,
+                advertise_ip: None,
+                tls: None,
+                shared_memory: false,
+            },
+        ),
+        (
+            "shm (tcp's same-host path)",
+            TransferKind::Tcp {
+                bind_ip: loopback,
+                advertise_ip: None,
+                tls: None,
+                shared_memory: true,
+            },
+        ),
         ("mooncake", TransferKind::Mooncake { bind_ip: loopback, advertise_ip: None }),
         ("nixl", TransferKind::Nixl { bind_ip: loopback, advertise_ip: None }),
     ] {

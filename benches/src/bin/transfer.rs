@@ -1,8 +1,9 @@
 //! The transfer backends on loopback: aggregate receive throughput with 1, 4 and 16
 //! concurrent 12 MB transfers (each region written by one sender in 64 runs of 192 KiB, as
 //! layers x K/V of a small model): tcp with no credential, with a cluster token, and with
-//! token and mutual TLS, and mooncake; against the ceiling of the same bytes over plain
-//! sockets (write, read, discard: no framing, no copy into a region, no verification) and
+//! token and mutual TLS, its same-host shared-memory path, and mooncake; against the ceilings
+//! of the same bytes over plain sockets (write, read, discard: no framing, no copy into a
+//! region, no verification) and copied with memcpy into a warm buffer (for shm), and
 //! the Mooncake wheel writing the same batches to itself, in the same run; and nixl (NIXL's
 //! library, UCX over TCP). Then the per-request cost of a small transfer (64 KiB): register,
 //! handshake, write, notice, verify, take. First, the CPU two idle nixl agents cost (their
@@ -13,7 +14,7 @@
 //! cargo run --release -p handoff-benches --bin transfer
 //! cargo run --release -p handoff-benches --bin transfer -- --rounds 5
 //! cargo run --release -p handoff-benches --bin transfer -- --nixl-only 200   # to profile
-//! cargo run --release -p handoff-benches --bin transfer -- --tcp-only 200
+//! cargo run --release -p handoff-benches --bin transfer -- --tcp-only 200   # or --shm-only
 //! ```
 
 use std::io::Write;
@@ -45,8 +46,10 @@ async fn agents(kind: &TransferKind, token: Option<&str>, tasks: &Tasks) -> (Age
     (mk().await, mk().await)
 }
 
-fn tcp(tls: Option<ClusterTls>) -> TransferKind {
-    TransferKind::Tcp { bind_ip: std::net::Ipv4Addr::LOCALHOST.into(), advertise_ip: None, tls }
+/// The tcp backend on loopback; with `shared_memory`, its same-host path.
+fn tcp(tls: Option<ClusterTls>, shared_memory: bool) -> TransferKind {
+    let bind_ip = std::net::Ipv4Addr::LOCALHOST.into();
+    TransferKind::Tcp { bind_ip, advertise_ip: None, tls, shared_memory }
 }
 
 /// One region of `len` bytes in runs of at most `RUN`: the receiver's handshake, the write
@@ -92,6 +95,32 @@ async fn handoff_rate(p: &Pair, n: usize, rounds: usize, data: &[Bytes]) -> f64 
         total += futures::future::join_all(all).await.into_iter().sum::<usize>();
     }
     total as f64 / started.elapsed().as_secs_f64() / 1e9
+}
+
+/// The same bytes copied by `n` threads at once (at most one per core), each into a buffer
+/// of its own it reuses: the ceiling of a same-host transfer, which must also land in
+/// memory. A warm destination, so no page faults: the ceiling is not lowered by ours.
+fn memcpy_rate(n: usize, rounds: usize, data: &[Bytes]) -> f64 {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let threads = n.min(cores);
+    let per_thread = (n * rounds).div_ceil(threads);
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let mut dst = vec![1u8; REGION];
+                for _ in 0..per_thread {
+                    let mut at = 0;
+                    for b in data {
+                        dst[at..at + b.len()].copy_from_slice(b);
+                        at += b.len();
+                    }
+                    std::hint::black_box(&dst);
+                }
+            });
+        }
+    });
+    (threads * per_thread * REGION) as f64 / started.elapsed().as_secs_f64() / 1e9
 }
 
 /// The same bytes over `n` plain sockets at once: the ceiling.
@@ -182,13 +211,14 @@ fn process_cpu() -> anyhow::Result<Duration> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut rounds = 3usize;
-    let (mut nixl_only, mut tcp_only) = (0usize, 0usize);
+    let (mut nixl_only, mut tcp_only, mut shm_only) = (0usize, 0usize, 0usize);
     parse_flags(|flag, val| {
         match flag {
             "--rounds" => rounds = val.parse()?,
             // For profiling: only this many sequential nixl (tcp) transfers, nothing printed.
             "--nixl-only" => nixl_only = val.parse()?,
             "--tcp-only" => tcp_only = val.parse()?,
+            "--shm-only" => shm_only = val.parse()?,
             other => anyhow::bail!("unknown flag {other}"),
         }
         Ok(())
@@ -202,7 +232,12 @@ async fn main() -> anyhow::Result<()> {
     };
     let nixl =
         TransferKind::Nixl { bind_ip: std::net::Ipv4Addr::LOCALHOST.into(), advertise_ip: None };
-    for (only, kind, label) in [(nixl_only, &nixl, "nixl"), (tcp_only, &tcp(None), "tcp")] {
+    let only = [
+        (nixl_only, &nixl, "nixl"),
+        (tcp_only, &tcp(None, false), "tcp"),
+        (shm_only, &tcp(None, true), "shm"),
+    ];
+    for (only, kind, label) in only {
         if only == 0 {
             continue;
         }
@@ -214,9 +249,10 @@ async fn main() -> anyhow::Result<()> {
     }
     let mut pairs = Vec::new();
     for (label, kind, token) in [
-        ("tcp", tcp(None), None),
-        ("tcp + token", tcp(None), token),
-        ("tcp + token + mTLS", tcp(Some(tls())), token),
+        ("tcp", tcp(None, false), None),
+        ("tcp + token", tcp(None, false), token),
+        ("tcp + token + mTLS", tcp(Some(tls()), false), token),
+        ("shm + token", tcp(None, true), token),
         ("mooncake + token", mooncake, token),
     ] {
         let (tx, rx) = agents(&kind, token, &tasks).await;
@@ -245,16 +281,17 @@ async fn main() -> anyhow::Result<()> {
     let labels: Vec<&str> = pairs.iter().map(|p| p.label).collect();
     writeln!(
         out,
-        "| concurrent | plain sockets | {} | Mooncake wheel to itself | tcp / sockets | mooncake / sockets | nixl / sockets |",
+        "| concurrent | plain sockets | memcpy | {} | Mooncake wheel to itself | tcp / sockets | shm / memcpy | mooncake / sockets | nixl / sockets |",
         labels.join(" | ")
     )?;
-    writeln!(out, "|---:|---:|{}---:|---:|---:|---:|", "---:|".repeat(labels.len()))?;
+    writeln!(out, "|---:|---:|---:|{}---:|---:|---:|---:|---:|", "---:|".repeat(labels.len()))?;
     for n in [1usize, 4, 16] {
         // Each variant three times, interleaved; the best of each (the machine is shared).
-        let mut ceiling = 0f64;
+        let (mut ceiling, mut memcpy) = (0f64, 0f64);
         let mut rates = vec![0f64; pairs.len()];
         for _ in 0..3 {
             ceiling = ceiling.max(socket_rate(n, rounds, &data).await);
+            memcpy = memcpy.max(memcpy_rate(n, rounds, &data));
             for (i, p) in pairs.iter().enumerate() {
                 rates[i] = rates[i].max(handoff_rate(p, n, rounds, &data).await);
             }
@@ -264,11 +301,12 @@ async fn main() -> anyhow::Result<()> {
         let wheel_cell = if n == 1 { format!("{wheel:.2}") } else { "-".into() };
         writeln!(
             out,
-            "| {n} | {ceiling:.2} | {} | {wheel_cell} | {:.2} | {:.2} | {:.2} |",
+            "| {n} | {ceiling:.2} | {memcpy:.2} | {} | {wheel_cell} | {:.2} | {:.2} | {:.2} | {:.2} |",
             cells.join(" | "),
             rates[0] / ceiling,
-            rates[3] / ceiling,
-            rates[4] / ceiling
+            rates[3] / memcpy,
+            rates[4] / ceiling,
+            rates[5] / ceiling
         )?;
     }
     writeln!(out, "(GB/s; every transfer includes the receiver's handshake and the verification)")?;

@@ -135,6 +135,7 @@ mod tests {
             transfer: crate::args::TransferArg::Tcp,
             transfer_bind: std::net::Ipv4Addr::LOCALHOST.into(),
             transfer_advertise: None,
+            no_shared_memory: false,
         }
     }
 

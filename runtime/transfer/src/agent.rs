@@ -85,6 +85,8 @@ pub enum TransferKind {
         advertise_ip: Option<String>,
         /// Mutual TLS with the cluster's CA.
         tls: Option<handoff_core::tls::ClusterTls>,
+        /// Writes to peers on this host through shared memory (see `tcp::shm`).
+        shared_memory: bool,
     },
     /// Mooncake Transfer Engine's TCP wire: listen on `bind_ip` (two ephemeral ports, the
     /// handshake port advertised), advertise `advertise_ip`.
@@ -113,6 +115,7 @@ impl TransferKind {
             bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
             advertise_ip: None,
             tls: None,
+            shared_memory: true,
         }
     }
 
@@ -149,9 +152,10 @@ impl TransferKind {
         let token = inbox.token.clone();
         let inbox = Arc::new(Inbox::new(inbox));
         let backend: Arc<dyn TransferBackend> = match self {
-            TransferKind::Tcp { bind_ip, advertise_ip, tls } => {
+            TransferKind::Tcp { bind_ip, advertise_ip, tls, shared_memory } => {
                 let l = tokio::net::TcpListener::bind((*bind_ip, 0)).await?;
-                let cfg = crate::tcp::TcpConfig { token, tls: tls.clone(), ..Default::default() };
+                let (tls, shared_memory) = (tls.clone(), *shared_memory);
+                let cfg = crate::tcp::TcpConfig { token, tls, shared_memory, ..Default::default() };
                 Arc::new(crate::TcpTransfer::serve(
                     l,
                     advertise_ip.clone(),

@@ -283,25 +283,25 @@ impl Inbox {
         r.write(id, sender, conn, segments)
     }
 
-    /// Applies one piece of a segment of `sender`'s whose bytes arrive in pieces, arrived
-    /// over `conn`: checked and landed as [`Inbox::on_write`] does, while its digest waits
-    /// for [`Inbox::on_segment_end`]. A segment left unfinished leaves the checksum short,
-    /// so its notice cannot verify.
+    /// Applies one piece `(offset, bytes)` of a segment of `sender`'s whose bytes arrive in
+    /// pieces, arrived over `conn`: checked and landed as [`Inbox::on_write`] does, then
+    /// hashed into `hasher` (made by [`placement::segment_hasher`]) from the region's copy.
+    /// Its digest counts only once the segment ends ([`Inbox::on_segment_end`]): a segment
+    /// left unfinished leaves the checksum short, so its notice cannot verify.
     pub fn on_piece(
         &self,
         id: RegionId,
         sender: SenderId,
         conn: ConnId,
-        offset: u64,
-        piece: &[u8],
+        piece: (u64, &[u8]),
+        hasher: &mut xxhash_rust::xxh3::Xxh3,
     ) -> Result<(), TransferError> {
         let region = self.region(id)?;
         let mut r = lock(&region);
-        r.write_piece(id, sender, conn, offset, piece)
+        r.write_piece(id, sender, conn, piece, hasher)
     }
 
-    /// Ends a segment written with [`Inbox::on_piece`]: `digest` is what
-    /// [`placement::segment_hasher`] made of its offset, length and every piece.
+    /// Ends a segment written with [`Inbox::on_piece`]: `digest` is its hasher's.
     pub fn on_segment_end(&self, id: RegionId, sender: SenderId, conn: ConnId, digest: u64) {
         if let Ok(region) = self.region(id) {
             lock(&region).end_segment(sender, conn, digest);

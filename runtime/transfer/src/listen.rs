@@ -8,22 +8,51 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_core::Tasks;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tracing::warn;
 
 use crate::ConnId;
 
+/// A listener [`serve_accepts`] serves.
+pub(crate) trait Accept: Send + 'static {
+    /// An accepted connection.
+    type Stream: Send + 'static;
+    /// Who is on the other end.
+    type Peer: Send + 'static;
+    /// The next connection.
+    fn next(&self) -> impl Future<Output = std::io::Result<(Self::Stream, Self::Peer)>> + Send;
+}
+
+impl Accept for TcpListener {
+    type Stream = TcpStream;
+    type Peer = SocketAddr;
+    async fn next(&self) -> std::io::Result<(TcpStream, SocketAddr)> {
+        let (s, peer) = self.accept().await?;
+        let _ = s.set_nodelay(true);
+        Ok((s, peer))
+    }
+}
+
+impl Accept for UnixListener {
+    type Stream = UnixStream;
+    type Peer = tokio::net::unix::SocketAddr;
+    async fn next(&self) -> std::io::Result<(UnixStream, Self::Peer)> {
+        self.accept().await
+    }
+}
+
 /// Serves `listener` on `tasks` until they shut down: at most `max_inbound` connections at
 /// once, each handed to `handle` with its peer and a fresh [`ConnId`].
-pub(crate) fn serve_accepts<F, Fut>(
-    listener: TcpListener,
+pub(crate) fn serve_accepts<L, F, Fut>(
+    listener: L,
     max_inbound: usize,
     tasks: &Tasks,
     what: &'static str,
     handle: F,
 ) where
-    F: Fn(TcpStream, SocketAddr, ConnId) -> Fut + Send + Sync + 'static,
+    L: Accept + Sync,
+    F: Fn(L::Stream, L::Peer, ConnId) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let t = tasks.clone();
@@ -37,7 +66,7 @@ pub(crate) fn serve_accepts<F, Fut>(
             };
             let accepted = tokio::select! {
                 _ = t.shutdown_requested() => break,
-                a = listener.accept() => a,
+                a = listener.next() => a,
             };
             let (stream, peer) = match accepted {
                 Ok(a) => a,
@@ -47,7 +76,6 @@ pub(crate) fn serve_accepts<F, Fut>(
                     continue;
                 }
             };
-            let _ = stream.set_nodelay(true);
             next_conn += 1;
             let served = handle(stream, peer, ConnId(next_conn));
             let t2 = t.clone();

@@ -10,10 +10,11 @@
 
 mod pool;
 mod receive;
+mod serve;
+mod shm;
 mod stream;
 mod wire;
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,17 +22,16 @@ use std::time::Duration;
 use async_trait::async_trait;
 use handoff_core::Tasks;
 use handoff_core::tls::ClusterTls;
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::debug;
 
-use crate::{
-    AgentAddr, ConnId, ConnectRequest, Inbox, RegionId, TransferBackend, TransferError,
-    WriteRequest,
-};
+use crate::{AgentAddr, ConnectRequest, Inbox, TransferBackend, TransferError, WriteRequest};
+pub use serve::apply_frames;
+
 use pool::{ClientIo, Idle, checkin, io_err, read_ack};
-use receive::Writer;
-use wire::Frame;
+use serve::{ConnCfg, Inbound, serve_conn};
+use shm::ShmPool;
 
 /// How long an idle pooled connection gets to answer a handshake before a fresh one is tried.
 const POOLED_ACK_TIMEOUT: Duration = Duration::from_secs(1);
@@ -66,6 +66,9 @@ pub struct TcpConfig {
     pub hello_timeout: Duration,
     /// Mutual TLS with the cluster's CA, on every connection both ways.
     pub tls: Option<ClusterTls>,
+    /// Writes to a peer on the same host go through shared memory ([`shm`]), and this agent
+    /// listens for such writes. Off: every byte over the socket.
+    pub shared_memory: bool,
 }
 
 impl Default for TcpConfig {
@@ -82,6 +85,7 @@ impl Default for TcpConfig {
             frame_timeout: Duration::from_secs(30),
             hello_timeout: Duration::from_secs(5),
             tls: None,
+            shared_memory: true,
         }
     }
 }
@@ -92,6 +96,8 @@ pub struct TcpTransfer {
     addr: AgentAddr,
     cfg: TcpConfig,
     idle: Arc<Idle>,
+    /// The same-host fast path, when on.
+    shm: Option<Arc<ShmPool>>,
 }
 
 impl TcpTransfer {
@@ -118,6 +124,9 @@ impl TcpTransfer {
             hello_timeout: cfg.hello_timeout,
         });
         let server_tls = cfg.tls.clone();
+        if cfg.shared_memory {
+            shm::serve(&addr, inbox.clone(), conn_cfg.clone(), cfg.max_inbound, tasks);
+        }
         crate::listen::serve_accepts(
             listener,
             cfg.max_inbound,
@@ -126,21 +135,27 @@ impl TcpTransfer {
             move |stream, peer, conn| {
                 let (inbox, cc, tls) = (inbox.clone(), conn_cfg.clone(), server_tls.clone());
                 async move {
+                    let peer = peer.to_string();
+                    let inbound = Inbound { peer: &peer, id: conn, authed: false, window: None };
                     let Some(tls) = tls else {
-                        return serve_conn(stream, peer, conn, inbox, &cc).await;
+                        return serve_conn(stream, inbound, inbox, &cc).await;
                     };
                     // The TLS handshake is part of the hello's time.
                     match tokio::time::timeout(cc.hello_timeout, tls.acceptor().accept(stream))
                         .await
                     {
-                        Ok(Ok(s)) => serve_conn(s, peer, conn, inbox, &cc).await,
+                        Ok(Ok(s)) => serve_conn(s, inbound, inbox, &cc).await,
                         Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake refused"),
                         Err(_) => debug!(%peer, "TLS handshake too slow"),
                     }
                 }
             },
         );
-        Ok(TcpTransfer { addr, cfg, idle: Arc::default() })
+        let shm = cfg.shared_memory.then(|| {
+            let (token, max_idle) = (cfg.token.clone(), cfg.max_idle_per_peer);
+            Arc::new(ShmPool::new(token, max_idle, cfg.max_frame, cfg.connect_timeout))
+        });
+        Ok(TcpTransfer { addr, cfg, idle: Arc::default(), shm })
     }
 
     /// Binds `bind` and serves it (see [`TcpTransfer::serve`]).
@@ -286,11 +301,28 @@ impl TransferBackend for TcpTransfer {
         &self,
         peer: &AgentAddr,
     ) -> Result<Option<Box<dyn crate::StreamConn>>, TransferError> {
+        if let Some(pool) = &self.shm
+            && let Some(c) = pool.open(peer).await
+        {
+            let s = shm::ShmStream::new(c, pool.clone(), self.cfg.io_timeout);
+            return Ok(Some(Box::new(s)));
+        }
         let conn = self.checkout(peer).await?;
         Ok(Some(Box::new(stream::TcpStreamConn::new(peer, conn, self))))
     }
 
     async fn post_write(&self, peer: &AgentAddr, req: WriteRequest) -> Result<(), TransferError> {
+        if let Some(pool) = &self.shm
+            && let Some(mut c) = pool.open(peer).await
+        {
+            let res = tokio::time::timeout(self.cfg.io_timeout, c.write(&req))
+                .await
+                .map_err(|_| TransferError::Timeout(format!("write to {peer}")))?;
+            if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
+                pool.checkin(c);
+            }
+            return res;
+        }
         let mut s = self.checkout(peer).await?;
         let max_frame = self.cfg.max_frame;
         let exchange = async {
@@ -316,160 +348,6 @@ impl TransferBackend for TcpTransfer {
             self.checkin(peer, s);
         }
         res
-    }
-}
-
-/// Decodes `bytes` as the frames of one inbound connection and hands each to `inbox` as a
-/// served connection would, until the bytes end or a frame is malformed; returns how many
-/// frames were decoded. For fuzzing the decoder and the inbox behind it: no input may panic.
-pub async fn apply_frames(bytes: &[u8], inbox: &Inbox, max_frame: usize) -> usize {
-    let mut r = bytes;
-    let (mut n, mut piece) = (0, Vec::new());
-    while let Ok(Some(frame)) = wire::read_frame(&mut r, max_frame).await {
-        n += 1;
-        let _ = match frame {
-            Frame::Connect(req) => inbox.on_connect(req),
-            Frame::Write { region, sender, segments } => {
-                let w = Writer { region, sender, conn: ConnId(0) };
-                match receive::land(&mut r, &mut piece, inbox, w, &segments).await {
-                    Ok(landed) => landed,
-                    Err(_) => break,
-                }
-            }
-            Frame::Notice { region, notice } => inbox.on_notice(region, ConnId(0), notice),
-            Frame::Ack(_) | Frame::Hello(_) => Ok(()),
-        };
-    }
-    n
-}
-
-/// What every inbound connection is served with.
-#[derive(Debug)]
-struct ConnCfg {
-    max_frame: usize,
-    token: Option<String>,
-    max_unknown_writes: u32,
-    idle_timeout: Duration,
-    frame_timeout: Duration,
-    hello_timeout: Duration,
-}
-
-/// Serves one inbound connection until it closes or breaks the protocol.
-async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
-    stream: S,
-    peer: SocketAddr,
-    conn: ConnId,
-    inbox: Arc<Inbox>,
-    cfg: &ConnCfg,
-) {
-    let (r, mut w) = tokio::io::split(stream);
-    let mut r = BufReader::with_capacity(wire::BUFFERED, r);
-    let mut authed = cfg.token.is_none();
-    let mut unknown = 0u32;
-    // Where write payloads pass through on their way into regions (see `receive`).
-    let mut piece = Vec::new();
-    // Regions this connection wrote into and has not yet sent the notice for.
-    let mut open: HashSet<RegionId> = HashSet::new();
-    let reason = loop {
-        // Before the hello, nothing bigger than a hello is read.
-        let max_frame = if authed { cfg.max_frame } else { wire::MAX_TOKEN + 1 };
-        // Idle until a frame begins, then the whole frame within its own time. Before its
-        // hello a connection may idle only briefly: it holds a place it has not earned.
-        let idle = if authed { cfg.idle_timeout } else { cfg.hello_timeout };
-        match tokio::time::timeout(idle, r.fill_buf()).await {
-            Ok(Ok(b)) if !b.is_empty() => {}
-            Ok(_) => break "sender connection closed mid-transfer".to_owned(),
-            Err(_) => {
-                debug!(%peer, "idle transfer connection closed");
-                break "sender connection idle too long".to_owned();
-            }
-        }
-        let frame_time = if authed { cfg.frame_timeout } else { cfg.hello_timeout };
-        // The whole frame within its time, a write's payload landed as it arrives.
-        let read = tokio::time::timeout(frame_time, async {
-            let frame = wire::read_frame(&mut r, max_frame).await?;
-            let landed = match &frame {
-                Some(Frame::Write { region, sender, segments }) if authed => {
-                    let w = Writer { region: *region, sender: *sender, conn };
-                    Some(receive::land(&mut r, &mut piece, &inbox, w, segments).await?)
-                }
-                _ => None,
-            };
-            Ok::<_, TransferError>((frame, landed))
-        });
-        let Ok(read) = read.await else {
-            debug!(%peer, "transfer frame too slow; closing");
-            break "sender connection too slow mid-frame".to_owned();
-        };
-        let (frame, landed) = match read {
-            Ok((Some(f), landed)) => (f, landed),
-            Ok((None, _)) => break "sender connection closed mid-transfer".to_owned(),
-            Err(e) => {
-                debug!(%peer, error = %e, "bad transfer frame; closing");
-                let _ = wire::write_ack(&mut w, &Err(e.to_string())).await;
-                break format!("sender connection broke mid-transfer: {e}");
-            }
-        };
-        let reply = match frame {
-            Frame::Hello(token) => {
-                authed = crate::token_accepted(cfg.token.as_deref(), Some(&token));
-                if !authed {
-                    let _ = wire::write_ack(&mut w, &Err("wrong token".into())).await;
-                    debug!(%peer, "transfer connection with a wrong token; closing");
-                    break "wrong token".to_owned();
-                }
-                Some(Ok(()))
-            }
-            _ if !authed => {
-                let e = "the first frame must be a hello with the cluster token";
-                let _ = wire::write_ack(&mut w, &Err(e.into())).await;
-                debug!(%peer, "unauthenticated transfer connection; closing");
-                break e.to_owned();
-            }
-            Frame::Connect(req) => Some(inbox.on_connect(req)),
-            Frame::Write { region, .. } => {
-                // A rejected write fails its region; the sender learns it at the notice.
-                match landed.unwrap_or(Ok(())) {
-                    Ok(()) => {
-                        // A sender in good standing: what it trailed into regions dropped by
-                        // their decodes earlier does not add up against it across requests.
-                        unknown = 0;
-                        open.insert(region);
-                        None
-                    }
-                    Err(e @ TransferError::Forbidden(_)) => Some(Err(e)),
-                    Err(TransferError::UnknownRegion(_)) => {
-                        unknown += 1;
-                        (unknown > cfg.max_unknown_writes).then(|| {
-                            Err(TransferError::Forbidden("writes to unknown regions".into()))
-                        })
-                    }
-                    Err(_) => None,
-                }
-            }
-            Frame::Notice { region, notice } => {
-                open.remove(&region);
-                Some(inbox.on_notice(region, conn, notice))
-            }
-            Frame::Ack(_) => {
-                let _ = wire::write_ack(&mut w, &Err("unexpected ack".into())).await;
-                break "protocol violation: unexpected ack".to_owned();
-            }
-        };
-        // Refused for what the connection is, not what it carried: the answer, then close.
-        if let Some(Err(e @ TransferError::Forbidden(_))) = &reply {
-            debug!(%peer, error = %e, "transfer connection closed");
-            let _ = wire::write_ack(&mut w, &Err(e.to_string())).await;
-            break e.to_string();
-        }
-        if let Some(res) = reply
-            && wire::write_ack(&mut w, &res.map_err(|e| e.to_string())).await.is_err()
-        {
-            break "sender connection lost".to_owned();
-        }
-    };
-    for region in open {
-        inbox.fail(region, reason.clone());
     }
 }
 

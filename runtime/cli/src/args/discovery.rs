@@ -55,6 +55,10 @@ pub struct DiscoveryArgs {
     /// The host peers dial for this process's KV transfers (default: --transfer-bind).
     #[arg(long)]
     pub transfer_advertise: Option<String>,
+    /// With --transfer tcp, send every KV byte over the socket, even to a peer on this host
+    /// (by default those go through shared memory).
+    #[arg(long)]
+    pub no_shared_memory: bool,
 }
 
 /// TLS and credentials for the etcd and NATS servers, handed to their client libraries.
@@ -168,7 +172,8 @@ impl DiscoveryArgs {
         let advertise_ip = self.transfer_advertise.clone();
         Ok(match self.transfer {
             TransferArg::Tcp => {
-                TransferKind::Tcp { bind_ip, advertise_ip, tls: self.cluster_tls()? }
+                let (tls, shared_memory) = (self.cluster_tls()?, !self.no_shared_memory);
+                TransferKind::Tcp { bind_ip, advertise_ip, tls, shared_memory }
             }
             TransferArg::Mooncake if self.tls_cert.is_some() => anyhow::bail!(
                 "--transfer mooncake cannot use --tls-cert: Mooncake's wire has no TLS (use --transfer tcp for mutual TLS on KV)"

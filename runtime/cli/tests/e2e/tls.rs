@@ -33,6 +33,8 @@ fn secure(member: &TestCert, public: &TestCert) -> ClusterConfig {
             bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
             advertise_ip: None,
             tls: Some(tls),
+            // KV over the TLS sockets themselves, not the same-host shared memory.
+            shared_memory: false,
         },
         frontend: FrontendConfig { public_tls: Some(public.server()), ..FrontendConfig::default() },
         ..ClusterConfig::ephemeral()

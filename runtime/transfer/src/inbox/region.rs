@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use handoff_core::Room;
 use tokio::sync::watch;
 use tracing::debug;
+use xxhash_rust::xxh3::Xxh3;
 
 use super::placement::Placement;
 use crate::{ConnId, KvPoll, Notice, RegionId, SenderId, TransferError};
@@ -46,15 +47,17 @@ impl Region {
     }
 
     /// Applies a piece of one segment whose bytes arrive in pieces (a tcp frame read as it
-    /// comes): checked and landed as [`Region::write`] does, but its digest is left to
-    /// [`Region::end_segment`], which the caller calls with the whole segment's digest.
+    /// comes, a shared window): checked and landed as [`Region::write`] does, then hashed
+    /// into `hasher` from the region's own copy (so what is hashed is what was kept, even
+    /// if the source changes meanwhile). The caller ends the segment with
+    /// [`Region::end_segment`] and the hasher's digest.
     pub(super) fn write_piece(
         &mut self,
         id: RegionId,
         sender: SenderId,
         conn: ConnId,
-        off: u64,
-        piece: &[u8],
+        (off, piece): (u64, &[u8]),
+        hasher: &mut Xxh3,
     ) -> Result<(), TransferError> {
         self.admit(id, sender, conn)?;
         let Region { buf, expected, .. } = self;
@@ -62,6 +65,7 @@ impl Region {
         let checked = p.check(off, piece.len() as u64).map(|()| {
             p.record_range(off, piece.len() as u64);
             land(buf, off, piece);
+            hasher.update(&buf[off as usize..off as usize + piece.len()]);
         });
         self.landed(sender, checked)
     }

@@ -1,7 +1,14 @@
-//! A write frame's payload, landed as it arrives: read from the connection in pieces of at
-//! most [`PIECE`] bytes into one buffer the connection reuses, each piece copied into its
-//! region while it is still in cache and hashed on the way. A frame is never held whole:
-//! before, a 12 MB frame was read into a fresh 12 MB buffer and copied out of it from memory.
+//! A write frame's payload, landed as it arrives.
+//!
+//! - [`land`]: from the connection, in pieces of at most [`PIECE`] bytes read into one
+//!   buffer the connection reuses, each copied into its region while still in cache. A frame
+//!   is never held whole (before, a 12 MB frame was read into a fresh 12 MB buffer first).
+//! - [`land_shared`]: from a window of memory the sender shares (the shm fast path), each
+//!   piece copied straight from the window into its region; a pair (one segment of the
+//!   checksum) may span several writes.
+//!
+//! Either way a piece is hashed from the region's copy, not from its source: what is
+//! verified is what was kept.
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 
@@ -9,14 +16,14 @@ use crate::inbox::placement::segment_hasher;
 use crate::{ConnId, Inbox, RegionId, SenderId, TransferError};
 
 /// The most bytes read before they are landed: well inside a core's L2.
-pub(super) const PIECE: usize = 256 << 10;
+pub(crate) const PIECE: usize = 256 << 10;
 
 /// Who wrote a frame, and where to.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Writer {
-    pub(super) region: RegionId,
-    pub(super) sender: SenderId,
-    pub(super) conn: ConnId,
+pub(crate) struct Writer {
+    pub(crate) region: RegionId,
+    pub(crate) sender: SenderId,
+    pub(crate) conn: ConnId,
 }
 
 /// Reads the payload of a write frame whose head listed `segments` into `inbox`, as `w`.
@@ -24,42 +31,180 @@ pub(super) struct Writer {
 /// The outer error: the connection broke or ended inside the payload (it must close). The
 /// inner result: whether the inbox took the write. A refused write's remaining bytes are
 /// still read, and dropped, so the connection stays in step with its frames.
-pub(super) async fn land<R: AsyncRead + Unpin>(
+pub(crate) async fn land<R: AsyncRead + Unpin>(
     r: &mut R,
     piece: &mut Vec<u8>,
     inbox: &Inbox,
     w: Writer,
     segments: &[(u64, u32)],
 ) -> Result<Result<(), TransferError>, TransferError> {
-    // The write as a whole first (region open, sender expected and bound to this
-    // connection), as an empty write: a frame of no bytes is checked like any other.
-    let mut verdict = inbox.on_write(w.region, w.sender, w.conn, &[]);
-    let total: u64 = segments.iter().map(|s| u64::from(s.1)).sum();
-    let size = PIECE.min(usize::try_from(total).unwrap_or(PIECE));
+    let mut landing = Landing::new(inbox, w, segments);
+    let size = PIECE.min(usize::try_from(landing.total).unwrap_or(PIECE));
     if piece.len() < size {
         piece.resize(size, 0);
     }
     for &(off, len) in segments {
-        let len = u64::from(len);
-        let mut hasher = segment_hasher(off, len);
+        landing.begin(off, len);
         let mut at = 0u64;
-        while at < len {
-            let n = (len - at).min(PIECE as u64) as usize;
+        while at < u64::from(len) {
+            let n = (u64::from(len) - at).min(PIECE as u64) as usize;
             let buf = &mut piece[..n];
             r.read_exact(buf)
                 .await
                 .map_err(|e| TransferError::Malformed(format!("reading a write's payload: {e}")))?;
-            if verdict.is_ok() {
-                verdict = inbox.on_piece(w.region, w.sender, w.conn, off.saturating_add(at), buf);
-                hasher.update(buf);
-            }
+            landing.piece(off.saturating_add(at), buf);
             at += n as u64;
         }
-        if verdict.is_ok() && len > 0 {
-            inbox.on_segment_end(w.region, w.sender, w.conn, hasher.digest());
+        landing.end(len);
+    }
+    Ok(landing.verdict)
+}
+
+/// A piece of a pair in a shared write: `n` bytes from `at` into the pair of `len` bytes at
+/// `off`. A pair is one segment of the notice's checksum, however many frames it spans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SharedPiece {
+    pub(crate) off: u64,
+    pub(crate) len: u32,
+    pub(crate) at: u32,
+    pub(crate) n: u32,
+}
+
+/// A pair begun in one shared write and not yet ended: the next piece must continue it.
+pub(crate) struct OpenPair {
+    w: Writer,
+    off: u64,
+    len: u32,
+    done: u32,
+    hasher: xxhash_rust::xxh3::Xxh3,
+}
+
+impl std::fmt::Debug for OpenPair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let OpenPair { w, off, len, done, .. } = self;
+        f.debug_struct("OpenPair")
+            .field("w", w)
+            .field("off", off)
+            .field("len", len)
+            .field("done", done)
+            .finish_non_exhaustive()
+    }
+}
+
+/// [`land`] from `window`, which holds the `pieces`' bytes one after another. `open` is
+/// the connection's pair left open by its last shared write, if any. `Err` (the connection
+/// must close) when the pieces need more bytes than the window has, or one does not fit its
+/// pair or continue the open one; nothing of this write is landed then.
+pub(crate) fn land_shared(
+    window: &[u8],
+    inbox: &Inbox,
+    w: Writer,
+    pieces: &[SharedPiece],
+    open: &mut Option<OpenPair>,
+) -> Result<Result<(), TransferError>, TransferError> {
+    check_pieces(window.len(), w, pieces, open.as_ref())?;
+    let mut verdict = inbox.on_write(w.region, w.sender, w.conn, &[]);
+    let mut from = 0usize;
+    for p in pieces {
+        if p.at == 0 {
+            let hasher = segment_hasher(p.off, u64::from(p.len));
+            *open = Some(OpenPair { w, off: p.off, len: p.len, done: 0, hasher });
+        }
+        let Some(pair) = open.as_mut() else {
+            return Err(TransferError::Malformed("a piece continuing no pair".into()));
+        };
+        let bytes = &window[from..from + p.n as usize];
+        if verdict.is_ok() && p.n > 0 {
+            let piece = (p.off.saturating_add(u64::from(p.at)), bytes);
+            verdict = inbox.on_piece(w.region, w.sender, w.conn, piece, &mut pair.hasher);
+        }
+        pair.done += p.n;
+        from += p.n as usize;
+        if pair.done == pair.len {
+            if verdict.is_ok() && pair.len > 0 {
+                inbox.on_segment_end(w.region, w.sender, w.conn, pair.hasher.digest());
+            }
+            *open = None;
         }
     }
     Ok(verdict)
+}
+
+/// Checks a shared write before anything of it lands: its pieces fit the window, each fits
+/// its pair, and each continues the pair open before it (the connection's `open` first).
+fn check_pieces(
+    window: usize,
+    w: Writer,
+    pieces: &[SharedPiece],
+    open: Option<&OpenPair>,
+) -> Result<(), TransferError> {
+    let malformed = |m: String| Err(TransferError::Malformed(m));
+    let total: u64 = pieces.iter().map(|p| u64::from(p.n)).sum();
+    if total > window as u64 {
+        return malformed(format!("a shared write of {total} bytes in a window of {window}"));
+    }
+    let mut pair = open.map(|o| (o.w.region, o.w.sender, o.off, o.len, o.done));
+    for p in pieces {
+        if u64::from(p.at) + u64::from(p.n) > u64::from(p.len) {
+            return malformed(format!("a piece past its pair: {p:?}"));
+        }
+        if p.at == 0 {
+            pair = Some((w.region, w.sender, p.off, p.len, 0));
+        }
+        match &mut pair {
+            Some(o) if *o == (w.region, w.sender, p.off, p.len, p.at) => {
+                o.4 += p.n;
+                if o.4 == o.3 {
+                    pair = None;
+                }
+            }
+            _ => return malformed(format!("a piece continuing no pair: {p:?}")),
+        }
+    }
+    Ok(())
+}
+
+/// One write's landing: the inbox's verdict so far and the segment being hashed.
+struct Landing<'a> {
+    inbox: &'a Inbox,
+    w: Writer,
+    total: u64,
+    verdict: Result<(), TransferError>,
+    hasher: xxhash_rust::xxh3::Xxh3,
+}
+
+impl<'a> Landing<'a> {
+    /// The write as a whole first (region open, sender expected and bound to this
+    /// connection), as an empty write: a frame of no bytes is checked like any other.
+    fn new(inbox: &'a Inbox, w: Writer, segments: &[(u64, u32)]) -> Self {
+        Landing {
+            inbox,
+            w,
+            total: segments.iter().map(|s| u64::from(s.1)).sum(),
+            verdict: inbox.on_write(w.region, w.sender, w.conn, &[]),
+            hasher: segment_hasher(0, 0),
+        }
+    }
+
+    fn begin(&mut self, off: u64, len: u32) {
+        self.hasher = segment_hasher(off, u64::from(len));
+    }
+
+    /// Lands a piece, unless the write was refused already (its bytes are dropped then).
+    fn piece(&mut self, off: u64, bytes: &[u8]) {
+        if self.verdict.is_ok() {
+            let w = self.w;
+            let piece = (off, bytes);
+            self.verdict = self.inbox.on_piece(w.region, w.sender, w.conn, piece, &mut self.hasher);
+        }
+    }
+
+    fn end(&mut self, len: u32) {
+        if self.verdict.is_ok() && len > 0 {
+            let w = self.w;
+            self.inbox.on_segment_end(w.region, w.sender, w.conn, self.hasher.digest());
+        }
+    }
 }
 
 #[cfg(test)]
@@ -126,5 +271,49 @@ mod tests {
         let wire = pattern(999, 4);
         let landed = land(&mut wire.as_slice(), &mut Vec::new(), &inbox, w, &[(0, 1000)]).await;
         assert!(matches!(landed, Err(TransferError::Malformed(_))));
+    }
+
+    #[tokio::test]
+    async fn a_pair_spanning_two_shared_writes_verifies_as_one_segment() {
+        let (inbox, room, w) = region(1000);
+        let data = pattern(1000, 5);
+        let piece = |at: u32, n: u32| SharedPiece { off: 0, len: 1000, at, n };
+        let mut open = None;
+        let first = land_shared(&data[..600], &inbox, w, &[piece(0, 600)], &mut open);
+        first.unwrap().unwrap();
+        assert!(open.is_some(), "the pair stays open between the writes");
+        let second = land_shared(&data[600..], &inbox, w, &[piece(600, 400)], &mut open);
+        second.unwrap().unwrap();
+        assert!(open.is_none());
+        let pairs = vec![(Bytes::from(data.clone()), 0)];
+        let notice = WriteRequest::new(w.region, pairs, room, w.sender, 1, 1, 0).notice.unwrap();
+        inbox.on_notice(w.region, w.conn, notice).unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        assert_eq!(inbox.wait(w.region, deadline).await.unwrap().buf, data);
+    }
+
+    #[test]
+    fn shared_pieces_that_continue_no_pair_or_overrun_are_malformed() {
+        let (inbox, _, w) = region(1000);
+        let window = pattern(1000, 6);
+        let bad = [
+            SharedPiece { off: 0, len: 1000, at: 600, n: 400 },
+            SharedPiece { off: 0, len: 100, at: 50, n: 60 },
+            SharedPiece { off: 0, len: 2000, at: 0, n: 2000 },
+        ];
+        for p in bad {
+            let landed = land_shared(&window, &inbox, w, &[p], &mut None);
+            assert!(matches!(landed, Err(TransferError::Malformed(_))), "{p:?}");
+        }
+        assert_eq!(inbox.poll(w.region), crate::KvPoll::Bootstrapping, "nothing landed");
+        // With a pair open, a piece must take it up exactly where it stopped.
+        let mut open = None;
+        let begun = SharedPiece { off: 0, len: 1000, at: 0, n: 600 };
+        land_shared(&window, &inbox, w, &[begun], &mut open).unwrap().unwrap();
+        for at in [500, 700] {
+            let p = SharedPiece { off: 0, len: 1000, at, n: 100 };
+            let landed = land_shared(&window, &inbox, w, &[p], &mut open);
+            assert!(matches!(landed, Err(TransferError::Malformed(_))), "{p:?}");
+        }
     }
 }

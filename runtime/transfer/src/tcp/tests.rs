@@ -5,6 +5,7 @@ use handoff_core::Room;
 use tokio::io::AsyncWriteExt;
 use tokio::time::Instant;
 
+use super::wire::Frame;
 use super::*;
 use crate::{Agent, Fault, FaultSwitch, FaultyTransfer, InboxConfig, KvPoll, SenderId};
 use handoff_core::tls::test_certs::TestCa;
@@ -15,7 +16,10 @@ struct Pair {
     rx: Agent,
 }
 
+/// Two agents writing over the tcp wire itself (the same-host shared memory off: it has
+/// tests of its own, in `shm/tests.rs`).
 async fn pair(cfg: TcpConfig) -> Pair {
+    let cfg = TcpConfig { shared_memory: false, ..cfg };
     let tasks = Tasks::new();
     let mk = |cfg: TcpConfig| {
         let tasks = tasks.clone();

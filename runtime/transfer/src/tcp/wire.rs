@@ -5,6 +5,7 @@ use bytes::{Buf, Bytes};
 use handoff_core::Room;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::receive::SharedPiece;
 use crate::{ConnectRequest, Notice, RegionId, SenderId, TransferError};
 
 const CONNECT: u8 = 1;
@@ -12,9 +13,12 @@ const WRITE: u8 = 2;
 const NOTICE: u8 = 3;
 const ACK: u8 = 4;
 const HELLO: u8 = 5;
+const SHARED_WRITE: u8 = 6;
 /// Longest token a hello may carry.
 pub(super) const MAX_TOKEN: usize = 4096;
 const NOTICE_LEN: usize = 48;
+/// A shared write's piece: pair offset, pair length, offset in the pair, length.
+const PIECE_LEN: usize = 20;
 /// Bytes of a frame reserved before they arrive (address space only: pages are touched as
 /// bytes land). Larger frames grow as they come.
 const READ_CHUNK: usize = 16 << 20;
@@ -35,6 +39,14 @@ pub(super) enum Frame {
         region: RegionId,
         sender: SenderId,
         segments: Vec<(u64, u32)>,
+    },
+    /// A write whose bytes are in a half of the connection's shared window ([`super::shm`]),
+    /// each segment's after the one before; answered with an ack once landed.
+    SharedWrite {
+        region: RegionId,
+        sender: SenderId,
+        half: u32,
+        pieces: Vec<SharedPiece>,
     },
     Notice {
         region: RegionId,
@@ -110,7 +122,35 @@ pub(super) async fn write_hello<W: AsyncWrite + Unpin>(
     w: &mut W,
     token: &str,
 ) -> std::io::Result<()> {
-    w.write_all(&framed(HELLO, token.len(), token.as_bytes())).await?;
+    w.write_all(&hello(token)).await?;
+    w.flush().await
+}
+
+/// A hello frame carrying `token`.
+pub(super) fn hello(token: &str) -> Vec<u8> {
+    framed(HELLO, token.len(), token.as_bytes())
+}
+
+/// A shared write's frame: its bytes are already in `half` of the window.
+pub(super) async fn write_shared<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    region: RegionId,
+    sender: SenderId,
+    half: u32,
+    pieces: &[SharedPiece],
+) -> std::io::Result<()> {
+    let mut b = framed(SHARED_WRITE, 20 + PIECE_LEN * pieces.len(), &[]);
+    b.extend_from_slice(&region.0.to_le_bytes());
+    b.extend_from_slice(&sender.0.to_le_bytes());
+    b.extend_from_slice(&half.to_le_bytes());
+    b.extend_from_slice(&(pieces.len() as u32).to_le_bytes());
+    for p in pieces {
+        b.extend_from_slice(&p.off.to_le_bytes());
+        b.extend_from_slice(&p.len.to_le_bytes());
+        b.extend_from_slice(&p.at.to_le_bytes());
+        b.extend_from_slice(&p.n.to_le_bytes());
+    }
+    w.write_all(&b).await?;
     w.flush().await
 }
 
@@ -214,6 +254,27 @@ fn decode(kind: u8, mut b: Bytes) -> Result<Frame, TransferError> {
         CONNECT => serde_json::from_slice(&b)
             .map(Frame::Connect)
             .map_err(|e| malformed(format!("handshake: {e}"))),
+        SHARED_WRITE => {
+            if b.len() < 20 {
+                return Err(malformed("shared write frame shorter than its header"));
+            }
+            let region = RegionId(b.get_u64_le());
+            let sender = SenderId(b.get_u32_le());
+            let half = b.get_u32_le();
+            let n = b.get_u32_le() as usize;
+            if n.checked_mul(PIECE_LEN) != Some(b.len()) {
+                return Err(malformed(format!("shared write frame claims {n} pieces")));
+            }
+            let pieces = (0..n)
+                .map(|_| SharedPiece {
+                    off: b.get_u64_le(),
+                    len: b.get_u32_le(),
+                    at: b.get_u32_le(),
+                    n: b.get_u32_le(),
+                })
+                .collect();
+            Ok(Frame::SharedWrite { region, sender, half, pieces })
+        }
         NOTICE => {
             if b.len() != NOTICE_LEN {
                 return Err(malformed(format!("notice of {} bytes, want {NOTICE_LEN}", b.len())));

@@ -1,0 +1,196 @@
+//! The tcp backend's receiving side: one inbound connection served until it closes or
+//! breaks the protocol, over tcp (plain or TLS) or a same-host Unix socket with a shared
+//! window ([`super::shm`]); and the same frame handling for the fuzzer.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader};
+use tracing::debug;
+
+use super::receive::{self, Writer};
+use super::shm::SharedWindow;
+use super::wire::{self, Frame};
+use crate::{ConnId, Inbox, RegionId, TransferError};
+
+/// Decodes `bytes` as the frames of one inbound connection and hands each to `inbox` as a
+/// served connection would, until the bytes end or a frame is malformed; returns how many
+/// frames were decoded. For fuzzing the decoder and the inbox behind it: no input may panic.
+pub async fn apply_frames(bytes: &[u8], inbox: &Inbox, max_frame: usize) -> usize {
+    let mut r = bytes;
+    let (mut n, mut piece) = (0, Vec::new());
+    while let Ok(Some(frame)) = wire::read_frame(&mut r, max_frame).await {
+        n += 1;
+        let _ = match frame {
+            Frame::Connect(req) => inbox.on_connect(req),
+            Frame::Write { region, sender, segments } => {
+                let w = Writer { region, sender, conn: ConnId(0) };
+                match receive::land(&mut r, &mut piece, inbox, w, &segments).await {
+                    Ok(landed) => landed,
+                    Err(_) => break,
+                }
+            }
+            Frame::Notice { region, notice } => inbox.on_notice(region, ConnId(0), notice),
+            // No window to find a shared write's bytes in: the connection would close.
+            Frame::SharedWrite { .. } => break,
+            Frame::Ack(_) | Frame::Hello(_) => Ok(()),
+        };
+    }
+    n
+}
+
+/// What every inbound connection is served with.
+#[derive(Debug)]
+pub(super) struct ConnCfg {
+    pub(super) max_frame: usize,
+    pub(super) token: Option<String>,
+    pub(super) max_unknown_writes: u32,
+    pub(super) idle_timeout: Duration,
+    pub(super) frame_timeout: Duration,
+    pub(super) hello_timeout: Duration,
+}
+
+/// One inbound connection.
+#[derive(Debug)]
+pub(super) struct Inbound<'a> {
+    /// Who it is, for logs.
+    pub(super) peer: &'a str,
+    pub(super) id: ConnId,
+    /// Whether it said its hello already (a shm connection's comes with its window).
+    pub(super) authed: bool,
+    /// The window a shm connection's sender shares: its writes' bytes are there.
+    pub(super) window: Option<SharedWindow>,
+}
+
+/// Serves one inbound connection until it closes or breaks the protocol.
+pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: S,
+    inbound: Inbound<'_>,
+    inbox: Arc<Inbox>,
+    cfg: &ConnCfg,
+) {
+    let Inbound { peer, id: conn, authed, window } = inbound;
+    let (r, mut w) = tokio::io::split(stream);
+    let mut r = BufReader::with_capacity(wire::BUFFERED, r);
+    let mut authed = authed || cfg.token.is_none();
+    let mut unknown = 0u32;
+    // Where write payloads pass through on their way into regions (see `receive`).
+    let mut piece = Vec::new();
+    // A shared write's pair continued by the next one (see `receive::land_shared`).
+    let mut open_pair = None;
+    // Regions this connection wrote into and has not yet sent the notice for.
+    let mut open: HashSet<RegionId> = HashSet::new();
+    let reason = loop {
+        // Before the hello, nothing bigger than a hello is read.
+        let max_frame = if authed { cfg.max_frame } else { wire::MAX_TOKEN + 1 };
+        // Idle until a frame begins, then the whole frame within its own time. Before its
+        // hello a connection may idle only briefly: it holds a place it has not earned.
+        let idle = if authed { cfg.idle_timeout } else { cfg.hello_timeout };
+        match tokio::time::timeout(idle, r.fill_buf()).await {
+            Ok(Ok(b)) if !b.is_empty() => {}
+            Ok(_) => break "sender connection closed mid-transfer".to_owned(),
+            Err(_) => {
+                debug!(%peer, "idle transfer connection closed");
+                break "sender connection idle too long".to_owned();
+            }
+        }
+        let frame_time = if authed { cfg.frame_timeout } else { cfg.hello_timeout };
+        // The whole frame within its time, a write's payload landed as it arrives.
+        let read = tokio::time::timeout(frame_time, async {
+            let frame = wire::read_frame(&mut r, max_frame).await?;
+            let landed = match &frame {
+                Some(Frame::Write { region, sender, segments }) if authed => {
+                    let w = Writer { region: *region, sender: *sender, conn };
+                    Some(receive::land(&mut r, &mut piece, &inbox, w, segments).await?)
+                }
+                Some(Frame::SharedWrite { region, sender, half, pieces }) if authed => {
+                    let w = Writer { region: *region, sender: *sender, conn };
+                    let half = window.as_ref().and_then(|win| win.half(*half));
+                    let half = half.ok_or_else(|| {
+                        TransferError::Malformed("a shared write with no such window".into())
+                    })?;
+                    Some(receive::land_shared(half, &inbox, w, pieces, &mut open_pair)?)
+                }
+                _ => None,
+            };
+            Ok::<_, TransferError>((frame, landed))
+        });
+        let Ok(read) = read.await else {
+            debug!(%peer, "transfer frame too slow; closing");
+            break "sender connection too slow mid-frame".to_owned();
+        };
+        let (frame, landed) = match read {
+            Ok((Some(f), landed)) => (f, landed),
+            Ok((None, _)) => break "sender connection closed mid-transfer".to_owned(),
+            Err(e) => {
+                debug!(%peer, error = %e, "bad transfer frame; closing");
+                let _ = wire::write_ack(&mut w, &Err(e.to_string())).await;
+                break format!("sender connection broke mid-transfer: {e}");
+            }
+        };
+        let reply = match frame {
+            Frame::Hello(token) => {
+                authed = crate::token_accepted(cfg.token.as_deref(), Some(&token));
+                if !authed {
+                    let _ = wire::write_ack(&mut w, &Err("wrong token".into())).await;
+                    debug!(%peer, "transfer connection with a wrong token; closing");
+                    break "wrong token".to_owned();
+                }
+                Some(Ok(()))
+            }
+            _ if !authed => {
+                let e = "the first frame must be a hello with the cluster token";
+                let _ = wire::write_ack(&mut w, &Err(e.into())).await;
+                debug!(%peer, "unauthenticated transfer connection; closing");
+                break e.to_owned();
+            }
+            Frame::Connect(req) => Some(inbox.on_connect(req)),
+            Frame::Write { region, .. } | Frame::SharedWrite { region, .. } => {
+                // A shared write is answered at once (its half is the sender's again); a
+                // rejected write fails its region, and the sender learns it at the notice.
+                let shared = matches!(frame, Frame::SharedWrite { .. });
+                let verdict = match landed.unwrap_or(Ok(())) {
+                    Ok(()) => {
+                        // A sender in good standing: what it trailed into regions dropped by
+                        // their decodes earlier does not add up against it across requests.
+                        unknown = 0;
+                        open.insert(region);
+                        None
+                    }
+                    Err(e @ TransferError::Forbidden(_)) => Some(Err(e)),
+                    Err(TransferError::UnknownRegion(_)) => {
+                        unknown += 1;
+                        (unknown > cfg.max_unknown_writes).then(|| {
+                            Err(TransferError::Forbidden("writes to unknown regions".into()))
+                        })
+                    }
+                    Err(_) => None,
+                };
+                verdict.or(shared.then_some(Ok(())))
+            }
+            Frame::Notice { region, notice } => {
+                open.remove(&region);
+                Some(inbox.on_notice(region, conn, notice))
+            }
+            Frame::Ack(_) => {
+                let _ = wire::write_ack(&mut w, &Err("unexpected ack".into())).await;
+                break "protocol violation: unexpected ack".to_owned();
+            }
+        };
+        // Refused for what the connection is, not what it carried: the answer, then close.
+        if let Some(Err(e @ TransferError::Forbidden(_))) = &reply {
+            debug!(%peer, error = %e, "transfer connection closed");
+            let _ = wire::write_ack(&mut w, &Err(e.to_string())).await;
+            break e.to_string();
+        }
+        if let Some(res) = reply
+            && wire::write_ack(&mut w, &res.map_err(|e| e.to_string())).await.is_err()
+        {
+            break "sender connection lost".to_owned();
+        }
+    };
+    for region in open {
+        inbox.fail(region, reason.clone());
+    }
+}

@@ -1,0 +1,151 @@
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use bytes::Bytes;
+use handoff_core::{Room, Tasks};
+use nix::sys::memfd::{MFdFlags, memfd_create};
+use tokio::time::Instant;
+
+use super::super::TcpConfig;
+use super::*;
+use crate::{InboxConfig, KvPoll, SenderId, TcpTransfer, TransferBackend, WriteRequest};
+
+struct Ends {
+    tasks: Tasks,
+    tx: TcpTransfer,
+    rx: TcpTransfer,
+    rx_inbox: Arc<Inbox>,
+}
+
+async fn ends(rx_shared: bool, token: Option<&str>) -> Ends {
+    let tasks = Tasks::new();
+    let mk = |shared_memory: bool| {
+        let tasks = tasks.clone();
+        let token = token.map(String::from);
+        async move {
+            let inbox =
+                Arc::new(Inbox::new(InboxConfig { token: token.clone(), ..Default::default() }));
+            let cfg = TcpConfig { shared_memory, token, ..Default::default() };
+            let t = TcpTransfer::bind("127.0.0.1:0".parse().unwrap(), inbox.clone(), cfg, &tasks);
+            (t.await.unwrap(), inbox)
+        }
+    };
+    let (tx, _) = mk(true).await;
+    let (rx, rx_inbox) = mk(rx_shared).await;
+    Ends { tasks, tx, rx, rx_inbox }
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    (0..len).map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed)).collect::<Vec<_>>().into()
+}
+
+/// All of a region's `len` bytes, as one sender's ranges.
+fn whole(len: u64) -> Vec<std::ops::Range<u64>> {
+    std::iter::once(0..len).collect()
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+/// Pairs of `sizes` bytes laid end to end from 0, and their total.
+fn laid(sizes: &[usize]) -> (Vec<(Bytes, u64)>, u64) {
+    let mut at = 0u64;
+    let pairs = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let p = (pattern(n, i as u8), at);
+            at += n as u64;
+            p
+        })
+        .collect();
+    (pairs, at)
+}
+
+fn idle_shm(t: &TcpTransfer) -> usize {
+    let pool = t.shm.as_ref().expect("shared memory on");
+    pool.idle.lock().unwrap().values().map(Vec::len).sum()
+}
+
+#[tokio::test]
+async fn a_write_on_one_host_goes_through_the_window_and_verifies() {
+    let e = ends(true, Some("secret")).await;
+    // More than two halves, in pairs that straddle them, and an empty one.
+    let (pairs, len) = laid(&[3 << 20, 7, 0, (2 << 20) + 5, 100_000]);
+    let (room, s) = (Room::mint(), SenderId::new(0, 0));
+    let id = e.rx_inbox.register_region(room, len, [(s, whole(len))]).unwrap();
+    let want: Vec<u8> = pairs.iter().flat_map(|(b, _)| b.to_vec()).collect();
+    e.tx.post_write(&e.rx.local_addr(), WriteRequest::new(id, pairs, room, s, 5, 1, 0))
+        .await
+        .unwrap();
+    let got = e.rx_inbox.wait(id, deadline()).await.unwrap();
+    assert_eq!(got.buf, want);
+    assert_eq!(idle_shm(&e.tx), 1, "the write went over a shm connection, now idle");
+    e.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_streamed_write_lands_its_parts_as_posted() {
+    let e = ends(true, None).await;
+    let (pairs, len) = laid(&[1 << 20, 3 << 20, 10]);
+    let (room, s) = (Room::mint(), SenderId::new(0, 0));
+    let id = e.rx_inbox.register_region(room, len, [(s, whole(len))]).unwrap();
+    let mut stream = e.tx.open_stream(&e.rx.local_addr()).await.unwrap().expect("a stream");
+    stream.post(id, s, &pairs[..1]).await.unwrap();
+    // The first part is landed before the rest is posted.
+    let first = tokio::time::timeout(Duration::from_secs(5), async {
+        while e.rx_inbox.poll(id) != KvPoll::Transferring {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    first.await.expect("the first part lands on its own");
+    stream.post(id, s, &pairs[1..]).await.unwrap();
+    let notice = WriteRequest::new(id, pairs.clone(), room, s, 5, 1, 0).notice.unwrap();
+    stream.finish(id, notice).await.unwrap();
+    let got = e.rx_inbox.wait(id, deadline()).await.unwrap();
+    assert_eq!(got.buf, pairs.iter().flat_map(|(b, _)| b.to_vec()).collect::<Vec<u8>>());
+    e.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn without_a_listener_on_this_host_the_write_goes_over_tcp() {
+    let e = ends(false, None).await;
+    let (pairs, len) = laid(&[300_000]);
+    let (room, s) = (Room::mint(), SenderId::new(0, 0));
+    let id = e.rx_inbox.register_region(room, len, [(s, whole(len))]).unwrap();
+    e.tx.post_write(&e.rx.local_addr(), WriteRequest::new(id, pairs, room, s, 5, 1, 0))
+        .await
+        .unwrap();
+    e.rx_inbox.wait(id, deadline()).await.unwrap();
+    assert_eq!(idle_shm(&e.tx), 0);
+    e.tasks.shutdown().await;
+}
+
+/// A raw connection to `t`'s shm listener whose hello passes `fd`.
+async fn hello_with(t: &TcpTransfer, token: &str, fd: std::os::fd::BorrowedFd<'_>) -> Frame {
+    let addr = nix::sys::socket::UnixAddr::new_abstract(name(&t.local_addr()).as_bytes()).unwrap();
+    let sock = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
+    connect(sock.as_raw_fd(), &addr).unwrap();
+    let std = std::os::unix::net::UnixStream::from(sock);
+    std.set_nonblocking(true).unwrap();
+    let mut s = UnixStream::from_std(std).unwrap();
+    fd::send_with_fd(&mut s, &wire::hello(token), fd).await.unwrap();
+    wire::read_frame(&mut s, 1 << 20).await.unwrap().expect("an answer")
+}
+
+#[tokio::test]
+async fn windows_that_could_shrink_and_wrong_tokens_are_refused() {
+    let e = ends(true, Some("secret")).await;
+    // Not sealed: its sender could shrink it under the receiver's reads.
+    let loose = memfd_create("loose", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING).unwrap();
+    std::fs::File::from(loose.try_clone().unwrap()).set_len(8 << 20).unwrap();
+    let refused = hello_with(&e.rx, "secret", loose.as_fd()).await;
+    assert!(matches!(&refused, Frame::Ack(Err(m)) if m.contains("not sealed")), "{refused:?}");
+    let sealed = window::Window::create().unwrap();
+    let refused = hello_with(&e.rx, "wrong", sealed.fd()).await;
+    assert!(matches!(&refused, Frame::Ack(Err(m)) if m.contains("wrong token")), "{refused:?}");
+    let accepted = hello_with(&e.rx, "secret", sealed.fd()).await;
+    assert!(matches!(accepted, Frame::Ack(Ok(()))), "{accepted:?}");
+    e.tasks.shutdown().await;
+}
