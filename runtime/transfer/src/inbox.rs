@@ -288,7 +288,7 @@ impl Inbox {
     /// hashed into `hasher` (made by [`placement::segment_hasher`]) from the region's copy.
     /// Its digest counts only once the segment ends ([`Inbox::on_segment_end`]): a segment
     /// left unfinished leaves the checksum short, so its notice cannot verify.
-    pub fn on_piece(
+    pub(crate) fn on_piece(
         &self,
         id: RegionId,
         sender: SenderId,
@@ -302,7 +302,7 @@ impl Inbox {
     }
 
     /// Ends a segment written with [`Inbox::on_piece`]: `digest` is its hasher's.
-    pub fn on_segment_end(&self, id: RegionId, sender: SenderId, conn: ConnId, digest: u64) {
+    pub(crate) fn on_segment_end(&self, id: RegionId, sender: SenderId, conn: ConnId, digest: u64) {
         if let Ok(region) = self.region(id) {
             lock(&region).end_segment(sender, conn, digest);
         }

@@ -29,7 +29,7 @@ use tracing::debug;
 use crate::{AgentAddr, ConnectRequest, Inbox, TransferBackend, TransferError, WriteRequest};
 pub use serve::apply_frames;
 
-use pool::{ClientIo, Idle, checkin, io_err, read_ack};
+use pool::{ClientIo, Idle, io_err, read_ack, reusable};
 use serve::{ConnCfg, Inbound, serve_conn};
 use shm::ShmPool;
 
@@ -67,7 +67,8 @@ pub struct TcpConfig {
     /// Mutual TLS with the cluster's CA, on every connection both ways.
     pub tls: Option<ClusterTls>,
     /// Writes to a peer on the same host go through shared memory ([`shm`]), and this agent
-    /// listens for such writes. Off: every byte over the socket.
+    /// listens for such writes. Off: every byte over the socket. Off as well with `tls`: an
+    /// agent with TLS sends and takes every byte over TLS.
     pub shared_memory: bool,
 }
 
@@ -95,7 +96,7 @@ impl Default for TcpConfig {
 pub struct TcpTransfer {
     addr: AgentAddr,
     cfg: TcpConfig,
-    idle: Arc<Idle>,
+    idle: Arc<Idle<Box<dyn ClientIo>>>,
     /// The same-host fast path, when on.
     shm: Option<Arc<ShmPool>>,
 }
@@ -124,8 +125,11 @@ impl TcpTransfer {
             hello_timeout: cfg.hello_timeout,
         });
         let server_tls = cfg.tls.clone();
-        if cfg.shared_memory {
-            shm::serve(&addr, inbox.clone(), conn_cfg.clone(), cfg.max_inbound, tasks);
+        let shared_memory = cfg.shared_memory && cfg.tls.is_none();
+        if shared_memory {
+            // Its own places, fewer: each holds a mapped window.
+            let places = cfg.max_inbound.div_ceil(8);
+            shm::serve(&addr, inbox.clone(), conn_cfg.clone(), places, tasks);
         }
         crate::listen::serve_accepts(
             listener,
@@ -151,11 +155,12 @@ impl TcpTransfer {
                 }
             },
         );
-        let shm = cfg.shared_memory.then(|| {
+        let shm = shared_memory.then(|| {
             let (token, max_idle) = (cfg.token.clone(), cfg.max_idle_per_peer);
             Arc::new(ShmPool::new(token, max_idle, cfg.max_frame, cfg.connect_timeout))
         });
-        Ok(TcpTransfer { addr, cfg, idle: Arc::default(), shm })
+        let idle = Arc::new(Idle::new(cfg.max_idle_per_peer));
+        Ok(TcpTransfer { addr, cfg, idle, shm })
     }
 
     /// Binds `bind` and serves it (see [`TcpTransfer::serve`]).
@@ -181,22 +186,13 @@ impl TcpTransfer {
 
     /// An idle connection to `peer` that still looks alive, if any.
     fn pooled(&self, peer: &AgentAddr) -> Option<Box<dyn ClientIo>> {
-        loop {
-            let pooled = self
-                .idle
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get_mut(peer)
-                .and_then(Vec::pop);
-            let s = pooled?;
-            // An idle connection must have nothing to read: data or EOF means it is stale (a
-            // byte taken from under TLS here only ever belongs to a connection thrown away).
+        // An idle connection must have nothing to read: data or EOF means it is stale (a
+        // byte taken from under TLS here only ever belongs to a connection thrown away).
+        self.idle.take(peer, |s| {
             let mut probe = [0u8; 1];
             let idle = s.socket().try_read(&mut probe);
-            if matches!(idle, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock) {
-                return Some(s);
-            }
-        }
+            matches!(idle, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        })
     }
 
     /// A new connection to `peer`, authenticated when the agent has a token.
@@ -252,14 +248,10 @@ impl TcpTransfer {
         let res = tokio::time::timeout(within, exchange)
             .await
             .map_err(|_| TransferError::Timeout(format!("handshake with {peer}")))?;
-        if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
-            self.checkin(peer, s);
+        if reusable(&res) {
+            self.idle.put(peer, s);
         }
         res
-    }
-
-    fn checkin(&self, peer: &AgentAddr, s: Box<dyn ClientIo>) {
-        checkin(&self.idle, peer, s, self.cfg.max_idle_per_peer);
     }
 
     async fn read_ack<S: AsyncRead + Unpin>(
@@ -318,7 +310,7 @@ impl TransferBackend for TcpTransfer {
             let res = tokio::time::timeout(self.cfg.io_timeout, c.write(&req))
                 .await
                 .map_err(|_| TransferError::Timeout(format!("write to {peer}")))?;
-            if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
+            if reusable(&res) {
                 pool.checkin(c);
             }
             return res;
@@ -344,8 +336,8 @@ impl TransferBackend for TcpTransfer {
         let res = tokio::time::timeout(self.cfg.io_timeout, exchange)
             .await
             .map_err(|_| TransferError::Timeout(format!("write to {peer}")))?;
-        if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
-            self.checkin(peer, s);
+        if reusable(&res) {
+            self.idle.put(peer, s);
         }
         res
     }

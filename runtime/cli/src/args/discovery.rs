@@ -56,7 +56,7 @@ pub struct DiscoveryArgs {
     #[arg(long)]
     pub transfer_advertise: Option<String>,
     /// With --transfer tcp, send every KV byte over the socket, even to a peer on this host
-    /// (by default those go through shared memory).
+    /// (by default those go through shared memory, unless transfer TLS is on).
     #[arg(long)]
     pub no_shared_memory: bool,
 }

@@ -64,8 +64,10 @@ impl Region {
         let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
         let checked = p.check(off, piece.len() as u64).map(|()| {
             p.record_range(off, piece.len() as u64);
-            land(buf, off, piece);
-            hasher.update(&buf[off as usize..off as usize + piece.len()]);
+            if !piece.is_empty() {
+                land(buf, off, piece);
+                hasher.update(&buf[off as usize..off as usize + piece.len()]);
+            }
         });
         self.landed(sender, checked)
     }

@@ -30,16 +30,58 @@ impl ClientIo for tokio_rustls::client::TlsStream<TcpStream> {
     }
 }
 
-/// Idle connections by peer.
-pub(super) type Idle = Mutex<HashMap<AgentAddr, Vec<Box<dyn ClientIo>>>>;
+/// Idle connections by peer, at most `max` per peer.
+#[derive(Debug)]
+pub(super) struct Idle<C> {
+    by_peer: Mutex<HashMap<AgentAddr, Vec<C>>>,
+    max: usize,
+}
 
-/// Returns `s` to the idle pool, unless `max` connections to `peer` already wait there.
-pub(super) fn checkin(idle: &Idle, peer: &AgentAddr, s: Box<dyn ClientIo>, max: usize) {
-    let mut idle = idle.lock().unwrap_or_else(|e| e.into_inner());
-    let v = idle.entry(peer.clone()).or_default();
-    if v.len() < max {
-        v.push(s);
+impl<C> Idle<C> {
+    pub(super) fn new(max: usize) -> Self {
+        Idle { by_peer: Mutex::default(), max }
     }
+
+    /// The connection to `peer` returned last that `alive` accepts; those it refuses on the
+    /// way are dropped.
+    pub(super) fn take(&self, peer: &AgentAddr, alive: impl Fn(&C) -> bool) -> Option<C> {
+        loop {
+            let c = self.lock().get_mut(peer).and_then(Vec::pop)?;
+            if alive(&c) {
+                return Some(c);
+            }
+        }
+    }
+
+    /// Returns `c`, a connection to `peer`, unless `max` already wait there.
+    pub(super) fn put(&self, peer: &AgentAddr, c: C) {
+        let mut by_peer = self.lock();
+        let v = by_peer.entry(peer.clone()).or_default();
+        if v.len() < self.max {
+            v.push(c);
+        }
+    }
+
+    /// Connections waiting, to every peer.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.lock().values().map(Vec::len).sum()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<AgentAddr, Vec<C>>> {
+        self.by_peer.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Whether the connection an exchange ended on can serve another: the exchange completed,
+/// answered even if refused.
+pub(super) fn reusable(res: &Result<(), TransferError>) -> bool {
+    matches!(res, Ok(()) | Err(TransferError::Rejected(_)))
+}
+
+/// A stream whose connection failed an exchange before.
+pub(super) fn broke_earlier(peer: &AgentAddr) -> TransferError {
+    io_err(peer, "the stream's connection broke earlier")
 }
 
 /// An I/O failure with `peer`.

@@ -37,8 +37,9 @@ pub(crate) async fn land<R: AsyncRead + Unpin>(
     inbox: &Inbox,
     w: Writer,
     segments: &[(u64, u32)],
+    admitted: Result<(), TransferError>,
 ) -> Result<Result<(), TransferError>, TransferError> {
-    let mut landing = Landing::new(inbox, w, segments);
+    let mut landing = Landing::new(inbox, w, segments, admitted);
     let size = PIECE.min(usize::try_from(landing.total).unwrap_or(PIECE));
     if piece.len() < size {
         piece.resize(size, 0);
@@ -101,9 +102,10 @@ pub(crate) fn land_shared(
     w: Writer,
     pieces: &[SharedPiece],
     open: &mut Option<OpenPair>,
+    admitted: Result<(), TransferError>,
 ) -> Result<Result<(), TransferError>, TransferError> {
     check_pieces(window.len(), w, pieces, open.as_ref())?;
-    let mut verdict = inbox.on_write(w.region, w.sender, w.conn, &[]);
+    let mut verdict = admitted;
     let mut from = 0usize;
     for p in pieces {
         if p.at == 0 {
@@ -145,10 +147,15 @@ fn check_pieces(
     }
     let mut pair = open.map(|o| (o.w.region, o.w.sender, o.off, o.len, o.done));
     for p in pieces {
-        if u64::from(p.at) + u64::from(p.n) > u64::from(p.len) {
-            return malformed(format!("a piece past its pair: {p:?}"));
+        if p.n == 0 || u64::from(p.at) + u64::from(p.n) > u64::from(p.len) {
+            return malformed(format!("an empty piece, or one past its pair: {p:?}"));
         }
         if p.at == 0 {
+            // A pair is finished before the next begins: bytes of an abandoned one would
+            // count as written and never be hashed.
+            if pair.is_some() {
+                return malformed(format!("a pair begun with another unfinished: {p:?}"));
+            }
             pair = Some((w.region, w.sender, p.off, p.len, 0));
         }
         match &mut pair {
@@ -164,6 +171,21 @@ fn check_pieces(
     Ok(())
 }
 
+/// Admits a write before its bytes (region open, sender expected and bound to this
+/// connection), as an empty write: a frame of no bytes is checked like any other. An admitted
+/// region joins `open`, the regions its connection fails if it breaks.
+pub(crate) fn admit(
+    inbox: &Inbox,
+    w: Writer,
+    open: &mut std::collections::HashSet<RegionId>,
+) -> Result<(), TransferError> {
+    let admitted = inbox.on_write(w.region, w.sender, w.conn, &[]);
+    if admitted.is_ok() {
+        open.insert(w.region);
+    }
+    admitted
+}
+
 /// One write's landing: the inbox's verdict so far and the segment being hashed.
 struct Landing<'a> {
     inbox: &'a Inbox,
@@ -174,14 +196,17 @@ struct Landing<'a> {
 }
 
 impl<'a> Landing<'a> {
-    /// The write as a whole first (region open, sender expected and bound to this
-    /// connection), as an empty write: a frame of no bytes is checked like any other.
-    fn new(inbox: &'a Inbox, w: Writer, segments: &[(u64, u32)]) -> Self {
+    fn new(
+        inbox: &'a Inbox,
+        w: Writer,
+        segments: &[(u64, u32)],
+        admitted: Result<(), TransferError>,
+    ) -> Self {
         Landing {
             inbox,
             w,
             total: segments.iter().map(|s| u64::from(s.1)).sum(),
-            verdict: inbox.on_write(w.region, w.sender, w.conn, &[]),
+            verdict: admitted,
             hasher: segment_hasher(0, 0),
         }
     }
@@ -221,6 +246,11 @@ mod tests {
         (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect()
     }
 
+    /// The write admitted, as a served connection admits it.
+    fn ok(inbox: &Inbox, w: Writer) -> Result<(), TransferError> {
+        admit(inbox, w, &mut Default::default())
+    }
+
     /// An inbox with one region of `len` bytes, all of it sender 0's.
     fn region(len: u64) -> (Inbox, Room, Writer) {
         let inbox = Inbox::new(InboxConfig::default());
@@ -240,7 +270,9 @@ mod tests {
         let segments = [(100u64, long as u32), (0, 100)];
         let wire: Vec<u8> = a.iter().chain(&b).copied().collect();
         let mut piece = Vec::new();
-        let landed = land(&mut wire.as_slice(), &mut piece, &inbox, w, &segments).await.unwrap();
+        let landed = land(&mut wire.as_slice(), &mut piece, &inbox, w, &segments, ok(&inbox, w))
+            .await
+            .unwrap();
         landed.unwrap();
         assert_eq!(piece.len(), PIECE, "one piece-sized buffer, not the frame");
         let pairs = vec![(Bytes::from(a.clone()), 100), (Bytes::from(b.clone()), 0)];
@@ -259,7 +291,8 @@ mod tests {
         let mut wire = pattern(PIECE + 21, 3);
         wire.extend_from_slice(b"next frame");
         let mut r = wire.as_slice();
-        let landed = land(&mut r, &mut Vec::new(), &inbox, w, &segments).await.unwrap();
+        let landed =
+            land(&mut r, &mut Vec::new(), &inbox, w, &segments, ok(&inbox, w)).await.unwrap();
         assert!(matches!(landed, Err(TransferError::Failed(m)) if m.contains("outside")));
         assert_eq!(r, b"next frame", "the connection stays in step");
         assert_eq!(inbox.poll(w.region), crate::KvPoll::Failed);
@@ -269,7 +302,9 @@ mod tests {
     async fn a_payload_cut_short_breaks_the_connection() {
         let (inbox, _, w) = region(1000);
         let wire = pattern(999, 4);
-        let landed = land(&mut wire.as_slice(), &mut Vec::new(), &inbox, w, &[(0, 1000)]).await;
+        let landed =
+            land(&mut wire.as_slice(), &mut Vec::new(), &inbox, w, &[(0, 1000)], ok(&inbox, w))
+                .await;
         assert!(matches!(landed, Err(TransferError::Malformed(_))));
     }
 
@@ -279,10 +314,12 @@ mod tests {
         let data = pattern(1000, 5);
         let piece = |at: u32, n: u32| SharedPiece { off: 0, len: 1000, at, n };
         let mut open = None;
-        let first = land_shared(&data[..600], &inbox, w, &[piece(0, 600)], &mut open);
+        let first =
+            land_shared(&data[..600], &inbox, w, &[piece(0, 600)], &mut open, ok(&inbox, w));
         first.unwrap().unwrap();
         assert!(open.is_some(), "the pair stays open between the writes");
-        let second = land_shared(&data[600..], &inbox, w, &[piece(600, 400)], &mut open);
+        let second =
+            land_shared(&data[600..], &inbox, w, &[piece(600, 400)], &mut open, ok(&inbox, w));
         second.unwrap().unwrap();
         assert!(open.is_none());
         let pairs = vec![(Bytes::from(data.clone()), 0)];
@@ -302,17 +339,17 @@ mod tests {
             SharedPiece { off: 0, len: 2000, at: 0, n: 2000 },
         ];
         for p in bad {
-            let landed = land_shared(&window, &inbox, w, &[p], &mut None);
+            let landed = land_shared(&window, &inbox, w, &[p], &mut None, Ok(()));
             assert!(matches!(landed, Err(TransferError::Malformed(_))), "{p:?}");
         }
         assert_eq!(inbox.poll(w.region), crate::KvPoll::Bootstrapping, "nothing landed");
         // With a pair open, a piece must take it up exactly where it stopped.
         let mut open = None;
         let begun = SharedPiece { off: 0, len: 1000, at: 0, n: 600 };
-        land_shared(&window, &inbox, w, &[begun], &mut open).unwrap().unwrap();
+        land_shared(&window, &inbox, w, &[begun], &mut open, ok(&inbox, w)).unwrap().unwrap();
         for at in [500, 700] {
             let p = SharedPiece { off: 0, len: 1000, at, n: 100 };
-            let landed = land_shared(&window, &inbox, w, &[p], &mut open);
+            let landed = land_shared(&window, &inbox, w, &[p], &mut open, ok(&inbox, w));
             assert!(matches!(landed, Err(TransferError::Malformed(_))), "{p:?}");
         }
     }

@@ -26,7 +26,8 @@ pub async fn apply_frames(bytes: &[u8], inbox: &Inbox, max_frame: usize) -> usiz
             Frame::Connect(req) => inbox.on_connect(req),
             Frame::Write { region, sender, segments } => {
                 let w = Writer { region, sender, conn: ConnId(0) };
-                match receive::land(&mut r, &mut piece, inbox, w, &segments).await {
+                let admitted = receive::admit(inbox, w, &mut HashSet::new());
+                match receive::land(&mut r, &mut piece, inbox, w, &segments, admitted).await {
                     Ok(landed) => landed,
                     Err(_) => break,
                 }
@@ -102,7 +103,10 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
             let landed = match &frame {
                 Some(Frame::Write { region, sender, segments }) if authed => {
                     let w = Writer { region: *region, sender: *sender, conn };
-                    Some(receive::land(&mut r, &mut piece, &inbox, w, segments).await?)
+                    // Once admitted the region is this connection's: if it breaks inside
+                    // the payload, the region fails with it.
+                    let admitted = receive::admit(&inbox, w, &mut open);
+                    Some(receive::land(&mut r, &mut piece, &inbox, w, segments, admitted).await?)
                 }
                 Some(Frame::SharedWrite { region, sender, half, pieces }) if authed => {
                     let w = Writer { region: *region, sender: *sender, conn };
@@ -110,7 +114,8 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
                     let half = half.ok_or_else(|| {
                         TransferError::Malformed("a shared write with no such window".into())
                     })?;
-                    Some(receive::land_shared(half, &inbox, w, pieces, &mut open_pair)?)
+                    let admitted = receive::admit(&inbox, w, &mut open);
+                    Some(receive::land_shared(half, &inbox, w, pieces, &mut open_pair, admitted)?)
                 }
                 _ => None,
             };
@@ -145,8 +150,13 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
                 debug!(%peer, "unauthenticated transfer connection; closing");
                 break e.to_owned();
             }
+            Frame::Connect(_) if window.is_some() => {
+                let e = "handshakes go over tcp, not shared memory";
+                let _ = wire::write_ack(&mut w, &Err(e.into())).await;
+                break e.to_owned();
+            }
             Frame::Connect(req) => Some(inbox.on_connect(req)),
-            Frame::Write { region, .. } | Frame::SharedWrite { region, .. } => {
+            Frame::Write { .. } | Frame::SharedWrite { .. } => {
                 // A shared write is answered at once (its half is the sender's again); a
                 // rejected write fails its region, and the sender learns it at the notice.
                 let shared = matches!(frame, Frame::SharedWrite { .. });
@@ -155,7 +165,6 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
                         // A sender in good standing: what it trailed into regions dropped by
                         // their decodes earlier does not add up against it across requests.
                         unknown = 0;
-                        open.insert(region);
                         None
                     }
                     Err(e @ TransferError::Forbidden(_)) => Some(Err(e)),
@@ -168,6 +177,9 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
                     Err(_) => None,
                 };
                 verdict.or(shared.then_some(Ok(())))
+            }
+            Frame::Notice { .. } if open_pair.is_some() => {
+                break "a notice with a shared pair unfinished".to_owned();
             }
             Frame::Notice { region, notice } => {
                 open.remove(&region);
@@ -184,10 +196,15 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
             let _ = wire::write_ack(&mut w, &Err(e.to_string())).await;
             break e.to_string();
         }
-        if let Some(res) = reply
-            && wire::write_ack(&mut w, &res.map_err(|e| e.to_string())).await.is_err()
-        {
-            break "sender connection lost".to_owned();
+        // A sender that stops reading its answers cannot hold the connection forever.
+        if let Some(res) = reply {
+            let res = res.map_err(|e| e.to_string());
+            let ack = wire::write_ack(&mut w, &res);
+            match tokio::time::timeout(cfg.frame_timeout, ack).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => break "sender connection lost".to_owned(),
+                Err(_) => break "sender not reading its acks".to_owned(),
+            }
         }
     };
     for region in open {

@@ -6,25 +6,27 @@
 //! when its receiver runs on the same host (and namespace). Then, for writes and streamed
 //! writes (handshakes stay on tcp):
 //!
-//! 1. The sender dials the name and checks that the listener runs as its own user
-//!    (`SO_PEERCRED`): another local user who took the name first is not written to.
+//! 1. The sender dials the name, and each end checks that the other runs as its own user
+//!    (`SO_PEERCRED`): another local user who took the name first is not written to, and
+//!    another user's process cannot write.
 //! 2. Its hello (the cluster token, when there is one) carries the connection's
 //!    [`window::Window`], a memfd of two halves sealed against shrinking, as `SCM_RIGHTS`.
 //!    The receiver checks the token, the seal and the size, maps it and acks.
 //! 3. A write's bytes are copied into a free half and named in a shared-write frame. The
 //!    receiver lands them (copied into the region, hashed from the copy) and acks, which
 //!    frees the half: the sender fills one half while the other is landed.
-//! 4. Notices, acks, binding and verification are the tcp backend's own.
+//! 4. Notices, acks, binding and verification are the tcp backend's own; handshakes over it
+//!    are refused.
 //!
-//! A sender that cannot dial (another host, no listener, a stranger's listener) uses tcp.
+//! A sender that cannot dial (another host, no listener, a stranger's listener) uses tcp, and
+//! so does every agent with TLS: its bytes go over TLS.
 
 mod conn;
 mod fd;
 mod window;
 
-use std::collections::HashMap;
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_core::Tasks;
@@ -35,9 +37,10 @@ use tracing::{debug, warn};
 pub(crate) use conn::{ShmConn, ShmStream};
 pub(crate) use window::SharedWindow;
 
+use super::pool::Idle;
 use super::serve::{ConnCfg, Inbound, serve_conn};
 use super::wire::{self, Frame};
-use crate::{AgentAddr, Inbox};
+use crate::{AgentAddr, ConnId, Inbox};
 
 /// The abstract socket name of the agent published at `addr`.
 pub(crate) fn name(addr: &AgentAddr) -> String {
@@ -47,9 +50,8 @@ pub(crate) fn name(addr: &AgentAddr) -> String {
 /// Idle shm connections by peer, and how to make new ones.
 #[derive(Debug)]
 pub(crate) struct ShmPool {
-    idle: Mutex<HashMap<AgentAddr, Vec<ShmConn>>>,
+    idle: Idle<ShmConn>,
     token: Option<String>,
-    max_idle: usize,
     max_frame: usize,
     connect_timeout: Duration,
 }
@@ -61,26 +63,19 @@ impl ShmPool {
         max_frame: usize,
         connect_timeout: Duration,
     ) -> Self {
-        ShmPool { idle: Mutex::default(), token, max_idle, max_frame, connect_timeout }
+        ShmPool { idle: Idle::new(max_idle), token, max_frame, connect_timeout }
     }
 
     /// A connection to `peer`'s shm listener, pooled or new; `None` when there is none to
     /// have (the peer is on another host, or refused us): tcp then.
     pub(crate) async fn open(&self, peer: &AgentAddr) -> Option<ShmConn> {
-        loop {
-            let pooled = self
-                .idle
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get_mut(peer)
-                .and_then(Vec::pop);
-            match pooled {
-                Some(c) if c.looks_alive() => return Some(c),
-                Some(_) => continue,
-                None => break,
-            }
+        if let Some(c) = self.idle.take(peer, ShmConn::looks_alive) {
+            return Some(c);
         }
-        match tokio::time::timeout(self.connect_timeout, self.dial(peer)).await {
+        // A listener that takes the connection but not the hello (its places all taken)
+        // costs a write at most a second before it goes over tcp.
+        let within = self.connect_timeout.min(Duration::from_secs(1));
+        match tokio::time::timeout(within, self.dial(peer)).await {
             Ok(Ok(c)) => Some(c),
             Ok(Err(e)) => {
                 debug!(%peer, error = %e, "no shared memory with this peer; tcp");
@@ -92,11 +87,7 @@ impl ShmPool {
 
     /// Returns a connection after a completed exchange.
     pub(crate) fn checkin(&self, c: ShmConn) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let v = idle.entry(c.peer.clone()).or_default();
-        if v.len() < self.max_idle {
-            v.push(c);
-        }
+        self.idle.put(&c.peer.clone(), c);
     }
 
     async fn dial(&self, peer: &AgentAddr) -> std::io::Result<ShmConn> {
@@ -149,6 +140,9 @@ pub(crate) fn serve(
         let (inbox, cfg) = (inbox.clone(), cfg.clone());
         async move {
             let Some((s, window)) = accept(s, &cfg).await else { return };
+            // Apart from the tcp listener's ids, which count from 1 as these do: a sender
+            // bound to a tcp connection is not the same one over shared memory.
+            let id = ConnId(id.0 | 1 << 63);
             let inbound = Inbound { peer: "shm", id, authed: true, window: Some(window) };
             serve_conn(s, inbound, inbox, &cfg).await;
         }
@@ -167,6 +161,11 @@ fn listen(addr: &AgentAddr) -> std::io::Result<UnixListener> {
 /// and the answer sent. `None` (and the connection closed) on anything else.
 async fn accept(mut s: UnixStream, cfg: &ConnCfg) -> Option<(UnixStream, SharedWindow)> {
     let hello = async {
+        // Only our own user's processes: the same as ours is all a sender may be.
+        let uid = s.peer_cred()?.uid();
+        if uid != nix::unistd::getuid().as_raw() {
+            return Err(std::io::Error::other(format!("a sender of uid {uid}, not ours")));
+        }
         let (bytes, fd) = fd::recv_with_fd(&mut s, 5 + wire::MAX_TOKEN).await?;
         let token = match wire::read_frame(&mut bytes.as_slice(), 1 + wire::MAX_TOKEN).await {
             Ok(Some(Frame::Hello(t))) => t,

@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::io::{AsyncWriteExt, BufWriter};
 
-use super::pool::{ClientIo, Idle, checkin, io_err, read_ack};
+use super::pool::{ClientIo, Idle, broke_earlier, io_err, read_ack, reusable};
 use super::{TcpTransfer, wire};
 use crate::{AgentAddr, Notice, RegionId, SenderId, StreamConn, TransferError};
 
@@ -19,9 +19,8 @@ pub(super) struct TcpStreamConn {
     peer: AgentAddr,
     /// `None` once an exchange on it failed.
     conn: Option<Box<dyn ClientIo>>,
-    idle: Arc<Idle>,
+    idle: Arc<Idle<Box<dyn ClientIo>>>,
     max_frame: usize,
-    max_idle: usize,
     io_timeout: Duration,
 }
 
@@ -32,13 +31,8 @@ impl TcpStreamConn {
             conn: Some(conn),
             idle: t.idle.clone(),
             max_frame: t.cfg.max_frame,
-            max_idle: t.cfg.max_idle_per_peer,
             io_timeout: t.cfg.io_timeout,
         }
-    }
-
-    fn broken(&self) -> TransferError {
-        io_err(&self.peer, "the stream's connection broke earlier")
     }
 }
 
@@ -53,7 +47,7 @@ impl StreamConn for TcpStreamConn {
         let (peer, max_frame, within) = (self.peer.clone(), self.max_frame, self.io_timeout);
         // Out while it is written: a post abandoned midway leaves no connection behind with
         // half a frame on it.
-        let Some(mut s) = self.conn.take() else { return Err(self.broken()) };
+        let Some(mut s) = self.conn.take() else { return Err(broke_earlier(&self.peer)) };
         let send = async {
             let mut w = BufWriter::with_capacity(wire::BUFFERED, &mut s);
             wire::write_pairs(&mut w, region, sender, pairs, max_frame).await?;
@@ -75,9 +69,7 @@ impl StreamConn for TcpStreamConn {
         notice: Notice,
     ) -> Result<(), TransferError> {
         let me = *self;
-        let Some(mut s) = me.conn else {
-            return Err(io_err(&me.peer, "the stream's connection broke earlier"));
-        };
+        let Some(mut s) = me.conn else { return Err(broke_earlier(&me.peer)) };
         let peer = &me.peer;
         let exchange = async {
             wire::write_notice(&mut s, region, &notice).await.map_err(|e| io_err(peer, e))?;
@@ -87,8 +79,8 @@ impl StreamConn for TcpStreamConn {
         let res = tokio::time::timeout(me.io_timeout, exchange)
             .await
             .map_err(|_| TransferError::Timeout(format!("notice to {peer}")))?;
-        if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
-            checkin(&me.idle, peer, s, me.max_idle);
+        if reusable(&res) {
+            me.idle.put(peer, s);
         }
         res
     }

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 
-use super::super::pool::{io_err, read_ack};
+use super::super::pool::{broke_earlier, io_err, read_ack, reusable};
 use super::super::receive::SharedPiece;
 use super::super::wire;
 use super::ShmPool;
@@ -187,9 +187,7 @@ impl StreamConn for ShmStream {
         sender: SenderId,
         pairs: &[(Bytes, u64)],
     ) -> Result<(), TransferError> {
-        let Some(mut c) = self.conn.take() else {
-            return Err(io_err(&self.peer, "the stream's connection broke earlier"));
-        };
+        let Some(mut c) = self.conn.take() else { return Err(broke_earlier(&self.peer)) };
         let res = match tokio::time::timeout(self.io_timeout, c.post(region, sender, pairs)).await {
             Ok(r) => r,
             Err(_) => Err(TransferError::Timeout(format!("streamed write to {}", self.peer))),
@@ -206,13 +204,11 @@ impl StreamConn for ShmStream {
         notice: Notice,
     ) -> Result<(), TransferError> {
         let me = *self;
-        let Some(mut c) = me.conn else {
-            return Err(io_err(&me.peer, "the stream's connection broke earlier"));
-        };
+        let Some(mut c) = me.conn else { return Err(broke_earlier(&me.peer)) };
         let res = tokio::time::timeout(me.io_timeout, c.finish(region, &notice))
             .await
             .map_err(|_| TransferError::Timeout(format!("notice to {}", me.peer)))?;
-        if matches!(res, Ok(()) | Err(TransferError::Rejected(_))) {
+        if reusable(&res) {
             me.pool.checkin(c);
         }
         res

@@ -46,7 +46,9 @@ pub(crate) async fn recv_with_fd(s: &mut UnixStream, max: usize) -> io::Result<(
     let (n, fds) = loop {
         s.readable().await?;
         let got = s.try_io(Interest::READABLE, || {
-            let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+            // Room for the most descriptors one message can carry (SCM_MAX_FD), so none is
+            // ever cut off uncounted: every one the kernel installs is owned, and closed.
+            let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 253]);
             let mut iov = [IoSliceMut::new(&mut buf)];
             let m = recvmsg::<()>(raw, &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)
                 .map_err(io::Error::from)?;

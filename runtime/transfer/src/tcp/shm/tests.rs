@@ -65,7 +65,7 @@ fn laid(sizes: &[usize]) -> (Vec<(Bytes, u64)>, u64) {
 
 fn idle_shm(t: &TcpTransfer) -> usize {
     let pool = t.shm.as_ref().expect("shared memory on");
-    pool.idle.lock().unwrap().values().map(Vec::len).sum()
+    pool.idle.len()
 }
 
 #[tokio::test]
@@ -122,8 +122,17 @@ async fn without_a_listener_on_this_host_the_write_goes_over_tcp() {
     e.tasks.shutdown().await;
 }
 
-/// A raw connection to `t`'s shm listener whose hello passes `fd`.
+/// A raw connection to `t`'s shm listener whose hello passes `fd`: its answer.
 async fn hello_with(t: &TcpTransfer, token: &str, fd: std::os::fd::BorrowedFd<'_>) -> Frame {
+    raw_hello(t, token, fd).await.0
+}
+
+/// [`hello_with`], keeping the connection.
+async fn raw_hello(
+    t: &TcpTransfer,
+    token: &str,
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> (Frame, UnixStream) {
     let addr = nix::sys::socket::UnixAddr::new_abstract(name(&t.local_addr()).as_bytes()).unwrap();
     let sock = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
     connect(sock.as_raw_fd(), &addr).unwrap();
@@ -131,7 +140,45 @@ async fn hello_with(t: &TcpTransfer, token: &str, fd: std::os::fd::BorrowedFd<'_
     std.set_nonblocking(true).unwrap();
     let mut s = UnixStream::from_std(std).unwrap();
     fd::send_with_fd(&mut s, &wire::hello(token), fd).await.unwrap();
-    wire::read_frame(&mut s, 1 << 20).await.unwrap().expect("an answer")
+    (wire::read_frame(&mut s, 1 << 20).await.unwrap().expect("an answer"), s)
+}
+
+#[tokio::test]
+async fn handshakes_are_refused_over_shared_memory() {
+    let e = ends(true, None).await;
+    let window = window::Window::create().unwrap();
+    let (hello, mut s) = raw_hello(&e.rx, "", window.fd()).await;
+    assert!(matches!(hello, Frame::Ack(Ok(()))), "{hello:?}");
+    let req = crate::ConnectRequest {
+        room: Room::mint(),
+        receiver: e.tx.local_addr(),
+        region: crate::RegionId(1),
+        region_len: 8,
+        dst_tp_size: 1,
+        dst_tp_rank: 0,
+        tokens: 1,
+        token: None,
+    };
+    wire::write_connect(&mut s, &req).await.unwrap();
+    let answer = wire::read_frame(&mut s, 1 << 20).await.unwrap();
+    assert!(matches!(&answer, Some(Frame::Ack(Err(m))) if m.contains("over tcp")), "{answer:?}");
+    assert!(wire::read_frame(&mut s, 1 << 20).await.unwrap().is_none(), "then closed");
+    assert_eq!(e.rx_inbox.pending_rooms(), 0);
+    e.tasks.shutdown().await;
+}
+
+#[tokio::test]
+async fn with_tls_every_byte_goes_over_tls() {
+    let tasks = Tasks::new();
+    let tls = handoff_core::tls::test_certs::TestCa::new().issue().cluster();
+    let inbox = Arc::new(Inbox::new(InboxConfig::default()));
+    let cfg = TcpConfig { tls: Some(tls), ..Default::default() };
+    let t = TcpTransfer::bind("127.0.0.1:0".parse().unwrap(), inbox, cfg, &tasks).await.unwrap();
+    assert!(t.shm.is_none(), "no shared-memory sender");
+    let at = UnixAddr::new_abstract(name(&t.local_addr()).as_bytes()).unwrap();
+    let sock = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
+    assert!(connect(sock.as_raw_fd(), &at).is_err(), "no shared-memory listener");
+    tasks.shutdown().await;
 }
 
 #[tokio::test]

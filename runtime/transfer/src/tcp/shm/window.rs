@@ -19,6 +19,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::sys::statfs::{TMPFS_MAGIC, fstatfs};
 
 use crate::TransferError;
 
@@ -78,6 +79,12 @@ impl SharedWindow {
     /// Maps a window a sender passed, after checking it is one: a memfd sealed against
     /// shrinking and large enough for both halves.
     pub(crate) fn adopt(fd: OwnedFd) -> Result<Self, TransferError> {
+        // A memfd lives on tmpfs; one backed by huge pages could lose its pages to a hole
+        // its sender punches, and the receiver would fault on them.
+        let fs = fstatfs(fd.as_fd()).map_err(|e| failed("statfs", e))?;
+        if fs.filesystem_type() != TMPFS_MAGIC {
+            return Err(failed("kind", "not a memfd on tmpfs"));
+        }
         let seals = fcntl(fd.as_fd(), FcntlArg::F_GET_SEALS)
             .map_err(|e| failed("not a sealable memfd", e))?;
         if !SealFlag::from_bits_truncate(seals).contains(required()) {
