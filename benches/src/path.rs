@@ -8,6 +8,18 @@ use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
 use tonic::transport::Channel;
 
+/// CPU time this process has used (user and system, all threads), from `/proc/self/stat`
+/// (10 ms ticks).
+pub fn process_cpu() -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // Fields after the command name (which may hold spaces) closed by ')'.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 =
+        f.get(11).unwrap_or(&"0").parse::<u64>()? + f.get(12).unwrap_or(&"0").parse::<u64>()?;
+    Ok(Duration::from_millis(ticks * 10))
+}
+
 /// An `n`-token prompt of its own for each `seed` (no prefix shared with another seed's).
 pub fn prompt(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| 2 + (seed.wrapping_mul(7919) + i * 104_729) % 31_000).collect()

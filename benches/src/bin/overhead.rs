@@ -1,7 +1,15 @@
 //! Orchestration overhead of the whole disaggregated path: TTFT through the frontend
 //! (scheduler, room, directory, handshakes, prefill gRPC, KV transfer over tcp, verify,
 //! reassembly) minus the TTFT of the same mock engine called in-process, with mock compute
-//! set to zero. Prints p50 and p99 per concurrency as a Markdown table.
+//! set to zero. Prints p50 and p99 as a Markdown table:
+//!
+//! - closed loop with 1 request in flight (latency alone) and with 64 (saturation: its
+//!   latency is mostly queueing, and labelled so), with the process's CPU per request (every
+//!   role runs in this process, and so does the load generator's gRPC client);
+//! - open loop, requests started on a fixed schedule whatever the answers do, at half the
+//!   saturation rate just measured and at 2,500 req/s (half of issue 14's 5,000 target).
+//!   Latency counts from each request's scheduled start, so a stalled path is not hidden by
+//!   a generator that waits for it.
 //!
 //! ```text
 //! cargo run --release -p handoff-benches --bin overhead -- [prompt_tokens] [requests_per_level]
@@ -12,8 +20,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use handoff::{Cluster, ClusterConfig};
-use handoff_benches::path::{pct, prompt, ttft, us};
+use handoff_benches::path::{pct, process_cpu, prompt, ttft, us};
 use handoff_engine::{Engine, MockConfig, MockEngine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
 
@@ -41,7 +50,7 @@ async fn main() -> anyhow::Result<()> {
     let mut out = handoff_benches::record::Report::new("overhead");
     writeln!(
         out,
-        "prompt {prompt_tokens} tokens, {per_level} requests per level, 2 prefill instances (tp 2), decode tp 1, tcp transfer, mock compute 0"
+        "prompt {prompt_tokens} tokens, {per_level} requests per level, 2 prefill instances (tp 2), decode tp 1, tcp transfer (same host: its shared memory), mock compute 0"
     )?;
     writeln!(
         out,
@@ -52,9 +61,10 @@ async fn main() -> anyhow::Result<()> {
     writeln!(out)?;
     writeln!(
         out,
-        "| concurrency | TTFT p50 (us) | TTFT p99 (us) | overhead p50 (us) | overhead p99 (us) | req/s |"
+        "| load | TTFT p50 (us) | TTFT p99 (us) | overhead p50 (us) | overhead p99 (us) | req/s | CPU per request (us) |"
     )?;
-    writeln!(out, "|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|")?;
+    let mut saturation = 0f64;
     for conc in [1usize, 64] {
         // Warm-up: connections, caches.
         let warm = futures::stream::iter(0..conc * 4).map(|i| {
@@ -64,32 +74,91 @@ async fn main() -> anyhow::Result<()> {
         for r in warm.buffer_unordered(conc).collect::<Vec<_>>().await {
             r?;
         }
-        let start = Instant::now();
+        let (start, cpu) = (Instant::now(), process_cpu()?);
         let runs = futures::stream::iter(0..per_level).map(|i| {
             let mut c = client.clone();
             // Distinct prompts: no prefix reuse, every request computes its whole prompt.
             async move { ttft(&mut c, prompt((conc * per_level + i) as u32, prompt_tokens)).await }
         });
-        let mut t: Vec<Duration> = runs
+        let t: Vec<Duration> = runs
             .buffer_unordered(conc)
             .collect::<Vec<_>>()
             .await
             .into_iter()
             .collect::<Result<_, _>>()?;
-        let wall = start.elapsed();
-        t.sort();
-        let (p50, p99) = (pct(&t, 0.5), pct(&t, 0.99));
-        writeln!(
-            out,
-            "| {conc} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
-            us(p50),
-            us(p99),
-            us(p50.saturating_sub(base_p50)),
-            us(p99.saturating_sub(base_p50)),
-            per_level as f64 / wall.as_secs_f64()
-        )?;
+        let (wall, cpu) = (start.elapsed(), process_cpu()? - cpu);
+        let rate = per_level as f64 / wall.as_secs_f64();
+        saturation = rate;
+        let label = match conc {
+            1 => "closed loop, 1 in flight".to_owned(),
+            n => format!("closed loop, {n} in flight (saturated: latency is mostly queueing)"),
+        };
+        let cpu_us = us(cpu) / per_level as f64;
+        row(&mut out, &label, t, base_p50, rate, Some(cpu_us))?;
+    }
+    for (label, rate) in [
+        (
+            format!("open loop at half of saturation ({:.0} req/s)", saturation / 2.0),
+            saturation / 2.0,
+        ),
+        ("open loop at 2,500 req/s (half of the 5,000 target)".to_owned(), 2500.0),
+    ] {
+        let salt = (rate as u32).wrapping_mul(7);
+        let (t, achieved) = open_loop(&client, rate, per_level, prompt_tokens, salt).await?;
+        row(&mut out, &label, t, base_p50, achieved, None)?;
     }
     cluster.shutdown().await;
     out.finish()?;
     Ok(())
+}
+
+/// One table row: TTFT and overhead (TTFT less the in-process `base`) percentiles of `t`.
+fn row(
+    out: &mut handoff_benches::record::Report,
+    label: &str,
+    mut t: Vec<Duration>,
+    base: Duration,
+    rate: f64,
+    cpu_us: Option<f64>,
+) -> anyhow::Result<()> {
+    t.sort();
+    let (p50, p99) = (pct(&t, 0.5), pct(&t, 0.99));
+    let cpu = cpu_us.map_or("-".to_owned(), |c| format!("{c:.0}"));
+    writeln!(
+        out,
+        "| {label} | {:.0} | {:.0} | {:.0} | {:.0} | {rate:.0} | {cpu} |",
+        us(p50),
+        us(p99),
+        us(p50.saturating_sub(base)),
+        us(p99.saturating_sub(base)),
+    )?;
+    Ok(())
+}
+
+/// `n` requests started every `1 / rate` seconds whatever the earlier ones do; each one's
+/// time from its scheduled start to its first token, and the rate achieved (answers over
+/// the time to the last).
+async fn open_loop(
+    client: &GenerateClient<tonic::transport::Channel>,
+    rate: f64,
+    n: usize,
+    prompt_tokens: usize,
+    salt: u32,
+) -> anyhow::Result<(Vec<Duration>, f64)> {
+    let every = Duration::from_secs_f64(1.0 / rate);
+    let start = tokio::time::Instant::now();
+    let runs: FuturesUnordered<_> = (0..n)
+        .map(|i| {
+            let mut c = client.clone();
+            let at = start + every * i as u32;
+            let p = prompt(salt.wrapping_mul(1_000_003).wrapping_add(i as u32), prompt_tokens);
+            async move {
+                tokio::time::sleep_until(at).await;
+                ttft(&mut c, p).await?;
+                Ok::<_, anyhow::Error>(at.elapsed())
+            }
+        })
+        .collect();
+    let t: Vec<Duration> = runs.collect::<Vec<_>>().await.into_iter().collect::<Result<_, _>>()?;
+    Ok((t, n as f64 / start.elapsed().as_secs_f64()))
 }

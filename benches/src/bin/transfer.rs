@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use handoff_benches::parse_flags;
+use handoff_benches::path::process_cpu;
 use handoff_core::tls::ClusterTls;
 use handoff_core::tls::test_certs::TestCa;
 use handoff_core::{Room, Tasks};
@@ -195,17 +196,6 @@ async fn idle_cpu(span: Duration) -> anyhow::Result<f64> {
     let before = process_cpu()?;
     tokio::time::sleep(span).await;
     Ok((process_cpu()? - before).as_secs_f64() / span.as_secs_f64())
-}
-
-/// User + system time of this process so far, from `/proc/self/stat` (clock ticks of 10 ms).
-fn process_cpu() -> anyhow::Result<Duration> {
-    let stat = std::fs::read_to_string("/proc/self/stat")?;
-    // Fields after the command name (which may hold spaces) closed by ')'.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 =
-        f.get(11).unwrap_or(&"0").parse::<u64>()? + f.get(12).unwrap_or(&"0").parse::<u64>()?;
-    Ok(Duration::from_millis(ticks * 10))
 }
 
 #[tokio::main]

@@ -120,8 +120,10 @@ impl ShmPool {
 }
 
 /// Listens on `addr`'s name and serves what arrives into `inbox` on `tasks`. A name taken
-/// already (another process published at the same address in this namespace) leaves this
-/// agent without a listener: its senders use tcp.
+/// already leaves this agent without a listener, and same-host senders write to whoever
+/// holds the name (if it runs as our user: they check). Names vanish with their process and
+/// follow the tcp port this agent owns, so only a process squatting on purpose holds one: a
+/// loud warning.
 pub(crate) fn serve(
     addr: &AgentAddr,
     inbox: Arc<Inbox>,
@@ -132,7 +134,13 @@ pub(crate) fn serve(
     let listener = match listen(addr) {
         Ok(l) => l,
         Err(e) => {
-            warn!(%addr, error = %e, "no shared-memory listener; same-host peers will use tcp");
+            warn!(
+                %addr,
+                name = %name(addr),
+                error = %e,
+                "shared-memory name taken: same-host senders will write to its holder, not to \
+                 this agent; stop it or run with --no-shared-memory"
+            );
             return;
         }
     };
