@@ -22,7 +22,9 @@ pub fn process_cpu() -> anyhow::Result<Duration> {
 
 /// An `n`-token prompt of its own for each `seed` (no prefix shared with another seed's).
 pub fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| 2 + (seed.wrapping_mul(7919) + i * 104_729) % 31_000).collect()
+    (0..n as u32)
+        .map(|i| 2 + seed.wrapping_mul(7919).wrapping_add(i.wrapping_mul(104_729)) % 31_000)
+        .collect()
 }
 
 /// Sends `tokens` for one token and returns the time to it (the stream is read to its end).

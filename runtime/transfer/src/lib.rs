@@ -89,6 +89,8 @@ pub struct RegionId(pub u64);
 
 /// The connection (or in-process peer) a write or notice arrived over. A region's sender is
 /// bound to the connection of its first write; anything it sends over another is refused.
+/// Each backend numbers its own (an inbox serves one backend): tcp counts from 1 and sets
+/// bit 63 on its shared-memory connections; mooncake's and nixl's peer ids set bit 63 too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ConnId(pub u64);
 

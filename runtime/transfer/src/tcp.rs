@@ -127,9 +127,10 @@ impl TcpTransfer {
         let server_tls = cfg.tls.clone();
         let shared_memory = cfg.shared_memory && cfg.tls.is_none();
         if shared_memory {
-            // Its own places, fewer: each holds a mapped window.
-            let places = cfg.max_inbound.div_ceil(8);
-            shm::serve(&addr, inbox.clone(), conn_cfg.clone(), places, tasks);
+            // As many places as tcp's: senders pool up to `max_idle_per_peer` connections
+            // each, and a listener out of places leaves a dialing sender waiting for its
+            // hello's answer (a second, then tcp) on every write.
+            shm::serve(&addr, inbox.clone(), conn_cfg.clone(), cfg.max_inbound, tasks);
         }
         crate::listen::serve_accepts(
             listener,

@@ -130,7 +130,7 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
             Ok((None, _)) => break "sender connection closed mid-transfer".to_owned(),
             Err(e) => {
                 debug!(%peer, error = %e, "bad transfer frame; closing");
-                let _ = wire::write_ack(&mut w, &Err(e.to_string())).await;
+                refuse(&mut w, &Err(e.to_string()), cfg.frame_timeout).await;
                 break format!("sender connection broke mid-transfer: {e}");
             }
         };
@@ -138,7 +138,7 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
             Frame::Hello(token) => {
                 authed = crate::token_accepted(cfg.token.as_deref(), Some(&token));
                 if !authed {
-                    let _ = wire::write_ack(&mut w, &Err("wrong token".into())).await;
+                    refuse(&mut w, &Err("wrong token".into()), cfg.frame_timeout).await;
                     debug!(%peer, "transfer connection with a wrong token; closing");
                     break "wrong token".to_owned();
                 }
@@ -146,13 +146,13 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
             }
             _ if !authed => {
                 let e = "the first frame must be a hello with the cluster token";
-                let _ = wire::write_ack(&mut w, &Err(e.into())).await;
+                refuse(&mut w, &Err(e.into()), cfg.frame_timeout).await;
                 debug!(%peer, "unauthenticated transfer connection; closing");
                 break e.to_owned();
             }
             Frame::Connect(_) if window.is_some() => {
                 let e = "handshakes go over tcp, not shared memory";
-                let _ = wire::write_ack(&mut w, &Err(e.into())).await;
+                refuse(&mut w, &Err(e.into()), cfg.frame_timeout).await;
                 break e.to_owned();
             }
             Frame::Connect(req) => Some(inbox.on_connect(req)),
@@ -179,35 +179,52 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
                 verdict.or(shared.then_some(Ok(())))
             }
             Frame::Notice { .. } if open_pair.is_some() => {
-                break "a notice with a shared pair unfinished".to_owned();
+                let e = "a notice with a shared pair unfinished";
+                refuse(&mut w, &Err(e.into()), cfg.frame_timeout).await;
+                break e.to_owned();
             }
             Frame::Notice { region, notice } => {
                 open.remove(&region);
                 Some(inbox.on_notice(region, conn, notice))
             }
             Frame::Ack(_) => {
-                let _ = wire::write_ack(&mut w, &Err("unexpected ack".into())).await;
+                refuse(&mut w, &Err("unexpected ack".into()), cfg.frame_timeout).await;
                 break "protocol violation: unexpected ack".to_owned();
             }
         };
         // Refused for what the connection is, not what it carried: the answer, then close.
         if let Some(Err(e @ TransferError::Forbidden(_))) = &reply {
             debug!(%peer, error = %e, "transfer connection closed");
-            let _ = wire::write_ack(&mut w, &Err(e.to_string())).await;
+            refuse(&mut w, &Err(e.to_string()), cfg.frame_timeout).await;
             break e.to_string();
         }
-        // A sender that stops reading its answers cannot hold the connection forever.
-        if let Some(res) = reply {
-            let res = res.map_err(|e| e.to_string());
-            let ack = wire::write_ack(&mut w, &res);
-            match tokio::time::timeout(cfg.frame_timeout, ack).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => break "sender connection lost".to_owned(),
-                Err(_) => break "sender not reading its acks".to_owned(),
-            }
+        if let Some(res) = reply
+            && let Err(why) =
+                answer(&mut w, &res.map_err(|e| e.to_string()), cfg.frame_timeout).await
+        {
+            break why.to_owned();
         }
     };
     for region in open {
         inbox.fail(region, reason.clone());
     }
+}
+
+/// Writes an ack within `within`: a sender that stops reading its answers cannot hold the
+/// connection (and its place) forever. `Err` names why the connection must close.
+async fn answer<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    res: &Result<(), String>,
+    within: Duration,
+) -> Result<(), &'static str> {
+    match tokio::time::timeout(within, wire::write_ack(w, res)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err("sender connection lost"),
+        Err(_) => Err("sender not reading its acks"),
+    }
+}
+
+/// The last answer before closing a connection: written if it can be, within `within`.
+async fn refuse<W: AsyncWrite + Unpin>(w: &mut W, res: &Result<(), String>, within: Duration) {
+    let _ = answer(w, res, within).await;
 }
