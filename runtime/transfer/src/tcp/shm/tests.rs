@@ -105,6 +105,7 @@ async fn a_streamed_write_lands_its_parts_as_posted() {
     stream.finish(id, notice).await.unwrap();
     let got = e.rx_inbox.wait(id, deadline()).await.unwrap();
     assert_eq!(got.buf, pairs.iter().flat_map(|(b, _)| b.to_vec()).collect::<Vec<u8>>());
+    assert_eq!(idle_shm(&e.tx), 1, "the stream went over a shm connection, now idle");
     e.tasks.shutdown().await;
 }
 
