@@ -41,9 +41,9 @@ pub struct Candidate {
     pub queued_tokens: u64,
     /// Requests in flight on it.
     pub in_flight: u32,
-    /// What this request's KV would take to leave it after the compute (its measured time
-    /// per prompt token over its compute per token), in prompt tokens of compute: a slow link
-    /// prices like a longer prompt.
+    /// What this request's KV would take to leave it after the compute beyond the best
+    /// candidate's link and its noise (see the scheduler's selection), in prompt tokens of its
+    /// compute: a slow link prices like a longer prompt.
     pub send_tokens: u64,
     /// Whether its instance has reported that time (unmeasured ones set no floor).
     pub send_measured: bool,

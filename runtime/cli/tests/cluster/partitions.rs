@@ -44,6 +44,16 @@ async fn a_frontend_cut_off_from_one_prefill_routes_around_it() {
     let breaker = |id: &str| instances.iter().find(|i| i.instance_id == id).unwrap().breaker_closed;
     whole.sort();
     cut_ttft.sort();
+    let costs: Vec<String> = instances
+        .iter()
+        .map(|i| {
+            format!(
+                "{} in flight {} prefill {} ns/token send {} ns/token",
+                i.instance_id, i.in_flight, i.prefill_ns_per_token, i.send_ns_per_token
+            )
+        })
+        .collect();
+    eprintln!("instances after the cut: {costs:?}");
     eprintln!(
         "cut: 60 requests through the cut-off frontend and 60 through the other, 0 failed; {failed_on_a} attempts on the cut-off prefill, the last {last_failure:?} after the cut; the other frontend's served by {second:?}; breakers a closed={} b closed={} c closed={}; TTFT p50/p99 whole {:?}/{:?}, after the cut {:?}/{:?}",
         breaker("a"),

@@ -48,16 +48,35 @@ impl Outcome {
     }
 }
 
-/// The time `route`'s KV of a `prompt_tokens`-token prompt takes after the compute, in
-/// tokens of its compute (at least 1 µs per token, so an instance whose compute is not
-/// measured yet, or free, still pays for a slow link). Selection then charges only what
-/// exceeds twice the best measured candidate's.
-fn send_tokens(prompt_tokens: u32, route: &super::member::Route) -> u64 {
+/// How much longer than the best measured candidate's a KV may take to leave before the link
+/// counts as slow, besides twice the best: per-request differences this small are noise
+/// (a scheduler hiccup, a busy core), and charging them would steer steady traffic away from
+/// an instance on one unlucky measurement until it decays.
+const SEND_NOISE_US: u64 = 2_000;
+
+/// The time in microseconds `route`'s KV of a `prompt_tokens`-token prompt takes after the
+/// compute, as its heartbeats say (0 when not measured).
+fn send_us(prompt_tokens: u32, route: &super::member::Route) -> u64 {
     if route.send_cost_us.is_nan() || route.send_cost_us <= 0.0 {
         return 0;
     }
-    let per = f64::from(route.send_cost_us) / f64::from(route.token_cost_us).max(1.0);
-    (f64::from(prompt_tokens) * per).min(u64::MAX as f64 / 4.0) as u64
+    (f64::from(prompt_tokens) * f64::from(route.send_cost_us)).min(u64::MAX as f64 / 4.0) as u64
+}
+
+/// Turns each candidate's send time (µs, from [`send_us`]) into what selection charges: the
+/// part beyond twice the best measured candidate's and beyond [`SEND_NOISE_US`] more than
+/// it, in tokens of the candidate's compute (at least 1 µs per token, so an instance whose
+/// compute is not measured yet, or free, still pays for a slow link). Unmeasured candidates
+/// set no floor.
+fn charge_sends(candidates: &mut [Candidate], routes: &[super::member::Route]) {
+    let best = candidates.iter().filter(|c| c.send_measured).map(|c| c.send_tokens).min();
+    let best = best.unwrap_or(0);
+    let floor = best.saturating_mul(2).max(best.saturating_add(SEND_NOISE_US));
+    for c in candidates.iter_mut() {
+        let over = c.send_tokens.saturating_sub(floor);
+        let per_token = f64::from(routes[c.slot.index()].token_cost_us).max(1.0);
+        c.send_tokens = (over as f64 / per_token) as u64;
+    }
 }
 
 /// One selection request.
@@ -213,7 +232,7 @@ impl SchedulerState {
                     overlap_blocks: overlap as usize,
                     queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
                     in_flight: l.in_flight.saturating_add(r.in_flight),
-                    send_tokens: send_tokens(ask.prompt_tokens, route),
+                    send_tokens: send_us(ask.prompt_tokens, route),
                     send_measured: route.send_cost_us > 0.0,
                 });
             }
@@ -223,12 +242,9 @@ impl SchedulerState {
                 break;
             }
         }
-        // Only a link well slower than the best measured one counts: within twice the best is
-        // noise, and equals must keep taking turns. Unmeasured ones (engines that do not say,
-        // prefills not heard yet) set no floor.
-        let best = candidates.iter().filter(|c| c.send_measured).map(|c| c.send_tokens).min();
-        let floor = best.unwrap_or(0).saturating_mul(2);
-        candidates.iter_mut().for_each(|c| c.send_tokens = c.send_tokens.saturating_sub(floor));
+        // Only a link well slower than the best measured one counts: within twice the best, or
+        // a couple of milliseconds more, is noise, and equals must keep taking turns.
+        charge_sends(candidates, routes);
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
         let req = Request {
             candidates,

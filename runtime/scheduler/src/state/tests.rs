@@ -474,15 +474,24 @@ fn a_slow_link_heard_in_heartbeats_moves_requests_away() {
         })
         .collect();
     assert!(chosen.iter().all(|c| c == "b"), "{chosen:?}");
-    // A short prompt: b's measured cost rounds to no token at all, and still sets the floor.
-    let short: Vec<String> = (0..6)
+    // A 20-token prompt: a's KV takes 1.6 ms, b's 10 us. Within the noise: both take turns.
+    let short: std::collections::BTreeSet<String> = (0..6)
         .map(|_| {
-            let sel = s.select(&Ask::new(&[], 1)).unwrap();
+            let sel = s.select(&Ask::new(&[], 20)).unwrap();
             s.report(sel.booking, Outcome::Success);
             sel.instance.id.to_string()
         })
         .collect();
-    assert!(short.iter().all(|c| c == "b"), "{short:?}");
+    assert_eq!(short.len(), 2, "a difference under the noise is not charged: {short:?}");
+    // 30 tokens: 2.4 ms, past b's 15 us and the noise: b only.
+    let longer: Vec<String> = (0..6)
+        .map(|_| {
+            let sel = s.select(&Ask::new(&[], 30)).unwrap();
+            s.report(sel.booking, Outcome::Success);
+            sel.instance.id.to_string()
+        })
+        .collect();
+    assert!(longer.iter().all(|c| c == "b"), "{longer:?}");
     s.heartbeat(&beat("a", 700)); // the link recovered: within twice b's is noise
     let again: std::collections::BTreeSet<String> = (0..8)
         .map(|_| {
