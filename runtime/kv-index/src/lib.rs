@@ -122,7 +122,9 @@ impl KvIndex {
 
     /// Records that `key` now holds the chained run `blocks`, whose first block follows
     /// `parent` (`None` when it starts a prompt or is not known). Any list is accepted; a
-    /// chained run with its parent keeps the tree compressed.
+    /// chained run with its parent keeps the tree compressed. A prompt's first block is
+    /// matched only once some run with no parent has begun with it, so blocks of several
+    /// prompts in one list (not a chain) are stored one at a time.
     pub fn store(&mut self, key: &WorkerKey, parent: Option<BlockHash>, blocks: &[BlockHash]) {
         let slot = self.register(key);
         self.store_at(slot, parent, blocks);

@@ -9,6 +9,12 @@
 //! the tail so the tail's children keep pointing at it; only the head's map entries move.
 //! A stored run whose parent block is unknown starts a detached root; matches still find it
 //! through the map (hashes are chained, so a block names its whole prefix).
+//!
+//! A prompt's first block is stored first in a run with no parent, so a second, small set
+//! holds just the blocks ever stored that way (while they are in the map): a query's first
+//! block is looked up there first, and a miss never touches the big map (at a million
+//! blocks, that lookup is a cache miss). A run that is not a chain can hide a prompt start
+//! inside it; such a start is found again once any worker stores it first.
 
 use std::collections::hash_map::Entry;
 
@@ -43,6 +49,9 @@ pub(crate) struct Tree {
     nodes: Vec<Node>,
     free: Vec<u32>,
     map: BlockMap<Loc>,
+    /// The blocks in `map` ever stored first in a run with no parent: the possible starts
+    /// of a prompt.
+    firsts: BlockMap<()>,
     /// Clears in progress, a bounded step at a time: (slot, next node to scan). While any
     /// is, freed ids are not reused, so every node a clear has yet to reach lies at or past
     /// its cursor: a split's head, which copies a holder set, is always a new id at the end.
@@ -177,6 +186,9 @@ impl Tree {
             let blocks = std::mem::take(&mut self.node_mut(id).blocks);
             for b in &blocks {
                 self.map.remove(b);
+                if !self.firsts.is_empty() {
+                    self.firsts.remove(b);
+                }
             }
             self.free.push(id);
             if parent != NIL {
@@ -198,6 +210,12 @@ impl Tree {
     ) -> usize {
         let (mut added, mut i) = (0, 0);
         let mut prev = parent;
+        if parent.is_none()
+            && let Some(&first) = blocks.first()
+            && budget > 0
+        {
+            self.firsts.insert(first, ());
+        }
         while i < blocks.len() && added < budget {
             let n = if let Some((id, off)) = self.find(blocks[i]) {
                 let node = self.node(id);
@@ -357,6 +375,9 @@ impl Tree {
     /// (zeroed, one entry per slot).
     pub(crate) fn overlaps(&self, hashes: &[BlockHash], run: &mut Run) {
         let (run, touched) = run.parts_mut();
+        if hashes.first().is_none_or(|h| !self.firsts.contains_key(h)) {
+            return;
+        }
         let mut i = 0;
         while i < hashes.len() {
             let Some((id, off)) = self.find(hashes[i]) else { break };
@@ -421,6 +442,7 @@ impl Tree {
             }
         }
         assert_eq!(blocks, self.map.len(), "map has stray blocks");
+        assert!(self.firsts.keys().all(|b| self.map.contains_key(b)), "firsts has stray blocks");
         for (id, n) in self.nodes.iter().enumerate() {
             if !n.blocks.is_empty() {
                 assert_eq!(n.children, children[id], "child count of node {id}");

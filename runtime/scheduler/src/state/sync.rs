@@ -227,7 +227,14 @@ impl SchedulerState {
                             index.store_at(slot, *parent, std::slice::from_ref(block));
                         }
                     }
-                    None => index.store_at(slot, None, &blocks[from..to]),
+                    // No parents (an older sender): each block alone, so that the prompt
+                    // starts among them are known as such (the index finds a prompt's first
+                    // block only where a run with no parent began with it).
+                    None => {
+                        for block in &blocks[from..to] {
+                            index.store_at(slot, None, std::slice::from_ref(block));
+                        }
+                    }
                 }
                 // Handed to a waiting selection, not taken straight back.
                 parking_lot::MutexGuard::unlock_fair(inner);

@@ -218,3 +218,24 @@ fn a_stale_resync_neither_blocks_the_next_nor_writes_into_it() {
     s.resync_failed_as(&caches.id, old);
     assert_eq!(s.resync_generation(&caches.id), Some(new), "only the owner ends it");
 }
+
+/// A page without parents (an older sender's) lists several prompts' blocks in one run:
+/// every prompt it lists is matched, wherever in the list it begins.
+#[test]
+fn a_page_without_parents_matches_every_prompt_it_lists() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("p", 1)]));
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut caches = FakeCaches::new(1, 1000);
+    caches.change(&mut rng);
+    assert!(s.apply_event(caches.change(&mut rng)), "a gap starts a resync");
+    let (p, q) = ([101, 102, 103].map(BlockHash), [201, 202, 203].map(BlockHash));
+    let mut page = caches.page(SnapshotAsk::default());
+    page.dp_blocks = vec![vec![p[0], q[0], p[1], q[1], p[2], q[2]]];
+    page.dp_parents = Vec::new();
+    assert_eq!(s.apply_snapshot(page), Resynced::Done);
+    for prompt in [&p, &q] {
+        let sel = s.select(&crate::Ask::new(prompt, 48)).unwrap();
+        assert_eq!(sel.cached_blocks, 3, "{prompt:?}");
+    }
+}
