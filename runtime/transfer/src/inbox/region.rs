@@ -3,10 +3,10 @@
 
 use std::collections::HashMap;
 
+use super::placement::SegmentHasher;
 use handoff_core::Room;
 use tokio::sync::watch;
 use tracing::debug;
-use xxhash_rust::xxh3::Xxh3;
 
 use super::placement::Placement;
 use crate::{ConnId, KvPoll, Notice, RegionId, SenderId, TransferError};
@@ -57,7 +57,7 @@ impl Region {
         sender: SenderId,
         conn: ConnId,
         (off, piece): (u64, &[u8]),
-        hasher: &mut Xxh3,
+        hasher: &mut SegmentHasher,
     ) -> Result<(), TransferError> {
         self.admit(id, sender, conn)?;
         let Region { buf, expected, .. } = self;
