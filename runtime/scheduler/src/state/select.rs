@@ -69,13 +69,29 @@ fn send_us(prompt_tokens: u32, route: &super::member::Route) -> u64 {
 /// compute is not measured yet, or free, still pays for a slow link). Unmeasured candidates
 /// set no floor.
 fn charge_sends(candidates: &mut [Candidate], routes: &[super::member::Route]) {
-    let best = candidates.iter().filter(|c| c.send_measured).map(|c| c.send_tokens).min();
-    let best = best.unwrap_or(0);
+    let (mut best, mut worst) = (u64::MAX, 0);
+    for c in candidates.iter() {
+        if c.send_measured {
+            best = best.min(c.send_tokens);
+        }
+        worst = worst.max(c.send_tokens);
+    }
+    let best = if best == u64::MAX { 0 } else { best };
     let floor = best.saturating_mul(2).max(best.saturating_add(SEND_NOISE_US));
+    if worst <= floor {
+        // The common case, no slow link: one cheap pass, no conversions.
+        candidates.iter_mut().for_each(|c| c.send_tokens = 0);
+        return;
+    }
     for c in candidates.iter_mut() {
         let over = c.send_tokens.saturating_sub(floor);
-        let per_token = f64::from(routes[c.slot.index()].token_cost_us).max(1.0);
-        c.send_tokens = (over as f64 / per_token) as u64;
+        c.send_tokens = match over {
+            0 => 0,
+            over => {
+                let per_token = f64::from(routes[c.slot.index()].token_cost_us).max(1.0);
+                (over as f64 / per_token) as u64
+            }
+        };
     }
 }
 
