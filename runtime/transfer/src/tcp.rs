@@ -156,11 +156,15 @@ impl TcpTransfer {
                 }
             },
         );
+        // A dialed connection waits idle at most half the time after which its receiver
+        // closes it (`idle_timeout`), so it is not taken just as it is being closed.
+        let idle_for = cfg.idle_timeout / 2;
         let shm = shared_memory.then(|| {
             let (token, max_idle) = (cfg.token.clone(), cfg.max_idle_per_peer);
-            Arc::new(ShmPool::new(token, max_idle, cfg.max_frame, cfg.connect_timeout))
+            let (max_frame, connect) = (cfg.max_frame, cfg.connect_timeout);
+            Arc::new(ShmPool::new(token, max_idle, idle_for, max_frame, connect))
         });
-        let idle = Arc::new(Idle::new(cfg.max_idle_per_peer));
+        let idle = Arc::new(Idle::new(cfg.max_idle_per_peer, idle_for));
         Ok(TcpTransfer { addr, cfg, idle, shm })
     }
 

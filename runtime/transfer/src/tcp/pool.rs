@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
@@ -30,46 +31,111 @@ impl ClientIo for tokio_rustls::client::TlsStream<TcpStream> {
     }
 }
 
-/// Idle connections by peer, at most `max` per peer.
+/// Idle connections by peer: at most `max` per peer, each kept at most `ttl`. Expired ones
+/// are dropped when met, and every `ttl` a return sweeps them all, so peers that went away
+/// leave neither connections nor entries behind. Times are arguments (`*_at`).
 #[derive(Debug)]
 pub(super) struct Idle<C> {
-    by_peer: Mutex<HashMap<AgentAddr, Vec<C>>>,
+    state: Mutex<IdleState<C>>,
     max: usize,
+    ttl: Duration,
+}
+
+#[derive(Debug)]
+struct IdleState<C> {
+    /// Oldest first, each with when it was returned.
+    by_peer: HashMap<AgentAddr, Vec<(C, Instant)>>,
+    swept: Option<Instant>,
 }
 
 impl<C> Idle<C> {
-    pub(super) fn new(max: usize) -> Self {
-        Idle { by_peer: Mutex::default(), max }
+    pub(super) fn new(max: usize, ttl: Duration) -> Self {
+        Idle { state: Mutex::new(IdleState { by_peer: HashMap::new(), swept: None }), max, ttl }
     }
 
-    /// The connection to `peer` returned last that `alive` accepts; those it refuses on the
-    /// way are dropped.
+    /// [`Idle::take_at`] now.
     pub(super) fn take(&self, peer: &AgentAddr, alive: impl Fn(&C) -> bool) -> Option<C> {
+        self.take_at(peer, alive, Instant::now())
+    }
+
+    /// The connection to `peer` returned last, if it has not expired by `now` and `alive`
+    /// accepts it; those refused on the way are dropped.
+    pub(super) fn take_at(
+        &self,
+        peer: &AgentAddr,
+        alive: impl Fn(&C) -> bool,
+        now: Instant,
+    ) -> Option<C> {
         loop {
-            let c = self.lock().get_mut(peer).and_then(Vec::pop)?;
-            if alive(&c) {
+            let (c, since) = {
+                let mut s = self.lock();
+                let v = s.by_peer.get_mut(peer)?;
+                let newest = v.pop();
+                if v.is_empty() {
+                    s.by_peer.remove(peer);
+                }
+                newest?
+            };
+            if now.saturating_duration_since(since) < self.ttl && alive(&c) {
                 return Some(c);
             }
         }
     }
 
-    /// Returns `c`, a connection to `peer`, unless `max` already wait there.
+    /// [`Idle::put_at`] now.
     pub(super) fn put(&self, peer: &AgentAddr, c: C) {
-        let mut by_peer = self.lock();
-        let v = by_peer.entry(peer.clone()).or_default();
-        if v.len() < self.max {
-            v.push(c);
-        }
+        self.put_at(peer, c, Instant::now());
+    }
+
+    /// Returns `c`, a connection to `peer`, at `now`, unless `max` already wait there.
+    pub(super) fn put_at(&self, peer: &AgentAddr, c: C, now: Instant) {
+        let mut s = self.lock();
+        let expired = match s.swept {
+            Some(t) if now.saturating_duration_since(t) < self.ttl => Vec::new(),
+            _ => {
+                s.swept = Some(now);
+                s.sweep(now, self.ttl)
+            }
+        };
+        let v = s.by_peer.entry(peer.clone()).or_default();
+        let refused = if v.len() < self.max {
+            v.push((c, now));
+            None
+        } else {
+            Some(c)
+        };
+        drop(s);
+        // Closed outside the lock.
+        drop((expired, refused));
     }
 
     /// Connections waiting, to every peer.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
-        self.lock().values().map(Vec::len).sum()
+        self.lock().by_peer.values().map(Vec::len).sum()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<AgentAddr, Vec<C>>> {
-        self.by_peer.lock().unwrap_or_else(|e| e.into_inner())
+    /// Peers with connections waiting.
+    #[cfg(test)]
+    pub(super) fn peers(&self) -> usize {
+        self.lock().by_peer.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, IdleState<C>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl<C> IdleState<C> {
+    /// Takes out every connection idle for `ttl` by `now`, and the peers left with none.
+    fn sweep(&mut self, now: Instant, ttl: Duration) -> Vec<C> {
+        let mut expired = Vec::new();
+        self.by_peer.retain(|_, v| {
+            let fresh = v.iter().position(|(_, t)| now.saturating_duration_since(*t) < ttl);
+            expired.extend(v.drain(..fresh.unwrap_or(v.len())).map(|(c, _)| c));
+            !v.is_empty()
+        });
+        expired
     }
 }
 
@@ -100,5 +166,49 @@ pub(super) async fn read_ack<S: AsyncRead + Unpin>(
         Some(Frame::Ack(Err(reason))) => Err(TransferError::Rejected(reason)),
         Some(other) => Err(TransferError::Malformed(format!("expected an ack, got {other:?}"))),
         None => Err(io_err(peer, "connection closed before the ack")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(port: u16) -> AgentAddr {
+        AgentAddr { ip: "10.0.0.1".into(), port }
+    }
+
+    /// A connection idle past the time is not handed out; one within it is, newest first.
+    #[test]
+    fn an_expired_connection_is_not_handed_out() {
+        let idle = Idle::new(4, Duration::from_secs(60));
+        let t0 = Instant::now();
+        idle.put_at(&peer(1), "old", t0);
+        idle.put_at(&peer(1), "new", t0 + Duration::from_secs(30));
+        let at = t0 + Duration::from_secs(61);
+        assert_eq!(idle.take_at(&peer(1), |_| true, at), Some("new"));
+        assert_eq!(idle.take_at(&peer(1), |_| true, at), None, "the old one expired");
+        assert_eq!(idle.peers(), 0, "no entry left for the peer");
+        // One that does not look alive is dropped on the way.
+        idle.put_at(&peer(1), "dead", at);
+        idle.put_at(&peer(1), "fresh", at);
+        assert_eq!(idle.take_at(&peer(1), |c| *c != "fresh", at), Some("dead"));
+    }
+
+    /// Peers that went away: their connections and entries go at the next sweep, whoever
+    /// returns a connection then; the pool holds at most `max` per peer.
+    #[test]
+    fn a_return_sweeps_the_expired_connections_of_every_peer() {
+        let idle = Idle::new(2, Duration::from_secs(60));
+        let t0 = Instant::now();
+        for p in 0..100 {
+            for _ in 0..3 {
+                idle.put_at(&peer(p), p, t0);
+            }
+        }
+        assert_eq!((idle.len(), idle.peers()), (200, 100), "at most 2 per peer");
+        idle.put_at(&peer(500), 500, t0 + Duration::from_secs(59));
+        assert_eq!(idle.len(), 201, "nothing expired yet");
+        idle.put_at(&peer(500), 500, t0 + Duration::from_secs(61));
+        assert_eq!((idle.len(), idle.peers()), (2, 1), "only the fresh peer's are left");
     }
 }

@@ -57,13 +57,16 @@ pub(crate) struct ShmPool {
 }
 
 impl ShmPool {
+    /// A pool keeping at most `max_idle` idle connections per peer, each for at most
+    /// `idle_for`; frames up to `max_frame`; dials given `connect_timeout` (1 s at most).
     pub(crate) fn new(
         token: Option<String>,
         max_idle: usize,
+        idle_for: Duration,
         max_frame: usize,
         connect_timeout: Duration,
     ) -> Self {
-        ShmPool { idle: Idle::new(max_idle), token, max_frame, connect_timeout }
+        ShmPool { idle: Idle::new(max_idle, idle_for), token, max_frame, connect_timeout }
     }
 
     /// A connection to `peer`'s shm listener, pooled or new; `None` when there is none to
