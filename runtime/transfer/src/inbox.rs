@@ -294,7 +294,7 @@ impl Inbox {
         sender: SenderId,
         conn: ConnId,
         piece: (u64, &[u8]),
-        hasher: &mut placement::SegmentHasher,
+        hasher: &mut xxhash_rust::xxh3::Xxh3,
     ) -> Result<(), TransferError> {
         let region = self.region(id)?;
         let mut r = lock(&region);

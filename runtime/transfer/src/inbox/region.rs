@@ -3,10 +3,10 @@
 
 use std::collections::HashMap;
 
-use super::placement::SegmentHasher;
 use handoff_core::Room;
 use tokio::sync::watch;
 use tracing::debug;
+use xxhash_rust::xxh3::Xxh3;
 
 use super::placement::Placement;
 use crate::{ConnId, KvPoll, Notice, RegionId, SenderId, TransferError};
@@ -57,7 +57,7 @@ impl Region {
         sender: SenderId,
         conn: ConnId,
         (off, piece): (u64, &[u8]),
-        hasher: &mut SegmentHasher,
+        hasher: &mut Xxh3,
     ) -> Result<(), TransferError> {
         self.admit(id, sender, conn)?;
         let Region { buf, expected, .. } = self;
@@ -151,11 +151,11 @@ impl Region {
     }
 }
 
-/// Copies checked bytes into the buffer. An empty segment lands nowhere, whatever its offset
-/// (fuzzing found one at 2^34).
 /// Bytes copied, then hashed, at a time by [`Region::write_piece`].
 const HASH_CHUNK: usize = 16 * 1024;
 
+/// Copies checked bytes into the buffer. An empty segment lands nowhere, whatever its offset
+/// (fuzzing found one at 2^34).
 fn land(buf: &mut [u8], off: u64, b: &[u8]) {
     if !b.is_empty() {
         buf[off as usize..off as usize + b.len()].copy_from_slice(b);

@@ -12,7 +12,7 @@
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 
-use crate::inbox::placement::{SegmentHasher, segment_hasher};
+use crate::inbox::placement::segment_hasher;
 use crate::{ConnId, Inbox, RegionId, SenderId, TransferError};
 
 /// The most bytes read before they are landed: well inside a core's L2.
@@ -77,7 +77,7 @@ pub(crate) struct OpenPair {
     off: u64,
     len: u32,
     done: u32,
-    hasher: SegmentHasher,
+    hasher: xxhash_rust::xxh3::Xxh3,
 }
 
 impl std::fmt::Debug for OpenPair {
@@ -192,7 +192,7 @@ struct Landing<'a> {
     w: Writer,
     total: u64,
     verdict: Result<(), TransferError>,
-    hasher: SegmentHasher,
+    hasher: xxhash_rust::xxh3::Xxh3,
 }
 
 impl<'a> Landing<'a> {
