@@ -64,12 +64,9 @@ impl Region {
         let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
         let checked = p.check(off, piece.len() as u64).map(|()| {
             p.record_range(off, piece.len() as u64);
-            // A cache's worth at a time: each copy is hashed while it is still in cache (a
-            // large copy may bypass the cache, and hashing it after would read memory).
-            for (k, chunk) in piece.chunks(HASH_CHUNK).enumerate() {
-                let at = off as usize + k * HASH_CHUNK;
-                land(buf, at as u64, chunk);
-                hasher.update(&buf[at..at + chunk.len()]);
+            if !piece.is_empty() {
+                land(buf, off, piece);
+                hasher.update(&buf[off as usize..off as usize + piece.len()]);
             }
         });
         self.landed(sender, checked)
@@ -150,9 +147,6 @@ impl Region {
         self.state.send_replace(KvPoll::Failed);
     }
 }
-
-/// Bytes copied, then hashed, at a time by [`Region::write_piece`].
-const HASH_CHUNK: usize = 16 * 1024;
 
 /// Copies checked bytes into the buffer. An empty segment lands nowhere, whatever its offset
 /// (fuzzing found one at 2^34).
