@@ -47,6 +47,32 @@ fn clear_and_instance_removal_forget_blocks() {
     idx.tree.check();
 }
 
+/// A prompt's first block is matched once a run with no parent began with it: one hidden
+/// inside a run that is not a chain is missed (for every holder) until any worker stores
+/// its prompt so; a full index still notes such a start of blocks it holds.
+#[test]
+fn a_prompt_start_is_known_once_a_run_with_no_parent_begins_with_it() {
+    let mut idx = KvIndex::default();
+    let p = block_hashes(&(0..48).collect::<Vec<_>>(), 16);
+    let q = block_hashes(&(100..148).collect::<Vec<_>>(), 16);
+    // Not a chain: both prompts' blocks in one run; q's start is inside it.
+    idx.store(&key("a", 0), None, &[p[0], q[0], p[1], q[1], p[2], q[2]]);
+    assert_eq!(idx.overlaps(&p).get(&key("a", 0)), 3);
+    assert_eq!(idx.overlaps(&q).get(&key("a", 0)), 0, "a start hidden inside is missed");
+    idx.store(&key("b", 0), None, &q[..1]);
+    let o = idx.overlaps(&q);
+    assert_eq!((o.get(&key("a", 0)), o.get(&key("b", 0))), (3, 1), "known once stored first");
+    idx.tree.check();
+
+    let mut full = KvIndex::new(3);
+    full.store(&key("a", 0), Some(p[0]), &q[..3]); // q's blocks, under a wrong parent
+    assert_eq!(full.overlaps(&q).len(), 0);
+    full.store(&key("b", 0), None, &q); // over the budget: adds nothing, names the start
+    assert_eq!(full.len(), 3);
+    assert_eq!(full.overlaps(&q).get(&key("a", 0)), 3);
+    full.tree.check();
+}
+
 #[test]
 fn entries_are_bounded() {
     let mut idx = KvIndex::new(10);

@@ -186,9 +186,7 @@ impl Tree {
             let blocks = std::mem::take(&mut self.node_mut(id).blocks);
             for b in &blocks {
                 self.map.remove(b);
-                if !self.firsts.is_empty() {
-                    self.firsts.remove(b);
-                }
+                self.firsts.remove(b);
             }
             self.free.push(id);
             if parent != NIL {
@@ -210,12 +208,6 @@ impl Tree {
     ) -> usize {
         let (mut added, mut i) = (0, 0);
         let mut prev = parent;
-        if parent.is_none()
-            && let Some(&first) = blocks.first()
-            && budget > 0
-        {
-            self.firsts.insert(first, ());
-        }
         while i < blocks.len() && added < budget {
             let n = if let Some((id, off)) = self.find(blocks[i]) {
                 let node = self.node(id);
@@ -235,6 +227,14 @@ impl Tree {
             };
             prev = Some(blocks[i + n - 1]);
             i += n;
+        }
+        // A run with no parent begins a prompt: its first block is a start (if it is held at
+        // all, by this worker or, over budget, by another).
+        if parent.is_none()
+            && let Some(&first) = blocks.first()
+            && self.map.contains_key(&first)
+        {
+            self.firsts.insert(first, ());
         }
         added
     }

@@ -248,6 +248,7 @@ impl SchedulerState {
                     overlap_blocks: overlap as usize,
                     queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
                     in_flight: l.in_flight.saturating_add(r.in_flight),
+                    // Microseconds until `charge_sends` turns them into tokens.
                     send_tokens: send_us(ask.prompt_tokens, route),
                     send_measured: route.send_cost_us > 0.0,
                 });

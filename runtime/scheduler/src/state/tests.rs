@@ -492,7 +492,20 @@ fn a_slow_link_heard_in_heartbeats_moves_requests_away() {
         })
         .collect();
     assert!(longer.iter().all(|c| c == "b"), "{longer:?}");
-    s.heartbeat(&beat("a", 700)); // the link recovered: within twice b's is noise
+    // Both links slow, a's 1.8x b's: 9 ms against 5 ms for 1000 tokens, past b's plus the
+    // noise allowance but within twice b's, which is noise too.
+    s.heartbeat(&beat("a", 9_000));
+    s.heartbeat(&beat("b", 5_000));
+    let slow: std::collections::BTreeSet<String> = (0..6)
+        .map(|_| {
+            let sel = s.select(&Ask::new(&[], 1000)).unwrap();
+            s.report(sel.booking, Outcome::Success);
+            sel.instance.id.to_string()
+        })
+        .collect();
+    assert_eq!(slow.len(), 2, "within twice the best is not charged: {slow:?}");
+    s.heartbeat(&beat("a", 700)); // the link recovered
+    s.heartbeat(&beat("b", 500));
     let again: std::collections::BTreeSet<String> = (0..8)
         .map(|_| {
             let sel = s.select(&Ask::new(&[], 1000)).unwrap();
