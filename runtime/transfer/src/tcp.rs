@@ -56,7 +56,9 @@ pub struct TcpConfig {
     /// before it is closed: a sender can legitimately trail a region its receiver gave up on;
     /// a peer guessing ids cannot.
     pub max_unknown_writes: u32,
-    /// An inbound connection with no frame begun for this long is closed.
+    /// An inbound connection with no frame begun for this long is closed; a connection this
+    /// agent dialed waits in its pool at most half as long (peers configured alike close it
+    /// at the whole).
     pub idle_timeout: Duration,
     /// An inbound frame must arrive whole within this long once begun (a peer trickling
     /// bytes is cut off).
@@ -156,8 +158,8 @@ impl TcpTransfer {
                 }
             },
         );
-        // A dialed connection waits idle at most half the time after which its receiver
-        // closes it (`idle_timeout`), so it is not taken just as it is being closed.
+        // A dialed connection waits idle at most half the time after which receivers
+        // configured alike close it (`idle_timeout`), so it is not taken as it is closed.
         let idle_for = cfg.idle_timeout / 2;
         let shm = shared_memory.then(|| {
             let (token, max_idle) = (cfg.token.clone(), cfg.max_idle_per_peer);

@@ -32,8 +32,9 @@ impl ClientIo for tokio_rustls::client::TlsStream<TcpStream> {
 }
 
 /// Idle connections by peer: at most `max` per peer, each kept at most `ttl`. Expired ones
-/// are dropped when met, and every `ttl` a return sweeps them all, so peers that went away
-/// leave neither connections nor entries behind. Times are arguments (`*_at`).
+/// are dropped when met, and at most once every `ttl` a take or a return (to any peer)
+/// sweeps them all, so peers that went away leave neither connections nor entries behind
+/// for longer than the pool is in use. Times are arguments (`*_at`).
 #[derive(Debug)]
 pub(super) struct Idle<C> {
     state: Mutex<IdleState<C>>,
@@ -66,6 +67,8 @@ impl<C> Idle<C> {
         alive: impl Fn(&C) -> bool,
         now: Instant,
     ) -> Option<C> {
+        let expired = self.lock().sweep_if_due(now, self.ttl);
+        drop(expired); // closed outside the lock
         loop {
             let (c, since) = {
                 let mut s = self.lock();
@@ -90,13 +93,7 @@ impl<C> Idle<C> {
     /// Returns `c`, a connection to `peer`, at `now`, unless `max` already wait there.
     pub(super) fn put_at(&self, peer: &AgentAddr, c: C, now: Instant) {
         let mut s = self.lock();
-        let expired = match s.swept {
-            Some(t) if now.saturating_duration_since(t) < self.ttl => Vec::new(),
-            _ => {
-                s.swept = Some(now);
-                s.sweep(now, self.ttl)
-            }
-        };
+        let expired = s.sweep_if_due(now, self.ttl);
         let v = s.by_peer.entry(peer.clone()).or_default();
         let refused = if v.len() < self.max {
             v.push((c, now));
@@ -127,6 +124,17 @@ impl<C> Idle<C> {
 }
 
 impl<C> IdleState<C> {
+    /// [`IdleState::sweep`], when none has run for `ttl` by `now`.
+    fn sweep_if_due(&mut self, now: Instant, ttl: Duration) -> Vec<C> {
+        match self.swept {
+            Some(t) if now.saturating_duration_since(t) < ttl => Vec::new(),
+            _ => {
+                self.swept = Some(now);
+                self.sweep(now, ttl)
+            }
+        }
+    }
+
     /// Takes out every connection idle for `ttl` by `now`, and the peers left with none.
     fn sweep(&mut self, now: Instant, ttl: Duration) -> Vec<C> {
         let mut expired = Vec::new();
@@ -189,9 +197,10 @@ mod tests {
         assert_eq!(idle.take_at(&peer(1), |_| true, at), None, "the old one expired");
         assert_eq!(idle.peers(), 0, "no entry left for the peer");
         // One that does not look alive is dropped on the way.
+        idle.put_at(&peer(1), "alive", at);
         idle.put_at(&peer(1), "dead", at);
-        idle.put_at(&peer(1), "fresh", at);
-        assert_eq!(idle.take_at(&peer(1), |c| *c != "fresh", at), Some("dead"));
+        assert_eq!(idle.take_at(&peer(1), |c| *c != "dead", at), Some("alive"));
+        assert_eq!(idle.len(), 0, "the dead one was dropped");
     }
 
     /// Peers that went away: their connections and entries go at the next sweep, whoever
@@ -210,5 +219,8 @@ mod tests {
         assert_eq!(idle.len(), 201, "nothing expired yet");
         idle.put_at(&peer(500), 500, t0 + Duration::from_secs(61));
         assert_eq!((idle.len(), idle.peers()), (2, 1), "only the fresh peer's are left");
+        // A take sweeps too, whichever peer it asks for: a pool only asked of keeps nothing.
+        assert_eq!(idle.take_at(&peer(9), |_| true, t0 + Duration::from_secs(200)), None);
+        assert_eq!((idle.len(), idle.peers()), (0, 0));
     }
 }

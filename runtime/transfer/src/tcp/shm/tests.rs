@@ -203,12 +203,11 @@ async fn windows_that_could_shrink_and_wrong_tokens_are_refused() {
 /// made without.
 #[test]
 fn a_window_is_sealed_against_exec_where_the_kernel_can() {
-    const F_SEAL_EXEC: i32 = 0x0020;
     let window = window::Window::create().unwrap();
     let seals = nix::fcntl::fcntl(window.fd(), nix::fcntl::FcntlArg::F_GET_SEALS).unwrap();
-    let noexec = MFdFlags::MFD_CLOEXEC | MFdFlags::from_bits_retain(0x0008);
+    let noexec = MFdFlags::MFD_CLOEXEC | MFdFlags::from_bits_retain(nix::libc::MFD_NOEXEC_SEAL);
     match memfd_create("probe", noexec) {
-        Ok(_) => assert_ne!(seals & F_SEAL_EXEC, 0, "seals {seals:#x}"),
+        Ok(_) => assert_ne!(seals & nix::libc::F_SEAL_EXEC, 0, "seals {seals:#x}"),
         Err(e) => assert_eq!(e, nix::errno::Errno::EINVAL, "an older kernel: {e}"),
     }
 }

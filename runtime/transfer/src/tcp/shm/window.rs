@@ -26,10 +26,6 @@ use crate::TransferError;
 /// Bytes in each half: a write of more goes in several frames.
 pub(crate) const HALF: usize = 2 << 20;
 
-/// `memfd_create`'s flag for a memfd that can never be executable (Linux 6.3; nix does not
-/// name it yet).
-const MFD_NOEXEC_SEAL: std::ffi::c_uint = 0x0008;
-
 /// The seals a window must carry before a receiver maps it.
 fn required() -> SealFlag {
     SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_SEAL
@@ -51,13 +47,16 @@ impl Window {
     /// ever being made executable: hosts with `vm.memfd_noexec=2` refuse any other memfd).
     pub(crate) fn create() -> Result<Self, TransferError> {
         let flags = MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING;
-        let fd = memfd_create("handoff-kv", flags | MFdFlags::from_bits_retain(MFD_NOEXEC_SEAL))
-            .or_else(|e| match e {
-                // A kernel before 6.3 does not know the flag.
-                nix::errno::Errno::EINVAL => memfd_create("handoff-kv", flags),
-                e => Err(e),
-            })
-            .map_err(|e| failed("memfd_create", e))?;
+        let fd = memfd_create(
+            "handoff-kv",
+            flags | MFdFlags::from_bits_retain(nix::libc::MFD_NOEXEC_SEAL),
+        )
+        .or_else(|e| match e {
+            // A kernel before 6.3 does not know the flag.
+            nix::errno::Errno::EINVAL => memfd_create("handoff-kv", flags),
+            e => Err(e),
+        })
+        .map_err(|e| failed("memfd_create", e))?;
         let file = File::from(fd);
         file.set_len(2 * HALF as u64).map_err(|e| failed("sizing", e))?;
         fcntl(file.as_fd(), FcntlArg::F_ADD_SEALS(required())).map_err(|e| failed("sealing", e))?;
