@@ -464,54 +464,30 @@ fn a_slow_link_heard_in_heartbeats_moves_requests_away() {
         prefill_ns_per_token: 1_000,
         send_ns_per_token: send_ns,
     };
+    // Who six selections of a `tokens`-token prompt go to, each reported at once.
+    let picks = |tokens: u32| -> std::collections::BTreeSet<String> {
+        (0..6)
+            .map(|_| {
+                let sel = s.select(&Ask::new(&[], tokens)).unwrap();
+                s.report(sel.booking, Outcome::Success);
+                sel.instance.id.to_string()
+            })
+            .collect()
+    };
+    let b_only = std::collections::BTreeSet::from(["b".to_owned()]);
     s.heartbeat(&beat("a", 80_000)); // 80 us per token after the compute: 80 tokens' worth each
     s.heartbeat(&beat("b", 500));
-    let chosen: Vec<String> = (0..8)
-        .map(|_| {
-            let sel = s.select(&Ask::new(&[], 1000)).unwrap();
-            s.report(sel.booking, Outcome::Success);
-            sel.instance.id.to_string()
-        })
-        .collect();
-    assert!(chosen.iter().all(|c| c == "b"), "{chosen:?}");
+    assert_eq!(picks(1000), b_only);
     // A 20-token prompt: a's KV takes 1.6 ms, b's 10 us. Within the noise: both take turns.
-    let short: std::collections::BTreeSet<String> = (0..6)
-        .map(|_| {
-            let sel = s.select(&Ask::new(&[], 20)).unwrap();
-            s.report(sel.booking, Outcome::Success);
-            sel.instance.id.to_string()
-        })
-        .collect();
-    assert_eq!(short.len(), 2, "a difference under the noise is not charged: {short:?}");
+    assert_eq!(picks(20).len(), 2, "a difference under the noise is not charged");
     // 30 tokens: 2.4 ms, past b's 15 us and the noise: b only.
-    let longer: Vec<String> = (0..6)
-        .map(|_| {
-            let sel = s.select(&Ask::new(&[], 30)).unwrap();
-            s.report(sel.booking, Outcome::Success);
-            sel.instance.id.to_string()
-        })
-        .collect();
-    assert!(longer.iter().all(|c| c == "b"), "{longer:?}");
+    assert_eq!(picks(30), b_only);
     // Both links slow, a's 1.8x b's: 9 ms against 5 ms for 1000 tokens, past b's plus the
     // noise allowance but within twice b's, which is noise too.
     s.heartbeat(&beat("a", 9_000));
     s.heartbeat(&beat("b", 5_000));
-    let slow: std::collections::BTreeSet<String> = (0..6)
-        .map(|_| {
-            let sel = s.select(&Ask::new(&[], 1000)).unwrap();
-            s.report(sel.booking, Outcome::Success);
-            sel.instance.id.to_string()
-        })
-        .collect();
-    assert_eq!(slow.len(), 2, "within twice the best is not charged: {slow:?}");
+    assert_eq!(picks(1000).len(), 2, "within twice the best is not charged");
     s.heartbeat(&beat("a", 700)); // the link recovered
     s.heartbeat(&beat("b", 500));
-    let again: std::collections::BTreeSet<String> = (0..8)
-        .map(|_| {
-            let sel = s.select(&Ask::new(&[], 1000)).unwrap();
-            s.report(sel.booking, Outcome::Success);
-            sel.instance.id.to_string()
-        })
-        .collect();
-    assert_eq!(again.len(), 2, "both chosen again: {again:?}");
+    assert_eq!(picks(1000).len(), 2, "both chosen again");
 }
