@@ -10,11 +10,14 @@
 //! A stored run whose parent block is unknown starts a detached root; matches still find it
 //! through the map (hashes are chained, so a block names its whole prefix).
 //!
-//! A prompt's first block is stored first in a run with no parent, so a second, small set
+//! A prompt's first block is stored first in a run with no parent, so a second, smaller map
 //! holds just the blocks ever stored that way (while they are in the map): a query's first
 //! block is looked up there first, and a miss never touches the big map (at a million
-//! blocks, that lookup is a cache miss). A run that is not a chain can hide a prompt start
-//! inside it; such a start is found again once any worker stores it first.
+//! blocks, that lookup is a cache miss). Each entry also remembers the root whose edge
+//! begins with it, kept as splits and merges move a root's head; a hint that does not check
+//! out (the start is not a root's head) falls back to the big map. A run that is not a
+//! chain can hide a prompt start inside it; such a start is found again once any worker
+//! stores it first.
 
 use std::collections::hash_map::Entry;
 
@@ -49,9 +52,9 @@ pub(crate) struct Tree {
     nodes: Vec<Node>,
     free: Vec<u32>,
     map: BlockMap<Loc>,
-    /// The blocks in `map` ever stored first in a run with no parent: the possible starts
-    /// of a prompt.
-    firsts: BlockMap<()>,
+    /// The blocks in `map` ever stored first in a run with no parent (the possible starts
+    /// of a prompt), each with the root whose edge begins with it, or [`NIL`].
+    firsts: BlockMap<u32>,
     /// Clears in progress, a bounded step at a time: (slot, next node to scan). While any
     /// is, freed ids are not reused, so every node a clear has yet to reach lies at or past
     /// its cursor: a split's head, which copies a holder set, is always a new id at the end.
@@ -105,6 +108,28 @@ impl Tree {
         Some((loc.node, (loc.pos - self.node(loc.node).start) as usize))
     }
 
+    /// [`Tree::find`] for a query's first block: `None` at once unless it is a known start,
+    /// and straight to its root when the hint checks out.
+    fn find_first(&self, h: BlockHash) -> Option<(u32, usize)> {
+        let &root = self.firsts.get(&h)?;
+        let hinted = self.nodes.get(root as usize);
+        match hinted {
+            Some(n) if n.start == 0 && n.blocks.first() == Some(&h) => Some((root, 0)),
+            _ => self.find(h),
+        }
+    }
+
+    /// Points the start entry of root `id`'s first block (if it is a start) at `id`.
+    fn root_moved(&mut self, id: u32) {
+        let n = &self.nodes[id as usize];
+        if n.start == 0
+            && let Some(first) = n.blocks.first()
+            && let Some(root) = self.firsts.get_mut(first)
+        {
+            *root = id;
+        }
+    }
+
     /// Splits `id` before edge offset `k` (0 < k < edge length). The head becomes a new node;
     /// `id` keeps the tail, so its children stay attached. Returns the head.
     fn split(&mut self, id: u32, k: usize) -> u32 {
@@ -125,6 +150,7 @@ impl Tree {
                 l.node = hid;
             }
         }
+        self.root_moved(hid);
         hid
     }
 
@@ -172,6 +198,7 @@ impl Tree {
             n.blocks = blocks;
             n.start = parent.start;
             n.parent = parent.parent;
+            self.root_moved(id);
         }
     }
 
@@ -232,9 +259,10 @@ impl Tree {
         // all, by this worker or, over budget, by another).
         if parent.is_none()
             && let Some(&first) = blocks.first()
-            && self.map.contains_key(&first)
+            && let Some(loc) = self.map.get(&first)
         {
-            self.firsts.insert(first, ());
+            let root = if loc.pos == 0 { loc.node } else { NIL };
+            self.firsts.insert(first, root);
         }
         added
     }
@@ -375,12 +403,10 @@ impl Tree {
     /// (zeroed, one entry per slot).
     pub(crate) fn overlaps(&self, hashes: &[BlockHash], run: &mut Run) {
         let (run, touched) = run.parts_mut();
-        if hashes.first().is_none_or(|h| !self.firsts.contains_key(h)) {
-            return;
-        }
         let mut i = 0;
         while i < hashes.len() {
-            let Some((id, off)) = self.find(hashes[i]) else { break };
+            let found = if i == 0 { self.find_first(hashes[0]) } else { self.find(hashes[i]) };
+            let Some((id, off)) = found else { break };
             let node = self.node(id);
             let n = common_prefix(&node.blocks[off..], &hashes[i..]);
             let (from, to) = (i as u32, (i + n) as u32);
@@ -443,6 +469,12 @@ impl Tree {
         }
         assert_eq!(blocks, self.map.len(), "map has stray blocks");
         assert!(self.firsts.keys().all(|b| self.map.contains_key(b)), "firsts has stray blocks");
+        for (b, &root) in &self.firsts {
+            // Every start that heads a root points at it (a stale hint would cost a lookup).
+            if self.map[b].pos == 0 {
+                assert_eq!(root, self.map[b].node, "start {b:?} points elsewhere");
+            }
+        }
         for (id, n) in self.nodes.iter().enumerate() {
             if !n.blocks.is_empty() {
                 assert_eq!(n.children, children[id], "child count of node {id}");
