@@ -126,10 +126,17 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     assert_eq!(sample(&fe, "handoff_frontend_prefills"), Some(1.0));
     assert_eq!(sample(&fe, "handoff_frontend_requests_in_flight"), Some(0.0));
 
-    let sched = http_get(&sched_ops, "/metrics").await.1;
+    // The frontend reports each outcome once its stream is done, in a task of its own: the
+    // scheduler may hear the last one a moment after the client has its answer.
+    let reported = "handoff_scheduler_reports_total{outcome=\"success\"}";
+    let mut sched = http_get(&sched_ops, "/metrics").await.1;
+    while sample(&sched, reported).unwrap_or(0.0) < 5.0 {
+        assert!(start.elapsed() < Duration::from_secs(20), "{sched}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        sched = http_get(&sched_ops, "/metrics").await.1;
+    }
     let ok = "handoff_scheduler_selections_total{policy=\"kv_aware\",result=\"ok\"}";
     assert!(sample(&sched, ok).unwrap() >= 5.0, "{sched}");
-    assert!(sample(&sched, "handoff_scheduler_reports_total{outcome=\"success\"}").unwrap() >= 5.0);
     assert_eq!(sample(&sched, "handoff_scheduler_instances{routable=\"true\"}"), Some(1.0));
     assert_eq!(
         sample(&sched, "handoff_scheduler_instance_breaker_open{instance=\"p1\"}"),

@@ -53,21 +53,31 @@ impl MockVllmServer {
         let spec_file = dir.join("spec.json");
         std::fs::write(&spec_file, spec.to_string()).unwrap();
         let script = format!("{}/../vllm/tests/peers/vllm_server.py", env!("CARGO_MANIFEST_DIR"));
-        let (http, side) = (free_port(), free_port());
-        let mut child = Command::new(python)
-            .args([&script, &http.to_string(), &side.to_string()])
-            .arg(&spec_file)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("the peers' python runs");
-        // NIXL logs to stdout too: the server's line is the JSON one.
-        let ready = BufReader::new(child.stdout.take().unwrap())
-            .lines()
-            .map_while(Result::ok)
-            .find(|l| l.starts_with("{\"http\""));
-        assert!(ready.is_some(), "the mock vLLM server did not start");
-        MockVllmServer { child, http, side }
+        // Ports found free can be taken by a concurrent test before the server binds them:
+        // a server that did not start is tried again on others, and its log is shown.
+        let mut logs = Vec::new();
+        for attempt in 0..3 {
+            let (http, side) = (free_port(), free_port());
+            let log = dir.join(format!("vllm_server.{attempt}.log"));
+            let mut child = Command::new(&python)
+                .args([&script, &http.to_string(), &side.to_string()])
+                .arg(&spec_file)
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .expect("the peers' python runs");
+            // NIXL logs to stdout too: the server's line is the JSON one.
+            let ready = BufReader::new(child.stdout.take().unwrap())
+                .lines()
+                .map_while(Result::ok)
+                .find(|l| l.starts_with("{\"http\""));
+            if ready.is_some() {
+                return MockVllmServer { child, http, side };
+            }
+            let _ = child.wait();
+            logs.push(std::fs::read_to_string(&log).unwrap_or_default());
+        }
+        panic!("the mock vLLM server did not start, three times: {logs:#?}");
     }
 
     /// What `/stats` says: the requests whose blocks are held, those freed, free blocks.
