@@ -67,20 +67,17 @@ fn send_us(prompt_tokens: u32, route: &super::member::Route) -> u64 {
 /// part beyond twice the best measured candidate's and beyond [`SEND_NOISE_US`] more than
 /// it, in tokens of the candidate's compute (at least 1 µs per token, so an instance whose
 /// compute is not measured yet, or free, still pays for a slow link). Unmeasured candidates
-/// set no floor.
-fn charge_sends(candidates: &mut [Candidate], routes: &[super::member::Route]) {
-    let (mut best, mut worst) = (u64::MAX, 0);
-    for c in candidates.iter() {
-        if c.send_measured {
-            best = best.min(c.send_tokens);
-        }
-        worst = worst.max(c.send_tokens);
-    }
-    let best = if best == u64::MAX { 0 } else { best };
+/// set no floor. `spread` is the best measured and the worst send time among them, kept
+/// while they were gathered.
+fn charge_sends(candidates: &mut [Candidate], routes: &[super::member::Route], spread: SendSpread) {
+    let best = if spread.best == u64::MAX { 0 } else { spread.best };
     let floor = best.saturating_mul(2).max(best.saturating_add(SEND_NOISE_US));
-    if worst <= floor {
-        // The common case, no slow link: one cheap pass, no conversions.
-        candidates.iter_mut().for_each(|c| c.send_tokens = 0);
+    if spread.worst <= floor {
+        // The common case, no slow link: nothing charged (and nothing to clear when no
+        // instance reports the time at all).
+        if spread.worst > 0 {
+            candidates.iter_mut().for_each(|c| c.send_tokens = 0);
+        }
         return;
     }
     for c in candidates.iter_mut() {
@@ -92,6 +89,24 @@ fn charge_sends(candidates: &mut [Candidate], routes: &[super::member::Route]) {
                 (over as f64 / per_token) as u64
             }
         };
+    }
+}
+
+/// The best measured and the worst send time (µs) among a selection's candidates.
+#[derive(Debug, Clone, Copy)]
+struct SendSpread {
+    best: u64,
+    worst: u64,
+}
+
+impl SendSpread {
+    const NONE: SendSpread = SendSpread { best: u64::MAX, worst: 0 };
+
+    fn add(&mut self, send_us: u64, measured: bool) {
+        if measured {
+            self.best = self.best.min(send_us);
+        }
+        self.worst = self.worst.max(send_us);
     }
 }
 
@@ -214,6 +229,7 @@ impl SchedulerState {
         pending.overlay(hashes, run);
         candidates.clear();
         let mut page_size = 16;
+        let mut spread = SendSpread::NONE;
         let mut clock = Some(now);
         let (mut live, mut ejected) = (0usize, 0usize);
         // Dense by slot: routes, loads and overlaps are walked in step. Slots whose breaker
@@ -242,6 +258,9 @@ impl SchedulerState {
                     continue;
                 }
                 page_size = route.page_size as usize;
+                let (send, measured) =
+                    (send_us(ask.prompt_tokens, route), route.send_cost_us > 0.0);
+                spread.add(send, measured);
                 candidates.push(Candidate {
                     slot,
                     ring: route.ring,
@@ -249,8 +268,8 @@ impl SchedulerState {
                     queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
                     in_flight: l.in_flight.saturating_add(r.in_flight),
                     // Microseconds until `charge_sends` turns them into tokens.
-                    send_tokens: send_us(ask.prompt_tokens, route),
-                    send_measured: route.send_cost_us > 0.0,
+                    send_tokens: send,
+                    send_measured: measured,
                 });
             }
             // Panic threshold: failures alone never eject more than half of the fleet; past
@@ -261,7 +280,7 @@ impl SchedulerState {
         }
         // Only a link well slower than the best measured one counts: within twice the best, or
         // a couple of milliseconds more, is noise, and equals must keep taking turns.
-        charge_sends(candidates, routes);
+        charge_sends(candidates, routes, spread);
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
         let req = Request {
             candidates,

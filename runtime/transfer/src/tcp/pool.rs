@@ -67,11 +67,13 @@ impl<C> Idle<C> {
         alive: impl Fn(&C) -> bool,
         now: Instant,
     ) -> Option<C> {
-        let expired = self.lock().sweep_if_due(now, self.ttl);
-        drop(expired); // closed outside the lock
+        let mut expired = Vec::new();
         loop {
             let (c, since) = {
                 let mut s = self.lock();
+                if expired.is_empty() {
+                    expired = s.sweep_if_due(now, self.ttl);
+                }
                 let v = s.by_peer.get_mut(peer)?;
                 let newest = v.pop();
                 if v.is_empty() {
