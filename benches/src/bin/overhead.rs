@@ -37,6 +37,7 @@ async fn main() -> anyhow::Result<()> {
 
     // The in-process reference: prefill and first token with no orchestration at all.
     let mut base = Vec::new();
+    let cpu = process_cpu()?;
     for i in 0..per_level {
         let p = prompt(i as u32, prompt_tokens);
         let start = Instant::now();
@@ -44,6 +45,9 @@ async fn main() -> anyhow::Result<()> {
         std::hint::black_box(out.first_token);
         base.push(start.elapsed());
     }
+    // The engine's own CPU per request (the mock still makes its KV bytes): part of the
+    // path's CPU per request below, shown apart so the orchestration's share is plain.
+    let engine_cpu_us = us(process_cpu()? - cpu) / per_level as f64;
     base.sort();
     let base_p50 = pct(&base, 0.5);
 
@@ -56,16 +60,16 @@ async fn main() -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "in-process mock TTFT: p50 {:.1} us, p99 {:.1} us",
+        "in-process mock TTFT: p50 {:.1} us, p99 {:.1} us; its CPU per request {engine_cpu_us:.0} us",
         us(base_p50),
         us(pct(&base, 0.99))
     )?;
     writeln!(out)?;
     writeln!(
         out,
-        "| load | TTFT p50 (us) | TTFT p99 (us) | overhead p50 (us) | overhead p99 (us) | req/s | CPU per request (us) |"
+        "| load | TTFT p50 (us) | TTFT p99 (us) | overhead p50 (us) | overhead p99 (us) | req/s | CPU per request (us) | CPU per request beyond the engine's (us) |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|")?;
     let mut saturation = 0f64;
     for conc in [1usize, 64] {
         // Warm-up: connections, caches.
@@ -96,7 +100,7 @@ async fn main() -> anyhow::Result<()> {
             n => format!("closed loop, {n} in flight (saturated: latency is mostly queueing)"),
         };
         let cpu_us = us(cpu) / per_level as f64;
-        row(&mut out, &label, t, base_p50, rate, Some(cpu_us))?;
+        row(&mut out, &label, t, base_p50, rate, Some((cpu_us, engine_cpu_us)))?;
     }
     let half = saturation / 2.0;
     for (k, (label, rate)) in [
@@ -117,18 +121,19 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One table row: TTFT and overhead (TTFT less the in-process `base`) percentiles of `t`.
+/// One table row: TTFT and overhead (TTFT less the in-process `base`) percentiles of `t`,
+/// and the CPU per request with and without the engine's (`cpu_us`: the path's, the engine's).
 fn row(
     out: &mut handoff_benches::record::Report,
     label: &str,
     mut t: Vec<Duration>,
     base: Duration,
     rate: f64,
-    cpu_us: Option<f64>,
+    cpu_us: Option<(f64, f64)>,
 ) -> anyhow::Result<()> {
     t.sort();
     let (p50, p99) = (pct(&t, 0.5), pct(&t, 0.99));
-    let cpu = cpu_us.map_or("-".to_owned(), |c| format!("{c:.0}"));
+    let cpu = cpu_us.map_or("- | -".to_owned(), |(c, e)| format!("{c:.0} | {:.0}", c - e));
     writeln!(
         out,
         "| {label} | {:.0} | {:.0} | {:.0} | {:.0} | {rate:.0} | {cpu} |",
