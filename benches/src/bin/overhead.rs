@@ -5,7 +5,9 @@
 //!
 //! - closed loop with 1 request in flight (latency alone) and with 64 (saturation: its
 //!   latency is mostly queueing, and labelled so), with the process's CPU per request (every
-//!   role runs in this process, and so does the load generator's gRPC client);
+//!   role runs in this process, and so does the load generator's gRPC client), whole and
+//!   beyond the mock engine's own (measured on the in-process runs; /proc counts CPU in
+//!   10 ms ticks, so at least 500 requests per level keep each figure within 20 us);
 //! - open loop, requests started on a fixed schedule whatever the answers do, at half the
 //!   saturation rate just measured and at 2,500 req/s (half of issue 14's 5,000 target).
 //!   Latency counts from each request's scheduled start, so a stalled path is not hidden by
@@ -33,9 +35,19 @@ async fn main() -> anyhow::Result<()> {
     let per_level: usize = args.next().map_or(Ok(2000), |a| a.parse())?;
     // Every run's prompts distinct from every other's (see `open_loop`'s seeds).
     anyhow::ensure!(per_level <= 2000, "at most 2000 requests per level: prompts would repeat");
+    anyhow::ensure!(
+        per_level >= 500,
+        "at least 500 requests per level: CPU is counted in 10 ms ticks"
+    );
     let engine = Arc::new(MockEngine::new(MockConfig::default()));
 
     // The in-process reference: prefill and first token with no orchestration at all.
+    // Warm first (first touches, the allocator's pools), as the path is before it is timed.
+    for i in 0..per_level / 10 {
+        engine
+            .prefill(&prompt(2_000_000 + i as u32, prompt_tokens), None, &Sampling::default())
+            .await?;
+    }
     let mut base = Vec::new();
     let cpu = process_cpu()?;
     for i in 0..per_level {

@@ -97,9 +97,22 @@ base_scheduler = from_file(f"{NIXL}.base_scheduler", os.path.join(nixl_dir, "bas
 pull_worker = from_file(f"{NIXL}.pull_worker", os.path.join(nixl_dir, "pull_worker.py"))
 
 
+def _listener_or_exit(*args):
+    """vLLM's side-channel listener; if it fails (its port taken by another process since
+    the test found it free), the process exits, so the test sees a server that did not start
+    and tries other ports. (vLLM waits for the listener's ready event with no timeout: a
+    listener that dies before setting it would hang the server, and the test with it.)"""
+    try:
+        base_scheduler.NixlBaseConnectorScheduler._nixl_handshake_listener(*args)
+    except Exception as e:  # noqa: BLE001 - any failure: the server cannot serve handshakes
+        print(f"the side channel failed: {e!r}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 def side_channel(payloads, port):
     """Starts vLLM's side channel on 127.0.0.1:port answering with payloads, a dict
-    {(pp_rank, tp_rank): NixlHandshakePayload}; returns its stop event."""
+    {(pp_rank, tp_rank): NixlHandshakePayload}; returns its stop event. The process exits if
+    the listener fails."""
     scheduler = types.SimpleNamespace(
         _handshake_data={},
         _registration_generation=0,
@@ -107,7 +120,7 @@ def side_channel(payloads, port):
         _stop_event=threading.Event(),
         side_channel_host="127.0.0.1",
         side_channel_port=port,
-        _nixl_handshake_listener=base_scheduler.NixlBaseConnectorScheduler._nixl_handshake_listener,
+        _nixl_handshake_listener=_listener_or_exit,
     )
     base_scheduler.NixlBaseConnectorScheduler.set_xfer_handshake_metadata(scheduler, payloads)
     return scheduler._stop_event
