@@ -45,8 +45,6 @@ pub struct Candidate {
     /// candidate's link and its noise (see the scheduler's selection), in prompt tokens of its
     /// compute: a slow link prices like a longer prompt.
     pub send_tokens: u64,
-    /// Whether its instance has reported that time (unmeasured ones set no floor).
-    pub send_measured: bool,
 }
 
 /// Everything a policy sees of one request.

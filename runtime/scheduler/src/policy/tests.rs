@@ -16,7 +16,6 @@ fn cands(n: usize) -> Vec<Candidate> {
             queued_tokens: 0,
             in_flight: 0,
             send_tokens: 0,
-            send_measured: false,
         })
         .collect()
 }

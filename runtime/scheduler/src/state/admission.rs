@@ -105,7 +105,6 @@ mod tests {
             queued_tokens: queued,
             in_flight: 0,
             send_tokens: 0,
-            send_measured: false,
         }
     }
 

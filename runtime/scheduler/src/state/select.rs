@@ -258,9 +258,9 @@ impl SchedulerState {
                     continue;
                 }
                 page_size = route.page_size as usize;
-                let (send, measured) =
-                    (send_us(ask.prompt_tokens, route), route.send_cost_us > 0.0);
-                spread.add(send, measured);
+                let send = send_us(ask.prompt_tokens, route);
+                // Unmeasured instances set no floor.
+                spread.add(send, route.send_cost_us > 0.0);
                 candidates.push(Candidate {
                     slot,
                     ring: route.ring,
@@ -269,7 +269,6 @@ impl SchedulerState {
                     in_flight: l.in_flight.saturating_add(r.in_flight),
                     // Microseconds until `charge_sends` turns them into tokens.
                     send_tokens: send,
-                    send_measured: measured,
                 });
             }
             // Panic threshold: failures alone never eject more than half of the fleet; past
