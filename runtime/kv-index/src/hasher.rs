@@ -1,14 +1,16 @@
-//! The hasher of the block map. Block hashes are already xxh3 outputs, but callers (and
-//! benchmarks) may hand in structured ones, so the key is still mixed: one 64x64->128-bit
-//! multiply folded to 64 bits, which spreads low and high input bits over the whole word.
+//! The hasher of the block map (and of the scheduler's other maps keyed by integers). Block
+//! hashes are already xxh3 outputs, but callers (and benchmarks) may hand in structured
+//! ones, so the key is still mixed: one 64x64->128-bit multiply folded to 64 bits, which
+//! spreads low and high input bits over the whole word. Not keyed: for keys a client cannot
+//! choose freely (block hashes are the frontend's xxh3 of the prompt; ids are counters).
 
 use std::hash::{BuildHasherDefault, Hasher};
 
 const K: u64 = 0x9E37_79B9_7F4A_7C15;
 
-/// A folded-multiply hasher for u64 keys.
+/// A folded-multiply hasher for integer keys.
 #[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct FoldHasher(u64);
+pub struct FoldHasher(u64);
 
 impl FoldHasher {
     fn mix(&mut self, x: u64) {
@@ -30,11 +32,17 @@ impl Hasher for FoldHasher {
         self.mix(x);
     }
 
+    fn write_u32(&mut self, x: u32) {
+        self.mix(u64::from(x));
+    }
+
     fn finish(&self) -> u64 {
         self.0
     }
 }
 
+/// A map keyed by integers (or what hashes as them) through [`FoldHasher`].
+pub type FoldMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<FoldHasher>>;
+
 /// A map keyed by block hash.
-pub(crate) type BlockMap<V> =
-    std::collections::HashMap<handoff_core::BlockHash, V, BuildHasherDefault<FoldHasher>>;
+pub(crate) type BlockMap<V> = FoldMap<handoff_core::BlockHash, V>;

@@ -20,6 +20,7 @@ use handoff_core::{BlockHash, InstanceId};
 
 use crate::tree::Tree;
 
+pub use crate::hasher::{FoldHasher, FoldMap};
 pub use crate::run::Run;
 
 /// One (instance, dp rank): the unit the scheduler routes to.

@@ -36,7 +36,7 @@ pub struct Candidate {
     /// Its point on the prefix_hash ring (a hash of its instance and dp rank).
     pub ring: u64,
     /// Leading prompt blocks it holds.
-    pub overlap_blocks: usize,
+    pub overlap_blocks: u32,
     /// Prefill tokens already queued on it.
     pub queued_tokens: u64,
     /// Requests in flight on it.

@@ -3,6 +3,7 @@
 mod admission;
 mod bookings;
 mod engines;
+mod gather;
 mod member;
 mod pending;
 mod replicas;

@@ -10,8 +10,10 @@
 //!   prefixes pending ([`selection`]), and whether both pick the same worker.
 //!
 //! ```text
-//! cargo run --release -p handoff-benches --bin vs_dynamo
+//! cargo run --release -p handoff-benches --bin vs_dynamo [W,...]
 //! ```
+//!
+//! With instance counts given (`vs_dynamo 1024`), only those rows run: for profiling one.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -112,8 +114,16 @@ async fn measure(stored: &Stored, w_count: u64, rows: &mut Rows) -> anyhow::Resu
 async fn main() -> anyhow::Result<()> {
     let mut out = handoff_benches::record::Report::new("vs_dynamo");
     let mut rows = Rows::default();
+    let only: Option<Vec<u64>> = match std::env::args().nth(1) {
+        Some(a) => Some(
+            a.split(',')
+                .map(|w| w.parse().map_err(|e| anyhow::anyhow!("instance count {w:?}: {e}")))
+                .collect::<anyhow::Result<_>>()?,
+        ),
+        None => None,
+    };
     for (stored, counts) in [(SHARED, &[16u64, 128, 512, 1024][..]), (DISTINCT, &[16, 128, 512])] {
-        for &w in counts {
+        for &w in counts.iter().filter(|w| only.as_ref().is_none_or(|o| o.contains(w))) {
             measure(&stored, w, &mut rows).await?;
         }
     }

@@ -26,10 +26,18 @@ impl Default for KvAwareWeights {
     }
 }
 
+/// A token count as a float: one signed conversion (counts past `i64::MAX` saturate), where
+/// an unsigned one is several instructions on baseline x86-64 and the scan does two per
+/// candidate.
+fn tokens(n: u64) -> f64 {
+    n.min(i64::MAX as u64) as i64 as f64
+}
+
 pub(super) fn pick(req: &Request<'_>, w: &KvAwareWeights) -> usize {
+    let (prompt, page) = (req.prompt_tokens as u64, req.page_size as u64);
     let cost = |c: &Candidate| {
-        let left = req.prompt_tokens.saturating_sub(c.overlap_blocks * req.page_size) as f64;
-        (left + c.send_tokens as f64) * w.prefill + c.queued_tokens as f64 * w.load
+        let left = prompt.saturating_sub(u64::from(c.overlap_blocks) * page);
+        tokens(left.saturating_add(c.send_tokens)) * w.prefill + tokens(c.queued_tokens) * w.load
     };
     let n = req.candidates.len();
     if w.temperature > 0.0 {
@@ -49,13 +57,20 @@ pub(super) fn pick(req: &Request<'_>, w: &KvAwareWeights) -> usize {
     }
     // Scan from a rotating start so exact ties spread; strict improvement keeps the first.
     let start = req.tick % n;
-    let (mut best, mut best_cost) = (start, cost(&req.candidates[start]));
-    for i in (start + 1..n).chain(0..start) {
-        let c = &req.candidates[i];
+    let cands = req.candidates;
+    let first = &cands[start];
+    let (mut best, mut best_cost, mut best_flight) = (start, cost(first), first.in_flight);
+    let mut consider = |i: usize, c: &Candidate| {
         let ca = cost(c);
-        if ca < best_cost || (ca == best_cost && c.in_flight < req.candidates[best].in_flight) {
-            (best, best_cost) = (i, ca);
+        if ca < best_cost || (ca == best_cost && c.in_flight < best_flight) {
+            (best, best_cost, best_flight) = (i, ca, c.in_flight);
         }
+    };
+    for (i, c) in cands.iter().enumerate().skip(start + 1) {
+        consider(i, c);
+    }
+    for (i, c) in cands[..start].iter().enumerate() {
+        consider(i, c);
     }
     best
 }

@@ -37,7 +37,7 @@ pub(super) struct Refusal {
 /// A candidate's costs, in microseconds: the wait ahead of the request and its own work.
 fn costs(c: &Candidate, cost_us: f32, prompt_tokens: u64, page_size: u64) -> (f64, f64) {
     let cost = f64::from(cost_us.max(0.0));
-    let own = prompt_tokens.saturating_sub(c.overlap_blocks as u64 * page_size);
+    let own = prompt_tokens.saturating_sub(u64::from(c.overlap_blocks) * page_size);
     (c.queued_tokens as f64 * cost, own as f64 * cost)
 }
 
@@ -95,7 +95,7 @@ mod tests {
     use super::*;
     use handoff_kv_index::KvIndex;
 
-    fn cand(index: &mut KvIndex, n: u32, queued: u64, overlap: usize) -> Candidate {
+    fn cand(index: &mut KvIndex, n: u32, queued: u64, overlap: u32) -> Candidate {
         let key =
             handoff_kv_index::WorkerKey { instance: format!("p{n}").parse().unwrap(), dp_rank: 0 };
         Candidate {

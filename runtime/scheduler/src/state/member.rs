@@ -46,13 +46,13 @@ pub(super) enum Gate {
 }
 
 impl Gate {
-    /// Whether a request may go through at `now` (asked only for `Until`).
+    /// Whether a request may go through at `now`.
     #[inline]
-    pub(super) fn passes(self, now: &mut Option<Instant>) -> bool {
+    pub(super) fn passes(self, now: Instant) -> bool {
         match self {
             Gate::Pass => true,
             Gate::Shut => false,
-            Gate::Until(t) => *now.get_or_insert_with(Instant::now) >= t,
+            Gate::Until(t) => now >= t,
         }
     }
 }

@@ -8,11 +8,11 @@
 //! a shorter TTL. At most
 //! [`MAX_PENDING_BLOCKS`] hashes are held; beyond that new prompts are not noted.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use handoff_core::BlockHash;
-use handoff_kv_index::{Run, Slot};
+use handoff_kv_index::{FoldMap, Run, Slot};
 
 /// Most block hashes held over all pending prompts.
 pub const MAX_PENDING_BLOCKS: usize = 1 << 20;
@@ -53,11 +53,11 @@ struct Entry {
 /// See the module docs.
 #[derive(Debug, Default)]
 pub(super) struct Pending {
-    entries: HashMap<u64, Entry>,
+    entries: FoldMap<u64, Entry>,
     /// Entry ids by their prompt's first block.
-    by_first: HashMap<BlockHash, Vec<u64>>,
+    by_first: FoldMap<BlockHash, Vec<u64>>,
     /// Entry ids by slot, oldest first.
-    by_slot: HashMap<Slot, VecDeque<u64>>,
+    by_slot: FoldMap<Slot, VecDeque<u64>>,
     next: u64,
     blocks: usize,
 }

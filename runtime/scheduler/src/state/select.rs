@@ -10,9 +10,9 @@ use tracing::debug;
 
 use super::admission::{self, Budget};
 use super::bookings::{Booking, BookingId};
-use super::pending;
 use super::{Inner, SchedulerState, Selection};
-use crate::policy::{Candidate, PolicyKind, Request};
+use super::{gather, pending};
+use crate::policy::{PolicyKind, Request};
 use crate::rejects::Reject;
 use crate::{Protocols, SchedulerError};
 
@@ -45,68 +45,6 @@ impl Outcome {
             Outcome::InstanceFault => Some(false),
             _ => None,
         }
-    }
-}
-
-/// How much longer than the best measured candidate's a KV may take to leave before the link
-/// counts as slow, besides twice the best: per-request differences this small are noise
-/// (a scheduler hiccup, a busy core), and charging them would steer steady traffic away from
-/// an instance on one unlucky measurement until it decays.
-const SEND_NOISE_US: u64 = 2_000;
-
-/// The time in microseconds `route`'s KV of a `prompt_tokens`-token prompt takes after the
-/// compute, as its heartbeats say (0 when not measured).
-fn send_us(prompt_tokens: u32, route: &super::member::Route) -> u64 {
-    if route.send_cost_us.is_nan() || route.send_cost_us <= 0.0 {
-        return 0;
-    }
-    (f64::from(prompt_tokens) * f64::from(route.send_cost_us)).min(u64::MAX as f64 / 4.0) as u64
-}
-
-/// Turns each candidate's send time (µs, from [`send_us`]) into what selection charges: the
-/// part beyond twice the best measured candidate's and beyond [`SEND_NOISE_US`] more than
-/// it, in tokens of the candidate's compute (at least 1 µs per token, so an instance whose
-/// compute is not measured yet, or free, still pays for a slow link). Unmeasured candidates
-/// set no floor. `spread` is the best measured and the worst send time among them, kept
-/// while they were gathered.
-fn charge_sends(candidates: &mut [Candidate], routes: &[super::member::Route], spread: SendSpread) {
-    let best = if spread.best == u64::MAX { 0 } else { spread.best };
-    let floor = best.saturating_mul(2).max(best.saturating_add(SEND_NOISE_US));
-    if spread.worst <= floor {
-        // The common case, no slow link: nothing charged (and nothing to clear when no
-        // instance reports the time at all).
-        if spread.worst > 0 {
-            candidates.iter_mut().for_each(|c| c.send_tokens = 0);
-        }
-        return;
-    }
-    for c in candidates.iter_mut() {
-        let over = c.send_tokens.saturating_sub(floor);
-        c.send_tokens = match over {
-            0 => 0,
-            over => {
-                let per_token = f64::from(routes[c.slot.index()].token_cost_us).max(1.0);
-                (over as f64 / per_token) as u64
-            }
-        };
-    }
-}
-
-/// The best measured and the worst send time (µs) among a selection's candidates.
-#[derive(Debug, Clone, Copy)]
-struct SendSpread {
-    best: u64,
-    worst: u64,
-}
-
-impl SendSpread {
-    const NONE: SendSpread = SendSpread { best: u64::MAX, worst: 0 };
-
-    fn add(&mut self, send_us: u64, measured: bool) {
-        if measured {
-            self.best = self.best.min(send_us);
-        }
-        self.worst = self.worst.max(send_us);
     }
 }
 
@@ -227,59 +165,17 @@ impl SchedulerState {
         let hashes = ask.hashes;
         index.overlaps_into(hashes, run);
         pending.overlay(hashes, run);
-        candidates.clear();
-        let mut page_size = 16;
-        let mut spread = SendSpread::NONE;
-        let mut clock = Some(now);
-        let (mut live, mut ejected) = (0usize, 0usize);
-        // Dense by slot: routes, loads and overlaps are walked in step. Slots whose breaker
-        // is open are counted, not offered, unless they are the majority (below).
-        for pass in [false, true] {
-            let slots = routes.iter().zip(load.iter()).zip(remote_load.iter()).zip(run.as_slice());
-            for (s, (((route, l), r), &overlap)) in slots.enumerate() {
-                if !route.live {
-                    continue;
-                }
-                let passes = route.gate.passes(&mut clock);
-                if !pass {
-                    live += 1;
-                    ejected += usize::from(!passes);
-                }
-                if passes == pass {
-                    continue; // first pass: the passing ones; second: the ejected ones
-                }
-                if !ask.protocols.contains(route.protocol) {
-                    continue;
-                }
-                let slot = index.slot_at(s);
-                if !ask.exclude.is_empty()
-                    && index.key(slot).is_some_and(|k| ask.exclude.contains(&k.instance))
-                {
-                    continue;
-                }
-                page_size = route.page_size as usize;
-                let send = send_us(ask.prompt_tokens, route);
-                // Unmeasured instances set no floor.
-                spread.add(send, route.send_cost_us > 0.0);
-                candidates.push(Candidate {
-                    slot,
-                    ring: route.ring,
-                    overlap_blocks: overlap as usize,
-                    queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
-                    in_flight: l.in_flight.saturating_add(r.in_flight),
-                    // Microseconds until `charge_sends` turns them into tokens.
-                    send_tokens: send,
-                });
-            }
-            // Panic threshold: failures alone never eject more than half of the fleet; past
-            // that, breakers are ignored and traffic spreads over every live instance.
-            if ejected == 0 || ejected * 2 <= live {
-                break;
-            }
-        }
+        let gathered = gather::gather(
+            candidates,
+            gather::Slots { routes, load, remote_load, run: run.as_slice() },
+            ask,
+            index,
+            now,
+        );
+        let (live, page_size) = (gathered.live, gathered.page_size);
         // Only a link well slower than the best measured one counts: within twice the best, or
         // a couple of milliseconds more, is noise, and equals must keep taking turns.
-        charge_sends(candidates, routes, spread);
+        gather::charge_sends(candidates, routes, gathered.spread);
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
         let req = Request {
             candidates,
@@ -312,8 +208,7 @@ impl SchedulerState {
             .ok_or_else(|| SchedulerError::NoInstance(" (the chosen instance left)".into()))?;
         m.breaker.admits(true);
         let route_changed = m.breaker.gate() != routes[c.slot.index()].gate;
-        let work =
-            Work::new(ask.prompt_tokens, c.overlap_blocks as u32).tokens(m.instance.page_size);
+        let work = Work::new(ask.prompt_tokens, c.overlap_blocks).tokens(m.instance.page_size);
         let l = &mut load[c.slot.index()];
         l.in_flight += 1;
         l.queued_tokens += work;
@@ -333,7 +228,7 @@ impl SchedulerState {
         let selection = Selection {
             instance: m.instance.clone(),
             dp_rank: key.dp_rank,
-            cached_blocks: c.overlap_blocks as u32,
+            cached_blocks: c.overlap_blocks,
             booking,
             expected_wait: admitted.wait,
         };
