@@ -37,6 +37,36 @@ use handshakes::Handshakes;
 use placement::Placement;
 use region::Region;
 
+/// Bytes a piece lands from: copied into its region once, then hashed from the region's copy
+/// (what is verified is what was kept). Our own memory, or a window another process shares
+/// (`tcp::shm`), which is never seen through a reference.
+pub(crate) trait PieceBytes: Copy {
+    /// How many bytes.
+    fn byte_len(self) -> usize;
+    /// `n` of them from `from`, or `None` past the end.
+    fn range(self, from: usize, n: usize) -> Option<Self>;
+    /// Copies them into `dst`; `false` (nothing copied) unless it is exactly as long.
+    fn copy_to(self, dst: &mut [u8]) -> bool;
+}
+
+impl PieceBytes for &[u8] {
+    fn byte_len(self) -> usize {
+        self.len()
+    }
+
+    fn range(self, from: usize, n: usize) -> Option<Self> {
+        self.get(from..from.checked_add(n)?)
+    }
+
+    fn copy_to(self, dst: &mut [u8]) -> bool {
+        let same = dst.len() == self.len();
+        if same {
+            dst.copy_from_slice(self);
+        }
+        same
+    }
+}
+
 /// Bounds of an inbox.
 #[derive(Debug, Clone)]
 pub struct InboxConfig {
@@ -293,7 +323,7 @@ impl Inbox {
         id: RegionId,
         sender: SenderId,
         conn: ConnId,
-        piece: (u64, &[u8]),
+        piece: (u64, impl PieceBytes),
         hasher: &mut xxhash_rust::xxh3::Xxh3,
     ) -> Result<(), TransferError> {
         let region = self.region(id)?;

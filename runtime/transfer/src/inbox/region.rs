@@ -8,6 +8,7 @@ use tokio::sync::watch;
 use tracing::debug;
 use xxhash_rust::xxh3::Xxh3;
 
+use super::PieceBytes;
 use super::placement::Placement;
 use crate::{ConnId, KvPoll, Notice, RegionId, SenderId, TransferError};
 
@@ -56,17 +57,20 @@ impl Region {
         id: RegionId,
         sender: SenderId,
         conn: ConnId,
-        (off, piece): (u64, &[u8]),
+        (off, piece): (u64, impl PieceBytes),
         hasher: &mut Xxh3,
     ) -> Result<(), TransferError> {
         self.admit(id, sender, conn)?;
         let Region { buf, expected, .. } = self;
         let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
-        let checked = p.check(off, piece.len() as u64).map(|()| {
-            p.record_range(off, piece.len() as u64);
-            if !piece.is_empty() {
-                land(buf, off, piece);
-                hasher.update(&buf[off as usize..off as usize + piece.len()]);
+        let n = piece.byte_len();
+        let checked = p.check(off, n as u64).map(|()| {
+            p.record_range(off, n as u64);
+            if n > 0 {
+                // Checked above: the piece lies inside the region.
+                let kept = &mut buf[off as usize..off as usize + n];
+                piece.copy_to(kept);
+                hasher.update(kept);
             }
         });
         self.landed(sender, checked)

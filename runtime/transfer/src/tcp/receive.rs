@@ -12,6 +12,7 @@
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 
+use crate::inbox::PieceBytes;
 use crate::inbox::placement::segment_hasher;
 use crate::{ConnId, Inbox, RegionId, SenderId, TransferError};
 
@@ -97,14 +98,14 @@ impl std::fmt::Debug for OpenPair {
 /// must close) when the pieces need more bytes than the window has, or one does not fit its
 /// pair or continue the open one; nothing of this write is landed then.
 pub(crate) fn land_shared(
-    window: &[u8],
+    window: impl PieceBytes,
     inbox: &Inbox,
     w: Writer,
     pieces: &[SharedPiece],
     open: &mut Option<OpenPair>,
     admitted: Result<(), TransferError>,
 ) -> Result<Result<(), TransferError>, TransferError> {
-    check_pieces(window.len(), w, pieces, open.as_ref())?;
+    check_pieces(window.byte_len(), w, pieces, open.as_ref())?;
     let mut verdict = admitted;
     let mut from = 0usize;
     for p in pieces {
@@ -115,7 +116,9 @@ pub(crate) fn land_shared(
         let Some(pair) = open.as_mut() else {
             return Err(TransferError::Malformed("a piece continuing no pair".into()));
         };
-        let bytes = &window[from..from + p.n as usize];
+        let Some(bytes) = window.range(from, p.n as usize) else {
+            return Err(TransferError::Malformed("a piece past its window".into()));
+        };
         if verdict.is_ok() && p.n > 0 {
             let piece = (p.off.saturating_add(u64::from(p.at)), bytes);
             verdict = inbox.on_piece(w.region, w.sender, w.conn, piece, &mut pair.hasher);
@@ -339,17 +342,17 @@ mod tests {
             SharedPiece { off: 0, len: 2000, at: 0, n: 2000 },
         ];
         for p in bad {
-            let landed = land_shared(&window, &inbox, w, &[p], &mut None, Ok(()));
+            let landed = land_shared(window.as_slice(), &inbox, w, &[p], &mut None, Ok(()));
             assert!(matches!(landed, Err(TransferError::Malformed(_))), "{p:?}");
         }
         assert_eq!(inbox.poll(w.region), crate::KvPoll::Bootstrapping, "nothing landed");
         // With a pair open, a piece must take it up exactly where it stopped.
         let mut open = None;
         let begun = SharedPiece { off: 0, len: 1000, at: 0, n: 600 };
-        land_shared(&window, &inbox, w, &[begun], &mut open, ok(&inbox, w)).unwrap().unwrap();
+        land_shared(window.as_slice(), &inbox, w, &[begun], &mut open, ok(&inbox, w)).unwrap().unwrap();
         for at in [500, 700] {
             let p = SharedPiece { off: 0, len: 1000, at, n: 100 };
-            let landed = land_shared(&window, &inbox, w, &[p], &mut open, ok(&inbox, w));
+            let landed = land_shared(window.as_slice(), &inbox, w, &[p], &mut open, ok(&inbox, w));
             assert!(matches!(landed, Err(TransferError::Malformed(_))), "{p:?}");
         }
     }

@@ -72,7 +72,7 @@ impl ShmConn {
                     self.claim().await?;
                 }
                 let n = (b.len() - at).min(HALF - used);
-                self.window.half_mut(self.next)[used..used + n].copy_from_slice(&b[at..at + n]);
+                self.window.fill(self.next, used, &b[at..at + n])?;
                 pieces.push(SharedPiece { off: *off, len, at: at as u32, n: n as u32 });
                 used += n;
                 at += n;

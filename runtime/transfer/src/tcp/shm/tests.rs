@@ -211,3 +211,26 @@ fn a_window_is_sealed_against_exec_where_the_kernel_can() {
         Err(e) => assert_eq!(e, nix::errno::Errno::EINVAL, "an older kernel: {e}"),
     }
 }
+
+#[test]
+fn bytes_cross_the_window_only_within_its_halves() {
+    use crate::inbox::PieceBytes;
+    let mut sender = window::Window::create().unwrap();
+    let fd = sender.fd().try_clone_to_owned().unwrap();
+    let receiver = SharedWindow::adopt(fd).unwrap();
+    let data = pattern(4096, 3);
+    // Into the second half, up to its very end.
+    let end = window::HALF - data.len();
+    sender.fill(1, end, &data).unwrap();
+    let half = receiver.half(1).unwrap();
+    let mut got = vec![0u8; data.len()];
+    assert!(half.range(end, data.len()).unwrap().copy_to(&mut got));
+    assert_eq!(got, data);
+    // Nothing runs past a half, on either side, nor lands in a buffer of another length.
+    assert!(sender.fill(0, end + 1, &data).is_err());
+    assert!(sender.fill(0, usize::MAX, &data).is_err());
+    assert!(half.range(end + 1, data.len()).is_none());
+    assert!(half.range(usize::MAX, 2).is_none());
+    assert!(receiver.half(2).is_none());
+    assert!(!half.range(0, 8).unwrap().copy_to(&mut [0u8; 7]));
+}
