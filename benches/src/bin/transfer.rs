@@ -205,7 +205,7 @@ async fn main() -> anyhow::Result<()> {
     parse_flags(|flag, val| {
         match flag {
             "--rounds" => rounds = val.parse()?,
-            // For profiling: only this many sequential nixl (tcp) transfers, nothing printed.
+            // For profiling: only this many sequential nixl (tcp, shm) transfers, and their rate.
             "--nixl-only" => nixl_only = val.parse()?,
             "--tcp-only" => tcp_only = val.parse()?,
             "--shm-only" => shm_only = val.parse()?,
@@ -233,7 +233,8 @@ async fn main() -> anyhow::Result<()> {
         }
         let (tx, rx) = agents(kind, token, &tasks).await;
         let p = Pair { label, tx, rx, token };
-        handoff_rate(&p, 1, only, &data).await;
+        let rate = handoff_rate(&p, 1, only, &data).await;
+        println!("{label}: {only} transfers one at a time, {rate:.2} GB/s");
         tasks.shutdown().await;
         return Ok(());
     }
