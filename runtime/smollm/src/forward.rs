@@ -41,11 +41,9 @@ impl Seq {
             )));
         }
         let mut s = Seq::new(hp);
-        let floats = |b: &[u8]| {
-            b.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect::<Vec<_>>()
-        };
+        // The canonical layout's little-endian f32s are this machine's own (the crate builds
+        // only where they are): each run's bits copied as they are, nothing converted.
+        let floats = bytemuck::pod_collect_to_vec::<u8, f32>;
         for l in 0..hp.layers {
             for h in 0..hp.kv_heads {
                 s.k[l * hp.kv_heads + h] = floats(kv.run(l, 0, h));
@@ -57,17 +55,16 @@ impl Seq {
     }
 
     /// Writes layer `l`'s K and V in the canonical layout (`Kv::layer`) into `out`: every
-    /// token this sequence holds for that layer.
+    /// token this sequence holds for that layer, each run's f32s copied as their bytes.
     pub(crate) fn write_layer(&self, hp: &Hyper, l: usize, out: &mut [u8]) {
-        let runs = (0..2).flat_map(|kind| (0..hp.kv_heads).map(move |h| (kind, h)));
-        let mut at = out.chunks_exact_mut(4);
-        for (kind, h) in runs {
-            let src = if kind == 0 { &self.k } else { &self.v };
-            // The run first: zip takes from its first iterator before it learns the second
-            // is done, and a byte slot must not be skipped at each run's end.
-            for (x, d) in src[l * hp.kv_heads + h].iter().zip(at.by_ref()) {
-                d.copy_from_slice(&x.to_le_bytes());
-            }
+        let runs =
+            [&self.k, &self.v].into_iter().flat_map(|kind| &kind[l * hp.kv_heads..][..hp.kv_heads]);
+        let mut at = 0;
+        for run in runs {
+            let bytes: &[u8] = bytemuck::cast_slice(run);
+            let Some(to) = out.get_mut(at..at + bytes.len()) else { return };
+            to.copy_from_slice(bytes);
+            at += bytes.len();
         }
     }
 }

@@ -9,6 +9,11 @@
 //! - [`worker`] — [`SmolLm`]: the engine handle; one owned compute thread per handle runs
 //!   prefills and batches the decode steps of every sequence that is ready.
 
+// KV crosses the seam as its f32s' own bytes (see `forward::Seq`), which are the canonical
+// layout's little-endian ones only on a little-endian machine.
+#[cfg(not(target_endian = "little"))]
+compile_error!("smollm exports and imports its KV as its own f32 memory: little-endian only");
+
 mod forward;
 mod sampling;
 mod tokenizer;

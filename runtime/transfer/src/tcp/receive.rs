@@ -349,7 +349,9 @@ mod tests {
         // With a pair open, a piece must take it up exactly where it stopped.
         let mut open = None;
         let begun = SharedPiece { off: 0, len: 1000, at: 0, n: 600 };
-        land_shared(window.as_slice(), &inbox, w, &[begun], &mut open, ok(&inbox, w)).unwrap().unwrap();
+        land_shared(window.as_slice(), &inbox, w, &[begun], &mut open, ok(&inbox, w))
+            .unwrap()
+            .unwrap();
         for at in [500, 700] {
             let p = SharedPiece { off: 0, len: 1000, at, n: 100 };
             let landed = land_shared(window.as_slice(), &inbox, w, &[p], &mut open, ok(&inbox, w));
