@@ -234,7 +234,7 @@ async fn main() -> anyhow::Result<()> {
         let (tx, rx) = agents(kind, token, &tasks).await;
         let p = Pair { label, tx, rx, token };
         let rate = handoff_rate(&p, 1, only, &data).await;
-        println!("{label}: {only} transfers one at a time, {rate:.2} GB/s");
+        eprintln!("{label}: {only} transfers one at a time, {rate:.2} GB/s");
         tasks.shutdown().await;
         return Ok(());
     }

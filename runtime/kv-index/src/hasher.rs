@@ -1,8 +1,10 @@
 //! The hasher of the block map (and of the scheduler's other maps keyed by integers). Block
 //! hashes are already xxh3 outputs, but callers (and benchmarks) may hand in structured
 //! ones, so the key is still mixed: one 64x64->128-bit multiply folded to 64 bits, which
-//! spreads low and high input bits over the whole word. Not keyed: for keys a client cannot
-//! choose freely (block hashes are the frontend's xxh3 of the prompt; ids are counters).
+//! spreads low and high input bits over the whole word. Not keyed, so only for tables whose
+//! keys no client picks: blocks that engines' KV events store, counters, slots. A table
+//! taking keys from a caller (the scheduler's pending prompt starts, which a `/v1/select`
+//! caller names) stays on std's keyed hasher, or crafted collisions would make one chain.
 
 use std::hash::{BuildHasherDefault, Hasher};
 

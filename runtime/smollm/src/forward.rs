@@ -66,6 +66,7 @@ impl Seq {
             to.copy_from_slice(bytes);
             at += bytes.len();
         }
+        debug_assert_eq!(at, out.len(), "layer {l}: the sequence and the KV differ in tokens");
     }
 }
 

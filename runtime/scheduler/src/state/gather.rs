@@ -1,5 +1,6 @@
-//! Gathering a selection's candidates: one pass over the slots, dense by slot (routes, loads
-//! and overlaps walked in step), and what a slow link is charged.
+//! Gathering a selection's candidates: a pass over the slots, dense by slot (routes, loads
+//! and overlaps walked in step; a second only past the panic threshold), and what a slow
+//! link is charged.
 
 use std::time::Instant;
 
@@ -8,7 +9,6 @@ use handoff_kv_index::KvIndex;
 use super::Load;
 use super::member::Route;
 use super::select::Ask;
-use crate::Protocols;
 use crate::policy::Candidate;
 
 /// How much longer than the best measured candidate's a KV may take to leave before the link
@@ -111,9 +111,8 @@ pub(super) fn gather(
     let mut seen = Gathered { live: 0, spread: SendSpread::NONE, page_size: 16 };
     let mut ejected = 0usize;
     let rows = slots.routes.iter().zip(slots.load).zip(slots.remote_load).zip(slots.run);
-    let any_protocol = ask.protocols == Protocols::ANY;
     let mut take = |s: usize, route: &Route, l: &Load, r: &Load, overlap: u32| {
-        if !any_protocol && !ask.protocols.contains(route.protocol) {
+        if !ask.protocols.contains(route.protocol) {
             return;
         }
         let slot = index.slot_at(s);

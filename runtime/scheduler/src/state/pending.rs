@@ -8,7 +8,7 @@
 //! a shorter TTL. At most
 //! [`MAX_PENDING_BLOCKS`] hashes are held; beyond that new prompts are not noted.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use handoff_core::BlockHash;
@@ -54,8 +54,9 @@ struct Entry {
 #[derive(Debug, Default)]
 pub(super) struct Pending {
     entries: FoldMap<u64, Entry>,
-    /// Entry ids by their prompt's first block.
-    by_first: FoldMap<BlockHash, Vec<u64>>,
+    /// Entry ids by their prompt's first block: keyed hashing, since a caller of the
+    /// scheduler names the blocks (one lookup per selection; the ids below are ours).
+    by_first: HashMap<BlockHash, Vec<u64>>,
     /// Entry ids by slot, oldest first.
     by_slot: FoldMap<Slot, VecDeque<u64>>,
     next: u64,

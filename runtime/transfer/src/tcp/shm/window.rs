@@ -12,8 +12,10 @@
 //! it at any time (a hostile peer of our own user may map the memfd writable and ignore the
 //! protocol), and a `&[u8]` promises the bytes stay put while it lives. The mapping is raw
 //! ([`MmapRaw`]) and bytes cross it only in one `copy_nonoverlapping` each way
-//! ([`Window::fill`], [`PieceBytes::copy_to`]); a racing writer can garble what one copy
-//! takes, which the receiver's hash of its own copy then refuses.
+//! ([`Window::fill`], [`PieceBytes::copy_to`]). That narrows the gap without closing it: a
+//! peer writing while a copy reads is still a data race in Rust's memory model (volatile or
+//! atomic copies would close it). What such a peer gets is its own bytes garbled, which the
+//! receiver's hash of its own copy then refuses.
 #![expect(
     unsafe_code,
     reason = "mapping a file, and copying through raw pointers into and out of memory another \
