@@ -66,13 +66,7 @@ impl Region {
         let n = piece.byte_len();
         let checked = p.check(off, n as u64).map(|()| {
             p.record_range(off, n as u64);
-            if n > 0 {
-                // Checked above: the piece lies inside the region.
-                let kept = &mut buf[off as usize..off as usize + n];
-                let copied = piece.copy_to(kept);
-                debug_assert!(copied, "a piece and its place in the region differ in length");
-                hasher.update(kept);
-            }
+            hasher.update(land(buf, off, piece));
         });
         self.landed(sender, checked)
     }
@@ -153,10 +147,15 @@ impl Region {
     }
 }
 
-/// Copies checked bytes into the buffer. An empty segment lands nowhere, whatever its offset
-/// (fuzzing found one at 2^34).
-fn land(buf: &mut [u8], off: u64, b: &[u8]) {
-    if !b.is_empty() {
-        buf[off as usize..off as usize + b.len()].copy_from_slice(b);
+/// Copies checked bytes into the buffer and returns them there. An empty segment lands
+/// nowhere, whatever its offset (fuzzing found one at 2^34).
+fn land(buf: &mut [u8], off: u64, b: impl PieceBytes) -> &[u8] {
+    let n = b.byte_len();
+    if n == 0 {
+        return &[];
     }
+    let kept = &mut buf[off as usize..off as usize + n];
+    let copied = b.copy_to(kept);
+    debug_assert!(copied, "a piece and its place in the region differ in length");
+    kept
 }
