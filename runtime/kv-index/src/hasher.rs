@@ -45,6 +45,3 @@ impl Hasher for FoldHasher {
 
 /// A map keyed by integers (or what hashes as them) through [`FoldHasher`].
 pub type FoldMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<FoldHasher>>;
-
-/// A map keyed by block hash.
-pub(crate) type BlockMap<V> = FoldMap<handoff_core::BlockHash, V>;

@@ -9,6 +9,7 @@
 //! own per-worker state in plain vectors and read a match result by slot. Blocks live in a
 //! compressed radix tree ([`tree`]) whose edges carry the set of slots holding them.
 
+mod block_map;
 mod hasher;
 mod run;
 mod slot_set;

@@ -19,11 +19,9 @@
 //! chain can hide a prompt start inside it; such a start is found again once any worker
 //! stores it first.
 
-use std::collections::hash_map::Entry;
-
 use handoff_core::BlockHash;
 
-use crate::hasher::BlockMap;
+use crate::block_map::BlockMap;
 use crate::run::Run;
 use crate::slot_set::SlotSet;
 
@@ -298,13 +296,10 @@ impl Tree {
         node.blocks.reserve(blocks.len().min(room));
         let before = node.blocks.len();
         for &b in blocks.iter().take(room) {
-            match map.entry(b) {
-                Entry::Vacant(v) => {
-                    v.insert(Loc { node: id, pos: node.start + node.blocks.len() as u32 });
-                    node.blocks.push(b);
-                }
-                Entry::Occupied(_) => break,
+            if !map.insert_new(b, Loc { node: id, pos: node.start + node.blocks.len() as u32 }) {
+                break;
             }
+            node.blocks.push(b);
         }
         let n = node.blocks.len() - before;
         if !appending {
@@ -463,16 +458,20 @@ impl Tree {
                 children[n.parent as usize] += 1;
             }
             for (k, b) in n.blocks.iter().enumerate() {
-                let l = self.map[b];
+                let l = *self.map.get(b).expect("a node's block is in the map");
                 assert_eq!((l.node, l.pos), (id as u32, n.start + k as u32), "map of node {id}");
             }
         }
         assert_eq!(blocks, self.map.len(), "map has stray blocks");
-        assert!(self.firsts.keys().all(|b| self.map.contains_key(b)), "firsts has stray blocks");
-        for (b, &root) in &self.firsts {
+        assert!(
+            self.firsts.iter().all(|(b, _)| self.map.contains_key(b)),
+            "firsts has stray blocks"
+        );
+        for (b, &root) in self.firsts.iter() {
             // Every start that heads a root points at it (a stale hint would cost a lookup).
-            if self.map[b].pos == 0 {
-                assert_eq!(root, self.map[b].node, "start {b:?} points elsewhere");
+            let l = self.map.get(b).expect("a start is in the map");
+            if l.pos == 0 {
+                assert_eq!(root, l.node, "start {b:?} points elsewhere");
             }
         }
         for (id, n) in self.nodes.iter().enumerate() {

@@ -1,7 +1,8 @@
 //! The index rows, both sides on the same shapes:
 //! - ingest through each side's event path: our scheduler's `apply_event` (its lock, the
 //!   sequence check, the index) against Dynamo's `RadixTree::apply_event`, events built
-//!   beforehand and cloned inside the timing on both sides;
+//!   beforehand and cloned inside the timing on both sides, in two orders (each instance's
+//!   events together, and instances taking turns), with the longest single event;
 //! - match: ours behind the lock the scheduler holds it with (a `parking_lot::Mutex`), against
 //!   both of Dynamo's indexes, its single-threaded `RadixTree` and its concurrent compressed
 //!   tree; every query is first checked to get the same overlaps from all three.
@@ -49,8 +50,8 @@ impl Queries {
 pub(crate) struct Built {
     /// Blocks stored in all.
     pub(crate) blocks: u64,
-    pub(crate) ingest_ours: Duration,
-    pub(crate) ingest_theirs: Duration,
+    /// Both sides' ingest, in each order.
+    pub(crate) ingests: Vec<Ingest>,
     /// Our scheduler, holding the shape (for selection).
     pub(crate) state: SchedulerState,
     /// Dynamo's concurrent tree, holding it too (for selection).
@@ -84,42 +85,116 @@ fn dynamo_event(stored: &Stored, w: u64, s: u64, id: u64) -> RouterEvent {
     RouterEvent::new(w, KvCacheEvent { event_id: id, data, dp_rank: 0 })
 }
 
-/// Ingests `stored` for `w_count` instances on both sides (median of five fresh builds each).
+/// The order a shape's events arrive in.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Order {
+    /// Every event of instance 0, then of instance 1, and so on.
+    ByInstance,
+    /// One event of each instance in turn, as a fleet publishing at once delivers them.
+    RoundRobin,
+}
+
+impl Order {
+    pub(crate) const ALL: [Order; 2] = [Order::ByInstance, Order::RoundRobin];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Order::ByInstance => "by instance",
+            Order::RoundRobin => "round robin",
+        }
+    }
+
+    /// (instance, sequence) of every event, in this order.
+    fn pairs(self, stored: &Stored, w_count: u64) -> Vec<(u64, u64)> {
+        let (per, n) = (stored.per_worker, w_count * stored.per_worker);
+        match self {
+            Order::ByInstance => (0..n).map(|i| (i / per, i % per)).collect(),
+            Order::RoundRobin => (0..n).map(|i| (i % w_count, i / w_count)).collect(),
+        }
+    }
+}
+
+/// One side's ingest of one order.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ingested {
+    /// The whole build, median of five.
+    pub(crate) total: Duration,
+    /// The longest any one event took, in a sixth build timed event by event: how long the
+    /// index is held from everything else at worst.
+    pub(crate) worst: Duration,
+}
+
+/// Both sides' ingest of one order.
+pub(crate) struct Ingest {
+    pub(crate) order: Order,
+    pub(crate) ours: Ingested,
+    pub(crate) theirs: Ingested,
+}
+
+/// Builds with `apply` from `fresh()`, five times timed whole and once event by event;
+/// returns the last whole build, its timings, and the first error `apply` reported.
+fn ingest<T, E: Clone>(
+    events: &[E],
+    fresh: impl Fn() -> T,
+    apply: impl Fn(&mut T, E) -> Result<(), String>,
+) -> (T, Ingested, Option<String>) {
+    let mut failed = None;
+    let mut target = fresh();
+    let mut build = |target: &mut T| {
+        *target = fresh();
+        let t = Instant::now();
+        for ev in events.iter().cloned() {
+            if let Err(e) = apply(target, ev) {
+                failed.get_or_insert(e);
+            }
+        }
+        t.elapsed()
+    };
+    let total = median5(|| build(&mut target));
+    let mut again = fresh();
+    let worst = events
+        .iter()
+        .cloned()
+        .map(|ev| {
+            let t = Instant::now();
+            let _ = black_box(apply(&mut again, ev));
+            t.elapsed()
+        })
+        .max()
+        .unwrap_or_default();
+    (target, Ingested { total, worst }, failed)
+}
+
+/// Ingests `stored` for `w_count` instances on both sides, in each [`Order`].
 pub(crate) async fn build(stored: &Stored, w_count: u64) -> anyhow::Result<Built> {
-    let pairs: Vec<(u64, u64)> =
-        (0..w_count).flat_map(|w| (0..stored.per_worker).map(move |s| (w, s))).collect();
-    let ours_events: Vec<_> = pairs.iter().map(|&(w, s)| stored.event(w, s, s + 1)).collect();
-    let their_events: Vec<_> =
-        pairs.iter().map(|&(w, s)| dynamo_event(stored, w, s, s + 1)).collect();
     let fresh_state = || {
         let state = SchedulerState::new(SchedulerConfig::default());
         state.apply_update(Update::Reset((0..w_count).map(handoff_benches::instance).collect()));
         state
     };
-    let mut state = fresh_state();
-    let ingest_ours = median5(|| {
-        state = fresh_state();
-        let t = Instant::now();
-        for ev in ours_events.iter().cloned() {
+    let (mut kept, mut ingests) = (None, Vec::new());
+    for order in Order::ALL {
+        let pairs = order.pairs(stored, w_count);
+        let ours_events: Vec<_> = pairs.iter().map(|&(w, s)| stored.event(w, s, s + 1)).collect();
+        let their_events: Vec<_> =
+            pairs.iter().map(|&(w, s)| dynamo_event(stored, w, s, s + 1)).collect();
+        let (state, ours, _) = ingest(&ours_events, fresh_state, |state, ev| {
             black_box(state.apply_event(ev));
+            Ok(())
+        });
+        let (radix, theirs, failed) = ingest(&their_events, RadixTree::new, |radix, ev| {
+            radix.apply_event(ev).map_err(|e| format!("{e:?}"))
+        });
+        if let Some(e) = failed {
+            anyhow::bail!("Dynamo ingest failed: {e}");
         }
-        t.elapsed()
-    });
-    let mut radix = RadixTree::new();
-    let mut failed = None;
-    let ingest_theirs = median5(|| {
-        radix = RadixTree::new();
-        let t = Instant::now();
-        for ev in their_events.iter().cloned() {
-            if let Err(e) = radix.apply_event(ev) {
-                failed = Some(format!("{e:?}"));
-            }
-        }
-        t.elapsed()
-    });
-    if let Some(e) = failed {
-        anyhow::bail!("Dynamo ingest failed: {e}");
+        ingests.push(Ingest { order, ours, theirs });
+        kept.get_or_insert((state, radix, their_events));
     }
+    let Some((state, radix, their_events)) = kept else {
+        anyhow::bail!("no event order to ingest in");
+    };
+    let pairs = Order::ByInstance.pairs(stored, w_count);
     let concurrent = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, 16);
     for ev in their_events {
         concurrent.apply_event_and_wait(ev).await?;
@@ -131,8 +206,7 @@ pub(crate) async fn build(stored: &Stored, w_count: u64) -> anyhow::Result<Built
     }
     Ok(Built {
         blocks: pairs.len() as u64 * stored.depth,
-        ingest_ours,
-        ingest_theirs,
+        ingests,
         state,
         concurrent,
         radix,

@@ -4,7 +4,7 @@
 //! misses, 20k queries per shape. Every query is checked to get the same overlaps from all
 //! three indexes before anything is timed.
 //!
-//! - Ingest: each side's event path ([`index`]).
+//! - Ingest: each side's event path, in two event orders, with its longest event ([`index`]).
 //! - Match: ours behind the scheduler's lock against both Dynamo indexes ([`index`]).
 //! - Selection: each router's whole per-request work, with requests booked and their
 //!   prefixes pending ([`selection`]), and whether both pick the same worker.
@@ -67,15 +67,21 @@ struct Rows {
 async fn measure(stored: &Stored, w_count: u64, rows: &mut Rows) -> anyhow::Result<()> {
     let built = index::build(stored, w_count).await?;
     let blocks = built.blocks as f64;
-    let (ours, theirs) = (built.ingest_ours.as_secs_f64(), built.ingest_theirs.as_secs_f64());
-    rows.ingest.push(format!(
-        "| {} | {w_count} | {} | {:.1} M blocks/s | {:.1} M blocks/s | {:.2}x |",
-        stored.name,
-        built.blocks,
-        blocks / ours / 1e6,
-        blocks / theirs / 1e6,
-        theirs / ours,
-    ));
+    for i in &built.ingests {
+        let (ours, theirs) = (i.ours.total.as_secs_f64(), i.theirs.total.as_secs_f64());
+        let ms = |d: Duration| format!("{:.2} ms", d.as_secs_f64() * 1e3);
+        rows.ingest.push(format!(
+            "| {} | {w_count} | {} | {} | {:.1} M blocks/s | {:.1} M blocks/s | {:.2}x | {} | {} |",
+            stored.name,
+            i.order.name(),
+            built.blocks,
+            blocks / ours / 1e6,
+            blocks / theirs / 1e6,
+            theirs / ours,
+            ms(i.ours.worst),
+            ms(i.theirs.worst),
+        ));
+    }
     for ask in Ask::ALL {
         let q = index::Queries::new(stored, ask, w_count);
         built.agree(w_count, &q)?;
@@ -149,13 +155,16 @@ async fn main() -> anyhow::Result<()> {
     writeln!(out, "\nmatch: p50 per query; ratio < 1: handoff faster (target <= 0.5)\n")?;
     writeln!(
         out,
-        "| stored | W | blocks | ingest: handoff apply_event | Dynamo RadixTree apply_event | ratio |"
+        "| stored | W | order | blocks | ingest: handoff apply_event | Dynamo RadixTree apply_event | ratio | longest event: handoff | Dynamo |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---:|---|---:|---:|---:|---:|---:|---:|")?;
     for r in &rows.ingest {
         writeln!(out, "{r}")?;
     }
-    writeln!(out, "\ningest: median of 5 builds; ratio > 1: handoff faster (target >= 1)\n")?;
+    writeln!(
+        out,
+        "\ningest: median of 5 builds; ratio > 1: handoff faster (target >= 1). longest event: the slowest single event of a sixth build, timed one by one (how long the index is held from selections at worst)\n"
+    )?;
     writeln!(
         out,
         "| stored | W | query | select: handoff | select: Dynamo | ratio | same pick (unique best) |"
