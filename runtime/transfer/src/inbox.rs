@@ -331,6 +331,24 @@ impl Inbox {
         r.write_piece(id, sender, conn, piece, hasher)
     }
 
+    /// [`Inbox::on_piece`] with the piece's bytes read by `fill` straight into the region,
+    /// at most `n` of them at `off` (a tcp payload read from its socket with no copy in
+    /// between). `Err`: the piece was refused before `fill` was called (the region failed,
+    /// or the connection may not write it). Otherwise what `fill` returned, its bytes
+    /// landed and hashed.
+    pub(crate) fn on_recv(
+        &self,
+        w: (RegionId, SenderId, ConnId),
+        place: (u64, usize),
+        hasher: &mut xxhash_rust::xxh3::Xxh3,
+        fill: impl FnOnce(&mut [u8]) -> std::task::Poll<std::io::Result<usize>>,
+    ) -> Result<std::task::Poll<std::io::Result<usize>>, TransferError> {
+        let (id, sender, conn) = w;
+        let region = self.region(id)?;
+        let mut r = lock(&region);
+        r.recv_piece(id, sender, conn, place, hasher, fill)
+    }
+
     /// Ends a segment written with [`Inbox::on_piece`]: `digest` is its hasher's.
     pub(crate) fn on_segment_end(&self, id: RegionId, sender: SenderId, conn: ConnId, digest: u64) {
         if let Ok(region) = self.region(id) {

@@ -2,6 +2,8 @@
 //! connection each sender is bound to, and its state.
 
 use std::collections::HashMap;
+use std::io;
+use std::task::Poll;
 
 use handoff_core::Room;
 use tokio::sync::watch;
@@ -71,6 +73,36 @@ impl Region {
         self.landed(sender, checked)
     }
 
+    /// [`Region::write_piece`] with the bytes read by `fill` straight into their place in
+    /// the region (at most `n` of them at `off`; `fill` answers how many it read). Checked
+    /// before `fill` is called, so a refused piece consumes nothing from the source; bytes
+    /// `fill` leaves unread, or scribbles on before it reports none, stay unwritten.
+    pub(super) fn recv_piece(
+        &mut self,
+        id: RegionId,
+        sender: SenderId,
+        conn: ConnId,
+        (off, n): (u64, usize),
+        hasher: &mut Xxh3,
+        fill: impl FnOnce(&mut [u8]) -> Poll<io::Result<usize>>,
+    ) -> Result<Poll<io::Result<usize>>, TransferError> {
+        self.admit(id, sender, conn)?;
+        let Region { buf, expected, .. } = self;
+        let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
+        if let Err(e) = p.check(off, n as u64) {
+            return Err(self.refuse(sender, e));
+        }
+        let place = &mut buf[off as usize..off as usize + n];
+        let read = fill(place);
+        if let Poll::Ready(Ok(got)) = read {
+            let got = got.min(n);
+            p.record_range(off, got as u64);
+            hasher.update(&place[..got]);
+            self.advance(KvPoll::Transferring);
+        }
+        Ok(read)
+    }
+
     /// Adds a segment written in pieces to `sender`'s checksum, by the digest its receiver
     /// computed over the pieces ([`super::placement::segment_hasher`]).
     /// Only over the connection the sender is bound to.
@@ -103,13 +135,16 @@ impl Region {
         sender: SenderId,
         checked: Result<(), String>,
     ) -> Result<(), TransferError> {
-        if let Err(e) = checked {
-            let reason = format!("{sender:?}: {e}");
-            self.fail(reason.clone());
-            return Err(TransferError::Failed(reason));
-        }
+        checked.map_err(|e| self.refuse(sender, e))?;
         self.advance(KvPoll::Transferring);
         Ok(())
+    }
+
+    /// Fails the region for what `sender` wrote, named.
+    fn refuse(&mut self, sender: SenderId, e: String) -> TransferError {
+        let reason = format!("{sender:?}: {e}");
+        self.fail(reason.clone());
+        TransferError::Failed(reason)
     }
 
     /// Binds `sender` to `conn`, or refuses `conn` if the sender is bound to another.

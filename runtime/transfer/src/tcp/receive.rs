@@ -1,8 +1,9 @@
 //! A write frame's payload, landed as it arrives.
 //!
-//! - [`land`]: from the connection, in pieces of at most [`PIECE`] bytes read into one
-//!   buffer the connection reuses, each copied into its region while still in cache. A frame
-//!   is never held whole (before, a 12 MB frame was read into a fresh 12 MB buffer first).
+//! - [`land`]: from the connection, in pieces of at most [`PIECE`] bytes, each read straight
+//!   into its place in the region (the socket's, or TLS's, read writes the region; no buffer
+//!   in between) and hashed there while still in cache. Only a refused write's bytes pass
+//!   through a buffer the connection reuses, to be dropped. A frame is never held whole.
 //! - [`land_shared`]: from a window of memory the sender shares (the shm fast path), each
 //!   piece copied straight from the window into its region; a pair (one segment of the
 //!   checksum) may span several writes.
@@ -10,7 +11,10 @@
 //! Either way a piece is hashed from the region's copy, not from its source: what is
 //! verified is what was kept.
 
-use tokio::io::{AsyncRead, AsyncReadExt};
+use std::pin::Pin;
+use std::task::Poll;
+
+use tokio::io::{AsyncRead, AsyncReadExt, ReadBuf};
 
 use crate::inbox::PieceBytes;
 use crate::inbox::placement::segment_hasher;
@@ -41,25 +45,33 @@ pub(crate) async fn land<R: AsyncRead + Unpin>(
     admitted: Result<(), TransferError>,
 ) -> Result<Result<(), TransferError>, TransferError> {
     let mut landing = Landing::new(inbox, w, segments, admitted);
-    let size = PIECE.min(usize::try_from(landing.total).unwrap_or(PIECE));
-    if piece.len() < size {
-        piece.resize(size, 0);
-    }
     for &(off, len) in segments {
         landing.begin(off, len);
         let mut at = 0u64;
         while at < u64::from(len) {
             let n = (u64::from(len) - at).min(PIECE as u64) as usize;
-            let buf = &mut piece[..n];
-            r.read_exact(buf)
-                .await
-                .map_err(|e| TransferError::Malformed(format!("reading a write's payload: {e}")))?;
-            landing.piece(off.saturating_add(at), buf);
-            at += n as u64;
+            let got = landing.recv(r, off.saturating_add(at), n).await?;
+            let got = match got {
+                Some(got) => got,
+                None => {
+                    // Refused: the rest of the payload is read into `piece` and dropped.
+                    let size = PIECE.min(usize::try_from(landing.total).unwrap_or(PIECE));
+                    if piece.len() < size {
+                        piece.resize(size, 0);
+                    }
+                    r.read_exact(&mut piece[..n]).await.map_err(payload_err)?;
+                    n
+                }
+            };
+            at += got as u64;
         }
         landing.end(len);
     }
     Ok(landing.verdict)
+}
+
+fn payload_err(e: std::io::Error) -> TransferError {
+    TransferError::Malformed(format!("reading a write's payload: {e}"))
 }
 
 /// A piece of a pair in a shared write: `n` bytes from `at` into the pair of `len` bytes at
@@ -218,13 +230,36 @@ impl<'a> Landing<'a> {
         self.hasher = segment_hasher(off, u64::from(len));
     }
 
-    /// Lands a piece, unless the write was refused already (its bytes are dropped then).
-    fn piece(&mut self, off: u64, bytes: &[u8]) {
-        if self.verdict.is_ok() {
-            let w = self.w;
-            let piece = (off, bytes);
-            self.verdict = self.inbox.on_piece(w.region, w.sender, w.conn, piece, &mut self.hasher);
-        }
+    /// Reads at most `n` bytes of the payload from `r` straight into the region at `off`:
+    /// how many (at least one), or `None` when the write is refused (now or before), with
+    /// nothing read. `Err`: the connection broke or ended.
+    async fn recv<R: AsyncRead + Unpin>(
+        &mut self,
+        r: &mut R,
+        off: u64,
+        n: usize,
+    ) -> Result<Option<usize>, TransferError> {
+        let (inbox, w) = (self.inbox, self.w);
+        let read = std::future::poll_fn(|cx| {
+            if self.verdict.is_err() {
+                return Poll::Ready(Ok(None));
+            }
+            let fill = |place: &mut [u8]| {
+                let mut buf = ReadBuf::new(place);
+                Pin::new(&mut *r).poll_read(cx, &mut buf).map_ok(|()| buf.filled().len())
+            };
+            match inbox.on_recv((w.region, w.sender, w.conn), (off, n), &mut self.hasher, fill) {
+                Ok(Poll::Ready(Ok(0))) => {
+                    Poll::Ready(Err(std::io::ErrorKind::UnexpectedEof.into()))
+                }
+                Ok(read) => read.map_ok(Some),
+                Err(e) => {
+                    self.verdict = Err(e);
+                    Poll::Ready(Ok(None))
+                }
+            }
+        });
+        read.await.map_err(payload_err)
     }
 
     fn end(&mut self, len: u32) {
@@ -277,13 +312,37 @@ mod tests {
             .await
             .unwrap();
         landed.unwrap();
-        assert_eq!(piece.len(), PIECE, "one piece-sized buffer, not the frame");
+        assert!(piece.is_empty(), "an admitted write's bytes pass through no buffer");
         let pairs = vec![(Bytes::from(a.clone()), 100), (Bytes::from(b.clone()), 0)];
         let notice = WriteRequest::new(w.region, pairs, room, w.sender, 1, 1, 0).notice.unwrap();
         inbox.on_notice(w.region, w.conn, notice).unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
         let got = inbox.wait(w.region, deadline).await.unwrap();
         assert_eq!(got.buf, b.iter().chain(&a).copied().collect::<Vec<u8>>());
+    }
+
+    /// A payload arriving a few bytes at a time, with the reader waiting in between: each
+    /// read lands where it belongs, and the whole verifies as one segment.
+    #[tokio::test]
+    async fn a_payload_dribbling_in_lands_and_verifies() {
+        let (inbox, room, w) = region(5000);
+        let data = pattern(5000, 8);
+        let (mut tx, mut rx) = tokio::io::duplex(333);
+        let send = async {
+            for chunk in data.chunks(700) {
+                tokio::io::AsyncWriteExt::write_all(&mut tx, chunk).await.unwrap();
+                tokio::task::yield_now().await;
+            }
+        };
+        let mut piece = Vec::new();
+        let landing = land(&mut rx, &mut piece, &inbox, w, &[(0, 5000)], ok(&inbox, w));
+        let ((), landed) = tokio::join!(send, landing);
+        landed.unwrap().unwrap();
+        let pairs = vec![(Bytes::from(data.clone()), 0)];
+        let notice = WriteRequest::new(w.region, pairs, room, w.sender, 1, 1, 0).notice.unwrap();
+        inbox.on_notice(w.region, w.conn, notice).unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        assert_eq!(inbox.wait(w.region, deadline).await.unwrap().buf, data);
     }
 
     #[tokio::test]
