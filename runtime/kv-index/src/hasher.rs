@@ -14,10 +14,15 @@ const K: u64 = 0x9E37_79B9_7F4A_7C15;
 #[derive(Debug, Default, Clone, Copy)]
 pub struct FoldHasher(u64);
 
+/// One folded multiply of `x` (the hasher's step, and the block maps' whole hash).
+pub(crate) fn fold(x: u64) -> u64 {
+    let p = u128::from(x ^ K) * u128::from(K.rotate_left(17) | 1);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
 impl FoldHasher {
     fn mix(&mut self, x: u64) {
-        let p = u128::from(self.0 ^ x ^ K) * u128::from(K.rotate_left(17) | 1);
-        self.0 = (p as u64) ^ ((p >> 64) as u64);
+        self.0 = fold(self.0 ^ x);
     }
 }
 
