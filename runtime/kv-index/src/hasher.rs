@@ -1,4 +1,5 @@
-//! The hasher of the block map (and of the scheduler's other maps keyed by integers). Block
+//! The folded multiply the block maps hash with, and [`FoldHasher`] on it for the
+//! scheduler's other maps keyed by integers. Block
 //! hashes are already xxh3 outputs, but callers (and benchmarks) may hand in structured
 //! ones, so the key is still mixed: one 64x64->128-bit multiply folded to 64 bits, which
 //! spreads low and high input bits over the whole word. Not keyed, so only for tables whose

@@ -331,9 +331,8 @@ impl Inbox {
         r.write_piece(id, sender, conn, piece, hasher)
     }
 
-    /// [`Inbox::on_piece`] with the piece's bytes read by `fill` straight into the region,
-    /// at most `n` of them at `off` (a tcp payload read from its socket with no copy in
-    /// between). `Err`: the piece was refused before `fill` was called (the region failed,
+    /// [`Inbox::on_piece`] with the piece's bytes read by `fill` straight into the region:
+    /// `place` is (offset, at most how many), as for a tcp payload read from its socket. `Err`: the piece was refused before `fill` was called (the region failed,
     /// or the connection may not write it). Otherwise what `fill` returned, its bytes
     /// landed and hashed.
     pub(crate) fn on_recv(

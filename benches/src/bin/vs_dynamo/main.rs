@@ -163,7 +163,7 @@ async fn main() -> anyhow::Result<()> {
     }
     writeln!(
         out,
-        "\ningest: median of 5 builds; ratio > 1: handoff faster (target >= 1). longest event: the slowest single event of a sixth build, timed one by one (how long the index is held from selections at worst)\n"
+        "\ningest: median of 5 builds; ratio > 1: handoff faster (target >= 1). longest event: the slowest single event of a sixth build, timed one by one (how long the index is held from selections at worst; one build's maximum, so one preemption can set it)\n"
     )?;
     writeln!(
         out,

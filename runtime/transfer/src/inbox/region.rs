@@ -94,7 +94,7 @@ impl Region {
         }
         let place = &mut buf[off as usize..off as usize + n];
         let read = fill(place);
-        if let Poll::Ready(Ok(got)) = read {
+        if let Poll::Ready(Ok(got @ 1..)) = read {
             let got = got.min(n);
             p.record_range(off, got as u64);
             hasher.update(&place[..got]);

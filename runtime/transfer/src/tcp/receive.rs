@@ -1,9 +1,11 @@
 //! A write frame's payload, landed as it arrives.
 //!
-//! - [`land`]: from the connection, in pieces of at most [`PIECE`] bytes, each read straight
-//!   into its place in the region (the socket's, or TLS's, read writes the region; no buffer
-//!   in between) and hashed there while still in cache. Only a refused write's bytes pass
-//!   through a buffer the connection reuses, to be dropped. A frame is never held whole.
+//! - [`land`]: from the connection, in reads of at most [`PIECE`] bytes into their place in
+//!   the region, each hashed there while still in cache. A read of 64 KiB or more with the
+//!   connection's read buffer empty goes from the socket straight into the region; what that
+//!   buffer already holds (a payload's start behind its frame's head, small segments) is
+//!   copied from it, and TLS decrypts through its own buffer. A refused write's bytes are
+//!   drained through a buffer the connection reuses. A frame is never held whole.
 //! - [`land_shared`]: from a window of memory the sender shares (the shm fast path), each
 //!   piece copied straight from the window into its region; a pair (one segment of the
 //!   checksum) may span several writes.
@@ -20,7 +22,8 @@ use crate::inbox::PieceBytes;
 use crate::inbox::placement::segment_hasher;
 use crate::{ConnId, Inbox, RegionId, SenderId, TransferError};
 
-/// The most bytes read before they are landed: well inside a core's L2.
+/// The most bytes one read asks for (and the size of the buffer a refused write's bytes are
+/// drained through): well inside a core's L2, so what a read landed is hashed from cache.
 pub(crate) const PIECE: usize = 256 << 10;
 
 /// Who wrote a frame, and where to.
@@ -50,18 +53,9 @@ pub(crate) async fn land<R: AsyncRead + Unpin>(
         let mut at = 0u64;
         while at < u64::from(len) {
             let n = (u64::from(len) - at).min(PIECE as u64) as usize;
-            let got = landing.recv(r, off.saturating_add(at), n).await?;
-            let got = match got {
+            let got = match landing.recv(r, off.saturating_add(at), n).await? {
                 Some(got) => got,
-                None => {
-                    // Refused: the rest of the payload is read into `piece` and dropped.
-                    let size = PIECE.min(usize::try_from(landing.total).unwrap_or(PIECE));
-                    if piece.len() < size {
-                        piece.resize(size, 0);
-                    }
-                    r.read_exact(&mut piece[..n]).await.map_err(payload_err)?;
-                    n
-                }
+                None => landing.drain(r, piece, n).await?,
             };
             at += got as u64;
         }
@@ -230,6 +224,22 @@ impl<'a> Landing<'a> {
         self.hasher = segment_hasher(off, u64::from(len));
     }
 
+    /// Reads `n` bytes of a refused write's payload into `piece` (grown to at most
+    /// [`PIECE`]), to be dropped: the connection stays in step with its frames.
+    async fn drain<R: AsyncRead + Unpin>(
+        &self,
+        r: &mut R,
+        piece: &mut Vec<u8>,
+        n: usize,
+    ) -> Result<usize, TransferError> {
+        let size = PIECE.min(usize::try_from(self.total).unwrap_or(PIECE));
+        if piece.len() < size {
+            piece.resize(size, 0);
+        }
+        r.read_exact(&mut piece[..n]).await.map_err(payload_err)?;
+        Ok(n)
+    }
+
     /// Reads at most `n` bytes of the payload from `r` straight into the region at `off`:
     /// how many (at least one), or `None` when the write is refused (now or before), with
     /// nothing read. `Err`: the connection broke or ended.
@@ -343,6 +353,34 @@ mod tests {
         inbox.on_notice(w.region, w.conn, notice).unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
         assert_eq!(inbox.wait(w.region, deadline).await.unwrap().buf, data);
+    }
+
+    /// A region failed while its payload is still arriving: the rest is read and dropped,
+    /// and the connection stays in step with its frames.
+    #[tokio::test]
+    async fn a_region_failed_mid_payload_is_drained_to_its_end() {
+        let (inbox, _, w) = region(5000);
+        let data = pattern(5000, 9);
+        let (mut tx, mut rx) = tokio::io::duplex(333);
+        let send = async {
+            use tokio::io::AsyncWriteExt;
+            tx.write_all(&data[..1000]).await.unwrap();
+            tokio::task::yield_now().await;
+            inbox.fail(w.region, "its decode gave up");
+            tx.write_all(&data[1000..]).await.unwrap();
+            tx.write_all(b"next frame").await.unwrap();
+            drop(tx);
+        };
+        let mut piece = Vec::new();
+        let landing = land(&mut rx, &mut piece, &inbox, w, &[(0, 5000)], ok(&inbox, w));
+        // A guard, not a measure: a drain that stopped reading would leave the sender stuck.
+        let both =
+            tokio::time::timeout(Duration::from_secs(10), async { tokio::join!(send, landing) });
+        let ((), landed) = both.await.expect("the payload was not read to its end");
+        assert!(matches!(landed.unwrap(), Err(TransferError::Failed(_))));
+        let mut rest = Vec::new();
+        rx.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest, b"next frame", "the connection stays in step");
     }
 
     #[tokio::test]

@@ -76,7 +76,7 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
     let mut r = BufReader::with_capacity(wire::BUFFERED, r);
     let mut authed = authed || cfg.token.is_none();
     let mut unknown = 0u32;
-    // Where write payloads pass through on their way into regions (see `receive`).
+    // Where a refused write's payload is drained (see `receive`).
     let mut piece = Vec::new();
     // A shared write's pair continued by the next one (see `receive::land_shared`).
     let mut open_pair = None;
