@@ -46,17 +46,28 @@ fn shared_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
 #[derive(Debug)]
 struct Entry {
     slot: Slot,
-    hashes: Box<[BlockHash]>,
+    /// Its prompt's first block (where its [`Prompt`] is listed) and length.
+    first: BlockHash,
+    len: usize,
     until: Instant,
+}
+
+/// A pending prompt as a selection reads it: listed under its first block, so the overlay
+/// walks one vector instead of looking each entry up.
+#[derive(Debug)]
+struct Prompt {
+    id: u64,
+    slot: Slot,
+    hashes: Box<[BlockHash]>,
 }
 
 /// See the module docs.
 #[derive(Debug, Default)]
 pub(super) struct Pending {
     entries: FoldMap<u64, Entry>,
-    /// Entry ids by their prompt's first block: keyed hashing, since a caller of the
+    /// The prompts by their first block, oldest first: keyed hashing, since a caller of the
     /// scheduler names the blocks (one lookup per selection; the ids below are ours).
-    by_first: HashMap<BlockHash, Vec<u64>>,
+    by_first: HashMap<BlockHash, Vec<Prompt>>,
     /// Entry ids by slot, oldest first.
     by_slot: FoldMap<Slot, VecDeque<u64>>,
     next: u64,
@@ -84,20 +95,21 @@ impl Pending {
         let id = self.next;
         self.next += 1;
         self.blocks += hashes.len();
-        self.entries.insert(id, Entry { slot, hashes: hashes.into(), until: now + ttl });
-        self.by_first.entry(first).or_default().push(id);
+        let entry = Entry { slot, first, len: hashes.len(), until: now + ttl };
+        self.entries.insert(id, entry);
+        let prompt = Prompt { id, slot, hashes: hashes.into() };
+        self.by_first.entry(first).or_default().push(prompt);
         self.by_slot.entry(slot).or_default().push_back(id);
         Some(id)
     }
 
     fn unlink(&mut self, id: u64) -> Option<Entry> {
         let e = self.entries.remove(&id)?;
-        self.blocks -= e.hashes.len();
-        let first = e.hashes[0];
-        if let Some(v) = self.by_first.get_mut(&first) {
-            v.retain(|&x| x != id);
+        self.blocks -= e.len;
+        if let Some(v) = self.by_first.get_mut(&e.first) {
+            v.retain(|p| p.id != id);
             if v.is_empty() {
-                self.by_first.remove(&first);
+                self.by_first.remove(&e.first);
             }
         }
         Some(e)
@@ -145,11 +157,9 @@ impl Pending {
     /// Raises `run[slot]` to the leading blocks of `hashes` pending on each slot, looking at
     /// the [`SCAN`] most recent prompts that share the first block.
     pub(super) fn overlay(&self, hashes: &[BlockHash], run: &mut Run) {
-        let Some(ids) = hashes.first().and_then(|f| self.by_first.get(f)) else { return };
-        for id in ids.iter().rev().take(SCAN) {
-            let Some(e) = self.entries.get(id) else { continue };
-            let n = shared_prefix(&e.hashes, hashes) as u32;
-            run.raise(e.slot, n);
+        let Some(prompts) = hashes.first().and_then(|f| self.by_first.get(f)) else { return };
+        for p in prompts.iter().rev().take(SCAN) {
+            run.raise(p.slot, shared_prefix(&p.hashes, hashes) as u32);
         }
     }
 

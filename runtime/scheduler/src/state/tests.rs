@@ -352,6 +352,7 @@ fn a_routed_prefix_draws_the_next_request_until_reported() {
     assert_eq!(s.lock().pending.blocks(), 0, "reported prompts are no longer pending");
     // A departed instance takes its pending prompts along.
     let third = s.select(&Ask::new(&h, 256)).unwrap();
+    assert_eq!(third.cached_blocks, 0, "nothing pending draws it any more");
     assert_eq!(s.lock().pending.blocks(), 16);
     s.apply_update(Update::Remove(third.instance.id));
     assert_eq!(s.lock().pending.blocks(), 0);
