@@ -332,9 +332,10 @@ impl Inbox {
     }
 
     /// [`Inbox::on_piece`] with the piece's bytes read by `fill` straight into the region:
-    /// `place` is (offset, at most how many), as for a tcp payload read from its socket. `Err`: the piece was refused before `fill` was called (the region failed,
-    /// or the connection may not write it). Otherwise what `fill` returned, its bytes
-    /// landed and hashed.
+    /// `place` is (offset, at most how many), as for a tcp payload read from its socket.
+    /// `Err`: the piece was refused before `fill` was called (the region failed, or the
+    /// connection may not write it). Otherwise what `fill` returned, its bytes landed and
+    /// hashed.
     pub(crate) fn on_recv(
         &self,
         w: (RegionId, SenderId, ConnId),

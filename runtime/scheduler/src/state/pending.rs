@@ -45,10 +45,8 @@ fn shared_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
 
 #[derive(Debug)]
 struct Entry {
-    slot: Slot,
-    /// Its prompt's first block (where its [`Prompt`] is listed) and length.
+    /// Its prompt's first block, where its [`Prompt`] is listed.
     first: BlockHash,
-    len: usize,
     until: Instant,
 }
 
@@ -95,30 +93,30 @@ impl Pending {
         let id = self.next;
         self.next += 1;
         self.blocks += hashes.len();
-        let entry = Entry { slot, first, len: hashes.len(), until: now + ttl };
-        self.entries.insert(id, entry);
+        self.entries.insert(id, Entry { first, until: now + ttl });
         let prompt = Prompt { id, slot, hashes: hashes.into() };
         self.by_first.entry(first).or_default().push(prompt);
         self.by_slot.entry(slot).or_default().push_back(id);
         Some(id)
     }
 
-    fn unlink(&mut self, id: u64) -> Option<Entry> {
+    /// Takes entry `id` out of the entries and its prompt's list; returns the prompt.
+    fn unlink(&mut self, id: u64) -> Option<Prompt> {
         let e = self.entries.remove(&id)?;
-        self.blocks -= e.len;
-        if let Some(v) = self.by_first.get_mut(&e.first) {
-            v.retain(|p| p.id != id);
-            if v.is_empty() {
-                self.by_first.remove(&e.first);
-            }
+        let v = self.by_first.get_mut(&e.first)?;
+        let prompt = v.iter().position(|p| p.id == id).map(|at| v.remove(at));
+        if v.is_empty() {
+            self.by_first.remove(&e.first);
         }
-        Some(e)
+        let prompt = prompt?;
+        self.blocks -= prompt.hashes.len();
+        Some(prompt)
     }
 
     /// Entry `id` is done (its booking ended); nothing if it already expired.
     pub(super) fn remove(&mut self, id: u64) {
-        if let Some(e) = self.unlink(id) {
-            self.unqueue(e.slot, id);
+        if let Some(p) = self.unlink(id) {
+            self.unqueue(p.slot, id);
         }
     }
 
@@ -142,15 +140,10 @@ impl Pending {
 
     /// Drops entries past their TTL.
     pub(super) fn expire(&mut self, now: Instant) {
-        let old: Vec<(u64, Slot)> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| e.until <= now)
-            .map(|(&id, e)| (id, e.slot))
-            .collect();
-        for (id, slot) in old {
-            self.unlink(id);
-            self.unqueue(slot, id);
+        let old: Vec<u64> =
+            self.entries.iter().filter(|(_, e)| e.until <= now).map(|(&id, _)| id).collect();
+        for id in old {
+            self.remove(id);
         }
     }
 
@@ -167,5 +160,40 @@ impl Pending {
     #[cfg(test)]
     pub(super) fn blocks(&self) -> usize {
         self.blocks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use handoff_core::InstanceId;
+    use handoff_kv_index::{KvIndex, WorkerKey};
+
+    use super::*;
+
+    /// Prompts past their TTL leave the table and stop drawing selections; younger ones stay.
+    #[test]
+    fn expired_prompts_stop_counting_as_pending() {
+        let mut index = KvIndex::default();
+        let key =
+            |s: &str| WorkerKey { instance: s.parse::<InstanceId>().expect("an id"), dp_rank: 0 };
+        let (a, b) = (index.register(&key("a")), index.register(&key("b")));
+        let prompt: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
+        let mut pending = Pending::default();
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(10);
+        pending.note(a, &prompt, t0, ttl).expect("noted");
+        pending.note(b, &prompt[..2], t0 + Duration::from_secs(5), ttl).expect("noted");
+        let overlay = |pending: &Pending| {
+            let mut run = Run::new();
+            index.overlaps_into(&[], &mut run);
+            pending.overlay(&prompt, &mut run);
+            (run.at(a), run.at(b))
+        };
+        assert_eq!(overlay(&pending), (4, 2));
+        pending.expire(t0 + ttl);
+        assert_eq!((overlay(&pending), pending.blocks()), ((0, 2), 2), "a's prompt expired");
+        pending.expire(t0 + 2 * ttl);
+        assert_eq!((overlay(&pending), pending.blocks()), ((0, 0), 0));
+        assert!(pending.by_first.is_empty() && pending.by_slot.is_empty(), "nothing left");
     }
 }

@@ -62,15 +62,13 @@ impl Region {
         (off, piece): (u64, impl PieceBytes),
         hasher: &mut Xxh3,
     ) -> Result<(), TransferError> {
-        self.admit(id, sender, conn)?;
-        let Region { buf, expected, .. } = self;
-        let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
         let n = piece.byte_len();
-        let checked = p.check(off, n as u64).map(|()| {
-            p.record_range(off, n as u64);
-            hasher.update(land(buf, off, piece));
-        });
-        self.landed(sender, checked)
+        let copy = |place: &mut [u8]| {
+            let copied = piece.copy_to(place);
+            debug_assert!(copied, "a piece and its place in the region differ in length");
+            Poll::Ready(Ok(n))
+        };
+        self.recv_piece(id, sender, conn, (off, n), hasher, copy).map(drop)
     }
 
     /// [`Region::write_piece`] with the bytes read by `fill` straight into their place in
@@ -91,6 +89,10 @@ impl Region {
         let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
         if let Err(e) = p.check(off, n as u64) {
             return Err(self.refuse(sender, e));
+        }
+        if n == 0 {
+            // Lands nowhere, whatever its offset (see `land`).
+            return Ok(Poll::Ready(Ok(0)));
         }
         let place = &mut buf[off as usize..off as usize + n];
         let read = fill(place);
@@ -182,15 +184,10 @@ impl Region {
     }
 }
 
-/// Copies checked bytes into the buffer and returns them there. An empty segment lands
-/// nowhere, whatever its offset (fuzzing found one at 2^34).
-fn land(buf: &mut [u8], off: u64, b: impl PieceBytes) -> &[u8] {
-    let n = b.byte_len();
-    if n == 0 {
-        return &[];
+/// Copies checked bytes into the buffer. An empty segment lands nowhere, whatever its offset
+/// (fuzzing found one at 2^34).
+fn land(buf: &mut [u8], off: u64, b: &[u8]) {
+    if !b.is_empty() {
+        buf[off as usize..off as usize + b.len()].copy_from_slice(b);
     }
-    let kept = &mut buf[off as usize..off as usize + n];
-    let copied = b.copy_to(kept);
-    debug_assert!(copied, "a piece and its place in the region differ in length");
-    kept
 }

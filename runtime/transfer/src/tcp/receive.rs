@@ -47,7 +47,7 @@ pub(crate) async fn land<R: AsyncRead + Unpin>(
     segments: &[(u64, u32)],
     admitted: Result<(), TransferError>,
 ) -> Result<Result<(), TransferError>, TransferError> {
-    let mut landing = Landing::new(inbox, w, segments, admitted);
+    let mut landing = Landing::new(inbox, w, admitted);
     for &(off, len) in segments {
         landing.begin(off, len);
         let mut at = 0u64;
@@ -199,42 +199,29 @@ pub(crate) fn admit(
 struct Landing<'a> {
     inbox: &'a Inbox,
     w: Writer,
-    total: u64,
     verdict: Result<(), TransferError>,
     hasher: xxhash_rust::xxh3::Xxh3,
 }
 
 impl<'a> Landing<'a> {
-    fn new(
-        inbox: &'a Inbox,
-        w: Writer,
-        segments: &[(u64, u32)],
-        admitted: Result<(), TransferError>,
-    ) -> Self {
-        Landing {
-            inbox,
-            w,
-            total: segments.iter().map(|s| u64::from(s.1)).sum(),
-            verdict: admitted,
-            hasher: segment_hasher(0, 0),
-        }
+    fn new(inbox: &'a Inbox, w: Writer, admitted: Result<(), TransferError>) -> Self {
+        Landing { inbox, w, verdict: admitted, hasher: segment_hasher(0, 0) }
     }
 
     fn begin(&mut self, off: u64, len: u32) {
         self.hasher = segment_hasher(off, u64::from(len));
     }
 
-    /// Reads `n` bytes of a refused write's payload into `piece` (grown to at most
-    /// [`PIECE`]), to be dropped: the connection stays in step with its frames.
+    /// Reads `n` (at most [`PIECE`]) bytes of a refused write's payload into `piece`, to be
+    /// dropped: the connection stays in step with its frames.
     async fn drain<R: AsyncRead + Unpin>(
         &self,
         r: &mut R,
         piece: &mut Vec<u8>,
         n: usize,
     ) -> Result<usize, TransferError> {
-        let size = PIECE.min(usize::try_from(self.total).unwrap_or(PIECE));
-        if piece.len() < size {
-            piece.resize(size, 0);
+        if piece.len() < n {
+            piece.resize(n, 0);
         }
         r.read_exact(&mut piece[..n]).await.map_err(payload_err)?;
         Ok(n)
