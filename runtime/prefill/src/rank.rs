@@ -120,12 +120,22 @@ pub struct Destination {
 }
 
 impl Destination {
-    /// Posts the shard's runs of `layer` (none when the shard does not hold it).
-    pub async fn post_layer(&mut self, layer: &LayerKv) -> Result<(), PrefillError> {
-        let l = layer.layer;
-        if !self.shard.layers.contains(&l) {
+    /// Posts the shard's runs of `layers` (none of a layer the shard does not hold) in one
+    /// part: the layers the engine had ready together travel together.
+    pub async fn post_layers(&mut self, layers: &[LayerKv]) -> Result<(), PrefillError> {
+        let mut pairs = Vec::with_capacity(2 * layers.len());
+        for layer in layers.iter().filter(|l| self.shard.layers.contains(&l.layer)) {
+            pairs.extend(self.runs_of(layer)?);
+        }
+        if pairs.is_empty() {
             return Ok(());
         }
+        Ok(self.stream.post(pairs).await?)
+    }
+
+    /// The shard's runs of `layer` as (its bytes, destination offset), adjacent runs merged.
+    fn runs_of(&self, layer: &LayerKv) -> Result<Vec<(bytes::Bytes, u64)>, PrefillError> {
+        let l = layer.layer;
         let base = run_range(self.shape, self.tokens, l, 0, 0, 0..0).start;
         let runs = (0..2).flat_map(|k| (0..self.shard.heads).map(move |i| (k, i)));
         // (source range in the layer's bytes, destination offset), adjacent runs merged.
@@ -148,8 +158,7 @@ impl Destination {
                 layer.bytes.len()
             )));
         }
-        let pairs = merged.into_iter().map(|(r, at)| (layer.bytes.slice(r), at)).collect();
-        Ok(self.stream.post(pairs).await?)
+        Ok(merged.into_iter().map(|(r, at)| (layer.bytes.slice(r), at)).collect())
     }
 
     /// Closes the write with its notice and waits for the decode's verification.

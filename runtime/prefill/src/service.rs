@@ -384,8 +384,12 @@ impl PrefillService {
             let opened = try_join_all(opens).await?;
             let ranks = opened.iter().filter(|d| !d.is_empty()).count();
             let mut dests: Vec<Destination> = opened.into_iter().flatten().collect();
-            while let Some(layer) = layers.recv().await {
-                try_join_all(dests.iter_mut().map(|d| d.post_layer(&layer))).await?;
+            // Whatever the engine has ready when a post can go goes in it: one part per
+            // layer while it computes slower than the KV travels, fewer when it is faster.
+            let mut ready = Vec::new();
+            while layers.recv_many(&mut ready, info.shape.layers.max(1)).await > 0 {
+                try_join_all(dests.iter_mut().map(|d| d.post_layers(&ready))).await?;
+                ready.clear();
             }
             Ok::<_, PrefillError>((ranks, dests))
         };

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
-use super::wire::{self, Frame};
+use super::wire;
 use crate::{AgentAddr, TransferError};
 
 /// A connection this agent dialed: plain, or TLS over the socket.
@@ -171,10 +171,9 @@ pub(super) async fn read_ack<S: AsyncRead + Unpin>(
     s: &mut S,
     max_frame: usize,
 ) -> Result<(), TransferError> {
-    match wire::read_frame(s, max_frame).await? {
-        Some(Frame::Ack(Ok(()))) => Ok(()),
-        Some(Frame::Ack(Err(reason))) => Err(TransferError::Rejected(reason)),
-        Some(other) => Err(TransferError::Malformed(format!("expected an ack, got {other:?}"))),
+    match wire::read_ack(s, max_frame).await? {
+        Some(Ok(())) => Ok(()),
+        Some(Err(reason)) => Err(TransferError::Rejected(reason)),
         None => Err(io_err(peer, "connection closed before the ack")),
     }
 }
@@ -224,5 +223,68 @@ mod tests {
         // A take sweeps too, whichever peer it asks for: a pool only asked of keeps nothing.
         assert_eq!(idle.take_at(&peer(9), |_| true, t0 + Duration::from_secs(200)), None);
         assert_eq!((idle.len(), idle.peers()), (0, 0));
+    }
+
+    /// A socket that counts its reads: each is a syscall on an unbuffered stream.
+    struct Counted<'a> {
+        data: &'a [u8],
+        reads: usize,
+    }
+
+    impl tokio::io::AsyncRead for Counted<'_> {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            let n = buf.remaining().min(self.data.len());
+            buf.put_slice(&self.data[..n]);
+            self.data = &self.data[n..];
+            self.reads += 1;
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    async fn ack(verdict: Result<(), &str>) -> Vec<u8> {
+        let mut b = Vec::new();
+        wire::write_ack(&mut b, &verdict.map_err(str::to_owned)).await.unwrap();
+        b
+    }
+
+    /// A plain ack takes one read and nothing past it; a refusal comes with its reason and
+    /// leaves the next frame whole; what is not an ack, or too short to be one, is malformed.
+    #[tokio::test]
+    async fn an_ack_is_read_in_one_read_and_no_further() {
+        let at = peer(1);
+        let (yes, no) = (ack(Ok(())).await, ack(Err("region expired")).await);
+        let both: Vec<u8> = [yes.clone(), no.clone(), yes.clone()].concat();
+        let mut s = Counted { data: &both, reads: 0 };
+        assert!(read_ack(&at, &mut s, 1 << 20).await.is_ok());
+        assert_eq!((s.reads, s.data.len()), (1, no.len() + yes.len()), "one read, no further");
+        let refused = read_ack(&at, &mut s, 1 << 20).await;
+        assert!(matches!(refused, Err(TransferError::Rejected(r)) if r == "region expired"));
+        assert_eq!(s.data, &yes[..], "the next ack is left whole");
+        assert!(read_ack(&at, &mut s, 1 << 20).await.is_ok());
+        let closed = read_ack(&at, &mut s, 1 << 20).await;
+        assert!(matches!(closed, Err(TransferError::Io { .. })), "{closed:?}");
+
+        let mut notice = Vec::new();
+        let n = crate::Notice {
+            room: handoff_core::Room::mint(),
+            sender: crate::SenderId::new(0, 0),
+            first_token: 1,
+            tokens: 2,
+            cached_tokens: 0,
+            bytes: 3,
+            checksum: 4,
+        };
+        wire::write_notice(&mut notice, crate::RegionId(1), &n).await.unwrap();
+        let short = [2u8, 0, 0, 0, 4]; // an ack's head, then the stream ends
+        let empty = [1u8, 0, 0, 0, 4, 9]; // an ack of no verdict
+        let long = [0u8, 0, 0, 2, 4, 1]; // longer than a frame may be
+        for bad in [&notice[..], &short[..], &empty[..], &long[..]] {
+            let got = read_ack(&at, &mut Counted { data: bad, reads: 0 }, 1 << 20).await;
+            assert!(matches!(got, Err(TransferError::Malformed(_))), "{bad:?}: {got:?}");
+        }
     }
 }

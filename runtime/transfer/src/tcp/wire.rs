@@ -184,6 +184,45 @@ pub(super) async fn write_ack<W: AsyncWrite + Unpin>(
     w.flush().await
 }
 
+/// The shortest ack: its length, its kind and the verdict byte.
+const ACK_MIN: usize = 6;
+
+/// Reads one frame that must be an ack (a sender's read of its receiver's answer), in one
+/// read when it is a plain yes: unbuffered, a frame read piece by piece costs three. Never
+/// reads past a well-formed ack (none is shorter than [`ACK_MIN`]); a frame too short to be
+/// one is malformed, and its connection is not used again. `Ok(None)` at a clean end of
+/// stream before the ack.
+pub(super) async fn read_ack<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_frame: usize,
+) -> Result<Option<Result<(), String>>, TransferError> {
+    let mut head = [0u8; ACK_MIN];
+    let mut got = 0;
+    while got < 5 {
+        match r.read(&mut head[got..]).await {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(malformed(format!("truncated ack: {got} bytes"))),
+            Ok(n) => got += n,
+            Err(e) => return Err(malformed(format!("reading an ack: {e}"))),
+        }
+    }
+    let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    if head[4] != ACK {
+        return Err(malformed(format!("expected an ack, got a frame of kind {}", head[4])));
+    }
+    if len < ACK_MIN - 4 || len > max_frame {
+        return Err(malformed(format!("ack length {len} outside {}..={max_frame}", ACK_MIN - 4)));
+    }
+    let mut body = head[5..got].to_vec();
+    if 4 + len > got {
+        body.extend(read_up_to(r, 4 + len - got).await?);
+    }
+    match decode(ACK, Bytes::from(body))? {
+        Frame::Ack(verdict) => Ok(Some(verdict)),
+        other => Err(malformed(format!("expected an ack, got {other:?}"))),
+    }
+}
+
 /// Reads one frame; `Ok(None)` at a clean end of stream between frames.
 pub(super) async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,

@@ -128,17 +128,19 @@ impl ShmConn {
         Ok(())
     }
 
-    /// Sends the notice once every half is landed, and reads its ack.
+    /// Sends the notice right behind the shared writes (the receiver lands a connection's
+    /// frames in order, so every half is landed before it reads the notice), then reads the
+    /// halves' acks and the notice's.
     pub(crate) async fn finish(
         &mut self,
         region: RegionId,
         notice: &Notice,
     ) -> Result<(), TransferError> {
-        self.settle().await?;
         let peer = &self.peer;
         wire::write_notice(&mut self.stream, region, notice).await.map_err(|e| io_err(peer, e))?;
         self.stream.flush().await.map_err(|e| io_err(peer, e))?;
-        read_ack(peer, &mut self.stream, self.max_frame).await
+        self.settle().await?;
+        read_ack(&self.peer, &mut self.stream, self.max_frame).await
     }
 
     /// A whole write: its bytes, then its notice (if any) and the notice's ack. Without a

@@ -109,6 +109,39 @@ async fn a_streamed_write_lands_its_parts_as_posted() {
     e.tasks.shutdown().await;
 }
 
+/// The notice follows the shared writes at once, not a round trip later: a receiver that
+/// reads both before it acks either gets them, and the sender then takes every ack.
+#[tokio::test]
+async fn the_notice_follows_the_shared_writes_without_waiting_for_their_acks() {
+    let (near, mut far) = UnixStream::pair().unwrap();
+    let window = window::Window::create().unwrap();
+    let peer = AgentAddr { ip: "127.0.0.1".into(), port: 1 };
+    let mut conn = ShmConn::new(&peer, near, window, 1 << 20);
+    let (pairs, len) = laid(&[1000, (2 << 20) + 10]);
+    let (region, s) = (crate::RegionId(7), SenderId::new(0, 0));
+    let notice = WriteRequest::new(region, pairs.clone(), Room::mint(), s, 5, 1, 0).notice.unwrap();
+    let receiver = async {
+        let within = Duration::from_secs(10);
+        let mut frames = Vec::new();
+        while !matches!(frames.last(), Some(Frame::Notice { .. })) {
+            let f = tokio::time::timeout(within, wire::read_frame(&mut far, 1 << 20)).await;
+            frames.push(f.expect("the notice came without an ack").unwrap().unwrap());
+        }
+        for _ in &frames {
+            wire::write_ack(&mut far, &Ok(())).await.unwrap();
+        }
+        frames.len()
+    };
+    let sender = async {
+        conn.post(region, s, &pairs).await?;
+        conn.finish(region, &notice).await
+    };
+    let (frames, sent) = tokio::join!(receiver, sender);
+    sent.unwrap();
+    assert_eq!(frames, 3, "two halves' shared writes, then the notice ({len} bytes)");
+    assert!(conn.looks_alive(), "every ack taken: nothing left to read");
+}
+
 #[tokio::test]
 async fn without_a_listener_on_this_host_the_write_goes_over_tcp() {
     let e = ends(false, None).await;
