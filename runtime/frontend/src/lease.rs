@@ -3,7 +3,6 @@
 
 use std::sync::Arc;
 
-use handoff_core::Tasks;
 use handoff_proto::v1::{Outcome, ReportOutcomeRequest};
 
 use crate::{Cause, FrontendError, Schedulers};
@@ -12,24 +11,18 @@ use crate::{Cause, FrontendError, Schedulers};
 /// client went away), reported cancelled.
 pub(crate) struct Lease {
     schedulers: Arc<Schedulers>,
-    tasks: Tasks,
     replica: String,
     booking: u64,
     open: bool,
 }
 
 impl Lease {
-    /// A booking `booking` held on `replica`; reports go out on `tasks`.
-    pub(crate) fn new(
-        schedulers: Arc<Schedulers>,
-        tasks: Tasks,
-        replica: String,
-        booking: u64,
-    ) -> Self {
-        Lease { schedulers, tasks, replica, booking, open: true }
+    /// A booking `booking` held on `replica`.
+    pub(crate) fn new(schedulers: Arc<Schedulers>, replica: String, booking: u64) -> Self {
+        Lease { schedulers, replica, booking, open: true }
     }
 
-    /// Reports the outcome (on the frontend's tasks: the request does not wait for it).
+    /// Reports the outcome (the request does not wait for it to arrive).
     pub(crate) fn end(mut self, outcome: Outcome, error: String) {
         self.open = false;
         self.send(outcome, error);
@@ -37,8 +30,7 @@ impl Lease {
 
     fn send(&self, outcome: Outcome, error: String) {
         let req = ReportOutcomeRequest { booking_id: self.booking, outcome: outcome as i32, error };
-        let (s, replica) = (self.schedulers.clone(), self.replica.clone());
-        self.tasks.spawn(async move { s.report(&replica, req).await });
+        self.schedulers.report(&self.replica, req);
     }
 }
 

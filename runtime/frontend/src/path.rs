@@ -116,7 +116,7 @@ impl Frontend {
             .await
             .map_err(|e| FrontendError::Invalid(format!("transfer agent: {e}")))?;
         let schedulers = Arc::new(
-            Schedulers::new(cfg.select_timeout)
+            Schedulers::new(cfg.select_timeout, tasks)
                 .with_token(cfg.transfer_token.clone())
                 .with_tls(cfg.tls.clone()),
         );

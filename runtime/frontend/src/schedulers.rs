@@ -4,7 +4,7 @@
 //! and is avoided for a while. Each booking is reported to the replica that made it.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use handoff_core::tls::ClusterTls;
@@ -19,6 +19,10 @@ use tracing::{debug, info, warn};
 
 use crate::FrontendError;
 
+pub mod reports;
+
+use reports::{Queued, ReportQueue};
+
 /// How long a replica that failed a call is tried only after the others.
 const SUSPECT_FOR: Duration = Duration::from_secs(5);
 
@@ -27,10 +31,11 @@ struct Replica {
     client: SchedulerClient<Channel>,
     /// Failed a call recently: tried after the others until then.
     suspect_until: Option<Instant>,
+    /// Outcome reports waiting to go to it.
+    reports: Arc<ReportQueue>,
 }
 
 /// The scheduler replicas (see the module docs).
-#[derive(Debug, Default)]
 pub struct Schedulers {
     replicas: Mutex<BTreeMap<String, Replica>>,
     /// Longest wait for one replica's answer before trying the next.
@@ -38,6 +43,19 @@ pub struct Schedulers {
     /// The cluster's token, sent as a bearer token.
     token: Option<String>,
     tls: Option<ClusterTls>,
+    /// Where report senders run.
+    tasks: handoff_core::Tasks,
+    /// How long a report waits for a selection to take it along.
+    report_linger: Duration,
+}
+
+impl std::fmt::Debug for Schedulers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Schedulers")
+            .field("replicas", &self.addrs())
+            .field("select_timeout", &self.select_timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A selection, and the replica that holds its booking.
@@ -57,9 +75,24 @@ fn replica_failed(s: &tonic::Status) -> bool {
 }
 
 impl Schedulers {
-    /// No replicas yet; each call to one waits at most `select_timeout`.
-    pub fn new(select_timeout: Duration) -> Self {
-        Schedulers { replicas: Mutex::default(), select_timeout, token: None, tls: None }
+    /// No replicas yet; each call to one waits at most `select_timeout`; reports that no
+    /// selection takes along are sent on `tasks`.
+    pub fn new(select_timeout: Duration, tasks: &handoff_core::Tasks) -> Self {
+        Schedulers {
+            replicas: Mutex::default(),
+            select_timeout,
+            token: None,
+            tls: None,
+            tasks: tasks.clone(),
+            report_linger: reports::LINGER,
+        }
+    }
+
+    /// Reports wait up to `linger` for a selection to take them along (instead of
+    /// [`reports::LINGER`]).
+    pub fn with_report_linger(mut self, linger: Duration) -> Self {
+        self.report_linger = linger;
+        self
     }
 
     /// Calls replicas over the cluster's mutual TLS.
@@ -85,7 +118,8 @@ impl Schedulers {
             let channel = cluster_channel(addr, self.tls.as_ref(), Duration::from_secs(1))
                 .map_err(|e| FrontendError::Invalid(e.to_string()))?;
             let client = SchedulerClient::new(channel);
-            map.insert(addr.to_owned(), Replica { client, suspect_until: None });
+            let reports = Arc::default();
+            map.insert(addr.to_owned(), Replica { client, suspect_until: None, reports });
             info!(scheduler = addr, replicas = map.len(), "scheduler replica added");
         }
         Ok(())
@@ -122,7 +156,7 @@ impl Schedulers {
 
     /// Replicas in the order to try them: healthy ones first from a random start, then the
     /// suspect ones.
-    fn order(&self, now: Instant) -> Vec<(String, SchedulerClient<Channel>)> {
+    fn order(&self, now: Instant) -> Vec<(String, Replica)> {
         let map = self.lock();
         let n = map.len();
         if n == 0 {
@@ -131,7 +165,7 @@ impl Schedulers {
         let start = rand::random_range(0..n);
         let mut all: Vec<_> = map.iter().cycle().skip(start).take(n).collect();
         all.sort_by_key(|(_, r)| r.suspect_until.is_some_and(|t| t > now));
-        all.into_iter().map(|(a, r)| (a.clone(), r.client.clone())).collect()
+        all.into_iter().map(|(a, r)| (a.clone(), r.clone())).collect()
     }
 
     fn suspect(&self, addr: &str, now: Instant) {
@@ -150,20 +184,27 @@ impl Schedulers {
         trace: &TraceContext,
     ) -> Result<Selected, SelectFailure> {
         let (mut last, mut no_instance) = (None, None);
-        for (addr, mut client) in self.order(Instant::now()) {
+        for (addr, mut replica) in self.order(Instant::now()) {
             if tokio::time::Instant::now() >= deadline {
                 break;
             }
             let wait = (tokio::time::Instant::now() + self.select_timeout).min(deadline);
-            match tokio::time::timeout_at(
-                wait,
-                client.select_prefill(traced(
-                    auth::request(req.clone(), self.token.as_deref()),
-                    trace,
-                )),
-            )
-            .await
-            {
+            // The replica's waiting reports go along; if it does not answer they wait again.
+            let mut ask = req.clone();
+            ask.reports = replica.reports.take();
+            let call = replica
+                .client
+                .select_prefill(traced(auth::request(ask.clone(), self.token.as_deref()), trace));
+            let answer = tokio::time::timeout_at(wait, call).await;
+            let delivered = match &answer {
+                Ok(Ok(_)) => true,
+                Ok(Err(s)) => s.metadata().contains_key(NO_INSTANCE) || !replica_failed(s),
+                Err(_) => false,
+            };
+            if !delivered {
+                self.put_back(&addr, &replica, ask.reports);
+            }
+            match answer {
                 Ok(Ok(r)) => return Ok(Selected { replica: addr, selection: r.into_inner() }),
                 // Up, but it knows no routable instance: another replica may (its view of
                 // the fleet can lag), and this one is not suspect.
@@ -192,22 +233,48 @@ impl Schedulers {
         }
     }
 
-    /// Reports a booking's outcome to the replica that made it (best effort: a booking
-    /// whose report is lost expires there).
-    pub async fn report(&self, replica: &str, req: ReportOutcomeRequest) {
-        let client = self.lock().get(replica).map(|r| r.client.clone());
-        let Some(mut client) = client else {
+    /// Reports a booking's outcome to the replica that made it: along with the next
+    /// selection asked of it, or soon in a call with the others waiting (see `reports`).
+    /// Best effort: a booking whose report is lost expires there.
+    pub fn report(&self, replica: &str, req: ReportOutcomeRequest) {
+        let found = self.lock().get(replica).map(|r| (r.reports.clone(), r.client.clone()));
+        let Some((queue, client)) = found else {
             debug!(scheduler = replica, "outcome not reported: replica gone");
             return;
         };
-        let call = tokio::time::timeout(
-            self.select_timeout * 2,
-            client.report_outcome(auth::request(req, self.token.as_deref())),
-        );
-        match call.await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => debug!(scheduler = replica, error = %e, "outcome not reported"),
-            Err(_) => debug!(scheduler = replica, "outcome report timed out"),
+        let queued = queue.push(req);
+        self.after_queueing(replica, client, queue, queued);
+    }
+
+    fn put_back(&self, addr: &str, replica: &Replica, reports: Vec<ReportOutcomeRequest>) {
+        let queued = replica.reports.put_back(reports);
+        let (client, queue) = (replica.client.clone(), replica.reports.clone());
+        self.after_queueing(addr, client, queue, queued);
+    }
+
+    /// Starts a sender for `replica`'s `queue` if the queueing said so.
+    fn after_queueing(
+        &self,
+        replica: &str,
+        client: SchedulerClient<Channel>,
+        queue: Arc<ReportQueue>,
+        queued: Queued,
+    ) {
+        match queued {
+            Queued::Taken => {}
+            Queued::Dropped => {
+                debug!(scheduler = replica, "outcome not reported: too many waiting")
+            }
+            Queued::StartSender => {
+                let sender = reports::Sender {
+                    replica: replica.to_owned(),
+                    client,
+                    token: self.token.clone(),
+                    timeout: self.select_timeout * 2,
+                    linger: self.report_linger,
+                };
+                self.tasks.spawn(sender.run(queue, self.tasks.shutdown_token()));
+            }
         }
     }
 }

@@ -10,7 +10,8 @@ use handoff_proto::trace::TraceContext;
 use handoff_proto::v1::scheduler_server::{Scheduler as SchedulerRpc, SchedulerServer};
 use handoff_proto::v1::{
     InstanceStatus, ListInstancesRequest, ListInstancesResponse, Outcome as WireOutcome, Policy,
-    ReportOutcomeRequest, ReportOutcomeResponse, SelectPrefillRequest, SelectPrefillResponse,
+    ReportOutcomeRequest, ReportOutcomeResponse, ReportOutcomesRequest, ReportOutcomesResponse,
+    SelectPrefillRequest, SelectPrefillResponse,
 };
 use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
@@ -72,6 +73,43 @@ fn instance_id(s: &str) -> Result<InstanceId, Status> {
     s.parse().map_err(|e: handoff_core::InvalidId| Status::invalid_argument(e.to_string()))
 }
 
+/// Most reports one `ReportOutcomes` call may carry.
+pub const MAX_REPORTS: usize = 4096;
+
+/// Every report's outcome, each checked before any is applied: a call refused for one of
+/// them ends no booking.
+fn reports_from_wire(reports: &[ReportOutcomeRequest]) -> Result<Vec<Outcome>, Status> {
+    if reports.len() > MAX_REPORTS {
+        return Err(Status::invalid_argument(format!(
+            "{} reports in one call, at most {MAX_REPORTS}",
+            reports.len()
+        )));
+    }
+    let outcome = |(i, r): (usize, &ReportOutcomeRequest)| {
+        report_from_wire(r)
+            .map_err(|s| Status::invalid_argument(format!("report {i}: {}", s.message())))
+    };
+    reports.iter().enumerate().map(outcome).collect()
+}
+
+/// A report's outcome, once its booking is named.
+fn report_from_wire(r: &ReportOutcomeRequest) -> Result<Outcome, Status> {
+    if r.booking_id == 0 {
+        return Err(Status::invalid_argument("booking_id is required"));
+    }
+    outcome_from_wire(r.outcome)
+}
+
+impl SchedulerService {
+    /// Ends `r`'s booking with `outcome`: whether it was open.
+    fn report(&self, r: &ReportOutcomeRequest, outcome: Outcome) -> bool {
+        if outcome != Outcome::Success {
+            debug!(booking = r.booking_id, ?outcome, error = %r.error, "attempt failed");
+        }
+        self.state.report(BookingId(r.booking_id), outcome)
+    }
+}
+
 #[tonic::async_trait]
 impl SchedulerRpc for SchedulerService {
     async fn select_prefill(
@@ -95,6 +133,10 @@ impl SchedulerRpc for SchedulerService {
                 .then(|| std::time::Duration::from_millis(u64::from(r.deadline_ms))),
             protocols: Protocols::from_names(&r.protocols)?,
         };
+        let outcomes = reports_from_wire(&r.reports)?;
+        for (report, outcome) in r.reports.iter().zip(outcomes) {
+            self.report(report, outcome);
+        }
         let sel = self.state.select(&ask)?;
         debug!(instance = %sel.instance.id, dp_rank = sel.dp_rank, cached = sel.cached_blocks, "prefill selected");
         Ok(Response::new(SelectPrefillResponse {
@@ -114,15 +156,18 @@ impl SchedulerRpc for SchedulerService {
         req: Request<ReportOutcomeRequest>,
     ) -> Result<Response<ReportOutcomeResponse>, Status> {
         let r = req.into_inner();
-        if r.booking_id == 0 {
-            return Err(Status::invalid_argument("booking_id is required"));
-        }
-        let outcome = outcome_from_wire(r.outcome)?;
-        let closed = self.state.report(BookingId(r.booking_id), outcome);
-        if outcome != Outcome::Success {
-            debug!(booking = r.booking_id, ?outcome, error = %r.error, "attempt failed");
-        }
-        Ok(Response::new(ReportOutcomeResponse { closed }))
+        let outcome = report_from_wire(&r)?;
+        Ok(Response::new(ReportOutcomeResponse { closed: self.report(&r, outcome) }))
+    }
+
+    async fn report_outcomes(
+        &self,
+        req: Request<ReportOutcomesRequest>,
+    ) -> Result<Response<ReportOutcomesResponse>, Status> {
+        let reports = req.into_inner().reports;
+        let outcomes = reports_from_wire(&reports)?;
+        let closed = reports.iter().zip(outcomes).map(|(r, o)| self.report(r, o)).collect();
+        Ok(Response::new(ReportOutcomesResponse { closed }))
     }
 
     async fn list_instances(
@@ -166,4 +211,85 @@ pub async fn serve(
         .serve_with_incoming_shutdown(handoff_core::net::nodelay_incoming(listener), shutdown)
         .await
         .map_err(GrpcError::Serve)
+}
+
+#[cfg(test)]
+mod tests {
+    use handoff_discovery::{Instance, Role, Topology, Update};
+
+    use super::*;
+    use crate::SchedulerConfig;
+
+    fn booked(n: usize) -> (SchedulerService, Vec<u64>) {
+        let state = Arc::new(SchedulerState::new(SchedulerConfig::default()));
+        state.apply_update(Update::Reset(vec![Instance {
+            id: "p0".parse().unwrap(),
+            role: Role::Prefill,
+            model: "mock".into(),
+            bootstrap_addr: "p0:1".into(),
+            grpc_addr: "p0:2".into(),
+            topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+            page_size: 16,
+            version: 1,
+            engine: None,
+        }]));
+        let bookings =
+            (0..n).map(|_| state.select(&Ask::new(&[BlockHash(1)], 16)).unwrap().booking.0);
+        let bookings = bookings.collect();
+        (SchedulerService::new(state), bookings)
+    }
+
+    fn report(booking_id: u64, outcome: WireOutcome) -> ReportOutcomeRequest {
+        ReportOutcomeRequest { booking_id, outcome: outcome as i32, error: String::new() }
+    }
+
+    async fn batch(svc: &SchedulerService, reports: Vec<ReportOutcomeRequest>) -> Vec<bool> {
+        let r = svc.report_outcomes(Request::new(ReportOutcomesRequest { reports })).await;
+        r.map(|r| r.into_inner().closed).unwrap_or_else(|s| panic!("{s:?}"))
+    }
+
+    /// A batch closes each open booking it names and says which it closed, in order; one
+    /// malformed report refuses the whole batch, which then changed nothing.
+    #[tokio::test]
+    async fn a_batch_of_reports_closes_its_bookings_or_none() {
+        let (svc, b) = booked(2);
+        let bad = vec![report(b[0], WireOutcome::Success), report(0, WireOutcome::Success)];
+        let refused = svc.report_outcomes(Request::new(ReportOutcomesRequest { reports: bad }));
+        let s = refused.await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+        assert!(s.message().contains("report 1"), "{}", s.message());
+        let unknown = vec![report(b[0], WireOutcome::Unspecified)];
+        let s = svc.report_outcomes(Request::new(ReportOutcomesRequest { reports: unknown }));
+        assert_eq!(s.await.unwrap_err().code(), tonic::Code::InvalidArgument);
+        let (ok, fault) = (WireOutcome::Success, WireOutcome::InstanceFault);
+        let got = batch(&svc, vec![report(b[1], fault), report(b[0], ok), report(b[1], ok)]).await;
+        assert_eq!(got, [true, true, false], "each open booking closed once");
+        assert_eq!(batch(&svc, vec![]).await, Vec::<bool>::new());
+        let many = vec![report(b[0], WireOutcome::Success); MAX_REPORTS + 1];
+        let s = svc.report_outcomes(Request::new(ReportOutcomesRequest { reports: many }));
+        assert_eq!(s.await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    }
+
+    /// Reports sent along with a selection end their bookings before it books; a malformed
+    /// one refuses the selection, which then ended and booked nothing.
+    #[tokio::test]
+    async fn reports_along_with_a_selection_end_before_it_books() {
+        let (svc, b) = booked(1);
+        let ask = |reports| SelectPrefillRequest {
+            block_hashes: vec![1],
+            prompt_tokens: 16,
+            reports,
+            ..Default::default()
+        };
+        let bad = ask(vec![report(b[0], WireOutcome::Success), report(0, WireOutcome::Success)]);
+        let s = svc.select_prefill(Request::new(bad)).await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+        assert_eq!(svc.state.open_bookings(), 1, "nothing ended, nothing booked");
+        let good = ask(vec![report(b[0], WireOutcome::Success)]);
+        let sel = svc.select_prefill(Request::new(good)).await.unwrap().into_inner();
+        assert_ne!(sel.booking_id, b[0]);
+        assert_eq!(svc.state.open_bookings(), 1, "the first ended, the second began");
+        let again = batch(&svc, vec![report(b[0], WireOutcome::Success)]).await;
+        assert_eq!(again, [false], "already ended");
+    }
 }

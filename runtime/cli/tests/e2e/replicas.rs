@@ -15,6 +15,14 @@ use tokio::sync::oneshot;
 
 /// A scheduler replica on a free port, knowing `instances`; dropping the sender stops it.
 async fn replica(instances: &[&str]) -> (String, oneshot::Sender<()>) {
+    let (addr, _, stop) = replica_with_state(instances).await;
+    (addr, stop)
+}
+
+/// [`replica`], and its state.
+async fn replica_with_state(
+    instances: &[&str],
+) -> (String, Arc<SchedulerState>, oneshot::Sender<()>) {
     let state = Arc::new(SchedulerState::new(SchedulerConfig::default()));
     let all = instances
         .iter()
@@ -34,10 +42,10 @@ async fn replica(instances: &[&str]) -> (String, oneshot::Sender<()>) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(handoff_scheduler::service::serve(l, state, async {
+    tokio::spawn(handoff_scheduler::service::serve(l, state.clone(), async {
         let _ = stopped.await;
     }));
-    (addr, stop)
+    (addr, state, stop)
 }
 
 fn ask() -> SelectPrefillRequest {
@@ -53,7 +61,8 @@ fn ask() -> SelectPrefillRequest {
 async fn a_replica_without_instances_is_asked_past_and_not_suspected() {
     let (empty, _e) = replica(&[]).await;
     let (full, _f) = replica(&["p0"]).await;
-    let pool = Schedulers::new(Duration::from_secs(1));
+    let tasks = handoff_core::Tasks::new();
+    let pool = Schedulers::new(Duration::from_secs(1), &tasks);
     pool.reset(&[empty.clone(), full.clone()]).unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     for _ in 0..20 {
@@ -83,4 +92,44 @@ async fn a_replica_without_instances_is_asked_past_and_not_suspected() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(pool.select(ask(), deadline, &Default::default()).await.is_err());
     assert_eq!(pool.suspects(), vec![full]);
+}
+
+/// A booking's report goes along with the next selection asked of its replica, which ends
+/// it before booking anew; one that no selection takes goes on its own once its linger is
+/// over. Lingers are arguments: an hour (only a selection can have carried the report) and
+/// a millisecond.
+#[tokio::test]
+async fn reports_go_along_with_the_next_selection_or_alone_after_their_linger() {
+    use handoff_proto::v1::{Outcome, ReportOutcomeRequest};
+    let (addr, state, _s) = replica_with_state(&["p0"]).await;
+    let tasks = handoff_core::Tasks::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let done = |s: &handoff_frontend::schedulers::Selected| ReportOutcomeRequest {
+        booking_id: s.selection.booking_id,
+        outcome: Outcome::Success as i32,
+        error: String::new(),
+    };
+
+    let pool = Schedulers::new(Duration::from_secs(1), &tasks)
+        .with_report_linger(Duration::from_secs(3600));
+    pool.reset(std::slice::from_ref(&addr)).unwrap();
+    let first = pool.select(ask(), deadline, &Default::default()).await.unwrap();
+    assert_eq!(state.open_bookings(), 1);
+    pool.report(&addr, done(&first));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(state.open_bookings(), 1, "the report waits for a selection");
+    let second = pool.select(ask(), deadline, &Default::default()).await.unwrap();
+    assert_eq!(state.open_bookings(), 1, "the first booking ended, the second began");
+    assert_ne!(first.selection.booking_id, second.selection.booking_id);
+
+    let pool = Schedulers::new(Duration::from_secs(1), &tasks)
+        .with_report_linger(Duration::from_millis(1));
+    pool.reset(std::slice::from_ref(&addr)).unwrap();
+    pool.report(&addr, done(&second));
+    let since = std::time::Instant::now();
+    while state.open_bookings() > 0 {
+        assert!(since.elapsed() < Duration::from_secs(10), "the report went alone");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tasks.shutdown().await;
 }

@@ -80,17 +80,17 @@ impl Frontend {
                 .chain(self.cfg.drive_vllm.then_some(&"vllm"))
                 .map(|p| p.to_string())
                 .collect(),
+            // The replica asked adds its waiting reports (see `Schedulers::select`).
+            reports: Vec::new(),
         };
         // The call runs on its own task and wraps its booking in a lease there: if this
         // request is dropped while the scheduler books it, the lease is dropped with the
         // task's output and the booking reported cancelled, not left to expire.
-        let (schedulers, tasks, deadline, trace) =
-            (self.schedulers.clone(), self.tasks.clone(), plan.deadline, plan.trace);
+        let (schedulers, deadline, trace) = (self.schedulers.clone(), plan.deadline, plan.trace);
         let call = self.tasks.spawn(
             async move {
                 let sel = schedulers.select(req, deadline, &trace).await?;
-                let lease =
-                    Lease::new(schedulers, tasks, sel.replica.clone(), sel.selection.booking_id);
+                let lease = Lease::new(schedulers, sel.replica.clone(), sel.selection.booking_id);
                 Ok::<_, SelectFailure>((lease, sel))
             }
             .instrument(tracing::Span::current()),
