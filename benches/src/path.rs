@@ -11,13 +11,80 @@ use tonic::transport::Channel;
 /// CPU time this process has used (user and system, all threads), from `/proc/self/stat`
 /// (10 ms ticks).
 pub fn process_cpu() -> anyhow::Result<Duration> {
-    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    cpu_in("/proc/self/stat")
+}
+
+/// CPU time the thread `tid` of this process has used (user and system), from its
+/// `/proc/self/task/<tid>/stat` (10 ms ticks).
+pub fn thread_cpu(tid: u32) -> anyhow::Result<Duration> {
+    cpu_in(&format!("/proc/self/task/{tid}/stat"))
+}
+
+/// The calling thread's id, as `/proc` names it.
+pub fn current_tid() -> anyhow::Result<u32> {
+    let link = std::fs::read_link("/proc/thread-self")?;
+    let tid = link.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    Ok(tid.parse()?)
+}
+
+fn cpu_in(stat: &str) -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string(stat)?;
     // Fields after the command name (which may hold spaces) closed by ')'.
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks: u64 =
         f.get(11).unwrap_or(&"0").parse::<u64>()? + f.get(12).unwrap_or(&"0").parse::<u64>()?;
     Ok(Duration::from_millis(ticks * 10))
+}
+
+/// A runtime on one thread of its own, for a load generator whose CPU must be told apart
+/// from the system's it loads: its futures (and the connections they open) run there.
+pub struct OwnThread {
+    /// Spawns onto it.
+    pub handle: tokio::runtime::Handle,
+    /// Its thread, for [`thread_cpu`].
+    pub tid: u32,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl OwnThread {
+    /// Starts it.
+    pub fn start() -> anyhow::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new().name("loadgen".into()).spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            let rt = match rt {
+                Ok(rt) => rt,
+                Err(e) => return drop(tx.send(Err(anyhow::Error::from(e)))),
+            };
+            let _ = tx.send(current_tid().map(|tid| (rt.handle().clone(), tid)));
+            rt.block_on(async {
+                let _ = stopped.await;
+            });
+        })?;
+        let (handle, tid) = rx.recv()??;
+        Ok(OwnThread { handle, tid, stop: Some(stop), thread: Some(thread) })
+    }
+
+    /// Runs `f` there and waits for it.
+    pub async fn run<F>(&self, f: F) -> anyhow::Result<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        Ok(self.handle.spawn(f).await?)
+    }
+}
+
+impl Drop for OwnThread {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// An `n`-token prompt of its own for each `seed` (no prefix shared with another seed's).

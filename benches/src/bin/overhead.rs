@@ -5,9 +5,11 @@
 //!
 //! - closed loop with 1 request in flight (latency alone) and with 64 (saturation: its
 //!   latency is mostly queueing, and labelled so), with the process's CPU per request (every
-//!   role runs in this process, and so does the load generator's gRPC client), whole and
-//!   beyond the mock engine's own (measured on the in-process runs; /proc counts CPU in
-//!   10 ms ticks, so at least 500 requests per level keep each figure within 20 us);
+//!   role runs in this process, and so does the load generator), whole, beyond the mock
+//!   engine's own (measured on the in-process runs), the load generator's (its gRPC client
+//!   and connection, on a thread of its own: a client's cost, not the path's), and the
+//!   path's: what is left. /proc counts CPU in 10 ms ticks, so at least 500 requests per
+//!   level keep each figure within 20 us (the load generator's within 20 us too);
 //! - open loop, requests started on a fixed schedule whatever the answers do, at half the
 //!   saturation rate just measured and at 2,500 req/s (half of issue 14's 5,000 target).
 //!   Latency counts from each request's scheduled start, so a stalled path is not hidden by
@@ -24,7 +26,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use handoff::{Cluster, ClusterConfig};
-use handoff_benches::path::{pct, process_cpu, prompt, ttft, us};
+use handoff_benches::path::{OwnThread, pct, process_cpu, prompt, thread_cpu, ttft, us};
 use handoff_engine::{Engine, MockConfig, MockEngine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
 
@@ -64,7 +66,11 @@ async fn main() -> anyhow::Result<()> {
     let base_p50 = pct(&base, 0.5);
 
     let cluster = Cluster::start_shared(ClusterConfig::ephemeral(), engine.clone()).await?;
-    let client = GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
+    // The load generator runs on a thread of its own: its CPU (its gRPC client and the
+    // connection that drives) is the client's, shown apart from the path's.
+    let loadgen = OwnThread::start()?;
+    let url = format!("http://{}", cluster.frontend_addr);
+    let client = loadgen.run(GenerateClient::connect(url)).await??;
     let mut out = handoff_benches::record::Report::new("overhead");
     writeln!(
         out,
@@ -79,40 +85,46 @@ async fn main() -> anyhow::Result<()> {
     writeln!(out)?;
     writeln!(
         out,
-        "| load | TTFT p50 (us) | TTFT p99 (us) | overhead p50 (us) | overhead p99 (us) | req/s | CPU per request (us) | CPU per request beyond the engine's (us) |"
+        "| load | TTFT p50 (us) | TTFT p99 (us) | overhead p50 (us) | overhead p99 (us) | req/s | CPU per request (us) | beyond the engine's (us) | the load generator's (us) | the path's: beyond the engine's and the load generator's (us) |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     let mut saturation = 0f64;
     for conc in [1usize, 64] {
         // Warm-up: connections, caches.
-        let warm = futures::stream::iter(0..conc * 4).map(|i| {
-            let mut c = client.clone();
-            async move { ttft(&mut c, prompt(1_000_000 + i as u32, prompt_tokens)).await }
+        let c = client.clone();
+        let warm = loadgen.run(async move {
+            let warm = futures::stream::iter(0..conc * 4).map(|i| {
+                let mut c = c.clone();
+                async move { ttft(&mut c, prompt(1_000_000 + i as u32, prompt_tokens)).await }
+            });
+            warm.buffer_unordered(conc).collect::<Vec<_>>().await
         });
-        for r in warm.buffer_unordered(conc).collect::<Vec<_>>().await {
+        for r in warm.await? {
             r?;
         }
-        let (start, cpu) = (Instant::now(), process_cpu()?);
-        let runs = futures::stream::iter(0..per_level).map(|i| {
-            let mut c = client.clone();
-            // Distinct prompts: no prefix reuse, every request computes its whole prompt.
-            async move { ttft(&mut c, prompt((conc * per_level + i) as u32, prompt_tokens)).await }
+        let (start, cpu, client_cpu) = (Instant::now(), process_cpu()?, thread_cpu(loadgen.tid)?);
+        let c = client.clone();
+        let runs = loadgen.run(async move {
+            let runs = futures::stream::iter(0..per_level).map(|i| {
+                let mut c = c.clone();
+                // Distinct prompts: no prefix reuse, every request computes its whole prompt.
+                let p = prompt((conc * per_level + i) as u32, prompt_tokens);
+                async move { ttft(&mut c, p).await }
+            });
+            runs.buffer_unordered(conc).collect::<Vec<_>>().await
         });
-        let t: Vec<Duration> = runs
-            .buffer_unordered(conc)
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect::<Result<_, _>>()?;
-        let (wall, cpu) = (start.elapsed(), process_cpu()? - cpu);
+        let t: Vec<Duration> = runs.await?.into_iter().collect::<Result<_, _>>()?;
+        let wall = start.elapsed();
+        let (cpu, client_cpu) = (process_cpu()? - cpu, thread_cpu(loadgen.tid)? - client_cpu);
         let rate = per_level as f64 / wall.as_secs_f64();
         saturation = rate;
         let label = match conc {
             1 => "closed loop, 1 in flight".to_owned(),
             n => format!("closed loop, {n} in flight (saturated: latency is mostly queueing)"),
         };
-        let cpu_us = us(cpu) / per_level as f64;
-        row(&mut out, &label, t, base_p50, rate, Some((cpu_us, engine_cpu_us)))?;
+        let per = |d: Duration| us(d) / per_level as f64;
+        let cpu = Cpu { whole: per(cpu), engine: engine_cpu_us, client: per(client_cpu) };
+        row(&mut out, &label, t, base_p50, rate, Some(cpu))?;
     }
     let half = saturation / 2.0;
     for (k, (label, rate)) in [
@@ -125,7 +137,9 @@ async fn main() -> anyhow::Result<()> {
         // Seeds of its own: `prompt` has 31,000 distinct ones, and a prompt seen before
         // would be served from the prefix cache (less work than the base measured).
         let first_seed = 10_000 + (k * per_level) as u32;
-        let (t, achieved) = open_loop(&client, rate, per_level, prompt_tokens, first_seed).await?;
+        let c = client.clone();
+        let run = open_loop(c, rate, per_level, prompt_tokens, first_seed);
+        let (t, achieved) = loadgen.run(run).await??;
         row(&mut out, &label, t, base_p50, achieved, None)?;
     }
     cluster.shutdown().await;
@@ -133,19 +147,31 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// CPU per request (µs): the whole process's, and the parts of it that are not the path's.
+struct Cpu {
+    whole: f64,
+    /// The mock engine's own (measured in-process).
+    engine: f64,
+    /// The load generator's thread (its gRPC client and connection).
+    client: f64,
+}
+
 /// One table row: TTFT and overhead (TTFT less the in-process `base`) percentiles of `t`,
-/// and the CPU per request with and without the engine's (`cpu_us`: the path's, the engine's).
+/// and the CPU per request, whole and without the engine's and the load generator's.
 fn row(
     out: &mut handoff_benches::record::Report,
     label: &str,
     mut t: Vec<Duration>,
     base: Duration,
     rate: f64,
-    cpu_us: Option<(f64, f64)>,
+    cpu: Option<Cpu>,
 ) -> anyhow::Result<()> {
     t.sort();
     let (p50, p99) = (pct(&t, 0.5), pct(&t, 0.99));
-    let cpu = cpu_us.map_or("- | -".to_owned(), |(c, e)| format!("{c:.0} | {:.0}", c - e));
+    let cpu = cpu.map_or("- | - | - | -".to_owned(), |c| {
+        let beyond = c.whole - c.engine;
+        format!("{:.0} | {beyond:.0} | {:.0} | {:.0}", c.whole, c.client, beyond - c.client)
+    });
     writeln!(
         out,
         "| {label} | {:.0} | {:.0} | {:.0} | {:.0} | {rate:.0} | {cpu} |",
@@ -161,7 +187,7 @@ fn row(
 /// time from its scheduled start to its first token, and the rate achieved (answers over
 /// the time to the last).
 async fn open_loop(
-    client: &GenerateClient<tonic::transport::Channel>,
+    client: GenerateClient<tonic::transport::Channel>,
     rate: f64,
     n: usize,
     prompt_tokens: usize,
