@@ -19,6 +19,9 @@ pub mod metadata {
     /// On a scheduler's `UNAVAILABLE`: the replica is up and answered that it has no
     /// routable instance (not a failure of the replica itself).
     pub const NO_INSTANCE: &str = "handoff-no-instance";
+    /// On a scheduler's refusal of `SelectPrefill`: how many of the reports sent along it
+    /// took (as `SelectPrefillResponse.reports_taken` says on an answer).
+    pub const REPORTS_TAKEN: &str = "handoff-reports-taken";
 }
 
 /// Bearer tokens on the internal gRPC services (`Scheduler`, `Prefill`): the cluster's token

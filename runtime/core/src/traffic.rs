@@ -83,6 +83,7 @@ const GRPC_METHODS: &[&str] = &[
     "/handoff.v1.Generate/Generate",
     "/handoff.v1.Scheduler/SelectPrefill",
     "/handoff.v1.Scheduler/ReportOutcome",
+    "/handoff.v1.Scheduler/ReportOutcomes",
     "/handoff.v1.Scheduler/ListInstances",
     "/handoff.v1.Prefill/Prefill",
     "/handoff.v1.Prefill/Drain",

@@ -7,6 +7,9 @@ use handoff_proto::v1::{Outcome, ReportOutcomeRequest};
 
 use crate::{Cause, FrontendError, Schedulers};
 
+/// Longest failure reason a report carries, in bytes.
+const MAX_REASON: usize = 256;
+
 /// A booking held on a scheduler replica: ended with its outcome, or, if dropped first (the
 /// client went away), reported cancelled.
 pub(crate) struct Lease {
@@ -28,7 +31,12 @@ impl Lease {
         self.send(outcome, error);
     }
 
-    fn send(&self, outcome: Outcome, error: String) {
+    fn send(&self, outcome: Outcome, mut error: String) {
+        // A report rides along with selections: its reason is for logs, kept short.
+        if error.len() > MAX_REASON {
+            let cut = (0..=MAX_REASON).rev().find(|&i| error.is_char_boundary(i)).unwrap_or(0);
+            error.truncate(cut);
+        }
         let req = ReportOutcomeRequest { booking_id: self.booking, outcome: outcome as i32, error };
         self.schedulers.report(&self.replica, req);
     }

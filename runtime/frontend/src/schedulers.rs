@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use handoff_core::tls::ClusterTls;
 use handoff_proto::auth;
 use handoff_proto::grpc::cluster_channel;
-use handoff_proto::metadata::NO_INSTANCE;
+use handoff_proto::metadata::{NO_INSTANCE, REPORTS_TAKEN};
 use handoff_proto::trace::{TraceContext, traced};
 use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{ReportOutcomeRequest, SelectPrefillRequest, SelectPrefillResponse};
@@ -21,7 +21,7 @@ use crate::FrontendError;
 
 pub mod reports;
 
-use reports::{Queued, ReportQueue};
+use reports::{Queued, ReportQueue, Stamped};
 
 /// How long a replica that failed a call is tried only after the others.
 const SUSPECT_FOR: Duration = Duration::from_secs(5);
@@ -189,20 +189,28 @@ impl Schedulers {
                 break;
             }
             let wait = (tokio::time::Instant::now() + self.select_timeout).min(deadline);
-            // The replica's waiting reports go along; if it does not answer they wait again.
+            // The replica's waiting reports go along; those it does not say it took wait
+            // again (it did not answer, or it is older than reports along).
+            let along = replica.reports.take();
             let mut ask = req.clone();
-            ask.reports = replica.reports.take();
+            ask.reports = along.iter().map(|(_, r)| r.clone()).collect();
             let call = replica
                 .client
-                .select_prefill(traced(auth::request(ask.clone(), self.token.as_deref()), trace));
+                .select_prefill(traced(auth::request(ask, self.token.as_deref()), trace));
             let answer = tokio::time::timeout_at(wait, call).await;
-            let delivered = match &answer {
-                Ok(Ok(_)) => true,
-                Ok(Err(s)) => s.metadata().contains_key(NO_INSTANCE) || !replica_failed(s),
-                Err(_) => false,
-            };
-            if !delivered {
-                self.put_back(&addr, &replica, ask.reports);
+            if !along.is_empty() {
+                let taken = match &answer {
+                    Ok(Ok(r)) => Some(r.get_ref().reports_taken),
+                    Ok(Err(s)) => {
+                        s.metadata().get(REPORTS_TAKEN).and_then(|v| v.to_str().ok()?.parse().ok())
+                    }
+                    Err(_) => None,
+                };
+                if taken != Some(along.len() as u32) {
+                    // An answer that took none says the replica does not take them along.
+                    let takes_along = !matches!(answer, Ok(Ok(_)));
+                    self.put_back(&addr, &replica, along, takes_along);
+                }
             }
             match answer {
                 Ok(Ok(r)) => return Ok(Selected { replica: addr, selection: r.into_inner() }),
@@ -242,12 +250,12 @@ impl Schedulers {
             debug!(scheduler = replica, "outcome not reported: replica gone");
             return;
         };
-        let queued = queue.push(req);
+        let queued = queue.push(req, tokio::time::Instant::now());
         self.after_queueing(replica, client, queue, queued);
     }
 
-    fn put_back(&self, addr: &str, replica: &Replica, reports: Vec<ReportOutcomeRequest>) {
-        let queued = replica.reports.put_back(reports);
+    fn put_back(&self, addr: &str, replica: &Replica, reports: Vec<Stamped>, along: bool) {
+        let queued = replica.reports.put_back(reports, along);
         let (client, queue) = (replica.client.clone(), replica.reports.clone());
         self.after_queueing(addr, client, queue, queued);
     }

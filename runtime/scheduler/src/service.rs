@@ -6,6 +6,7 @@ use std::sync::Arc;
 use handoff_core::{BlockHash, InstanceId};
 use handoff_proto::auth::Bearer;
 use handoff_proto::grpc::GrpcError;
+use handoff_proto::metadata::REPORTS_TAKEN;
 use handoff_proto::trace::TraceContext;
 use handoff_proto::v1::scheduler_server::{Scheduler as SchedulerRpc, SchedulerServer};
 use handoff_proto::v1::{
@@ -101,6 +102,54 @@ fn report_from_wire(r: &ReportOutcomeRequest) -> Result<Outcome, Status> {
 }
 
 impl SchedulerService {
+    /// Selects for `r` (its reports taken already).
+    fn select(&self, r: SelectPrefillRequest) -> Result<SelectPrefillResponse, Status> {
+        let policy = policy_from_wire(r.policy)?;
+        let exclude =
+            r.exclude_instances.iter().map(|s| instance_id(s)).collect::<Result<Vec<_>, _>>()?;
+        let hashes: Vec<BlockHash> = r.block_hashes.into_iter().map(BlockHash).collect();
+        let ask = Ask {
+            hashes: &hashes,
+            prompt_tokens: r.prompt_tokens,
+            policy,
+            exclude: &exclude,
+            deadline: (r.deadline_ms > 0)
+                .then(|| std::time::Duration::from_millis(u64::from(r.deadline_ms))),
+            protocols: Protocols::from_names(&r.protocols)?,
+        };
+        let sel = self.state.select(&ask)?;
+        debug!(instance = %sel.instance.id, dp_rank = sel.dp_rank, cached = sel.cached_blocks, "prefill selected");
+        Ok(SelectPrefillResponse {
+            instance_id: sel.instance.id.to_string(),
+            dp_rank: sel.dp_rank,
+            cached_blocks: sel.cached_blocks,
+            booking_id: sel.booking.0,
+            expected_wait_ms: sel.expected_wait.as_millis().min(u128::from(u32::MAX)) as u32,
+            protocol: Protocol::of(&sel.instance).name().to_owned(),
+            bootstrap_addr: sel.instance.bootstrap_addr,
+            prefill_addr: sel.instance.grpc_addr,
+            reports_taken: 0,
+        })
+    }
+
+    /// Ends the bookings of `reports` sent along with a selection: the well-formed ones (a
+    /// malformed one is skipped, and logged), none past [`MAX_REPORTS`]. How many it took.
+    fn take_reports(&self, reports: Vec<ReportOutcomeRequest>) -> u32 {
+        if reports.len() > MAX_REPORTS {
+            debug!(n = reports.len(), "too many reports along with a selection; none taken");
+            return 0;
+        }
+        for r in &reports {
+            match report_from_wire(r) {
+                Ok(outcome) => {
+                    self.report(r, outcome);
+                }
+                Err(e) => debug!(booking = r.booking_id, error = %e.message(), "report skipped"),
+            }
+        }
+        reports.len() as u32
+    }
+
     /// Ends `r`'s booking with `outcome`: whether it was open.
     fn report(&self, r: &ReportOutcomeRequest, outcome: Outcome) -> bool {
         if outcome != Outcome::Success {
@@ -119,36 +168,19 @@ impl SchedulerRpc for SchedulerService {
         let span = tracing::info_span!("select", trace_id = tracing::field::Empty);
         TraceContext::from_metadata(req.metadata()).bind(&span);
         let _entered = span.entered();
-        let r = req.into_inner();
-        let policy = policy_from_wire(r.policy)?;
-        let exclude =
-            r.exclude_instances.iter().map(|s| instance_id(s)).collect::<Result<Vec<_>, _>>()?;
-        let hashes: Vec<BlockHash> = r.block_hashes.into_iter().map(BlockHash).collect();
-        let ask = Ask {
-            hashes: &hashes,
-            prompt_tokens: r.prompt_tokens,
-            policy,
-            exclude: &exclude,
-            deadline: (r.deadline_ms > 0)
-                .then(|| std::time::Duration::from_millis(u64::from(r.deadline_ms))),
-            protocols: Protocols::from_names(&r.protocols)?,
-        };
-        let outcomes = reports_from_wire(&r.reports)?;
-        for (report, outcome) in r.reports.iter().zip(outcomes) {
-            self.report(report, outcome);
+        let mut r = req.into_inner();
+        // The reports first, whatever becomes of the selection: the caller counts on them.
+        let taken = self.take_reports(std::mem::take(&mut r.reports));
+        match self.select(r) {
+            Ok(mut answer) => {
+                answer.reports_taken = taken;
+                Ok(Response::new(answer))
+            }
+            Err(mut refusal) => {
+                refusal.metadata_mut().insert(REPORTS_TAKEN, taken.into());
+                Err(refusal)
+            }
         }
-        let sel = self.state.select(&ask)?;
-        debug!(instance = %sel.instance.id, dp_rank = sel.dp_rank, cached = sel.cached_blocks, "prefill selected");
-        Ok(Response::new(SelectPrefillResponse {
-            instance_id: sel.instance.id.to_string(),
-            dp_rank: sel.dp_rank,
-            cached_blocks: sel.cached_blocks,
-            booking_id: sel.booking.0,
-            expected_wait_ms: sel.expected_wait.as_millis().min(u128::from(u32::MAX)) as u32,
-            protocol: Protocol::of(&sel.instance).name().to_owned(),
-            bootstrap_addr: sel.instance.bootstrap_addr,
-            prefill_addr: sel.instance.grpc_addr,
-        }))
     }
 
     async fn report_outcome(
@@ -214,82 +246,4 @@ pub async fn serve(
 }
 
 #[cfg(test)]
-mod tests {
-    use handoff_discovery::{Instance, Role, Topology, Update};
-
-    use super::*;
-    use crate::SchedulerConfig;
-
-    fn booked(n: usize) -> (SchedulerService, Vec<u64>) {
-        let state = Arc::new(SchedulerState::new(SchedulerConfig::default()));
-        state.apply_update(Update::Reset(vec![Instance {
-            id: "p0".parse().unwrap(),
-            role: Role::Prefill,
-            model: "mock".into(),
-            bootstrap_addr: "p0:1".into(),
-            grpc_addr: "p0:2".into(),
-            topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-            page_size: 16,
-            version: 1,
-            engine: None,
-        }]));
-        let bookings =
-            (0..n).map(|_| state.select(&Ask::new(&[BlockHash(1)], 16)).unwrap().booking.0);
-        let bookings = bookings.collect();
-        (SchedulerService::new(state), bookings)
-    }
-
-    fn report(booking_id: u64, outcome: WireOutcome) -> ReportOutcomeRequest {
-        ReportOutcomeRequest { booking_id, outcome: outcome as i32, error: String::new() }
-    }
-
-    async fn batch(svc: &SchedulerService, reports: Vec<ReportOutcomeRequest>) -> Vec<bool> {
-        let r = svc.report_outcomes(Request::new(ReportOutcomesRequest { reports })).await;
-        r.map(|r| r.into_inner().closed).unwrap_or_else(|s| panic!("{s:?}"))
-    }
-
-    /// A batch closes each open booking it names and says which it closed, in order; one
-    /// malformed report refuses the whole batch, which then changed nothing.
-    #[tokio::test]
-    async fn a_batch_of_reports_closes_its_bookings_or_none() {
-        let (svc, b) = booked(2);
-        let bad = vec![report(b[0], WireOutcome::Success), report(0, WireOutcome::Success)];
-        let refused = svc.report_outcomes(Request::new(ReportOutcomesRequest { reports: bad }));
-        let s = refused.await.unwrap_err();
-        assert_eq!(s.code(), tonic::Code::InvalidArgument);
-        assert!(s.message().contains("report 1"), "{}", s.message());
-        let unknown = vec![report(b[0], WireOutcome::Unspecified)];
-        let s = svc.report_outcomes(Request::new(ReportOutcomesRequest { reports: unknown }));
-        assert_eq!(s.await.unwrap_err().code(), tonic::Code::InvalidArgument);
-        let (ok, fault) = (WireOutcome::Success, WireOutcome::InstanceFault);
-        let got = batch(&svc, vec![report(b[1], fault), report(b[0], ok), report(b[1], ok)]).await;
-        assert_eq!(got, [true, true, false], "each open booking closed once");
-        assert_eq!(batch(&svc, vec![]).await, Vec::<bool>::new());
-        let many = vec![report(b[0], WireOutcome::Success); MAX_REPORTS + 1];
-        let s = svc.report_outcomes(Request::new(ReportOutcomesRequest { reports: many }));
-        assert_eq!(s.await.unwrap_err().code(), tonic::Code::InvalidArgument);
-    }
-
-    /// Reports sent along with a selection end their bookings before it books; a malformed
-    /// one refuses the selection, which then ended and booked nothing.
-    #[tokio::test]
-    async fn reports_along_with_a_selection_end_before_it_books() {
-        let (svc, b) = booked(1);
-        let ask = |reports| SelectPrefillRequest {
-            block_hashes: vec![1],
-            prompt_tokens: 16,
-            reports,
-            ..Default::default()
-        };
-        let bad = ask(vec![report(b[0], WireOutcome::Success), report(0, WireOutcome::Success)]);
-        let s = svc.select_prefill(Request::new(bad)).await.unwrap_err();
-        assert_eq!(s.code(), tonic::Code::InvalidArgument);
-        assert_eq!(svc.state.open_bookings(), 1, "nothing ended, nothing booked");
-        let good = ask(vec![report(b[0], WireOutcome::Success)]);
-        let sel = svc.select_prefill(Request::new(good)).await.unwrap().into_inner();
-        assert_ne!(sel.booking_id, b[0]);
-        assert_eq!(svc.state.open_bookings(), 1, "the first ended, the second began");
-        let again = batch(&svc, vec![report(b[0], WireOutcome::Success)]).await;
-        assert_eq!(again, [false], "already ended");
-    }
-}
+mod tests;

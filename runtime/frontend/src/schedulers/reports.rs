@@ -1,53 +1,82 @@
 //! Outcome reports to one scheduler replica, sent along with the selections that follow
-//! them: a busy frontend's reports cost no call of their own. Reports that no selection
-//! takes within the linger ([`LINGER`] by default; an idle frontend's) go in one call,
-//! together. One sender at a
-//! time per replica, started by the report that finds none running, ending when it wakes to
-//! find nothing left.
+//! them: a busy frontend's reports cost no call of their own. A report that no selection
+//! takes within the linger ([`LINGER`] by default: an idle frontend's) goes in a call of its
+//! own, with the others of its age. One sender at a time per replica, started by the report
+//! that finds none running, ending when it finds nothing left to wait for.
 
+use std::collections::VecDeque;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use handoff_proto::auth;
 use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{ReportOutcomeRequest, ReportOutcomesRequest};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use tracing::debug;
 
-/// Most reports in one call (the scheduler takes up to 4096).
+/// Most reports in one call of their own (the scheduler takes up to 4096).
 pub(crate) const BATCH: usize = 1024;
+
+/// Most reports one selection takes along: its request stays small.
+pub(crate) const ALONG: usize = 256;
 
 /// How long a report waits for a selection to take it along before it is sent alone, by
 /// default: a booking's load stays on its instance at most this much longer in the
 /// replica's view.
-pub const LINGER: std::time::Duration = std::time::Duration::from_millis(2);
+pub const LINGER: Duration = Duration::from_millis(2);
 
 /// Most reports waiting for one replica: past this a report is dropped, and its booking
 /// expires on the replica (as a lost report's does).
 pub(crate) const MAX_WAITING: usize = 65_536;
 
-/// What [`ReportQueue::push`] did with a report.
+/// What queueing did with reports.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Queued {
     /// No sender was running: the caller starts one.
     StartSender,
-    /// The running sender takes it.
+    /// The running sender takes them.
     Taken,
     /// Too many waiting: dropped.
     Dropped,
 }
 
+/// What the sender does next.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Due {
+    /// Send these (their linger is over).
+    Send(Vec<ReportOutcomeRequest>),
+    /// Wait this long: the oldest report's linger is not over yet.
+    Wait(Duration),
+    /// Nothing waits: the sender stops, and the next report starts another.
+    Done,
+}
+
+/// A report and when it was queued.
+pub(crate) type Stamped = (Instant, ReportOutcomeRequest);
+
 #[derive(Debug, Default)]
 struct Waiting {
-    reports: Vec<ReportOutcomeRequest>,
+    /// Oldest first.
+    reports: VecDeque<Stamped>,
     sending: bool,
 }
 
 /// The reports waiting for one replica (see the module docs).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct ReportQueue {
     waiting: Mutex<Waiting>,
+    /// Whether the replica takes reports along with selections (one older than that field
+    /// answers without saying it took them).
+    along: AtomicBool,
+}
+
+impl Default for ReportQueue {
+    fn default() -> Self {
+        ReportQueue { waiting: Mutex::default(), along: AtomicBool::new(true) }
+    }
 }
 
 impl ReportQueue {
@@ -55,45 +84,39 @@ impl ReportQueue {
         self.waiting.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues `r`.
-    pub(crate) fn push(&self, r: ReportOutcomeRequest) -> Queued {
+    /// Queues `r`, reported at `now`.
+    pub(crate) fn push(&self, r: ReportOutcomeRequest, now: Instant) -> Queued {
         let mut w = self.lock();
         if w.reports.len() >= MAX_WAITING {
             return Queued::Dropped;
         }
-        w.reports.push(r);
-        if w.sending {
-            Queued::Taken
-        } else {
-            w.sending = true;
-            Queued::StartSender
-        }
+        w.reports.push_back((now, r));
+        Self::sender_needed(&mut w)
     }
 
-    /// The sender's next batch (oldest first, at most [`BATCH`]); `None` when nothing is
-    /// left, and the sender stops: the next report starts another.
-    pub(crate) fn next_batch(&self) -> Option<Vec<ReportOutcomeRequest>> {
-        let mut w = self.lock();
-        if w.reports.is_empty() {
-            w.sending = false;
-            return None;
-        }
-        let n = w.reports.len().min(BATCH);
-        Some(w.reports.drain(..n).collect())
+    fn sender_needed(w: &mut Waiting) -> Queued {
+        if std::mem::replace(&mut w.sending, true) { Queued::Taken } else { Queued::StartSender }
     }
 
-    /// Up to a batch of reports for a selection to take along (oldest first); the sender,
-    /// if running, finds what is left.
-    pub(crate) fn take(&self) -> Vec<ReportOutcomeRequest> {
+    /// Up to [`ALONG`] waiting reports for a selection to take along (oldest first), none
+    /// when the replica does not take them.
+    pub(crate) fn take(&self) -> Vec<Stamped> {
+        if !self.along.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
         let mut w = self.lock();
-        let n = w.reports.len().min(BATCH);
+        let n = w.reports.len().min(ALONG);
         w.reports.drain(..n).collect()
     }
 
-    /// Puts back reports a selection took and could not deliver (its replica did not
-    /// answer): reports are idempotent, so one that did arrive after all changes nothing
-    /// when sent again. Returns whether the caller must start a sender.
-    pub(crate) fn put_back(&self, reports: Vec<ReportOutcomeRequest>) -> Queued {
+    /// Puts back reports a selection took and the replica did not say it took (it did not
+    /// answer, or it is older than reports along): reports are idempotent, so one that did
+    /// arrive after all changes nothing when sent again. With `along` false, selections stop
+    /// taking reports to this replica.
+    pub(crate) fn put_back(&self, reports: Vec<Stamped>, along: bool) -> Queued {
+        if !along {
+            self.along.store(false, Ordering::Relaxed);
+        }
         if reports.is_empty() {
             return Queued::Taken;
         }
@@ -102,8 +125,26 @@ impl ReportQueue {
         if room == 0 {
             return Queued::Dropped;
         }
-        w.reports.extend(reports.into_iter().take(room));
-        if std::mem::replace(&mut w.sending, true) { Queued::Taken } else { Queued::StartSender }
+        // They were the oldest when taken: back at the front, in their order.
+        for r in reports.into_iter().take(room).rev() {
+            w.reports.push_front(r);
+        }
+        Self::sender_needed(&mut w)
+    }
+
+    /// What the sender does at `now` with reports lingering `linger`.
+    pub(crate) fn due(&self, now: Instant, linger: Duration) -> Due {
+        let mut w = self.lock();
+        let Some((oldest, _)) = w.reports.front() else {
+            w.sending = false;
+            return Due::Done;
+        };
+        let ripe = |at: &Instant| now.saturating_duration_since(*at) >= linger;
+        if !ripe(oldest) {
+            return Due::Wait(linger - now.saturating_duration_since(*oldest));
+        }
+        let n = w.reports.iter().take(BATCH).take_while(|(at, _)| ripe(at)).count();
+        Due::Send(w.reports.drain(..n).map(|(_, r)| r).collect())
     }
 }
 
@@ -119,21 +160,29 @@ pub(crate) struct Sender {
 }
 
 impl Sender {
-    /// Sends `queue`'s reports, each batch after the linger, until it finds none left (best
-    /// effort: a batch that fails is not sent again, and its bookings expire on the replica).
-    /// At shutdown, what waits goes at once.
+    /// Sends `queue`'s reports as their linger ends, until it finds none waiting (best
+    /// effort: a batch that fails is not sent again, and its bookings expire on the
+    /// replica). At shutdown, what waits goes at once.
     pub(crate) async fn run(
         mut self,
         queue: std::sync::Arc<ReportQueue>,
         shutdown: CancellationToken,
     ) {
+        let mut wait = self.linger;
         loop {
             tokio::select! {
-                _ = tokio::time::sleep(self.linger) => {}
+                _ = tokio::time::sleep(wait) => {}
                 _ = shutdown.cancelled() => {}
             }
-            let Some(batch) = queue.next_batch() else { break };
-            self.send(batch).await;
+            let linger = if shutdown.is_cancelled() { Duration::ZERO } else { self.linger };
+            match queue.due(Instant::now(), linger) {
+                Due::Send(batch) => {
+                    self.send(batch).await;
+                    wait = Duration::ZERO;
+                }
+                Due::Wait(d) => wait = d,
+                Due::Done => break,
+            }
         }
     }
 
@@ -160,46 +209,4 @@ impl Sender {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn report(booking_id: u64) -> ReportOutcomeRequest {
-        ReportOutcomeRequest { booking_id, ..Default::default() }
-    }
-
-    /// The first report starts the sender; those that come while it sends go in its next
-    /// batch, oldest first, at most a batch at a time; once it finds nothing it stops, and
-    /// the next report starts another. Past the bound, reports are dropped.
-    #[test]
-    fn reports_gather_while_one_sender_sends() {
-        let q = ReportQueue::default();
-        assert_eq!(q.push(report(1)), Queued::StartSender);
-        let first = q.next_batch().unwrap();
-        assert_eq!(first.iter().map(|r| r.booking_id).collect::<Vec<_>>(), [1]);
-        for b in 2..2 + BATCH as u64 + 5 {
-            assert_eq!(q.push(report(b)), Queued::Taken, "a sender is running");
-        }
-        let next = q.next_batch().unwrap();
-        assert_eq!(next.len(), BATCH);
-        assert_eq!((next[0].booking_id, next[BATCH - 1].booking_id), (2, BATCH as u64 + 1));
-        assert_eq!(q.next_batch().unwrap().len(), 5);
-        assert!(q.next_batch().is_none(), "nothing left: the sender stops");
-        assert_eq!(q.push(report(9)), Queued::StartSender, "the next report starts another");
-        // A selection takes what waits along; what it could not deliver comes back for the
-        // running sender (or starts one when none runs).
-        let along = q.take();
-        assert_eq!(along.iter().map(|r| r.booking_id).collect::<Vec<_>>(), [9]);
-        assert!(q.take().is_empty());
-        assert_eq!(q.put_back(along.clone()), Queued::Taken, "the sender still runs");
-        assert_eq!(q.next_batch().unwrap().len(), 1);
-        assert!(q.next_batch().is_none());
-        assert_eq!(q.put_back(along), Queued::StartSender, "no sender ran");
-        assert_eq!(q.put_back(Vec::new()), Queued::Taken, "nothing to send");
-        for b in 1..MAX_WAITING as u64 {
-            q.push(report(b));
-        }
-        assert_eq!(q.push(report(0)), Queued::Dropped);
-        assert_eq!(q.put_back(vec![report(0)]), Queued::Dropped);
-        assert_eq!(q.lock().reports.len(), MAX_WAITING);
-    }
-}
+mod tests;

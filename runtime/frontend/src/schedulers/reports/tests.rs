@@ -1,0 +1,64 @@
+use super::*;
+
+fn report(booking_id: u64) -> ReportOutcomeRequest {
+    ReportOutcomeRequest { booking_id, ..Default::default() }
+}
+
+fn ids(rs: &[ReportOutcomeRequest]) -> Vec<u64> {
+    rs.iter().map(|r| r.booking_id).collect()
+}
+
+const MS: Duration = Duration::from_millis(1);
+
+/// The first report starts the sender; the sender sends only reports whose linger is over
+/// (oldest first, at most a batch at a time) and otherwise waits for the oldest one's; once
+/// it finds nothing it stops, and the next report starts another. Times are arguments.
+#[test]
+fn the_sender_sends_each_report_once_its_linger_is_over() {
+    let q = ReportQueue::default();
+    let t0 = Instant::now();
+    assert_eq!(q.push(report(1), t0), Queued::StartSender);
+    assert_eq!(q.push(report(2), t0 + MS), Queued::Taken, "a sender is running");
+    assert_eq!(q.due(t0 + MS, 2 * MS), Due::Wait(MS), "the oldest lingers 1 ms more");
+    let Due::Send(first) = q.due(t0 + 2 * MS, 2 * MS) else { panic!("the oldest is due") };
+    assert_eq!(ids(&first), [1], "only the report whose linger is over");
+    assert_eq!(q.due(t0 + 2 * MS, 2 * MS), Due::Wait(MS));
+    for b in 3..3 + BATCH as u64 + 5 {
+        q.push(report(b), t0 + 2 * MS);
+    }
+    let Due::Send(next) = q.due(t0 + 10 * MS, 2 * MS) else { panic!("due") };
+    assert_eq!((next.len(), next[0].booking_id), (BATCH, 2), "a batch at a time, oldest first");
+    let Due::Send(rest) = q.due(t0 + 10 * MS, 2 * MS) else { panic!("due") };
+    assert_eq!(rest.len(), 6);
+    assert_eq!(q.due(t0 + 10 * MS, 2 * MS), Due::Done, "nothing left: the sender stops");
+    assert_eq!(q.push(report(9), t0), Queued::StartSender, "the next report starts another");
+}
+
+/// A selection takes what waits along (up to its bound); what the replica did not say it
+/// took comes back in age order for the sender (or starts one when none runs); a replica
+/// that answered without taking them gets no more along. Past the bound, reports drop.
+#[test]
+fn selections_take_reports_along_and_put_back_what_was_not_taken() {
+    let q = ReportQueue::default();
+    let t0 = Instant::now();
+    for b in 0..ALONG as u64 + 3 {
+        q.push(report(b), t0 + MS * b as u32);
+    }
+    let along = q.take();
+    assert_eq!((along.len(), along[0].1.booking_id), (ALONG, 0));
+    q.push(report(1000), t0 + Duration::from_secs(1));
+    assert_eq!(q.put_back(along, true), Queued::Taken, "the sender still runs");
+    let Due::Send(all) = q.due(t0 + Duration::from_secs(9), MS) else { panic!("due") };
+    assert_eq!(all.len(), ALONG + 4);
+    assert!(all.windows(2).all(|w| w[0].booking_id < w[1].booking_id), "oldest first");
+    assert_eq!(q.due(t0, MS), Due::Done);
+    assert_eq!(q.put_back(vec![(t0, report(1))], true), Queued::StartSender, "no sender ran");
+    assert_eq!(q.put_back(Vec::new(), false), Queued::Taken, "nothing to send");
+    assert!(q.take().is_empty(), "a replica that does not take reports along gets none");
+    for b in 1..MAX_WAITING as u64 {
+        q.push(report(b), t0);
+    }
+    assert_eq!(q.push(report(0), t0), Queued::Dropped);
+    assert_eq!(q.put_back(vec![(t0, report(0))], true), Queued::Dropped);
+    assert_eq!(q.lock().reports.len(), MAX_WAITING);
+}
