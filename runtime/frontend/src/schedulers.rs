@@ -1,7 +1,8 @@
 //! [`Schedulers`]: the scheduler replicas a frontend may ask, kept current from discovery
 //! (or fixed by flag). A selection goes to a replica at random; a replica that cannot be
 //! reached, or does not answer within the selection timeout, is passed over for the next one
-//! and is avoided for a while. Each booking is reported to the replica that made it.
+//! and is avoided for a while. Each booking is reported to the replica that made it, along
+//! with the next selection asked of it or soon on its own ([`reports`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
