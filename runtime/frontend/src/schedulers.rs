@@ -192,7 +192,7 @@ impl Schedulers {
             let wait = (tokio::time::Instant::now() + self.select_timeout).min(deadline);
             // The replica's waiting reports go along; those it does not say it took wait
             // again (it did not answer, or it is older than reports along).
-            let along = replica.reports.take();
+            let along = replica.reports.take(tokio::time::Instant::now());
             let mut ask = req.clone();
             ask.reports = along.iter().map(|(_, r)| r.clone()).collect();
             let call = replica
@@ -208,7 +208,8 @@ impl Schedulers {
                     Err(_) => None,
                 };
                 if taken != Some(along.len() as u32) {
-                    // An answer that took none says the replica does not take them along.
+                    // An answer that did not take them all is from a replica that takes
+                    // none along (one older than the field).
                     let takes_along = !matches!(answer, Ok(Ok(_)));
                     self.put_back(&addr, &replica, along, takes_along);
                 }
@@ -256,7 +257,7 @@ impl Schedulers {
     }
 
     fn put_back(&self, addr: &str, replica: &Replica, reports: Vec<Stamped>, along: bool) {
-        let queued = replica.reports.put_back(reports, along);
+        let queued = replica.reports.put_back(reports, along, tokio::time::Instant::now());
         let (client, queue) = (replica.client.clone(), replica.reports.clone());
         self.after_queueing(addr, client, queue, queued);
     }

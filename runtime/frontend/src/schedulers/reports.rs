@@ -6,7 +6,6 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use handoff_proto::auth;
@@ -27,6 +26,10 @@ pub(crate) const ALONG: usize = 256;
 /// default: a booking's load stays on its instance at most this much longer in the
 /// replica's view.
 pub const LINGER: Duration = Duration::from_millis(2);
+
+/// How long a replica that answered without taking reports along gets none along, before a
+/// selection tries again (it may have been upgraded in place since).
+pub(crate) const RETRY_ALONG: Duration = Duration::from_secs(60);
 
 /// Most reports waiting for one replica: past this a report is dropped, and its booking
 /// expires on the replica (as a lost report's does).
@@ -62,21 +65,15 @@ struct Waiting {
     /// Oldest first.
     reports: VecDeque<Stamped>,
     sending: bool,
+    /// Until when selections take no reports along: the replica answered one without
+    /// taking them (one older than reports along).
+    none_along_until: Option<Instant>,
 }
 
 /// The reports waiting for one replica (see the module docs).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct ReportQueue {
     waiting: Mutex<Waiting>,
-    /// Whether the replica takes reports along with selections (one older than that field
-    /// answers without saying it took them).
-    along: AtomicBool,
-}
-
-impl Default for ReportQueue {
-    fn default() -> Self {
-        ReportQueue { waiting: Mutex::default(), along: AtomicBool::new(true) }
-    }
 }
 
 impl ReportQueue {
@@ -98,29 +95,32 @@ impl ReportQueue {
         if std::mem::replace(&mut w.sending, true) { Queued::Taken } else { Queued::StartSender }
     }
 
-    /// Up to [`ALONG`] waiting reports for a selection to take along (oldest first), none
-    /// when the replica does not take them.
-    pub(crate) fn take(&self) -> Vec<Stamped> {
-        if !self.along.load(Ordering::Relaxed) {
-            return Vec::new();
-        }
+    /// Up to [`ALONG`] waiting reports for a selection at `now` to take along (oldest
+    /// first); none while the replica is known not to take them.
+    pub(crate) fn take(&self, now: Instant) -> Vec<Stamped> {
         let mut w = self.lock();
+        match w.none_along_until {
+            Some(until) if now < until => return Vec::new(),
+            Some(_) => w.none_along_until = None,
+            None => {}
+        }
         let n = w.reports.len().min(ALONG);
         w.reports.drain(..n).collect()
     }
 
     /// Puts back reports a selection took and the replica did not say it took (it did not
     /// answer, or it is older than reports along): reports are idempotent, so one that did
-    /// arrive after all changes nothing when sent again. With `along` false, selections stop
-    /// taking reports to this replica.
-    pub(crate) fn put_back(&self, reports: Vec<Stamped>, along: bool) -> Queued {
+    /// arrive after all changes nothing when sent again. With `along` false (the replica
+    /// answered without taking them), selections take none along to it for
+    /// [`RETRY_ALONG`] from `now`.
+    pub(crate) fn put_back(&self, reports: Vec<Stamped>, along: bool, now: Instant) -> Queued {
+        let mut w = self.lock();
         if !along {
-            self.along.store(false, Ordering::Relaxed);
+            w.none_along_until = Some(now + RETRY_ALONG);
         }
         if reports.is_empty() {
             return Queued::Taken;
         }
-        let mut w = self.lock();
         let room = MAX_WAITING.saturating_sub(w.reports.len());
         if room == 0 {
             return Queued::Dropped;
@@ -168,7 +168,8 @@ impl Sender {
         queue: std::sync::Arc<ReportQueue>,
         shutdown: CancellationToken,
     ) {
-        let mut wait = self.linger;
+        // The first look is at once: reports put back may be due already.
+        let mut wait = Duration::ZERO;
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}

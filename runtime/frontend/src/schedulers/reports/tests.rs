@@ -36,7 +36,8 @@ fn the_sender_sends_each_report_once_its_linger_is_over() {
 
 /// A selection takes what waits along (up to its bound); what the replica did not say it
 /// took comes back in age order for the sender (or starts one when none runs); a replica
-/// that answered without taking them gets no more along. Past the bound, reports drop.
+/// that answered without taking them gets none along for a while, then is tried again.
+/// Past the bound, reports drop. Times are arguments.
 #[test]
 fn selections_take_reports_along_and_put_back_what_was_not_taken() {
     let q = ReportQueue::default();
@@ -44,21 +45,23 @@ fn selections_take_reports_along_and_put_back_what_was_not_taken() {
     for b in 0..ALONG as u64 + 3 {
         q.push(report(b), t0 + MS * b as u32);
     }
-    let along = q.take();
+    let along = q.take(t0);
     assert_eq!((along.len(), along[0].1.booking_id), (ALONG, 0));
     q.push(report(1000), t0 + Duration::from_secs(1));
-    assert_eq!(q.put_back(along, true), Queued::Taken, "the sender still runs");
+    assert_eq!(q.put_back(along, true, t0), Queued::Taken, "the sender still runs");
     let Due::Send(all) = q.due(t0 + Duration::from_secs(9), MS) else { panic!("due") };
     assert_eq!(all.len(), ALONG + 4);
     assert!(all.windows(2).all(|w| w[0].booking_id < w[1].booking_id), "oldest first");
     assert_eq!(q.due(t0, MS), Due::Done);
-    assert_eq!(q.put_back(vec![(t0, report(1))], true), Queued::StartSender, "no sender ran");
-    assert_eq!(q.put_back(Vec::new(), false), Queued::Taken, "nothing to send");
-    assert!(q.take().is_empty(), "a replica that does not take reports along gets none");
-    for b in 1..MAX_WAITING as u64 {
+    assert_eq!(q.put_back(vec![(t0, report(1))], true, t0), Queued::StartSender, "none ran");
+    assert_eq!(q.put_back(Vec::new(), false, t0), Queued::Taken, "nothing to send");
+    assert!(q.take(t0).is_empty(), "a replica that does not take reports along gets none");
+    assert!(q.take(t0 + RETRY_ALONG - MS).is_empty(), "for a while");
+    assert_eq!(q.take(t0 + RETRY_ALONG).len(), 1, "then it is tried again");
+    for b in 0..MAX_WAITING as u64 {
         q.push(report(b), t0);
     }
     assert_eq!(q.push(report(0), t0), Queued::Dropped);
-    assert_eq!(q.put_back(vec![(t0, report(0))], true), Queued::Dropped);
+    assert_eq!(q.put_back(vec![(t0, report(0))], true, t0), Queued::Dropped);
     assert_eq!(q.lock().reports.len(), MAX_WAITING);
 }
