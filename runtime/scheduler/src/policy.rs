@@ -10,6 +10,7 @@ use handoff_core::BlockHash;
 use handoff_kv_index::Slot;
 
 pub use kv_aware::KvAwareWeights;
+pub(crate) use kv_aware::cost as kv_aware_cost;
 
 /// Which policy picks the prefill.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -2,6 +2,7 @@
 
 mod admission;
 mod bookings;
+mod cheapest;
 mod engines;
 mod gather;
 mod member;
@@ -158,9 +159,10 @@ struct Inner {
     /// presumed down and nobody is swept out of routing.
     last_beat: Option<Instant>,
     bus_quiet: bool,
-    /// Reused by every selection: overlap per slot, and the candidate list.
+    /// Reused by every selection: overlap per slot, the candidate list, and the ties.
     run: handoff_kv_index::Run,
     candidates: Vec<Candidate>,
+    ties: cheapest::Ties,
     /// Engine instances registered here (kept across discovery resets).
     engines: HashSet<InstanceId>,
 }
@@ -274,6 +276,7 @@ impl SchedulerState {
             bus_quiet: false,
             run: handoff_kv_index::Run::new(),
             candidates: Vec::new(),
+            ties: cheapest::Ties::default(),
             engines: HashSet::new(),
         };
         SchedulerState {

@@ -33,12 +33,16 @@ fn tokens(n: u64) -> f64 {
     n.min(i64::MAX as u64) as i64 as f64
 }
 
+/// A candidate's cost for a `prompt`-token prompt with pages of `page` tokens.
+#[inline]
+pub(crate) fn cost(w: &KvAwareWeights, prompt: u64, page: u64, c: &Candidate) -> f64 {
+    let left = prompt.saturating_sub(u64::from(c.overlap_blocks) * page);
+    tokens(left.saturating_add(c.send_tokens)) * w.prefill + tokens(c.queued_tokens) * w.load
+}
+
 pub(super) fn pick(req: &Request<'_>, w: &KvAwareWeights) -> usize {
     let (prompt, page) = (req.prompt_tokens as u64, req.page_size as u64);
-    let cost = |c: &Candidate| {
-        let left = prompt.saturating_sub(u64::from(c.overlap_blocks) * page);
-        tokens(left.saturating_add(c.send_tokens)) * w.prefill + tokens(c.queued_tokens) * w.load
-    };
+    let cost = |c: &Candidate| cost(w, prompt, page, c);
     let n = req.candidates.len();
     if w.temperature > 0.0 {
         let scale = w.temperature * req.prompt_tokens.max(1) as f64;

@@ -33,9 +33,8 @@ fn send_us(prompt_tokens: u32, route: &Route) -> u64 {
 /// set no floor. `spread` is the best measured and the worst send time among them, kept
 /// while they were gathered.
 pub(super) fn charge_sends(candidates: &mut [Candidate], routes: &[Route], spread: SendSpread) {
-    let best = if spread.best == u64::MAX { 0 } else { spread.best };
-    let floor = best.saturating_mul(2).max(best.saturating_add(SEND_NOISE_US));
-    if spread.worst <= floor {
+    let floor = spread.floor();
+    if !spread.charges() {
         // The common case, no slow link: nothing charged (and nothing to clear when no
         // instance reports the time at all).
         if spread.worst > 0 {
@@ -63,7 +62,28 @@ pub(super) struct SendSpread {
 }
 
 impl SendSpread {
-    const NONE: SendSpread = SendSpread { best: u64::MAX, worst: 0 };
+    pub(super) const NONE: SendSpread = SendSpread { best: u64::MAX, worst: 0 };
+
+    /// The send time up to which nothing is charged: twice the best measured, and at least
+    /// [`SEND_NOISE_US`] more than it.
+    fn floor(self) -> u64 {
+        let best = if self.best == u64::MAX { 0 } else { self.best };
+        best.saturating_mul(2).max(best.saturating_add(SEND_NOISE_US))
+    }
+
+    /// Whether some candidate's link is slow enough to be charged.
+    pub(super) fn charges(self) -> bool {
+        self.worst > self.floor()
+    }
+
+    /// Counts a candidate sending in `route`'s time a prompt of `prompt_tokens`, and returns
+    /// that time (µs).
+    pub(super) fn add_route(&mut self, prompt_tokens: u32, route: &Route) -> u64 {
+        let send = send_us(prompt_tokens, route);
+        // Unmeasured instances set no floor.
+        self.add(send, route.send_cost_us > 0.0);
+        send
+    }
 
     fn add(&mut self, send_us: u64, measured: bool) {
         if measured {
@@ -74,6 +94,7 @@ impl SendSpread {
 }
 
 /// What selection reads of each slot.
+#[derive(Clone, Copy)]
 pub(super) struct Slots<'a> {
     pub(super) routes: &'a [Route],
     pub(super) load: &'a [Load],
@@ -91,6 +112,15 @@ pub(super) struct Gathered {
     pub(super) spread: SendSpread,
     /// Tokens per block (the last candidate's: one model, one page size).
     pub(super) page_size: usize,
+}
+
+/// Whether `ask` may go to the (live, admitted by its breaker) slot `s` with `route`: it
+/// speaks a protocol the caller drives, and its instance is not excluded.
+#[inline]
+pub(super) fn eligible(s: usize, route: &Route, ask: &Ask<'_>, index: &KvIndex) -> bool {
+    ask.protocols.contains(route.protocol)
+        && (ask.exclude.is_empty()
+            || !index.key(index.slot_at(s)).is_some_and(|k| ask.exclude.contains(&k.instance)))
 }
 
 /// Fills `candidates` with the slots `ask` may go to: live, speaking a protocol it can drive,
@@ -112,21 +142,13 @@ pub(super) fn gather(
     let mut ejected = 0usize;
     let rows = slots.routes.iter().zip(slots.load).zip(slots.remote_load).zip(slots.run);
     let mut take = |s: usize, route: &Route, l: &Load, r: &Load, overlap: u32| {
-        if !ask.protocols.contains(route.protocol) {
-            return;
-        }
-        let slot = index.slot_at(s);
-        if !ask.exclude.is_empty()
-            && index.key(slot).is_some_and(|k| ask.exclude.contains(&k.instance))
-        {
+        if !eligible(s, route, ask, index) {
             return;
         }
         seen.page_size = route.page_size as usize;
-        let send = send_us(ask.prompt_tokens, route);
-        // Unmeasured instances set no floor.
-        seen.spread.add(send, route.send_cost_us > 0.0);
+        let send = seen.spread.add_route(ask.prompt_tokens, route);
         out.push(Candidate {
-            slot,
+            slot: index.slot_at(s),
             ring: route.ring,
             overlap_blocks: overlap,
             queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),

@@ -6,13 +6,14 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use handoff_core::{BlockHash, InstanceId};
+use handoff_kv_index::KvIndex;
 use tracing::debug;
 
 use super::admission::{self, Budget};
 use super::bookings::{Booking, BookingId};
 use super::{Inner, SchedulerState, Selection};
-use super::{gather, pending};
-use crate::policy::{PolicyKind, Request};
+use super::{cheapest, gather, pending};
+use crate::policy::{Candidate, PolicyKind, Request};
 use crate::rejects::Reject;
 use crate::{Protocols, SchedulerError};
 
@@ -103,6 +104,17 @@ impl Work {
     }
 }
 
+/// What one selection's pass over the slots reads.
+#[derive(Clone, Copy)]
+struct Pass<'a, 'b> {
+    slots: gather::Slots<'a>,
+    ask: &'a Ask<'b>,
+    index: &'a KvIndex,
+    now: Instant,
+    tick: usize,
+    budget: Budget,
+}
+
 impl SchedulerState {
     fn check_request(&self, ask: &Ask<'_>) -> Result<(), SchedulerError> {
         if ask.prompt_tokens == 0 {
@@ -160,45 +172,40 @@ impl SchedulerState {
             pending,
             bookings,
             routed,
+            ties,
             ..
         } = &mut *inner;
         let hashes = ask.hashes;
         index.overlaps_into(hashes, run);
         pending.overlay(hashes, run);
-        let gathered = gather::gather(
-            candidates,
-            gather::Slots { routes, load, remote_load, run: run.as_slice() },
-            ask,
-            index,
-            now,
-        );
-        let (live, page_size) = (gathered.live, gathered.page_size);
-        // Only a link well slower than the best measured one counts: within twice the best, or
-        // a couple of milliseconds more, is noise, and equals must keep taking turns.
-        gather::charge_sends(candidates, routes, gathered.spread);
+        let slots = gather::Slots { routes, load, remote_load, run: run.as_slice() };
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
-        let req = Request {
-            candidates,
-            prompt_tokens: ask.prompt_tokens as usize,
-            page_size,
-            hashes,
-            tick,
-        };
-        let Some(pick) = policy.pick(&req, &self.cfg.params) else {
-            let why = match (live, ask.exclude.len()) {
-                (0, _) => " (none registered and live)".to_owned(),
-                (_, 0) => String::new(),
-                (_, n) => format!(" (excluded {n})"),
-            };
-            return Err(SchedulerError::NoInstance(why));
-        };
         let budget = Budget { max_wait: self.cfg.max_queue_wait, deadline: ask.deadline };
-        let admitted = admission::admit(candidates, pick, ask.prompt_tokens, budget, |c| {
+        let cost_us = |c: &Candidate| {
             let r = &routes[c.slot.index()];
             (r.token_cost_us, r.page_size)
-        })
-        .map_err(|r| SchedulerError::Overloaded { retry_after: r.retry_after, reason: r.reason })?;
-        let c = candidates[admitted.index].clone();
+        };
+        let w = &self.cfg.params.kv_aware;
+        let fast = (policy == PolicyKind::KvAware && w.temperature == 0.0)
+            .then(|| cheapest::cheapest(slots, ask, index, now, w, tick, ties))
+            .flatten()
+            .and_then(|c| {
+                let fits = admission::admit(
+                    std::slice::from_ref(&c),
+                    0,
+                    ask.prompt_tokens,
+                    budget,
+                    cost_us,
+                );
+                fits.ok().map(|a| (c, a.wait))
+            });
+        let (c, wait) = match fast {
+            Some(picked) => picked,
+            None => {
+                let pass = Pass { slots, ask, index, now, tick, budget };
+                self.pick_general(pass, policy, candidates, cost_us)?
+            }
+        };
         let key = index
             .key(c.slot)
             .cloned()
@@ -230,12 +237,49 @@ impl SchedulerState {
             dp_rank: key.dp_rank,
             cached_blocks: c.overlap_blocks,
             booking,
-            expected_wait: admitted.wait,
+            expected_wait: wait,
         };
         if route_changed {
             inner.sync(&key.instance);
         }
         Ok(selection)
+    }
+
+    /// The general path: every candidate gathered, slow links charged, the policy's pick,
+    /// and admission over them all.
+    fn pick_general(
+        &self,
+        pass: Pass<'_, '_>,
+        policy: PolicyKind,
+        candidates: &mut Vec<Candidate>,
+        cost_us: impl Fn(&Candidate) -> (f32, u32),
+    ) -> Result<(Candidate, Duration), SchedulerError> {
+        let Pass { slots, ask, index, now, tick, budget } = pass;
+        let gathered = gather::gather(candidates, slots, ask, index, now);
+        let (live, page_size) = (gathered.live, gathered.page_size);
+        // Only a link well slower than the best measured one counts: within twice the best, or
+        // a couple of milliseconds more, is noise, and equals must keep taking turns.
+        gather::charge_sends(candidates, slots.routes, gathered.spread);
+        let req = Request {
+            candidates,
+            prompt_tokens: ask.prompt_tokens as usize,
+            page_size,
+            hashes: ask.hashes,
+            tick,
+        };
+        let Some(pick) = policy.pick(&req, &self.cfg.params) else {
+            let why = match (live, ask.exclude.len()) {
+                (0, _) => " (none registered and live)".to_owned(),
+                (_, 0) => String::new(),
+                (_, n) => format!(" (excluded {n})"),
+            };
+            return Err(SchedulerError::NoInstance(why));
+        };
+        let admitted =
+            admission::admit(candidates, pick, ask.prompt_tokens, budget, cost_us).map_err(
+                |r| SchedulerError::Overloaded { retry_after: r.retry_after, reason: r.reason },
+            )?;
+        Ok((candidates[admitted.index].clone(), admitted.wait))
     }
 
     /// Ends `booking`: its load and pending prefix come off its instance, and its outcome
