@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use handoff_kv_index::KvIndex;
 
-use super::gather::{SendSpread, Slots, eligible};
+use super::gather::{SendCosts, SendSpread, Slots, eligible};
 use super::select::Ask;
 use crate::policy::{Candidate, KvAwareWeights, kv_aware_cost};
 
@@ -37,7 +37,7 @@ pub(super) fn cheapest(
     let prompt = u64::from(ask.prompt_tokens);
     let (mut live, mut ejected, mut n) = (0usize, 0usize, 0u32);
     let mut page: Option<u32> = None;
-    let mut spread = SendSpread::NONE;
+    let mut sends = SendCosts::default();
     let (mut best_cost, mut best_flight) = (f64::INFINITY, u32::MAX);
     let rows = slots.routes.iter().zip(slots.load).zip(slots.remote_load).zip(slots.run);
     for (s, (((route, l), r), &overlap)) in rows.enumerate() {
@@ -55,7 +55,7 @@ pub(super) fn cheapest(
         if *page.get_or_insert(route.page_size) != route.page_size {
             return None;
         }
-        spread.add_route(ask.prompt_tokens, route);
+        sends.add(route.send_cost_us);
         let c = Candidate {
             slot: index.slot_at(s),
             ring: route.ring,
@@ -75,6 +75,7 @@ pub(super) fn cheapest(
         n += 1;
     }
     // Panic threshold, slow links, or nobody: the general path's to decide.
+    let spread = SendSpread::of_costs(ask.prompt_tokens, sends);
     if ejected * 2 > live || spread.charges() || n == 0 {
         return None;
     }

@@ -17,13 +17,32 @@ use crate::policy::Candidate;
 /// an instance on one unlucky measurement until it decays.
 const SEND_NOISE_US: u64 = 2_000;
 
-/// The time in microseconds `route`'s KV of a `prompt_tokens`-token prompt takes after the
-/// compute, as its heartbeats say (0 when not measured).
-fn send_us(prompt_tokens: u32, route: &Route) -> u64 {
-    if route.send_cost_us.is_nan() || route.send_cost_us <= 0.0 {
+/// The time in microseconds the KV of a `prompt_tokens`-token prompt takes after the compute
+/// over a link measured at `cost_us` per token (0 when not measured).
+fn send_us(prompt_tokens: u32, cost_us: f32) -> u64 {
+    if cost_us.is_nan() || cost_us <= 0.0 {
         return 0;
     }
-    (f64::from(prompt_tokens) * f64::from(route.send_cost_us)).min(u64::MAX as f64 / 4.0) as u64
+    (f64::from(prompt_tokens) * f64::from(cost_us)).min(u64::MAX as f64 / 4.0) as u64
+}
+
+/// The least and the most of the measured link costs (µs per token) seen, for
+/// [`SendSpread::of_costs`]: two comparisons per candidate instead of a send time each.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct SendCosts {
+    range: Option<(f32, f32)>,
+}
+
+impl SendCosts {
+    /// Counts a link measured at `cost_us` (not measured: NaN or not above 0).
+    #[inline]
+    pub(super) fn add(&mut self, cost_us: f32) {
+        if cost_us > 0.0 {
+            let (least, most) = self.range.get_or_insert((cost_us, cost_us));
+            *least = least.min(cost_us);
+            *most = most.max(cost_us);
+        }
+    }
 }
 
 /// Turns each candidate's send time (µs, from [`send_us`]) into what selection charges: the
@@ -76,10 +95,20 @@ impl SendSpread {
         self.worst > self.floor()
     }
 
+    /// The spread of `prompt_tokens`-token sends over links with `costs`: the same as adding
+    /// each candidate's, since a send time only grows with its link's cost.
+    pub(super) fn of_costs(prompt_tokens: u32, costs: SendCosts) -> SendSpread {
+        let at = |cost: f32| send_us(prompt_tokens, cost);
+        match costs.range {
+            Some((least, most)) => SendSpread { best: at(least), worst: at(most) },
+            None => SendSpread::NONE,
+        }
+    }
+
     /// Counts a candidate sending in `route`'s time a prompt of `prompt_tokens`, and returns
     /// that time (µs).
     pub(super) fn add_route(&mut self, prompt_tokens: u32, route: &Route) -> u64 {
-        let send = send_us(prompt_tokens, route);
+        let send = send_us(prompt_tokens, route.send_cost_us);
         // Unmeasured instances set no floor.
         self.add(send, route.send_cost_us > 0.0);
         send
