@@ -1,8 +1,10 @@
 //! What the benchmarks share: the shapes of the Dynamo comparison (W instances each storing
 //! sequences of D blocks that share a P-block prefix) and a scheduler holding them; the path
-//! helpers; and [`record::Report`], the JSON record every bench writes beside its table.
+//! helpers; [`pacer::Pacer`], an open loop's schedule; and [`record::Report`], the JSON record
+//! every bench writes beside its table.
 
 pub mod fuzz;
+pub mod pacer;
 pub mod path;
 pub mod record;
 

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use handoff::{Cluster, ClusterConfig};
+use handoff_benches::pacer::Pacer;
 use handoff_benches::path::{OwnThread, pct, process_cpu, prompt, thread_cpu, ttft, us};
 use handoff_engine::{Engine, MockConfig, MockEngine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
@@ -141,14 +142,14 @@ async fn main() -> anyhow::Result<()> {
         let first_seed = 10_000 + (k * per_level) as u32;
         let c = client.clone();
         let run = open_loop(c, rate, per_level, prompt_tokens, first_seed);
-        let mut run = loadgen.run(run).await??;
-        run.late.sort();
+        let mut answered = loadgen.run(run).await??;
+        answered.late.sort();
         let late = format!(
             "{label}; started late p50 {:.0} us, p99 {:.0} us",
-            us(pct(&run.late, 0.5)),
-            us(pct(&run.late, 0.99))
+            us(pct(&answered.late, 0.5)),
+            us(pct(&answered.late, 0.99))
         );
-        row(&mut out, &late, run.ttft, base_p50, run.rate, None)?;
+        row(&mut out, &late, answered.ttft, base_p50, answered.rate, None)?;
     }
     cluster.shutdown().await;
     out.finish()?;
@@ -202,10 +203,9 @@ struct OpenLoop {
     rate: f64,
 }
 
-/// `n` requests started every `1 / rate` seconds whatever the earlier ones do. A pacing
-/// thread sleeps to each start (the OS's timers, to the microsecond) and hands the
-/// request to this runtime: tokio's timers tick in whole milliseconds, and sleeping on them
-/// started requests up to a millisecond late, counted as the system's latency.
+/// `n` requests started every `1 / rate` seconds whatever the earlier ones do, on a
+/// [`Pacer`]'s schedule (the OS's timers: tokio's tick in whole milliseconds, and sleeping
+/// on them started requests up to a millisecond late, counted as the system's latency).
 async fn open_loop(
     client: GenerateClient<tonic::transport::Channel>,
     rate: f64,
@@ -213,38 +213,24 @@ async fn open_loop(
     prompt_tokens: usize,
     first_seed: u32,
 ) -> anyhow::Result<OpenLoop> {
-    let every = Duration::from_secs_f64(1.0 / rate);
     let mut prompts: Vec<Vec<u32>> =
         (0..n).map(|i| prompt(first_seed + i as u32, prompt_tokens)).collect();
-    let (due, mut starts) = tokio::sync::mpsc::unbounded_channel::<(usize, Instant)>();
-    let start = Instant::now();
-    let pacer = std::thread::Builder::new().name("pacer".into()).spawn(move || {
-        // Its sleeps end within a microsecond of their time instead of the default 50 (best
-        // effort: the lateness is printed whatever it is).
-        let _ = std::fs::write("/proc/thread-self/timerslack_ns", "1");
-        for i in 0..n {
-            let at = start + every * i as u32;
-            std::thread::sleep(at.saturating_duration_since(Instant::now()));
-            if due.send((i, at)).is_err() {
-                return;
-            }
-        }
-    })?;
+    let mut pacer = Pacer::start(n, Duration::from_secs_f64(1.0 / rate))?;
     let mut runs = tokio::task::JoinSet::new();
-    while let Some((i, at)) = starts.recv().await {
-        let (mut c, p) = (client.clone(), std::mem::take(&mut prompts[i]));
+    while let Some((i, due)) = pacer.next().await {
+        let (mut client, prompt) = (client.clone(), std::mem::take(&mut prompts[i]));
         runs.spawn(async move {
             // Late starts count: the time from the scheduled start to the first token.
-            let late = at.elapsed();
-            Ok::<_, anyhow::Error>((late, late + ttft(&mut c, p).await?))
+            let late = due.elapsed();
+            anyhow::Ok((late, late + ttft(&mut client, prompt).await?))
         });
     }
-    pacer.join().map_err(|_| anyhow::anyhow!("the pacing thread panicked"))?;
-    let (mut late, mut t) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    for run in runs.join_all().await {
-        let (l, d) = run?;
-        late.push(l);
-        t.push(d);
+    anyhow::ensure!(runs.len() == n, "the pacer stopped after {} of {n} starts", runs.len());
+    let (mut late, mut ttfts) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for answer in runs.join_all().await {
+        let (started_late, took) = answer?;
+        late.push(started_late);
+        ttfts.push(took);
     }
-    Ok(OpenLoop { ttft: t, late, rate: n as f64 / start.elapsed().as_secs_f64() })
+    Ok(OpenLoop { ttft: ttfts, late, rate: n as f64 / pacer.origin.elapsed().as_secs_f64() })
 }

@@ -1,8 +1,9 @@
 //! kv_aware's common case in one pass: the cheapest candidate is found while the slots are
 //! walked, with no candidate list built and read again. It decides only when its answer is
 //! the one [`gather`](super::gather) and the policy would give: one page size, no slow link
-//! charged, the panic threshold not crossed, at least one candidate. Otherwise it returns
-//! `None` and selection takes the general path.
+//! charged, the panic threshold not crossed, at least one candidate, no cost undefined (an
+//! infinite weight times zero). Otherwise it returns `None` and selection takes the general
+//! path.
 
 use std::time::Instant;
 
@@ -65,6 +66,11 @@ pub(super) fn cheapest(
             send_tokens: 0,
         };
         let cost = kv_aware_cost(w, prompt, u64::from(route.page_size), &c);
+        if cost.is_nan() {
+            // An infinite weight times nothing: the policy's scan keeps such a candidate
+            // where it starts, which this pass cannot know yet.
+            return None;
+        }
         if cost < best_cost || (cost == best_cost && c.in_flight < best_flight) {
             (best_cost, best_flight) = (cost, c.in_flight);
             ties.clear();

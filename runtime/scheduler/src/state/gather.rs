@@ -74,7 +74,7 @@ pub(super) fn charge_sends(candidates: &mut [Candidate], routes: &[Route], sprea
 }
 
 /// The best measured and the worst send time (µs) among a selection's candidates.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct SendSpread {
     best: u64,
     worst: u64,
