@@ -1,12 +1,14 @@
 //! What the benchmarks share: the shapes of the Dynamo comparison (W instances each storing
 //! sequences of D blocks that share a P-block prefix) and a scheduler holding them; the path
-//! helpers; [`pacer::Pacer`], an open loop's schedule; and [`record::Report`], the JSON record
-//! every bench writes beside its table.
+//! helpers; [`pacer::Pacer`], an open loop's schedule; [`stages::Stages`], where a frontend's
+//! requests spent their time; and [`record::Report`], the JSON record every bench writes
+//! beside its table.
 
 pub mod fuzz;
 pub mod pacer;
 pub mod path;
 pub mod record;
+pub mod stages;
 
 use handoff_core::{BlockHash, InstanceId};
 use handoff_discovery::{Instance, KvEvent, KvEventKind, Role, Topology, Update};

@@ -16,7 +16,9 @@
 //!   a generator that waits for it. A pacing thread starts each request on the OS's timers
 //!   (tokio's tick in whole milliseconds: sleeping on them started requests 0.85 ms late at
 //!   the median, all of it counted as the path's latency); how late the starts still were
-//!   is printed in the row's label.
+//!   is printed in the row's label;
+//! - where one request at a time spends its time: the frontend's stages (from its
+//!   `/metrics`) within the mean TTFT, and the rest.
 //!
 //! ```text
 //! cargo run --release -p handoff-benches --bin overhead -- [prompt_tokens] [requests_per_level]
@@ -30,6 +32,7 @@ use futures::StreamExt;
 use handoff::{Cluster, ClusterConfig};
 use handoff_benches::pacer::Pacer;
 use handoff_benches::path::{OwnThread, pct, process_cpu, prompt, thread_cpu, ttft, us};
+use handoff_benches::stages::Stages;
 use handoff_engine::{Engine, MockConfig, MockEngine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
 
@@ -91,7 +94,7 @@ async fn main() -> anyhow::Result<()> {
         "| load | TTFT p50 (us) | TTFT p99 (us) | overhead p50 (us) | overhead p99 (us) | req/s | CPU per request (us) | beyond the engine's (us) | the load generator's (us) | the path's: beyond the engine's and the load generator's (us) |"
     )?;
     writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
-    let mut saturation = 0f64;
+    let (mut saturation, mut alone) = (0f64, None);
     for conc in [1usize, 64] {
         // Warm-up: connections, caches.
         let c = client.clone();
@@ -105,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
         for r in warm.await? {
             r?;
         }
+        let stages = Stages::read(cluster.http_addr).await?;
         let (start, cpu, client_cpu) = (Instant::now(), process_cpu()?, thread_cpu(loadgen.tid)?);
         let c = client.clone();
         let runs = loadgen.run(async move {
@@ -119,6 +123,11 @@ async fn main() -> anyhow::Result<()> {
         let t: Vec<Duration> = runs.await?.into_iter().collect::<Result<_, _>>()?;
         let wall = start.elapsed();
         let (cpu, client_cpu) = (process_cpu()? - cpu, thread_cpu(loadgen.tid)? - client_cpu);
+        if conc == 1 {
+            let mean = us(t.iter().sum::<Duration>()) / t.len() as f64;
+            let means = Stages::read(cluster.http_addr).await?.mean_us_since(&stages);
+            alone = Some(where_it_goes(mean, &means));
+        }
         let rate = per_level as f64 / wall.as_secs_f64();
         saturation = rate;
         let label = match conc {
@@ -151,9 +160,24 @@ async fn main() -> anyhow::Result<()> {
         );
         row(&mut out, &late, answered.ttft, base_p50, answered.rate, None)?;
     }
+    if let Some(alone) = alone {
+        writeln!(out, "\n{alone}")?;
+    }
     cluster.shutdown().await;
     out.finish()?;
     Ok(())
+}
+
+/// Where one request at a time spends its time: the client's mean TTFT, the frontend's
+/// stages' means within it, and the rest.
+fn where_it_goes(ttft_us: f64, stages: &[(String, f64)]) -> String {
+    let within: f64 = stages.iter().map(|(_, us)| us).sum();
+    let listed: Vec<String> = stages.iter().map(|(s, us)| format!("{s} {us:.0}")).collect();
+    format!(
+        "1 in flight, mean us per request: TTFT {ttft_us:.0} = the frontend's stages ({}; the mock's compute is in transfer) {within:.0} + the rest {:.0} (the client's call and stream, the frontend's handling around its stages, the first token)",
+        listed.join(", "),
+        ttft_us - within
+    )
 }
 
 /// CPU per request (µs): the whole process's, and the parts of it that are not the path's.
