@@ -12,11 +12,16 @@ use handoff_engine::{Kv, KvShape};
 use crate::SmolError;
 use crate::weights::{Hyper, Weights};
 
-/// One sequence's KV: per (layer, KV head) a growing `[token][head_dim]` run of keys and one
-/// of values.
+/// One sequence's KV: per (layer, KV head) a `[token][head_dim]` run of keys and one of
+/// values. Imported KV (a decode's, or a prefill's cached prefix) is read where it arrived:
+/// its runs are the canonical layout's, this machine's own f32s, so the first `base` tokens
+/// of every run are a view of it, and only the tokens computed here are appended to owned
+/// runs.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Seq {
     pub(crate) len: usize,
+    /// The imported KV, if any (its runs checked to read as f32s).
+    base: Option<Kv>,
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
 }
@@ -24,15 +29,18 @@ pub(crate) struct Seq {
 impl Seq {
     pub(crate) fn new(hp: &Hyper) -> Self {
         let n = hp.layers * hp.kv_heads;
-        Seq { len: 0, k: vec![Vec::new(); n], v: vec![Vec::new(); n] }
+        Seq { len: 0, base: None, k: vec![Vec::new(); n], v: vec![Vec::new(); n] }
     }
 
     pub(crate) fn shape(hp: &Hyper) -> KvShape {
         KvShape { layers: hp.layers, kv_heads: hp.kv_heads, head_bytes: hp.head_dim * 4 }
     }
 
-    /// Imports KV in the canonical layout (f32, little-endian).
-    pub(crate) fn from_kv(hp: &Hyper, kv: &Kv) -> Result<Self, SmolError> {
+    /// Imports KV in the canonical layout (f32, little-endian) without copying it. The
+    /// canonical layout's little-endian f32s are this machine's own (the crate builds only
+    /// where they are); only bytes that do not start on a 4-byte boundary, which no
+    /// allocator here hands out, are copied into runs of their own.
+    pub(crate) fn from_kv(hp: &Hyper, kv: Kv) -> Result<Self, SmolError> {
         if kv.shape() != Self::shape(hp) {
             return Err(SmolError::Shape(format!(
                 "KV of shape {:?}, model needs {:?}",
@@ -41,8 +49,11 @@ impl Seq {
             )));
         }
         let mut s = Seq::new(hp);
-        // The canonical layout's little-endian f32s are this machine's own (the crate builds
-        // only where they are): each run's bits copied as they are, nothing converted.
+        s.len = kv.tokens();
+        if bytemuck::try_cast_slice::<u8, f32>(kv.as_bytes()).is_ok() {
+            s.base = Some(kv);
+            return Ok(s);
+        }
         let floats = bytemuck::pod_collect_to_vec::<u8, f32>;
         for l in 0..hp.layers {
             for h in 0..hp.kv_heads {
@@ -50,24 +61,48 @@ impl Seq {
                 s.v[l * hp.kv_heads + h] = floats(kv.run(l, 1, h));
             }
         }
-        s.len = kv.tokens();
         Ok(s)
+    }
+
+    /// The imported part of run `kind` (0: keys, 1: values) of (layer `l`, KV head `h`):
+    /// empty without an import.
+    fn base_run(&self, l: usize, kind: usize, h: usize) -> &[f32] {
+        // Checked to read as f32s when imported (`from_kv`), and never changed since.
+        self.base.as_ref().map_or(&[], |kv| bytemuck::cast_slice(kv.run(l, kind, h)))
+    }
+
+    /// Keys and values of (layer `l`, KV head `h`), each as its imported part and the part
+    /// computed here, in token order.
+    fn runs(&self, l: usize, h: usize, kv_heads: usize) -> [(&[f32], &[f32]); 2] {
+        let c = l * kv_heads + h;
+        [(self.base_run(l, 0, h), &self.k[c]), (self.base_run(l, 1, h), &self.v[c])]
     }
 
     /// Writes layer `l`'s K and V in the canonical layout (`Kv::layer`) into `out`: every
     /// token this sequence holds for that layer, each run's f32s copied as their bytes.
     pub(crate) fn write_layer(&self, hp: &Hyper, l: usize, out: &mut [u8]) {
-        let runs =
-            [&self.k, &self.v].into_iter().flat_map(|kind| &kind[l * hp.kv_heads..][..hp.kv_heads]);
         let mut at = 0;
-        for run in runs {
-            let bytes: &[u8] = bytemuck::cast_slice(run);
-            let Some(to) = out.get_mut(at..at + bytes.len()) else { return };
-            to.copy_from_slice(bytes);
-            at += bytes.len();
+        for kind in 0..2 {
+            for h in 0..hp.kv_heads {
+                let (imported, computed) = self.runs(l, h, hp.kv_heads)[kind];
+                for part in [imported, computed] {
+                    let bytes: &[u8] = bytemuck::cast_slice(part);
+                    let Some(to) = out.get_mut(at..at + bytes.len()) else { return };
+                    to.copy_from_slice(bytes);
+                    at += bytes.len();
+                }
+            }
         }
         debug_assert_eq!(at, out.len(), "layer {l}: the sequence and the KV differ in tokens");
     }
+}
+
+/// The token rows (`hd` floats each) of a run held as its imported and its computed part.
+fn token_rows<'a>(
+    (imported, computed): (&'a [f32], &'a [f32]),
+    hd: usize,
+) -> impl Iterator<Item = &'a [f32]> {
+    imported.chunks_exact(hd).chain(computed.chunks_exact(hd))
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -176,11 +211,10 @@ pub(crate) fn forward(
             let seq = &seqs[rows[r].0];
             let upto = pos[r] + 1;
             for head in 0..hp.heads {
-                let c = li * hp.kv_heads + head / group;
-                let (keys, vals) = (&seq.k[c], &seq.v[c]);
+                let [keys, vals] = seq.runs(li, head / group, hp.kv_heads);
                 let qh = &q[r * dim + head * hd..r * dim + (head + 1) * hd];
                 scores.clear();
-                scores.extend((0..upto).map(|j| dot(qh, &keys[j * hd..(j + 1) * hd]) * scale));
+                scores.extend(token_rows(keys, hd).take(upto).map(|key| dot(qh, key) * scale));
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0f32;
                 for s in scores.iter_mut() {
@@ -188,9 +222,9 @@ pub(crate) fn forward(
                     sum += *s;
                 }
                 let out = &mut attn[r * dim + head * hd..r * dim + (head + 1) * hd];
-                for (j, p) in scores.iter().enumerate() {
+                for (p, value) in scores.iter().zip(token_rows(vals, hd)) {
                     let p = p / sum;
-                    for (o, vv) in out.iter_mut().zip(&vals[j * hd..(j + 1) * hd]) {
+                    for (o, vv) in out.iter_mut().zip(value) {
                         *o += p * vv;
                     }
                 }
@@ -219,3 +253,6 @@ pub(crate) fn forward(
     let logits = w.lm_head.apply(&normed, logits_for.len())?;
     Ok(logits.chunks_exact(hp.vocab).map(<[f32]>::to_vec).collect())
 }
+
+#[cfg(test)]
+mod tests;

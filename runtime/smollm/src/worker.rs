@@ -208,7 +208,7 @@ fn prefill(
             hp.context
         )));
     }
-    let mut seq = match &prefix {
+    let mut seq = match prefix {
         Some(kv) => Seq::from_kv(hp, kv)?,
         None => Seq::new(hp),
     };
@@ -382,7 +382,7 @@ impl Engine for SmolLm {
         last_token: u32,
         sampling: &Sampling,
     ) -> Result<Box<dyn Decoder>, EngineError> {
-        let seq = Seq::from_kv(&self.shared.weights.hp, &kv)?;
+        let seq = Seq::from_kv(&self.shared.weights.hp, kv)?;
         Ok(Box::new(SmolDecoder {
             worker: self.worker.clone(),
             seq: Some(Box::new(seq)),
