@@ -14,10 +14,10 @@ use crate::weights::{Hyper, Weights};
 
 /// One sequence's KV: per (layer, KV head) a `[token][head_dim]` run of keys and one of
 /// values. Imported KV (a decode's, or a prefill's cached prefix) is read where it arrived:
-/// its runs are the canonical layout's, this machine's own f32s, so the first `base` tokens
-/// of every run are a view of it, and only the tokens computed here are appended to owned
-/// runs.
-#[derive(Debug, Clone, PartialEq)]
+/// its runs are the canonical layout's, this machine's own f32s, so each run's imported
+/// tokens are a view of `base`, and only the tokens computed here are appended to owned
+/// runs. Not `Clone`: a copy of `base` would not be checked for alignment again.
+#[derive(Debug)]
 pub(crate) struct Seq {
     pub(crate) len: usize,
     /// The imported KV, if any (its runs checked to read as f32s).

@@ -80,3 +80,18 @@ fn layers_come_out_imported_then_computed() {
     }
     assert_eq!(out, whole);
 }
+
+/// An import of no tokens (its empty buffer is not 4-aligned, so it takes the copying path)
+/// is an empty sequence, not a panic.
+#[test]
+fn an_empty_import_is_an_empty_sequence() {
+    let hp = hyper();
+    let seq = Seq::from_kv(&hp, kv(&hp, 0)).expect("the model's shape");
+    assert_eq!(seq.len, 0);
+    let mut out = Kv::zeroed(Seq::shape(&hp), 0);
+    for l in 0..hp.layers {
+        seq.write_layer(&hp, l, out.layer_mut(l));
+        let [keys, values] = seq.runs(l, 0, hp.kv_heads);
+        assert_eq!(token_rows(keys, hp.head_dim).chain(token_rows(values, hp.head_dim)).count(), 0);
+    }
+}
