@@ -56,3 +56,38 @@ impl Drop for Pacer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every start comes, in order, at its place in the schedule and never before it.
+    #[tokio::test]
+    async fn starts_come_in_order_and_never_early() {
+        let every = Duration::from_millis(2);
+        let mut pacer = Pacer::start(5, every).expect("a thread");
+        let mut seen = Vec::new();
+        while let Some((i, due)) = pacer.next().await {
+            assert!(Instant::now() >= due, "start {i} came early");
+            seen.push((i, due - pacer.origin));
+        }
+        let schedule: Vec<(usize, Duration)> = (0..5).map(|i| (i, every * i as u32)).collect();
+        assert_eq!(seen, schedule);
+    }
+
+    /// A pacer dropped with most of its schedule ahead stops its thread at the next start
+    /// and joins it, instead of keeping it for the rest of the schedule.
+    #[tokio::test]
+    async fn a_pacer_dropped_early_joins_its_thread() {
+        let mut pacer = Pacer::start(1_000_000, Duration::from_millis(1)).expect("a thread");
+        assert_eq!(pacer.next().await.map(|(i, _)| i), Some(0));
+        let (dropped, done) = std::sync::mpsc::channel();
+        let dropping = std::thread::spawn(move || {
+            drop(pacer);
+            let _ = dropped.send(());
+        });
+        // A guard, not a measure: the drop takes a millisecond; kept, it would take 17 minutes.
+        assert!(done.recv_timeout(Duration::from_secs(10)).is_ok(), "the drop did not return");
+        dropping.join().expect("the dropping thread");
+    }
+}
