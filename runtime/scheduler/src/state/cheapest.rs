@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use handoff_kv_index::KvIndex;
 
-use super::gather::{SendCosts, SendSpread, Slots, eligible};
+use super::gather::{SendCosts, SendSpread, Slots, candidate, eligible};
 use super::select::Ask;
 use crate::policy::{Candidate, KvAwareWeights, kv_aware_cost};
 
@@ -57,14 +57,7 @@ pub(super) fn cheapest(
             return None;
         }
         sends.add(route.send_cost_us);
-        let c = Candidate {
-            slot: index.slot_at(s),
-            ring: route.ring,
-            overlap_blocks: overlap,
-            queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
-            in_flight: l.in_flight.saturating_add(r.in_flight),
-            send_tokens: 0,
-        };
+        let c = candidate(index.slot_at(s), route, l, r, overlap);
         let cost = kv_aware_cost(w, prompt, u64::from(route.page_size), &c);
         if cost.is_nan() {
             // An infinite weight times nothing: the policy's scan keeps such a candidate
@@ -88,15 +81,8 @@ pub(super) fn cheapest(
     let start = (tick % n as usize) as u32;
     let &(_, s) = ties.iter().find(|t| t.0 >= start).or(ties.first())?;
     let s = s as usize;
-    let (l, r) = (&slots.load[s], &slots.remote_load[s]);
-    Some(Candidate {
-        slot: index.slot_at(s),
-        ring: slots.routes[s].ring,
-        overlap_blocks: slots.run[s],
-        queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
-        in_flight: l.in_flight.saturating_add(r.in_flight),
-        send_tokens: 0,
-    })
+    let (route, l, r) = (&slots.routes[s], &slots.load[s], &slots.remote_load[s]);
+    Some(candidate(index.slot_at(s), route, l, r, slots.run[s]))
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use handoff_kv_index::KvIndex;
+use handoff_kv_index::{KvIndex, Slot};
 
 use super::Load;
 use super::member::Route;
@@ -143,6 +143,20 @@ pub(super) struct Gathered {
     pub(super) page_size: usize,
 }
 
+/// The slot in `slot` as a candidate: its route, this replica's load `l` and the others' `r`
+/// summed, its run of `overlap` blocks, no send charged.
+#[inline]
+pub(super) fn candidate(slot: Slot, route: &Route, l: &Load, r: &Load, overlap: u32) -> Candidate {
+    Candidate {
+        slot,
+        ring: route.ring,
+        overlap_blocks: overlap,
+        queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
+        in_flight: l.in_flight.saturating_add(r.in_flight),
+        send_tokens: 0,
+    }
+}
+
 /// Whether `ask` may go to the (live, admitted by its breaker) slot `s` with `route`: it
 /// speaks a protocol the caller drives, and its instance is not excluded.
 #[inline]
@@ -176,14 +190,10 @@ pub(super) fn gather(
         }
         seen.page_size = route.page_size as usize;
         let send = seen.spread.add_route(ask.prompt_tokens, route);
+        // Microseconds until `charge_sends` turns them into tokens.
         out.push(Candidate {
-            slot: index.slot_at(s),
-            ring: route.ring,
-            overlap_blocks: overlap,
-            queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens),
-            in_flight: l.in_flight.saturating_add(r.in_flight),
-            // Microseconds until `charge_sends` turns them into tokens.
             send_tokens: send,
+            ..candidate(index.slot_at(s), route, l, r, overlap)
         });
     };
     for (s, (((route, l), r), &overlap)) in rows.clone().enumerate() {
