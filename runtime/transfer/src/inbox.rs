@@ -29,6 +29,8 @@ use tokio::time::Instant;
 
 use crate::{ConnId, ConnectRequest, KvPoll, Notice, RegionId, SenderId, TransferError};
 
+mod body;
+mod completion;
 mod handshakes;
 pub mod placement;
 mod region;
@@ -36,6 +38,11 @@ mod region;
 use handshakes::Handshakes;
 use placement::Placement;
 use region::Region;
+
+/// The most bytes one read into a region asks for (and the size of the buffer a refused
+/// write's bytes are drained through): well inside a core's L2, so what a read landed is
+/// hashed from cache.
+pub(crate) const PIECE: usize = 256 << 10;
 
 /// Bytes a piece lands from: copied into its region once, then hashed from the region's copy
 /// (what is verified is what was kept). Our own memory, or a window another process shares
@@ -354,119 +361,6 @@ impl Inbox {
         if let Ok(region) = self.region(id) {
             lock(&region).end_segment(sender, conn, digest);
         }
-    }
-
-    /// Applies one segment whose sender is not named (Mooncake's writes): the expected
-    /// sender whose ranges hold `offset` wrote it, as the shard plan says. Otherwise as
-    /// [`Inbox::on_write`]; one lock hold.
-    pub fn on_write_at(
-        &self,
-        id: RegionId,
-        conn: ConnId,
-        offset: u64,
-        bytes: &[u8],
-    ) -> Result<(), TransferError> {
-        let region = self.region(id)?;
-        let mut r = lock(&region);
-        let holder = r.expected.iter().find(|(_, p)| p.holds(offset)).map(|(s, _)| *s);
-        let Some(sender) = holder else {
-            return Err(TransferError::Failed(format!(
-                "offset {offset} of {id:?} belongs to no sender"
-            )));
-        };
-        r.write(id, sender, conn, &[(offset, bytes)])
-    }
-    /// Verifies a notice, arrived over `conn`. A notice whose room, byte count or checksum
-    /// does not match fails the region (`bootstrap_room mismatch`, `short transfer`,
-    /// `checksum mismatch`); one over a connection its sender is not bound to is refused.
-    pub fn on_notice(&self, id: RegionId, conn: ConnId, n: Notice) -> Result<(), TransferError> {
-        let region = self.region(id)?;
-        let mut r = lock(&region);
-        if matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success) {
-            return Err(TransferError::Failed(format!("region {id:?} is closed")));
-        }
-        if r.expected.contains_key(&n.sender) {
-            r.bind(id, n.sender, conn)?;
-        }
-        let reason = if n.room != r.room {
-            Some(format!("bootstrap_room mismatch: expected {}, got {}", r.room, n.room))
-        } else if r.notices.iter().any(|m| m.sender == n.sender) {
-            Some(format!("duplicate notice from {:?}", n.sender))
-        } else {
-            match r.expected.get(&n.sender) {
-                None => Some(format!("notice from unexpected sender {:?}", n.sender)),
-                Some(p) => {
-                    let (w, got, sum) = (p.total(), p.bytes, p.checksum);
-                    if let Some(gap) = p.first_gap() {
-                        Some(format!(
-                            "short transfer from {:?}: gap, bytes [{}, {}) of its ranges never written ({got} of {w} bytes written)",
-                            n.sender, gap.start, gap.end
-                        ))
-                    } else if got != w || n.bytes != w {
-                        Some(format!(
-                            "short transfer from {:?}: expected {w} bytes, received {got}, notice says {}",
-                            n.sender, n.bytes
-                        ))
-                    } else if sum != n.checksum {
-                        Some(format!(
-                            "checksum mismatch from {:?}: computed {sum:016x}, notice says {:016x}",
-                            n.sender, n.checksum
-                        ))
-                    } else {
-                        None
-                    }
-                }
-            }
-        };
-        if let Some(reason) = reason {
-            r.fail(reason.clone());
-            return Err(TransferError::Failed(reason));
-        }
-        r.notices.push(n);
-        if r.notices.len() == r.expected.len() {
-            r.advance(KvPoll::Success);
-        }
-        Ok(())
-    }
-
-    /// Completes `sender`'s part of a region without a notice, for protocols whose
-    /// completion is a status message of their own (SGLang's): every byte of its ranges must
-    /// have been written exactly once (a gap fails the region, named). The room is the
-    /// caller's to check, from the bytes (SGLang carries it in the metadata row).
-    pub fn finish(&self, id: RegionId, sender: SenderId) -> Result<(), TransferError> {
-        let region = self.region(id)?;
-        let mut r = lock(&region);
-        if matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success) {
-            return Err(TransferError::Failed(format!("region {id:?} is closed")));
-        }
-        let Some(p) = r.expected.get(&sender) else {
-            return Err(TransferError::Failed(format!("{sender:?} is not a sender of {id:?}")));
-        };
-        if let Some(gap) = p.first_gap() {
-            let reason = format!(
-                "short transfer from {sender:?}: gap, bytes [{}, {}) of its ranges never written",
-                gap.start, gap.end
-            );
-            r.fail(reason.clone());
-            return Err(TransferError::Failed(reason));
-        }
-        let notice = Notice {
-            room: r.room,
-            sender,
-            first_token: 0,
-            tokens: 0,
-            cached_tokens: 0,
-            bytes: p.bytes,
-            checksum: p.checksum,
-        };
-        if r.notices.iter().any(|m| m.sender == sender) {
-            return Err(TransferError::Failed(format!("{sender:?} already finished")));
-        }
-        r.notices.push(notice);
-        if r.notices.len() == r.expected.len() {
-            r.advance(KvPoll::Success);
-        }
-        Ok(())
     }
 
     // === sender side ===

@@ -36,6 +36,9 @@ pub(super) struct Placement {
     ranges: Vec<Range<u64>>,
     /// Written intervals, start to end, disjoint.
     written: BTreeMap<u64, u64>,
+    /// Bodies landing now ([`super::Body`]): held against every other write, written only
+    /// when whole. One per connection landing one, so few.
+    landing: Vec<Range<u64>>,
     pub(super) bytes: u64,
     pub(super) checksum: u64,
 }
@@ -58,7 +61,7 @@ pub(super) fn normalize(mut ranges: Vec<Range<u64>>) -> Option<Vec<Range<u64>>> 
 impl Placement {
     /// A sender allowed `ranges` (normalized).
     pub(super) fn new(ranges: Vec<Range<u64>>) -> Self {
-        Placement { ranges, written: BTreeMap::new(), bytes: 0, checksum: 0 }
+        Placement { ranges, written: BTreeMap::new(), landing: Vec::new(), bytes: 0, checksum: 0 }
     }
 
     /// Whether `offset` lies in one of its ranges.
@@ -104,7 +107,44 @@ impl Placement {
                 e.min(end)
             ));
         }
+        if let Some(r) = self.landing.iter().find(|r| r.start < end && offset < r.end) {
+            return Err(format!(
+                "write of [{offset}, {end}) over bytes [{}, {}) another write is landing",
+                r.start.max(offset),
+                r.end.min(end)
+            ));
+        }
         Ok(())
+    }
+
+    /// Holds `len` checked bytes at `offset` for a body landing in pieces.
+    pub(super) fn hold(&mut self, offset: u64, len: u64) {
+        self.landing.push(offset..offset + len);
+    }
+
+    /// Whether `[offset, offset + len)` lies inside the body held at `body`.
+    pub(super) fn held(&self, body: &Range<u64>, offset: u64, len: u64) -> bool {
+        let inside = offset >= body.start && offset.saturating_add(len) <= body.end;
+        inside && self.landing.contains(body)
+    }
+
+    /// Bodies landing now.
+    #[cfg(test)]
+    pub(super) fn landing(&self) -> usize {
+        self.landing.len()
+    }
+
+    /// Lets go of the body held at `body`: written, with its whole digest, when it landed
+    /// whole; otherwise its bytes count for nothing and may be written again.
+    pub(super) fn settle(&mut self, body: &Range<u64>, whole: Option<u64>) {
+        let Some(i) = self.landing.iter().position(|r| r == body) else {
+            return;
+        };
+        self.landing.swap_remove(i);
+        if let Some(digest) = whole {
+            self.add_digest(digest);
+            self.record_range(body.start, body.end - body.start);
+        }
     }
 
     /// Records a checked segment.

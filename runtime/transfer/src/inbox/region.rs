@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::ops::Range;
 use std::task::Poll;
 
 use handoff_core::Room;
@@ -105,6 +106,68 @@ impl Region {
         Ok(read)
     }
 
+    /// Holds `len` bytes at `off` for a body of `sender`'s that lands in pieces over `conn`
+    /// ([`super::Body`]): admitted and checked as a write is, and a refused one fails the
+    /// region, before any of its bytes is read.
+    pub(super) fn hold(
+        &mut self,
+        id: RegionId,
+        sender: SenderId,
+        conn: ConnId,
+        (off, len): (u64, u64),
+    ) -> Result<(), TransferError> {
+        self.admit(id, sender, conn)?;
+        let p = self.expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
+        if let Err(e) = p.check(off, len) {
+            return Err(self.refuse(sender, e));
+        }
+        p.hold(off, len);
+        Ok(())
+    }
+
+    /// Lands at most `n` bytes at `off` of the body `sender` holds at `body`, read by `fill`
+    /// straight into their place, and hashes what it read into `hasher` from there. Refused,
+    /// with nothing read, once the region has closed or outside the body.
+    pub(super) fn fill_held(
+        &mut self,
+        id: RegionId,
+        (sender, body): (SenderId, &Range<u64>),
+        (off, n): (u64, usize),
+        hasher: &mut Xxh3,
+        fill: impl FnOnce(&mut [u8]) -> Poll<io::Result<usize>>,
+    ) -> Result<Poll<io::Result<usize>>, TransferError> {
+        self.open(id)?;
+        let held = self.expected.get(&sender).is_some_and(|p| p.held(body, off, n as u64));
+        let start = usize::try_from(off).ok();
+        let place = start.and_then(|s| self.buf.get_mut(s..s.checked_add(n)?)).filter(|_| held);
+        let Some(place) = place else {
+            return Err(TransferError::Failed(format!(
+                "[{off}, +{n}) is not inside a body {sender:?} holds in {id:?}"
+            )));
+        };
+        let read = fill(place);
+        if let Poll::Ready(Ok(got @ 1..)) = read {
+            hasher.update(&place[..got.min(n)]);
+            self.advance(KvPoll::Transferring);
+        }
+        Ok(read)
+    }
+
+    /// Lets go of the body `sender` holds at `body`: written, with its digest, when `whole`
+    /// (refused if the region has closed meanwhile); otherwise its bytes count for nothing.
+    pub(super) fn settle(
+        &mut self,
+        id: RegionId,
+        (sender, body): (SenderId, &Range<u64>),
+        whole: Option<u64>,
+    ) -> Result<(), TransferError> {
+        let open = self.open(id);
+        if let Some(p) = self.expected.get_mut(&sender) {
+            p.settle(body, whole.filter(|_| open.is_ok()));
+        }
+        open
+    }
+
     /// Adds a segment written in pieces to `sender`'s checksum, by the digest its receiver
     /// computed over the pieces ([`super::placement::segment_hasher`]).
     /// Only over the connection the sender is bound to.
@@ -120,15 +183,21 @@ impl Region {
     /// Whether a write from `sender` over `conn` may touch the region: it is open, expects
     /// the sender (else it fails), and the sender is bound to `conn`.
     fn admit(&mut self, id: RegionId, sender: SenderId, conn: ConnId) -> Result<(), TransferError> {
-        if matches!(*self.state.borrow(), KvPoll::Failed | KvPoll::Success) {
-            return Err(TransferError::Failed(format!("region {id:?} is closed")));
-        }
+        self.open(id)?;
         if !self.expected.contains_key(&sender) {
             let reason = format!("write from unexpected sender {sender:?}");
             self.fail(reason.clone());
             return Err(TransferError::Failed(reason));
         }
         self.bind(id, sender, conn)
+    }
+
+    /// Refuses anything more once the region has failed or succeeded.
+    pub(super) fn open(&self, id: RegionId) -> Result<(), TransferError> {
+        if matches!(*self.state.borrow(), KvPoll::Failed | KvPoll::Success) {
+            return Err(TransferError::Failed(format!("region {id:?} is closed")));
+        }
+        Ok(())
     }
 
     /// After a write: a refused one fails the region, with the sender named.

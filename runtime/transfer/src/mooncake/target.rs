@@ -1,11 +1,13 @@
 //! The target's two listeners: handshakes (metadata, probe, notify) and data (v2 writes).
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 
 use handoff_core::Tasks;
 use serde_json::json;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::debug;
 
@@ -14,6 +16,7 @@ use super::wire::{
 };
 use super::{Control, SUCCESS, Shared, peer_conn};
 use crate::TransferError;
+use crate::inbox::PIECE;
 
 /// Starts both listeners on `tasks`.
 pub(super) fn serve(rpc: TcpListener, data: TcpListener, shared: Arc<Shared>, tasks: &Tasks) {
@@ -136,7 +139,10 @@ async fn serve_data(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
     }
 }
 
-/// Validates one request and applies its body. Only writes into open regions are served.
+/// Validates one request and lands its body, read straight into its region: the shard plan
+/// names the sender, and the body's range is held before a byte is read, and counts as
+/// written only when all of it is in ([`Inbox::begin_body`](crate::Inbox::begin_body)). Only writes into open regions
+/// are served.
 async fn apply(st: &mut TcpStream, peer: SocketAddr, h: &Header, s: &Shared) -> Result<(), String> {
     if !h.is_write() {
         return Err("READ is not served".into());
@@ -148,23 +154,24 @@ async fn apply(st: &mut TcpStream, peer: SocketAddr, h: &Header, s: &Shared) -> 
         .exposed
         .resolve(&s.inbox, h.addr, h.size)
         .ok_or_else(|| format!("[{:#x}, +{}) is not inside an open region", h.addr, h.size))?;
-    let body = read_body(st, h.size).await.map_err(|e| format!("body: {e}"))?;
-    // The shard plan names the sender, under the same lock the bytes land with.
-    s.inbox.on_write_at(region, peer_conn(peer.ip()), offset, &body).map_err(|e| e.to_string())
-}
-
-/// Reads `size` bytes, growing the buffer as they arrive (a declared size reserves nothing).
-async fn read_body<R: AsyncRead + Unpin>(r: &mut R, size: u64) -> std::io::Result<Vec<u8>> {
-    const STEP: usize = 1 << 20;
-    let mut body: Vec<u8> = Vec::new();
-    let want = usize::try_from(size).map_err(std::io::Error::other)?;
-    while body.len() < want {
-        let step = (want - body.len()).min(STEP);
-        body.reserve(step);
-        let n = r.take(step as u64).read_buf(&mut body).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
+    let conn = peer_conn(peer.ip());
+    let mut body = s.inbox.begin_body(region, conn, offset, h.size).map_err(|e| e.to_string())?;
+    while body.remaining() > 0 {
+        std::future::poll_fn(|cx| {
+            let fill = |place: &mut [u8]| {
+                let mut buf = ReadBuf::new(place);
+                Pin::new(&mut *st).poll_read(cx, &mut buf).map_ok(|()| buf.filled().len())
+            };
+            match body.recv(PIECE, fill) {
+                Ok(Poll::Ready(Ok(0))) => Poll::Ready(Err("body: the connection ended".into())),
+                Ok(Poll::Ready(read)) => {
+                    Poll::Ready(read.map(drop).map_err(|e| format!("body: {e}")))
+                }
+                Ok(Poll::Pending) => Poll::Pending,
+                Err(e) => Poll::Ready(Err(e.to_string())),
+            }
+        })
+        .await?;
     }
-    Ok(body)
+    body.finish().map_err(|e| e.to_string())
 }

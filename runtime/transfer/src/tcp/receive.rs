@@ -18,13 +18,9 @@ use std::task::Poll;
 
 use tokio::io::{AsyncRead, AsyncReadExt, ReadBuf};
 
-use crate::inbox::PieceBytes;
 use crate::inbox::placement::segment_hasher;
+use crate::inbox::{PIECE, PieceBytes};
 use crate::{ConnId, Inbox, RegionId, SenderId, TransferError};
-
-/// The most bytes one read asks for (and the size of the buffer a refused write's bytes are
-/// drained through): well inside a core's L2, so what a read landed is hashed from cache.
-pub(crate) const PIECE: usize = 256 << 10;
 
 /// Who wrote a frame, and where to.
 #[derive(Debug, Clone, Copy)]

@@ -24,7 +24,7 @@ const PIECE_LEN: usize = 20;
 const READ_CHUNK: usize = 16 << 20;
 
 /// The buffer either end of a connection keeps for frame heads and small writes. Bigger
-/// reads and writes (a write's payloads, in pieces of up to [`super::receive::PIECE`]) go
+/// reads and writes (a write's payloads, in pieces of up to [`crate::inbox::PIECE`]) go
 /// straight between the socket and their own memory, not through the buffer: a 256 KiB
 /// buffer copied every 192 KiB payload on both ends (a tenth of a transfer's CPU).
 pub(super) const BUFFERED: usize = 64 << 10;
