@@ -14,7 +14,7 @@
 //! cargo run --release -p handoff-benches --bin transfer
 //! cargo run --release -p handoff-benches --bin transfer -- --rounds 5
 //! cargo run --release -p handoff-benches --bin transfer -- --nixl-only 200   # to profile
-//! cargo run --release -p handoff-benches --bin transfer -- --tcp-only 200   # or --shm-only
+//! cargo run --release -p handoff-benches --bin transfer -- --tcp-only 200   # or --shm-only, --mooncake-only
 //! ```
 
 use std::io::Write;
@@ -202,13 +202,16 @@ async fn idle_cpu(span: Duration) -> anyhow::Result<f64> {
 async fn main() -> anyhow::Result<()> {
     let mut rounds = 3usize;
     let (mut nixl_only, mut tcp_only, mut shm_only) = (0usize, 0usize, 0usize);
+    let mut mooncake_only = 0usize;
     parse_flags(|flag, val| {
         match flag {
             "--rounds" => rounds = val.parse()?,
-            // For profiling: only this many sequential nixl (tcp, shm) transfers, and their rate.
+            // For profiling: only this many sequential nixl (tcp, shm, mooncake) transfers, and
+            // their rate.
             "--nixl-only" => nixl_only = val.parse()?,
             "--tcp-only" => tcp_only = val.parse()?,
             "--shm-only" => shm_only = val.parse()?,
+            "--mooncake-only" => mooncake_only = val.parse()?,
             other => anyhow::bail!("unknown flag {other}"),
         }
         Ok(())
@@ -226,6 +229,7 @@ async fn main() -> anyhow::Result<()> {
         (nixl_only, &nixl, "nixl"),
         (tcp_only, &tcp(None, false), "tcp"),
         (shm_only, &tcp(None, true), "shm"),
+        (mooncake_only, &mooncake, "mooncake"),
     ];
     for (only, kind, label) in only {
         if only == 0 {

@@ -3,7 +3,8 @@
 //! As a receiver, an inbox holds one region per room: the bytes written so far, per sender
 //! its byte ranges (from the shard plan) and what it wrote into them with a running checksum
 //! over (offset, length, bytes) ([`placement`]), and the notices received. A write outside
-//! the sender's ranges or over bytes already written fails the region. A notice is verified
+//! the sender's ranges, over bytes already written, or over a body still landing
+//! ([`body`]) fails the region. A notice is verified
 //! on arrival: its room must be the region's room, every byte of the sender's ranges must
 //! have been written exactly once, and its byte count and checksum must match. The region
 //! reaches `Success` when every expected sender's notice has verified; any violation fails

@@ -5,7 +5,9 @@
 //! while it lands. Its bytes are read straight into their place in the region and hashed
 //! there. It counts as written, with its segment's digest, only when the last byte is in. A
 //! body dropped before then (its connection broke, its time ran out) counts for nothing: its
-//! range may be written again, as a sender retrying the write would.
+//! range may be written again, as a sender retrying the write would. A retry may even come
+//! before its receiver has noticed the first try broke (a connection left half-open): the
+//! same range from the same sender takes the earlier body's place.
 
 use std::io;
 use std::ops::Range;
@@ -22,6 +24,8 @@ pub(crate) struct Body<'a> {
     inbox: &'a Inbox,
     id: RegionId,
     sender: SenderId,
+    /// Its hold's number.
+    hold: u64,
     range: Range<u64>,
     /// Bytes landed so far, from the range's start.
     landed: u64,
@@ -33,7 +37,9 @@ impl Inbox {
     /// Begins a body of `len` bytes at `offset` whose sender is not named (Mooncake's
     /// writes): the expected sender whose ranges hold `offset` wrote it, as the shard plan
     /// says, arrived over `conn`. Refused as a write is: a body out of its sender's ranges,
-    /// or over bytes written or landing, fails the region; nothing is read either way.
+    /// or over bytes written or landing, fails the region. The same write sent again (the
+    /// same range) while its earlier body still lands takes that body's place: the earlier
+    /// one lands nothing more and does not count.
     pub(crate) fn begin_body(
         &self,
         id: RegionId,
@@ -49,10 +55,10 @@ impl Inbox {
                 "offset {offset} of {id:?} belongs to no sender"
             )));
         };
-        r.hold(id, sender, conn, (offset, len))?;
+        let hold = r.hold(id, sender, conn, (offset, len))?;
         let range = offset..offset + len;
         let hasher = segment_hasher(offset, len);
-        Ok(Body { inbox: self, id, sender, range, landed: 0, hasher, settled: false })
+        Ok(Body { inbox: self, id, sender, hold, range, landed: 0, hasher, settled: false })
     }
 
     /// Bodies landing in the region now.
@@ -80,7 +86,7 @@ impl Body<'_> {
         let at = self.range.start + self.landed;
         let region = self.inbox.region(self.id)?;
         let mut r = lock(&region);
-        let held = (self.sender, &self.range);
+        let held = (self.sender, self.hold);
         let read = r.fill_held(self.id, held, (at, n), &mut self.hasher, fill)?;
         if let Poll::Ready(Ok(got)) = read {
             self.landed += got.min(n) as u64;
@@ -105,7 +111,7 @@ impl Body<'_> {
         self.settled = true;
         let region = self.inbox.region(self.id)?;
         let mut r = lock(&region);
-        r.settle(self.id, (self.sender, &self.range), whole)
+        r.settle(self.id, (self.sender, self.hold), whole)
     }
 }
 

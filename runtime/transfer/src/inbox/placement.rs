@@ -36,9 +36,11 @@ pub(super) struct Placement {
     ranges: Vec<Range<u64>>,
     /// Written intervals, start to end, disjoint.
     written: BTreeMap<u64, u64>,
-    /// Bodies landing now ([`super::Body`]): held against every other write, written only
-    /// when whole. One per connection landing one, so few.
-    landing: Vec<Range<u64>>,
+    /// Bodies landing now ([`super::Body`]), each under its hold's number: held against
+    /// every other write, written only when whole. One per connection landing one, so few.
+    landing: Vec<(u64, Range<u64>)>,
+    /// The number of the next hold.
+    holds: u64,
     pub(super) bytes: u64,
     pub(super) checksum: u64,
 }
@@ -61,7 +63,14 @@ pub(super) fn normalize(mut ranges: Vec<Range<u64>>) -> Option<Vec<Range<u64>>> 
 impl Placement {
     /// A sender allowed `ranges` (normalized).
     pub(super) fn new(ranges: Vec<Range<u64>>) -> Self {
-        Placement { ranges, written: BTreeMap::new(), landing: Vec::new(), bytes: 0, checksum: 0 }
+        Placement {
+            ranges,
+            written: BTreeMap::new(),
+            landing: Vec::new(),
+            holds: 0,
+            bytes: 0,
+            checksum: 0,
+        }
     }
 
     /// Whether `offset` lies in one of its ranges.
@@ -107,7 +116,7 @@ impl Placement {
                 e.min(end)
             ));
         }
-        if let Some(r) = self.landing.iter().find(|r| r.start < end && offset < r.end) {
+        if let Some((_, r)) = self.landing.iter().find(|(_, r)| r.start < end && offset < r.end) {
             return Err(format!(
                 "write of [{offset}, {end}) over bytes [{}, {}) another write is landing",
                 r.start.max(offset),
@@ -117,15 +126,30 @@ impl Placement {
         Ok(())
     }
 
-    /// Holds `len` checked bytes at `offset` for a body landing in pieces.
-    pub(super) fn hold(&mut self, offset: u64, len: u64) {
-        self.landing.push(offset..offset + len);
+    /// Lets go of a body landing at exactly `[offset, offset + len)`, if one is: the same
+    /// write sent again (its sender's earlier try was cut off before its receiver noticed)
+    /// takes its place, and the earlier body lands nothing more.
+    pub(super) fn take_over(&mut self, offset: u64, len: u64) {
+        let same = offset..offset.saturating_add(len);
+        self.landing.retain(|(_, r)| *r != same);
     }
 
-    /// Whether `[offset, offset + len)` lies inside the body held at `body`.
-    pub(super) fn held(&self, body: &Range<u64>, offset: u64, len: u64) -> bool {
-        let inside = offset >= body.start && offset.saturating_add(len) <= body.end;
-        inside && self.landing.contains(body)
+    /// Holds `len` checked bytes at `offset` for a body landing in pieces: the hold's number.
+    pub(super) fn hold(&mut self, offset: u64, len: u64) -> u64 {
+        self.holds += 1;
+        self.landing.push((self.holds, offset..offset + len));
+        self.holds
+    }
+
+    /// Whether a body is held under `hold`.
+    pub(super) fn is_held(&self, hold: u64) -> bool {
+        self.landing.iter().any(|(h, _)| *h == hold)
+    }
+
+    /// Whether `[offset, offset + len)` lies inside the body held under `hold`.
+    pub(super) fn held(&self, hold: u64, offset: u64, len: u64) -> bool {
+        let inside = |r: &Range<u64>| offset >= r.start && offset.saturating_add(len) <= r.end;
+        self.landing.iter().any(|(h, r)| *h == hold && inside(r))
     }
 
     /// Bodies landing now.
@@ -134,14 +158,17 @@ impl Placement {
         self.landing.len()
     }
 
-    /// Lets go of the body held at `body`: written, with its whole digest, when it landed
-    /// whole; otherwise its bytes count for nothing and may be written again.
-    pub(super) fn settle(&mut self, body: &Range<u64>, whole: Option<u64>) {
-        let Some(i) = self.landing.iter().position(|r| r == body) else {
+    /// Lets go of the body held under `hold`: written, with its whole digest, when it landed
+    /// whole; otherwise its bytes count for nothing and may be written again. An empty body
+    /// counts for nothing either way, as an empty segment does.
+    pub(super) fn settle(&mut self, hold: u64, whole: Option<u64>) {
+        let Some(i) = self.landing.iter().position(|(h, _)| *h == hold) else {
             return;
         };
-        self.landing.swap_remove(i);
-        if let Some(digest) = whole {
+        let (_, body) = self.landing.swap_remove(i);
+        if let Some(digest) = whole
+            && body.start < body.end
+        {
             self.add_digest(digest);
             self.record_range(body.start, body.end - body.start);
         }

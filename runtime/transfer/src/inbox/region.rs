@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::ops::Range;
 use std::task::Poll;
 
 use handoff_core::Room;
@@ -108,36 +107,38 @@ impl Region {
 
     /// Holds `len` bytes at `off` for a body of `sender`'s that lands in pieces over `conn`
     /// ([`super::Body`]): admitted and checked as a write is, and a refused one fails the
-    /// region, before any of its bytes is read.
+    /// region, before any of its bytes is read. The same write sent again takes the place of
+    /// its earlier body (see [`Placement::take_over`]). `Ok`: the hold's number.
     pub(super) fn hold(
         &mut self,
         id: RegionId,
         sender: SenderId,
         conn: ConnId,
         (off, len): (u64, u64),
-    ) -> Result<(), TransferError> {
+    ) -> Result<u64, TransferError> {
         self.admit(id, sender, conn)?;
         let p = self.expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
+        p.take_over(off, len);
         if let Err(e) = p.check(off, len) {
             return Err(self.refuse(sender, e));
         }
-        p.hold(off, len);
-        Ok(())
+        Ok(p.hold(off, len))
     }
 
-    /// Lands at most `n` bytes at `off` of the body `sender` holds at `body`, read by `fill`
-    /// straight into their place, and hashes what it read into `hasher` from there. Refused,
-    /// with nothing read, once the region has closed or outside the body.
+    /// Lands at most `n` bytes at `off` of the body `sender` holds under `hold`, read by
+    /// `fill` straight into their place, and hashes what it read into `hasher` from there.
+    /// Refused, with nothing read, once the region has closed, the hold is gone, or outside
+    /// the body.
     pub(super) fn fill_held(
         &mut self,
         id: RegionId,
-        (sender, body): (SenderId, &Range<u64>),
+        (sender, hold): (SenderId, u64),
         (off, n): (u64, usize),
         hasher: &mut Xxh3,
         fill: impl FnOnce(&mut [u8]) -> Poll<io::Result<usize>>,
     ) -> Result<Poll<io::Result<usize>>, TransferError> {
         self.open(id)?;
-        let held = self.expected.get(&sender).is_some_and(|p| p.held(body, off, n as u64));
+        let held = self.expected.get(&sender).is_some_and(|p| p.held(hold, off, n as u64));
         let start = usize::try_from(off).ok();
         let place = start.and_then(|s| self.buf.get_mut(s..s.checked_add(n)?)).filter(|_| held);
         let Some(place) = place else {
@@ -153,19 +154,28 @@ impl Region {
         Ok(read)
     }
 
-    /// Lets go of the body `sender` holds at `body`: written, with its digest, when `whole`
-    /// (refused if the region has closed meanwhile); otherwise its bytes count for nothing.
+    /// Lets go of the body `sender` holds under `hold`: written, with its digest, when
+    /// `whole` (refused if the region has closed meanwhile, or another body took its place);
+    /// otherwise its bytes count for nothing.
     pub(super) fn settle(
         &mut self,
         id: RegionId,
-        (sender, body): (SenderId, &Range<u64>),
+        (sender, hold): (SenderId, u64),
         whole: Option<u64>,
     ) -> Result<(), TransferError> {
         let open = self.open(id);
-        if let Some(p) = self.expected.get_mut(&sender) {
-            p.settle(body, whole.filter(|_| open.is_ok()));
+        let Some(p) = self.expected.get_mut(&sender) else {
+            return open;
+        };
+        let still_held = p.is_held(hold);
+        p.settle(hold, whole.filter(|_| open.is_ok()));
+        open?;
+        if whole.is_some() && !still_held {
+            return Err(TransferError::Failed(format!(
+                "a body of {sender:?}'s in {id:?} was sent again before it finished"
+            )));
         }
-        open
+        Ok(())
     }
 
     /// Adds a segment written in pieces to `sender`'s checksum, by the digest its receiver

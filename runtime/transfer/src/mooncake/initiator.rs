@@ -183,8 +183,9 @@ impl Initiator {
 
     /// Sends one lane's writes in turn over one connection, each acked. At most `lanes`
     /// connections per endpoint are in use at once; a pooled connection that turns out dead
-    /// on its first write is replaced once (nothing of a write lands before all of it
-    /// arrived, so sending it again is safe).
+    /// on its first write is replaced once (a target counts a write only once all of it
+    /// arrived, and the same write sent again takes the place of a first try it is still
+    /// landing, so sending it again is safe).
     async fn lane(
         &self,
         peer: &AgentAddr,

@@ -141,8 +141,8 @@ async fn serve_data(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
 
 /// Validates one request and lands its body, read straight into its region: the shard plan
 /// names the sender, and the body's range is held before a byte is read, and counts as
-/// written only when all of it is in ([`Inbox::begin_body`](crate::Inbox::begin_body)). Only writes into open regions
-/// are served.
+/// written only when all of it is in ([`Inbox::begin_body`](crate::Inbox::begin_body)).
+/// Only writes into open regions are served.
 async fn apply(st: &mut TcpStream, peer: SocketAddr, h: &Header, s: &Shared) -> Result<(), String> {
     if !h.is_write() {
         return Err("READ is not served".into());

@@ -129,8 +129,43 @@ async fn a_body_finished_short_counts_for_nothing() {
     got(body.recv(100, from(&bytes, &mut at, 99)).unwrap());
     let short = body.finish().unwrap_err();
     assert!(short.to_string().contains("1 short"), "{short}");
+    assert_eq!(inbox.bodies_landing(id), 0, "let go of");
     let e = inbox.on_notice(id, CONN, notice(room, sender(0), 0, &bytes)).unwrap_err();
     assert!(e.to_string().contains("gap, bytes [0, 100)"), "{e}");
+}
+
+/// An empty body counts for nothing, as an empty segment does: the notice's checksum, which
+/// leaves empty pairs out, still verifies.
+#[tokio::test]
+async fn an_empty_body_counts_for_nothing() {
+    let (inbox, room, id) = region(100, &[(0, 100)]);
+    inbox.begin_body(id, CONN, 10, 0).unwrap().finish().unwrap();
+    let bytes = pattern(100, 8);
+    inbox.on_write(id, sender(0), CONN, &[(0, &bytes)]).unwrap();
+    inbox.on_notice(id, CONN, notice(room, sender(0), 0, &bytes)).unwrap();
+    assert_eq!(inbox.poll(id), KvPoll::Success);
+}
+
+/// The same write sent again while its first body still lands (that try's connection left
+/// half-open) takes the first body's place: the first lands nothing more and does not count
+/// even when finished, the second lands and verifies.
+#[tokio::test]
+async fn a_write_sent_again_takes_the_place_of_its_earlier_body() {
+    let (inbox, room, id) = region(100, &[(0, 100)]);
+    let mut first = inbox.begin_body(id, CONN, 0, 100).unwrap();
+    let garbage = pattern(100, 90);
+    let mut at = 0;
+    got(first.recv(100, from(&garbage, &mut at, 100)).unwrap());
+    // Every byte of the first try is in, but it has not finished.
+    let mut again = inbox.begin_body(id, CONN, 0, 100).unwrap();
+    assert!(first.recv(100, never).is_err());
+    let bytes = pattern(100, 10);
+    let mut at = 0;
+    got(again.recv(100, from(&bytes, &mut at, 100)).unwrap());
+    again.finish().unwrap();
+    assert!(first.finish().is_err());
+    inbox.on_notice(id, CONN, notice(room, sender(0), 0, &bytes)).unwrap();
+    assert_eq!(inbox.wait(id, tokio::time::Instant::now()).await.unwrap().buf, bytes);
 }
 
 /// While a body lands, any other write over its bytes (another body, a plain write) fails
@@ -188,4 +223,16 @@ async fn a_body_stops_when_its_region_fails() {
     assert!(body.recv(100, never).is_err());
     assert!(body.finish().is_err());
     assert_eq!(failure(&inbox, id).await, "the sender vanished");
+}
+
+/// A region its waiter took (it gave up) while a body lands takes no more of it.
+#[tokio::test]
+async fn a_body_stops_when_its_region_is_taken() {
+    let (inbox, _, id) = region(100, &[(0, 100)]);
+    let mut body = inbox.begin_body(id, CONN, 0, 100).unwrap();
+    let timed_out = inbox.wait(id, tokio::time::Instant::now()).await;
+    assert!(matches!(timed_out, Err(TransferError::Timeout(_))), "{timed_out:?}");
+    assert!(matches!(body.recv(100, never), Err(TransferError::UnknownRegion(_))));
+    assert!(body.finish().is_err());
+    assert_eq!(inbox.regions(), 0);
 }
