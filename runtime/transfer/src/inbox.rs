@@ -4,11 +4,11 @@
 //! its byte ranges (from the shard plan) and what it wrote into them with a running checksum
 //! over (offset, length, bytes) ([`placement`]), and the notices received. A write outside
 //! the sender's ranges, over bytes already written, or over a body still landing
-//! ([`body`]) fails the region. A notice is verified
-//! on arrival: its room must be the region's room, every byte of the sender's ranges must
-//! have been written exactly once, and its byte count and checksum must match. The region
-//! reaches `Success` when every expected sender's notice has verified; any violation fails
-//! it (terminal). As a sender, an inbox holds the handshakes
+//! ([`body`]; the same write sent again by the same sender takes that body's place instead)
+//! fails the region. A notice is verified on arrival: its room must be the region's room,
+//! every byte of the sender's ranges must have been written exactly once, and its byte count
+//! and checksum must match. The region reaches `Success` when every expected sender's notice
+//! has verified; any violation fails it (terminal). As a sender, an inbox holds the handshakes
 //! (`ConnectRequest`s) that receivers sent for rooms the sender will compute.
 //!
 //! Region ids are random, so only the senders a region's handshakes went to can name it, and
