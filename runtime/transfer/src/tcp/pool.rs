@@ -287,4 +287,30 @@ mod tests {
             assert!(matches!(got, Err(TransferError::Malformed(_))), "{bad:?}: {got:?}");
         }
     }
+
+    /// Acks that came together are read together, the n-th and nothing past it; a refusal
+    /// among them keeps its reason, and a stream that ends between two gives fewer.
+    #[tokio::test]
+    async fn acks_that_came_together_are_read_together() {
+        let (yes, no) = (ack(Ok(())).await, ack(Err("region expired")).await);
+        let next = b"next frame";
+        let plain: Vec<u8> = [yes.clone(), yes.clone(), yes.clone(), next.to_vec()].concat();
+        let mut s = Counted { data: &plain, reads: 0 };
+        let got = wire::read_acks(&mut s, 3, 1 << 20).await.unwrap();
+        assert_eq!(got, vec![Ok(()), Ok(()), Ok(())]);
+        assert_eq!((s.reads, s.data), (1, &next[..]), "one read, no further");
+
+        let mixed: Vec<u8> = [yes.clone(), no.clone(), yes.clone(), next.to_vec()].concat();
+        let mut s = Counted { data: &mixed, reads: 0 };
+        let got = wire::read_acks(&mut s, 3, 1 << 20).await.unwrap();
+        assert_eq!(got, vec![Ok(()), Err("region expired".to_owned()), Ok(())]);
+        assert_eq!(s.data, &next[..], "nothing past the third");
+
+        let cut: Vec<u8> = [yes.clone(), yes.clone()].concat();
+        let got = wire::read_acks(&mut Counted { data: &cut, reads: 0 }, 3, 1 << 20).await;
+        assert_eq!(got.unwrap().len(), 2, "the stream ended after two");
+        let torn = &cut[..9];
+        let got = wire::read_acks(&mut Counted { data: torn, reads: 0 }, 2, 1 << 20).await;
+        assert!(matches!(got, Err(TransferError::Malformed(_))), "{got:?}");
+    }
 }

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tracing::debug;
 
 use super::receive::{self, Writer};
@@ -72,8 +72,11 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
     cfg: &ConnCfg,
 ) {
     let Inbound { peer, id: conn, authed, window } = inbound;
-    let (r, mut w) = tokio::io::split(stream);
+    let (r, w) = tokio::io::split(stream);
     let mut r = BufReader::with_capacity(wire::BUFFERED, r);
+    // Acks wait here while the frames they answer were read together, and go out together
+    // before the connection waits for more (see `flush_acks`).
+    let mut w = BufWriter::with_capacity(ACKS_BUFFERED, w);
     let mut authed = authed || cfg.token.is_none();
     let mut unknown = 0u32;
     // Where a refused write's payload is drained (see `receive`).
@@ -88,6 +91,11 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
         // Idle until a frame begins, then the whole frame within its own time. Before its
         // hello a connection may idle only briefly: it holds a place it has not earned.
         let idle = if authed { cfg.idle_timeout } else { cfg.hello_timeout };
+        if r.buffer().is_empty()
+            && let Err(why) = flush_acks(&mut w, cfg.frame_timeout).await
+        {
+            break why.to_owned();
+        }
         match tokio::time::timeout(idle, r.fill_buf()).await {
             Ok(Ok(b)) if !b.is_empty() => {}
             Ok(_) => break "sender connection closed mid-transfer".to_owned(),
@@ -210,21 +218,53 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// Writes an ack within `within`: a sender that stops reading its answers cannot hold the
-/// connection (and its place) forever. `Err` names why the connection must close.
+/// What a connection's acks are buffered in: a few dozen plain ones.
+const ACKS_BUFFERED: usize = 256;
+
+/// Queues an ack, sent by the next [`flush_acks`] (or at once, when the buffer is full),
+/// within `within`: a sender that stops reading its answers cannot hold the connection (and
+/// its place) forever. `Err` names why the connection must close.
 async fn answer<W: AsyncWrite + Unpin>(
-    w: &mut W,
+    w: &mut BufWriter<W>,
     res: &Result<(), String>,
     within: Duration,
 ) -> Result<(), &'static str> {
-    match tokio::time::timeout(within, wire::write_ack(w, res)).await {
+    written(tokio::time::timeout(within, wire::put_ack(w, res)).await)
+}
+
+/// Sends the queued acks, within `within`. Called before the connection waits for a frame
+/// that has not begun to arrive, so an ack is never held while its sender waits for it: the
+/// acks of frames read together (a shared write and the notice right behind it) go in one
+/// write. A frame already begun is read to its end first, which never needs an ack: a sender
+/// writes each frame whole before it waits for any answer.
+async fn flush_acks<W: AsyncWrite + Unpin>(
+    w: &mut BufWriter<W>,
+    within: Duration,
+) -> Result<(), &'static str> {
+    written(tokio::time::timeout(within, w.flush()).await)
+}
+
+fn written(
+    r: Result<std::io::Result<()>, tokio::time::error::Elapsed>,
+) -> Result<(), &'static str> {
+    match r {
         Ok(Ok(())) => Ok(()),
         Ok(Err(_)) => Err("sender connection lost"),
         Err(_) => Err("sender not reading its acks"),
     }
 }
 
-/// The last answer before closing a connection: written if it can be, within `within`.
-async fn refuse<W: AsyncWrite + Unpin>(w: &mut W, res: &Result<(), String>, within: Duration) {
-    let _ = answer(w, res, within).await;
+/// The last answer before closing a connection, after the acks queued before it: written if
+/// it can be, within `within`.
+async fn refuse<W: AsyncWrite + Unpin>(
+    w: &mut BufWriter<W>,
+    res: &Result<(), String>,
+    within: Duration,
+) {
+    if answer(w, res, within).await.is_ok() {
+        let _ = flush_acks(w, within).await;
+    }
 }
+
+#[cfg(test)]
+mod tests;

@@ -176,51 +176,96 @@ pub(super) async fn write_ack<W: AsyncWrite + Unpin>(
     w: &mut W,
     res: &Result<(), String>,
 ) -> std::io::Result<()> {
+    put_ack(w, res).await?;
+    w.flush().await
+}
+
+/// Writes an ack into `w` without flushing it: a buffered writer holds it until flushed.
+pub(super) async fn put_ack<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    res: &Result<(), String>,
+) -> std::io::Result<()> {
     let msg = res.as_ref().err().map(String::as_bytes).unwrap_or_default();
     let msg = &msg[..msg.len().min(4096)];
     let mut b = framed(ACK, 1 + msg.len(), &[u8::from(res.is_ok())]);
     b.extend_from_slice(msg);
-    w.write_all(&b).await?;
-    w.flush().await
+    w.write_all(&b).await
 }
 
 /// The shortest ack: its length, its kind and the verdict byte.
 const ACK_MIN: usize = 6;
 
+/// The most one read of acks asks for: a refusal's reason is at most 4 KiB.
+const ACK_READ: usize = 64 << 10;
+
 /// Reads one frame that must be an ack (a sender's read of its receiver's answer), in one
-/// read when it is a plain yes: unbuffered, a frame read piece by piece costs three. Never
-/// reads past a well-formed ack (none is shorter than [`ACK_MIN`]); a frame too short to be
-/// one is malformed, and its connection is not used again. `Ok(None)` at a clean end of
-/// stream before the ack.
+/// read when it is a plain yes (see [`read_acks`]). `Ok(None)` at a clean end of stream
+/// before the ack.
 pub(super) async fn read_ack<R: AsyncRead + Unpin>(
     r: &mut R,
     max_frame: usize,
 ) -> Result<Option<Result<(), String>>, TransferError> {
-    let mut head = [0u8; ACK_MIN];
-    let mut got = 0;
-    while got < 5 {
-        match r.read(&mut head[got..]).await {
-            Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => return Err(malformed(format!("truncated ack: {got} bytes"))),
-            Ok(n) => got += n,
-            Err(e) => return Err(malformed(format!("reading an ack: {e}"))),
+    Ok(read_acks(r, 1, max_frame).await?.pop())
+}
+
+/// Reads the next `n` frames, which must be acks, oldest first: fewer when the stream ends
+/// cleanly between two. Unbuffered, yet in as few reads as they arrive in: each read asks
+/// for at most what the acks still due take at their shortest ([`ACK_MIN`] each), so it
+/// never reads past the `n`-th, and plain yeses that came together take one read. A frame
+/// that is not an ack, or too short to be one, is malformed, and its connection is not
+/// used again.
+pub(super) async fn read_acks<R: AsyncRead + Unpin>(
+    r: &mut R,
+    n: usize,
+    max_frame: usize,
+) -> Result<Vec<Result<(), String>>, TransferError> {
+    let mut verdicts = Vec::with_capacity(n);
+    // Read and not yet taken: the head of the next ack, or more.
+    let mut buf: Vec<u8> = Vec::new();
+    while verdicts.len() < n {
+        let len = match buf.get(..4) {
+            Some(l) => {
+                let len = u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize;
+                if len < ACK_MIN - 4 || len > max_frame {
+                    return Err(malformed(format!(
+                        "ack length {len} outside {}..={max_frame}",
+                        ACK_MIN - 4
+                    )));
+                }
+                Some(len)
+            }
+            None => None,
+        };
+        if let Some(&kind) = buf.get(4)
+            && kind != ACK
+        {
+            return Err(malformed(format!("expected an ack, got a frame of kind {kind}")));
+        }
+        if let Some(len) = len
+            && buf.len() >= 4 + len
+        {
+            match decode(ACK, Bytes::copy_from_slice(&buf[5..4 + len]))? {
+                Frame::Ack(verdict) => verdicts.push(verdict),
+                other => return Err(malformed(format!("expected an ack, got {other:?}"))),
+            }
+            buf.drain(..4 + len);
+            continue;
+        }
+        let after = (n - verdicts.len() - 1) * ACK_MIN;
+        let want = (len.map_or(ACK_MIN, |l| 4 + l) + after - buf.len()).min(ACK_READ);
+        let at = buf.len();
+        buf.resize(at + want, 0);
+        let got =
+            r.read(&mut buf[at..]).await.map_err(|e| malformed(format!("reading an ack: {e}")))?;
+        buf.truncate(at + got);
+        if got == 0 {
+            if buf.is_empty() {
+                return Ok(verdicts);
+            }
+            return Err(malformed(format!("truncated ack: {} bytes", buf.len())));
         }
     }
-    let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
-    if head[4] != ACK {
-        return Err(malformed(format!("expected an ack, got a frame of kind {}", head[4])));
-    }
-    if len < ACK_MIN - 4 || len > max_frame {
-        return Err(malformed(format!("ack length {len} outside {}..={max_frame}", ACK_MIN - 4)));
-    }
-    let mut body = head[5..got].to_vec();
-    if 4 + len > got {
-        body.extend(read_up_to(r, 4 + len - got).await?);
-    }
-    match decode(ACK, Bytes::from(body))? {
-        Frame::Ack(verdict) => Ok(Some(verdict)),
-        other => Err(malformed(format!("expected an ack, got {other:?}"))),
-    }
+    Ok(verdicts)
 }
 
 /// Reads one frame; `Ok(None)` at a clean end of stream between frames.

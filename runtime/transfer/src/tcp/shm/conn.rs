@@ -120,17 +120,9 @@ impl ShmConn {
         }
     }
 
-    /// Waits until every half is landed.
-    async fn settle(&mut self) -> Result<(), TransferError> {
-        while !self.in_flight.is_empty() {
-            self.take_ack().await?;
-        }
-        Ok(())
-    }
-
     /// Sends the notice right behind the shared writes (the receiver lands a connection's
     /// frames in order, so every half is landed before it reads the notice), then reads the
-    /// halves' acks and the notice's.
+    /// halves' acks and the notice's, together when they came together.
     pub(crate) async fn finish(
         &mut self,
         region: RegionId,
@@ -139,8 +131,16 @@ impl ShmConn {
         let peer = &self.peer;
         wire::write_notice(&mut self.stream, region, notice).await.map_err(|e| io_err(peer, e))?;
         self.stream.flush().await.map_err(|e| io_err(peer, e))?;
-        self.settle().await?;
-        read_ack(&self.peer, &mut self.stream, self.max_frame).await
+        let due = self.in_flight.len() + 1;
+        let mut verdicts = wire::read_acks(&mut self.stream, due, self.max_frame).await?;
+        // What the halves' acks say does not matter (see `take_ack`); the notice's does.
+        let said = verdicts.pop().filter(|_| verdicts.len() + 1 == due);
+        self.in_flight.clear();
+        match said {
+            Some(Ok(())) => Ok(()),
+            Some(Err(reason)) => Err(TransferError::Rejected(reason)),
+            None => Err(io_err(peer, "connection closed before the ack")),
+        }
     }
 
     /// A whole write: its bytes, then its notice (if any) and the notice's ack. Without a
