@@ -165,8 +165,9 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
             }
             Frame::Connect(req) => Some(inbox.on_connect(req)),
             Frame::Write { .. } | Frame::SharedWrite { .. } => {
-                // A shared write is answered at once (its half is the sender's again); a
-                // rejected write fails its region, and the sender learns it at the notice.
+                // A shared write is answered before the connection next waits (its half is
+                // the sender's again); a rejected write fails its region, and the sender
+                // learns it at the notice.
                 let shared = matches!(frame, Frame::SharedWrite { .. });
                 let verdict = match landed.unwrap_or(Ok(())) {
                     Ok(()) => {
@@ -213,6 +214,8 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
             break why.to_owned();
         }
     };
+    // Acks still queued (of frames read before one that broke off) go if they can.
+    let _ = flush_acks(&mut w, cfg.frame_timeout).await;
     for region in open {
         inbox.fail(region, reason.clone());
     }
@@ -234,9 +237,10 @@ async fn answer<W: AsyncWrite + Unpin>(
 
 /// Sends the queued acks, within `within`. Called before the connection waits for a frame
 /// that has not begun to arrive, so an ack is never held while its sender waits for it: the
-/// acks of frames read together (a shared write and the notice right behind it) go in one
-/// write. A frame already begun is read to its end first, which never needs an ack: a sender
-/// writes each frame whole before it waits for any answer.
+/// plain acks of frames read together (a shared write and the notice right behind it) go in
+/// one write (a refusal's reason may take its own). A frame already begun is read to its end
+/// first, which never needs an ack: a sender writes each frame whole, and flushes it, before
+/// it waits for any answer.
 async fn flush_acks<W: AsyncWrite + Unpin>(
     w: &mut BufWriter<W>,
     within: Duration,

@@ -223,6 +223,11 @@ pub(super) async fn read_acks<R: AsyncRead + Unpin>(
     // Read and not yet taken: the head of the next ack, or more.
     let mut buf: Vec<u8> = Vec::new();
     while verdicts.len() < n {
+        if let Some(&kind) = buf.get(4)
+            && kind != ACK
+        {
+            return Err(malformed(format!("expected an ack, got a frame of kind {kind}")));
+        }
         let len = match buf.get(..4) {
             Some(l) => {
                 let len = u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize;
@@ -236,11 +241,6 @@ pub(super) async fn read_acks<R: AsyncRead + Unpin>(
             }
             None => None,
         };
-        if let Some(&kind) = buf.get(4)
-            && kind != ACK
-        {
-            return Err(malformed(format!("expected an ack, got a frame of kind {kind}")));
-        }
         if let Some(len) = len
             && buf.len() >= 4 + len
         {

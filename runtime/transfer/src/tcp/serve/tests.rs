@@ -87,16 +87,16 @@ async fn acks_of_frames_read_together_go_out_together() {
             wire::write_connect(&mut three, &connect(region)).await.unwrap();
         }
         client.write_all(&three).await.unwrap();
-        // Three answers (handshakes for regions nobody registered are refused, with why).
+        // Three plain yeses (a handshake is kept until the prefill it names takes it).
         for _ in 0..3 {
-            assert!(wire::read_ack(&mut client, 1 << 20).await.unwrap().is_some());
+            assert_eq!(wire::read_ack(&mut client, 1 << 20).await.unwrap(), Some(Ok(())));
         }
         assert_eq!(writes.load(Ordering::SeqCst), 1, "three acks, one write");
         // One frame alone: its ack comes while the connection waits for the next.
         let mut one = Vec::new();
         wire::write_connect(&mut one, &connect(4)).await.unwrap();
         client.write_all(&one).await.unwrap();
-        assert!(wire::read_ack(&mut client, 1 << 20).await.unwrap().is_some());
+        assert_eq!(wire::read_ack(&mut client, 1 << 20).await.unwrap(), Some(Ok(())));
         assert_eq!(writes.load(Ordering::SeqCst), 2);
         drop(client);
     };
@@ -104,4 +104,26 @@ async fn acks_of_frames_read_together_go_out_together() {
         tokio::join!(serving, talking);
     });
     guard.await.expect("an ack was held while its sender waited for it");
+}
+
+/// A connection that ends inside the frame after an answered one still gets that answer.
+#[tokio::test]
+async fn the_acks_queued_before_a_connection_breaks_off_still_go() {
+    let (mut client, server) = tokio::io::duplex(1 << 16);
+    let inbox = Arc::new(Inbox::new(InboxConfig::default()));
+    let inbound = Inbound { peer: "test", id: ConnId(1), authed: true, window: None };
+    let cfg = cfg();
+    let serving = serve_conn(server, inbound, inbox, &cfg);
+    let talking = async {
+        let mut sent = Vec::new();
+        wire::write_connect(&mut sent, &connect(1)).await.unwrap();
+        sent.extend_from_slice(&[9, 0]); // half of the next frame's length, then the end
+        client.write_all(&sent).await.unwrap();
+        client.shutdown().await.unwrap();
+        assert_eq!(wire::read_ack(&mut client, 1 << 20).await.unwrap(), Some(Ok(())));
+    };
+    let guard = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(serving, talking);
+    });
+    guard.await.expect("the connection was served to its end");
 }
