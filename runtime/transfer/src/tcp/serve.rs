@@ -75,7 +75,7 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
     let (r, w) = tokio::io::split(stream);
     let mut r = BufReader::with_capacity(wire::BUFFERED, r);
     // Acks wait here while the frames they answer were read together, and go out together
-    // before the connection waits for more (see `flush_acks`).
+    // before the connection reads from its socket again (see `flush_acks`).
     let mut w = BufWriter::with_capacity(ACKS_BUFFERED, w);
     let mut authed = authed || cfg.token.is_none();
     let mut unknown = 0u32;
@@ -235,12 +235,12 @@ async fn answer<W: AsyncWrite + Unpin>(
     written(tokio::time::timeout(within, wire::put_ack(w, res)).await)
 }
 
-/// Sends the queued acks, within `within`. Called before the connection waits for a frame
-/// that has not begun to arrive, so an ack is never held while its sender waits for it: the
-/// plain acks of frames read together (a shared write and the notice right behind it) go in
-/// one write (a refusal's reason may take its own). A frame already begun is read to its end
-/// first, which never needs an ack: a sender writes each frame whole, and flushes it, before
-/// it waits for any answer.
+/// Sends the queued acks, within `within`. Called whenever the read buffer is empty, before
+/// the connection reads from its socket again (and waits, if nothing has come), so an ack is
+/// never held while its sender waits for it: the plain acks of frames read together (a
+/// shared write and the notice right behind it) go in one write (a refusal's reason may take
+/// its own). A frame already begun is read to its end first, which never needs an ack: a
+/// sender writes each frame whole, and flushes it, before it waits for any answer.
 async fn flush_acks<W: AsyncWrite + Unpin>(
     w: &mut BufWriter<W>,
     within: Duration,

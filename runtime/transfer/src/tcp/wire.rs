@@ -209,11 +209,10 @@ pub(super) async fn read_ack<R: AsyncRead + Unpin>(
 }
 
 /// Reads the next `n` frames, which must be acks, oldest first: fewer when the stream ends
-/// cleanly between two. Unbuffered, yet in as few reads as they arrive in: each read asks
-/// for at most what the acks still due take at their shortest ([`ACK_MIN`] each), so it
-/// never reads past the `n`-th, and plain yeses that came together take one read. A frame
-/// that is not an ack, or too short to be one, is malformed, and its connection is not
-/// used again.
+/// cleanly between two. Unbuffered, yet never past the `n`-th: each read asks for at most
+/// what the acks still due take at their shortest ([`ACK_MIN`] each). Plain yeses that came
+/// together take one read; a refusal's reason takes another after its head. A frame that is
+/// not an ack, or too short to be one, is malformed, and its connection is not used again.
 pub(super) async fn read_acks<R: AsyncRead + Unpin>(
     r: &mut R,
     n: usize,
