@@ -117,36 +117,34 @@ impl Kv {
     }
 
     /// A copy of tokens `toks` (each run's slice appended in layout order: no zeroing first).
+    ///
+    /// Panics if `toks` is not within the KV's tokens.
     pub fn slice_tokens(&self, toks: Range<usize>) -> Kv {
-        let mut data = Vec::with_capacity(self.shape.token_bytes() * toks.len());
-        self.for_each_run(|l, k, h| {
-            data.extend_from_slice(&self.data[self.run_range(l, k, h, toks.clone())]);
-        });
-        Kv { shape: self.shape, tokens: toks.len(), data }
+        assert!(
+            toks.start <= toks.end && toks.end <= self.tokens,
+            "tokens {toks:?} of {}",
+            self.tokens
+        );
+        gathered(self.shape, &[(self, toks)])
     }
 
     /// Concatenates KV runs of consecutive tokens.
     pub fn concat(shape: KvShape, parts: &[&Kv]) -> Result<Kv, EngineError> {
-        if let Some(p) = parts.iter().find(|p| p.shape != shape) {
+        let parts: Vec<(&Kv, Range<usize>)> = parts.iter().map(|p| (*p, 0..p.tokens)).collect();
+        Kv::gather(shape, &parts)
+    }
+
+    /// The tokens `range` of each part, one part after another, in one new KV: each run is
+    /// built from its parts' slices in layout order (no zeroing first). Parts must have
+    /// `shape`, and their ranges must lie within their tokens.
+    pub fn gather(shape: KvShape, parts: &[(&Kv, Range<usize>)]) -> Result<Kv, EngineError> {
+        if let Some((p, _)) = parts.iter().find(|(p, _)| p.shape != shape) {
             return Err(EngineError::KvShape(format!("{:?} != {:?}", p.shape, shape)));
         }
-        let tokens = parts.iter().map(|p| p.tokens).sum();
-        let mut out = Kv::zeroed(shape, tokens);
-        let hb = shape.head_bytes;
-        for l in 0..shape.layers {
-            for k in 0..2 {
-                for h in 0..shape.kv_heads {
-                    let dst = out.run_mut(l, k, h);
-                    let mut at = 0;
-                    for p in parts {
-                        let src = p.run(l, k, h);
-                        dst[at..at + src.len()].copy_from_slice(src);
-                        at += p.tokens * hb;
-                    }
-                }
-            }
+        if let Some((p, r)) = parts.iter().find(|(p, r)| r.start > r.end || r.end > p.tokens) {
+            return Err(EngineError::KvShape(format!("tokens {r:?} of {}", p.tokens)));
         }
-        Ok(out)
+        Ok(gathered(shape, parts))
     }
 
     /// Calls `f(layer, k|v, head)` for every run, in layout order.
@@ -159,6 +157,22 @@ impl Kv {
             }
         }
     }
+}
+
+/// [`Kv::gather`] of parts already checked.
+fn gathered(shape: KvShape, parts: &[(&Kv, Range<usize>)]) -> Kv {
+    let tokens = parts.iter().map(|(_, r)| r.len()).sum();
+    let mut data = Vec::with_capacity(shape.token_bytes() * tokens);
+    for l in 0..shape.layers {
+        for k in 0..2 {
+            for h in 0..shape.kv_heads {
+                for (p, r) in parts {
+                    data.extend_from_slice(&p.data[p.run_range(l, k, h, r.clone())]);
+                }
+            }
+        }
+    }
+    Kv { shape, tokens, data }
 }
 
 /// Byte range of the run (layer, k|v, head), tokens `toks`, in the canonical layout of

@@ -3,9 +3,17 @@
 //! of leading prompt hashes present is a reusable prefix. A prompt's pages are touched last
 //! page first, so within a prompt the tail is older than the head: eviction takes leaves
 //! before the prefixes other prompts share (a prefix without its head is useless).
+//!
+//! Pages are views of the buffers they came in: a stored prompt's KV is kept whole rather
+//! than copied page by page. The budget counts those buffers whole (what the process
+//! holds), and a buffer may hold at most twice the bytes of its live pages: a prompt whose
+//! new pages are half of its KV or less has them copied out, and a buffer that eviction
+//! leaves half empty or less has its survivors copied into one of their own size. A hot
+//! prefix therefore never pins much more than itself, and a prompt evicted whole (the
+//! usual end of a distinct prompt) is never copied at all.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::ops::Range;
 
 use handoff_core::BlockHash;
 use handoff_engine::Kv;
@@ -24,12 +32,39 @@ pub struct CacheDelta {
 /// One cached page.
 #[derive(Debug)]
 struct Page {
-    kv: Arc<Kv>,
+    /// The buffer it is a view of, and its page index there.
+    source: u64,
+    at: usize,
     /// Its LRU tick.
     tick: u64,
     /// The prompt page before it, and its index in the prompt.
     parent: Option<BlockHash>,
     depth: u32,
+}
+
+/// A buffer pages are views of: a stored prompt's KV, or a copy of some pages.
+#[derive(Debug)]
+struct Source {
+    kv: Kv,
+    /// The live page at each page index of `kv`, if any.
+    slots: Vec<Option<BlockHash>>,
+    live: usize,
+    page_bytes: usize,
+}
+
+impl Source {
+    /// What the budget counts for it once it is settled: nothing once empty, its live pages
+    /// once they are due to be copied out, else its whole buffer.
+    fn charge(&self) -> usize {
+        let live = self.live * self.page_bytes;
+        if live == 0 {
+            0
+        } else if 2 * live <= self.kv.as_bytes().len() {
+            live
+        } else {
+            self.kv.as_bytes().len()
+        }
+    }
 }
 
 /// A prefix cache (see the module docs).
@@ -41,6 +76,8 @@ pub struct PrefixCache {
     tick: u64,
     pages: HashMap<BlockHash, Page>,
     lru: BTreeMap<u64, BlockHash>,
+    sources: HashMap<u64, Source>,
+    next_source: u64,
 }
 
 impl PrefixCache {
@@ -53,6 +90,8 @@ impl PrefixCache {
             tick: 0,
             pages: HashMap::new(),
             lru: BTreeMap::new(),
+            sources: HashMap::new(),
+            next_source: 0,
         }
     }
 
@@ -68,7 +107,7 @@ impl PrefixCache {
     /// The KV of the longest cached prefix of a prompt of `prompt_len` tokens with block
     /// hashes `hashes`, leaving at least one token to compute.
     pub fn lookup(&mut self, hashes: &[BlockHash], prompt_len: usize) -> Option<Kv> {
-        let max_pages = (prompt_len - 1) / self.page_size;
+        let max_pages = prompt_len.saturating_sub(1) / self.page_size;
         let hit: Vec<BlockHash> = hashes
             .iter()
             .take(max_pages)
@@ -81,48 +120,35 @@ impl PrefixCache {
         for h in hit.iter().rev() {
             self.touch(*h);
         }
-        let pages: Vec<&Kv> = hit.iter().map(|h| &*self.pages[h].kv).collect();
-        Kv::concat(pages[0].shape(), &pages).ok()
+        let places: Vec<(u64, usize)> =
+            hit.iter().map(|h| (self.pages[h].source, self.pages[h].at)).collect();
+        let mut parts: Vec<(&Kv, Range<usize>)> = Vec::new();
+        for (source, runs) in runs_of(&places) {
+            let kv = &self.sources[&source].kv;
+            parts.push((kv, runs.start * self.page_size..runs.end * self.page_size));
+        }
+        Kv::gather(parts[0].0.shape(), &parts).ok()
     }
 
     /// Stores the full pages of `kv` (the KV of a prompt with hashes `hashes`), evicting the
     /// least recently used pages beyond the budget.
-    pub fn store(&mut self, hashes: &[BlockHash], kv: &Kv) -> CacheDelta {
+    pub fn store(&mut self, hashes: &[BlockHash], kv: Kv) -> CacheDelta {
         let mut delta = CacheDelta::default();
-        for (i, &h) in hashes.iter().enumerate() {
-            let end = (i + 1) * self.page_size;
-            if end > kv.tokens() {
-                break;
-            }
-            if self.pages.contains_key(&h) {
-                self.touch(h);
-                continue;
-            }
-            let page = kv.slice_tokens(i * self.page_size..end);
-            let size = page.as_bytes().len();
-            if size > self.budget {
-                break;
-            }
-            self.tick += 1;
-            self.used += size;
-            let parent = i.checked_sub(1).map(|j| hashes[j]);
-            let page = Page { kv: Arc::new(page), tick: self.tick, parent, depth: i as u32 };
-            self.pages.insert(h, page);
-            self.lru.insert(self.tick, h);
-            delta.stored.push(h);
+        let full = hashes.len().min(kv.tokens() / self.page_size);
+        let page_bytes = kv.shape().token_bytes() * self.page_size;
+        let new = hashes[..full].iter().filter(|h| !self.pages.contains_key(h)).count();
+        if new > 0 && page_bytes <= self.budget {
+            let whole = kv.as_bytes().len();
+            let keep = whole <= self.budget && 2 * new * page_bytes > whole;
+            self.add_source(&hashes[..full], kv, keep, &mut delta);
         }
-        // Head newest: the prompt's own tail goes before its prefix.
+        // Pages already present get younger; the head newest, so the prompt's own tail goes
+        // before its prefix.
         let present = hashes.iter().take_while(|h| self.pages.contains_key(h)).count();
         for h in hashes[..present].iter().rev() {
             self.touch(*h);
         }
-        while self.used > self.budget {
-            let Some((_, h)) = self.lru.pop_first() else { break };
-            if let Some(p) = self.pages.remove(&h) {
-                self.used -= p.kv.as_bytes().len();
-                delta.removed.push(h);
-            }
-        }
+        self.evict(&mut delta);
         // A page stored and evicted in the same call is neither.
         let both: Vec<BlockHash> =
             delta.stored.iter().filter(|h| !self.pages.contains_key(h)).copied().collect();
@@ -131,6 +157,101 @@ impl PrefixCache {
         let first = delta.stored.first().and_then(|f| hashes.iter().position(|h| h == f));
         delta.parent = first.and_then(|i| i.checked_sub(1)).map(|i| hashes[i]);
         delta
+    }
+
+    /// Adds the pages of `hashes` not yet present as views of `kv` kept whole (`keep`), or
+    /// of a copy of just those pages.
+    fn add_source(&mut self, hashes: &[BlockHash], kv: Kv, keep: bool, delta: &mut CacheDelta) {
+        let id = self.next_source;
+        self.next_source += 1;
+        let mut slots = if keep { vec![None; hashes.len()] } else { Vec::new() };
+        let (mut picked, mut live) = (Vec::new(), 0);
+        for (i, &h) in hashes.iter().enumerate() {
+            if self.pages.contains_key(&h) {
+                continue;
+            }
+            let at = if keep { i } else { slots.len() };
+            if keep {
+                slots[i] = Some(h);
+            } else {
+                slots.push(Some(h));
+                picked.push((id, i));
+            }
+            self.tick += 1;
+            let parent = i.checked_sub(1).map(|j| hashes[j]);
+            let page = Page { source: id, at, tick: self.tick, parent, depth: i as u32 };
+            self.pages.insert(h, page);
+            self.lru.insert(self.tick, h);
+            delta.stored.push(h);
+            live += 1;
+        }
+        let kv = if keep { kv } else { self.pages_of(&kv, &picked) };
+        let page_bytes = kv.shape().token_bytes() * self.page_size;
+        let source = Source { kv, slots, live, page_bytes };
+        self.used += source.charge();
+        self.sources.insert(id, source);
+    }
+
+    /// A copy of the pages at `places` (page indexes of `kv`), one after another.
+    fn pages_of(&self, kv: &Kv, places: &[(u64, usize)]) -> Kv {
+        let ps = self.page_size;
+        let parts: Vec<(&Kv, Range<usize>)> =
+            runs_of(places).map(|(_, r)| (kv, r.start * ps..r.end * ps)).collect();
+        Kv::gather(kv.shape(), &parts).expect("pages within their own KV")
+    }
+
+    /// Evicts least recently used pages until the settled buffers fit the budget, then
+    /// settles the buffers evictions touched: dropped once empty, their survivors copied
+    /// out once half empty or less.
+    fn evict(&mut self, delta: &mut CacheDelta) {
+        let mut touched = Vec::new();
+        while self.used > self.budget {
+            let Some((_, h)) = self.lru.pop_first() else { break };
+            let Some(page) = self.pages.remove(&h) else { continue };
+            let Some(source) = self.sources.get_mut(&page.source) else { continue };
+            let before = source.charge();
+            source.slots[page.at] = None;
+            source.live -= 1;
+            self.used = self.used - before + source.charge();
+            touched.push(page.source);
+            delta.removed.push(h);
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        for id in touched {
+            self.settle(id);
+        }
+    }
+
+    /// Drops source `id` if it has no live page, or copies its live pages into a buffer of
+    /// their own if they are half of it or less.
+    fn settle(&mut self, id: u64) {
+        let Some(source) = self.sources.get(&id) else { return };
+        if source.live == 0 {
+            self.sources.remove(&id);
+            return;
+        }
+        if 2 * source.live * source.page_bytes > source.kv.as_bytes().len() {
+            return;
+        }
+        let places: Vec<(u64, usize)> = source
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_some())
+            .map(|(i, _)| (id, i))
+            .collect();
+        let kv = self.pages_of(&source.kv, &places);
+        let slots: Vec<Option<BlockHash>> =
+            source.slots.iter().flatten().map(|h| Some(*h)).collect();
+        for (at, h) in slots.iter().flatten().enumerate() {
+            if let Some(p) = self.pages.get_mut(h) {
+                p.at = at;
+            }
+        }
+        let source = self.sources.get_mut(&id).expect("looked up above");
+        source.kv = kv;
+        source.slots = slots;
     }
 
     /// Pages held.
@@ -143,7 +264,7 @@ impl PrefixCache {
         self.pages.is_empty()
     }
 
-    /// Bytes held.
+    /// Bytes held: the buffers pages are views of, whole.
     pub fn used_bytes(&self) -> usize {
         self.used
     }
@@ -156,6 +277,21 @@ impl PrefixCache {
         all.sort_unstable_by_key(|(d, _, h)| (*d, *h));
         all.into_iter().map(|(_, parent, h)| (parent, h)).collect()
     }
+}
+
+/// Runs of consecutive page indexes within one source, in order: `(source, pages)`.
+fn runs_of(places: &[(u64, usize)]) -> impl Iterator<Item = (u64, Range<usize>)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        let &(source, start) = places.get(i)?;
+        let mut end = start + 1;
+        i += 1;
+        while places.get(i) == Some(&(source, end)) {
+            end += 1;
+            i += 1;
+        }
+        Some((source, start..end))
+    })
 }
 
 #[cfg(test)]

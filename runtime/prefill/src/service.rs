@@ -157,8 +157,9 @@ impl PrefillService {
     }
 
     /// Stores a prompt's pages in dp rank `dp_rank`'s prefix cache and publishes the change,
-    /// on the instance's tasks: copying every page of a long prompt takes milliseconds that
-    /// the request's answer does not wait for.
+    /// on the instance's tasks: a store may copy pages (a mostly cached prompt's new ones, or
+    /// the survivors of a buffer eviction left half empty), which for a long prompt takes
+    /// milliseconds that the request's answer does not wait for.
     fn cache_later(
         &self,
         dp_rank: u32,
@@ -175,7 +176,7 @@ impl PrefillService {
             let _storing = storing;
             let store = move || {
                 let dp = &svc.inner.dps[dp_rank as usize];
-                let delta = lock(&dp.cache).store(&hashes, &kv);
+                let delta = lock(&dp.cache).store(&hashes, kv);
                 svc.publish(dp_rank, delta);
             };
             if let Err(e) = tokio::task::spawn_blocking(store).await {

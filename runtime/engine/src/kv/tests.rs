@@ -36,3 +36,22 @@ fn a_layer_is_its_k_and_v_runs_of_every_head_back_to_back() {
     let whole: Vec<u8> = (0..3).flat_map(|l| kv.layer(l).to_vec()).collect();
     assert_eq!(whole, kv.as_bytes());
 }
+
+#[test]
+fn gathering_token_ranges_gives_their_slices_back_to_back() {
+    let shape = KvShape { layers: 2, kv_heads: 3, head_bytes: 4 };
+    let a = numbered(shape, 10);
+    let b = Kv::from_bytes(shape, 3, (0..shape.token_bytes() * 3).map(|i| i as u8).collect());
+    let b = b.unwrap();
+    let got = Kv::gather(shape, &[(&a, 6..9), (&b, 0..3), (&a, 1..2), (&a, 4..4)]).unwrap();
+    let mut want = Vec::new();
+    a.for_each_run(|l, k, h| {
+        want.extend_from_slice(&a.run(l, k, h)[6 * 4..9 * 4]);
+        want.extend_from_slice(b.run(l, k, h));
+        want.extend_from_slice(&a.run(l, k, h)[4..2 * 4]);
+    });
+    assert_eq!(got, Kv::from_bytes(shape, 7, want).unwrap());
+    assert!(Kv::gather(shape, &[(&a, 8..11)]).is_err(), "past the end");
+    let other = KvShape { head_bytes: 8, ..shape };
+    assert!(Kv::gather(other, &[(&a, 0..1)]).is_err(), "another shape");
+}

@@ -14,12 +14,12 @@ fn lookup_returns_the_longest_cached_prefix_but_leaves_a_token() {
     let mut c = PrefixCache::new(1 << 20, 4);
     let p: Vec<u32> = (0..16).collect();
     let h = block_hashes(&p, 4);
-    let d = c.store(&h, &kv(&p));
+    let d = c.store(&h, kv(&p));
     assert_eq!(d.stored.len(), 4);
     assert_eq!(d.parent, None, "the run starts the prompt");
     let longer: Vec<u32> = (0..20).collect();
     let hl = block_hashes(&longer, 4);
-    let d = c.store(&hl, &kv(&longer));
+    let d = c.store(&hl, kv(&longer));
     assert_eq!((d.parent, d.stored), (Some(h[3]), vec![hl[4]]), "the run hangs under its prefix");
     // A snapshot lists each page after its parent.
     let chain: Vec<_> = (0..5usize).map(|i| (i.checked_sub(1).map(|p| hl[p]), hl[i])).collect();
@@ -38,12 +38,118 @@ fn budget_evicts_least_recently_used_pages() {
     let a: Vec<u32> = (0..8).collect();
     let b: Vec<u32> = (50..58).collect();
     let ha = block_hashes(&a, 4);
-    c.store(&ha, &kv(&a));
+    c.store(&ha, kv(&a));
     c.lookup(&ha, 9);
-    let d = c.store(&block_hashes(&b, 4), &kv(&b));
+    let d = c.store(&block_hashes(&b, 4), kv(&b));
     assert_eq!(d.stored.len(), 2);
     assert_eq!(d.removed, vec![ha[1]], "a's tail goes, its head (a shared prefix) stays");
     assert_eq!(c.lookup(&ha, 9).map(|k| k.tokens()), Some(4), "a's first page still serves");
     assert!(c.used_bytes() <= page * 3);
     assert_eq!(c.len(), 3);
+}
+
+const PAGE: usize = 4;
+
+fn page_bytes() -> usize {
+    SHAPE.token_bytes() * PAGE
+}
+
+#[test]
+fn a_prompt_is_kept_as_it_came_not_copied() {
+    let mut c = PrefixCache::new(1 << 20, PAGE);
+    let p: Vec<u32> = (0..18).collect();
+    let (h, whole) = (block_hashes(&p, PAGE), kv(&p));
+    let at = whole.as_bytes().as_ptr();
+    c.store(&h, whole);
+    let kept: Vec<&Source> = c.sources.values().collect();
+    assert_eq!(kept.len(), 1);
+    assert_eq!(kept[0].kv.as_bytes().as_ptr(), at, "the very buffer the prompt came in");
+    assert_eq!(c.used_bytes(), SHAPE.token_bytes() * 18, "counted whole, its partial page too");
+    check_books(&c);
+    assert_eq!(c.lookup(&h, 18).unwrap(), kv(&p).slice_tokens(0..16));
+}
+
+#[test]
+fn a_prompt_mostly_cached_has_only_its_new_pages_copied() {
+    let mut c = PrefixCache::new(1 << 20, PAGE);
+    let p: Vec<u32> = (0..16).collect();
+    c.store(&block_hashes(&p, PAGE), kv(&p));
+    let before = c.used_bytes();
+    let longer: Vec<u32> = (0..22).collect();
+    let hl = block_hashes(&longer, PAGE);
+    let d = c.store(&hl, kv(&longer));
+    assert_eq!(d.stored, vec![hl[4]]);
+    assert_eq!(c.used_bytes() - before, page_bytes(), "one new page of five: a copy of it");
+    check_books(&c);
+    assert_eq!(c.lookup(&hl, 22).unwrap(), kv(&longer).slice_tokens(0..20));
+}
+
+#[test]
+fn a_buffer_eviction_leaves_half_empty_keeps_only_its_survivors() {
+    let mut c = PrefixCache::new(page_bytes() * 8, PAGE);
+    let x: Vec<u32> = (0..16).collect();
+    let hx = block_hashes(&x, PAGE);
+    c.store(&hx, kv(&x));
+    // y shares x's first page; its other three are views of y's own KV, at pages 1-3.
+    let y: Vec<u32> = (0..4).chain(100..112).collect();
+    let hy = block_hashes(&y, PAGE);
+    assert_eq!(c.store(&hy, kv(&y)).stored, hy[1..].to_vec());
+    c.lookup(&hx, 17);
+    let z: Vec<u32> = (200..208).collect();
+    let d = c.store(&block_hashes(&z, PAGE), kv(&z));
+    assert_eq!(d.removed, vec![hy[3]], "y's tail, the least recently used page");
+    // y's two survivors were half its buffer: they moved into one of their own.
+    assert_eq!(c.used_bytes(), page_bytes() * (4 + 2 + 2));
+    let y_kept = &c.sources[&c.pages[&hy[1]].source];
+    assert_eq!(y_kept.kv.tokens(), 2 * PAGE);
+    check_books(&c);
+    assert_eq!(c.lookup(&hy, 16).unwrap(), kv(&y).slice_tokens(0..12), "x's page, then y's two");
+}
+
+/// What must hold after every call: the budget counts each buffer whole and is kept, no
+/// buffer holds more than twice its live pages, and every page is where its buffer says.
+fn check_books(c: &PrefixCache) {
+    let mut whole = 0;
+    for (id, s) in &c.sources {
+        let live: Vec<&BlockHash> = s.slots.iter().flatten().collect();
+        assert_eq!(live.len(), s.live);
+        assert!(s.live > 0, "an empty buffer is dropped");
+        assert!(2 * s.live * s.page_bytes > s.kv.as_bytes().len(), "half empty or less: copied");
+        for (at, h) in s.slots.iter().enumerate().filter_map(|(i, h)| Some((i, h.as_ref()?))) {
+            assert_eq!((c.pages[h].source, c.pages[h].at), (*id, at));
+        }
+        whole += s.kv.as_bytes().len();
+    }
+    assert_eq!(c.used_bytes(), whole);
+    assert!(c.used_bytes() <= c.budget);
+    assert_eq!(c.pages.len(), c.sources.values().map(|s| s.live).sum::<usize>());
+    assert_eq!(c.lru.len(), c.pages.len());
+}
+
+#[test]
+fn over_many_prompts_the_books_balance_and_every_hit_is_the_prompts_own_kv() {
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = |n: u64| {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % n
+    };
+    let systems: Vec<Vec<u32>> = (0..3).map(|s| (0..16).map(|t| s * 1000 + t).collect()).collect();
+    for budget_pages in [3, 7, 20] {
+        let mut c = PrefixCache::new(page_bytes() * budget_pages, PAGE);
+        let (mut hits, mut evicted) = (0, 0);
+        for _ in 0..300 {
+            let system = &systems[next(3) as usize];
+            let mut p: Vec<u32> = system[..next(17) as usize].to_vec();
+            let tail = 1 + next(20) as usize;
+            p.extend((0..tail).map(|_| 5000 + next(4) as u32));
+            let h = block_hashes(&p, PAGE);
+            if let Some(hit) = c.lookup(&h, p.len()) {
+                assert_eq!(hit, kv(&p).slice_tokens(0..hit.tokens()));
+                hits += 1;
+            }
+            evicted += c.store(&h, kv(&p)).removed.len();
+            check_books(&c);
+        }
+        assert!(hits > 50 && evicted > 50, "budget {budget_pages}: {hits} hits, {evicted} out");
+    }
 }
