@@ -1,0 +1,148 @@
+//! The prefill's prefix cache on its own: the time of `PrefixCache::store` per prompt and of
+//! a hit's `lookup`, next to the copy a store used to make (every new page copied into its
+//! own allocation, timed on the same KV in the same loop). Two KV shapes (the mock's 1 KiB a
+//! token, which the overhead bench moves, and SmolLM2's 45 KiB), two prompt mixes (every
+//! prompt new; a quarter new behind one of 8 shared system prompts), a budget of 64 prompts
+//! so that stores evict once it is full, and 3 seeds each.
+//!
+//! ```text
+//! cargo run --release -p handoff-benches --bin prefix_cache
+//! cargo run --release -p handoff-benches --bin prefix_cache -- --tokens 1024 --prompts 2000
+//! ```
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use handoff_benches::parse_flags;
+use handoff_benches::path::{pct, us};
+use handoff_core::block_hashes;
+use handoff_engine::{Kv, KvShape};
+use handoff_prefill::PrefixCache;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const PAGE: usize = 16;
+/// The budget, in whole prompts' KV.
+const BUDGET_PROMPTS: usize = 64;
+const SYSTEMS: usize = 8;
+
+struct Args {
+    tokens: usize,
+    prompts: usize,
+}
+
+#[derive(Clone, Copy)]
+enum Mix {
+    /// Every prompt new.
+    Distinct,
+    /// One of [`SYSTEMS`] system prompts (three quarters of the prompt), then a new quarter.
+    Shared,
+}
+
+/// One shape's timings, each sorted.
+struct Timed {
+    store: Vec<Duration>,
+    page_copies: Vec<Duration>,
+    lookup: Vec<Duration>,
+    held: usize,
+}
+
+fn prompt(rng: &mut StdRng, mix: Mix, systems: &[Vec<u32>], tokens: usize) -> Vec<u32> {
+    let mut p = match mix {
+        Mix::Distinct => Vec::new(),
+        Mix::Shared => systems[rng.random_range(0..systems.len())].clone(),
+    };
+    while p.len() < tokens {
+        p.push(rng.random_range(0..50_000));
+    }
+    p
+}
+
+fn run(shape: KvShape, mix: Mix, a: &Args, seed: u64) -> anyhow::Result<Timed> {
+    let whole = shape.token_bytes() * a.tokens;
+    let mut cache = PrefixCache::new(whole * BUDGET_PROMPTS, PAGE);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let systems: Vec<Vec<u32>> = (0..SYSTEMS)
+        .map(|_| (0..a.tokens * 3 / 4).map(|_| rng.random_range(0..50_000)).collect())
+        .collect();
+    // The bytes do not matter to the cache; fresh buffers each time, as an engine's are.
+    let bytes: Vec<u8> = (0..whole).map(|i| i as u8).collect();
+    let mut t = Timed { store: vec![], page_copies: vec![], lookup: vec![], held: 0 };
+    for _ in 0..a.prompts {
+        let p = prompt(&mut rng, mix, &systems, a.tokens);
+        let hashes = block_hashes(&p, PAGE);
+        let kv = Kv::from_bytes(shape, a.tokens, bytes.clone())?;
+        let same = kv.clone();
+        let started = Instant::now();
+        let delta = cache.store(&hashes, kv);
+        t.store.push(started.elapsed());
+        // What the store used to copy: each page it stored, into an allocation of its own.
+        let stored: Vec<usize> =
+            (0..hashes.len()).filter(|i| delta.stored.contains(&hashes[*i])).collect();
+        let started = Instant::now();
+        let pages: Vec<Kv> =
+            stored.iter().map(|i| same.slice_tokens(i * PAGE..(i + 1) * PAGE)).collect();
+        t.page_copies.push(started.elapsed());
+        drop(pages);
+        let started = Instant::now();
+        let hit = cache.lookup(&hashes, a.tokens + 1);
+        t.lookup.push(started.elapsed());
+        anyhow::ensure!(hit.map(|k| k.tokens()) == Some(hashes.len() * PAGE), "a full hit");
+    }
+    t.held = cache.used_bytes();
+    for v in [&mut t.store, &mut t.page_copies, &mut t.lookup] {
+        v.sort_unstable();
+    }
+    Ok(t)
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut a = Args { tokens: 256, prompts: 1000 };
+    parse_flags(|flag, val| {
+        match flag {
+            "--tokens" => a.tokens = val.parse()?,
+            "--prompts" => a.prompts = val.parse()?,
+            other => anyhow::bail!("unknown flag {other}"),
+        }
+        Ok(())
+    })?;
+    anyhow::ensure!(a.tokens >= 4 * PAGE, "at least {} tokens: a quarter page is new", 4 * PAGE);
+    anyhow::ensure!(a.prompts > BUDGET_PROMPTS, "more than {BUDGET_PROMPTS} prompts: none evict");
+    let shapes = [
+        ("mock, 1 KiB/token", KvShape { layers: 4, kv_heads: 4, head_bytes: 32 }),
+        ("SmolLM2, 45 KiB/token", KvShape { layers: 30, kv_heads: 3, head_bytes: 256 }),
+    ];
+    let mut out = handoff_benches::record::Report::new("prefix_cache");
+    out.note("seeds", serde_json::json!([1, 2, 3]));
+    writeln!(
+        out,
+        "{} prompts of {} tokens, pages of {PAGE} tokens, budget {BUDGET_PROMPTS} prompts' KV; \
+         \"page copies\" is what a store used to copy (each stored page into its own \
+         allocation), timed on the same KV in the same loop",
+        a.prompts, a.tokens
+    )?;
+    writeln!(
+        out,
+        "| KV | prompts | seed | store p50 (us) | store p99 (us) | page copies p50 (us) | page copies p99 (us) | store / page copies (p50) | hit lookup p50 (us) | held (MiB) |"
+    )?;
+    writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    for (name, shape) in shapes {
+        for (mix_name, mix) in [("all new", Mix::Distinct), ("a quarter new", Mix::Shared)] {
+            for seed in 1..=3 {
+                let t = run(shape, mix, &a, seed)?;
+                let (s50, c50) = (us(pct(&t.store, 0.5)), us(pct(&t.page_copies, 0.5)));
+                writeln!(
+                    out,
+                    "| {name} | {mix_name} | {seed} | {s50:.1} | {:.1} | {c50:.1} | {:.1} | {:.2} | {:.1} | {:.1} |",
+                    us(pct(&t.store, 0.99)),
+                    us(pct(&t.page_copies, 0.99)),
+                    s50 / c50,
+                    us(pct(&t.lookup, 0.5)),
+                    t.held as f64 / (1 << 20) as f64,
+                )?;
+            }
+        }
+    }
+    out.finish()?;
+    Ok(())
+}
