@@ -1,9 +1,10 @@
 //! The prefill's prefix cache on its own: the time of `PrefixCache::store` per prompt and of
 //! a hit's `lookup`, next to the copy a store used to make (every new page copied into its
 //! own allocation, timed on the same KV in the same loop). Two KV shapes (the mock's 1 KiB a
-//! token, which the overhead bench moves, and SmolLM2's 45 KiB), two prompt mixes (every
-//! prompt new; a quarter new behind one of 8 shared system prompts), a budget of 64 prompts
-//! so that stores evict once it is full, and 3 seeds each.
+//! token, which the overhead bench moves, and SmolLM2's 45 KiB), three prompt mixes (every
+//! prompt new; a quarter new behind one of 8 shared system prompts; every prompt new and of
+//! a length between a quarter of the prompt and twice it, the shape that makes the cache
+//! copy), a budget of 64 prompts so that stores evict once it is full, and 3 seeds each.
 //!
 //! ```text
 //! cargo run --release -p handoff-benches --bin prefix_cache
@@ -37,6 +38,9 @@ enum Mix {
     Distinct,
     /// One of [`SYSTEMS`] system prompts (three quarters of the prompt), then a new quarter.
     Shared,
+    /// Every prompt new, of a length between a quarter of the prompt and twice it: stores
+    /// cut buffers at their half mark, and their survivors are copied.
+    Mixed,
 }
 
 /// One shape's timings, each sorted.
@@ -49,10 +53,14 @@ struct Timed {
 
 fn prompt(rng: &mut StdRng, mix: Mix, systems: &[Vec<u32>], tokens: usize) -> Vec<u32> {
     let mut p = match mix {
-        Mix::Distinct => Vec::new(),
+        Mix::Distinct | Mix::Mixed => Vec::new(),
         Mix::Shared => systems[rng.random_range(0..systems.len())].clone(),
     };
-    while p.len() < tokens {
+    let len = match mix {
+        Mix::Mixed => rng.random_range(tokens / 4..=tokens * 2),
+        Mix::Distinct | Mix::Shared => tokens,
+    };
+    while p.len() < len {
         p.push(rng.random_range(0..50_000));
     }
     p
@@ -66,12 +74,12 @@ fn run(shape: KvShape, mix: Mix, a: &Args, seed: u64) -> anyhow::Result<Timed> {
         .map(|_| (0..a.tokens * 3 / 4).map(|_| rng.random_range(0..50_000)).collect())
         .collect();
     // The bytes do not matter to the cache; fresh buffers each time, as an engine's are.
-    let bytes: Vec<u8> = (0..whole).map(|i| i as u8).collect();
+    let bytes: Vec<u8> = (0..2 * whole).map(|i| i as u8).collect();
     let mut t = Timed { store: vec![], page_copies: vec![], lookup: vec![], held: 0 };
     for _ in 0..a.prompts {
         let p = prompt(&mut rng, mix, &systems, a.tokens);
         let hashes = block_hashes(&p, PAGE);
-        let kv = Kv::from_bytes(shape, a.tokens, bytes.clone())?;
+        let kv = Kv::from_bytes(shape, p.len(), bytes[..shape.token_bytes() * p.len()].to_vec())?;
         let same = kv.clone();
         let started = Instant::now();
         let delta = cache.store(&hashes, kv);
@@ -85,7 +93,7 @@ fn run(shape: KvShape, mix: Mix, a: &Args, seed: u64) -> anyhow::Result<Timed> {
         t.page_copies.push(started.elapsed());
         drop(pages);
         let started = Instant::now();
-        let hit = cache.lookup(&hashes, a.tokens + 1);
+        let hit = cache.lookup(&hashes, p.len() + 1);
         t.lookup.push(started.elapsed());
         anyhow::ensure!(hit.map(|k| k.tokens()) == Some(hashes.len() * PAGE), "a full hit");
     }
@@ -127,7 +135,12 @@ fn main() -> anyhow::Result<()> {
     )?;
     writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     for (name, shape) in shapes {
-        for (mix_name, mix) in [("all new", Mix::Distinct), ("a quarter new", Mix::Shared)] {
+        let mixes = [
+            ("all new", Mix::Distinct),
+            ("a quarter new", Mix::Shared),
+            ("all new, mixed lengths", Mix::Mixed),
+        ];
+        for (mix_name, mix) in mixes {
             for seed in 1..=3 {
                 let t = run(shape, mix, &a, seed)?;
                 let (s50, c50) = (us(pct(&t.store, 0.5)), us(pct(&t.page_copies, 0.5)));

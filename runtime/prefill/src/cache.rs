@@ -6,13 +6,17 @@
 //!
 //! Pages are views of the buffers they came in: a stored prompt's KV is kept whole rather
 //! than copied page by page. The budget counts those buffers whole (what the process
-//! holds), and a buffer may hold at most twice the bytes of its live pages: a prompt whose
-//! new pages are half of its KV or less has them copied out, and a buffer that eviction
-//! leaves half empty or less has its survivors copied into one of their own size. A hot
-//! prefix therefore never pins much more than itself, and a prompt evicted whole (the
-//! usual end of a distinct prompt) is never copied at all.
+//! holds), and after every call a buffer holds at most twice the bytes of its live pages:
+//! a prompt whose new pages are half of its KV or less has them copied out, and a buffer
+//! that eviction leaves half empty or less has its survivors copied into one of their own.
+//! A hot prefix therefore never pins much more than itself. A prompt that one store evicts
+//! whole (distinct prompts of one length, oldest first) is never copied; one that a store
+//! cuts at its half mark has the surviving half copied, and that store frees up to half the
+//! buffer more than it needed. With prompts of mixed lengths a distinct prompt is so copied
+//! at most about once over its life (a half, then a quarter, ...), which is what every
+//! store used to copy up front.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
 use handoff_core::BlockHash;
@@ -29,11 +33,15 @@ pub struct CacheDelta {
     pub removed: Vec<BlockHash>,
 }
 
+/// Names a [`Source`] within one cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct SourceId(u64);
+
 /// One cached page.
 #[derive(Debug)]
 struct Page {
     /// The buffer it is a view of, and its page index there.
-    source: u64,
+    source: SourceId,
     at: usize,
     /// Its LRU tick.
     tick: u64,
@@ -76,7 +84,7 @@ pub struct PrefixCache {
     tick: u64,
     pages: HashMap<BlockHash, Page>,
     lru: BTreeMap<u64, BlockHash>,
-    sources: HashMap<u64, Source>,
+    sources: HashMap<SourceId, Source>,
     next_source: u64,
 }
 
@@ -120,12 +128,23 @@ impl PrefixCache {
         for h in hit.iter().rev() {
             self.touch(*h);
         }
-        let places: Vec<(u64, usize)> =
-            hit.iter().map(|h| (self.pages[h].source, self.pages[h].at)).collect();
         let mut parts: Vec<(&Kv, Range<usize>)> = Vec::new();
-        for (source, runs) in runs_of(&places) {
-            let kv = &self.sources[&source].kv;
-            parts.push((kv, runs.start * self.page_size..runs.end * self.page_size));
+        let mut at = 0;
+        while at < hit.len() {
+            // The pages from here on that follow each other in one buffer: one part.
+            let first = &self.pages[&hit[at]];
+            let mut end = at + 1;
+            while hit
+                .get(end)
+                .map(|h| &self.pages[h])
+                .is_some_and(|p| p.source == first.source && p.at == first.at + (end - at))
+            {
+                end += 1;
+            }
+            let kv = &self.sources[&first.source].kv;
+            let ps = self.page_size;
+            parts.push((kv, first.at * ps..(first.at + end - at) * ps));
+            at = end;
         }
         Kv::gather(parts[0].0.shape(), &parts).ok()
     }
@@ -135,12 +154,8 @@ impl PrefixCache {
     pub fn store(&mut self, hashes: &[BlockHash], kv: Kv) -> CacheDelta {
         let mut delta = CacheDelta::default();
         let full = hashes.len().min(kv.tokens() / self.page_size);
-        let page_bytes = kv.shape().token_bytes() * self.page_size;
-        let new = hashes[..full].iter().filter(|h| !self.pages.contains_key(h)).count();
-        if new > 0 && page_bytes <= self.budget {
-            let whole = kv.as_bytes().len();
-            let keep = whole <= self.budget && 2 * new * page_bytes > whole;
-            self.add_source(&hashes[..full], kv, keep, &mut delta);
+        if kv.shape().token_bytes() * self.page_size <= self.budget {
+            self.add_source(&hashes[..full], kv, &mut delta);
         }
         // Pages already present get younger; the head newest, so the prompt's own tail goes
         // before its prefix.
@@ -150,54 +165,45 @@ impl PrefixCache {
         }
         self.evict(&mut delta);
         // A page stored and evicted in the same call is neither.
-        let both: Vec<BlockHash> =
+        let both: HashSet<BlockHash> =
             delta.stored.iter().filter(|h| !self.pages.contains_key(h)).copied().collect();
-        delta.stored.retain(|h| !both.contains(h));
-        delta.removed.retain(|h| !both.contains(h));
+        if !both.is_empty() {
+            delta.stored.retain(|h| !both.contains(h));
+            delta.removed.retain(|h| !both.contains(h));
+        }
         let first = delta.stored.first().and_then(|f| hashes.iter().position(|h| h == f));
         delta.parent = first.and_then(|i| i.checked_sub(1)).map(|i| hashes[i]);
         delta
     }
 
-    /// Adds the pages of `hashes` not yet present as views of `kv` kept whole (`keep`), or
-    /// of a copy of just those pages.
-    fn add_source(&mut self, hashes: &[BlockHash], kv: Kv, keep: bool, delta: &mut CacheDelta) {
-        let id = self.next_source;
-        self.next_source += 1;
-        let mut slots = if keep { vec![None; hashes.len()] } else { Vec::new() };
-        let (mut picked, mut live) = (Vec::new(), 0);
+    /// Adds the pages of `hashes` not yet present as views of `kv`, then settles it (so a
+    /// prompt whose new pages are half its KV or less has just those copied out).
+    fn add_source(&mut self, hashes: &[BlockHash], kv: Kv, delta: &mut CacheDelta) {
+        let id = SourceId(self.next_source);
+        let mut slots = vec![None; hashes.len()];
+        let mut live = 0;
         for (i, &h) in hashes.iter().enumerate() {
             if self.pages.contains_key(&h) {
                 continue;
             }
-            let at = if keep { i } else { slots.len() };
-            if keep {
-                slots[i] = Some(h);
-            } else {
-                slots.push(Some(h));
-                picked.push((id, i));
-            }
+            slots[i] = Some(h);
+            live += 1;
             self.tick += 1;
             let parent = i.checked_sub(1).map(|j| hashes[j]);
-            let page = Page { source: id, at, tick: self.tick, parent, depth: i as u32 };
+            let page = Page { source: id, at: i, tick: self.tick, parent, depth: i as u32 };
             self.pages.insert(h, page);
             self.lru.insert(self.tick, h);
             delta.stored.push(h);
-            live += 1;
         }
-        let kv = if keep { kv } else { self.pages_of(&kv, &picked) };
+        if live == 0 {
+            return;
+        }
+        self.next_source += 1;
         let page_bytes = kv.shape().token_bytes() * self.page_size;
         let source = Source { kv, slots, live, page_bytes };
         self.used += source.charge();
         self.sources.insert(id, source);
-    }
-
-    /// A copy of the pages at `places` (page indexes of `kv`), one after another.
-    fn pages_of(&self, kv: &Kv, places: &[(u64, usize)]) -> Kv {
-        let ps = self.page_size;
-        let parts: Vec<(&Kv, Range<usize>)> =
-            runs_of(places).map(|(_, r)| (kv, r.start * ps..r.end * ps)).collect();
-        Kv::gather(kv.shape(), &parts).expect("pages within their own KV")
+        self.settle(id);
     }
 
     /// Evicts least recently used pages until the settled buffers fit the budget, then
@@ -225,33 +231,35 @@ impl PrefixCache {
 
     /// Drops source `id` if it has no live page, or copies its live pages into a buffer of
     /// their own if they are half of it or less.
-    fn settle(&mut self, id: u64) {
-        let Some(source) = self.sources.get(&id) else { return };
+    fn settle(&mut self, id: SourceId) {
+        let Some(mut source) = self.sources.remove(&id) else { return };
         if source.live == 0 {
-            self.sources.remove(&id);
             return;
         }
-        if 2 * source.live * source.page_bytes > source.kv.as_bytes().len() {
-            return;
-        }
-        let places: Vec<(u64, usize)> = source
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.is_some())
-            .map(|(i, _)| (id, i))
-            .collect();
-        let kv = self.pages_of(&source.kv, &places);
-        let slots: Vec<Option<BlockHash>> =
-            source.slots.iter().flatten().map(|h| Some(*h)).collect();
-        for (at, h) in slots.iter().flatten().enumerate() {
-            if let Some(p) = self.pages.get_mut(h) {
-                p.at = at;
+        if 2 * source.live * source.page_bytes <= source.kv.as_bytes().len() {
+            source.kv = self.live_pages(&source);
+            source.slots.retain(Option::is_some);
+            for (at, h) in source.slots.iter().flatten().enumerate() {
+                if let Some(p) = self.pages.get_mut(h) {
+                    p.at = at;
+                }
             }
         }
-        let source = self.sources.get_mut(&id).expect("looked up above");
-        source.kv = kv;
-        source.slots = slots;
+        self.sources.insert(id, source);
+    }
+
+    /// A copy of `source`'s live pages, one after another.
+    fn live_pages(&self, source: &Source) -> Kv {
+        let ps = self.page_size;
+        let mut parts: Vec<(&Kv, Range<usize>)> = Vec::new();
+        for (i, slot) in source.slots.iter().enumerate() {
+            match (slot, parts.last_mut()) {
+                (None, _) => {}
+                (Some(_), Some((_, r))) if r.end == i * ps => r.end += ps,
+                (Some(_), _) => parts.push((&source.kv, i * ps..(i + 1) * ps)),
+            }
+        }
+        Kv::gather(source.kv.shape(), &parts).expect("pages within their own KV")
     }
 
     /// Pages held.
@@ -277,21 +285,6 @@ impl PrefixCache {
         all.sort_unstable_by_key(|(d, _, h)| (*d, *h));
         all.into_iter().map(|(_, parent, h)| (parent, h)).collect()
     }
-}
-
-/// Runs of consecutive page indexes within one source, in order: `(source, pages)`.
-fn runs_of(places: &[(u64, usize)]) -> impl Iterator<Item = (u64, Range<usize>)> + '_ {
-    let mut i = 0;
-    std::iter::from_fn(move || {
-        let &(source, start) = places.get(i)?;
-        let mut end = start + 1;
-        i += 1;
-        while places.get(i) == Some(&(source, end)) {
-            end += 1;
-            i += 1;
-        }
-        Some((source, start..end))
-    })
 }
 
 #[cfg(test)]

@@ -122,6 +122,9 @@ fn check_books(c: &PrefixCache) {
     }
     assert_eq!(c.used_bytes(), whole);
     assert!(c.used_bytes() <= c.budget);
+    for (h, p) in &c.pages {
+        assert_eq!(c.lru.get(&p.tick), Some(h), "each page under its own tick");
+    }
     assert_eq!(c.pages.len(), c.sources.values().map(|s| s.live).sum::<usize>());
     assert_eq!(c.lru.len(), c.pages.len());
 }
@@ -142,7 +145,10 @@ fn over_many_prompts_the_books_balance_and_every_hit_is_the_prompts_own_kv() {
             let mut p: Vec<u32> = system[..next(17) as usize].to_vec();
             let tail = 1 + next(20) as usize;
             p.extend((0..tail).map(|_| 5000 + next(4) as u32));
-            let h = block_hashes(&p, PAGE);
+            let mut h = block_hashes(&p, PAGE);
+            if next(4) == 0 {
+                h.truncate(h.len() / 2); // fewer hashes than the KV's full pages
+            }
             if let Some(hit) = c.lookup(&h, p.len()) {
                 assert_eq!(hit, kv(&p).slice_tokens(0..hit.tokens()));
                 hits += 1;
@@ -152,4 +158,40 @@ fn over_many_prompts_the_books_balance_and_every_hit_is_the_prompts_own_kv() {
         }
         assert!(hits > 50 && evicted > 50, "budget {budget_pages}: {hits} hits, {evicted} out");
     }
+}
+
+#[test]
+fn a_page_larger_than_the_budget_is_not_stored() {
+    let mut c = PrefixCache::new(page_bytes() - 1, PAGE);
+    let p: Vec<u32> = (0..8).collect();
+    assert_eq!(c.store(&block_hashes(&p, PAGE), kv(&p)), CacheDelta::default());
+    assert_eq!((c.len(), c.used_bytes()), (0, 0));
+}
+
+#[test]
+fn a_prompt_larger_than_the_budget_keeps_its_head() {
+    let mut c = PrefixCache::new(page_bytes() * 3, PAGE);
+    let p: Vec<u32> = (0..32).collect();
+    let h = block_hashes(&p, PAGE);
+    let d = c.store(&h, kv(&p));
+    assert_eq!((d.stored, d.removed), (h[..3].to_vec(), vec![]), "its tail: stored, evicted");
+    assert_eq!(c.used_bytes(), page_bytes() * 3);
+    assert_eq!(c.lookup(&h, 32).unwrap(), kv(&p).slice_tokens(0..12));
+    check_books(&c);
+}
+
+#[test]
+fn a_store_that_cuts_a_buffer_at_its_half_frees_that_half_and_copies_the_rest() {
+    let mut c = PrefixCache::new(page_bytes() * 8, PAGE);
+    let x: Vec<u32> = (0..32).collect();
+    let hx = block_hashes(&x, PAGE);
+    c.store(&hx, kv(&x));
+    let y: Vec<u32> = (100..104).collect();
+    let d = c.store(&block_hashes(&y, PAGE), kv(&y));
+    // One page was needed; nothing is freed until half of x's buffer is evicted.
+    assert_eq!(d.removed, vec![hx[7], hx[6], hx[5], hx[4]]);
+    assert_eq!(c.used_bytes(), page_bytes() * 5);
+    assert_eq!(c.sources[&c.pages[&hx[0]].source].kv.tokens(), 4 * PAGE, "x's head, copied");
+    assert_eq!(c.lookup(&hx, 32).unwrap(), kv(&x).slice_tokens(0..16));
+    check_books(&c);
 }
