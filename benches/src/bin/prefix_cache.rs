@@ -14,6 +14,9 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+// The allocator the prefill runs on (declared in the `handoff` library): the cache's cost is
+// mostly allocating, copying and freeing buffers.
+use handoff as _;
 use handoff_benches::parse_flags;
 use handoff_benches::path::{pct, us};
 use handoff_core::block_hashes;
