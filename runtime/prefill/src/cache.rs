@@ -8,13 +8,12 @@
 //! than copied page by page. The budget counts those buffers whole (what the process
 //! holds), and after every call a buffer holds at most twice the bytes of its live pages:
 //! a prompt whose new pages are half of its KV or less has them copied out, and a buffer
-//! that eviction leaves half empty or less has its survivors copied into one of their own.
-//! A hot prefix therefore never pins much more than itself. A prompt that one store evicts
-//! whole (distinct prompts of one length, oldest first) is never copied; one that a store
-//! cuts at its half mark has the surviving half copied, and that store frees up to half the
-//! buffer more than it needed. With prompts of mixed lengths a distinct prompt is so copied
-//! at most about once over its life (a half, then a quarter, ...), which is what every
-//! store used to copy up front.
+//! that eviction leaves half full or less has its survivors copied into one of their own,
+//! unless they are the next pages eviction would take (a distinct prompt's head, right
+//! behind its tail) and at most an eighth of the budget: then eviction takes them too. So
+//! a hot prefix never pins much more than itself, a distinct prompt is not copied when it
+//! goes, and a store may evict up to half a buffer more than it needed. Taking pages from a
+//! buffer still more than half full frees nothing yet; those pages are gone all the same.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
@@ -32,6 +31,10 @@ pub struct CacheDelta {
     /// Pages evicted.
     pub removed: Vec<BlockHash>,
 }
+
+/// Survivors of a buffer that eviction takes too, when they are the next to go: at most
+/// this share of the budget (a larger remnant is copied out rather than lost).
+const FINISH_SHARE: usize = 8;
 
 /// Names a [`Source`] within one cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -61,14 +64,24 @@ struct Source {
 }
 
 impl Source {
+    /// Bytes of its live pages.
+    fn live_bytes(&self) -> usize {
+        self.live * self.page_bytes
+    }
+
+    /// Whether its live pages are half its buffer or less (and not none): due to be copied
+    /// out.
+    fn due(&self) -> bool {
+        self.live > 0 && 2 * self.live_bytes() <= self.kv.as_bytes().len()
+    }
+
     /// What the budget counts for it once it is settled: nothing once empty, its live pages
     /// once they are due to be copied out, else its whole buffer.
     fn charge(&self) -> usize {
-        let live = self.live * self.page_bytes;
-        if live == 0 {
+        if self.live == 0 {
             0
-        } else if 2 * live <= self.kv.as_bytes().len() {
-            live
+        } else if self.due() {
+            self.live_bytes()
         } else {
             self.kv.as_bytes().len()
         }
@@ -206,12 +219,14 @@ impl PrefixCache {
         self.settle(id);
     }
 
-    /// Evicts least recently used pages until the settled buffers fit the budget, then
-    /// settles the buffers evictions touched: dropped once empty, their survivors copied
-    /// out once half empty or less.
+    /// Evicts least recently used pages until the settled buffers fit the budget, and on
+    /// through a buffer left due to be copied while its pages are the next to go and few
+    /// (see the module docs); then settles the buffers evictions touched: dropped once
+    /// empty, their survivors copied out once half full or less.
     fn evict(&mut self, delta: &mut CacheDelta) {
         let mut touched = Vec::new();
-        while self.used > self.budget {
+        let mut cut = None;
+        while self.used > self.budget || cut.is_some_and(|id| self.goes_next(id)) {
             let Some((_, h)) = self.lru.pop_first() else { break };
             let Some(page) = self.pages.remove(&h) else { continue };
             let Some(source) = self.sources.get_mut(&page.source) else { continue };
@@ -219,6 +234,8 @@ impl PrefixCache {
             source.slots[page.at] = None;
             source.live -= 1;
             self.used = self.used - before + source.charge();
+            let few = source.live_bytes() <= self.budget / FINISH_SHARE;
+            cut = (source.due() && few).then_some(page.source);
             touched.push(page.source);
             delta.removed.push(h);
         }
@@ -229,6 +246,12 @@ impl PrefixCache {
         }
     }
 
+    /// Whether the next page eviction would take is one of source `id`'s.
+    fn goes_next(&self, id: SourceId) -> bool {
+        let next = self.lru.first_key_value().and_then(|(_, h)| self.pages.get(h));
+        next.is_some_and(|p| p.source == id)
+    }
+
     /// Drops source `id` if it has no live page, or copies its live pages into a buffer of
     /// their own if they are half of it or less.
     fn settle(&mut self, id: SourceId) {
@@ -236,7 +259,7 @@ impl PrefixCache {
         if source.live == 0 {
             return;
         }
-        if 2 * source.live * source.page_bytes <= source.kv.as_bytes().len() {
+        if source.due() {
             source.kv = self.live_pages(&source);
             source.slots.retain(Option::is_some);
             for (at, h) in source.slots.iter().flatten().enumerate() {

@@ -158,7 +158,7 @@ impl PrefillService {
 
     /// Stores a prompt's pages in dp rank `dp_rank`'s prefix cache and publishes the change,
     /// on the instance's tasks: a store may copy pages (a mostly cached prompt's new ones, or
-    /// the survivors of a buffer eviction left half empty), which for a long prompt takes
+    /// the survivors of a buffer eviction left half full or less), which for a long prompt takes
     /// milliseconds that the request's answer does not wait for.
     fn cache_later(
         &self,

@@ -85,7 +85,7 @@ fn a_prompt_mostly_cached_has_only_its_new_pages_copied() {
 }
 
 #[test]
-fn a_buffer_eviction_leaves_half_empty_keeps_only_its_survivors() {
+fn a_buffer_eviction_leaves_half_full_keeps_only_its_survivors() {
     let mut c = PrefixCache::new(page_bytes() * 8, PAGE);
     let x: Vec<u32> = (0..16).collect();
     let hx = block_hashes(&x, PAGE);
@@ -114,7 +114,7 @@ fn check_books(c: &PrefixCache) {
         let live: Vec<&BlockHash> = s.slots.iter().flatten().collect();
         assert_eq!(live.len(), s.live);
         assert!(s.live > 0, "an empty buffer is dropped");
-        assert!(2 * s.live * s.page_bytes > s.kv.as_bytes().len(), "half empty or less: copied");
+        assert!(2 * s.live * s.page_bytes > s.kv.as_bytes().len(), "half full or less: copied");
         for (at, h) in s.slots.iter().enumerate().filter_map(|(i, h)| Some((i, h.as_ref()?))) {
             assert_eq!((c.pages[h].source, c.pages[h].at), (*id, at));
         }
@@ -188,10 +188,46 @@ fn a_store_that_cuts_a_buffer_at_its_half_frees_that_half_and_copies_the_rest() 
     c.store(&hx, kv(&x));
     let y: Vec<u32> = (100..104).collect();
     let d = c.store(&block_hashes(&y, PAGE), kv(&y));
-    // One page was needed; nothing is freed until half of x's buffer is evicted.
+    // One page was needed; nothing is freed until half of x's buffer is evicted. Its head is
+    // next to go, but more than an eighth of the budget: copied, not taken.
     assert_eq!(d.removed, vec![hx[7], hx[6], hx[5], hx[4]]);
     assert_eq!(c.used_bytes(), page_bytes() * 5);
     assert_eq!(c.sources[&c.pages[&hx[0]].source].kv.tokens(), 4 * PAGE, "x's head, copied");
     assert_eq!(c.lookup(&hx, 32).unwrap(), kv(&x).slice_tokens(0..16));
+    check_books(&c);
+}
+
+#[test]
+fn a_distinct_prompt_whose_head_is_next_to_go_and_few_goes_whole() {
+    let mut c = PrefixCache::new(page_bytes() * 20, PAGE);
+    let prompts: Vec<Vec<u32>> = (0..5).map(|p| (p * 100..p * 100 + 16).collect()).collect();
+    for p in &prompts {
+        c.store(&block_hashes(p, PAGE), kv(p));
+    }
+    let first = block_hashes(&prompts[0], PAGE);
+    let f: Vec<u32> = (900..912).collect();
+    let d = c.store(&block_hashes(&f, PAGE), kv(&f));
+    // Three pages were needed: the first prompt's tail halves it, and its last page, the
+    // next to go and under an eighth of the budget, goes too rather than be copied.
+    assert_eq!(d.removed, vec![first[3], first[2], first[1], first[0]]);
+    assert_eq!(c.used_bytes(), page_bytes() * 19);
+    assert!(c.sources.values().all(|s| s.live * PAGE == s.kv.tokens()), "nothing copied");
+    check_books(&c);
+}
+
+#[test]
+fn a_cut_buffer_whose_head_is_in_use_has_it_copied_not_taken() {
+    let mut c = PrefixCache::new(page_bytes() * 20, PAGE);
+    let prompts: Vec<Vec<u32>> = (0..5).map(|p| (p * 100..p * 100 + 16).collect()).collect();
+    for p in &prompts {
+        c.store(&block_hashes(p, PAGE), kv(p));
+    }
+    let first = block_hashes(&prompts[0], PAGE);
+    assert_eq!(c.lookup(&first, PAGE + 1).map(|k| k.tokens()), Some(PAGE), "its head, in use");
+    let f: Vec<u32> = (900..912).collect();
+    let d = c.store(&block_hashes(&f, PAGE), kv(&f));
+    assert_eq!(d.removed, vec![first[3], first[2], first[1]], "nothing past what was needed");
+    assert_eq!(c.used_bytes(), page_bytes() * 20);
+    assert_eq!(c.sources[&c.pages[&first[0]].source].kv.tokens(), PAGE, "its head, copied");
     check_books(&c);
 }
