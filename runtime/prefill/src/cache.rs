@@ -141,24 +141,11 @@ impl PrefixCache {
         for h in hit.iter().rev() {
             self.touch(*h);
         }
-        let mut parts: Vec<(&Kv, Range<usize>)> = Vec::new();
-        let mut at = 0;
-        while at < hit.len() {
-            // The pages from here on that follow each other in one buffer: one part.
-            let first = &self.pages[&hit[at]];
-            let mut end = at + 1;
-            while hit
-                .get(end)
-                .map(|h| &self.pages[h])
-                .is_some_and(|p| p.source == first.source && p.at == first.at + (end - at))
-            {
-                end += 1;
-            }
-            let kv = &self.sources[&first.source].kv;
-            let ps = self.page_size;
-            parts.push((kv, first.at * ps..(first.at + end - at) * ps));
-            at = end;
-        }
+        let pages = hit.iter().map(|h| {
+            let p = &self.pages[h];
+            (&self.sources[&p.source].kv, p.at)
+        });
+        let parts = runs(pages, self.page_size);
         Kv::gather(parts[0].0.shape(), &parts).ok()
     }
 
@@ -273,15 +260,8 @@ impl PrefixCache {
 
     /// A copy of `source`'s live pages, one after another.
     fn live_pages(&self, source: &Source) -> Kv {
-        let ps = self.page_size;
-        let mut parts: Vec<(&Kv, Range<usize>)> = Vec::new();
-        for (i, slot) in source.slots.iter().enumerate() {
-            match (slot, parts.last_mut()) {
-                (None, _) => {}
-                (Some(_), Some((_, r))) if r.end == i * ps => r.end += ps,
-                (Some(_), _) => parts.push((&source.kv, i * ps..(i + 1) * ps)),
-            }
-        }
+        let live = source.slots.iter().enumerate().filter(|(_, s)| s.is_some());
+        let parts = runs(live.map(|(i, _)| (&source.kv, i)), self.page_size);
         Kv::gather(source.kv.shape(), &parts).expect("pages within their own KV")
     }
 
@@ -308,6 +288,23 @@ impl PrefixCache {
         all.sort_unstable_by_key(|(d, _, h)| (*d, *h));
         all.into_iter().map(|(_, parent, h)| (parent, h)).collect()
     }
+}
+
+/// Pages given as (their buffer, their page index there), in order, as token ranges of
+/// their buffers: pages that follow each other in one buffer make one range.
+fn runs<'a>(
+    pages: impl Iterator<Item = (&'a Kv, usize)>,
+    page_size: usize,
+) -> Vec<(&'a Kv, Range<usize>)> {
+    let mut parts: Vec<(&Kv, Range<usize>)> = Vec::new();
+    for (kv, at) in pages {
+        let start = at * page_size;
+        match parts.last_mut() {
+            Some((last, r)) if std::ptr::eq(*last, kv) && r.end == start => r.end += page_size,
+            _ => parts.push((kv, start..start + page_size)),
+        }
+    }
+    parts
 }
 
 #[cfg(test)]

@@ -231,3 +231,13 @@ fn a_cut_buffer_whose_head_is_in_use_has_it_copied_not_taken() {
     assert_eq!(c.sources[&c.pages[&first[0]].source].kv.tokens(), PAGE, "its head, copied");
     check_books(&c);
 }
+
+#[test]
+fn runs_join_only_neighbouring_pages_of_one_buffer() {
+    let (a, b) = (kv(&[1; 16]), kv(&[2; 32]));
+    // b's pages 4 and 5 would follow a's page 3 if buffers were not told apart.
+    let pages = [(&a, 0), (&a, 1), (&a, 3), (&b, 4), (&b, 5), (&a, 0)];
+    let got: Vec<(bool, std::ops::Range<usize>)> =
+        runs(pages.into_iter(), PAGE).into_iter().map(|(k, r)| (std::ptr::eq(k, &a), r)).collect();
+    assert_eq!(got, vec![(true, 0..8), (true, 12..16), (false, 16..24), (true, 0..4)]);
+}
