@@ -2,6 +2,7 @@
 
 mod e2e {
     pub(crate) mod faults;
+    pub(crate) mod handshakes;
     pub(crate) mod hostile;
     pub(crate) mod load;
     pub(crate) mod model;

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures::future::try_join_all;
 use handoff_bootstrap::DirectoryCache;
@@ -11,7 +12,7 @@ use handoff_bootstrap::mapping::{self, Parallel, RegionLayout};
 use handoff_core::Room;
 use handoff_engine::{Engine, Kv};
 use handoff_proto::v1::prefill_client::PrefillClient;
-use handoff_proto::v1::{PrefillRequest, SamplingParams, StageTimings};
+use handoff_proto::v1::{PrefillRequest, SamplingParams, StageTimings, TransferHandshake};
 use handoff_transfer::{Agent, ConnectRequest, Inbox, RegionId, SenderId};
 use tokio::time::Instant;
 use tonic::transport::Channel;
@@ -54,7 +55,24 @@ pub struct Target {
     /// Its directory.
     pub bootstrap_addr: String,
     /// Its Prefill service.
-    pub prefill: PrefillClient<Channel>,
+    pub prefill: PrefillPeer,
+}
+
+/// A handoff prefill's Prefill service, as this frontend calls it.
+#[derive(Debug, Clone)]
+pub struct PrefillPeer {
+    /// The client.
+    pub client: PrefillClient<Channel>,
+    /// Whether its last answer said it takes the decode's handshakes in the call; a failed
+    /// call that carried them forgets it, so the next goes the old way and asks again.
+    pub takes_handshakes: Arc<AtomicBool>,
+}
+
+impl PrefillPeer {
+    /// A client for a service not yet heard from.
+    pub fn new(client: PrefillClient<Channel>) -> Self {
+        PrefillPeer { client, takes_handshakes: Arc::default() }
+    }
 }
 
 /// The verified result of a successful attempt.
@@ -217,29 +235,57 @@ pub async fn run(
     }
     stages.timings.register_us = stages.mark();
 
-    // connect
-    let connects = plans.iter().enumerate().flat_map(|(r, plan)| {
-        let region = regions[r].id;
-        let addrs = &addrs;
-        plan.tp_ranks
-            .iter()
-            .flat_map(move |&tp| plan.pp_ranks.iter().map(move |&pp| (r, region, tp, pp)))
-            .map(move |(r, region, tp, pp)| {
-                let a = &addrs[&(tp, pp)];
-                let peer = handoff_transfer::AgentAddr { ip: a.rank_ip.clone(), port: a.rank_port };
-                let req = ConnectRequest {
-                    room,
-                    receiver: ctx.agent.addr(),
-                    region,
-                    region_len: layout.len(),
-                    dst_tp_size: d as u32,
-                    dst_tp_rank: r as u32,
-                    tokens: t as u32,
-                    token: ctx.transfer_token.clone(),
-                };
-                async move { ctx.agent.connect(&peer, req).await }
-            })
-    });
+    // connect: each decode rank's handshake with each prefill rank it reads from, in the
+    // Prefill call when the instance said it takes them there and our backend's handshake is
+    // nothing more (no connection of its own then), else over each prefill rank's agent.
+    let in_call =
+        target.prefill.takes_handshakes.load(Ordering::Relaxed) && ctx.agent.handshake_in_call();
+    let pairs: Vec<(usize, RegionId, usize, usize)> = plans
+        .iter()
+        .enumerate()
+        .flat_map(|(r, plan)| {
+            let region = regions[r].id;
+            plan.tp_ranks
+                .iter()
+                .flat_map(move |&tp| plan.pp_ranks.iter().map(move |&pp| (r, region, tp, pp)))
+        })
+        .collect();
+    let mut handshakes = Vec::new();
+    let mut connects = Vec::new();
+    let receiver = ctx.agent.addr();
+    for &(r, region, tp, pp) in &pairs {
+        if in_call {
+            handshakes.push(TransferHandshake {
+                tp_rank: tp as u32,
+                pp_rank: pp as u32,
+                receiver_ip: receiver.ip.clone(),
+                receiver_port: u32::from(receiver.port),
+                region: region.0,
+                region_len: layout.len(),
+                dst_tp_size: d as u32,
+                dst_tp_rank: r as u32,
+            });
+            continue;
+        }
+        let a = &addrs[&(tp, pp)];
+        let peer = handoff_transfer::AgentAddr { ip: a.rank_ip.clone(), port: a.rank_port };
+        let req = ConnectRequest {
+            room,
+            receiver: receiver.clone(),
+            region,
+            region_len: layout.len(),
+            dst_tp_size: d as u32,
+            dst_tp_rank: r as u32,
+            tokens: t as u32,
+            token: ctx.transfer_token.clone(),
+        };
+        connects.push(async move { ctx.agent.connect(&peer, req).await });
+    }
+    if in_call {
+        for g in &regions {
+            inbox.mark_connected(g.id);
+        }
+    }
     // Connecting runs alongside the prefill call below, not before it: the prefill waits for
     // the handshakes while it computes (up to its handshake timeout), so asking both at once
     // saves a round trip. A failed handshake fails the attempt, which aborts the call.
@@ -260,13 +306,13 @@ pub async fn run(
 
     // prefill, and the KV it sends
     let left = deadline.saturating_duration_since(Instant::now());
-    let client = target.prefill.clone();
     let req = PrefillRequest {
         bootstrap_room: room.get(),
         token_ids: tokens.to_vec(),
         dp_rank: target.dp_rank,
         sampling: Some(sampling.clone()),
         deadline_ms: left.as_millis().min(u128::from(u32::MAX)) as u32,
+        handshakes,
     };
     let request = handoff_proto::trace::traced(
         handoff_proto::auth::request(req, ctx.transfer_token.as_deref()),
@@ -276,7 +322,8 @@ pub async fn run(
     // when the call answers (see `call`). A call that fails first (a refusal, an error) fails
     // the attempt, unless the handshakes fail too: theirs then names the failure (a prefill
     // this frontend cannot reach fails both, and `reach` counts connect failures).
-    let mut call = call::PrefillCall::start(ctx.tasks, client, request, room, deadline);
+    let mut call =
+        call::PrefillCall::start(ctx.tasks, &target.prefill, request, in_call, room, deadline);
     let waits = async {
         let w = regions.iter().map(|g| inbox.wait(g.id, deadline));
         try_join_all(w).await.map_err(|e| FrontendError::transfer("verify", e))

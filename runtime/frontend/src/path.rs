@@ -17,10 +17,9 @@ use handoff_proto::v1::{Attempt, Evidence, Outcome};
 use handoff_transfer::Agent;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
-use tonic::transport::Channel;
 use tracing::{Instrument, debug, warn};
 
-use crate::attempt::{AttemptCtx, Stages};
+use crate::attempt::{AttemptCtx, PrefillPeer, Stages};
 use crate::input::Plan;
 use crate::lease::outcome_of;
 use crate::metrics::Metrics;
@@ -48,7 +47,7 @@ pub struct Frontend {
     agent: Agent,
     directory: DirectoryCache,
     schedulers: Arc<Schedulers>,
-    prefills: Mutex<HashMap<String, PrefillClient<Channel>>>,
+    prefills: Mutex<HashMap<String, PrefillPeer>>,
     /// The decode side of SGLang's PD protocol, for SGLang prefill servers.
     sglang: crate::sglang::SglangPrefills,
     /// The decode side of vLLM's PD protocol (NIXL pull), for vLLM prefill servers.
@@ -268,10 +267,7 @@ impl Frontend {
         self.prefills_known.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    pub(crate) fn prefill_client(
-        &self,
-        addr: &str,
-    ) -> Result<PrefillClient<Channel>, FrontendError> {
+    pub(crate) fn prefill_client(&self, addr: &str) -> Result<PrefillPeer, FrontendError> {
         let mut map = self.prefills.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
@@ -282,7 +278,7 @@ impl Frontend {
         let channel =
             cluster_channel(addr, self.cfg.tls.as_ref(), std::time::Duration::from_secs(2))
                 .map_err(|e| FrontendError::Invalid(e.to_string()))?;
-        let c = PrefillClient::new(channel).max_decoding_message_size(64 << 20);
+        let c = PrefillPeer::new(PrefillClient::new(channel).max_decoding_message_size(64 << 20));
         map.insert(addr.to_owned(), c.clone());
         Ok(c)
     }

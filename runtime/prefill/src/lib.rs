@@ -7,6 +7,7 @@
 //!   decode ranks that connected for a room.
 //! - [`service`] — the `handoff.v1.Prefill` gRPC service: prefix reuse, compute, KV events,
 //!   and the ranks' sends.
+//! - `handshakes` — the decode's transfer handshakes when the Prefill call carries them.
 //! - `cost` — what it measures of itself for the schedulers: compute per token, and the
 //!   time its KV takes after the compute (a slow link).
 //! - [`metrics`] — its counters, `/metrics` and readiness.
@@ -17,6 +18,7 @@ pub mod cache;
 pub mod config;
 mod cost;
 mod error;
+mod handshakes;
 pub mod instance;
 pub mod metrics;
 pub mod rank;

@@ -20,6 +20,7 @@ pub struct PrefillMetrics {
     kv_bytes: Arc<Counter>,
     kv_size: Arc<Histogram>,
     transfer_failures: Arc<Family<Counter>>,
+    handshakes: Arc<Family<Counter>>,
     computed_tokens: Arc<Counter>,
     cached_tokens: Arc<Counter>,
     /// Registered in discovery and not draining (readiness).
@@ -52,6 +53,12 @@ impl Default for PrefillMetrics {
                 "handoff_prefill_transfer_failures_total",
                 "KV sends that failed, by reason.",
                 &["reason"],
+            ),
+            handshakes: r.counters(
+                "handoff_prefill_handshake_requests_total",
+                "Requests by how the decode's transfer handshakes came: in the Prefill call \
+                 (call) or over the ranks' transfer connections (transfer).",
+                &["via"],
             ),
             computed_tokens: r
                 .counter("handoff_prefill_computed_tokens_total", "Prompt tokens computed."),
@@ -86,6 +93,11 @@ impl PrefillMetrics {
     /// A request dropped before it was answered (the decode went away).
     pub(crate) fn cancelled(&self) {
         self.requests.with(&["cancelled"]).inc();
+    }
+
+    /// A request's handshakes came in its call (`in_call`) or over the transfer connections.
+    pub(crate) fn handshakes(&self, in_call: bool) {
+        self.handshakes.with(&[if in_call { "call" } else { "transfer" }]).inc();
     }
 
     pub(crate) fn stage(&self, stage: &'static str, took: Duration) {

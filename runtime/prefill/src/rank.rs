@@ -37,18 +37,22 @@ pub struct Rank {
 }
 
 impl Rank {
-    /// Waits for the handshakes of every decode rank that reads from this rank for `room`
-    /// (`tokens` prompt tokens of `shape`), and opens a streamed write to each.
+    /// Takes the handshakes of every decode rank that reads from this rank for `room`
+    /// (`tokens` prompt tokens of `shape`): `given` when the call carried them, else as they
+    /// arrive over the transfer connections (until `deadline`); and opens a streamed write to
+    /// each.
     pub async fn destinations(
         &self,
         par: Parallel,
         room: Room,
         shape: KvShape,
         tokens: usize,
+        given: Vec<ConnectRequest>,
         deadline: Instant,
     ) -> Result<Vec<Destination>, PrefillError> {
         let inbox = self.agent.inbox();
-        let mut hs = inbox.accept(room, 1, deadline).await?;
+        let in_call = !given.is_empty();
+        let mut hs = if in_call { given } else { inbox.accept(room, 1, deadline).await? };
         let d = hs[0].dst_tp_size as usize;
         if !mapping::tp_compatible(d, par.tp) {
             return Err(PrefillError::Invalid(format!(
@@ -57,6 +61,14 @@ impl Rank {
             )));
         }
         let peers = if d > par.tp { d / par.tp } else { 1 };
+        if in_call && hs.len() != peers {
+            return Err(PrefillError::Invalid(format!(
+                "{} handshakes for tp rank {} pp rank {}, decode tp {d} needs {peers}",
+                hs.len(),
+                self.tp,
+                self.pp
+            )));
+        }
         if hs.len() < peers {
             hs.extend(inbox.accept(room, peers - hs.len(), deadline).await?);
         }

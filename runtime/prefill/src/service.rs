@@ -336,6 +336,8 @@ impl PrefillService {
                 info.vocab
             )));
         }
+        let in_call = !req.handshakes.is_empty();
+        let handshakes = crate::handshakes::deal(req.handshakes, &dp.senders, room, tokens.len())?;
         let budget = match req.deadline_ms {
             0 => Duration::from_secs(30),
             ms => Duration::from_millis(u64::from(ms)),
@@ -374,14 +376,15 @@ impl PrefillService {
             me.metrics.tokens(tokens.len() - cached, cached);
             Ok::<_, PrefillError>((out, Instant::now()))
         };
-        // The decode sends its handshakes alongside this call: they are taken while the engine
-        // computes, and each layer travels to every decode rank as soon as it is done.
+        // The decode's handshakes came in this call, or it sends them alongside it: they are
+        // taken while the engine computes, and each layer travels to every decode rank as soon
+        // as it is done.
         let hs_deadline = deadline.min(Instant::now() + me.handshake_timeout);
+        me.metrics.handshakes(in_call);
         let stream = async {
-            let opens = dp
-                .senders
-                .iter()
-                .map(|r| r.destinations(me.par, room, info.shape, tokens.len(), hs_deadline));
+            let opens = dp.senders.iter().zip(handshakes).map(|(r, given)| {
+                r.destinations(me.par, room, info.shape, tokens.len(), given, hs_deadline)
+            });
             let opened = try_join_all(opens).await?;
             let ranks = opened.iter().filter(|d| !d.is_empty()).count();
             let mut dests: Vec<Destination> = opened.into_iter().flatten().collect();
@@ -418,6 +421,7 @@ impl PrefillService {
             cached_tokens: cached as u32,
             computed_tokens: (tokens.len() - cached) as u32,
             ranks_sent: ranks as u32,
+            takes_handshakes: dp.senders.iter().all(|r| r.agent.handshake_in_call()),
         })
     }
 }

@@ -36,6 +36,12 @@ impl Agent {
         self.backend.name()
     }
 
+    /// Whether its handshakes may ride in the prefill call (see
+    /// [`TransferBackend::handshake_in_call`]).
+    pub fn handshake_in_call(&self) -> bool {
+        self.backend.handshake_in_call()
+    }
+
     /// The receiving side.
     pub fn inbox(&self) -> &Arc<Inbox> {
         &self.inbox

@@ -69,6 +69,10 @@ impl TransferBackend for FakeTransfer {
         true
     }
 
+    fn handshake_in_call(&self) -> bool {
+        true
+    }
+
     fn local_addr(&self) -> AgentAddr {
         self.addr.clone()
     }

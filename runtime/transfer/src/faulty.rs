@@ -92,6 +92,10 @@ impl TransferBackend for FaultyTransfer {
         self.inner.local_addr()
     }
 
+    fn handshake_in_call(&self) -> bool {
+        self.inner.handshake_in_call()
+    }
+
     async fn connect(&self, peer: &AgentAddr, req: ConnectRequest) -> Result<(), TransferError> {
         self.inner.connect(peer, req).await
     }

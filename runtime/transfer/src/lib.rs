@@ -215,6 +215,13 @@ pub trait TransferBackend: Send + Sync + 'static {
         false
     }
 
+    /// Whether a handshake is nothing more than its [`ConnectRequest`], so that it may ride
+    /// in the prefill call instead of [`TransferBackend::connect`] (tcp, fake); false where
+    /// connecting also lends or exposes memory (mooncake, nixl).
+    fn handshake_in_call(&self) -> bool {
+        false
+    }
+
     /// A connection to `peer` dedicated to one streamed write ([`WriteStream`]); `None` (the
     /// default): the parts go as writes of their own when [`TransferBackend::posts_parts`],
     /// else they are held and posted in one write at the stream's end.

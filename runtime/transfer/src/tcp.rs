@@ -280,6 +280,11 @@ impl TransferBackend for TcpTransfer {
         self.addr.clone()
     }
 
+    /// A tcp handshake is its request alone; TLS and shared memory change nothing in it.
+    fn handshake_in_call(&self) -> bool {
+        true
+    }
+
     async fn connect(&self, peer: &AgentAddr, req: ConnectRequest) -> Result<(), TransferError> {
         // An idle connection gets a short leash: one the network lost (a partition, a peer
         // gone without a FIN) would otherwise hold the handshake for the whole I/O timeout.

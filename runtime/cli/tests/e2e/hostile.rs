@@ -70,7 +70,7 @@ async fn the_internal_services_want_the_cluster_token() {
     use handoff_proto::auth;
     use handoff_proto::v1::prefill_client::PrefillClient;
     use handoff_proto::v1::scheduler_client::SchedulerClient;
-    use handoff_proto::v1::{ListInstancesRequest, PrefillRequest};
+    use handoff_proto::v1::{ListInstancesRequest, PrefillRequest, TransferHandshake};
     let c = cluster(ClusterConfig {
         token: Some("cluster-secret".into()),
         ..ClusterConfig::ephemeral()
@@ -88,6 +88,33 @@ async fn the_internal_services_want_the_cluster_token() {
     let req = PrefillRequest { bootstrap_room: 7, token_ids: vec![1, 2, 3], ..Default::default() };
     let e = prefill.prefill(auth::request(req, None)).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unauthenticated, "prefill: {e}");
+    // Handshakes in the call that no sender could use are refused at once, and say why.
+    let hs = |tp_rank, receiver_port| TransferHandshake {
+        tp_rank,
+        receiver_ip: "127.0.0.1".into(),
+        receiver_port,
+        region: 1,
+        region_len: 4096,
+        dst_tp_size: 1,
+        ..Default::default()
+    };
+    for (handshakes, why) in [
+        (vec![hs(0, 9), hs(7, 9)], "tp rank 7 pp rank 0, which this dp rank does not have"),
+        (vec![hs(0, 9)], "no handshake for tp rank 1 pp rank 0"),
+        (vec![hs(0, 0), hs(1, 9)], "receiver port 0"),
+        (vec![hs(0, 70_000), hs(1, 9)], "receiver port 70000"),
+        (vec![hs(0, 9); 4097], "4097 handshakes, at most 4096"),
+    ] {
+        let req = PrefillRequest {
+            bootstrap_room: 7,
+            token_ids: vec![1, 2, 3],
+            handshakes,
+            ..Default::default()
+        };
+        let e = prefill.prefill(auth::request(req, Some("cluster-secret"))).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{why}: {e}");
+        assert!(e.message().contains(why), "{why}: {e}");
+    }
     // The frontend carries it: requests are served.
     let mut cl = client(&c).await;
     assert!(generate(&mut cl, &prompt(1, 40), 4).await.is_ok());

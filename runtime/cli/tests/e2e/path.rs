@@ -126,6 +126,8 @@ async fn same_path_over(transfer: TransferKind, name: &str) {
         assert!(ev.kv_bytes > 0);
     }
     assert_eq!(c.frontend.agent().inbox().regions(), 0, "no receive region left behind");
+    let (over_transfer, in_call) = super::handshakes::handshakes_via(&c);
+    assert_eq!((over_transfer, in_call), (50, 0), "{name}'s handshakes never ride in the call");
     c.shutdown().await;
 }
 

@@ -72,7 +72,7 @@ pub(crate) async fn direct_attempt(
     tokens: &[u32],
 ) -> handoff_frontend::attempt::Prefilled {
     use handoff_bootstrap::{DirectoryCache, DirectoryClient};
-    use handoff_frontend::attempt::{self, AttemptCtx, Stages, Target};
+    use handoff_frontend::attempt::{self, AttemptCtx, PrefillPeer, Stages, Target};
     use handoff_proto::v1::prefill_client::PrefillClient;
     use handoff_transfer::{InboxConfig, TransferKind};
 
@@ -93,7 +93,9 @@ pub(crate) async fn direct_attempt(
         instance: p.id.to_string(),
         dp_rank: 0,
         bootstrap_addr: p.bootstrap_addr.clone(),
-        prefill: PrefillClient::connect(format!("http://{}", p.grpc_addr)).await.unwrap(),
+        prefill: PrefillPeer::new(
+            PrefillClient::connect(format!("http://{}", p.grpc_addr)).await.unwrap(),
+        ),
     };
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
     let room = handoff_core::Room::mint();

@@ -8,38 +8,54 @@
 //! is let run to its answer (the prefill caches the prompt then), bounded by the attempt's
 //! deadline and the frontend's shutdown.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use handoff_core::{Room, Tasks};
 use handoff_proto::v1::PrefillRequest;
-use handoff_proto::v1::prefill_client::PrefillClient;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tonic::transport::Channel;
 use tracing::debug;
+
+use super::PrefillPeer;
 
 use crate::{Cause, FrontendError};
 
 /// The call (see the module docs); aborted on drop unless let run.
 pub(super) struct PrefillCall {
     handle: Option<JoinHandle<Result<(), FrontendError>>>,
+    /// The peer's `takes_handshakes` when this call carries the handshakes: an attempt that
+    /// ends without its KV verified (the call aborted) forgets it too.
+    carried: Option<Arc<AtomicBool>>,
 }
 
 impl PrefillCall {
-    /// Starts `request` on `client` for room `room`, on `tasks`, until `deadline`.
+    /// Starts `request` on `peer` for room `room`, on `tasks`, until `deadline`; `in_call`:
+    /// the request carries the decode's handshakes. Its answer tells `peer` whether the next
+    /// may carry them; a failure of a call that did forgets it.
     pub(super) fn start(
         tasks: &Tasks,
-        mut client: PrefillClient<Channel>,
+        peer: &PrefillPeer,
         request: tonic::Request<PrefillRequest>,
+        in_call: bool,
         room: Room,
         deadline: Instant,
     ) -> Self {
         let stop = tasks.clone();
+        let mut client = peer.client.clone();
+        let takes_handshakes = peer.takes_handshakes.clone();
         let handle = tasks.spawn(async move {
             let answer = tokio::select! {
                 _ = stop.shutdown_requested() => {
                     Err(FrontendError::because("prefill", Cause::Decode, "the frontend is stopping"))
                 }
                 a = tokio::time::timeout_at(deadline, client.prefill(request)) => match a {
-                    Ok(a) => a.map(|_| ()).map_err(|s| FrontendError::prefill_status(&s)),
+                    Ok(Ok(answer)) => {
+                        let takes = answer.get_ref().takes_handshakes;
+                        takes_handshakes.store(takes, Ordering::Relaxed);
+                        Ok(())
+                    }
+                    Ok(Err(s)) => Err(FrontendError::prefill_status(&s)),
                     Err(_) => Err(FrontendError::because(
                         "prefill",
                         Cause::Deadline,
@@ -49,10 +65,16 @@ impl PrefillCall {
             };
             if let Err(e) = &answer {
                 debug!(%room, error = %e, "the Prefill call failed");
+                if in_call {
+                    takes_handshakes.store(false, Ordering::Relaxed);
+                }
             }
             answer
         });
-        PrefillCall { handle: Some(handle) }
+        PrefillCall {
+            handle: Some(handle),
+            carried: in_call.then_some(peer.takes_handshakes.clone()),
+        }
     }
 
     /// Whether the call is still out.
@@ -78,6 +100,9 @@ impl Drop for PrefillCall {
     fn drop(&mut self) {
         if let Some(h) = self.handle.take() {
             h.abort();
+            if let Some(t) = &self.carried {
+                t.store(false, Ordering::Relaxed);
+            }
         }
     }
 }

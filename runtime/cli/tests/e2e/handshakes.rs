@@ -1,0 +1,97 @@
+//! The decode's transfer handshakes ride in the Prefill call once the instance has said (in
+//! an answer) that it takes them there: no handshake goes over the ranks' transfer
+//! connections then. An attempt that carried them and failed makes the next request go the
+//! old way, whose answer tells the frontend again. Backends whose handshake carries more
+//! (mooncake, nixl) never put them in the call; `path.rs` checks that.
+
+use handoff::{Cluster, ClusterConfig};
+use handoff_transfer::{Fault, FaultSwitch};
+
+use super::support::*;
+
+/// Requests whose handshakes came (over the transfer connections, in the call), summed over
+/// the cluster's prefill instances.
+pub(crate) fn handshakes_via(c: &Cluster) -> (u64, u64) {
+    let mut via = (0, 0);
+    for p in &c.prefills {
+        for line in p.ops().scrape().lines() {
+            let Some(rest) = line.strip_prefix("handoff_prefill_handshake_requests_total{") else {
+                continue;
+            };
+            let n: u64 = rest.rsplit(' ').next().unwrap().parse().unwrap();
+            if rest.starts_with("via=\"call\"") {
+                via.1 += n;
+            } else {
+                via.0 += n;
+            }
+        }
+    }
+    via
+}
+
+/// Generates prompt `seed` with the aggregated tokens and no failed attempt; whether its
+/// handshakes came in the call.
+async fn served_in_call(c: &Cluster, seed: u32) -> bool {
+    let before = handshakes_via(c);
+    let mut cl = client(c).await;
+    let p = prompt(seed, 40 + seed as usize);
+    let (tokens, done) = generate(&mut cl, &p, 4).await.unwrap();
+    assert_eq!(tokens, aggregated(&*engine(), &p, 4).await, "prompt {seed}");
+    let ev = done.evidence.unwrap();
+    assert!(ev.failed_attempts.is_empty(), "prompt {seed}: {:?}", ev.failed_attempts);
+    let after = handshakes_via(c);
+    let in_call = after.1 - before.1;
+    assert_eq!((after.0 - before.0) + in_call, 1, "prompt {seed}: one request, one way");
+    in_call == 1
+}
+
+/// The first request to an instance sends its handshakes over the transfer connections;
+/// once the instance's answer has come (within a few requests), every request carries them
+/// in the call. Returns the next seed.
+async fn until_in_call(c: &Cluster, mut seed: u32) -> u32 {
+    assert!(!served_in_call(c, seed).await, "the first goes the old way");
+    for _ in 0..20 {
+        seed += 1;
+        if served_in_call(c, seed).await {
+            return seed + 1;
+        }
+    }
+    panic!("no request carried its handshakes in the call");
+}
+
+#[tokio::test]
+async fn handshakes_ride_in_the_call_once_the_instance_said_it_takes_them() {
+    for (prefill_tp, decode_tp) in [(2, 1), (1, 2), (2, 2)] {
+        let cfg =
+            ClusterConfig { prefills: 1, prefill_tp, decode_tp, ..ClusterConfig::ephemeral() };
+        let c = cluster(cfg).await;
+        let seed = until_in_call(&c, 0).await;
+        for s in seed..seed + 4 {
+            assert!(served_in_call(&c, s).await, "tp {prefill_tp} -> {decode_tp}, prompt {s}");
+        }
+        assert_eq!(c.frontend.agent().inbox().regions(), 0, "no receive region left behind");
+        c.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn an_attempt_that_carried_them_and_failed_sends_the_next_the_old_way() {
+    let switch = FaultSwitch::new();
+    let cfg = ClusterConfig {
+        prefills: 1,
+        faults: vec![Some(switch.clone())],
+        ..ClusterConfig::ephemeral()
+    };
+    let c = cluster(cfg).await;
+    let seed = until_in_call(&c, 0).await;
+    switch.arm(Fault::FlipByte, 1);
+    let before = handshakes_via(&c);
+    let mut cl = client(&c).await;
+    // The only instance fails verification: the request fails (no other to retry on).
+    let err = generate(&mut cl, &prompt(seed, 50), 4).await.expect_err("the one instance failed");
+    assert!(err.message().contains("checksum mismatch"), "{err}");
+    assert_eq!(handshakes_via(&c).1 - before.1, 1, "the failed attempt carried them");
+    let next = until_in_call(&c, seed + 1).await;
+    assert!(served_in_call(&c, next).await);
+    c.shutdown().await;
+}
