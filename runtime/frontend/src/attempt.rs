@@ -4,22 +4,22 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures::future::try_join_all;
 use handoff_bootstrap::DirectoryCache;
 use handoff_bootstrap::mapping::{self, Parallel, RegionLayout};
 use handoff_core::Room;
 use handoff_engine::{Engine, Kv};
-use handoff_proto::v1::prefill_client::PrefillClient;
 use handoff_proto::v1::{PrefillRequest, SamplingParams, StageTimings, TransferHandshake};
 use handoff_transfer::{Agent, ConnectRequest, Inbox, RegionId, SenderId};
 use tokio::time::Instant;
-use tonic::transport::Channel;
 
 use crate::{Cause, FrontendError};
 
 mod call;
+mod peer;
+
+pub use peer::PrefillPeer;
 
 /// When each stage completed, in microseconds since the attempt started.
 #[derive(Debug, Clone, Copy)]
@@ -56,23 +56,6 @@ pub struct Target {
     pub bootstrap_addr: String,
     /// Its Prefill service.
     pub prefill: PrefillPeer,
-}
-
-/// A handoff prefill's Prefill service, as this frontend calls it.
-#[derive(Debug, Clone)]
-pub struct PrefillPeer {
-    /// The client.
-    pub client: PrefillClient<Channel>,
-    /// Whether its last answer said it takes the decode's handshakes in the call; a failed
-    /// call that carried them forgets it, so the next goes the old way and asks again.
-    pub takes_handshakes: Arc<AtomicBool>,
-}
-
-impl PrefillPeer {
-    /// A client for a service not yet heard from.
-    pub fn new(client: PrefillClient<Channel>) -> Self {
-        PrefillPeer { client, takes_handshakes: Arc::default() }
-    }
 }
 
 /// The verified result of a successful attempt.
@@ -236,10 +219,14 @@ pub async fn run(
     stages.timings.register_us = stages.mark();
 
     // connect: each decode rank's handshake with each prefill rank it reads from, in the
-    // Prefill call when the instance said it takes them there and our backend's handshake is
-    // nothing more (no connection of its own then), else over each prefill rank's agent.
-    let in_call =
-        target.prefill.takes_handshakes.load(Ordering::Relaxed) && ctx.agent.handshake_in_call();
+    // Prefill call when the instance said it takes them there, our backend's handshake is
+    // nothing more, and every rank is on this host (no connection of its own then), else
+    // over each prefill rank's agent. Across hosts the handshake's quick answer (or its
+    // absence, within a second) is also how a lost path fails an attempt fast.
+    let receiver = ctx.agent.addr();
+    let in_call = ctx.agent.handshake_in_call()
+        && addrs.values().all(|a| peer::same_host(&a.rank_ip, &receiver.ip))
+        && target.prefill.takes_handshakes(&target.instance);
     let pairs: Vec<(usize, RegionId, usize, usize)> = plans
         .iter()
         .enumerate()
@@ -252,7 +239,6 @@ pub async fn run(
         .collect();
     let mut handshakes = Vec::new();
     let mut connects = Vec::new();
-    let receiver = ctx.agent.addr();
     for &(r, region, tp, pp) in &pairs {
         if in_call {
             handshakes.push(TransferHandshake {
@@ -322,8 +308,7 @@ pub async fn run(
     // when the call answers (see `call`). A call that fails first (a refusal, an error) fails
     // the attempt, unless the handshakes fail too: theirs then names the failure (a prefill
     // this frontend cannot reach fails both, and `reach` counts connect failures).
-    let mut call =
-        call::PrefillCall::start(ctx.tasks, &target.prefill, request, in_call, room, deadline);
+    let mut call = call::PrefillCall::start(ctx.tasks, &target, request, in_call, room, deadline);
     let waits = async {
         let w = regions.iter().map(|g| inbox.wait(g.id, deadline));
         try_join_all(w).await.map_err(|e| FrontendError::transfer("verify", e))

@@ -5,7 +5,7 @@
 //! keep closing its breaker, and this frontend would go on losing an attempt (and its time)
 //! on it. So each frontend also keeps its own count: [`UNREACHABLE_AFTER`] attempts that
 //! could not get through to an instance (its directory or its transfer connection refused or
-//! unreachable), with no success between, make this frontend pass it over in its selections
+//! unreachable; handshakes ride in the Prefill call only on one host, see `attempt`), with no success between, make this frontend pass it over in its selections
 //! for [`AVOID_FOR`]. A deadline passing while connecting does not count: under load that is
 //! the load, not the network. After the while the instance may be tried again: a success
 //! forgets it, a failure avoids it again at once (so only the attempts already under way

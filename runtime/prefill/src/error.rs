@@ -6,6 +6,11 @@ pub enum PrefillError {
     /// The request is malformed.
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// The caller's view of this instance does not match it: handshakes in the call for ranks
+    /// it does not have, or over a transfer that takes none in the call. Not the client's
+    /// fault: the caller should try elsewhere, or the old way.
+    #[error("mismatch: {0}")]
+    Mismatch(String),
     /// Too many requests queued.
     #[error("overloaded: {0}")]
     Overloaded(String),
@@ -34,6 +39,7 @@ impl From<PrefillError> for tonic::Status {
             PrefillError::Invalid(_) | PrefillError::Engine(EngineError::InvalidInput(_)) => {
                 tonic::Status::invalid_argument(msg)
             }
+            PrefillError::Mismatch(_) => tonic::Status::failed_precondition(msg),
             PrefillError::Overloaded(_) => tonic::Status::resource_exhausted(msg),
             PrefillError::Deadline(_) => tonic::Status::deadline_exceeded(msg),
             PrefillError::Transfer(_) | PrefillError::Discovery(_) => {

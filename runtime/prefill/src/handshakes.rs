@@ -3,6 +3,7 @@
 //! connections. Only where every sender's backend takes them so
 //! ([`handoff_transfer::Agent::handshake_in_call`]).
 
+use handoff_bootstrap::mapping::{self, Parallel};
 use handoff_core::Room;
 use handoff_proto::v1::TransferHandshake;
 use handoff_transfer::{AgentAddr, ConnectRequest, RegionId};
@@ -12,45 +13,74 @@ use crate::rank::Rank;
 
 /// Handshakes one call may carry at most (a dp rank's senders times the decode's ranks).
 pub(crate) const MAX_IN_CALL: usize = 4096;
+/// Decode ranks one sender may be told to send to (the transfer connections' bound on
+/// handshakes per room, by default).
+const MAX_PER_SENDER: usize = 256;
 /// Longest receiver address taken (a host name at most).
 const MAX_IP_LEN: usize = 253;
 
 /// `given`, one list per sender of `senders` in their order, each for room `room` of `tokens`
 /// prompt tokens; an empty list for each when none was given (they come over the transfer
-/// connections). Given any, every sender must have at least one.
+/// connections). Given any, all name one decode tp size compatible with `par`, and every
+/// sender has exactly one per decode rank that reads from it, none twice. Handshakes this
+/// instance cannot take (a transfer that takes none in the call, a rank it does not have) are
+/// a [`PrefillError::Mismatch`]; malformed ones are invalid.
 pub(crate) fn deal(
     given: Vec<TransferHandshake>,
     senders: &[Rank],
+    par: Parallel,
     room: Room,
     tokens: usize,
 ) -> Result<Vec<Vec<ConnectRequest>>, PrefillError> {
     let mut dealt = vec![Vec::new(); senders.len()];
-    if given.is_empty() {
-        return Ok(dealt);
-    }
+    let Some(first) = given.first() else { return Ok(dealt) };
     if given.len() > MAX_IN_CALL {
         return Err(invalid(format!("{} handshakes, at most {MAX_IN_CALL}", given.len())));
     }
     if let Some(r) = senders.iter().find(|r| !r.agent.handshake_in_call()) {
-        return Err(invalid(format!(
+        return Err(mismatch(format!(
             "this instance's {} transfer takes its handshakes over its own connections",
             r.agent.backend_name()
         )));
     }
+    let d = first.dst_tp_size as usize;
+    if !mapping::tp_compatible(d, par.tp) {
+        return Err(invalid(format!("decode tp {d} does not divide with prefill tp {}", par.tp)));
+    }
+    let peers = if d > par.tp { d / par.tp } else { 1 };
+    if peers > MAX_PER_SENDER {
+        return Err(invalid(format!(
+            "decode tp {d} needs {peers} handshakes per rank, at most {MAX_PER_SENDER}"
+        )));
+    }
     for h in given {
+        if h.dst_tp_size as usize != d || h.dst_tp_rank as usize >= d {
+            return Err(invalid(format!(
+                "decode rank {} of tp {}, another said tp {d}",
+                h.dst_tp_rank, h.dst_tp_size
+            )));
+        }
         let at = senders.iter().position(|r| r.tp == h.tp_rank && r.pp == h.pp_rank);
         let Some(at) = at else {
-            return Err(invalid(format!(
+            return Err(mismatch(format!(
                 "a handshake for tp rank {} pp rank {}, which this dp rank does not have",
                 h.tp_rank, h.pp_rank
             )));
         };
+        if dealt[at].iter().any(|c: &ConnectRequest| c.dst_tp_rank == h.dst_tp_rank) {
+            return Err(invalid(format!(
+                "two handshakes of decode rank {} for tp rank {} pp rank {}",
+                h.dst_tp_rank, h.tp_rank, h.pp_rank
+            )));
+        }
         dealt[at].push(connect_request(h, room, tokens)?);
     }
-    if let Some(at) = dealt.iter().position(Vec::is_empty) {
+    if let Some(at) = dealt.iter().position(|hs| hs.len() != peers) {
         return Err(invalid(format!(
-            "no handshake for tp rank {} pp rank {}",
-            senders[at].tp, senders[at].pp
+            "{} handshakes for tp rank {} pp rank {}, decode tp {d} needs {peers}",
+            dealt[at].len(),
+            senders[at].tp,
+            senders[at].pp
         )));
     }
     Ok(dealt)
@@ -84,4 +114,8 @@ fn connect_request(
 
 fn invalid(why: String) -> PrefillError {
     PrefillError::Invalid(format!("handshakes: {why}"))
+}
+
+fn mismatch(why: String) -> PrefillError {
+    PrefillError::Mismatch(format!("handshakes: {why}"))
 }

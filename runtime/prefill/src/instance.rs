@@ -242,6 +242,12 @@ impl PrefillInstance {
         self.service.running()
     }
 
+    /// Handshakes that came over its ranks' transfer connections and no request has taken
+    /// yet, counted by room and rank.
+    pub fn pending_handshakes(&self) -> usize {
+        self.service.pending_handshakes()
+    }
+
     /// A graceful drain: out of routing first (deregistered), then waits until the requests
     /// in flight have finished (at most `grace`). Shut the instance's tasks down afterwards.
     pub async fn drain(&self, grace: std::time::Duration) -> Result<(), PrefillError> {

@@ -33,8 +33,8 @@ impl Default for PrefillMetrics {
         PrefillMetrics {
             requests: r.counters(
                 "handoff_prefill_requests_total",
-                "Prefill requests by result (ok, invalid, overloaded, deadline, engine, transfer, \
-                 cancelled).",
+                "Prefill requests by result (ok, invalid, mismatch, overloaded, deadline, engine, \
+                 transfer, cancelled).",
                 &["result"],
             ),
             stages: r.histograms(
@@ -78,6 +78,7 @@ impl PrefillMetrics {
         let label = match result {
             Ok(()) => "ok",
             Err(PrefillError::Invalid(_)) => "invalid",
+            Err(PrefillError::Mismatch(_)) => "mismatch",
             Err(PrefillError::Overloaded(_)) => "overloaded",
             Err(PrefillError::Deadline(_)) => "deadline",
             Err(PrefillError::Engine(_)) => "engine",

@@ -302,6 +302,13 @@ impl PrefillService {
         &self.inner.metrics
     }
 
+    /// Handshakes that came over the ranks' transfer connections and no request has taken
+    /// yet, counted by room and rank.
+    pub fn pending_handshakes(&self) -> usize {
+        let ranks = self.inner.dps.iter().flat_map(|d| &d.senders);
+        ranks.map(|r| r.agent.inbox().pending_rooms()).sum()
+    }
+
     /// Requests waiting for each dp rank's engine.
     pub fn queued(&self) -> Vec<usize> {
         self.inner.dps.iter().map(|d| d.queued.load(Ordering::Relaxed)).collect()
@@ -337,7 +344,9 @@ impl PrefillService {
             )));
         }
         let in_call = !req.handshakes.is_empty();
-        let handshakes = crate::handshakes::deal(req.handshakes, &dp.senders, room, tokens.len())?;
+        let handshakes =
+            crate::handshakes::deal(req.handshakes, &dp.senders, me.par, room, tokens.len())?;
+        me.metrics.handshakes(in_call);
         let budget = match req.deadline_ms {
             0 => Duration::from_secs(30),
             ms => Duration::from_millis(u64::from(ms)),
@@ -380,7 +389,6 @@ impl PrefillService {
         // taken while the engine computes, and each layer travels to every decode rank as soon
         // as it is done.
         let hs_deadline = deadline.min(Instant::now() + me.handshake_timeout);
-        me.metrics.handshakes(in_call);
         let stream = async {
             let opens = dp.senders.iter().zip(handshakes).map(|(r, given)| {
                 r.destinations(me.par, room, info.shape, tokens.len(), given, hs_deadline)
@@ -421,7 +429,11 @@ impl PrefillService {
             cached_tokens: cached as u32,
             computed_tokens: (tokens.len() - cached) as u32,
             ranks_sent: ranks as u32,
-            takes_handshakes: dp.senders.iter().all(|r| r.agent.handshake_in_call()),
+            takes_handshakes: me
+                .dps
+                .iter()
+                .flat_map(|d| &d.senders)
+                .all(|r| r.agent.handshake_in_call()),
         })
     }
 }

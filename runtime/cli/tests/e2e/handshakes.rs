@@ -68,6 +68,8 @@ async fn handshakes_ride_in_the_call_once_the_instance_said_it_takes_them() {
         let seed = until_in_call(&c, 0).await;
         for s in seed..seed + 4 {
             assert!(served_in_call(&c, s).await, "tp {prefill_tp} -> {decode_tp}, prompt {s}");
+            // None came the old way as well: a rank would hold it, untaken.
+            assert_eq!(c.prefills[0].pending_handshakes(), 0, "prompt {s}");
         }
         assert_eq!(c.frontend.agent().inbox().regions(), 0, "no receive region left behind");
         c.shutdown().await;

@@ -98,12 +98,31 @@ async fn the_internal_services_want_the_cluster_token() {
         dst_tp_size: 1,
         ..Default::default()
     };
-    for (handshakes, why) in [
-        (vec![hs(0, 9), hs(7, 9)], "tp rank 7 pp rank 0, which this dp rank does not have"),
-        (vec![hs(0, 9)], "no handshake for tp rank 1 pp rank 0"),
-        (vec![hs(0, 0), hs(1, 9)], "receiver port 0"),
-        (vec![hs(0, 70_000), hs(1, 9)], "receiver port 70000"),
-        (vec![hs(0, 9); 4097], "4097 handshakes, at most 4096"),
+    let of = |tp_rank, dst_tp_size, dst_tp_rank| TransferHandshake {
+        dst_tp_size,
+        dst_tp_rank,
+        ..hs(tp_rank, 9)
+    };
+    let (invalid, mismatch) = (tonic::Code::InvalidArgument, tonic::Code::FailedPrecondition);
+    for (handshakes, code, why) in [
+        (vec![hs(0, 9), hs(7, 9)], mismatch, "tp rank 7 pp rank 0, which this dp rank does not"),
+        (vec![hs(0, 9)], invalid, "0 handshakes for tp rank 1 pp rank 0, decode tp 1 needs 1"),
+        (vec![hs(0, 0), hs(1, 9)], invalid, "receiver port 0"),
+        (vec![hs(0, 70_000), hs(1, 9)], invalid, "receiver port 70000"),
+        (vec![hs(0, 9); 4097], invalid, "4097 handshakes, at most 4096"),
+        (vec![of(0, 0, 0), of(1, 0, 0)], invalid, "decode tp 0 does not divide"),
+        (
+            vec![of(0, 4, 0), of(1, 4, 1)],
+            invalid,
+            "1 handshakes for tp rank 0 pp rank 0, decode tp 4 needs 2",
+        ),
+        (vec![of(0, 4, 0), of(0, 4, 0)], invalid, "two handshakes of decode rank 0 for tp rank 0"),
+        (vec![of(0, 2, 0), of(1, 2, 2)], invalid, "decode rank 2 of tp 2"),
+        (
+            vec![of(0, 1024, 0)],
+            invalid,
+            "decode tp 1024 needs 512 handshakes per rank, at most 256",
+        ),
     ] {
         let req = PrefillRequest {
             bootstrap_room: 7,
@@ -112,7 +131,7 @@ async fn the_internal_services_want_the_cluster_token() {
             ..Default::default()
         };
         let e = prefill.prefill(auth::request(req, Some("cluster-secret"))).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{why}: {e}");
+        assert_eq!(e.code(), code, "{why}: {e}");
         assert!(e.message().contains(why), "{why}: {e}");
     }
     // The frontend carries it: requests are served.

@@ -8,42 +8,41 @@
 //! is let run to its answer (the prefill caches the prompt then), bounded by the attempt's
 //! deadline and the frontend's shutdown.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use handoff_core::{Room, Tasks};
 use handoff_proto::v1::PrefillRequest;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::PrefillPeer;
+use super::{PrefillPeer, Target};
 
 use crate::{Cause, FrontendError};
 
 /// The call (see the module docs); aborted on drop unless let run.
 pub(super) struct PrefillCall {
     handle: Option<JoinHandle<Result<(), FrontendError>>>,
-    /// The peer's `takes_handshakes` when this call carries the handshakes: an attempt that
-    /// ends without its KV verified (the call aborted) forgets it too.
-    carried: Option<Arc<AtomicBool>>,
+    /// The peer, when this call carries the handshakes: an attempt that ends without its KV
+    /// verified (the call aborted) forgets what the instance said too.
+    carried: Option<PrefillPeer>,
 }
 
 impl PrefillCall {
-    /// Starts `request` on `peer` for room `room`, on `tasks`, until `deadline`; `in_call`:
-    /// the request carries the decode's handshakes. Its answer tells `peer` whether the next
-    /// may carry them; a failure of a call that did forgets it.
+    /// Starts `request` on `target` for room `room`, on `tasks`, until `deadline`; `in_call`:
+    /// the request carries the decode's handshakes. Its answer tells the target's peer
+    /// whether the next may carry them; a call that carried them and failed for the
+    /// instance's reasons (not overload, not a deadline) forgets it.
     pub(super) fn start(
         tasks: &Tasks,
-        peer: &PrefillPeer,
+        target: &Target,
         request: tonic::Request<PrefillRequest>,
         in_call: bool,
         room: Room,
         deadline: Instant,
     ) -> Self {
         let stop = tasks.clone();
+        let peer = target.prefill.clone();
+        let instance = target.instance.clone();
         let mut client = peer.client.clone();
-        let takes_handshakes = peer.takes_handshakes.clone();
         let handle = tasks.spawn(async move {
             let answer = tokio::select! {
                 _ = stop.shutdown_requested() => {
@@ -51,8 +50,7 @@ impl PrefillCall {
                 }
                 a = tokio::time::timeout_at(deadline, client.prefill(request)) => match a {
                     Ok(Ok(answer)) => {
-                        let takes = answer.get_ref().takes_handshakes;
-                        takes_handshakes.store(takes, Ordering::Relaxed);
+                        peer.learn(&instance, answer.get_ref().takes_handshakes);
                         Ok(())
                     }
                     Ok(Err(s)) => Err(FrontendError::prefill_status(&s)),
@@ -65,16 +63,15 @@ impl PrefillCall {
             };
             if let Err(e) = &answer {
                 debug!(%room, error = %e, "the Prefill call failed");
-                if in_call {
-                    takes_handshakes.store(false, Ordering::Relaxed);
+                let load = matches!(e.cause(), Some(Cause::Overloaded | Cause::Deadline));
+                if in_call && !load {
+                    peer.forget();
                 }
             }
             answer
         });
-        PrefillCall {
-            handle: Some(handle),
-            carried: in_call.then_some(peer.takes_handshakes.clone()),
-        }
+        let carried = in_call.then(|| target.prefill.clone());
+        PrefillCall { handle: Some(handle), carried }
     }
 
     /// Whether the call is still out.
@@ -100,8 +97,8 @@ impl Drop for PrefillCall {
     fn drop(&mut self) {
         if let Some(h) = self.handle.take() {
             h.abort();
-            if let Some(t) = &self.carried {
-                t.store(false, Ordering::Relaxed);
+            if let Some(peer) = &self.carried {
+                peer.forget();
             }
         }
     }
