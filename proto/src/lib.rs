@@ -24,6 +24,15 @@ pub mod metadata {
     pub const REPORTS_TAKEN: &str = "handoff-reports-taken";
 }
 
+/// Bounds on `PrefillRequest.handshakes`: the prefill refuses more, and a frontend that would
+/// need more sends its handshakes the old way.
+pub mod handshakes {
+    /// Handshakes one call may carry.
+    pub const MAX_IN_CALL: usize = 4096;
+    /// Decode ranks one prefill rank may be told to send to in one call.
+    pub const MAX_PER_SENDER: usize = 256;
+}
+
 /// Bearer tokens on the internal gRPC services (`Scheduler`, `Prefill`): the cluster's token
 /// in `authorization: Bearer <token>` metadata, checked by [`auth::Bearer`] on the server.
 pub mod auth {

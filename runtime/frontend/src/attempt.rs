@@ -223,10 +223,6 @@ pub async fn run(
     // nothing more, and every rank is on this host (no connection of its own then), else
     // over each prefill rank's agent. Across hosts the handshake's quick answer (or its
     // absence, within a second) is also how a lost path fails an attempt fast.
-    let receiver = ctx.agent.addr();
-    let in_call = ctx.agent.handshake_in_call()
-        && addrs.values().all(|a| peer::same_host(&a.rank_ip, &receiver.ip))
-        && target.prefill.takes_handshakes(&target.instance);
     let pairs: Vec<(usize, RegionId, usize, usize)> = plans
         .iter()
         .enumerate()
@@ -237,6 +233,13 @@ pub async fn run(
                 .flat_map(move |&tp| plan.pp_ranks.iter().map(move |&pp| (r, region, tp, pp)))
         })
         .collect();
+    let receiver = ctx.agent.addr();
+    let per_sender = (d / prefill.tp).max(1);
+    let in_call = ctx.agent.handshake_in_call()
+        && pairs.len() <= handoff_proto::handshakes::MAX_IN_CALL
+        && per_sender <= handoff_proto::handshakes::MAX_PER_SENDER
+        && addrs.values().all(|a| peer::same_host(&a.rank_ip, &receiver.ip))
+        && target.prefill.takes_handshakes(&target.instance);
     let mut handshakes = Vec::new();
     let mut connects = Vec::new();
     for &(r, region, tp, pp) in &pairs {
@@ -314,31 +317,41 @@ pub async fn run(
         try_join_all(w).await.map_err(|e| FrontendError::transfer("verify", e))
     };
     tokio::pin!(connected, waits);
-    let mut connected_at = None;
-    let mut received = loop {
-        tokio::select! {
-            c = &mut connected, if connected_at.is_none() => connected_at = Some(c?),
-            w = &mut waits => break w?,
-            a = call.answer(), if call.is_out() => {
-                if let Err(e) = a {
-                    if connected_at.is_none() {
-                        (&mut connected).await?;
+    let receiving = async {
+        let mut connected_at = None;
+        let received = loop {
+            tokio::select! {
+                c = &mut connected, if connected_at.is_none() => connected_at = Some(c?),
+                w = &mut waits => break w?,
+                a = call.answer(), if call.is_out() => {
+                    if let Err(e) = a {
+                        if connected_at.is_none() {
+                            (&mut connected).await?;
+                        }
+                        return Err(e);
                     }
-                    return Err(e);
                 }
             }
-        }
+        };
+        let connected_at = match connected_at {
+            Some(at) => at,
+            None => (&mut connected).await?,
+        };
+        // verify: every notice of every region names our room and our prompt, and all agree
+        // on the first token and the cached prefix.
+        let said = agreed_notices(&received, room, t)?;
+        Ok((received, connected_at, said))
     };
-    let connected_at = match connected_at {
-        Some(at) => at,
-        None => (&mut connected).await?,
+    let (mut received, connected_at, (said, kv_bytes)) = match receiving.await {
+        Ok(r) => r,
+        Err(e) => {
+            call.failed(&e);
+            return Err(e);
+        }
     };
     call.let_run();
     stages.timings.connect_us = stages.mark_at(connected_at);
 
-    // verify: every notice of every region names our room and our prompt, and all agree on
-    // the first token and the cached prefix.
-    let (said, kv_bytes) = agreed_notices(&received, room, t)?;
     let (first_token, cached_tokens) = said;
     stages.timings.verify_us = stages.mark();
 

@@ -5,24 +5,21 @@
 
 use handoff_bootstrap::mapping::{self, Parallel};
 use handoff_core::Room;
+use handoff_proto::handshakes::{MAX_IN_CALL, MAX_PER_SENDER};
 use handoff_proto::v1::TransferHandshake;
 use handoff_transfer::{AgentAddr, ConnectRequest, RegionId};
 
 use crate::PrefillError;
 use crate::rank::Rank;
 
-/// Handshakes one call may carry at most (a dp rank's senders times the decode's ranks).
-pub(crate) const MAX_IN_CALL: usize = 4096;
-/// Decode ranks one sender may be told to send to (the transfer connections' bound on
-/// handshakes per room, by default).
-const MAX_PER_SENDER: usize = 256;
 /// Longest receiver address taken (a host name at most).
 const MAX_IP_LEN: usize = 253;
 
 /// `given`, one list per sender of `senders` in their order, each for room `room` of `tokens`
 /// prompt tokens; an empty list for each when none was given (they come over the transfer
 /// connections). Given any, all name one decode tp size compatible with `par`, and every
-/// sender has exactly one per decode rank that reads from it, none twice. Handshakes this
+/// sender has exactly one per decode rank that reads from it (at most
+/// [`MAX_PER_SENDER`]), none twice. Handshakes this
 /// instance cannot take (a transfer that takes none in the call, a rank it does not have) are
 /// a [`PrefillError::Mismatch`]; malformed ones are invalid.
 pub(crate) fn deal(
@@ -67,6 +64,15 @@ pub(crate) fn deal(
                 h.tp_rank, h.pp_rank
             )));
         };
+        let decode = Parallel { tp: d, pp: 1, cp: 1 };
+        let plan = mapping::plan_ranks(par, decode, h.dst_tp_rank as usize, 0, false)
+            .map_err(|e| invalid(e.to_string()))?;
+        if !plan.tp_ranks.contains(&(h.tp_rank as usize)) {
+            return Err(invalid(format!(
+                "decode rank {} does not read from tp rank {}",
+                h.dst_tp_rank, h.tp_rank
+            )));
+        }
         if dealt[at].iter().any(|c: &ConnectRequest| c.dst_tp_rank == h.dst_tp_rank) {
             return Err(invalid(format!(
                 "two handshakes of decode rank {} for tp rank {} pp rank {}",

@@ -34,7 +34,7 @@ impl Default for PrefillMetrics {
             requests: r.counters(
                 "handoff_prefill_requests_total",
                 "Prefill requests by result (ok, invalid, mismatch, overloaded, deadline, engine, \
-                 transfer, cancelled).",
+                 transfer, cancelled, other).",
                 &["result"],
             ),
             stages: r.histograms(

@@ -112,10 +112,11 @@ async fn the_internal_services_want_the_cluster_token() {
         (vec![hs(0, 9); 4097], invalid, "4097 handshakes, at most 4096"),
         (vec![of(0, 0, 0), of(1, 0, 0)], invalid, "decode tp 0 does not divide"),
         (
-            vec![of(0, 4, 0), of(1, 4, 1)],
+            vec![of(0, 4, 0), of(1, 4, 2)],
             invalid,
             "1 handshakes for tp rank 0 pp rank 0, decode tp 4 needs 2",
         ),
+        (vec![of(0, 4, 0), of(0, 4, 2)], invalid, "decode rank 2 does not read from tp rank 0"),
         (vec![of(0, 4, 0), of(0, 4, 0)], invalid, "two handshakes of decode rank 0 for tp rank 0"),
         (vec![of(0, 2, 0), of(1, 2, 2)], invalid, "decode rank 2 of tp 2"),
         (

@@ -21,8 +21,7 @@ use crate::{Cause, FrontendError};
 /// The call (see the module docs); aborted on drop unless let run.
 pub(super) struct PrefillCall {
     handle: Option<JoinHandle<Result<(), FrontendError>>>,
-    /// The peer, when this call carries the handshakes: an attempt that ends without its KV
-    /// verified (the call aborted) forgets what the instance said too.
+    /// The peer, when this call carries the handshakes (see [`PrefillCall::failed`]).
     carried: Option<PrefillPeer>,
 }
 
@@ -63,9 +62,8 @@ impl PrefillCall {
             };
             if let Err(e) = &answer {
                 debug!(%room, error = %e, "the Prefill call failed");
-                let load = matches!(e.cause(), Some(Cause::Overloaded | Cause::Deadline));
-                if in_call && !load {
-                    peer.forget();
+                if in_call {
+                    forget_on(&peer, e);
                 }
             }
             answer
@@ -87,6 +85,14 @@ impl PrefillCall {
         joined.map_err(|e| FrontendError::at("prefill", format!("the Prefill call: {e}")))?
     }
 
+    /// The attempt failed with `e` before its KV verified: a call that carried the
+    /// handshakes forgets what the instance said, unless `e` was overload or a deadline.
+    pub(super) fn failed(&self, e: &FrontendError) {
+        if let Some(peer) = &self.carried {
+            forget_on(peer, e);
+        }
+    }
+
     /// Lets the call run to its answer on the frontend's tasks (the KV has verified).
     pub(super) fn let_run(mut self) {
         self.handle.take();
@@ -97,9 +103,15 @@ impl Drop for PrefillCall {
     fn drop(&mut self) {
         if let Some(h) = self.handle.take() {
             h.abort();
-            if let Some(peer) = &self.carried {
-                peer.forget();
-            }
         }
+    }
+}
+
+/// Forgets what `peer`'s instance said of handshakes in the call after a failure `e` of an
+/// attempt that carried them, unless `e` was overload or a deadline (the load, not the
+/// instance: the fast path stays on under load).
+fn forget_on(peer: &PrefillPeer, e: &FrontendError) {
+    if !matches!(e.cause(), Some(Cause::Overloaded | Cause::Deadline)) {
+        peer.forget();
     }
 }

@@ -48,8 +48,11 @@ impl PrefillPeer {
 /// Whether two agents' advertised addresses are one host's: the same address, or both
 /// loopback.
 pub(crate) fn same_host(a: &str, b: &str) -> bool {
-    let loopback = |ip: &str| ip.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
-    a == b || (loopback(a) && loopback(b))
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().ok().map(|ip| ip.to_canonical());
+    match (ip(a), ip(b)) {
+        (Some(a), Some(b)) => a == b || (a.is_loopback() && b.is_loopback()),
+        _ => a == b,
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -67,6 +70,8 @@ mod tests {
         assert!(same_host("::1", "127.0.0.1"));
         assert!(!same_host("10.0.0.2", "10.0.0.3"));
         assert!(!same_host("127.0.0.1", "10.0.0.3"));
+        assert!(same_host("::ffff:10.0.0.2", "10.0.0.2"), "v4-mapped");
+        assert!(same_host("::ffff:127.0.0.1", "127.0.0.1"));
         assert!(!same_host("localhost", "127.0.0.1"), "names are not resolved");
     }
 
