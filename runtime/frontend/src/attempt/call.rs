@@ -108,10 +108,10 @@ impl Drop for PrefillCall {
 }
 
 /// Forgets what `peer`'s instance said of handshakes in the call after a failure `e` of an
-/// attempt that carried them, unless `e` was overload or a deadline (the load, not the
-/// instance: the fast path stays on under load).
+/// attempt (or a call) that carried them, unless `e` was overload or a deadline (the load,
+/// not the instance: the fast path stays on under load) or this frontend stopping.
 fn forget_on(peer: &PrefillPeer, e: &FrontendError) {
-    if !matches!(e.cause(), Some(Cause::Overloaded | Cause::Deadline)) {
+    if !matches!(e.cause(), Some(Cause::Overloaded | Cause::Deadline | Cause::Decode)) {
         peer.forget();
     }
 }

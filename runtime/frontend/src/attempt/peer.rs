@@ -12,9 +12,9 @@ pub struct PrefillPeer {
     /// The client.
     pub client: PrefillClient<Channel>,
     /// The instance at this address whose last answer said it takes the decode's handshakes
-    /// in the call (another instance there since has not said so); forgotten when a call that
-    /// carried them fails for the instance's reasons or its attempt is dropped, so the next
-    /// goes the old way and asks again.
+    /// in the call (another instance there since has not said so); forgotten when an attempt
+    /// or a call that carried them fails for the instance's reasons (see `call`), so the next
+    /// goes the old way and asks again. A dropped attempt forgets nothing.
     taker: Arc<Mutex<Option<String>>>,
 }
 
