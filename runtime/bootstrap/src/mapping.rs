@@ -225,6 +225,14 @@ pub fn shard(
     }
 }
 
+/// How many decode tp ranks read from each prefill tp rank: a decode tp `decode_tp` larger
+/// than the prefill's `prefill_tp` splits each prefill rank's heads among several; a smaller
+/// or equal one has each decode rank read from one or more prefill ranks, each of those
+/// sending to one.
+pub fn readers_per_sender(decode_tp: usize, prefill_tp: usize) -> usize {
+    (decode_tp / prefill_tp.max(1)).max(1)
+}
+
 /// Whether two tp sizes can be mapped onto each other: both positive, the larger a multiple
 /// of the smaller.
 pub fn tp_compatible(a: usize, b: usize) -> bool {

@@ -44,7 +44,7 @@ pub(crate) fn deal(
     if !mapping::tp_compatible(d, par.tp) {
         return Err(invalid(format!("decode tp {d} does not divide with prefill tp {}", par.tp)));
     }
-    let peers = if d > par.tp { d / par.tp } else { 1 };
+    let peers = mapping::readers_per_sender(d, par.tp);
     if peers > MAX_PER_SENDER {
         return Err(invalid(format!(
             "decode tp {d} needs {peers} handshakes per rank, at most {MAX_PER_SENDER}"

@@ -60,7 +60,7 @@ impl Rank {
                 par.tp
             )));
         }
-        let peers = if d > par.tp { d / par.tp } else { 1 };
+        let peers = mapping::readers_per_sender(d, par.tp);
         if in_call && hs.len() != peers {
             return Err(PrefillError::Invalid(format!(
                 "{} handshakes for tp rank {} pp rank {}, decode tp {d} needs {peers}",

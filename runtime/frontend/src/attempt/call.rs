@@ -29,7 +29,7 @@ impl PrefillCall {
     /// Starts `request` on `target` for room `room`, on `tasks`, until `deadline`; `in_call`:
     /// the request carries the decode's handshakes. Its answer tells the target's peer
     /// whether the next may carry them; a call that carried them and failed for the
-    /// instance's reasons (not overload, not a deadline) forgets it.
+    /// instance's reasons (see [`forget_on`]) forgets it.
     pub(super) fn start(
         tasks: &Tasks,
         target: &Target,
@@ -86,7 +86,8 @@ impl PrefillCall {
     }
 
     /// The attempt failed with `e` before its KV verified: a call that carried the
-    /// handshakes forgets what the instance said, unless `e` was overload or a deadline.
+    /// handshakes forgets what the instance said, if `e` was the instance's (see
+    /// [`forget_on`]).
     pub(super) fn failed(&self, e: &FrontendError) {
         if let Some(peer) = &self.carried {
             forget_on(peer, e);
@@ -113,5 +114,32 @@ impl Drop for PrefillCall {
 fn forget_on(peer: &PrefillPeer, e: &FrontendError) {
     if !matches!(e.cause(), Some(Cause::Overloaded | Cause::Deadline | Cause::Decode)) {
         peer.forget();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use handoff_proto::v1::prefill_client::PrefillClient;
+    use tonic::transport::Channel;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn only_the_instances_own_failures_forget_what_it_said() {
+        let channel = Channel::from_static("http://127.0.0.1:1").connect_lazy();
+        let peer = PrefillPeer::new(PrefillClient::new(channel));
+        peer.learn("a", true);
+        for cause in [Cause::Overloaded, Cause::Deadline, Cause::Decode] {
+            forget_on(&peer, &FrontendError::because("prefill", cause, "not the instance's"));
+            assert!(peer.takes_handshakes("a"), "{cause:?} is the load's or this frontend's");
+        }
+        forget_on(&peer, &FrontendError::at("verify", "a notice names another room"));
+        assert!(!peer.takes_handshakes("a"), "a fault forgets");
+        peer.learn("a", true);
+        forget_on(
+            &peer,
+            &FrontendError::because("prefill", Cause::Instance, "refused the handshakes"),
+        );
+        assert!(!peer.takes_handshakes("a"), "a refusal of the handshakes forgets");
     }
 }

@@ -32,9 +32,10 @@ impl PrefillPeer {
     /// `instance`'s answer said whether it takes them.
     pub(crate) fn learn(&self, instance: &str, takes: bool) {
         let mut taker = lock(&self.taker);
-        if takes {
+        let said_before = taker.as_deref() == Some(instance);
+        if takes && !said_before {
             *taker = Some(instance.to_owned());
-        } else if taker.as_deref() == Some(instance) {
+        } else if !takes && said_before {
             *taker = None;
         }
     }
