@@ -61,13 +61,24 @@ async fn until_in_call(c: &Cluster, mut seed: u32) -> u32 {
 
 #[tokio::test]
 async fn handshakes_ride_in_the_call_once_the_instance_said_it_takes_them() {
-    for (prefill_tp, decode_tp) in [(2, 1), (1, 2), (2, 2)] {
-        let cfg =
-            ClusterConfig { prefills: 1, prefill_tp, decode_tp, ..ClusterConfig::ephemeral() };
+    // (prefill tp, pp, dp; decode tp): pp 2 has each decode rank read from two senders, dp 2
+    // has the instance answer for both of its dp ranks.
+    for (prefill_tp, prefill_pp, prefill_dp, decode_tp) in
+        [(2, 1, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2), (2, 2, 1, 1), (1, 2, 1, 2), (1, 1, 2, 1)]
+    {
+        let cfg = ClusterConfig {
+            prefills: 1,
+            prefill_tp,
+            prefill_pp,
+            prefill_dp,
+            decode_tp,
+            ..ClusterConfig::ephemeral()
+        };
         let c = cluster(cfg).await;
         let seed = until_in_call(&c, 0).await;
         for s in seed..seed + 4 {
-            assert!(served_in_call(&c, s).await, "tp {prefill_tp} -> {decode_tp}, prompt {s}");
+            let shape = format!("tp {prefill_tp} pp {prefill_pp} dp {prefill_dp} -> {decode_tp}");
+            assert!(served_in_call(&c, s).await, "{shape}, prompt {s}");
             // None came the old way as well: a rank would hold it, untaken.
             assert_eq!(c.prefills[0].pending_handshakes(), 0, "prompt {s}");
         }
