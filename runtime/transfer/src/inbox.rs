@@ -332,7 +332,7 @@ impl Inbox {
         sender: SenderId,
         conn: ConnId,
         piece: (u64, impl PieceBytes),
-        hasher: &mut crate::inbox::placement::SegmentHasher,
+        hasher: &mut xxhash_rust::xxh3::Xxh3,
     ) -> Result<(), TransferError> {
         let region = self.region(id)?;
         let mut r = lock(&region);
@@ -348,7 +348,7 @@ impl Inbox {
         &self,
         w: (RegionId, SenderId, ConnId),
         place: (u64, usize),
-        hasher: &mut crate::inbox::placement::SegmentHasher,
+        hasher: &mut xxhash_rust::xxh3::Xxh3,
         fill: impl FnOnce(&mut [u8]) -> std::task::Poll<std::io::Result<usize>>,
     ) -> Result<std::task::Poll<std::io::Result<usize>>, TransferError> {
         let (id, sender, conn) = w;

@@ -93,7 +93,7 @@ pub fn peer_conn(ip: IpAddr) -> ConnId {
         IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
         IpAddr::V6(v6) => v6.octets(),
     };
-    ConnId(twox_hash::XxHash3_64::oneshot(&bytes) | 1 << 63)
+    ConnId(xxhash_rust::xxh3::xxh3_64(&bytes) | 1 << 63)
 }
 
 struct Shared {

@@ -13,7 +13,9 @@ use std::io;
 use std::ops::Range;
 use std::task::Poll;
 
-use super::placement::{SegmentHasher, segment_hasher};
+use xxhash_rust::xxh3::Xxh3;
+
+use super::placement::segment_hasher;
 use super::{Inbox, lock};
 use crate::{ConnId, RegionId, SenderId, TransferError};
 
@@ -27,7 +29,7 @@ pub(crate) struct Body<'a> {
     range: Range<u64>,
     /// Bytes landed so far, from the range's start.
     landed: u64,
-    hasher: SegmentHasher,
+    hasher: Xxh3,
     settled: bool,
 }
 

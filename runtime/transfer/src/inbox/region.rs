@@ -8,9 +8,10 @@ use std::task::Poll;
 use handoff_core::Room;
 use tokio::sync::watch;
 use tracing::debug;
+use xxhash_rust::xxh3::Xxh3;
 
 use super::PieceBytes;
-use super::placement::{Placement, SegmentHasher};
+use super::placement::Placement;
 use crate::{ConnId, KvPoll, Notice, RegionId, SenderId, TransferError};
 
 /// A receive region (see the module docs).
@@ -59,7 +60,7 @@ impl Region {
         sender: SenderId,
         conn: ConnId,
         (off, piece): (u64, impl PieceBytes),
-        hasher: &mut SegmentHasher,
+        hasher: &mut Xxh3,
     ) -> Result<(), TransferError> {
         let n = piece.byte_len();
         let copy = |place: &mut [u8]| {
@@ -80,7 +81,7 @@ impl Region {
         sender: SenderId,
         conn: ConnId,
         (off, n): (u64, usize),
-        hasher: &mut SegmentHasher,
+        hasher: &mut Xxh3,
         fill: impl FnOnce(&mut [u8]) -> Poll<io::Result<usize>>,
     ) -> Result<Poll<io::Result<usize>>, TransferError> {
         self.admit(id, sender, conn)?;
@@ -133,7 +134,7 @@ impl Region {
         id: RegionId,
         (sender, hold): (SenderId, u64),
         (off, n): (u64, usize),
-        hasher: &mut SegmentHasher,
+        hasher: &mut Xxh3,
         fill: impl FnOnce(&mut [u8]) -> Poll<io::Result<usize>>,
     ) -> Result<Poll<io::Result<usize>>, TransferError> {
         self.open(id)?;

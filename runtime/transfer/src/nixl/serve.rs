@@ -140,7 +140,7 @@ impl Shared {
     /// so a peer is never forgotten between its loading and its use being noted.
     fn load(&self, introduction: &[u8], metadata: &[u8]) -> Result<String, TransferError> {
         let now = Instant::now();
-        let key = twox_hash::XxHash3_64::oneshot(&[introduction, metadata].concat());
+        let key = xxhash_rust::xxh3::xxh3_64(&[introduction, metadata].concat());
         let mut loaded = lock(&self.loaded);
         if let Some((agent, used)) = loaded.get_mut(&key) {
             *used = now;

@@ -80,7 +80,7 @@ pub(crate) struct OpenPair {
     off: u64,
     len: u32,
     done: u32,
-    hasher: crate::inbox::placement::SegmentHasher,
+    hasher: xxhash_rust::xxh3::Xxh3,
 }
 
 impl std::fmt::Debug for OpenPair {
@@ -196,7 +196,7 @@ struct Landing<'a> {
     inbox: &'a Inbox,
     w: Writer,
     verdict: Result<(), TransferError>,
-    hasher: crate::inbox::placement::SegmentHasher,
+    hasher: xxhash_rust::xxh3::Xxh3,
 }
 
 impl<'a> Landing<'a> {
