@@ -35,10 +35,12 @@ mod completion;
 mod handshakes;
 pub mod placement;
 mod region;
+mod region_buf;
 
 use handshakes::Handshakes;
 use placement::Placement;
 use region::Region;
+use region_buf::RegionBuf;
 
 /// The most bytes one read into a region asks for (and the size of the buffer a refused
 /// write's bytes are drained through): well inside a core's L2, so what a read landed is
@@ -53,8 +55,8 @@ pub(crate) trait PieceBytes: Copy {
     fn byte_len(self) -> usize;
     /// `n` of them from `from`, or `None` past the end.
     fn range(self, from: usize, n: usize) -> Option<Self>;
-    /// Copies them into `dst`; `false` (nothing copied) unless it is exactly as long.
-    fn copy_to(self, dst: &mut [u8]) -> bool;
+    /// Copies them into `dst`; `false` (nothing copied) unless it has exactly as much room.
+    fn copy_to(self, dst: &mut tokio::io::ReadBuf<'_>) -> bool;
 }
 
 impl PieceBytes for &[u8] {
@@ -66,10 +68,10 @@ impl PieceBytes for &[u8] {
         self.get(from..from.checked_add(n)?)
     }
 
-    fn copy_to(self, dst: &mut [u8]) -> bool {
-        let same = dst.len() == self.len();
+    fn copy_to(self, dst: &mut tokio::io::ReadBuf<'_>) -> bool {
+        let same = dst.remaining() == self.len();
         if same {
-            dst.copy_from_slice(self);
+            dst.put_slice(self);
         }
         same
     }
@@ -205,11 +207,11 @@ impl Inbox {
         }
         let expected: Vec<(SenderId, Vec<Range<u64>>)> = expected.into_iter().collect();
         let all = placement::normalize(expected.iter().flat_map(|(_, r)| r.clone()).collect());
-        if all.is_none_or(|all| all.last().is_some_and(|r| r.end > len)) {
+        let Some(all) = all.filter(|all| all.last().is_none_or(|r| r.end <= len)) else {
             return Err(TransferError::Malformed(format!(
                 "senders' ranges overlap or run past the region's {len} bytes"
             )));
-        }
+        };
         let expected: HashMap<SenderId, Placement> = expected
             .into_iter()
             .map(|(s, r)| (s, Placement::new(placement::normalize(r).unwrap_or_default())))
@@ -224,7 +226,7 @@ impl Inbox {
         }
         let region = Region {
             room,
-            buf: vec![0; len as usize],
+            buf: RegionBuf::new(len as usize, &all),
             expected,
             bound: HashMap::new(),
             notices: Vec::new(),
@@ -296,7 +298,7 @@ impl Inbox {
         match state {
             KvPoll::Success => Ok(Received {
                 room: region.room,
-                buf: std::mem::take(&mut region.buf),
+                buf: region.take_written().unwrap_or_default(),
                 notices: std::mem::take(&mut region.notices),
             }),
             KvPoll::Failed => Err(TransferError::Failed(region.error.take().unwrap_or_default())),
@@ -349,7 +351,7 @@ impl Inbox {
         w: (RegionId, SenderId, ConnId),
         place: (u64, usize),
         hasher: &mut xxhash_rust::xxh3::Xxh3,
-        fill: impl FnOnce(&mut [u8]) -> std::task::Poll<std::io::Result<usize>>,
+        fill: impl FnOnce(&mut tokio::io::ReadBuf<'_>) -> std::task::Poll<std::io::Result<()>>,
     ) -> Result<std::task::Poll<std::io::Result<usize>>, TransferError> {
         let (id, sender, conn) = w;
         let region = self.region(id)?;

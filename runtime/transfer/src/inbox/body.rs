@@ -75,12 +75,12 @@ impl Body<'_> {
     }
 
     /// Reads at most `n` of the next bytes with `fill` straight into their place in the
-    /// region (`fill` answers how many it read). `Err`: the region has closed or is gone,
+    /// region (what `fill` put in its `ReadBuf` counts). `Err`: the region has closed or is gone,
     /// and `fill` was not called.
     pub(crate) fn recv(
         &mut self,
         n: usize,
-        fill: impl FnOnce(&mut [u8]) -> Poll<io::Result<usize>>,
+        fill: impl FnOnce(&mut tokio::io::ReadBuf<'_>) -> Poll<io::Result<()>>,
     ) -> Result<Poll<io::Result<usize>>, TransferError> {
         let n = self.remaining().min(n as u64) as usize;
         let at = self.range.start + self.landed;

@@ -6,18 +6,20 @@ use std::io;
 use std::task::Poll;
 
 use handoff_core::Room;
+use tokio::io::ReadBuf;
 use tokio::sync::watch;
 use tracing::debug;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::PieceBytes;
 use super::placement::Placement;
+use super::region_buf::RegionBuf;
 use crate::{ConnId, KvPoll, Notice, RegionId, SenderId, TransferError};
 
 /// A receive region (see the module docs).
 pub(super) struct Region {
     pub(super) room: Room,
-    pub(super) buf: Vec<u8>,
+    pub(super) buf: RegionBuf,
     /// Each expected sender's ranges and progress.
     pub(super) expected: HashMap<SenderId, Placement>,
     /// The connection each sender is bound to (that of its first write or notice).
@@ -41,9 +43,9 @@ impl Region {
         let p = expected.get_mut(&sender).ok_or(TransferError::UnknownRegion(id))?;
         let checked = segments.iter().try_for_each(|&(off, b)| {
             p.check(off, b.len() as u64)?;
+            land(buf, off, b)?;
             // Checked segment by segment: two segments of one frame may overlap too.
             p.record(off, b);
-            land(buf, off, b);
             Ok::<(), String>(())
         });
         self.landed(sender, checked)
@@ -63,16 +65,16 @@ impl Region {
         hasher: &mut Xxh3,
     ) -> Result<(), TransferError> {
         let n = piece.byte_len();
-        let copy = |place: &mut [u8]| {
+        let copy = |place: &mut ReadBuf<'_>| {
             let copied = piece.copy_to(place);
             debug_assert!(copied, "a piece and its place in the region differ in length");
-            Poll::Ready(Ok(n))
+            Poll::Ready(Ok(()))
         };
         self.recv_piece(id, sender, conn, (off, n), hasher, copy).map(drop)
     }
 
     /// [`Region::write_piece`] with the bytes read by `fill` straight into their place in
-    /// the region (at most `n` of them at `off`; `fill` answers how many it read). Checked
+    /// the region (at most `n` of them at `off`; what `fill` put in its `ReadBuf` counts). Checked
     /// before `fill` is called, so a refused piece consumes nothing from the source; bytes
     /// `fill` leaves unread, or scribbles on before it reports none, stay unwritten.
     pub(super) fn recv_piece(
@@ -82,7 +84,7 @@ impl Region {
         conn: ConnId,
         (off, n): (u64, usize),
         hasher: &mut Xxh3,
-        fill: impl FnOnce(&mut [u8]) -> Poll<io::Result<usize>>,
+        fill: impl FnOnce(&mut ReadBuf<'_>) -> Poll<io::Result<()>>,
     ) -> Result<Poll<io::Result<usize>>, TransferError> {
         self.admit(id, sender, conn)?;
         let Region { buf, expected, .. } = self;
@@ -94,12 +96,14 @@ impl Region {
             // Lands nowhere, whatever its offset (see `land`).
             return Ok(Poll::Ready(Ok(0)));
         }
-        let place = &mut buf[off as usize..off as usize + n];
-        let read = fill(place);
+        let Some(mut place) = buf.place(off, n) else {
+            let e = format!("[{off}, +{n}) is past the region's {} bytes", buf.len());
+            return Err(self.refuse(sender, e));
+        };
+        let read = fill(&mut place).map_ok(|()| place.filled().len());
         if let Poll::Ready(Ok(got @ 1..)) = read {
-            let got = got.min(n);
             p.record_range(off, got as u64);
-            hasher.update(&place[..got]);
+            hasher.update(place.filled());
             self.advance(KvPoll::Transferring);
         }
         Ok(read)
@@ -135,20 +139,19 @@ impl Region {
         (sender, hold): (SenderId, u64),
         (off, n): (u64, usize),
         hasher: &mut Xxh3,
-        fill: impl FnOnce(&mut [u8]) -> Poll<io::Result<usize>>,
+        fill: impl FnOnce(&mut ReadBuf<'_>) -> Poll<io::Result<()>>,
     ) -> Result<Poll<io::Result<usize>>, TransferError> {
         self.open(id)?;
         let held = self.expected.get(&sender).is_some_and(|p| p.held(hold, off, n as u64));
-        let start = usize::try_from(off).ok();
-        let place = start.and_then(|s| self.buf.get_mut(s..s.checked_add(n)?)).filter(|_| held);
-        let Some(place) = place else {
+        let place = self.buf.place(off, n).filter(|_| held);
+        let Some(mut place) = place else {
             return Err(TransferError::Failed(format!(
                 "[{off}, +{n}) is not inside a body {sender:?} holds in {id:?}"
             )));
         };
-        let read = fill(place);
-        if let Poll::Ready(Ok(got @ 1..)) = read {
-            hasher.update(&place[..got.min(n)]);
+        let read = fill(&mut place).map_ok(|()| place.filled().len());
+        if let Poll::Ready(Ok(1..)) = read {
+            hasher.update(place.filled());
             self.advance(KvPoll::Transferring);
         }
         Ok(read)
@@ -265,8 +268,14 @@ impl Region {
 
 /// Copies checked bytes into the buffer. An empty segment lands nowhere, whatever its offset
 /// (fuzzing found one at 2^34).
-fn land(buf: &mut [u8], off: u64, b: &[u8]) {
-    if !b.is_empty() {
-        buf[off as usize..off as usize + b.len()].copy_from_slice(b);
+fn land(buf: &mut RegionBuf, off: u64, b: &[u8]) -> Result<(), String> {
+    if b.is_empty() {
+        return Ok(());
     }
+    let len = buf.len();
+    let mut place = buf
+        .place(off, b.len())
+        .ok_or_else(|| format!("[{off}, +{}) is past the region's {len} bytes", b.len()))?;
+    place.put_slice(b);
+    Ok(())
 }

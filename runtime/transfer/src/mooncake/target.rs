@@ -158,10 +158,7 @@ async fn apply(st: &mut TcpStream, peer: SocketAddr, h: &Header, s: &Shared) -> 
     let mut body = s.inbox.begin_body(region, conn, offset, h.size).map_err(|e| e.to_string())?;
     while body.remaining() > 0 {
         std::future::poll_fn(|cx| {
-            let fill = |place: &mut [u8]| {
-                let mut buf = ReadBuf::new(place);
-                Pin::new(&mut *st).poll_read(cx, &mut buf).map_ok(|()| buf.filled().len())
-            };
+            let fill = |place: &mut ReadBuf<'_>| Pin::new(&mut *st).poll_read(cx, place);
             match body.recv(PIECE, fill) {
                 Ok(Poll::Ready(Ok(0))) => Poll::Ready(Err("body: the connection ended".into())),
                 Ok(Poll::Ready(read)) => {

@@ -237,10 +237,7 @@ impl<'a> Landing<'a> {
             if self.verdict.is_err() {
                 return Poll::Ready(Ok(None));
             }
-            let fill = |place: &mut [u8]| {
-                let mut buf = ReadBuf::new(place);
-                Pin::new(&mut *r).poll_read(cx, &mut buf).map_ok(|()| buf.filled().len())
-            };
+            let fill = |place: &mut ReadBuf<'_>| Pin::new(&mut *r).poll_read(cx, place);
             match inbox.on_recv((w.region, w.sender, w.conn), (off, n), &mut self.hasher, fill) {
                 Ok(Poll::Ready(Ok(0))) => {
                     Poll::Ready(Err(std::io::ErrorKind::UnexpectedEof.into()))

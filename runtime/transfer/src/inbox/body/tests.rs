@@ -1,6 +1,7 @@
 use std::task::Poll;
 
 use handoff_core::Room;
+use tokio::io::ReadBuf;
 
 use crate::inbox::placement::segment_digest;
 use crate::{ConnId, Inbox, InboxConfig, KvPoll, Notice, RegionId, SenderId, TransferError};
@@ -30,12 +31,12 @@ fn from<'a>(
     src: &'a [u8],
     at: &'a mut usize,
     most: usize,
-) -> impl FnOnce(&mut [u8]) -> Poll<std::io::Result<usize>> + 'a {
-    move |place: &mut [u8]| {
-        let n = place.len().min(most).min(src.len() - *at);
-        place[..n].copy_from_slice(&src[*at..*at + n]);
+) -> impl FnOnce(&mut ReadBuf<'_>) -> Poll<std::io::Result<()>> + 'a {
+    move |place: &mut ReadBuf<'_>| {
+        let n = place.remaining().min(most).min(src.len() - *at);
+        place.put_slice(&src[*at..*at + n]);
         *at += n;
-        Poll::Ready(Ok(n))
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -48,7 +49,7 @@ fn got(read: Poll<std::io::Result<usize>>) -> usize {
 }
 
 /// A fill that must not be called.
-fn never(_: &mut [u8]) -> Poll<std::io::Result<usize>> {
+fn never(_: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
     panic!("a refused body read bytes")
 }
 

@@ -174,14 +174,20 @@ impl PieceBytes for SharedBytes<'_> {
         fits.then(|| SharedBytes { ptr: unsafe { self.ptr.add(from) }, len: n, ..self })
     }
 
-    fn copy_to(self, dst: &mut [u8]) -> bool {
-        if dst.len() != self.len {
+    fn copy_to(self, dst: &mut tokio::io::ReadBuf<'_>) -> bool {
+        if dst.remaining() != self.len {
             return false;
         }
         // SAFETY: `ptr..ptr + len` lies within a mapping that outlives `'_` (it borrows the
         // window); `dst` is our own memory, so they cannot overlap. The sender may write
         // these bytes meanwhile only against the protocol, and then garbles only its own.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr, dst.as_mut_ptr(), self.len) };
+        // The `len` bytes of `dst`'s room copied into are then initialized, as marked.
+        unsafe {
+            let room = dst.unfilled_mut();
+            std::ptr::copy_nonoverlapping(self.ptr, room.as_mut_ptr().cast::<u8>(), self.len);
+            dst.assume_init(self.len);
+        }
+        dst.advance(self.len);
         true
     }
 }
