@@ -29,6 +29,7 @@ impl RegionBuf {
     /// `len` bytes, those outside `ranges` (sorted, disjoint, within `len`) zeroed.
     pub(super) fn new(len: usize, ranges: &[Range<u64>]) -> Self {
         let mut bytes = Box::new_uninit_slice(len);
+        populate(&mut bytes);
         zero_gaps(&mut bytes, ranges);
         RegionBuf(bytes)
     }
@@ -68,6 +69,30 @@ impl Region {
         // `RegionBuf::place`); the rest was zeroed when the region was registered. Nothing
         // else writes a region's buffer.
         Some(unsafe { buf.into_written() })
+    }
+}
+
+/// Faults `bytes`' pages in now, in one call, where the writes would fault them one by one
+/// later while holding the region's lock (and the other senders of the region waiting on
+/// it). Pages already in place cost nothing; a kernel without `MADV_POPULATE_WRITE` (before
+/// 5.14) leaves them to the writes.
+fn populate(bytes: &mut [MaybeUninit<u8>]) {
+    const PAGE: usize = 4096;
+    let start = bytes.as_mut_ptr() as usize;
+    let (first, end) = (start.next_multiple_of(PAGE), (start + bytes.len()) / PAGE * PAGE);
+    let at = bytes.as_mut_ptr().wrapping_byte_add(first - start).cast::<std::ffi::c_void>();
+    let Some(addr) = std::ptr::NonNull::new(at) else { return };
+    if end > first {
+        // SAFETY: `first..end` lies within `bytes`, memory this region owns and nothing else
+        // can reach; populating it changes no byte anything may read (it is uninitialized).
+        // An older kernel answers EINVAL: the writes fault the pages in then.
+        let _ = unsafe {
+            nix::sys::mman::madvise(
+                addr,
+                end - first,
+                nix::sys::mman::MmapAdvise::MADV_POPULATE_WRITE,
+            )
+        };
     }
 }
 
