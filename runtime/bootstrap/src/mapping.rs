@@ -55,13 +55,12 @@ pub fn plan_ranks(
     if !tp_compatible(p, d) {
         return Err(BootstrapError::Topology(format!("tp sizes {p} and {d} do not divide")));
     }
-    let (tp_ranks, peers, mut responses) = if d == p {
-        (vec![tp_rank], 1, 1)
-    } else if d > p {
-        (vec![tp_rank / (d / p)], d / p, 1)
+    let peers = readers_per_sender(d, p);
+    let (tp_ranks, mut responses) = if d >= p {
+        (vec![tp_rank / peers], 1)
     } else {
         let k = p / d;
-        ((tp_rank * k..(tp_rank + 1) * k).collect(), 1, k)
+        ((tp_rank * k..(tp_rank + 1) * k).collect(), k)
     };
     let pp_ranks = if prefill.pp == decode.pp {
         vec![pp_rank]
@@ -228,7 +227,7 @@ pub fn shard(
 /// How many decode tp ranks read from each prefill tp rank: a decode tp `decode_tp` larger
 /// than the prefill's `prefill_tp` splits each prefill rank's heads among several; a smaller
 /// or equal one has each decode rank read from one or more prefill ranks, each of those
-/// sending to one.
+/// sending to one. Callers check [`tp_compatible`] first; a prefill tp of 0 counts as 1.
 pub fn readers_per_sender(decode_tp: usize, prefill_tp: usize) -> usize {
     (decode_tp / prefill_tp.max(1)).max(1)
 }

@@ -152,14 +152,21 @@ pub async fn run(
     let regions = register(ctx, room, prefill, &ranks.plans, &layout)?;
     stages.timings.register_us = stages.mark();
 
-    // connect: each decode rank's handshake with each prefill rank it reads from, in the
-    // Prefill call or over each prefill rank's agent (see `handshakes`).
-    let (handshakes, connects) =
-        connect::handshakes(ctx, &target, room, prefill, &ranks, &regions, &layout);
-    let in_call = !handshakes.is_empty();
+    // connect: each decode rank's handshake with each prefill rank it reads from (see
+    // `connect::handshakes`); in the call, the regions need no connection of their own.
+    let hs = connect::handshakes(ctx, &target, room, prefill, &ranks, &regions, &layout);
+    let (in_call, handshakes, connects) = match hs {
+        connect::Handshakes::InCall(given) => {
+            for g in &regions {
+                ctx.agent.inbox().mark_connected(g.id);
+            }
+            (true, given, Vec::new())
+        }
+        connect::Handshakes::OverAgents(connects) => (false, Vec::new(), connects),
+    };
     let connected = connect::connected(ctx.agent, connects, deadline);
 
-    // prefill, and the KV it sends
+    // prefill: the request, with the handshakes when they ride in it
     let left = deadline.saturating_duration_since(Instant::now());
     let req = PrefillRequest {
         bootstrap_room: room.get(),

@@ -190,9 +190,10 @@ impl Inbox {
 
     // === receiver side ===
 
-    /// Registers a zeroed region of `len` bytes for `room`, expecting from each of
-    /// `expected` senders a write of exactly its byte ranges (disjoint from the others', and
-    /// inside the region), then its notice.
+    /// Registers a region of `len` bytes for `room`, expecting from each of `expected`
+    /// senders (each named once) a write of exactly its byte ranges (disjoint from the
+    /// others', and inside the region), then its notice. Bytes outside every sender's ranges
+    /// read as zero.
     pub fn register_region(
         &self,
         room: Room,
@@ -212,10 +213,16 @@ impl Inbox {
                 "senders' ranges overlap or run past the region's {len} bytes"
             )));
         };
+        let named = expected.len();
         let expected: HashMap<SenderId, Placement> = expected
             .into_iter()
             .map(|(s, r)| (s, Placement::new(placement::normalize(r).unwrap_or_default())))
             .collect();
+        // A sender named twice would keep only its last ranges, and the others' bytes would
+        // be neither written nor zeroed.
+        if expected.len() != named {
+            return Err(TransferError::Malformed("a sender is named twice".into()));
+        }
         if self.count.fetch_add(1, Relaxed) >= self.cfg.max_regions {
             self.count.fetch_sub(1, Relaxed);
             return Err(TransferError::Full("region"));

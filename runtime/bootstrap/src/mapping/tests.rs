@@ -83,10 +83,9 @@ fn pp_layers_cover_every_layer_once() {
 #[test]
 fn readers_per_sender_counts_the_decode_ranks_whose_plan_names_each_prefill_rank() {
     for (p, d) in [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (4, 2), (8, 1), (1, 8), (2, 8), (8, 2)] {
+        let plans: Vec<_> =
+            (0..d).map(|dst| plan_ranks(par(p, 1), par(d, 1), dst, 0, false).unwrap()).collect();
         for src in 0..p {
-            let plans: Vec<_> = (0..d)
-                .map(|dst| plan_ranks(par(p, 1), par(d, 1), dst, 0, false).unwrap())
-                .collect();
             let readers = plans.iter().filter(|plan| plan.tp_ranks.contains(&src)).count();
             assert!(plans.iter().all(|plan| plan.peers == readers), "the plan's own count");
             assert_eq!(readers_per_sender(d, p), readers, "prefill tp {p}, decode tp {d}");

@@ -61,8 +61,9 @@ async fn until_in_call(c: &Cluster, mut seed: u32) -> u32 {
 
 #[tokio::test]
 async fn handshakes_ride_in_the_call_once_the_instance_said_it_takes_them() {
-    // (prefill tp, pp, dp; decode tp): pp 2 has each decode rank read from two senders, dp 2
-    // has the instance answer for both of its dp ranks.
+    // (prefill tp, pp, dp; decode tp): pp 2 has each decode rank read from two senders; with
+    // dp 2 the instance says it takes them only if every dp rank does (which dp rank serves
+    // each request is the scheduler's choice, not checked here).
     for (prefill_tp, prefill_pp, prefill_dp, decode_tp) in
         [(2, 1, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2), (2, 2, 1, 1), (1, 2, 1, 2), (1, 1, 2, 1)]
     {

@@ -138,8 +138,8 @@ mod tests {
         peer.learn("a", true);
         forget_on(
             &peer,
-            &FrontendError::because("prefill", Cause::Instance, "refused the handshakes"),
+            &FrontendError::because("prefill", Cause::Invalid, "malformed handshakes"),
         );
-        assert!(!peer.takes_handshakes("a"), "a refusal of the handshakes forgets");
+        assert!(!peer.takes_handshakes("a"), "handshakes the instance found malformed forget");
     }
 }

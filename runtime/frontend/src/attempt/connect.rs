@@ -34,12 +34,19 @@ pub(super) async fn connected(
     Ok(Instant::now())
 }
 
-/// The attempt's handshakes: all in the Prefill call (the first list; the regions are marked
-/// connected) when the instance said it takes them there, our backend's handshake is nothing
-/// more, and every rank is on this host (no connection of its own then); else none there
-/// and one connect per (decode rank, prefill rank) pair over that prefill rank's agent (the
-/// second). Across hosts the handshake's quick answer (or its absence, within a second) is
-/// also how a lost path fails an attempt fast.
+/// How an attempt's handshakes go (see [`handshakes`]).
+pub(super) enum Handshakes {
+    /// All in the Prefill call.
+    InCall(Vec<TransferHandshake>),
+    /// One connect per (decode rank, prefill rank) pair over that prefill rank's agent.
+    OverAgents(Vec<(AgentAddr, ConnectRequest)>),
+}
+
+/// The attempt's handshakes: all in the Prefill call when the instance said it takes them
+/// there, our backend's handshake is nothing more, and every rank is on this host (no
+/// connection of its own then); else over each prefill rank's agent. Across hosts the
+/// handshake's quick answer (or its absence, within a second) is also how a lost path fails
+/// an attempt fast.
 pub(super) fn handshakes(
     ctx: &AttemptCtx<'_>,
     target: &Target,
@@ -48,7 +55,7 @@ pub(super) fn handshakes(
     ranks: &Ranks,
     regions: &[RegionGuard],
     layout: &RegionLayout,
-) -> (Vec<TransferHandshake>, Vec<(AgentAddr, ConnectRequest)>) {
+) -> Handshakes {
     let d = ctx.decode_tp;
     let pairs: Vec<(usize, RegionId, usize, usize)> = ranks
         .plans
@@ -77,10 +84,7 @@ pub(super) fn handshakes(
                 dst_tp_rank: r as u32,
             })
             .collect();
-        for g in regions {
-            ctx.agent.inbox().mark_connected(g.id);
-        }
-        return (given, Vec::new());
+        return Handshakes::InCall(given);
     }
     let connects = pairs
         .iter()
@@ -100,5 +104,5 @@ pub(super) fn handshakes(
             (peer, req)
         })
         .collect();
-    (Vec::new(), connects)
+    Handshakes::OverAgents(connects)
 }

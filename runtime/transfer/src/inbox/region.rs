@@ -66,11 +66,13 @@ impl Region {
     ) -> Result<(), TransferError> {
         let n = piece.byte_len();
         let copy = |place: &mut ReadBuf<'_>| {
-            let copied = piece.copy_to(place);
-            debug_assert!(copied, "a piece and its place in the region differ in length");
+            piece.copy_to(place);
             Poll::Ready(Ok(()))
         };
-        self.recv_piece(id, sender, conn, (off, n), hasher, copy).map(drop)
+        match self.recv_piece(id, sender, conn, (off, n), hasher, copy)? {
+            Poll::Ready(Ok(got)) if got == n => Ok(()),
+            _ => Err(self.refuse(sender, format!("a piece of {n} bytes at {off} did not land"))),
+        }
     }
 
     /// [`Region::write_piece`] with the bytes read by `fill` straight into their place in
@@ -100,7 +102,9 @@ impl Region {
             let e = format!("[{off}, +{n}) is past the region's {} bytes", buf.len());
             return Err(self.refuse(sender, e));
         };
-        let read = fill(&mut place).map_ok(|()| place.filled().len());
+        let Some(read) = fill_in(&mut place, fill) else {
+            return Err(self.refuse(sender, "a read put its bytes elsewhere".into()));
+        };
         if let Poll::Ready(Ok(got @ 1..)) = read {
             p.record_range(off, got as u64);
             hasher.update(place.filled());
@@ -149,7 +153,9 @@ impl Region {
                 "[{off}, +{n}) is not inside a body {sender:?} holds in {id:?}"
             )));
         };
-        let read = fill(&mut place).map_ok(|()| place.filled().len());
+        let Some(read) = fill_in(&mut place, fill) else {
+            return Err(self.refuse(sender, "a read put its bytes elsewhere".into()));
+        };
         if let Poll::Ready(Ok(1..)) = read {
             hasher.update(place.filled());
             self.advance(KvPoll::Transferring);
@@ -264,6 +270,19 @@ impl Region {
         self.error = Some(reason);
         self.state.send_replace(KvPoll::Failed);
     }
+}
+
+/// Runs `fill` on `place`: how many bytes it put there, or `None` if it swapped `place` for
+/// another buffer (a reader may: `ReadBuf` is its to replace), whose bytes never reached
+/// the region. As tokio's own `read_buf` checks.
+fn fill_in(
+    place: &mut ReadBuf<'_>,
+    fill: impl FnOnce(&mut ReadBuf<'_>) -> Poll<io::Result<()>>,
+) -> Option<Poll<io::Result<usize>>> {
+    let (at, room) = (place.filled().as_ptr(), place.capacity());
+    let read = fill(place);
+    let same = place.filled().as_ptr() == at && place.capacity() == room;
+    same.then(|| read.map_ok(|()| place.filled().len()))
 }
 
 /// Copies checked bytes into the buffer. An empty segment lands nowhere, whatever its offset

@@ -63,7 +63,8 @@ impl Region {
             return None;
         }
         let buf = std::mem::take(&mut self.buf);
-        // SAFETY: at `Success` every expected sender's ranges have been written whole (see
+        // SAFETY: the ranges `new` left unzeroed are exactly the union of the senders' (each
+        // sender named once, `Inbox::register_region`). At `Success` each of them has been written whole (see
         // `completion`: neither a notice nor a finish passes with a gap in its sender's
         // ranges, and a range counts as written only once its bytes landed through
         // `RegionBuf::place`); the rest was zeroed when the region was registered. Nothing
@@ -72,12 +73,21 @@ impl Region {
     }
 }
 
+/// Regions up to this size are faulted in when registered (see [`populate`]); a larger one
+/// is left to its writes, so one huge region does not hold a worker thread while it becomes
+/// resident.
+const POPULATE_MAX: usize = 64 << 20;
+
 /// Faults `bytes`' pages in now, in one call, where the writes would fault them one by one
 /// later while holding the region's lock (and the other senders of the region waiting on
-/// it). Pages already in place cost nothing; a kernel without `MADV_POPULATE_WRITE` (before
-/// 5.14) leaves them to the writes.
+/// it). Pages already in place cost nothing. A kernel without `MADV_POPULATE_WRITE` (before
+/// 5.14), or with pages larger than 4 KiB where the range is not aligned to them, refuses,
+/// and leaves the pages to the writes.
 fn populate(bytes: &mut [MaybeUninit<u8>]) {
     const PAGE: usize = 4096;
+    if bytes.len() > POPULATE_MAX {
+        return;
+    }
     let start = bytes.as_mut_ptr() as usize;
     let (first, end) = (start.next_multiple_of(PAGE), (start + bytes.len()) / PAGE * PAGE);
     let at = bytes.as_mut_ptr().wrapping_byte_add(first - start).cast::<std::ffi::c_void>();
@@ -131,5 +141,36 @@ mod tests {
         let bytes = unsafe { buf.into_written() };
         assert_eq!(bytes, [0, 0, 7, 7, 0, 0, 7, 0, 0, 7, 0, 0]);
         assert!(RegionBuf::new(0, &[]).place(0, 0).is_some(), "an empty region");
+    }
+
+    #[test]
+    fn gaps_at_either_end_none_or_all() {
+        let zeroed = |len: usize, ranges: &[Range<u64>]| {
+            let mut bytes = vec![MaybeUninit::new(0xAA_u8); len];
+            zero_gaps(&mut bytes, ranges);
+            // SAFETY: every byte was initialized above.
+            bytes.iter().map(|b| unsafe { b.assume_init() }).collect::<Vec<u8>>()
+        };
+        assert_eq!(zeroed(4, std::slice::from_ref(&(0..2))), [0xAA, 0xAA, 0, 0]);
+        assert_eq!(zeroed(4, std::slice::from_ref(&(2..4))), [0, 0, 0xAA, 0xAA]);
+        assert_eq!(zeroed(4, std::slice::from_ref(&(0..4))), [0xAA; 4]);
+        assert_eq!(zeroed(4, &[]), [0; 4]);
+    }
+
+    /// Pages enough to be populated, written in two ranges around a gap that spans pages.
+    #[test]
+    fn a_region_of_many_pages_holds_its_writes_and_zeroes() {
+        let len = 5 * 4096 + 123;
+        let ranges = [0..4096u64, 3 * 4096..len as u64];
+        let mut buf = RegionBuf::new(len, &ranges);
+        for r in &ranges {
+            let n = (r.end - r.start) as usize;
+            buf.place(r.start, n).unwrap().put_slice(&vec![9; n]);
+        }
+        // SAFETY: both ranges were written just above.
+        let bytes = unsafe { buf.into_written() };
+        assert!(bytes[..4096].iter().all(|&b| b == 9));
+        assert!(bytes[4096..3 * 4096].iter().all(|&b| b == 0));
+        assert!(bytes[3 * 4096..].iter().all(|&b| b == 9));
     }
 }

@@ -255,6 +255,19 @@ async fn region_memory_has_a_total_budget() {
     assert_eq!(inbox.held_bytes(), 0, "a region given up on gives its memory back");
 }
 
+/// A sender named twice would keep only its last ranges: the first's bytes would be neither
+/// written nor zeroed, and handed on (another request's, from the allocator).
+#[test]
+fn a_sender_named_twice_is_refused() {
+    let inbox = Inbox::new(InboxConfig::default());
+    let s = SenderId::new(0, 0);
+    for twice in [vec![(s, span(0..4)), (s, span(4..8))], vec![(s, span(0..8)), (s, vec![])]] {
+        let err = inbox.register_region(room(1), 8, twice).unwrap_err();
+        assert_eq!(err, TransferError::Malformed("a sender is named twice".into()));
+    }
+    assert_eq!(inbox.held_bytes(), 0);
+}
+
 /// Found by fuzzing: an empty segment far past the region's end was "inside" (nothing to
 /// place) and then sliced the buffer out of bounds.
 #[tokio::test]

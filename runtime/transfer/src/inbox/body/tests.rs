@@ -93,6 +93,22 @@ async fn a_body_lands_in_pieces_and_counts_whole() {
     assert_eq!(got.buf, [first, bytes].concat());
 }
 
+/// A reader may swap the `ReadBuf` it was given for one of its own: what it put there never
+/// reached the region, so it is refused (and the region fails) instead of counted as landed.
+#[test]
+fn a_read_that_put_its_bytes_elsewhere_is_refused() {
+    let (inbox, _room, id) = region(1000, &[(0, 1000)]);
+    let mut body = inbox.begin_body(id, CONN, 0, 1000).unwrap();
+    let elsewhere = |place: &mut ReadBuf<'_>| {
+        *place = ReadBuf::new(Box::leak(vec![0u8; 1000].into_boxed_slice()));
+        place.put_slice(&[7; 600]);
+        Poll::Ready(Ok(()))
+    };
+    let err = body.recv(1000, elsewhere).unwrap_err();
+    assert!(err.to_string().contains("put its bytes elsewhere"), "{err}");
+    assert_eq!(inbox.poll(id), KvPoll::Failed);
+}
+
 /// A body dropped before its last byte counts for nothing: the region stays open, its
 /// bytes are not written (a notice now would find the gap), and the whole write sent again
 /// lands and verifies.
