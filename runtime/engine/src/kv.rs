@@ -4,7 +4,13 @@
 
 use std::ops::Range;
 
+use bytes::Bytes;
+
 use crate::EngineError;
+
+mod writable;
+
+pub use writable::KvMut;
 
 /// The shape of one token's KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -20,16 +26,24 @@ pub struct KvShape {
 impl KvShape {
     /// Bytes of one token's KV across all layers and heads.
     pub fn token_bytes(&self) -> usize {
-        self.layers * 2 * self.kv_heads * self.head_bytes
+        self.layers * self.layer_bytes(1)
+    }
+
+    /// Bytes of one layer of `tokens` tokens ([`Kv::layer`]).
+    pub fn layer_bytes(&self, tokens: usize) -> usize {
+        2 * self.kv_heads * tokens * self.head_bytes
     }
 }
 
-/// The KV of a run of tokens, in the canonical layout.
+/// The KV of a run of tokens, in the canonical layout, held one buffer per layer (or one
+/// buffer shared by all of them): a layer can be handed on as [`Bytes`] while later layers are
+/// still being computed, and a KV read from one received region is a view of it. Cloning is
+/// cheap; the bytes never change once they are a `Kv` ([`KvMut`] is the writable one).
 #[derive(Clone, PartialEq, Eq)]
 pub struct Kv {
     shape: KvShape,
     tokens: usize,
-    data: Vec<u8>,
+    layers: Vec<Bytes>,
 }
 
 impl std::fmt::Debug for Kv {
@@ -39,12 +53,7 @@ impl std::fmt::Debug for Kv {
 }
 
 impl Kv {
-    /// Zeroed KV for `tokens` tokens.
-    pub fn zeroed(shape: KvShape, tokens: usize) -> Self {
-        Kv { shape, tokens, data: vec![0; shape.token_bytes() * tokens] }
-    }
-
-    /// Wraps bytes already in the canonical layout.
+    /// Wraps bytes already in the canonical layout, without copying them.
     pub fn from_bytes(shape: KvShape, tokens: usize, data: Vec<u8>) -> Result<Self, EngineError> {
         if data.len() != shape.token_bytes() * tokens {
             return Err(EngineError::KvShape(format!(
@@ -53,7 +62,37 @@ impl Kv {
                 shape.token_bytes()
             )));
         }
-        Ok(Kv { shape, tokens, data })
+        Ok(Self::whole(shape, tokens, Bytes::from(data)))
+    }
+
+    /// Wraps one buffer per layer, each [`Kv::layer`]'s bytes, without copying them.
+    pub fn from_layers(
+        shape: KvShape,
+        tokens: usize,
+        layers: Vec<Bytes>,
+    ) -> Result<Self, EngineError> {
+        let len = shape.layer_bytes(tokens);
+        if layers.len() != shape.layers {
+            return Err(EngineError::KvShape(format!(
+                "{} layers, the shape has {}",
+                layers.len(),
+                shape.layers
+            )));
+        }
+        if let Some((l, b)) = layers.iter().enumerate().find(|(_, b)| b.len() != len) {
+            return Err(EngineError::KvShape(format!(
+                "layer {l} of {} bytes, {tokens} tokens need {len}",
+                b.len()
+            )));
+        }
+        Ok(Kv { shape, tokens, layers })
+    }
+
+    /// A KV of the canonical bytes `data`, already checked to be `tokens` tokens of `shape`.
+    fn whole(shape: KvShape, tokens: usize, data: Bytes) -> Self {
+        let len = shape.layer_bytes(tokens);
+        let layers = (0..shape.layers).map(|l| data.slice(l * len..(l + 1) * len)).collect();
+        Kv { shape, tokens, layers }
     }
 
     /// The shape of one token.
@@ -66,54 +105,25 @@ impl Kv {
         self.tokens
     }
 
-    /// All bytes, canonical layout.
-    pub fn as_bytes(&self) -> &[u8] {
-        &self.data
+    /// Bytes of all layers.
+    pub fn byte_len(&self) -> usize {
+        self.shape.token_bytes() * self.tokens
     }
 
-    /// Byte range of the run (layer, k|v, head) for tokens `toks`.
-    pub fn run_range(
-        &self,
-        layer: usize,
-        kv: usize,
-        head: usize,
-        toks: Range<usize>,
-    ) -> Range<usize> {
-        run_range(self.shape, self.tokens, layer, kv, head, toks)
+    /// Every layer's bytes, in layer order: the canonical layout, one layer after another.
+    pub fn layers(&self) -> &[Bytes] {
+        &self.layers
     }
 
-    /// The bytes, canonical layout.
-    pub fn into_bytes(self) -> Vec<u8> {
-        self.data
+    /// The bytes of layer `layer`: its K and V runs of every head over all tokens.
+    pub fn layer(&self, layer: usize) -> &Bytes {
+        &self.layers[layer]
     }
 
     /// The bytes of one (layer, k|v, head) run over all tokens.
     pub fn run(&self, layer: usize, kv: usize, head: usize) -> &[u8] {
-        &self.data[self.run_range(layer, kv, head, 0..self.tokens)]
-    }
-
-    /// Mutable bytes of one (layer, k|v, head) run over all tokens.
-    pub fn run_mut(&mut self, layer: usize, kv: usize, head: usize) -> &mut [u8] {
-        let r = self.run_range(layer, kv, head, 0..self.tokens);
-        &mut self.data[r]
-    }
-
-    /// Byte range of layer `layer` (its K and V runs of every head over all tokens: one
-    /// contiguous run of the layout).
-    pub fn layer_range(&self, layer: usize) -> Range<usize> {
-        let len = 2 * self.shape.kv_heads * self.tokens * self.shape.head_bytes;
-        layer * len..(layer + 1) * len
-    }
-
-    /// The bytes of layer `layer`.
-    pub fn layer(&self, layer: usize) -> &[u8] {
-        &self.data[self.layer_range(layer)]
-    }
-
-    /// Mutable bytes of layer `layer`.
-    pub fn layer_mut(&mut self, layer: usize) -> &mut [u8] {
-        let r = self.layer_range(layer);
-        &mut self.data[r]
+        let r = run_in_layer(self.shape, self.tokens, kv, head, 0..self.tokens);
+        &self.layers[layer][r]
     }
 
     /// A copy of tokens `toks` (each run's slice appended in layout order: no zeroing first).
@@ -148,31 +158,46 @@ impl Kv {
     }
 
     /// Calls `f(layer, k|v, head)` for every run, in layout order.
-    pub fn for_each_run(&self, mut f: impl FnMut(usize, usize, usize)) {
-        for l in 0..self.shape.layers {
-            for k in 0..2 {
-                for h in 0..self.shape.kv_heads {
-                    f(l, k, h);
-                }
+    pub fn for_each_run(&self, f: impl FnMut(usize, usize, usize)) {
+        for_each_run(self.shape, f);
+    }
+}
+
+/// Calls `f(layer, k|v, head)` for every run of `shape`, in layout order.
+fn for_each_run(shape: KvShape, mut f: impl FnMut(usize, usize, usize)) {
+    for l in 0..shape.layers {
+        for k in 0..2 {
+            for h in 0..shape.kv_heads {
+                f(l, k, h);
             }
         }
     }
 }
 
-/// [`Kv::gather`] of parts already checked.
+/// [`Kv::gather`] of parts already checked, into one buffer.
 fn gathered(shape: KvShape, parts: &[(&Kv, Range<usize>)]) -> Kv {
     let tokens = parts.iter().map(|(_, r)| r.len()).sum();
     let mut data = Vec::with_capacity(shape.token_bytes() * tokens);
-    for l in 0..shape.layers {
-        for k in 0..2 {
-            for h in 0..shape.kv_heads {
-                for (p, r) in parts {
-                    data.extend_from_slice(&p.data[p.run_range(l, k, h, r.clone())]);
-                }
-            }
+    for_each_run(shape, |l, k, h| {
+        for (p, r) in parts {
+            data.extend_from_slice(&p.layers[l][run_in_layer(shape, p.tokens, k, h, r.clone())]);
         }
-    }
-    Kv { shape, tokens, data }
+    });
+    Kv::whole(shape, tokens, Bytes::from(data))
+}
+
+/// Byte range of the run (k|v, head), tokens `toks`, within one layer ([`Kv::layer`]) of
+/// `tokens` tokens of `shape`.
+pub fn run_in_layer(
+    shape: KvShape,
+    tokens: usize,
+    kv: usize,
+    head: usize,
+    toks: Range<usize>,
+) -> Range<usize> {
+    let hb = shape.head_bytes;
+    let base = (kv * shape.kv_heads + head) * tokens * hb;
+    base + toks.start * hb..base + toks.end * hb
 }
 
 /// Byte range of the run (layer, k|v, head), tokens `toks`, in the canonical layout of
@@ -185,9 +210,9 @@ pub fn run_range(
     head: usize,
     toks: Range<usize>,
 ) -> Range<usize> {
-    let hb = shape.head_bytes;
-    let base = ((layer * 2 + kv) * shape.kv_heads + head) * tokens * hb;
-    base + toks.start * hb..base + toks.end * hb
+    let base = layer * shape.layer_bytes(tokens);
+    let within = run_in_layer(shape, tokens, kv, head, toks);
+    base + within.start..base + within.end
 }
 
 #[cfg(test)]

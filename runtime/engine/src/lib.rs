@@ -13,7 +13,7 @@ pub mod mock;
 use async_trait::async_trait;
 
 pub use error::EngineError;
-pub use kv::{Kv, KvShape};
+pub use kv::{Kv, KvMut, KvShape};
 pub use mock::{MockConfig, MockEngine};
 
 /// What a model is, as far as KV handoff is concerned.
@@ -113,7 +113,7 @@ pub trait Engine: Send + Sync + 'static {
     ) -> Result<Prefilled, EngineError> {
         let p = self.prefill(tokens, prefix, sampling).await?;
         for layer in 0..p.kv.shape().layers {
-            let bytes = bytes::Bytes::copy_from_slice(p.kv.layer(layer));
+            let bytes = p.kv.layer(layer).clone();
             if layers.send(LayerKv { layer, bytes }).is_err() {
                 break; // nobody listens any more
             }

@@ -11,10 +11,10 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::{
-    ChatMessage, Decoder, Engine, EngineError, Kv, KvShape, ModelInfo, Prefilled, Sampling,
+    ChatMessage, Decoder, Engine, EngineError, Kv, KvMut, KvShape, ModelInfo, Prefilled, Sampling,
 };
 
 /// Settings of the mock engine.
@@ -96,7 +96,7 @@ impl MockEngine {
 
     /// The KV the mock computes for `tokens` at positions `start..start + tokens.len()`.
     pub fn compute_kv(shape: KvShape, tokens: &[u32], start: usize) -> Kv {
-        let mut kv = Kv::zeroed(shape, tokens.len());
+        let mut kv = KvMut::zeroed(shape, tokens.len());
         let hb = shape.head_bytes;
         for l in 0..shape.layers {
             for k in 0..2 {
@@ -108,7 +108,7 @@ impl MockEngine {
                 }
             }
         }
-        kv
+        kv.freeze()
     }
 
     fn token_from_digest(&self, digest: u64) -> u32 {
@@ -175,7 +175,7 @@ impl Engine for MockEngine {
             if !total.is_zero() {
                 tokio::time::sleep_until(started + total * (layer as u32 + 1) / n as u32).await;
             }
-            let bytes = bytes::Bytes::copy_from_slice(out.kv.layer(layer));
+            let bytes = out.kv.layer(layer).clone();
             let _ = layers.send(crate::LayerKv { layer, bytes });
         }
         Ok(out)
@@ -218,7 +218,7 @@ impl MockEngine {
             Some(p) => Kv::concat(self.cfg.shape, &[&p, &rest])?,
             None => rest,
         };
-        let first_token = self.token_from_digest(xxh3_64(kv.as_bytes()));
+        let first_token = self.token_from_digest(digest(&kv, 0));
         Ok((Prefilled { kv, first_token }, computed))
     }
 
@@ -228,7 +228,7 @@ impl MockEngine {
         }
         Ok(Box::new(MockDecoder {
             engine: self.clone(),
-            digest: xxh3_64(kv.as_bytes()),
+            digest: digest(&kv, 0),
             pos: kv.tokens(),
             last: last_token,
         }))
@@ -253,11 +253,20 @@ impl Decoder for MockDecoder {
             tokio::time::sleep(self.engine.cfg.decode_per_token).await;
         }
         let kv = MockEngine::compute_kv(self.engine.cfg.shape, &[self.last], self.pos);
-        self.digest = xxh3_64_with_seed(kv.as_bytes(), self.digest);
+        self.digest = digest(&kv, self.digest);
         self.pos += 1;
         self.last = self.engine.token_from_digest(self.digest);
         Ok(self.last)
     }
+}
+
+/// xxh3 of the KV's canonical bytes, seeded with `seed`: the same as of one buffer holding them.
+fn digest(kv: &Kv, seed: u64) -> u64 {
+    let mut h = Xxh3::with_seed(seed);
+    for layer in kv.layers() {
+        h.update(layer);
+    }
+    h.digest()
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use handoff_bootstrap::DirectoryCache;
 use handoff_bootstrap::RankAddr;
 use handoff_bootstrap::mapping::{self, Parallel, RankPlan, RegionLayout};
 use handoff_core::Room;
-use handoff_engine::{Engine, Kv, KvShape};
+use handoff_engine::{Engine, Kv, KvMut, KvShape};
 use handoff_proto::v1::{PrefillRequest, SamplingParams, StageTimings};
 use handoff_transfer::{Agent, Inbox, Received, RegionId, SenderId};
 use tokio::time::Instant;
@@ -320,7 +320,7 @@ fn consume(
         return Kv::from_bytes(shape, layout.tokens, std::mem::take(&mut only.buf))
             .map_err(|e| FrontendError::at("consume", e));
     }
-    let mut kv = Kv::zeroed(shape, layout.tokens);
+    let mut kv = KvMut::zeroed(shape, layout.tokens);
     let mut filled = vec![false; shape.kv_heads];
     for (r, rec) in received.iter().enumerate() {
         for local in 0..layout.heads {
@@ -340,5 +340,5 @@ fn consume(
     if filled.iter().any(|f| !f) {
         return Err(FrontendError::at("consume", "some KV heads were not received"));
     }
-    Ok(kv)
+    Ok(kv.freeze())
 }

@@ -72,7 +72,7 @@ impl Source {
     /// Whether its live pages are half its buffer or less (and not none): due to be copied
     /// out.
     fn due(&self) -> bool {
-        self.live > 0 && 2 * self.live_bytes() <= self.kv.as_bytes().len()
+        self.live > 0 && 2 * self.live_bytes() <= self.kv.byte_len()
     }
 
     /// What the budget counts for it once it is settled: nothing once empty, its live pages
@@ -83,7 +83,7 @@ impl Source {
         } else if self.due() {
             self.live_bytes()
         } else {
-            self.kv.as_bytes().len()
+            self.kv.byte_len()
         }
     }
 }

@@ -6,7 +6,7 @@ use std::ops::Range;
 use futures::future::try_join_all;
 use handoff_bootstrap::mapping::{self, Parallel, RegionLayout, Shard};
 use handoff_core::Room;
-use handoff_engine::{KvShape, LayerKv, kv::run_range};
+use handoff_engine::{KvShape, LayerKv, kv::run_in_layer};
 use handoff_transfer::{Agent, ConnectRequest, SenderId, WriteStream};
 use tokio::time::Instant;
 
@@ -148,14 +148,12 @@ impl Destination {
     /// The shard's runs of `layer` as (its bytes, destination offset), adjacent runs merged.
     fn runs_of(&self, layer: &LayerKv) -> Result<Vec<(bytes::Bytes, u64)>, PrefillError> {
         let l = layer.layer;
-        let base = run_range(self.shape, self.tokens, l, 0, 0, 0..0).start;
         let runs = (0..2).flat_map(|k| (0..self.shard.heads).map(move |i| (k, i)));
         // (source range in the layer's bytes, destination offset), adjacent runs merged.
         let mut merged: Vec<(Range<usize>, u64)> = Vec::with_capacity(2);
         for (k, i) in runs {
             let src =
-                run_range(self.shape, self.tokens, l, k, self.shard.src_head + i, 0..self.tokens);
-            let src = src.start - base..src.end - base;
+                run_in_layer(self.shape, self.tokens, k, self.shard.src_head + i, 0..self.tokens);
             let dst = self.layout.run_offset(l, k, self.shard.dst_head + i);
             match merged.last_mut() {
                 Some((r, at)) if r.end == src.start && *at + r.len() as u64 == dst => {

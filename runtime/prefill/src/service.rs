@@ -421,7 +421,7 @@ impl PrefillService {
         // The link's share: what the KV still took once the compute was done, per token.
         me.metrics.stage("send", computed.elapsed());
         lock(&me.send_cost).add_at(tokens.len(), computed.elapsed(), std::time::Instant::now());
-        me.metrics.sent(out.kv.as_bytes().len() as u64);
+        me.metrics.sent(out.kv.byte_len() as u64);
         self.cache_later(req.dp_rank, hashes, out.kv);
         debug!(%room, dp_rank = req.dp_rank, cached, tokens = tokens.len(), "prefill sent");
         Ok(PrefillResponse {

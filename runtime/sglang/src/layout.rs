@@ -21,7 +21,7 @@
 
 use std::ops::Range;
 
-use handoff_engine::{Kv, KvShape};
+use handoff_engine::{Kv, KvMut, KvShape};
 
 use crate::SglangError;
 
@@ -178,7 +178,7 @@ impl SglangLayout {
                 req.pages
             )));
         }
-        let mut kv = Kv::zeroed(shape, tokens);
+        let mut kv = KvMut::zeroed(shape, tokens);
         let token_row = self.kv_heads * self.head_bytes;
         let hb = self.head_bytes;
         for layer in 0..self.layers {
@@ -193,7 +193,7 @@ impl SglangLayout {
                 }
             }
         }
-        Ok(kv)
+        Ok(kv.freeze())
     }
 }
 

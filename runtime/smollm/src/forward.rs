@@ -50,7 +50,7 @@ impl Seq {
         }
         let mut s = Seq::new(hp);
         s.len = kv.tokens();
-        if bytemuck::try_cast_slice::<u8, f32>(kv.as_bytes()).is_ok() {
+        if kv.layers().iter().all(|l| bytemuck::try_cast_slice::<u8, f32>(l).is_ok()) {
             s.base = Some(kv);
             return Ok(s);
         }

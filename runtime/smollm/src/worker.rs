@@ -216,17 +216,26 @@ fn prefill(
         return Err(SmolError::Input("cached prefix covers the whole prompt".into()));
     }
     let rows: Vec<(usize, u32)> = tokens[seq.len..].iter().map(|&t| (0, t)).collect();
-    let mut kv = Kv::zeroed(Seq::shape(hp), tokens.len());
+    let shape = Seq::shape(hp);
+    let layer_len = shape.layer_bytes(tokens.len());
+    // Each layer in a buffer of its own, so it is handed on as it is (not copied) while the
+    // next one computes; the KV is then those buffers.
+    let mut done = Vec::with_capacity(hp.layers);
     let mut layer_done = |l: usize, s: &Seq| {
-        s.write_layer(hp, l, kv.layer_mut(l));
+        debug_assert_eq!(l, done.len(), "layers are done in order");
+        let mut buf = vec![0; layer_len];
+        s.write_layer(hp, l, &mut buf);
+        let bytes = bytes::Bytes::from(buf);
         if let Some(sink) = layers {
-            let bytes = bytes::Bytes::copy_from_slice(kv.layer(l));
             // A listener gone (the request failed) leaves the compute to finish on its own.
-            let _ = sink.send(LayerKv { layer: l, bytes });
+            let _ = sink.send(LayerKv { layer: l, bytes: bytes.clone() });
         }
+        done.push(bytes);
     };
     let logits =
         forward(&shared.weights, &mut [&mut seq], &rows, &[rows.len() - 1], &mut layer_done)?;
+    let kv = Kv::from_layers(shape, tokens.len(), done)
+        .map_err(|e| SmolError::Shape(format!("the prefill's own layers: {e}")))?;
     let first_token = sample(&logits[0], sampling, 0);
     Ok(Prefilled { kv, first_token })
 }

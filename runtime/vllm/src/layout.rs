@@ -14,7 +14,7 @@
 //! block whose length is not `heads * block_size * 2 * head_bytes` is refused (a prefill
 //! caching bf16 for a decode computing f32 is a configuration error, not something to guess).
 
-use handoff_engine::{Kv, KvShape};
+use handoff_engine::{Kv, KvMut, KvShape};
 
 use crate::{AgentMetadata, Blocks, VllmError};
 
@@ -74,7 +74,7 @@ pub fn kv_from_ranks(
     let heads = shape.kv_heads / ranks.len().max(1);
     let hb = shape.head_bytes;
     let block_len = heads * block_size * 2 * hb;
-    let mut kv = Kv::zeroed(shape, tokens);
+    let mut kv = KvMut::zeroed(shape, tokens);
     for (r, (meta, read)) in ranks.iter().enumerate() {
         check(meta, shape, ranks.len())?;
         if meta.block_size as usize != block_size || meta.heads_outer() != first.heads_outer() {
@@ -109,7 +109,7 @@ pub fn kv_from_ranks(
             }
         }
     }
-    Ok(kv)
+    Ok(kv.freeze())
 }
 
 #[cfg(test)]

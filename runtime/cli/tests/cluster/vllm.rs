@@ -108,7 +108,7 @@ impl MockVllmServer {
 async fn prepare(m: &SmolLm, text: &str, dir: &std::path::Path, lie: Value) -> (Prompt, Value) {
     let (prompt, p) = aggregated(m, text).await;
     let file = dir.join(format!("kv-{}.bin", free_port()));
-    std::fs::write(&file, p.kv.as_bytes()).unwrap();
+    std::fs::write(&file, p.kv.layers().concat()).unwrap();
     let entry = json!({"input_ids": prompt.tokens, "kv_file": file, "answer": lie});
     (prompt, entry)
 }

@@ -30,7 +30,7 @@ async fn one_flipped_kv_byte_changes_the_tokens() {
     let e = engine();
     let prompt: Vec<u32> = (10..40).collect();
     let p = e.prefill(&prompt, None, &Sampling::default()).await.unwrap();
-    let mut bytes = p.kv.as_bytes().to_vec();
+    let mut bytes = p.kv.layers().concat();
     bytes[100] ^= 1;
     let bad = Kv::from_bytes(p.kv.shape(), p.kv.tokens(), bytes).unwrap();
     let mut good = e.decoder(p.kv, p.first_token, &Sampling::default()).unwrap();
@@ -54,4 +54,30 @@ fn tokenize_round_trips_rendered_ids() {
     let e = engine();
     let toks = e.tokenize("hello world").unwrap();
     assert_eq!(e.tokenize(&e.detokenize(&toks)).unwrap(), toks);
+}
+
+#[test]
+fn the_digest_is_of_the_canonical_bytes_whatever_buffers_hold_them() {
+    let shape = KvShape { layers: 3, kv_heads: 2, head_bytes: 8 };
+    let kv = MockEngine::compute_kv(shape, &[7, 8, 9, 10, 11], 0);
+    let flat = kv.layers().concat();
+    let layers = kv.layers().iter().map(|l| bytes::Bytes::copy_from_slice(l)).collect();
+    let apart = Kv::from_layers(shape, 5, layers).unwrap();
+    assert_eq!(digest(&kv, 0), xxh3_64(&flat));
+    assert_eq!(digest(&apart, 0), xxh3_64(&flat));
+    assert_eq!(digest(&apart, 42), xxhash_rust::xxh3::xxh3_64_with_seed(&flat, 42));
+}
+
+#[tokio::test]
+async fn streamed_layers_are_the_kvs_own_bytes() {
+    let e = engine();
+    let prompt: Vec<u32> = (10..40).collect();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let p = e.prefill_streamed(&prompt, None, &Sampling::default(), tx).await.unwrap();
+    for l in 0..p.kv.shape().layers {
+        let got = rx.recv().await.unwrap();
+        assert_eq!(got.layer, l);
+        assert_eq!(got.bytes.as_ptr(), p.kv.layer(l).as_ptr(), "layer {l} was copied");
+        assert_eq!(got.bytes.len(), p.kv.layer(l).len());
+    }
 }

@@ -59,11 +59,11 @@ fn a_prompt_is_kept_as_it_came_not_copied() {
     let mut c = PrefixCache::new(1 << 20, PAGE);
     let p: Vec<u32> = (0..18).collect();
     let (h, whole) = (block_hashes(&p, PAGE), kv(&p));
-    let at = whole.as_bytes().as_ptr();
+    let at = whole.layer(0).as_ptr();
     c.store(&h, whole);
     let kept: Vec<&Source> = c.sources.values().collect();
     assert_eq!(kept.len(), 1);
-    assert_eq!(kept[0].kv.as_bytes().as_ptr(), at, "the very buffer the prompt came in");
+    assert_eq!(kept[0].kv.layer(0).as_ptr(), at, "the very buffer the prompt came in");
     assert_eq!(c.used_bytes(), SHAPE.token_bytes() * 18, "counted whole, its partial page too");
     check_books(&c);
     assert_eq!(c.lookup(&h, 18).unwrap(), kv(&p).slice_tokens(0..16));
@@ -114,11 +114,11 @@ fn check_books(c: &PrefixCache) {
         let live: Vec<&BlockHash> = s.slots.iter().flatten().collect();
         assert_eq!(live.len(), s.live);
         assert!(s.live > 0, "an empty buffer is dropped");
-        assert!(2 * s.live * s.page_bytes > s.kv.as_bytes().len(), "half full or less: copied");
+        assert!(2 * s.live * s.page_bytes > s.kv.byte_len(), "half full or less: copied");
         for (at, h) in s.slots.iter().enumerate().filter_map(|(i, h)| Some((i, h.as_ref()?))) {
             assert_eq!((c.pages[h].source, c.pages[h].at), (*id, at));
         }
-        whole += s.kv.as_bytes().len();
+        whole += s.kv.byte_len();
     }
     assert_eq!(c.used_bytes(), whole);
     assert!(c.used_bytes() <= c.budget);

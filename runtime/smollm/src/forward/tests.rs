@@ -1,6 +1,6 @@
 //! Imported KV is read in place, and a sequence's layers come out as imported then computed.
 
-use handoff_engine::Kv;
+use handoff_engine::{Kv, KvMut};
 
 use super::{Seq, token_rows};
 use crate::weights::Hyper;
@@ -26,7 +26,7 @@ fn value(l: usize, kind: usize, h: usize, t: usize, e: usize) -> f32 {
 
 /// `tokens` tokens of KV, each float [`value`], in the canonical layout.
 fn kv(hp: &Hyper, tokens: usize) -> Kv {
-    let mut kv = Kv::zeroed(Seq::shape(hp), tokens);
+    let mut kv = KvMut::zeroed(Seq::shape(hp), tokens);
     for l in 0..hp.layers {
         for kind in 0..2 {
             for h in 0..hp.kv_heads {
@@ -37,7 +37,7 @@ fn kv(hp: &Hyper, tokens: usize) -> Kv {
             }
         }
     }
-    kv
+    kv.freeze()
 }
 
 #[test]
@@ -71,14 +71,14 @@ fn layers_come_out_imported_then_computed() {
     }
     seq.len = 4;
     let whole = kv(&hp, 4);
-    let mut out = Kv::zeroed(Seq::shape(&hp), 4);
+    let mut out = KvMut::zeroed(Seq::shape(&hp), 4);
     for l in 0..hp.layers {
         seq.write_layer(&hp, l, out.layer_mut(l));
         let [keys, _] = seq.runs(l, 1, hp.kv_heads);
         let rows: Vec<f32> = token_rows(keys, hp.head_dim).map(|r| r[0]).collect();
         assert_eq!(rows, (0..4).map(|t| value(l, 0, 1, t, 0)).collect::<Vec<_>>());
     }
-    assert_eq!(out, whole);
+    assert_eq!(out.freeze(), whole);
 }
 
 /// An import of no tokens (its empty buffer is not 4-aligned, so it takes the copying path)
@@ -88,7 +88,7 @@ fn an_empty_import_is_an_empty_sequence() {
     let hp = hyper();
     let seq = Seq::from_kv(&hp, kv(&hp, 0)).expect("the model's shape");
     assert_eq!(seq.len, 0);
-    let mut out = Kv::zeroed(Seq::shape(&hp), 0);
+    let mut out = KvMut::zeroed(Seq::shape(&hp), 0);
     for l in 0..hp.layers {
         seq.write_layer(&hp, l, out.layer_mut(l));
         let [keys, values] = seq.runs(l, 0, hp.kv_heads);

@@ -108,14 +108,15 @@ async fn bad_input_is_an_error_not_a_panic() {
         e.prefill(&long, None, &Sampling::default()).await,
         Err(EngineError::InvalidInput(_))
     ));
-    let bad_kv = Kv::zeroed(handoff_engine::KvShape { layers: 1, kv_heads: 1, head_bytes: 4 }, 3);
+    let shape = handoff_engine::KvShape { layers: 1, kv_heads: 1, head_bytes: 4 };
+    let bad_kv = Kv::from_bytes(shape, 3, vec![0; 24]).unwrap();
     assert!(e.decoder(bad_kv, 5, &Sampling::default()).is_err());
     assert!(e.prefill(&[5, 6, 7], None, &Sampling::default()).await.is_ok(), "still serving");
 }
 
 /// A streamed prefill hands on every layer, in order, each the finished KV's layer; with a
 /// cached prefix the layers still cover every prompt token. Its KV equals the plain
-/// prefill's. (That layers travel during the compute is measured by `kv_stream`, and shown
+/// prefill's, and holds the very buffers handed on (not copies). (That layers travel during the compute is measured by `kv_stream`, and shown
 /// for the transfer by the tcp stream tests.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_prefill_hands_on_each_layer_as_it_is_computed() {
@@ -139,7 +140,8 @@ async fn a_streamed_prefill_hands_on_each_layer_as_it_is_computed() {
         assert_eq!(layers.len(), got.kv.shape().layers);
         for (i, l) in layers.iter().enumerate() {
             assert_eq!(l.layer, i);
-            assert_eq!(&l.bytes[..], got.kv.layer(i), "layer {i}");
+            assert_eq!(l.bytes.as_ptr(), got.kv.layer(i).as_ptr(), "layer {i} was copied");
+            assert_eq!(l.bytes, got.kv.layer(i), "layer {i}");
         }
     }
 }
