@@ -35,10 +35,13 @@ impl KvShape {
     }
 }
 
-/// The KV of a run of tokens, in the canonical layout, held one buffer per layer (or one
-/// buffer shared by all of them): a layer can be handed on as [`Bytes`] while later layers are
-/// still being computed, and a KV read from one received region is a view of it. Cloning is
-/// cheap; the bytes never change once they are a `Kv` ([`KvMut`] is the writable one).
+/// The KV of a run of tokens, in the canonical layout, held as one [`Bytes`] per layer (each
+/// its own buffer, or views of one buffer holding them all). An engine can hand each layer on
+/// as the buffer it computed it into, while it computes the next, and make the KV of those
+/// buffers when done ([`Kv::from_layers`]); a KV read from one received region is a view of
+/// it. Cloning is cheap; the bytes never change once they are a `Kv` ([`KvMut`] is the
+/// writable one). A view keeps its whole buffer alive: a layer handed on from a KV made of
+/// one buffer keeps every layer's bytes until it is dropped.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Kv {
     shape: KvShape,
@@ -65,7 +68,9 @@ impl Kv {
         Ok(Self::whole(shape, tokens, Bytes::from(data)))
     }
 
-    /// Wraps one buffer per layer, each [`Kv::layer`]'s bytes, without copying them.
+    /// Wraps one buffer per layer, each [`Kv::layer`]'s bytes, without copying them. What
+    /// [`Kv::byte_len`] counts is what is held only when each layer owns its buffer (a slice
+    /// of a larger one keeps all of it).
     pub fn from_layers(
         shape: KvShape,
         tokens: usize,
@@ -90,8 +95,7 @@ impl Kv {
 
     /// A KV of the canonical bytes `data`, already checked to be `tokens` tokens of `shape`.
     fn whole(shape: KvShape, tokens: usize, data: Bytes) -> Self {
-        let len = shape.layer_bytes(tokens);
-        let layers = (0..shape.layers).map(|l| data.slice(l * len..(l + 1) * len)).collect();
+        let layers = (0..shape.layers).map(|l| data.slice(layer_range(shape, tokens, l))).collect();
         Kv { shape, tokens, layers }
     }
 
@@ -186,6 +190,12 @@ fn gathered(shape: KvShape, parts: &[(&Kv, Range<usize>)]) -> Kv {
     Kv::whole(shape, tokens, Bytes::from(data))
 }
 
+/// Byte range of layer `layer` in the canonical layout of `tokens` tokens of `shape`.
+pub fn layer_range(shape: KvShape, tokens: usize, layer: usize) -> Range<usize> {
+    let len = shape.layer_bytes(tokens);
+    layer * len..(layer + 1) * len
+}
+
 /// Byte range of the run (k|v, head), tokens `toks`, within one layer ([`Kv::layer`]) of
 /// `tokens` tokens of `shape`.
 pub fn run_in_layer(
@@ -210,7 +220,7 @@ pub fn run_range(
     head: usize,
     toks: Range<usize>,
 ) -> Range<usize> {
-    let base = layer * shape.layer_bytes(tokens);
+    let base = layer_range(shape, tokens, layer).start;
     let within = run_in_layer(shape, tokens, kv, head, toks);
     base + within.start..base + within.end
 }

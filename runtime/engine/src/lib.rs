@@ -2,7 +2,8 @@
 //!
 //! - [`Engine`] / [`Decoder`] (this file): model info, tokenization, prefill over an optional
 //!   cached prefix, and decoding from imported KV.
-//! - [`kv`] — [`Kv`], the canonical KV layout every engine exports and imports.
+//! - [`kv`] — [`Kv`], the canonical KV layout every engine exports and imports, held one
+//!   shared buffer per layer; [`KvMut`], the one being written.
 //! - [`mock`] — [`MockEngine`], a timing model whose KV bytes are a pure function of (token,
 //!   position, layer, head), so every byte received can be checked.
 
@@ -143,3 +144,6 @@ pub trait Decoder: Send {
     /// Feeds the previous token and returns the next one.
     async fn step(&mut self) -> Result<u32, EngineError>;
 }
+
+#[cfg(test)]
+mod tests;

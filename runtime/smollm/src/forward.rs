@@ -16,7 +16,7 @@ use crate::weights::{Hyper, Weights};
 /// values. Imported KV (a decode's, or a prefill's cached prefix) is read where it arrived:
 /// its runs are the canonical layout's, this machine's own f32s, so each run's imported
 /// tokens are a view of `base`, and only the tokens computed here are appended to owned
-/// runs. Not `Clone`: a copy of `base` would not be checked for alignment again.
+/// runs. Not `Clone`: a sequence's computed runs are its own, and nothing needs two.
 #[derive(Debug)]
 pub(crate) struct Seq {
     pub(crate) len: usize,

@@ -219,10 +219,10 @@ fn prefill(
     let shape = Seq::shape(hp);
     let layer_len = shape.layer_bytes(tokens.len());
     // Each layer in a buffer of its own, so it is handed on as it is (not copied) while the
-    // next one computes; the KV is then those buffers.
-    let mut done = Vec::with_capacity(hp.layers);
+    // next one computes; the KV is then those buffers (a layer never done is empty, and
+    // `from_layers` refuses it).
+    let mut done = vec![bytes::Bytes::new(); hp.layers];
     let mut layer_done = |l: usize, s: &Seq| {
-        debug_assert_eq!(l, done.len(), "layers are done in order");
         let mut buf = vec![0; layer_len];
         s.write_layer(hp, l, &mut buf);
         let bytes = bytes::Bytes::from(buf);
@@ -230,7 +230,7 @@ fn prefill(
             // A listener gone (the request failed) leaves the compute to finish on its own.
             let _ = sink.send(LayerKv { layer: l, bytes: bytes.clone() });
         }
-        done.push(bytes);
+        done[l] = bytes;
     };
     let logits =
         forward(&shared.weights, &mut [&mut seq], &rows, &[rows.len() - 1], &mut layer_done)?;

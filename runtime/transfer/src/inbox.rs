@@ -305,7 +305,10 @@ impl Inbox {
         match state {
             KvPoll::Success => Ok(Received {
                 room: region.room,
-                buf: region.take_written().unwrap_or_default(),
+                // Never `None` in this arm; were it ever, the request fails, not an empty KV.
+                buf: region.take_written().ok_or_else(|| {
+                    TransferError::Failed("the region succeeded but its bytes are gone".into())
+                })?,
                 notices: std::mem::take(&mut region.notices),
             }),
             KvPoll::Failed => Err(TransferError::Failed(region.error.take().unwrap_or_default())),

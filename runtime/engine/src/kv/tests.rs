@@ -68,7 +68,10 @@ fn from_layers_rejects_a_wrong_count_or_length() {
     assert!(Kv::from_layers(shape, 2, vec![layer.clone(), layer.clone()]).is_ok());
     assert!(Kv::from_layers(shape, 2, vec![layer.clone()]).is_err(), "one layer short");
     assert!(Kv::from_layers(shape, 2, vec![layer.clone(), layer.slice(..12)]).is_err(), "short");
-    assert!(Kv::from_layers(shape, 3, vec![layer.clone(), layer]).is_err(), "too few tokens");
+    assert!(
+        Kv::from_layers(shape, 3, vec![layer.clone(), layer]).is_err(),
+        "layers short of 3 tokens"
+    );
 }
 
 #[test]

@@ -2,13 +2,19 @@
 
 use bytes::Bytes;
 
-use super::{Kv, KvShape, run_range};
+use super::{Kv, KvShape, layer_range, run_range};
 
 /// The KV of a run of tokens while it is written, in the canonical layout.
 pub struct KvMut {
     shape: KvShape,
     tokens: usize,
     data: Vec<u8>,
+}
+
+impl std::fmt::Debug for KvMut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvMut").field("shape", &self.shape).field("tokens", &self.tokens).finish()
+    }
 }
 
 impl KvMut {
@@ -25,8 +31,7 @@ impl KvMut {
 
     /// Mutable bytes of layer `layer` ([`Kv::layer`]).
     pub fn layer_mut(&mut self, layer: usize) -> &mut [u8] {
-        let len = self.shape.layer_bytes(self.tokens);
-        &mut self.data[layer * len..(layer + 1) * len]
+        &mut self.data[layer_range(self.shape, self.tokens, layer)]
     }
 
     /// The KV as written, without copying it.

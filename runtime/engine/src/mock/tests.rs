@@ -58,14 +58,28 @@ fn tokenize_round_trips_rendered_ids() {
 
 #[test]
 fn the_digest_is_of_the_canonical_bytes_whatever_buffers_hold_them() {
-    let shape = KvShape { layers: 3, kv_heads: 2, head_bytes: 8 };
-    let kv = MockEngine::compute_kv(shape, &[7, 8, 9, 10, 11], 0);
-    let flat = kv.layers().concat();
-    let layers = kv.layers().iter().map(|l| bytes::Bytes::copy_from_slice(l)).collect();
-    let apart = Kv::from_layers(shape, 5, layers).unwrap();
-    assert_eq!(digest(&kv, 0), xxh3_64(&flat));
-    assert_eq!(digest(&apart, 0), xxh3_64(&flat));
-    assert_eq!(digest(&apart, 42), xxhash_rust::xxh3::xxh3_64_with_seed(&flat, 42));
+    // Short inputs (xxh3's own paths up to 240 bytes), and layers longer than the streaming
+    // hasher's 256-byte buffer.
+    let shapes = [
+        KvShape { layers: 1, kv_heads: 1, head_bytes: 8 },
+        KvShape { layers: 3, kv_heads: 2, head_bytes: 8 },
+        MockConfig::default().shape,
+    ];
+    for shape in shapes {
+        for n in 0..8 {
+            let tokens: Vec<u32> = (7..7 + n).collect();
+            let kv = MockEngine::compute_kv(shape, &tokens, 3);
+            let flat = kv.layers().concat();
+            let layers = kv.layers().iter().map(|l| bytes::Bytes::copy_from_slice(l)).collect();
+            let apart = Kv::from_layers(shape, tokens.len(), layers).unwrap();
+            for seed in [0, 42] {
+                let want = xxhash_rust::xxh3::xxh3_64_with_seed(&flat, seed);
+                assert_eq!(digest(&kv, seed), want, "{shape:?}, {n} tokens, seed {seed}");
+                assert_eq!(digest(&apart, seed), want, "{shape:?}, {n} tokens, seed {seed}");
+            }
+            assert_eq!(digest(&kv, 0), xxh3_64(&flat));
+        }
+    }
 }
 
 #[tokio::test]

@@ -81,8 +81,8 @@ fn layers_come_out_imported_then_computed() {
     assert_eq!(out.freeze(), whole);
 }
 
-/// An import of no tokens (its empty buffer is not 4-aligned, so it takes the copying path)
-/// is an empty sequence, not a panic.
+/// An import of no tokens (whichever path its empty buffers take) is an empty sequence, not
+/// a panic.
 #[test]
 fn an_empty_import_is_an_empty_sequence() {
     let hp = hyper();

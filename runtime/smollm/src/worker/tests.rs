@@ -116,8 +116,9 @@ async fn bad_input_is_an_error_not_a_panic() {
 
 /// A streamed prefill hands on every layer, in order, each the finished KV's layer; with a
 /// cached prefix the layers still cover every prompt token. Its KV equals the plain
-/// prefill's, and holds the very buffers handed on (not copies). (That layers travel during the compute is measured by `kv_stream`, and shown
-/// for the transfer by the tcp stream tests.)
+/// prefill's, and holds the very buffers handed on (not copies). (That layers travel during
+/// the compute is measured by `kv_stream`, and shown for the transfer by the tcp stream
+/// tests.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_prefill_hands_on_each_layer_as_it_is_computed() {
     let e = engine();
