@@ -45,7 +45,12 @@ impl Engine for PlainEngine {
 
 #[tokio::test]
 async fn the_default_streamed_prefill_hands_on_the_kvs_own_layers() {
-    let e = PlainEngine(MockEngine::new(MockConfig::default()));
+    streams_the_kvs_own_layers(&PlainEngine(MockEngine::new(MockConfig::default()))).await;
+}
+
+/// `e`'s streamed prefill hands on each layer once, in order, as the returned KV's own
+/// buffer (not a copy).
+pub(crate) async fn streams_the_kvs_own_layers(e: &dyn Engine) {
     let prompt: Vec<u32> = (10..40).collect();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let p = e.prefill_streamed(&prompt, None, &Sampling::default(), tx).await.unwrap();

@@ -84,14 +84,5 @@ fn the_digest_is_of_the_canonical_bytes_whatever_buffers_hold_them() {
 
 #[tokio::test]
 async fn streamed_layers_are_the_kvs_own_bytes() {
-    let e = engine();
-    let prompt: Vec<u32> = (10..40).collect();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let p = e.prefill_streamed(&prompt, None, &Sampling::default(), tx).await.unwrap();
-    for l in 0..p.kv.shape().layers {
-        let got = rx.recv().await.unwrap();
-        assert_eq!(got.layer, l);
-        assert_eq!(got.bytes.as_ptr(), p.kv.layer(l).as_ptr(), "layer {l} was copied");
-        assert_eq!(got.bytes.len(), p.kv.layer(l).len());
-    }
+    crate::tests::streams_the_kvs_own_layers(&engine()).await;
 }
