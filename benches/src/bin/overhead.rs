@@ -20,8 +20,13 @@
 //! - where one request at a time spends its time: the frontend's stages (from its
 //!   `/metrics`) within the mean TTFT, and the rest.
 //!
+//! All of it for each placement of the scheduler asked for: its own server called over gRPC
+//! on loopback (as `handoff scheduler` runs), and in the frontend's process (`handoff up
+//! --scheduler-in-frontend`). `both` (the default) runs them in the order A B B A, each on
+//! a fresh cluster, then prints them side by side with the ratios of their medians.
+//!
 //! ```text
-//! cargo run --release -p handoff-benches --bin overhead -- [prompt_tokens] [requests_per_level]
+//! cargo run --release -p handoff-benches --bin overhead -- [prompt_tokens] [requests_per_level] [grpc|in-frontend|both]
 //! ```
 
 use std::io::Write;
@@ -41,6 +46,7 @@ async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let prompt_tokens: usize = args.next().map_or(Ok(256), |a| a.parse())?;
     let per_level: usize = args.next().map_or(Ok(2000), |a| a.parse())?;
+    let placement = args.next().unwrap_or_else(|| "both".to_owned());
     // Every run's prompts distinct from every other's (see `open_loop`'s seeds).
     anyhow::ensure!(per_level <= 2000, "at most 2000 requests per level: prompts would repeat");
     anyhow::ensure!(
@@ -71,12 +77,6 @@ async fn main() -> anyhow::Result<()> {
     base.sort();
     let base_p50 = pct(&base, 0.5);
 
-    let cluster = Cluster::start_shared(ClusterConfig::ephemeral(), engine.clone()).await?;
-    // The load generator runs on a thread of its own: its CPU (its gRPC client and the
-    // connection that drives) is the client's, shown apart from the path's.
-    let loadgen = OwnThread::start()?;
-    let url = format!("http://{}", cluster.frontend_addr);
-    let client = loadgen.run(GenerateClient::connect(url)).await??;
     let mut out = handoff_benches::record::Report::new("overhead");
     writeln!(
         out,
@@ -88,13 +88,92 @@ async fn main() -> anyhow::Result<()> {
         us(base_p50),
         us(pct(&base, 0.99))
     )?;
-    writeln!(out)?;
+    let fixed = Fixed { prompt_tokens, per_level, base_p50, engine_cpu_us };
+    // Both placements of the scheduler, in the order A B B A (the process warms as it
+    // goes: neither gets only the later turns), each on a cluster of its own.
+    let order = match placement.as_str() {
+        "both" => vec![Placement::Grpc, Placement::InFrontend, Placement::InFrontend, Placement::Grpc],
+        "grpc" => vec![Placement::Grpc],
+        "in-frontend" => vec![Placement::InFrontend],
+        other => anyhow::bail!("scheduler placement {other:?}: grpc, in-frontend or both"),
+    };
+    let mut measured = Vec::new();
+    for p in order {
+        writeln!(out, "\n### {}\n", p.label())?;
+        measured.push((p, measure(&engine, p, &fixed, &mut out).await?));
+    }
+    if measured.len() > 1 {
+        compare(&measured, &mut out)?;
+    }
+    out.finish()?;
+    Ok(())
+}
+
+/// Where the frontend's scheduler replica runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    /// Its own server, called over gRPC on loopback (as `handoff scheduler` runs).
+    Grpc,
+    /// In the frontend's process, called through its service with no socket.
+    InFrontend,
+}
+
+impl Placement {
+    fn label(self) -> &'static str {
+        match self {
+            Placement::Grpc => "scheduler over gRPC (loopback)",
+            Placement::InFrontend => "scheduler in the frontend's process",
+        }
+    }
+}
+
+/// What every placement's run shares.
+struct Fixed {
+    prompt_tokens: usize,
+    per_level: usize,
+    /// The in-process mock's TTFT p50.
+    base_p50: Duration,
+    /// The mock's own CPU per request.
+    engine_cpu_us: f64,
+}
+
+/// One placement's figures for the comparison.
+struct Measured {
+    /// Requests per second at 64 in flight.
+    saturation: f64,
+    /// The path's CPU per request at saturation (beyond the engine's and the load
+    /// generator's), us.
+    path_cpu: f64,
+    /// TTFT p50 at one in flight, us.
+    alone_p50: f64,
+    /// Overhead p50 and p99 in the open loop at half of saturation, us.
+    half: (f64, f64),
+}
+
+/// Runs every level on a fresh cluster whose scheduler is placed as `placement`.
+async fn measure(
+    engine: &Arc<MockEngine>,
+    placement: Placement,
+    fixed: &Fixed,
+    out: &mut handoff_benches::record::Report,
+) -> anyhow::Result<Measured> {
+    let Fixed { prompt_tokens, per_level, base_p50, engine_cpu_us } = *fixed;
+    let cfg = ClusterConfig {
+        scheduler_in_frontend: placement == Placement::InFrontend,
+        ..ClusterConfig::ephemeral()
+    };
+    let cluster = Cluster::start_shared(cfg, engine.clone()).await?;
+    // The load generator runs on a thread of its own: its CPU (its gRPC client and the
+    // connection that drives) is the client's, shown apart from the path's.
+    let loadgen = OwnThread::start()?;
+    let url = format!("http://{}", cluster.frontend_addr);
+    let client = loadgen.run(GenerateClient::connect(url)).await??;
     writeln!(
         out,
         "| load | TTFT p50 (us) | TTFT p99 (us) | overhead p50 (us) | overhead p99 (us) | req/s | CPU per request (us) | beyond the engine's (us) | the load generator's (us) | the path's: beyond the engine's and the load generator's (us) |"
     )?;
     writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
-    let (mut saturation, mut alone) = (0f64, None);
+    let (mut saturation, mut alone, mut path_cpu, mut alone_p50) = (0f64, None, 0f64, 0f64);
     for conc in [1usize, 64] {
         // Warm-up: connections, caches.
         let c = client.clone();
@@ -136,9 +215,14 @@ async fn main() -> anyhow::Result<()> {
         };
         let per = |d: Duration| us(d) / per_level as f64;
         let cpu = Cpu { whole: per(cpu), engine: engine_cpu_us, client: per(client_cpu) };
-        row(&mut out, &label, t, base_p50, rate, Some(cpu))?;
+        path_cpu = cpu.whole - cpu.engine - cpu.client;
+        if conc == 1 {
+            alone_p50 = us(pct_of(&t, 0.5));
+        }
+        row(out, &label, t, base_p50, rate, Some(cpu))?;
     }
     let half = saturation / 2.0;
+    let mut half_overhead = (0f64, 0f64);
     for (k, (label, rate)) in [
         (format!("open loop at half of saturation ({half:.0} req/s)"), half),
         ("open loop at 2,500 req/s (half of the 5,000 target)".to_owned(), 2500.0),
@@ -158,13 +242,66 @@ async fn main() -> anyhow::Result<()> {
             us(pct(&answered.late, 0.5)),
             us(pct(&answered.late, 0.99))
         );
-        row(&mut out, &late, answered.ttft, base_p50, answered.rate, None)?;
+        if k == 0 {
+            let o = |q| us(pct_of(&answered.ttft, q).saturating_sub(base_p50));
+            half_overhead = (o(0.5), o(0.99));
+        }
+        row(out, &late, answered.ttft, base_p50, answered.rate, None)?;
     }
     if let Some(alone) = alone {
         writeln!(out, "\n{alone}")?;
     }
     cluster.shutdown().await;
-    out.finish()?;
+    Ok(Measured { saturation, path_cpu, alone_p50, half: half_overhead })
+}
+
+/// `q`'s percentile of `t`, unsorted.
+fn pct_of(t: &[Duration], q: f64) -> Duration {
+    let mut t = t.to_vec();
+    t.sort();
+    pct(&t, q)
+}
+
+/// Each placement's figures side by side, and the in-frontend ones over the gRPC ones
+/// (medians of each placement's runs).
+fn compare(
+    measured: &[(Placement, Measured)],
+    out: &mut handoff_benches::record::Report,
+) -> anyhow::Result<()> {
+    writeln!(out, "\n### the placements side by side (runs in order)\n")?;
+    writeln!(
+        out,
+        "| scheduler | saturation (req/s) | the path's CPU per request (us) | 1 in flight TTFT p50 (us) | half of saturation overhead p50 (us) | p99 (us) |"
+    )?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|")?;
+    for (p, m) in measured {
+        writeln!(
+            out,
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            p.label(),
+            m.saturation,
+            m.path_cpu,
+            m.alone_p50,
+            m.half.0,
+            m.half.1
+        )?;
+    }
+    let median = |p: Placement, f: &dyn Fn(&Measured) -> f64| {
+        let mut v: Vec<f64> = measured.iter().filter(|(q, _)| *q == p).map(|(_, m)| f(m)).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let ratio = |f: &dyn Fn(&Measured) -> f64| {
+        median(Placement::InFrontend, f) / median(Placement::Grpc, f)
+    };
+    writeln!(
+        out,
+        "\nin the frontend's process over gRPC (medians): saturation {:.2}x, the path's CPU per request {:.2}x, 1 in flight TTFT p50 {:.2}x, half-saturation overhead p50 {:.2}x",
+        ratio(&|m| m.saturation),
+        ratio(&|m| m.path_cpu),
+        ratio(&|m| m.alone_p50),
+        ratio(&|m| m.half.0)
+    )?;
     Ok(())
 }
 

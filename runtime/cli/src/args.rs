@@ -233,6 +233,19 @@ pub struct FrontendArgs {
     /// in discovery, followed as they come and go.
     #[arg(long, value_delimiter = ',')]
     pub scheduler: Vec<String>,
+    /// Run a scheduler replica in this process and ask only it: no gRPC call to a scheduler
+    /// per request. It follows the prefill instances, their KV events and the other
+    /// replicas' load through discovery as `handoff scheduler` does (engines registered with
+    /// `handoff register-engine` too), and takes the selection flags.
+    #[arg(long, conflicts_with = "scheduler")]
+    pub scheduler_in_frontend: bool,
+    /// With --scheduler-in-frontend: the replica's operations listener (`/metrics`,
+    /// `/livez`, `/readyz`).
+    #[arg(long, requires = "scheduler_in_frontend")]
+    pub scheduler_ops_listen: Option<SocketAddr>,
+    /// Selection (with --scheduler-in-frontend).
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// Decode tp size.
     #[arg(long, default_value_t = 1)]
     pub decode_tp: u32,
@@ -324,6 +337,10 @@ pub struct UpArgs {
     /// the frontend fails over between them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
     pub schedulers: u16,
+    /// The frontend asks the scheduler in its own process, not over gRPC (one replica; it
+    /// is still served on --scheduler-listen, for `handoff ctl`).
+    #[arg(long)]
+    pub scheduler_in_frontend: bool,
     /// Prefill tp size.
     #[arg(long, default_value_t = 1)]
     pub prefill_tp: u32,

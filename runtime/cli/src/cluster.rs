@@ -10,12 +10,16 @@ use handoff_core::tls::ClusterTls;
 use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::{EventBus, MemoryBus, MemoryRegistry, Registry};
 use handoff_engine::Engine;
+use handoff_frontend::schedulers::channel::in_process;
 use handoff_frontend::{Frontend, FrontendConfig};
 use handoff_prefill::{PrefillConfig, PrefillInstance};
 use handoff_scheduler::{Scheduler, SchedulerConfig, service};
 use handoff_transfer::{FaultSwitch, TransferKind};
 use tokio::net::TcpListener;
 use tracing::warn;
+
+/// The name a scheduler replica in the frontend's process goes by (in place of an address).
+pub const IN_PROCESS: &str = "in-process";
 
 /// What to start.
 #[derive(Debug, Clone)]
@@ -24,6 +28,9 @@ pub struct ClusterConfig {
     pub prefills: usize,
     /// Scheduler replicas (at least one).
     pub schedulers: usize,
+    /// The frontend asks its one scheduler replica in its own process, not over gRPC (the
+    /// replica is still served on `scheduler_bind`, for `handoff ctl`).
+    pub scheduler_in_frontend: bool,
     /// Their dp size.
     pub prefill_dp: u32,
     /// Their tp size.
@@ -64,6 +71,7 @@ impl Default for ClusterConfig {
         ClusterConfig {
             prefills: 2,
             schedulers: 1,
+            scheduler_in_frontend: false,
             prefill_dp: 1,
             prefill_tp: 2,
             prefill_pp: 1,
@@ -156,6 +164,9 @@ impl Cluster {
         bus: Arc<dyn EventBus>,
         tasks: Tasks,
     ) -> anyhow::Result<Cluster> {
+        if cfg.scheduler_in_frontend && cfg.schedulers > 1 {
+            bail!("a scheduler in the frontend's process is one replica, not {}", cfg.schedulers);
+        }
         let mut schedulers = Vec::new();
         for i in 0..cfg.schedulers.max(1) {
             let bind =
@@ -206,8 +217,15 @@ impl Cluster {
             tls: cfg.tls.clone(),
             ..cfg.frontend.clone()
         };
-        let addrs: Vec<String> = schedulers.iter().map(|s| s.addr.to_string()).collect();
+        let addrs: Vec<String> = match cfg.scheduler_in_frontend {
+            true => Vec::new(),
+            false => schedulers.iter().map(|s| s.addr.to_string()).collect(),
+        };
         let frontend = Frontend::new(fc, engines()?, &addrs, &tasks).await?;
+        if cfg.scheduler_in_frontend {
+            let service = service::SchedulerService::new(scheduler.state().clone()).into_server();
+            frontend.schedulers().add_in_process(IN_PROCESS, in_process(service));
+        }
         frontend.follow(registry.clone()).await?;
         let fl = TcpListener::bind(cfg.frontend_bind)
             .await

@@ -15,12 +15,14 @@ use handoff_proto::metadata::{NO_INSTANCE, REPORTS_TAKEN};
 use handoff_proto::trace::{TraceContext, traced};
 use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{ReportOutcomeRequest, SelectPrefillRequest, SelectPrefillResponse};
-use tonic::transport::Channel;
 use tracing::{debug, info, warn};
 
 use crate::FrontendError;
 
+pub mod channel;
 pub mod reports;
+
+pub use channel::ReplicaChannel;
 
 use reports::{Queued, ReportQueue, Stamped};
 
@@ -29,7 +31,7 @@ const SUSPECT_FOR: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
 struct Replica {
-    client: SchedulerClient<Channel>,
+    client: SchedulerClient<ReplicaChannel>,
     /// Failed a call recently: tried after the others until then.
     suspect_until: Option<Instant>,
     /// Outcome reports waiting to go to it.
@@ -118,12 +120,24 @@ impl Schedulers {
         if !map.contains_key(addr) {
             let channel = cluster_channel(addr, self.tls.as_ref(), Duration::from_secs(1))
                 .map_err(|e| FrontendError::Invalid(e.to_string()))?;
-            let client = SchedulerClient::new(channel);
+            let client = SchedulerClient::new(channel::remote(channel));
             let reports = Arc::default();
             map.insert(addr.to_owned(), Replica { client, suspect_until: None, reports });
             info!(scheduler = addr, replicas = map.len(), "scheduler replica added");
         }
         Ok(())
+    }
+
+    /// Adds a replica that runs in this process, named `name` (in place of an address),
+    /// reached through `channel` ([`channel::in_process`]). [`Schedulers::reset`] keeps
+    /// only the names it is given, so a frontend with one follows no replicas in discovery.
+    pub fn add_in_process(&self, name: &str, channel: ReplicaChannel) {
+        let mut map = self.lock();
+        let client = SchedulerClient::new(channel);
+        let replica = Replica { client, suspect_until: None, reports: Arc::default() };
+        if map.insert(name.to_owned(), replica).is_none() {
+            info!(scheduler = name, replicas = map.len(), "scheduler replica added (in this process)");
+        }
     }
 
     /// Removes the replica at `addr`.
@@ -266,7 +280,7 @@ impl Schedulers {
     fn after_queueing(
         &self,
         replica: &str,
-        client: SchedulerClient<Channel>,
+        client: SchedulerClient<ReplicaChannel>,
         queue: Arc<ReportQueue>,
         queued: Queued,
     ) {

@@ -1,11 +1,14 @@
 //! `handoff frontend`: the decode frontend as its own process.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use handoff_core::{InstanceId, Tasks};
-use handoff_discovery::{Instance, Role, Topology};
+use handoff_discovery::{EventBus, Instance, Registry, Role, Topology};
+use handoff_frontend::schedulers::channel::in_process;
 use handoff_frontend::{Frontend, FrontendConfig};
+use handoff_scheduler::{Scheduler, SchedulerConfig, metrics, service};
 use tokio::net::TcpListener;
 
 use crate::args::FrontendArgs;
@@ -24,6 +27,27 @@ async fn await_scheduler(fe: &Frontend) -> anyhow::Result<()> {
     }
 }
 
+/// Starts a scheduler replica on `tasks` and makes it the frontend's only one, asked in
+/// this process. It is not registered in discovery: no other process can call it.
+async fn scheduler_in_frontend(
+    args: &FrontendArgs,
+    frontend: &Frontend,
+    registry: Arc<dyn Registry>,
+    bus: Arc<dyn EventBus>,
+    tasks: &Tasks,
+) -> anyhow::Result<Scheduler> {
+    let cfg = SchedulerConfig {
+        token: args.discovery.token.clone(),
+        tls: args.discovery.cluster_tls()?,
+        ..args.policy.config()
+    };
+    let scheduler = Scheduler::start(cfg, registry.clone(), bus, tasks).await?;
+    scheduler.follow_registered_engines(registry, tasks).await?;
+    let service = service::SchedulerService::new(scheduler.state().clone()).into_server();
+    frontend.schedulers().add_in_process(crate::cluster::IN_PROCESS, in_process(service));
+    Ok(scheduler)
+}
+
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     crate::cmd::check_exposure(
@@ -38,7 +62,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         crate::args::nixl_environment("--drive-vllm")?;
     }
     let tasks = Tasks::new();
-    let (registry, _bus) = discovery(&args.discovery, &tasks).await?;
+    let (registry, bus) = discovery(&args.discovery, &tasks).await?;
     let cfg = FrontendConfig {
         decode_tp: args.decode_tp,
         transfer_token: args.discovery.token.clone(),
@@ -50,7 +74,13 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         ..FrontendConfig::default()
     };
     let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, &tasks).await?;
-    if args.scheduler.is_empty() {
+    let (mut own_scheduler, mut ops) = (None, None);
+    if args.scheduler_in_frontend {
+        let scheduler = scheduler_in_frontend(&args, &frontend, registry.clone(), bus, &tasks).await?;
+        let scheduler_ops = metrics::ops(scheduler.state());
+        ops = crate::cmd::serve_ops(args.scheduler_ops_listen, scheduler_ops, &tasks).await?;
+        own_scheduler = Some(scheduler);
+    } else if args.scheduler.is_empty() {
         frontend.follow_schedulers(registry.clone()).await?;
         await_scheduler(&frontend).await?;
     }
@@ -77,11 +107,19 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     let id = me.id.clone();
     registry.register(me).await?;
     let s = if args.public_tls.public_tls_cert.is_some() { "s" } else { "" };
-    crate::cmd::announce(&format!(
+    let mut ready = format!(
         "frontend ready: grpc{s}://{} http{s}://{} scheduler {scheduler}",
         grpc.local_addr()?,
         http.local_addr()?
-    ))?;
+    );
+    if let Some(scheduler) = &own_scheduler {
+        // Ready once the frontend it serves is in discovery.
+        scheduler.state().metrics().set_registered(true);
+    }
+    if let Some(addr) = ops {
+        ready.push_str(&format!(" (its ops http://{addr})"));
+    }
+    crate::cmd::announce(&ready)?;
     let (t1, t2) = (tasks.clone(), tasks.clone());
     let fe = frontend.clone();
     tasks.spawn(async move {

@@ -61,6 +61,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let cfg = ClusterConfig {
         prefills: args.prefills,
         schedulers: usize::from(args.schedulers),
+        scheduler_in_frontend: args.scheduler_in_frontend,
         prefill_dp: args.prefill_dp,
         prefill_tp: args.prefill_tp,
         decode_tp: args.decode_tp,
@@ -97,9 +98,10 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             p.id, p.bootstrap_addr, p.grpc_addr
         )?;
     }
+    let asks = if args.scheduler_in_frontend { ", scheduler in its process" } else { "" };
     writeln!(
         out,
-        "frontend   grpc{public}://{} (handoff.v1.Generate)  http{public}://{} (OpenAI API)",
+        "frontend   grpc{public}://{} (handoff.v1.Generate)  http{public}://{} (OpenAI API){asks}",
         cluster.frontend_addr, cluster.http_addr
     )?;
     let model = cluster.frontend.model_name().to_owned();

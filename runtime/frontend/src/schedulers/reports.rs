@@ -13,7 +13,6 @@ use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{ReportOutcomeRequest, ReportOutcomesRequest};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 use tracing::debug;
 
 /// Most reports in one call of their own (the scheduler takes up to 4096).
@@ -151,7 +150,7 @@ impl ReportQueue {
 /// How a sender reaches its replica.
 pub(crate) struct Sender {
     pub(crate) replica: String,
-    pub(crate) client: SchedulerClient<Channel>,
+    pub(crate) client: SchedulerClient<super::ReplicaChannel>,
     pub(crate) token: Option<String>,
     /// Longest wait for one call.
     pub(crate) timeout: Duration,
