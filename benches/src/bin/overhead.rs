@@ -289,7 +289,9 @@ fn compare(
     let median = |p: Placement, f: &dyn Fn(&Measured) -> f64| {
         let mut v: Vec<f64> = measured.iter().filter(|(q, _)| *q == p).map(|(_, m)| f(m)).collect();
         v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+        // Of an even count, the mean of the middle two.
+        let n = v.len();
+        (v[(n - 1) / 2] + v[n / 2]) / 2.0
     };
     let ratio = |f: &dyn Fn(&Measured) -> f64| {
         median(Placement::InFrontend, f) / median(Placement::Grpc, f)

@@ -117,7 +117,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         scheduler.state().metrics().set_registered(true);
     }
     if let Some(addr) = ops {
-        ready.push_str(&format!(" (its ops http://{addr})"));
+        ready.push_str(&format!(", its ops http://{addr}"));
     }
     crate::cmd::announce(&ready)?;
     let (t1, t2) = (tasks.clone(), tasks.clone());

@@ -1,5 +1,6 @@
 //! Separate `handoff` processes finding each other through etcd and NATS, with no other
-//! address flag; a prefill, or one of two scheduler replicas, killed with SIGKILL under load.
+//! address flag; a prefill, or one of two scheduler replicas, killed with SIGKILL under load;
+//! a frontend running its own scheduler replica, with no scheduler process.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -357,4 +358,45 @@ async fn a_hung_scheduler_replica_costs_a_select_timeout_not_a_request() {
     );
     assert_eq!(failed, 0, "no request lost");
     assert!(n > 20, "requests kept flowing while a replica hung");
+}
+
+/// `handoff frontend --scheduler-in-frontend`, and no scheduler process: the frontend's own
+/// replica follows the prefills through etcd, routes by their KV events over NATS, and
+/// serves its metrics and readiness.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
+    use super::operations::{http_get, spawn_frontend, wait_ready, wait_routable};
+    let (etcd, nats) = (Server::etcd(), Server::nats());
+    let _prefills = [prefill(&etcd, &nats, "a"), prefill(&etcd, &nats, "b")];
+    let (_fe, line) = spawn_frontend(&[
+        "--etcd",
+        &etcd.url,
+        "--nats",
+        &nats.url,
+        "--scheduler-in-frontend",
+        "--scheduler-ops-listen",
+        "127.0.0.1:0",
+    ]);
+    assert!(line.contains("scheduler in-process"), "{line}");
+    let ops = addr_after(&line, "ops http://");
+    wait_routable(&ops, 2).await;
+    wait_ready(&ops, Duration::from_secs(10)).await;
+    let url = format!("http://{}", addr_after(&line, "grpc://"));
+    let mut client = GenerateClient::connect(url).await.unwrap();
+    let first = one(&mut client, 7).await.unwrap();
+    let start = Instant::now();
+    let cached = |scrape: &str| {
+        scrape.lines().any(|l| {
+            l.strip_prefix("handoff_scheduler_instance_cached_blocks{")
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .is_some_and(|v| v > 0.0)
+        })
+    };
+    while !cached(&http_get(&ops, "/metrics").await.1) {
+        assert!(start.elapsed() < Duration::from_secs(10), "its KV events reach the frontend");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for _ in 0..5 {
+        assert_eq!(one(&mut client, 7).await.unwrap(), first, "the prompt goes where its KV is");
+    }
 }

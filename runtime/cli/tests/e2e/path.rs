@@ -57,7 +57,28 @@ async fn disaggregated_tokens_equal_aggregated_and_rooms_are_fresh() {
 
 #[tokio::test]
 async fn a_shared_prefix_is_served_from_cache_with_the_same_tokens() {
-    let c = cluster(ClusterConfig::ephemeral()).await;
+    shared_prefix_from_cache(ClusterConfig::ephemeral()).await.shutdown().await;
+}
+
+/// The same, with the frontend asking the scheduler in its own process: the KV events
+/// reach it, it routes by them, and every booking's report reaches it.
+#[tokio::test]
+async fn a_frontend_asking_its_scheduler_in_process_routes_by_prefix_as_over_grpc() {
+    let cfg = ClusterConfig { scheduler_in_frontend: true, ..ClusterConfig::ephemeral() };
+    let c = shared_prefix_from_cache(cfg).await;
+    assert_eq!(c.frontend.schedulers().addrs(), [handoff::cluster::IN_PROCESS]);
+    let since = std::time::Instant::now();
+    while c.scheduler.state().open_bookings() > 0 {
+        assert!(since.elapsed() < std::time::Duration::from_secs(10), "every report arrives");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    c.shutdown().await;
+}
+
+/// A prompt, then one sharing its first six pages: the second is routed to the instance
+/// holding them and served from its cache, with the tokens of an aggregated run.
+async fn shared_prefix_from_cache(cfg: ClusterConfig) -> handoff::Cluster {
+    let c = cluster(cfg).await;
     let engine = engine();
     let mut cl = client(&c).await;
     let first = prompt(1, 100);
@@ -66,12 +87,16 @@ async fn a_shared_prefix_is_served_from_cache_with_the_same_tokens() {
     let mut second = first[..96].to_vec();
     second.extend(prompt(2, 30));
     // Let the KV events reach the scheduler.
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let since = std::time::Instant::now();
+    while c.scheduler.state().instances().iter().map(|i| i.cached_blocks).sum::<u64>() < 6 {
+        assert!(since.elapsed() < std::time::Duration::from_secs(10), "the KV events arrive");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
     let (tokens, done) = generate(&mut cl, &second, 6).await.unwrap();
     assert_eq!(done.usage.unwrap().cached_tokens, 96, "six cached pages of 16");
     assert_eq!(tokens, aggregated(&*engine, &second, 6).await);
     assert_eq!(done.evidence.unwrap().instance_id, done_instance(&c, &first).await);
-    c.shutdown().await;
+    c
 }
 
 async fn done_instance(c: &handoff::Cluster, p: &[u32]) -> String {

@@ -1,5 +1,6 @@
 //! A frontend's pool of scheduler replicas: a replica that answers "no instance" is up (the
-//! next one is asked, this one is not passed over); one that is gone is passed over.
+//! next one is asked, this one is not passed over); one that is gone is passed over; one in
+//! the frontend's own process is asked like the others.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,6 +24,18 @@ async fn replica(instances: &[&str]) -> (String, oneshot::Sender<()>) {
 async fn replica_with_state(
     instances: &[&str],
 ) -> (String, Arc<SchedulerState>, oneshot::Sender<()>) {
+    let state = state_knowing(instances);
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(handoff_scheduler::service::serve(l, state.clone(), async {
+        let _ = stopped.await;
+    }));
+    (addr, state, stop)
+}
+
+/// A scheduler replica's state knowing `instances`, served nowhere.
+fn state_knowing(instances: &[&str]) -> Arc<SchedulerState> {
     let state = Arc::new(SchedulerState::new(SchedulerConfig::default()));
     let all = instances
         .iter()
@@ -39,13 +52,7 @@ async fn replica_with_state(
         })
         .collect();
     state.apply_update(Update::Reset(all));
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(handoff_scheduler::service::serve(l, state.clone(), async {
-        let _ = stopped.await;
-    }));
-    (addr, state, stop)
+    state
 }
 
 fn ask() -> SelectPrefillRequest {
@@ -129,6 +136,47 @@ async fn reports_go_along_with_the_next_selection_or_alone_after_their_linger() 
     let since = std::time::Instant::now();
     while state.open_bookings() > 0 {
         assert!(since.elapsed() < Duration::from_secs(10), "the report went alone");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tasks.shutdown().await;
+}
+
+/// A replica in the frontend's own process, called through its service with no socket:
+/// it books, its refusals are answers (it is not passed over for them), and the outcome
+/// reports reach it.
+#[tokio::test]
+async fn a_replica_in_this_process_books_refuses_and_takes_reports() {
+    use handoff_frontend::schedulers::channel::in_process;
+    use handoff_proto::v1::{Outcome, ReportOutcomeRequest};
+    let state = state_knowing(&["p0"]);
+    let tasks = handoff_core::Tasks::new();
+    let pool = Schedulers::new(Duration::from_secs(1), &tasks)
+        .with_report_linger(Duration::from_millis(1));
+    let service = handoff_scheduler::service::SchedulerService::new(state.clone()).into_server();
+    pool.add_in_process("in-process", in_process(service));
+    assert_eq!(pool.addrs(), ["in-process"]);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+
+    let s = pool.select(ask(), deadline, &Default::default()).await.expect("it answers");
+    assert_eq!((s.replica.as_str(), s.selection.instance_id.as_str()), ("in-process", "p0"));
+    assert_eq!(state.open_bookings(), 1);
+
+    let bad = SelectPrefillRequest { policy: 99, ..ask() };
+    match pool.select(bad, deadline, &Default::default()).await {
+        Err(SelectFailure::Answer(s)) => assert_eq!(s.code(), tonic::Code::InvalidArgument),
+        other => panic!("expected its refusal, got {other:?}"),
+    }
+    assert!(pool.suspects().is_empty(), "{:?}", pool.suspects());
+
+    let done = ReportOutcomeRequest {
+        booking_id: s.selection.booking_id,
+        outcome: Outcome::Success as i32,
+        error: String::new(),
+    };
+    pool.report("in-process", done);
+    let since = std::time::Instant::now();
+    while state.open_bookings() > 0 {
+        assert!(since.elapsed() < Duration::from_secs(10), "the report reached it");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     tasks.shutdown().await;
