@@ -189,3 +189,12 @@ async fn bad_requests_get_invalid_argument_and_the_frontend_keeps_serving() {
     assert!(generate(&mut cl, &prompt(3, 20), 3).await.is_ok());
     c.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_scheduler_in_the_frontends_process_is_one_replica() {
+    let cfg =
+        ClusterConfig { scheduler_in_frontend: true, schedulers: 2, ..ClusterConfig::ephemeral() };
+    let refused = handoff::Cluster::start_shared(cfg, engine()).await.err();
+    let e = refused.expect("two replicas in one frontend are refused").to_string();
+    assert!(e.contains("one replica"), "{e}");
+}
