@@ -92,7 +92,9 @@ async fn main() -> anyhow::Result<()> {
     // Both placements of the scheduler, in the order A B B A (the process warms as it
     // goes: neither gets only the later turns), each on a cluster of its own.
     let order = match placement.as_str() {
-        "both" => vec![Placement::Grpc, Placement::InFrontend, Placement::InFrontend, Placement::Grpc],
+        "both" => {
+            vec![Placement::Grpc, Placement::InFrontend, Placement::InFrontend, Placement::Grpc]
+        }
         "grpc" => vec![Placement::Grpc],
         "in-frontend" => vec![Placement::InFrontend],
         other => anyhow::bail!("scheduler placement {other:?}: grpc, in-frontend or both"),

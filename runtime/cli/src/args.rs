@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, FromArgMatches, Parser, Subcommand, ValueEnum};
 use handoff_scheduler::policy::{KvAwareWeights, PolicyParams};
 use handoff_scheduler::{PolicyKind, SchedulerConfig};
 
@@ -117,7 +117,7 @@ pub enum PolicyArg {
 }
 
 /// How the scheduler picks prefill instances.
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, PartialEq, Args)]
 pub struct PolicyArgs {
     /// The policy for requests that name none.
     #[arg(long, value_enum, default_value_t = PolicyArg::KvAware)]
@@ -175,6 +175,27 @@ impl PolicyArgs {
             max_queue_wait: std::time::Duration::from_millis(self.max_queue_wait_ms),
             ..SchedulerConfig::default()
         }
+    }
+}
+
+impl FrontendArgs {
+    /// Refuses a scheduler in the frontend without etcd and NATS (it could learn of no
+    /// prefill instance), and selection flags without one (nothing would read them).
+    pub fn check_own_scheduler(&self) -> anyhow::Result<()> {
+        if self.scheduler_in_frontend && self.discovery.etcd.is_none() {
+            anyhow::bail!(
+                "--scheduler-in-frontend needs --etcd and --nats: its scheduler learns the prefill instances and their KV events there"
+            );
+        }
+        let defaults = PolicyArgs::from_arg_matches(
+            &PolicyArgs::augment_args(clap::Command::new("policy")).get_matches_from(["policy"]),
+        )?;
+        if !self.scheduler_in_frontend && self.policy != defaults {
+            anyhow::bail!(
+                "the selection flags (--policy, --kv-*, --prefix-load-factor, --max-queue-wait-ms) are the scheduler's: give them to `handoff scheduler`, or run one in this frontend with --scheduler-in-frontend"
+            );
+        }
+        Ok(())
     }
 }
 
@@ -339,7 +360,7 @@ pub struct UpArgs {
     pub schedulers: u16,
     /// The frontend asks the scheduler in its own process, not over gRPC (one replica; it
     /// is still served on --scheduler-listen, for `handoff ctl`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "schedulers")]
     pub scheduler_in_frontend: bool,
     /// Prefill tp size.
     #[arg(long, default_value_t = 1)]

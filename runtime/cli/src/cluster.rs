@@ -223,8 +223,7 @@ impl Cluster {
         };
         let frontend = Frontend::new(fc, engines()?, &addrs, &tasks).await?;
         if cfg.scheduler_in_frontend {
-            let service = service::SchedulerService::new(scheduler.state().clone()).into_server();
-            frontend.schedulers().add_in_process(IN_PROCESS, in_process(service));
+            ask_in_process(&frontend, &scheduler);
         }
         frontend.follow(registry.clone()).await?;
         let fl = TcpListener::bind(cfg.frontend_bind)
@@ -289,6 +288,12 @@ impl Cluster {
             s.tasks.shutdown().await;
         }
     }
+}
+
+/// Makes `scheduler` a replica `frontend` asks in this process, through its service.
+pub fn ask_in_process(frontend: &Frontend, scheduler: &Scheduler) {
+    let service = service::SchedulerService::new(scheduler.state().clone()).into_server();
+    frontend.schedulers().add_in_process(IN_PROCESS, in_process(service));
 }
 
 /// Starts one scheduler replica on its own tasks (a child of `parent`), serving on `bind`.

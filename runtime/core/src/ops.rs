@@ -29,6 +29,9 @@ pub struct Ops {
     ready: Vec<Check>,
     /// One scrape at a time: refreshing clears and refills gauge families.
     scraping: std::sync::Mutex<()>,
+    /// Whether a scrape includes the process's served traffic (every role's listeners in
+    /// the process): not when another role's endpoint in the process already does.
+    with_traffic: bool,
 }
 
 impl std::fmt::Debug for Ops {
@@ -43,7 +46,20 @@ impl std::fmt::Debug for Ops {
 impl Ops {
     /// Ops over `metrics`, ready until a check says otherwise.
     pub fn new(metrics: Arc<Registry>) -> Self {
-        Ops { metrics, refresh: Vec::new(), ready: Vec::new(), scraping: Default::default() }
+        Ops {
+            metrics,
+            refresh: Vec::new(),
+            ready: Vec::new(),
+            scraping: Default::default(),
+            with_traffic: true,
+        }
+    }
+
+    /// Scrapes leave out the process's served traffic: another role's endpoint in this
+    /// process serves it (a scraper of both would count it twice).
+    pub fn without_traffic(mut self) -> Self {
+        self.with_traffic = false;
+        self
     }
 
     /// Runs `f` before each scrape (to set gauges from current state).
@@ -65,7 +81,9 @@ impl Ops {
             f();
         }
         let mut out = self.metrics.render();
-        out.push_str(&crate::traffic::traffic_registry().render());
+        if self.with_traffic {
+            out.push_str(&crate::traffic::traffic_registry().render());
+        }
         out
     }
 

@@ -32,6 +32,8 @@ const SUSPECT_FOR: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone)]
 struct Replica {
     client: SchedulerClient<ReplicaChannel>,
+    /// Runs in this process ([`Schedulers::add_in_process`]): discovery does not list it.
+    in_process: bool,
     /// Failed a call recently: tried after the others until then.
     suspect_until: Option<Instant>,
     /// Outcome reports waiting to go to it.
@@ -64,7 +66,7 @@ impl std::fmt::Debug for Schedulers {
 /// A selection, and the replica that holds its booking.
 #[derive(Debug, Clone)]
 pub struct Selected {
-    /// The replica's address.
+    /// The replica's address (or the name of one in this process).
     pub replica: String,
     /// Its answer.
     pub selection: SelectPrefillResponse,
@@ -122,21 +124,28 @@ impl Schedulers {
                 .map_err(|e| FrontendError::Invalid(e.to_string()))?;
             let client = SchedulerClient::new(channel::remote(channel));
             let reports = Arc::default();
-            map.insert(addr.to_owned(), Replica { client, suspect_until: None, reports });
+            let replica = Replica { client, in_process: false, suspect_until: None, reports };
+            map.insert(addr.to_owned(), replica);
             info!(scheduler = addr, replicas = map.len(), "scheduler replica added");
         }
         Ok(())
     }
 
     /// Adds a replica that runs in this process, named `name` (in place of an address),
-    /// reached through `channel` ([`channel::in_process`]). [`Schedulers::reset`] keeps
-    /// only the names it is given, so a frontend with one follows no replicas in discovery.
+    /// reached through `channel` ([`channel::in_process`]). A name already known is kept as
+    /// it is; [`Schedulers::reset`] (discovery's list) leaves it in place.
     pub fn add_in_process(&self, name: &str, channel: ReplicaChannel) {
         let mut map = self.lock();
-        let client = SchedulerClient::new(channel);
-        let replica = Replica { client, suspect_until: None, reports: Arc::default() };
-        if map.insert(name.to_owned(), replica).is_none() {
-            info!(scheduler = name, replicas = map.len(), "scheduler replica added (in this process)");
+        if !map.contains_key(name) {
+            let client = SchedulerClient::new(channel);
+            let reports = Arc::default();
+            let replica = Replica { client, in_process: true, suspect_until: None, reports };
+            map.insert(name.to_owned(), replica);
+            info!(
+                scheduler = name,
+                replicas = map.len(),
+                "scheduler replica added (in this process)"
+            );
         }
     }
 
@@ -148,9 +157,9 @@ impl Schedulers {
         }
     }
 
-    /// Keeps exactly `addrs`.
+    /// Keeps exactly `addrs`, and the replicas in this process.
     pub fn reset(&self, addrs: &[String]) -> Result<(), FrontendError> {
-        self.lock().retain(|a, _| addrs.contains(a));
+        self.lock().retain(|a, r| r.in_process || addrs.contains(a));
         addrs.iter().try_for_each(|a| self.add(a))
     }
 

@@ -247,6 +247,13 @@ pub fn ops(state: &Arc<SchedulerState>) -> Arc<Ops> {
     state.metrics().ops.get_or_init(|| Arc::new(make_ops(state))).clone()
 }
 
+/// [`ops`] for a replica in another role's process (a frontend's), whose own endpoint
+/// serves the process's traffic: the scrapes leave it out. Whichever of the two is called
+/// first for a state decides.
+pub fn ops_beside_a_role(state: &Arc<SchedulerState>) -> Arc<Ops> {
+    state.metrics().ops.get_or_init(|| Arc::new(make_ops(state).without_traffic())).clone()
+}
+
 fn make_ops(state: &Arc<SchedulerState>) -> Ops {
     let r = state.metrics().registry.clone();
     let gauges = Gauges::new(&r);

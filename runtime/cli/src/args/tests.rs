@@ -45,16 +45,37 @@ fn frontend(args: &[&str]) -> Result<FrontendArgs, clap::Error> {
 
 #[test]
 fn a_frontend_runs_its_own_scheduler_only_when_asked_and_then_takes_the_selection_flags() {
+    use clap::error::ErrorKind;
     let a = frontend(&[]).unwrap();
     assert!(!a.scheduler_in_frontend);
-    let a = frontend(&["--scheduler-in-frontend", "--policy", "round-robin"]).unwrap();
+    a.check_own_scheduler().unwrap();
+    let discovery = ["--etcd", "http://127.0.0.1:1", "--nats", "nats://127.0.0.1:1"];
+    let own = ["--scheduler-in-frontend", "--policy", "round-robin"];
+    let a = frontend(&[&discovery[..], &own].concat()).unwrap();
     assert!(a.scheduler_in_frontend);
+    a.check_own_scheduler().unwrap();
     assert_eq!(a.policy.config().default_policy, PolicyKind::RoundRobin);
-    for bad in [
-        &["--scheduler-in-frontend", "--scheduler", "127.0.0.1:1"][..],
-        &["--scheduler-ops-listen", "127.0.0.1:0"],
-    ] {
-        let e = frontend(bad).unwrap_err().to_string();
-        assert!(e.contains("--scheduler"), "{bad:?}: {e}");
+
+    let conflict = frontend(&["--scheduler-in-frontend", "--scheduler", "127.0.0.1:1"]);
+    assert_eq!(conflict.unwrap_err().kind(), ErrorKind::ArgumentConflict);
+    let lone_ops = frontend(&["--scheduler-ops-listen", "127.0.0.1:0"]);
+    assert_eq!(lone_ops.unwrap_err().kind(), ErrorKind::MissingRequiredArgument);
+    let no_bus = frontend(&["--scheduler-in-frontend"]).unwrap().check_own_scheduler();
+    assert!(no_bus.unwrap_err().to_string().contains("needs --etcd and --nats"));
+    for flags in [&["--policy", "random"], &["--kv-load-weight", "0.25"]] {
+        let unread = frontend(flags).unwrap().check_own_scheduler();
+        assert!(unread.unwrap_err().to_string().contains("selection flags"), "{flags:?}");
+    }
+}
+
+#[test]
+fn up_runs_one_scheduler_in_its_frontend_not_several() {
+    let argv = ["handoff", "up", "--scheduler-in-frontend", "--schedulers", "2"];
+    let e = Cli::try_parse_from(argv).unwrap_err();
+    assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+    let argv = ["handoff", "up", "--scheduler-in-frontend"];
+    match Cli::try_parse_from(argv).unwrap().command {
+        Command::Up(a) => assert!(a.scheduler_in_frontend),
+        other => panic!("parsed as {other:?}"),
     }
 }

@@ -1,18 +1,19 @@
 //! `handoff frontend`: the decode frontend as its own process.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use handoff_core::{InstanceId, Tasks};
-use handoff_discovery::{EventBus, Instance, Registry, Role, Topology};
-use handoff_frontend::schedulers::channel::in_process;
+use handoff_discovery::{Instance, Role, Topology};
 use handoff_frontend::{Frontend, FrontendConfig};
-use handoff_scheduler::{Scheduler, SchedulerConfig, metrics, service};
 use tokio::net::TcpListener;
 
 use crate::args::FrontendArgs;
 use crate::cmd::{discovery, up::engines, up::shutdown_signal};
+
+mod own_scheduler;
+
+use own_scheduler::OwnScheduler;
 
 /// Waits until at least one scheduler replica is registered in discovery.
 async fn await_scheduler(fe: &Frontend) -> anyhow::Result<()> {
@@ -27,33 +28,12 @@ async fn await_scheduler(fe: &Frontend) -> anyhow::Result<()> {
     }
 }
 
-/// Starts a scheduler replica on `tasks` and makes it the frontend's only one, asked in
-/// this process. It is not registered in discovery: no other process can call it.
-async fn scheduler_in_frontend(
-    args: &FrontendArgs,
-    frontend: &Frontend,
-    registry: Arc<dyn Registry>,
-    bus: Arc<dyn EventBus>,
-    tasks: &Tasks,
-) -> anyhow::Result<Scheduler> {
-    let cfg = SchedulerConfig {
-        token: args.discovery.token.clone(),
-        tls: args.discovery.cluster_tls()?,
-        ..args.policy.config()
-    };
-    let scheduler = Scheduler::start(cfg, registry.clone(), bus, tasks).await?;
-    scheduler.follow_registered_engines(registry, tasks).await?;
-    let service = service::SchedulerService::new(scheduler.state().clone()).into_server();
-    frontend.schedulers().add_in_process(crate::cluster::IN_PROCESS, in_process(service));
-    Ok(scheduler)
-}
-
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
-    crate::cmd::check_exposure(
-        &args.discovery,
-        &[("the frontend", args.listen), ("the OpenAI API", args.http_listen)],
-    )?;
+    args.check_own_scheduler()?;
+    let mut binds = vec![("the frontend", args.listen), ("the OpenAI API", args.http_listen)];
+    binds.extend(args.scheduler_ops_listen.map(|a| ("its scheduler's metrics", a)));
+    crate::cmd::check_exposure(&args.discovery, &binds)?;
     crate::cmd::check_advertised("--advertise-host", &args.advertise_host)?;
     if let Some(t) = &args.discovery.transfer_advertise {
         crate::cmd::check_advertised("--transfer-advertise", t)?;
@@ -74,12 +54,10 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         ..FrontendConfig::default()
     };
     let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, &tasks).await?;
-    let (mut own_scheduler, mut ops) = (None, None);
+    let mut own_scheduler = None;
     if args.scheduler_in_frontend {
-        let scheduler = scheduler_in_frontend(&args, &frontend, registry.clone(), bus, &tasks).await?;
-        let scheduler_ops = metrics::ops(scheduler.state());
-        ops = crate::cmd::serve_ops(args.scheduler_ops_listen, scheduler_ops, &tasks).await?;
-        own_scheduler = Some(scheduler);
+        let own = OwnScheduler::start(&args, &frontend, registry.clone(), bus, &tasks).await?;
+        own_scheduler = Some(own);
     } else if args.scheduler.is_empty() {
         frontend.follow_schedulers(registry.clone()).await?;
         await_scheduler(&frontend).await?;
@@ -112,12 +90,11 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         grpc.local_addr()?,
         http.local_addr()?
     );
-    if let Some(scheduler) = &own_scheduler {
-        // Ready once the frontend it serves is in discovery.
-        scheduler.state().metrics().set_registered(true);
-    }
-    if let Some(addr) = ops {
-        ready.push_str(&format!(", its ops http://{addr}"));
+    if let Some(own) = &own_scheduler {
+        own.set_ready(true);
+        if let Some(addr) = own.ops {
+            ready.push_str(&format!(", its ops http://{addr}"));
+        }
     }
     crate::cmd::announce(&ready)?;
     let (t1, t2) = (tasks.clone(), tasks.clone());
@@ -146,6 +123,9 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     // Drain: out of discovery and not ready at once; streams in flight finish while the
     // listeners still serve, for at most --drain-secs.
     frontend.start_draining();
+    if let Some(own) = &own_scheduler {
+        own.set_ready(false);
+    }
     let _ = registry.deregister(&id).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.drain_secs);
     let drained = async {

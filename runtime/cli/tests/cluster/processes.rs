@@ -361,8 +361,9 @@ async fn a_hung_scheduler_replica_costs_a_select_timeout_not_a_request() {
 }
 
 /// `handoff frontend --scheduler-in-frontend`, and no scheduler process: the frontend's own
-/// replica follows the prefills through etcd, routes by their KV events over NATS, and
-/// serves its metrics and readiness.
+/// replica knows the prefills through etcd before the frontend is announced, routes by
+/// their KV events over NATS, and serves its metrics (not the process's traffic, which the
+/// frontend's own `/metrics` serves) and readiness.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
     use super::operations::{http_get, spawn_frontend, wait_ready, wait_routable};
@@ -379,6 +380,16 @@ async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
     ]);
     assert!(line.contains("scheduler in-process"), "{line}");
     let ops = addr_after(&line, "ops http://");
+    // Announced only once its replica knows the prefills registered before it started.
+    let known: f64 = http_get(&ops, "/metrics")
+        .await
+        .1
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("handoff_scheduler_instances{")?.rsplit(' ').next()?.parse::<f64>().ok()
+        })
+        .sum();
+    assert_eq!(known, 2.0, "both prefills known when the frontend is announced");
     wait_routable(&ops, 2).await;
     wait_ready(&ops, Duration::from_secs(10)).await;
     let url = format!("http://{}", addr_after(&line, "grpc://"));
@@ -392,6 +403,8 @@ async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
                 .is_some_and(|v| v > 0.0)
         })
     };
+    let scrape = http_get(&ops, "/metrics").await.1;
+    assert!(!scrape.contains("handoff_served_requests_total"), "traffic is the frontend's");
     while !cached(&http_get(&ops, "/metrics").await.1) {
         assert!(start.elapsed() < Duration::from_secs(10), "its KV events reach the frontend");
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -155,6 +155,8 @@ async fn a_replica_in_this_process_books_refuses_and_takes_reports() {
     let service = handoff_scheduler::service::SchedulerService::new(state.clone()).into_server();
     pool.add_in_process("in-process", in_process(service));
     assert_eq!(pool.addrs(), ["in-process"]);
+    pool.reset(&[]).unwrap();
+    assert_eq!(pool.addrs(), ["in-process"], "discovery's list does not name it, and keeps it");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
 
     let s = pool.select(ask(), deadline, &Default::default()).await.expect("it answers");

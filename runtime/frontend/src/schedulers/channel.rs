@@ -6,8 +6,8 @@
 use std::convert::Infallible;
 
 use tonic::body::Body;
-use tonic::codegen::{Body as HttpBody, Bytes, StdError};
 use tonic::codegen::http::{Request, Response};
+use tonic::codegen::{Body as HttpBody, Bytes, StdError};
 use tonic::transport::Channel;
 use tower::ServiceExt;
 use tower::util::BoxCloneSyncService;
