@@ -45,7 +45,7 @@ impl OwnScheduler {
         let scheduler = Scheduler::start(cfg, registry.clone(), bus, tasks).await?;
         scheduler.follow_registered_engines(registry.clone(), tasks).await?;
         crate::cluster::ask_in_process(frontend, &scheduler);
-        learn_registered(&scheduler, &*registry).await?;
+        learn_registered(&scheduler, &*registry, LEARN_WITHIN).await?;
         // The frontend's own `/metrics` serves the process's traffic.
         let ops = metrics::ops_beside_a_role(scheduler.state());
         let ops = crate::cmd::serve_ops(args.scheduler_ops_listen, ops, tasks).await?;
@@ -58,8 +58,13 @@ impl OwnScheduler {
     }
 }
 
-/// Waits until `scheduler` knows as many prefill instances as `registry` lists now.
-async fn learn_registered(scheduler: &Scheduler, registry: &dyn Registry) -> anyhow::Result<()> {
+/// Waits (at most `within`) until `scheduler` knows as many prefill instances as `registry`
+/// lists now.
+async fn learn_registered(
+    scheduler: &Scheduler,
+    registry: &dyn Registry,
+    within: Duration,
+) -> anyhow::Result<()> {
     let mut watch = registry.watch(Role::Prefill).await?;
     let registered = match watch.next().await {
         Some(Update::Reset(all)) => all.len(),
@@ -70,10 +75,54 @@ async fn learn_registered(scheduler: &Scheduler, registry: &dyn Registry) -> any
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    if tokio::time::timeout(LEARN_WITHIN, learned).await.is_err() {
+    if tokio::time::timeout(within, learned).await.is_err() {
         bail!(
-            "the scheduler in this frontend did not learn the {registered} registered prefill instances within {LEARN_WITHIN:?}"
+            "the scheduler in this frontend did not learn the {registered} registered prefill instances within {within:?}"
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use handoff_discovery::{Instance, MemoryBus, MemoryRegistry, Topology};
+
+    use super::*;
+
+    fn prefill(id: &str) -> Instance {
+        Instance {
+            id: id.parse().unwrap(),
+            role: Role::Prefill,
+            model: "mock".into(),
+            bootstrap_addr: "127.0.0.1:1".into(),
+            grpc_addr: "127.0.0.1:2".into(),
+            topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+            page_size: 16,
+            version: 1,
+            engine: None,
+        }
+    }
+
+    /// The wait ends when the replica knows the registered prefills, and fails when it
+    /// cannot learn them (here: it follows another, empty registry).
+    #[tokio::test]
+    async fn the_replica_is_waited_for_until_it_knows_the_registered_prefills() {
+        let registry = Arc::new(MemoryRegistry::new());
+        for id in ["p0", "p1"] {
+            registry.register(prefill(id)).await.unwrap();
+        }
+        let tasks = Tasks::new();
+        let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
+        let cfg = SchedulerConfig::default();
+        let knowing = Scheduler::start(cfg.clone(), registry.clone(), bus.clone(), &tasks).await;
+        let knowing = knowing.unwrap();
+        learn_registered(&knowing, &*registry, Duration::from_secs(10)).await.unwrap();
+        assert_eq!(knowing.state().instances().len(), 2);
+
+        let elsewhere = Arc::new(MemoryRegistry::new());
+        let blind = Scheduler::start(cfg, elsewhere, bus, &tasks).await.unwrap();
+        let e = learn_registered(&blind, &*registry, Duration::from_millis(50)).await;
+        assert!(e.unwrap_err().to_string().contains("did not learn the 2"));
+        tasks.shutdown().await;
+    }
 }
