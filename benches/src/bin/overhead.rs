@@ -99,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
         "in-frontend" => vec![Placement::InFrontend],
         other => anyhow::bail!("scheduler placement {other:?}: grpc, in-frontend or both"),
     };
+    out.note("placements", serde_json::json!(order.iter().map(|p| p.label()).collect::<Vec<_>>()));
     let mut measured = Vec::new();
     for p in order {
         writeln!(out, "\n### {}\n", p.label())?;
@@ -300,7 +301,7 @@ fn compare(
     };
     writeln!(
         out,
-        "\nin the frontend's process over gRPC (medians): saturation {:.2}x, the path's CPU per request {:.2}x, 1 in flight TTFT p50 {:.2}x, half-saturation overhead p50 {:.2}x",
+        "\nin the frontend's process over gRPC (medians): saturation {:.2}x, the path's CPU per request {:.2}x, 1 in flight TTFT p50 {:.2}x, half-saturation overhead p50 {:.2}x (each at half of its own saturation)",
         ratio(&|m| m.saturation),
         ratio(&|m| m.path_cpu),
         ratio(&|m| m.alone_p50),
