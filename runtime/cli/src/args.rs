@@ -184,7 +184,7 @@ impl FrontendArgs {
     pub fn check_own_scheduler(&self) -> anyhow::Result<()> {
         if self.scheduler_in_frontend && self.discovery.etcd.is_none() {
             anyhow::bail!(
-                "--scheduler-in-frontend needs --etcd and --nats: its scheduler learns the prefill instances and their KV events there"
+                "--scheduler-in-frontend needs --etcd and --nats (or HANDOFF_ETCD and HANDOFF_NATS): its scheduler learns the prefill instances and their KV events there"
             );
         }
         let defaults = PolicyArgs::from_arg_matches(
@@ -265,7 +265,7 @@ pub struct FrontendArgs {
     #[arg(long, requires = "scheduler_in_frontend")]
     pub scheduler_ops_listen: Option<SocketAddr>,
     /// Selection (with --scheduler-in-frontend).
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Selection (with --scheduler-in-frontend)")]
     pub policy: PolicyArgs,
     /// Decode tp size.
     #[arg(long, default_value_t = 1)]

@@ -244,21 +244,31 @@ impl Gauges {
 
 /// The scheduler's operations surface: metrics and readiness (registered in discovery).
 pub fn ops(state: &Arc<SchedulerState>) -> Arc<Ops> {
-    state.metrics().ops.get_or_init(|| Arc::new(make_ops(state))).clone()
+    state.metrics().ops.get_or_init(|| Arc::new(make_ops(state, Host::Own))).clone()
 }
 
-/// [`ops`] for a replica in another role's process (a frontend's), whose own endpoint
-/// serves the process's traffic: the scrapes leave it out. Whichever of the two is called
-/// first for a state decides.
-pub fn ops_beside_a_role(state: &Arc<SchedulerState>) -> Arc<Ops> {
-    state.metrics().ops.get_or_init(|| Arc::new(make_ops(state).without_traffic())).clone()
+/// [`ops`] for a replica in a frontend's process: ready while that frontend is announced
+/// and not draining (`set_registered` says which), and its scrapes leave out the process's
+/// traffic, which the frontend's own endpoint serves. A state has one surface: whichever
+/// of the two is asked for first.
+pub fn ops_in_frontend(state: &Arc<SchedulerState>) -> Arc<Ops> {
+    state.metrics().ops.get_or_init(|| Arc::new(make_ops(state, Host::Frontend))).clone()
 }
 
-fn make_ops(state: &Arc<SchedulerState>) -> Ops {
+/// Whose process a replica runs in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Host {
+    /// Its own (`handoff scheduler`, `handoff up`).
+    Own,
+    /// A frontend's.
+    Frontend,
+}
+
+fn make_ops(state: &Arc<SchedulerState>, host: Host) -> Ops {
     let r = state.metrics().registry.clone();
     let gauges = Gauges::new(&r);
     let (a, b) = (Arc::downgrade(state), Arc::downgrade(state));
-    Ops::new(r)
+    let ops = Ops::new(r)
         .on_scrape(move || {
             if let Some(s) = a.upgrade() {
                 gauges.refresh(&s);
@@ -266,10 +276,14 @@ fn make_ops(state: &Arc<SchedulerState>) -> Ops {
         })
         .ready_when(move || {
             let s = b.upgrade().ok_or("shutting down")?;
-            if s.metrics().registered.load(Relaxed) {
-                Ok(())
-            } else {
-                Err("not registered in discovery yet".into())
+            match (s.metrics().registered.load(Relaxed), host) {
+                (true, _) => Ok(()),
+                (false, Host::Own) => Err("not registered in discovery yet".into()),
+                (false, Host::Frontend) => Err("its frontend is not announced, or drains".into()),
             }
-        })
+        });
+    match host {
+        Host::Own => ops,
+        Host::Frontend => ops.without_traffic(),
+    }
 }

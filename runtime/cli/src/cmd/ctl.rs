@@ -124,7 +124,9 @@ impl<'a> Ctl<'a> {
             }
         };
         if replicas.is_empty() {
-            bail!("no scheduler replica registered");
+            bail!(
+                "no scheduler replica registered (one running inside a frontend, --scheduler-in-frontend, is not: start a `handoff scheduler` beside it, or pass --scheduler HOST:PORT)"
+            );
         }
         let mut errors = Vec::new();
         for addr in replicas {

@@ -1,13 +1,14 @@
 //! `handoff frontend --scheduler-in-frontend`: a scheduler replica in the frontend's process,
 //! the only one it asks (see `docs/architecture.md`).
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
 use futures::StreamExt;
-use handoff_core::Tasks;
+use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::{EventBus, Registry, Role, Update};
 use handoff_frontend::Frontend;
 use handoff_scheduler::{Scheduler, SchedulerConfig, metrics};
@@ -47,7 +48,7 @@ impl OwnScheduler {
         crate::cluster::ask_in_process(frontend, &scheduler);
         learn_registered(&scheduler, &*registry, LEARN_WITHIN).await?;
         // The frontend's own `/metrics` serves the process's traffic.
-        let ops = metrics::ops_beside_a_role(scheduler.state());
+        let ops = metrics::ops_in_frontend(scheduler.state());
         let ops = crate::cmd::serve_ops(args.scheduler_ops_listen, ops, tasks).await?;
         Ok(OwnScheduler { scheduler, ops })
     }
@@ -58,71 +59,52 @@ impl OwnScheduler {
     }
 }
 
-/// Waits (at most `within`) until `scheduler` knows as many prefill instances as `registry`
-/// lists now.
+/// Waits (at most `within`) until `scheduler` knows every prefill instance `registry` lists
+/// now, or that instance has left the registry meanwhile.
 async fn learn_registered(
     scheduler: &Scheduler,
     registry: &dyn Registry,
     within: Duration,
 ) -> anyhow::Result<()> {
     let mut watch = registry.watch(Role::Prefill).await?;
-    let registered = match watch.next().await {
-        Some(Update::Reset(all)) => all.len(),
-        _ => 0,
+    let mut waiting: HashSet<InstanceId> = match watch.next().await {
+        Some(Update::Reset(all)) => all.into_iter().map(|i| i.id).collect(),
+        _ => HashSet::new(),
     };
     let learned = async {
-        while scheduler.state().instances().len() < registered {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut look = tokio::time::interval(Duration::from_millis(20));
+        let mut watching = true;
+        loop {
+            let known: HashSet<InstanceId> =
+                scheduler.state().instances().into_iter().map(|s| s.instance.id).collect();
+            waiting.retain(|id| !known.contains(id));
+            if waiting.is_empty() {
+                return;
+            }
+            tokio::select! {
+                _ = look.tick() => {}
+                u = watch.next(), if watching => match u {
+                    Some(Update::Remove(id)) => {
+                        waiting.remove(&id);
+                    }
+                    Some(Update::Reset(all)) => {
+                        let now: HashSet<InstanceId> = all.into_iter().map(|i| i.id).collect();
+                        waiting.retain(|id| now.contains(id));
+                    }
+                    Some(Update::Add(_)) => {}
+                    // The watch ended: what it listed is what is waited for.
+                    None => watching = false,
+                },
+            }
         }
     };
     if tokio::time::timeout(within, learned).await.is_err() {
         bail!(
-            "the scheduler in this frontend did not learn the {registered} registered prefill instances within {within:?}"
+            "the scheduler in this frontend did not learn the registered prefill instances within {within:?}"
         );
     }
     Ok(())
 }
 
 #[cfg(test)]
-mod tests {
-    use handoff_discovery::{Instance, MemoryBus, MemoryRegistry, Topology};
-
-    use super::*;
-
-    fn prefill(id: &str) -> Instance {
-        Instance {
-            id: id.parse().unwrap(),
-            role: Role::Prefill,
-            model: "mock".into(),
-            bootstrap_addr: "127.0.0.1:1".into(),
-            grpc_addr: "127.0.0.1:2".into(),
-            topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-            page_size: 16,
-            version: 1,
-            engine: None,
-        }
-    }
-
-    /// The wait ends when the replica knows the registered prefills, and fails when it
-    /// cannot learn them (here: it follows another, empty registry).
-    #[tokio::test]
-    async fn the_replica_is_waited_for_until_it_knows_the_registered_prefills() {
-        let registry = Arc::new(MemoryRegistry::new());
-        for id in ["p0", "p1"] {
-            registry.register(prefill(id)).await.unwrap();
-        }
-        let tasks = Tasks::new();
-        let bus: Arc<dyn EventBus> = Arc::new(MemoryBus::new());
-        let cfg = SchedulerConfig::default();
-        let knowing = Scheduler::start(cfg.clone(), registry.clone(), bus.clone(), &tasks).await;
-        let knowing = knowing.unwrap();
-        learn_registered(&knowing, &*registry, Duration::from_secs(10)).await.unwrap();
-        assert_eq!(knowing.state().instances().len(), 2);
-
-        let elsewhere = Arc::new(MemoryRegistry::new());
-        let blind = Scheduler::start(cfg, elsewhere, bus, &tasks).await.unwrap();
-        let e = learn_registered(&blind, &*registry, Duration::from_millis(50)).await;
-        assert!(e.unwrap_err().to_string().contains("did not learn the 2"));
-        tasks.shutdown().await;
-    }
-}
+mod tests;
