@@ -287,3 +287,6 @@ fn make_ops(state: &Arc<SchedulerState>, host: Host) -> Ops {
         Host::Frontend => ops.without_traffic(),
     }
 }
+
+#[cfg(test)]
+mod tests;
