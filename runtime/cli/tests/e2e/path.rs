@@ -60,11 +60,16 @@ async fn a_shared_prefix_is_served_from_cache_with_the_same_tokens() {
     shared_prefix_from_cache(ClusterConfig::ephemeral()).await.shutdown().await;
 }
 
-/// The same, with the frontend asking the scheduler in its own process: the KV events
-/// reach it, it routes by them, and every booking's report reaches it.
+/// The same, with the frontend asking the scheduler in its own process (with the cluster's
+/// token, which its service checks as over gRPC): the KV events reach it, it routes by
+/// them, and every booking's report reaches it.
 #[tokio::test]
 async fn a_frontend_asking_its_scheduler_in_process_routes_by_prefix_as_over_grpc() {
-    let cfg = ClusterConfig { scheduler_in_frontend: true, ..ClusterConfig::ephemeral() };
+    let cfg = ClusterConfig {
+        scheduler_in_frontend: true,
+        token: Some("cluster-secret".into()),
+        ..ClusterConfig::ephemeral()
+    };
     let c = shared_prefix_from_cache(cfg).await;
     assert_eq!(c.frontend.schedulers().addrs(), [handoff::cluster::IN_PROCESS]);
     let since = std::time::Instant::now();
