@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Validates the deploy artifacts offline: helm lint --strict, every values file under
 # helm/handoff/ci rendered with helm template and checked by kubernetes-validate --strict
-# (and yamllint), a values file the schema must refuse, the compose file against the
+# (and yamllint), the scheduler's placement (separate, or in each frontend), a values file
+# the schema must refuse, the compose file against the
 # compose-spec schema, and the Grafana dashboard as JSON. Fails on any error.
 # Tools: scripts/fetch-deploy-tools (run here when they are not on PATH).
 set -euo pipefail
@@ -47,10 +48,23 @@ render() { # values file -> validated manifests
     kubernetes-validate --strict --quiet -k "$KUBE" "$out/rendered.yaml"
 }
 
+placement() { # values file, yes|no: whether its frontends run their scheduler replica
+    helm template ci "$chart" -f "$1" --kube-version "$KUBE" >"$out/placed.yaml"
+    local own=no workload=no
+    grep -q -- '- --scheduler-in-frontend$' "$out/placed.yaml" && own=yes
+    grep -q 'name: ci-handoff-scheduler$' "$out/placed.yaml" && workload=yes
+    echo "frontends run their replica: $own; scheduler workload rendered: $workload"
+    [ "$own" = "$2" ] && [ "$workload" != "$2" ]
+}
+
 for values in "$chart"/ci/*.yaml; do
     check "helm lint --strict ($values)" helm lint --strict "$chart" -f "$values"
     check "helm template + kubernetes-validate --strict ($values)" render "$values"
 done
+check "scheduler.inFrontend: each frontend runs its replica, no scheduler workload" \
+    placement "$chart/ci/in-frontend-values.yaml" yes
+check "by default: a scheduler workload, and frontends that ask it" \
+    placement "$chart/ci/default-values.yaml" no
 refused "values.schema.json refuses broken/bad-values.yaml" \
     helm template ci "$chart" -f helm/broken/bad-values.yaml --kube-version "$KUBE"
 refused "a release without a token" helm template ci "$chart" --kube-version "$KUBE"
