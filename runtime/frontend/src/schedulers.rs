@@ -40,6 +40,14 @@ struct Replica {
     reports: Arc<ReportQueue>,
 }
 
+impl Replica {
+    /// A replica reached through `channel`, not suspect, with no reports waiting.
+    fn new(channel: ReplicaChannel, in_process: bool) -> Self {
+        let client = SchedulerClient::new(channel);
+        Replica { client, in_process, suspect_until: None, reports: Arc::default() }
+    }
+}
+
 /// The scheduler replicas (see the module docs).
 pub struct Schedulers {
     replicas: Mutex<BTreeMap<String, Replica>>,
@@ -122,10 +130,7 @@ impl Schedulers {
         if !map.contains_key(addr) {
             let channel = cluster_channel(addr, self.tls.as_ref(), Duration::from_secs(1))
                 .map_err(|e| FrontendError::Invalid(e.to_string()))?;
-            let client = SchedulerClient::new(channel::remote(channel));
-            let reports = Arc::default();
-            let replica = Replica { client, in_process: false, suspect_until: None, reports };
-            map.insert(addr.to_owned(), replica);
+            map.insert(addr.to_owned(), Replica::new(channel::remote(channel), false));
             info!(scheduler = addr, replicas = map.len(), "scheduler replica added");
         }
         Ok(())
@@ -137,10 +142,7 @@ impl Schedulers {
     pub fn add_in_process(&self, name: &str, channel: ReplicaChannel) {
         let mut map = self.lock();
         if !map.contains_key(name) {
-            let client = SchedulerClient::new(channel);
-            let reports = Arc::default();
-            let replica = Replica { client, in_process: true, suspect_until: None, reports };
-            map.insert(name.to_owned(), replica);
+            map.insert(name.to_owned(), Replica::new(channel, true));
             info!(
                 scheduler = name,
                 replicas = map.len(),
