@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Validates the deploy artifacts offline: helm lint --strict, every values file under
 # helm/handoff/ci rendered with helm template and checked by kubernetes-validate --strict
-# (and yamllint), the scheduler's placement (separate, or in each frontend), a values file
-# the schema must refuse, the compose file against the
+# (and yamllint), the scheduler's placement (separate, or in each frontend), value files
+# the schema or the templates must refuse, the compose file against the
 # compose-spec schema, and the Grafana dashboard as JSON. Fails on any error.
 # Tools: scripts/fetch-deploy-tools (run here when they are not on PATH).
 set -euo pipefail
@@ -67,6 +67,10 @@ check "by default: a scheduler workload, and frontends that ask it" \
     placement "$chart/ci/default-values.yaml" no
 refused "values.schema.json refuses broken/bad-values.yaml" \
     helm template ci "$chart" -f helm/broken/bad-values.yaml --kube-version "$KUBE"
+refused "scheduler.extraArgs with scheduler.inFrontend" \
+    helm template ci "$chart" -f helm/broken/in-frontend-scheduler-args.yaml --kube-version "$KUBE"
+refused "a flag the chart sets, again in frontend.extraArgs, with scheduler.inFrontend" \
+    helm template ci "$chart" -f helm/broken/in-frontend-policy-twice.yaml --kube-version "$KUBE"
 refused "a release without a token" helm template ci "$chart" --kube-version "$KUBE"
 check "compose.yaml against the compose-spec schema" \
     check-jsonschema --builtin-schema vendor.compose-spec compose.yaml

@@ -179,6 +179,14 @@ impl PolicyArgs {
 }
 
 impl FrontendArgs {
+    /// What this frontend listens on, each named for the exposure check: its gRPC, its
+    /// OpenAI API, and its scheduler's operations listener when there is one.
+    pub fn listeners(&self) -> Vec<(&'static str, SocketAddr)> {
+        let mut binds = vec![("the frontend", self.listen), ("the OpenAI API", self.http_listen)];
+        binds.extend(self.scheduler_ops_listen.map(|a| ("its scheduler's metrics", a)));
+        binds
+    }
+
     /// Refuses a scheduler in the frontend without etcd and NATS (it could learn of no
     /// prefill instance), and selection flags without one (nothing would read them).
     pub fn check_own_scheduler(&self) -> anyhow::Result<()> {

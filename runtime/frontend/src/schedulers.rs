@@ -41,8 +41,18 @@ struct Replica {
 }
 
 impl Replica {
-    /// A replica reached through `channel`, not suspect, with no reports waiting.
-    fn new(channel: ReplicaChannel, in_process: bool) -> Self {
+    /// A replica at an address, reached through `channel` ([`channel::remote`]).
+    fn remote(channel: ReplicaChannel) -> Self {
+        Self::reached(channel, false)
+    }
+
+    /// A replica in this process, reached through `channel` ([`channel::in_process`]).
+    fn in_process(channel: ReplicaChannel) -> Self {
+        Self::reached(channel, true)
+    }
+
+    /// Not suspect, with no reports waiting.
+    fn reached(channel: ReplicaChannel, in_process: bool) -> Self {
         let client = SchedulerClient::new(channel);
         Replica { client, in_process, suspect_until: None, reports: Arc::default() }
     }
@@ -130,7 +140,7 @@ impl Schedulers {
         if !map.contains_key(addr) {
             let channel = cluster_channel(addr, self.tls.as_ref(), Duration::from_secs(1))
                 .map_err(|e| FrontendError::Invalid(e.to_string()))?;
-            map.insert(addr.to_owned(), Replica::new(channel::remote(channel), false));
+            map.insert(addr.to_owned(), Replica::remote(channel::remote(channel)));
             info!(scheduler = addr, replicas = map.len(), "scheduler replica added");
         }
         Ok(())
@@ -142,7 +152,7 @@ impl Schedulers {
     pub fn add_in_process(&self, name: &str, channel: ReplicaChannel) {
         let mut map = self.lock();
         if !map.contains_key(name) {
-            map.insert(name.to_owned(), Replica::new(channel, true));
+            map.insert(name.to_owned(), Replica::in_process(channel));
             info!(
                 scheduler = name,
                 replicas = map.len(),

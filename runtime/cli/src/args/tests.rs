@@ -82,3 +82,37 @@ fn up_runs_one_scheduler_in_its_frontend_not_several() {
         other => panic!("parsed as {other:?}"),
     }
 }
+
+/// The arguments the Helm chart gives a frontend with `scheduler.inFrontend` (and etcd and
+/// NATS from its environment) parse, and its scheduler's operations listener on every
+/// interface is refused without the cluster token, as the frontend's own are.
+#[test]
+fn the_charts_in_frontend_arguments_parse_and_their_ops_listener_needs_the_token() {
+    let chart = [
+        "--listen=0.0.0.0:50051",
+        "--http-listen=0.0.0.0:8080",
+        "--advertise-host=10.0.0.7",
+        "--transfer-bind=10.0.0.7",
+        "--drain-secs=30",
+        "--transfer=tcp",
+        "--engine=mock",
+        "--decode-tp=1",
+        "--scheduler-in-frontend",
+        "--policy=prefix-hash",
+        "--scheduler-ops-listen=0.0.0.0:9091",
+        "--etcd=http://etcd:2379",
+        "--nats=nats://nats:4222",
+    ];
+    let mut a = frontend(&chart).unwrap();
+    a.check_own_scheduler().unwrap();
+    assert_eq!(a.policy.config().default_policy, PolicyKind::PrefixHash);
+    // Whatever the environment says: no token, no TLS, not --insecure.
+    (a.discovery.token, a.discovery.tls_cert, a.discovery.insecure) = (None, None, false);
+    let e = crate::cmd::check_exposure(&a.discovery, &a.listeners()).unwrap_err().to_string();
+    assert!(e.contains("its scheduler's metrics on 0.0.0.0:9091"), "{e}");
+    a.scheduler_ops_listen = Some("127.0.0.1:9091".parse().unwrap());
+    let e = crate::cmd::check_exposure(&a.discovery, &a.listeners()).unwrap_err().to_string();
+    assert!(!e.contains("its scheduler's metrics"), "{e}");
+    a.discovery.token = Some("the cluster's".into());
+    crate::cmd::check_exposure(&a.discovery, &a.listeners()).unwrap();
+}

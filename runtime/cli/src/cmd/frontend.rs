@@ -31,9 +31,7 @@ async fn await_scheduler(fe: &Frontend) -> anyhow::Result<()> {
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     args.check_own_scheduler()?;
-    let mut binds = vec![("the frontend", args.listen), ("the OpenAI API", args.http_listen)];
-    binds.extend(args.scheduler_ops_listen.map(|a| ("its scheduler's metrics", a)));
-    crate::cmd::check_exposure(&args.discovery, &binds)?;
+    crate::cmd::check_exposure(&args.discovery, &args.listeners())?;
     crate::cmd::check_advertised("--advertise-host", &args.advertise_host)?;
     if let Some(t) = &args.discovery.transfer_advertise {
         crate::cmd::check_advertised("--transfer-advertise", t)?;

@@ -78,6 +78,8 @@ impl Region {
 /// resident.
 const POPULATE_MAX: usize = 64 << 20;
 
+/// The page size this probing assumes. On a kernel with larger pages nothing is populated
+/// (the writes fault the pages in): `mincore`'s answer would be a byte per larger page.
 const PAGE: usize = 4096;
 
 /// Pages asked about in one `mincore` call (its answer is a byte per page, on the stack).
@@ -89,12 +91,13 @@ const PROBE_PAGES: usize = 1024;
 ///
 /// Most regions reuse memory the allocator already has in place: populating that anyway
 /// walks every page's table entry for nothing (8 % of a 12 MB tcp transfer's CPU). So each
-/// stretch of [`PROBE_PAGES`] pages is asked with `mincore` first (a byte per page), and
-/// only the span from its first missing page to its last is populated. A kernel without
-/// `MADV_POPULATE_WRITE` (before 5.14), or with pages larger than 4 KiB where the range is
-/// not aligned to them, refuses, and leaves the pages to the writes.
+/// stretch of [`PROBE_PAGES`] pages is asked with `mincore` first, and only the span from
+/// its first page not resident to its last is populated; the whole stretch when `mincore`
+/// fails. Resident is not quite "written": a page shared until written (the zero page, after
+/// a fork) still faults once, as it did before. A kernel without `MADV_POPULATE_WRITE`
+/// (before 5.14) refuses, and leaves the pages to the writes.
 fn populate(bytes: &mut [MaybeUninit<u8>]) -> usize {
-    if bytes.len() > POPULATE_MAX {
+    if bytes.len() > POPULATE_MAX || !pages_are_4k() {
         return 0;
     }
     let start = bytes.as_mut_ptr() as usize;
@@ -105,32 +108,51 @@ fn populate(bytes: &mut [MaybeUninit<u8>]) -> usize {
         let len = (end - at).min(PROBE_PAGES * PAGE);
         let stretch = bytes.as_mut_ptr().wrapping_byte_add(at - start).cast::<std::ffi::c_void>();
         let mut resident = [0u8; PROBE_PAGES];
-        // SAFETY: `at..at + len` lies within `bytes` and is page-aligned; `resident` has a
-        // byte for each of its pages. `mincore` only reads the page tables.
-        let answered = unsafe { nix::libc::mincore(stretch, len, resident.as_mut_ptr()) } == 0;
-        let missing =
-            if answered { missing_span(&resident[..len / PAGE]) } else { Some(0..len / PAGE) };
+        let missing = match ask_resident(stretch, len, &mut resident) {
+            true => missing_span(&resident[..len / PAGE]),
+            false => Some(0..len / PAGE),
+        };
         if let Some(pages) = missing {
-            let from = stretch.wrapping_byte_add(pages.start * PAGE);
             let n = pages.len() * PAGE;
-            if let Some(addr) = std::ptr::NonNull::new(from) {
-                // SAFETY: the span lies within `bytes`, memory this region owns and nothing
-                // else can reach; populating it changes no byte anything may read (it is
-                // uninitialized). An older kernel answers EINVAL: the writes fault the pages
-                // in then.
-                let _ = unsafe {
-                    nix::sys::mman::madvise(
-                        addr,
-                        n,
-                        nix::sys::mman::MmapAdvise::MADV_POPULATE_WRITE,
-                    )
-                };
-                asked += n;
-            }
+            populate_write(stretch.wrapping_byte_add(pages.start * PAGE), n);
+            asked += n;
         }
         at += len;
     }
     asked
+}
+
+/// Whether the kernel's pages are [`PAGE`] bytes (asked once).
+fn pages_are_4k() -> bool {
+    static FOURK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    // SAFETY: `sysconf` only reads a system setting.
+    *FOURK.get_or_init(|| unsafe { nix::libc::sysconf(nix::libc::_SC_PAGESIZE) } == PAGE as i64)
+}
+
+/// Fills `resident` with `mincore`'s answer for the `len` bytes (page-aligned, at most
+/// [`PROBE_PAGES`] pages) at `stretch`, a byte per page; false when it failed.
+fn ask_resident(
+    stretch: *mut std::ffi::c_void,
+    len: usize,
+    resident: &mut [u8; PROBE_PAGES],
+) -> bool {
+    debug_assert!(len <= PROBE_PAGES * PAGE && len.is_multiple_of(PAGE));
+    debug_assert!((stretch as usize).is_multiple_of(PAGE));
+    // SAFETY: the caller passes a page-aligned range of memory it owns, of at most
+    // `PROBE_PAGES` pages, and `resident` has a byte for each; `mincore` only reads the page
+    // tables.
+    unsafe { nix::libc::mincore(stretch, len, resident.as_mut_ptr()) == 0 }
+}
+
+/// Faults in the `n` bytes at `from`, within a region's buffer, for writing.
+fn populate_write(from: *mut std::ffi::c_void, n: usize) {
+    let Some(addr) = std::ptr::NonNull::new(from) else { return };
+    // SAFETY: the span lies within a region's buffer, memory the region owns and nothing else
+    // can reach; populating it changes no byte anything may read (it is uninitialized). An
+    // older kernel answers EINVAL: the writes fault the pages in then.
+    let _ = unsafe {
+        nix::sys::mman::madvise(addr, n, nix::sys::mman::MmapAdvise::MADV_POPULATE_WRITE)
+    };
 }
 
 /// The pages from the first not resident to the last, by `mincore`'s answer (bit 0 of each
@@ -203,7 +225,8 @@ mod tests {
     }
 
     /// Fresh memory is populated whole; then, resident, not again; a stretch given back is
-    /// populated alone, across a probe's boundary.
+    /// populated alone, across a probe's boundary; a slice not aligned to pages, its whole
+    /// pages. Needs `MADV_POPULATE_WRITE` (Linux 5.14), as every machine of this project has.
     #[test]
     fn only_pages_not_resident_are_populated() {
         let pages = PROBE_PAGES + 8;
@@ -220,7 +243,7 @@ mod tests {
         assert_eq!(populate(bytes), len.get(), "nothing of a fresh mapping is resident");
         assert_eq!(populate(bytes), 0, "every page is resident now");
         let back = PROBE_PAGES - 2;
-        let given = map.as_ptr().wrapping_byte_add(back * PAGE);
+        let given = bytes.as_mut_ptr().wrapping_byte_add(back * PAGE).cast();
         // SAFETY: four pages within the mapping, whose bytes nothing reads.
         let dropped = unsafe {
             nix::sys::mman::madvise(
@@ -231,6 +254,13 @@ mod tests {
         };
         dropped.unwrap();
         assert_eq!(populate(bytes), 4 * PAGE, "the four pages given back, in two probes");
+        // SAFETY: all of the mapping's pages, whose bytes nothing reads.
+        let dropped = unsafe {
+            nix::sys::mman::madvise(map, len.get(), nix::sys::mman::MmapAdvise::MADV_DONTNEED)
+        };
+        dropped.unwrap();
+        let inner = &mut bytes[100..len.get() - 100];
+        assert_eq!(populate(inner), (pages - 2) * PAGE, "the whole pages within a slice");
         // SAFETY: the mapping made above, no longer referred to.
         unsafe { nix::sys::mman::munmap(map, len.get()) }.unwrap();
     }
