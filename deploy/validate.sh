@@ -71,6 +71,8 @@ refused "scheduler.extraArgs with scheduler.inFrontend" \
     helm template ci "$chart" -f helm/broken/in-frontend-scheduler-args.yaml --kube-version "$KUBE"
 refused "a flag the chart sets, again in frontend.extraArgs, with scheduler.inFrontend" \
     helm template ci "$chart" -f helm/broken/in-frontend-policy-twice.yaml --kube-version "$KUBE"
+refused "a scheduler address in frontend.extraArgs, with scheduler.inFrontend" \
+    helm template ci "$chart" -f helm/broken/in-frontend-scheduler-elsewhere.yaml --kube-version "$KUBE"
 refused "a release without a token" helm template ci "$chart" --kube-version "$KUBE"
 check "compose.yaml against the compose-spec schema" \
     check-jsonschema --builtin-schema vendor.compose-spec compose.yaml

@@ -226,7 +226,8 @@ mod tests {
 
     /// Fresh memory is populated whole; then, resident, not again; a stretch given back is
     /// populated alone, across a probe's boundary; a slice not aligned to pages, its whole
-    /// pages. Needs `MADV_POPULATE_WRITE` (Linux 5.14), as every machine of this project has.
+    /// pages. Needs `MADV_POPULATE_WRITE` (Linux 5.14) and 4 KiB pages, as every machine of this
+    /// project has.
     #[test]
     fn only_pages_not_resident_are_populated() {
         let pages = PROBE_PAGES + 8;
