@@ -109,6 +109,25 @@ pub struct Instance {
     pub engine: Option<Box<EngineEndpoints>>,
 }
 
+impl Instance {
+    /// A fixture for tests and benches: `id` in `role`, serving the model `mock` at loopback
+    /// addresses nothing listens on (bootstrap port 1, gRPC port 2), one rank of each kind,
+    /// pages of 16 tokens, version 1. Change fields with struct update syntax.
+    pub fn fixture(id: InstanceId, role: Role) -> Instance {
+        Instance {
+            id,
+            role,
+            model: "mock".into(),
+            bootstrap_addr: "127.0.0.1:1".into(),
+            grpc_addr: "127.0.0.1:2".into(),
+            topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+            page_size: 16,
+            version: 1,
+            engine: None,
+        }
+    }
+}
+
 /// A change in the set of instances of one role.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Update {

@@ -1,18 +1,7 @@
 use super::*;
-use crate::Topology;
 
 fn inst(id: &str, role: Role) -> Instance {
-    Instance {
-        id: id.parse().unwrap(),
-        role,
-        model: "mock".into(),
-        bootstrap_addr: "127.0.0.1:1".into(),
-        grpc_addr: "127.0.0.1:2".into(),
-        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-        page_size: 16,
-        version: 1,
-        engine: None,
-    }
+    Instance::fixture(id.parse().unwrap(), role)
 }
 
 #[tokio::test]

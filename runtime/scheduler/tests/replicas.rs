@@ -6,20 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_core::{Tasks, block_hashes};
-use handoff_discovery::{EventBus, Instance, MemoryBus, MemoryRegistry, Registry, Role, Topology};
+use handoff_discovery::{EventBus, Instance, MemoryBus, MemoryRegistry, Registry, Role};
 use handoff_scheduler::{Scheduler, SchedulerConfig};
 
 fn inst(id: &str) -> Instance {
     Instance {
-        id: id.parse().unwrap(),
-        role: Role::Prefill,
-        model: "mock".into(),
         bootstrap_addr: format!("{id}:1"),
         grpc_addr: format!("{id}:2"),
-        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-        page_size: 16,
-        version: 1,
-        engine: None,
+        ..Instance::fixture(id.parse().unwrap(), Role::Prefill)
     }
 }
 

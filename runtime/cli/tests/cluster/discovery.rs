@@ -5,24 +5,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use handoff_core::Tasks;
-use handoff_discovery::{
-    EtcdRegistry, EventBus, Instance, NatsBus, Registry, Role, Topology, Update,
-};
+use handoff_discovery::{EtcdRegistry, EventBus, Instance, NatsBus, Registry, Role, Update};
 
 use super::servers::Server;
 
 pub(crate) fn inst(id: &str) -> Instance {
-    Instance {
-        id: id.parse().unwrap(),
-        role: Role::Prefill,
-        model: "mock".into(),
-        bootstrap_addr: "127.0.0.1:1".into(),
-        grpc_addr: "127.0.0.1:2".into(),
-        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-        page_size: 16,
-        version: 1,
-        engine: None,
-    }
+    Instance::fixture(id.parse().unwrap(), Role::Prefill)
 }
 
 async fn next(w: &mut futures::stream::BoxStream<'static, Update>, within: Duration) -> Update {

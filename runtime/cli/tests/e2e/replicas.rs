@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_core::block_hashes;
-use handoff_discovery::{Instance, Role, Topology, Update};
+use handoff_discovery::{Instance, Role, Update};
 use handoff_frontend::Schedulers;
 use handoff_frontend::schedulers::SelectFailure;
 use handoff_proto::v1::SelectPrefillRequest;
@@ -37,20 +37,8 @@ async fn replica_with_state(
 /// A scheduler replica's state knowing `instances`, served nowhere.
 fn state_knowing(instances: &[&str]) -> Arc<SchedulerState> {
     let state = Arc::new(SchedulerState::new(SchedulerConfig::default()));
-    let all = instances
-        .iter()
-        .map(|id| Instance {
-            id: id.parse().unwrap(),
-            role: Role::Prefill,
-            model: "mock".into(),
-            bootstrap_addr: "127.0.0.1:1".into(),
-            grpc_addr: "127.0.0.1:2".into(),
-            topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-            page_size: 16,
-            version: 1,
-            engine: None,
-        })
-        .collect();
+    let all =
+        instances.iter().map(|id| Instance::fixture(id.parse().unwrap(), Role::Prefill)).collect();
     state.apply_update(Update::Reset(all));
     state
 }

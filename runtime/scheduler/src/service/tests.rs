@@ -1,4 +1,4 @@
-use handoff_discovery::{Instance, Role, Topology, Update};
+use handoff_discovery::{Instance, Role, Update};
 
 use super::*;
 use crate::SchedulerConfig;
@@ -10,15 +10,9 @@ fn booked(n: usize) -> (SchedulerService, Vec<u64>) {
 fn booked_with(n: usize, cfg: SchedulerConfig) -> (SchedulerService, Vec<u64>) {
     let state = Arc::new(SchedulerState::new(cfg));
     state.apply_update(Update::Reset(vec![Instance {
-        id: "p0".parse().unwrap(),
-        role: Role::Prefill,
-        model: "mock".into(),
         bootstrap_addr: "p0:1".into(),
         grpc_addr: "p0:2".into(),
-        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-        page_size: 16,
-        version: 1,
-        engine: None,
+        ..Instance::fixture("p0".parse().unwrap(), Role::Prefill)
     }]));
     let bookings = (0..n).map(|_| state.select(&Ask::new(&[BlockHash(1)], 16)).unwrap().booking.0);
     let bookings = bookings.collect();

@@ -6,15 +6,10 @@ use crate::SchedulerError;
 
 pub(super) fn inst(id: &str, dp: u32) -> Instance {
     Instance {
-        id: id.parse().unwrap(),
-        role: Role::Prefill,
-        model: "mock".into(),
         bootstrap_addr: format!("{id}:1"),
         grpc_addr: format!("{id}:2"),
         topology: Topology { dp, tp: 1, pp: 1, cp: 1 },
-        page_size: 16,
-        version: 1,
-        engine: None,
+        ..Instance::fixture(id.parse().unwrap(), Role::Prefill)
     }
 }
 

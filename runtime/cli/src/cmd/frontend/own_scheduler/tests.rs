@@ -1,19 +1,9 @@
-use handoff_discovery::{Instance, MemoryBus, MemoryRegistry, Topology};
+use handoff_discovery::{Instance, MemoryBus, MemoryRegistry};
 
 use super::*;
 
 fn prefill(id: &str) -> Instance {
-    Instance {
-        id: id.parse().unwrap(),
-        role: Role::Prefill,
-        model: "mock".into(),
-        bootstrap_addr: "127.0.0.1:1".into(),
-        grpc_addr: "127.0.0.1:2".into(),
-        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-        page_size: 16,
-        version: 1,
-        engine: None,
-    }
+    Instance::fixture(id.parse().unwrap(), Role::Prefill)
 }
 
 /// The wait ends when the replica knows the registered prefills, fails when it cannot learn
