@@ -26,7 +26,7 @@ use handoff_benches::path::process_cpu;
 use handoff_core::tls::ClusterTls;
 use handoff_core::tls::test_certs::TestCa;
 use handoff_core::{Room, Tasks};
-use handoff_transfer::{Agent, ConnectRequest, InboxConfig, SenderId, TransferKind, WriteRequest};
+use handoff_transfer::{Agent, ConnectRequest, InboxConfig, SenderId, TransferKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -54,7 +54,8 @@ fn tcp(tls: Option<ClusterTls>, shared_memory: bool) -> TransferKind {
 }
 
 /// One region of `len` bytes in runs of at most `RUN`: the receiver's handshake, the write
-/// and its verification, as the request path does them; returns bytes.
+/// and its verification, as the request path does them (a prefill rank's streamed write,
+/// here posted in one part); returns bytes.
 async fn one(tx: &Agent, rx: &Agent, data: &[Bytes], len: usize, token: Option<&str>) -> usize {
     let room = Room::mint();
     let s = SenderId::new(0, 0);
@@ -81,8 +82,9 @@ async fn one(tx: &Agent, rx: &Agent, data: &[Bytes], len: usize, token: Option<&
             Some((b.clone(), off))
         })
         .collect();
-    let w = WriteRequest::new(id, pairs, room, s, 1, 1, 0);
-    tx.post_write(&rx.addr(), w).await.expect("write");
+    let mut w = tx.open_write(&rx.addr(), id, s).await.expect("a write opens");
+    w.post(pairs).await.expect("write");
+    w.finish(room, 1, 1, 0).await.expect("notice");
     let got = rx.inbox().wait(id, deadline).await.expect("verified");
     got.buf.len()
 }

@@ -44,7 +44,7 @@ pub use error::TransferError;
 pub use fake::{FakeNetwork, FakeTransfer};
 pub use faulty::{Fault, FaultSwitch, FaultyTransfer};
 pub use inbox::{Inbox, InboxConfig, Received};
-pub use stream::{StreamConn, WriteStream};
+pub use stream::{StreamConn, Tally, WriteStream};
 pub use tcp::TcpTransfer;
 
 /// A transfer endpoint, as a bootstrap directory publishes it (`rank_ip`, `rank_port`).
@@ -172,12 +172,11 @@ impl WriteRequest {
         tokens: u32,
         cached_tokens: u32,
     ) -> Self {
-        let mut checksum = 0u64;
-        let mut bytes = 0u64;
-        for (b, off) in pairs.iter().filter(|(b, _)| !b.is_empty()) {
-            checksum = checksum.wrapping_add(inbox::placement::segment_digest(*off, b));
-            bytes += b.len() as u64;
+        let mut tally = Tally::default();
+        for (b, off) in &pairs {
+            tally.add(*off, b);
         }
+        let Tally { bytes, checksum } = tally;
         let notice = Notice { room, sender, first_token, tokens, cached_tokens, bytes, checksum };
         WriteRequest { region, sender, pairs, notice: Some(notice) }
     }

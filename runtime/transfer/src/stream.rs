@@ -9,6 +9,10 @@
 //! [`TransferBackend::posts_parts`] (mooncake, nixl, fake): each part is a write of its own, the
 //! notice comes alone at the end. The others hold the parts and post them in one write at
 //! the end (the same bytes, verified the same way, without the overlap).
+//!
+//! The notice's sums ([`Tally`]) are taken as the bytes go: a backend with its own stream
+//! connection adds each pair just before sending it, so the receiver works on the first pair
+//! while the sender hashes the next, and the copy that sends a pair finds it in cache.
 
 use std::sync::Arc;
 
@@ -16,23 +20,58 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use handoff_core::Room;
 
+use xxhash_rust::xxh3::Xxh3;
+
 use crate::inbox::placement::segment_digest;
 use crate::{AgentAddr, Notice, RegionId, SenderId, TransferBackend, TransferError, WriteRequest};
 
 /// A connection a backend dedicates to one streamed write.
 #[async_trait]
 pub trait StreamConn: Send {
-    /// Sends `pairs` (source bytes, destination offset) into `region` as `sender`'s.
+    /// Sends `pairs` (source bytes, destination offset) into `region` as `sender`'s, adding
+    /// each pair to `tally` just before its bytes go out.
     async fn post(
         &mut self,
         region: RegionId,
         sender: SenderId,
         pairs: &[(Bytes, u64)],
+        tally: &mut Tally,
     ) -> Result<(), TransferError>;
 
     /// Sends the notice and returns once the receiver has verified it (or rejected it).
     async fn finish(self: Box<Self>, region: RegionId, notice: Notice)
     -> Result<(), TransferError>;
+}
+
+/// The byte count and checksum a write's notice carries, summed segment by segment (see
+/// [`Notice::checksum`]); in any order, as the receiver sums them.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Tally {
+    /// Bytes of the segments added.
+    pub bytes: u64,
+    /// The wrapping sum of their digests.
+    pub checksum: u64,
+}
+
+impl Tally {
+    /// Adds the segment of `bytes` at `offset` (nothing, when it is empty: an empty segment
+    /// is never hashed by the receiver either).
+    pub fn add(&mut self, offset: u64, bytes: &[u8]) {
+        if !bytes.is_empty() {
+            self.checksum = self.checksum.wrapping_add(segment_digest(offset, bytes));
+            self.bytes += bytes.len() as u64;
+        }
+    }
+
+    /// Adds a segment of `len` bytes hashed in chunks as it went out: `hasher` began as
+    /// [`crate::inbox::placement::segment_hasher`] of its offset and `len`, and was fed every
+    /// byte in order.
+    pub(crate) fn add_hashed(&mut self, len: usize, hasher: Xxh3) {
+        if len > 0 {
+            self.checksum = self.checksum.wrapping_add(hasher.digest());
+            self.bytes += len as u64;
+        }
+    }
 }
 
 /// A streamed write (see the module docs).
@@ -44,8 +83,7 @@ pub struct WriteStream {
     conn: Option<Box<dyn StreamConn>>,
     /// Parts held for one write at the end (backends without [`StreamConn`]).
     held: Vec<(Bytes, u64)>,
-    bytes: u64,
-    checksum: u64,
+    tally: Tally,
 }
 
 impl std::fmt::Debug for WriteStream {
@@ -54,7 +92,7 @@ impl std::fmt::Debug for WriteStream {
             .field("peer", &self.peer)
             .field("region", &self.region)
             .field("streamed", &self.conn.is_some())
-            .field("bytes", &self.bytes)
+            .field("bytes", &self.tally.bytes)
             .finish()
     }
 }
@@ -75,30 +113,26 @@ impl WriteStream {
             sender,
             conn,
             held: Vec::new(),
-            bytes: 0,
-            checksum: 0,
+            tally: Tally::default(),
         })
     }
 
     /// Posts `pairs` (source bytes, destination offset): sent at once when the backend
-    /// streams, else held for the end.
+    /// streams (and summed as they go), else summed now and held for the end.
     pub async fn post(&mut self, pairs: Vec<(Bytes, u64)>) -> Result<(), TransferError> {
-        for (b, off) in pairs.iter().filter(|(b, _)| !b.is_empty()) {
-            self.checksum = self.checksum.wrapping_add(segment_digest(*off, b));
-            self.bytes += b.len() as u64;
+        if let Some(c) = &mut self.conn {
+            return c.post(self.region, self.sender, &pairs, &mut self.tally).await;
         }
-        match &mut self.conn {
-            Some(c) => c.post(self.region, self.sender, &pairs).await,
-            None if self.backend.posts_parts() => {
-                let (region, sender) = (self.region, self.sender);
-                let part = WriteRequest { region, sender, pairs, notice: None };
-                self.backend.post_write(&self.peer, part).await
-            }
-            None => {
-                self.held.extend(pairs);
-                Ok(())
-            }
+        for (b, off) in &pairs {
+            self.tally.add(*off, b);
         }
+        if self.backend.posts_parts() {
+            let (region, sender) = (self.region, self.sender);
+            let part = WriteRequest { region, sender, pairs, notice: None };
+            return self.backend.post_write(&self.peer, part).await;
+        }
+        self.held.extend(pairs);
+        Ok(())
     }
 
     /// Closes the write with its notice (room, first token, token counts; bytes and checksum
@@ -116,8 +150,8 @@ impl WriteStream {
             first_token,
             tokens,
             cached_tokens,
-            bytes: self.bytes,
-            checksum: self.checksum,
+            bytes: self.tally.bytes,
+            checksum: self.tally.checksum,
         };
         match self.conn {
             Some(c) => c.finish(self.region, notice).await,

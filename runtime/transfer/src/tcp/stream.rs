@@ -12,7 +12,7 @@ use tokio::io::{AsyncWriteExt, BufWriter};
 
 use super::pool::{ClientIo, Idle, broke_earlier, io_err, read_ack, reusable};
 use super::{TcpTransfer, wire};
-use crate::{AgentAddr, Notice, RegionId, SenderId, StreamConn, TransferError};
+use crate::{AgentAddr, Notice, RegionId, SenderId, StreamConn, Tally, TransferError};
 
 /// One streamed write's connection.
 pub(super) struct TcpStreamConn {
@@ -43,6 +43,7 @@ impl StreamConn for TcpStreamConn {
         region: RegionId,
         sender: SenderId,
         pairs: &[(Bytes, u64)],
+        tally: &mut Tally,
     ) -> Result<(), TransferError> {
         let (peer, max_frame, within) = (self.peer.clone(), self.max_frame, self.io_timeout);
         // Out while it is written: a post abandoned midway leaves no connection behind with
@@ -50,7 +51,7 @@ impl StreamConn for TcpStreamConn {
         let Some(mut s) = self.conn.take() else { return Err(broke_earlier(&self.peer)) };
         let send = async {
             let mut w = BufWriter::with_capacity(wire::BUFFERED, &mut s);
-            wire::write_pairs(&mut w, region, sender, pairs, max_frame).await?;
+            wire::write_pairs(&mut w, region, sender, pairs, max_frame, Some(tally)).await?;
             w.flush().await
         };
         let res = match tokio::time::timeout(within, send).await {

@@ -16,7 +16,11 @@ use super::super::receive::SharedPiece;
 use super::super::wire;
 use super::ShmPool;
 use super::window::{HALF, Window};
-use crate::{AgentAddr, Notice, RegionId, SenderId, StreamConn, TransferError, WriteRequest};
+use crate::inbox::PIECE;
+use crate::inbox::placement::segment_hasher;
+use crate::{
+    AgentAddr, Notice, RegionId, SenderId, StreamConn, Tally, TransferError, WriteRequest,
+};
 
 /// A sender's connection to one receiver's shm listener (see the module docs).
 #[derive(Debug)]
@@ -49,12 +53,15 @@ impl ShmConn {
     }
 
     /// Copies `pairs` into the window half by half, each half sent as a shared write once
-    /// full, and the last at the end. Returns with up to two halves still being landed.
+    /// full, and the last at the end. Returns with up to two halves still being landed. With
+    /// a `tally`, adds each pair to it, hashed a piece at a time just before the piece is
+    /// copied.
     pub(crate) async fn post(
         &mut self,
         region: RegionId,
         sender: SenderId,
         pairs: &[(Bytes, u64)],
+        mut tally: Option<&mut Tally>,
     ) -> Result<(), TransferError> {
         let mut pieces: Vec<SharedPiece> = Vec::new();
         let mut used = 0usize;
@@ -62,6 +69,7 @@ impl ShmConn {
             let len = u32::try_from(b.len()).map_err(|_| {
                 TransferError::Malformed(format!("a pair of {} bytes (at most 4 GiB)", b.len()))
             })?;
+            let mut sum = tally.is_some().then(|| segment_hasher(*off, b.len() as u64));
             let mut at = 0usize;
             while at < b.len() {
                 if used == HALF {
@@ -72,10 +80,18 @@ impl ShmConn {
                     self.claim().await?;
                 }
                 let n = (b.len() - at).min(HALF - used);
-                self.window.fill(self.next, used, &b[at..at + n])?;
+                for (k, piece) in b[at..at + n].chunks(PIECE).enumerate() {
+                    if let Some(h) = &mut sum {
+                        h.update(piece);
+                    }
+                    self.window.fill(self.next, used + k * PIECE, piece)?;
+                }
                 pieces.push(SharedPiece { off: *off, len, at: at as u32, n: n as u32 });
                 used += n;
                 at += n;
+            }
+            if let (Some(t), Some(h)) = (tally.as_deref_mut(), sum) {
+                t.add_hashed(b.len(), h);
             }
         }
         if used > 0 {
@@ -147,7 +163,7 @@ impl ShmConn {
     /// notice it returns once the bytes are handed over, as a tcp write does, with up to two
     /// halves still being landed: their acks are read by whoever uses the connection next.
     pub(crate) async fn write(&mut self, req: &WriteRequest) -> Result<(), TransferError> {
-        self.post(req.region, req.sender, &req.pairs).await?;
+        self.post(req.region, req.sender, &req.pairs, None).await?;
         match &req.notice {
             Some(n) => self.finish(req.region, n).await,
             None => Ok(()),
@@ -188,12 +204,16 @@ impl StreamConn for ShmStream {
         region: RegionId,
         sender: SenderId,
         pairs: &[(Bytes, u64)],
+        tally: &mut Tally,
     ) -> Result<(), TransferError> {
         let Some(mut c) = self.conn.take() else { return Err(broke_earlier(&self.peer)) };
-        let res = match tokio::time::timeout(self.io_timeout, c.post(region, sender, pairs)).await {
-            Ok(r) => r,
-            Err(_) => Err(TransferError::Timeout(format!("streamed write to {}", self.peer))),
-        };
+        let res =
+            match tokio::time::timeout(self.io_timeout, c.post(region, sender, pairs, Some(tally)))
+                .await
+            {
+                Ok(r) => r,
+                Err(_) => Err(TransferError::Timeout(format!("streamed write to {}", self.peer))),
+            };
         if res.is_ok() {
             self.conn = Some(c);
         }

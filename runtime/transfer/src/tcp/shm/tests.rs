@@ -8,7 +8,9 @@ use tokio::time::Instant;
 
 use super::super::TcpConfig;
 use super::*;
-use crate::{InboxConfig, KvPoll, SenderId, TcpTransfer, TransferBackend, WriteRequest};
+use crate::{
+    InboxConfig, KvPoll, Notice, SenderId, Tally, TcpTransfer, TransferBackend, WriteRequest,
+};
 
 struct Ends {
     tasks: Tasks,
@@ -92,7 +94,8 @@ async fn a_streamed_write_lands_its_parts_as_posted() {
     let (room, s) = (Room::mint(), SenderId::new(0, 0));
     let id = e.rx_inbox.register_region(room, len, [(s, whole(len))]).unwrap();
     let mut stream = e.tx.open_stream(&e.rx.local_addr()).await.unwrap().expect("a stream");
-    stream.post(id, s, &pairs[..1]).await.unwrap();
+    let mut tally = Tally::default();
+    stream.post(id, s, &pairs[..1], &mut tally).await.unwrap();
     // The first part is landed before the rest is posted.
     let first = tokio::time::timeout(Duration::from_secs(5), async {
         while e.rx_inbox.poll(id) != KvPoll::Transferring {
@@ -100,9 +103,12 @@ async fn a_streamed_write_lands_its_parts_as_posted() {
         }
     });
     first.await.expect("the first part lands on its own");
-    stream.post(id, s, &pairs[1..]).await.unwrap();
+    stream.post(id, s, &pairs[1..], &mut tally).await.unwrap();
+    // Summed piece by piece as the parts went out (one spans both halves), as summed whole.
     let notice = WriteRequest::new(id, pairs.clone(), room, s, 5, 1, 0).notice.unwrap();
-    stream.finish(id, notice).await.unwrap();
+    assert_eq!((tally.bytes, tally.checksum), (notice.bytes, notice.checksum));
+    let summed = Notice { bytes: tally.bytes, checksum: tally.checksum, ..notice };
+    stream.finish(id, summed).await.unwrap();
     let got = e.rx_inbox.wait(id, deadline()).await.unwrap();
     assert_eq!(got.buf, pairs.iter().flat_map(|(b, _)| b.to_vec()).collect::<Vec<u8>>());
     assert_eq!(idle_shm(&e.tx), 1, "the stream went over a shm connection, now idle");
@@ -133,7 +139,7 @@ async fn the_notice_follows_the_shared_writes_without_waiting_for_their_acks() {
         frames.len()
     };
     let sender = async {
-        conn.post(region, s, &pairs).await?;
+        conn.post(region, s, &pairs, None).await?;
         conn.finish(region, &notice).await
     };
     let (frames, sent) = tokio::join!(receiver, sender);

@@ -1,5 +1,6 @@
-//! Streamed writes over tcp: parts land as they are posted, one notice verifies the whole,
-//! and a stream that leaves bytes out is refused at its notice.
+//! Streamed writes over tcp's sockets (the same-host shm path is off here; `shm::tests` has
+//! its streams): parts land as they are posted, one notice verifies the whole, and a stream
+//! that leaves bytes out is refused at its notice.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,16 +9,23 @@ use bytes::Bytes;
 use handoff_core::{Room, Tasks};
 use tokio::time::Instant;
 
+use super::super::TcpConfig;
 use crate::{
     Agent, FaultSwitch, FaultyTransfer, Inbox, InboxConfig, KvPoll, SenderId, TcpTransfer,
     TransferBackend, TransferError,
 };
 
 async fn agent(tasks: &Tasks) -> (Agent, Arc<dyn TransferBackend>) {
+    agent_with(tasks, false).await
+}
+
+/// A tcp agent on loopback; with `shared_memory`, writes to its peers here go through shm.
+async fn agent_with(tasks: &Tasks, shared_memory: bool) -> (Agent, Arc<dyn TransferBackend>) {
     let inbox = Arc::new(Inbox::new(InboxConfig::default()));
     let addr = "127.0.0.1:0".parse().unwrap();
+    let cfg = TcpConfig { shared_memory, ..Default::default() };
     let t: Arc<dyn TransferBackend> =
-        Arc::new(TcpTransfer::bind(addr, inbox.clone(), Default::default(), tasks).await.unwrap());
+        Arc::new(TcpTransfer::bind(addr, inbox.clone(), cfg, tasks).await.unwrap());
     (Agent::new(t.clone(), inbox), t)
 }
 
@@ -53,6 +61,33 @@ async fn parts_land_as_they_are_posted_and_one_notice_verifies_them_all() {
     assert_eq!(got.buf, want);
     assert_eq!((got.notices[0].bytes, got.notices[0].first_token), (3000, 42));
     tasks.shutdown().await;
+}
+
+/// A part of several pieces, an empty one and a small one, over the sockets and over shm:
+/// summed piece by piece as they go out, to the sums a whole write computes first, and
+/// verified by the receiver.
+#[tokio::test]
+async fn parts_are_summed_as_they_go_out_as_a_whole_write_sums_them() {
+    for shared_memory in [false, true] {
+        let tasks = Tasks::new();
+        let (tx, rx) =
+            (agent_with(&tasks, shared_memory).await.0, agent_with(&tasks, shared_memory).await.0);
+        let long = 3 * crate::inbox::PIECE + 5;
+        let big: Vec<u8> = (0..long).map(|j| (j as u8).wrapping_mul(31)).collect();
+        let pairs = vec![(Bytes::from(big), 1000), (Bytes::new(), 0), (part(9), 0)];
+        let len = 1000 + long as u64;
+        let (room, s) = (Room::mint(), SenderId::new(0, 0));
+        let id = rx.inbox().register_region(room, len, [(s, std::iter::once(0..len).collect())]);
+        let id = id.unwrap();
+        let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
+        w.post(pairs[..2].to_vec()).await.unwrap();
+        w.post(pairs[2..].to_vec()).await.unwrap();
+        w.finish(room, 42, 3, 1).await.unwrap();
+        let got = rx.inbox().wait(id, Instant::now() + Duration::from_secs(5)).await.unwrap();
+        let whole = crate::WriteRequest::new(id, pairs, room, s, 42, 3, 1).notice.unwrap();
+        assert_eq!(got.notices[0], whole, "shared memory: {shared_memory}");
+        tasks.shutdown().await;
+    }
 }
 
 #[tokio::test]
