@@ -10,9 +10,10 @@
 //! notice comes alone at the end. The others hold the parts and post them in one write at
 //! the end (the same bytes, verified the same way, without the overlap).
 //!
-//! The notice's sums ([`Tally`]) are taken as the bytes go: a backend with its own stream
-//! connection adds each pair just before sending it, so the receiver works on the first pair
-//! while the sender hashes the next, and the copy that sends a pair finds it in cache.
+//! The notice's sums ([`Tally`]) are taken by the backend's stream connection when it has
+//! one: tcp's shm path hashes each piece just before copying it into the window, so the
+//! receiver lands the first half while the sender hashes the next, and the copy finds the
+//! piece in cache; tcp's sockets sum each part before sending it (see `tcp::stream`).
 
 use std::sync::Arc;
 
@@ -29,7 +30,7 @@ use crate::{AgentAddr, Notice, RegionId, SenderId, TransferBackend, TransferErro
 #[async_trait]
 pub trait StreamConn: Send {
     /// Sends `pairs` (source bytes, destination offset) into `region` as `sender`'s, adding
-    /// each pair to `tally` just before its bytes go out.
+    /// each pair to `tally` no later than its bytes go out.
     async fn post(
         &mut self,
         region: RegionId,

@@ -332,7 +332,7 @@ impl TransferBackend for TcpTransfer {
         let exchange = async {
             let mut w = BufWriter::with_capacity(wire::BUFFERED, &mut s);
             let io = |e| Self::io_err(peer, e);
-            wire::write_pairs(&mut w, req.region, req.sender, &req.pairs, max_frame, None)
+            wire::write_pairs(&mut w, req.region, req.sender, &req.pairs, max_frame)
                 .await
                 .map_err(io)?;
             if let Some(n) = &req.notice {

@@ -164,9 +164,7 @@ async fn truncated_and_garbage_frames_close_only_their_connection() {
     let id = p.rx.inbox().register_region(r, 100, [(s, span(0..100))]).unwrap();
     let mut raw = TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap();
     let mut w = Vec::new();
-    wire::write_pairs(&mut w, id, s, &[(Bytes::from_static(&[1; 50]), 0)], 1 << 20, None)
-        .await
-        .unwrap();
+    wire::write_pairs(&mut w, id, s, &[(Bytes::from_static(&[1; 50]), 0)], 1 << 20).await.unwrap();
     raw.write_all(&w).await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     drop(raw);

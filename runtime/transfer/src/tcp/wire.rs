@@ -6,9 +6,7 @@ use handoff_core::Room;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::receive::SharedPiece;
-use crate::inbox::PIECE;
-use crate::inbox::placement::segment_hasher;
-use crate::{ConnectRequest, Notice, RegionId, SenderId, Tally, TransferError};
+use crate::{ConnectRequest, Notice, RegionId, SenderId, TransferError};
 
 const CONNECT: u8 = 1;
 const WRITE: u8 = 2;
@@ -84,15 +82,13 @@ pub(super) async fn write_connect<W: AsyncWrite + Unpin>(
     w.flush().await
 }
 
-/// Writes `pairs` as one or more write frames of at most `max_frame` bytes each; with a
-/// `tally`, adds each pair to it, hashed a piece at a time just before the piece is written.
+/// Writes `pairs` as one or more write frames of at most `max_frame` bytes each.
 pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
     w: &mut W,
     region: RegionId,
     sender: SenderId,
     pairs: &[(Bytes, u64)],
     max_frame: usize,
-    mut tally: Option<&mut Tally>,
 ) -> std::io::Result<()> {
     let mut rest = pairs;
     while !rest.is_empty() {
@@ -114,17 +110,8 @@ pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
             head.extend_from_slice(&(b.len() as u32).to_le_bytes());
         }
         w.write_all(&head).await?;
-        for (b, off) in now {
-            let mut sum = tally.is_some().then(|| segment_hasher(*off, b.len() as u64));
-            for piece in b.chunks(PIECE) {
-                if let Some(h) = &mut sum {
-                    h.update(piece);
-                }
-                w.write_all(piece).await?;
-            }
-            if let (Some(t), Some(h)) = (tally.as_deref_mut(), sum) {
-                t.add_hashed(b.len(), h);
-            }
+        for (b, _) in now {
+            w.write_all(b).await?;
         }
         rest = later;
     }

@@ -64,10 +64,10 @@ async fn parts_land_as_they_are_posted_and_one_notice_verifies_them_all() {
 }
 
 /// A part of several pieces, an empty one and a small one, over the sockets and over shm:
-/// summed piece by piece as they go out, to the sums a whole write computes first, and
-/// verified by the receiver.
+/// the connection's sums (each part before it goes over the sockets, piece by piece as it is
+/// copied over shm) are those a whole write computes first, and the receiver verifies them.
 #[tokio::test]
-async fn parts_are_summed_as_they_go_out_as_a_whole_write_sums_them() {
+async fn a_streams_parts_are_summed_as_a_whole_write_sums_them() {
     for shared_memory in [false, true] {
         let tasks = Tasks::new();
         let (tx, rx) =
