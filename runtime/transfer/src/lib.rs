@@ -44,7 +44,7 @@ pub use error::TransferError;
 pub use fake::{FakeNetwork, FakeTransfer};
 pub use faulty::{Fault, FaultSwitch, FaultyTransfer};
 pub use inbox::{Inbox, InboxConfig, Received};
-pub use stream::{StreamConn, Tally, WriteStream};
+pub use stream::{NoticeSums, StreamConn, WriteStream};
 pub use tcp::TcpTransfer;
 
 /// A transfer endpoint, as a bootstrap directory publishes it (`rank_ip`, `rank_port`).
@@ -172,11 +172,11 @@ impl WriteRequest {
         tokens: u32,
         cached_tokens: u32,
     ) -> Self {
-        let mut tally = Tally::default();
+        let mut sums = NoticeSums::default();
         for (b, off) in &pairs {
-            tally.add(*off, b);
+            sums.add(*off, b);
         }
-        let Tally { bytes, checksum } = tally;
+        let NoticeSums { bytes, checksum } = sums;
         let notice = Notice { room, sender, first_token, tokens, cached_tokens, bytes, checksum };
         WriteRequest { region, sender, pairs, notice: Some(notice) }
     }

@@ -10,10 +10,11 @@
 //! notice comes alone at the end. The others hold the parts and post them in one write at
 //! the end (the same bytes, verified the same way, without the overlap).
 //!
-//! The notice's sums ([`Tally`]) are taken by the backend's stream connection when it has
-//! one: tcp's shm path hashes each piece just before copying it into the window, so the
-//! receiver lands the first half while the sender hashes the next, and the copy finds the
-//! piece in cache; tcp's sockets sum each part before sending it (see `tcp::stream`).
+//! The notice's sums ([`NoticeSums`]) are taken by the backend's stream connection when it
+//! has one: tcp's shm path hashes each piece of at most 256 KiB just before copying it into
+//! the window, so the copy finds it in cache and, in a part of more than a window's half,
+//! the receiver lands one half while the sender hashes the next; tcp's sockets sum each
+//! part before sending it (see `tcp::stream`). Without one, [`WriteStream::post`] sums.
 
 use std::sync::Arc;
 
@@ -23,20 +24,21 @@ use handoff_core::Room;
 
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::inbox::placement::segment_digest;
+use crate::inbox::placement::{segment_digest, segment_hasher};
 use crate::{AgentAddr, Notice, RegionId, SenderId, TransferBackend, TransferError, WriteRequest};
 
 /// A connection a backend dedicates to one streamed write.
 #[async_trait]
 pub trait StreamConn: Send {
-    /// Sends `pairs` (source bytes, destination offset) into `region` as `sender`'s, adding
-    /// each pair to `tally` no later than its bytes go out.
+    /// Sends `pairs` (source bytes, destination offset) into `region` as `sender`'s, and adds
+    /// every pair to `sums` by the time it returns `Ok`. After an `Err` the sums are partial,
+    /// and the connection must refuse [`StreamConn::finish`].
     async fn post(
         &mut self,
         region: RegionId,
         sender: SenderId,
         pairs: &[(Bytes, u64)],
-        tally: &mut Tally,
+        sums: &mut NoticeSums,
     ) -> Result<(), TransferError>;
 
     /// Sends the notice and returns once the receiver has verified it (or rejected it).
@@ -47,14 +49,14 @@ pub trait StreamConn: Send {
 /// The byte count and checksum a write's notice carries, summed segment by segment (see
 /// [`Notice::checksum`]); in any order, as the receiver sums them.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Tally {
+pub struct NoticeSums {
     /// Bytes of the segments added.
     pub bytes: u64,
     /// The wrapping sum of their digests.
     pub checksum: u64,
 }
 
-impl Tally {
+impl NoticeSums {
     /// Adds the segment of `bytes` at `offset` (nothing, when it is empty: an empty segment
     /// is never hashed by the receiver either).
     pub fn add(&mut self, offset: u64, bytes: &[u8]) {
@@ -64,14 +66,31 @@ impl Tally {
         }
     }
 
-    /// Adds a segment of `len` bytes hashed in chunks as it went out: `hasher` began as
-    /// [`crate::inbox::placement::segment_hasher`] of its offset and `len`, and was fed every
-    /// byte in order.
-    pub(crate) fn add_hashed(&mut self, len: usize, hasher: Xxh3) {
-        if len > 0 {
-            self.checksum = self.checksum.wrapping_add(hasher.digest());
-            self.bytes += len as u64;
+    /// Adds a segment summed piece by piece as it went out.
+    pub(crate) fn add_summed(&mut self, segment: SegmentSum) {
+        if segment.len > 0 {
+            self.checksum = self.checksum.wrapping_add(segment.hasher.digest());
+            self.bytes += segment.len as u64;
         }
+    }
+}
+
+/// One segment summed piece by piece as its bytes go out: fed every piece in order, then
+/// added with [`NoticeSums::add_summed`]; the same digest as [`NoticeSums::add`] takes.
+pub(crate) struct SegmentSum {
+    len: usize,
+    hasher: Xxh3,
+}
+
+impl SegmentSum {
+    /// The segment of `len` bytes at `offset`, nothing fed yet.
+    pub(crate) fn new(offset: u64, len: usize) -> Self {
+        SegmentSum { len, hasher: segment_hasher(offset, len as u64) }
+    }
+
+    /// Feeds the segment's next bytes.
+    pub(crate) fn feed(&mut self, piece: &[u8]) {
+        self.hasher.update(piece);
     }
 }
 
@@ -84,7 +103,7 @@ pub struct WriteStream {
     conn: Option<Box<dyn StreamConn>>,
     /// Parts held for one write at the end (backends without [`StreamConn`]).
     held: Vec<(Bytes, u64)>,
-    tally: Tally,
+    sums: NoticeSums,
 }
 
 impl std::fmt::Debug for WriteStream {
@@ -93,7 +112,7 @@ impl std::fmt::Debug for WriteStream {
             .field("peer", &self.peer)
             .field("region", &self.region)
             .field("streamed", &self.conn.is_some())
-            .field("bytes", &self.tally.bytes)
+            .field("bytes", &self.sums.bytes)
             .finish()
     }
 }
@@ -114,18 +133,19 @@ impl WriteStream {
             sender,
             conn,
             held: Vec::new(),
-            tally: Tally::default(),
+            sums: NoticeSums::default(),
         })
     }
 
-    /// Posts `pairs` (source bytes, destination offset): sent at once when the backend
-    /// streams (and summed as they go), else summed now and held for the end.
+    /// Posts `pairs` (source bytes, destination offset): sent at once when the backend has a
+    /// stream connection (which sums them) or posts parts, else held for the end; summed
+    /// here unless the connection sums them.
     pub async fn post(&mut self, pairs: Vec<(Bytes, u64)>) -> Result<(), TransferError> {
         if let Some(c) = &mut self.conn {
-            return c.post(self.region, self.sender, &pairs, &mut self.tally).await;
+            return c.post(self.region, self.sender, &pairs, &mut self.sums).await;
         }
         for (b, off) in &pairs {
-            self.tally.add(*off, b);
+            self.sums.add(*off, b);
         }
         if self.backend.posts_parts() {
             let (region, sender) = (self.region, self.sender);
@@ -151,8 +171,8 @@ impl WriteStream {
             first_token,
             tokens,
             cached_tokens,
-            bytes: self.tally.bytes,
-            checksum: self.tally.checksum,
+            bytes: self.sums.bytes,
+            checksum: self.sums.checksum,
         };
         match self.conn {
             Some(c) => c.finish(self.region, notice).await,

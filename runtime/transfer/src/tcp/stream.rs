@@ -12,7 +12,7 @@ use tokio::io::{AsyncWriteExt, BufWriter};
 
 use super::pool::{ClientIo, Idle, broke_earlier, io_err, read_ack, reusable};
 use super::{TcpTransfer, wire};
-use crate::{AgentAddr, Notice, RegionId, SenderId, StreamConn, Tally, TransferError};
+use crate::{AgentAddr, Notice, NoticeSums, RegionId, SenderId, StreamConn, TransferError};
 
 /// One streamed write's connection.
 pub(super) struct TcpStreamConn {
@@ -43,18 +43,18 @@ impl StreamConn for TcpStreamConn {
         region: RegionId,
         sender: SenderId,
         pairs: &[(Bytes, u64)],
-        tally: &mut Tally,
+        sums: &mut NoticeSums,
     ) -> Result<(), TransferError> {
-        // Summed before any byte goes. Summed piece by piece between the writes instead (as
-        // shm does), a loopback receiver ran dry between pieces and slept: a transfer at a time
-        // measured slower, with a third more context switches.
-        for (b, off) in pairs {
-            tally.add(*off, b);
-        }
         let (peer, max_frame, within) = (self.peer.clone(), self.max_frame, self.io_timeout);
         // Out while it is written: a post abandoned midway leaves no connection behind with
         // half a frame on it.
         let Some(mut s) = self.conn.take() else { return Err(broke_earlier(&self.peer)) };
+        // Summed before any byte goes. Summed piece by piece between the writes instead (as
+        // shm does), a loopback receiver ran dry between pieces and slept: a transfer at a time
+        // measured slower, with a third more context switches.
+        for (b, off) in pairs {
+            sums.add(*off, b);
+        }
         let send = async {
             let mut w = BufWriter::with_capacity(wire::BUFFERED, &mut s);
             wire::write_pairs(&mut w, region, sender, pairs, max_frame).await?;

@@ -17,9 +17,9 @@ use super::super::wire;
 use super::ShmPool;
 use super::window::{HALF, Window};
 use crate::inbox::PIECE;
-use crate::inbox::placement::segment_hasher;
+use crate::stream::SegmentSum;
 use crate::{
-    AgentAddr, Notice, RegionId, SenderId, StreamConn, Tally, TransferError, WriteRequest,
+    AgentAddr, Notice, NoticeSums, RegionId, SenderId, StreamConn, TransferError, WriteRequest,
 };
 
 /// A sender's connection to one receiver's shm listener (see the module docs).
@@ -54,14 +54,14 @@ impl ShmConn {
 
     /// Copies `pairs` into the window half by half, each half sent as a shared write once
     /// full, and the last at the end. Returns with up to two halves still being landed. With
-    /// a `tally`, adds each pair to it, hashed a piece at a time just before the piece is
+    /// `sums`, adds each pair to them, hashed a piece at a time just before the piece is
     /// copied.
     pub(crate) async fn post(
         &mut self,
         region: RegionId,
         sender: SenderId,
         pairs: &[(Bytes, u64)],
-        mut tally: Option<&mut Tally>,
+        mut sums: Option<&mut NoticeSums>,
     ) -> Result<(), TransferError> {
         let mut pieces: Vec<SharedPiece> = Vec::new();
         let mut used = 0usize;
@@ -69,7 +69,7 @@ impl ShmConn {
             let len = u32::try_from(b.len()).map_err(|_| {
                 TransferError::Malformed(format!("a pair of {} bytes (at most 4 GiB)", b.len()))
             })?;
-            let mut sum = tally.is_some().then(|| segment_hasher(*off, b.len() as u64));
+            let mut sum = sums.is_some().then(|| SegmentSum::new(*off, b.len()));
             let mut at = 0usize;
             while at < b.len() {
                 if used == HALF {
@@ -80,22 +80,34 @@ impl ShmConn {
                     self.claim().await?;
                 }
                 let n = (b.len() - at).min(HALF - used);
-                for (k, piece) in b[at..at + n].chunks(PIECE).enumerate() {
-                    if let Some(h) = &mut sum {
-                        h.update(piece);
-                    }
-                    self.window.fill(self.next, used + k * PIECE, piece)?;
-                }
+                self.fill_summed(used, &b[at..at + n], sum.as_mut())?;
                 pieces.push(SharedPiece { off: *off, len, at: at as u32, n: n as u32 });
                 used += n;
                 at += n;
             }
-            if let (Some(t), Some(h)) = (tally.as_deref_mut(), sum) {
-                t.add_hashed(b.len(), h);
+            if let (Some(sums), Some(sum)) = (sums.as_deref_mut(), sum) {
+                sums.add_summed(sum);
             }
         }
         if used > 0 {
             self.send(region, sender, &mut pieces).await?;
+        }
+        Ok(())
+    }
+
+    /// Copies `bytes` into the next half from `at`, a piece at a time, each fed to `sum` (if
+    /// any) just before it is copied: the copy finds it in cache.
+    fn fill_summed(
+        &mut self,
+        at: usize,
+        bytes: &[u8],
+        mut sum: Option<&mut SegmentSum>,
+    ) -> Result<(), TransferError> {
+        for (k, piece) in bytes.chunks(PIECE).enumerate() {
+            if let Some(sum) = sum.as_deref_mut() {
+                sum.feed(piece);
+            }
+            self.window.fill(self.next, at + k * PIECE, piece)?;
         }
         Ok(())
     }
@@ -204,11 +216,11 @@ impl StreamConn for ShmStream {
         region: RegionId,
         sender: SenderId,
         pairs: &[(Bytes, u64)],
-        tally: &mut Tally,
+        sums: &mut NoticeSums,
     ) -> Result<(), TransferError> {
         let Some(mut c) = self.conn.take() else { return Err(broke_earlier(&self.peer)) };
         let res =
-            match tokio::time::timeout(self.io_timeout, c.post(region, sender, pairs, Some(tally)))
+            match tokio::time::timeout(self.io_timeout, c.post(region, sender, pairs, Some(sums)))
                 .await
             {
                 Ok(r) => r,

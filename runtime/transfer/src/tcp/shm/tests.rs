@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use super::super::TcpConfig;
 use super::*;
 use crate::{
-    InboxConfig, KvPoll, Notice, SenderId, Tally, TcpTransfer, TransferBackend, WriteRequest,
+    InboxConfig, KvPoll, Notice, NoticeSums, SenderId, TcpTransfer, TransferBackend, WriteRequest,
 };
 
 struct Ends {
@@ -94,8 +94,8 @@ async fn a_streamed_write_lands_its_parts_as_posted() {
     let (room, s) = (Room::mint(), SenderId::new(0, 0));
     let id = e.rx_inbox.register_region(room, len, [(s, whole(len))]).unwrap();
     let mut stream = e.tx.open_stream(&e.rx.local_addr()).await.unwrap().expect("a stream");
-    let mut tally = Tally::default();
-    stream.post(id, s, &pairs[..1], &mut tally).await.unwrap();
+    let mut sums = NoticeSums::default();
+    stream.post(id, s, &pairs[..1], &mut sums).await.unwrap();
     // The first part is landed before the rest is posted.
     let first = tokio::time::timeout(Duration::from_secs(5), async {
         while e.rx_inbox.poll(id) != KvPoll::Transferring {
@@ -103,11 +103,11 @@ async fn a_streamed_write_lands_its_parts_as_posted() {
         }
     });
     first.await.expect("the first part lands on its own");
-    stream.post(id, s, &pairs[1..], &mut tally).await.unwrap();
+    stream.post(id, s, &pairs[1..], &mut sums).await.unwrap();
     // Summed piece by piece as the parts went out (one spans both halves), as summed whole.
     let notice = WriteRequest::new(id, pairs.clone(), room, s, 5, 1, 0).notice.unwrap();
-    assert_eq!((tally.bytes, tally.checksum), (notice.bytes, notice.checksum));
-    let summed = Notice { bytes: tally.bytes, checksum: tally.checksum, ..notice };
+    assert_eq!((sums.bytes, sums.checksum), (notice.bytes, notice.checksum));
+    let summed = Notice { bytes: sums.bytes, checksum: sums.checksum, ..notice };
     stream.finish(id, summed).await.unwrap();
     let got = e.rx_inbox.wait(id, deadline()).await.unwrap();
     assert_eq!(got.buf, pairs.iter().flat_map(|(b, _)| b.to_vec()).collect::<Vec<u8>>());

@@ -1,6 +1,6 @@
-//! Streamed writes over tcp's sockets (the same-host shm path is off here; `shm::tests` has
-//! its streams): parts land as they are posted, one notice verifies the whole, and a stream
-//! that leaves bytes out is refused at its notice.
+//! Streamed writes over tcp, its sockets and its same-host shm path alike (`shm::tests`
+//! checks that its streams do go through the window): parts land as they are posted, one
+//! notice verifies the whole, and a stream that leaves bytes out is refused at its notice.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,12 +15,8 @@ use crate::{
     TransferBackend, TransferError,
 };
 
-async fn agent(tasks: &Tasks) -> (Agent, Arc<dyn TransferBackend>) {
-    agent_with(tasks, false).await
-}
-
 /// A tcp agent on loopback; with `shared_memory`, writes to its peers here go through shm.
-async fn agent_with(tasks: &Tasks, shared_memory: bool) -> (Agent, Arc<dyn TransferBackend>) {
+async fn agent(tasks: &Tasks, shared_memory: bool) -> (Agent, Arc<dyn TransferBackend>) {
     let inbox = Arc::new(Inbox::new(InboxConfig::default()));
     let addr = "127.0.0.1:0".parse().unwrap();
     let cfg = TcpConfig { shared_memory, ..Default::default() };
@@ -44,23 +40,25 @@ async fn until(rx: &Agent, id: crate::RegionId, state: KvPoll) {
 
 #[tokio::test]
 async fn parts_land_as_they_are_posted_and_one_notice_verifies_them_all() {
-    let tasks = Tasks::new();
-    let ((tx, _), (rx, _)) = (agent(&tasks).await, agent(&tasks).await);
-    let (room, s) = (Room::mint(), SenderId::new(0, 0));
-    let id =
-        rx.inbox().register_region(room, 3000, [(s, std::iter::once(0..3000).collect())]).unwrap();
-    let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
-    w.post(vec![(part(1), 0)]).await.unwrap();
-    // The first part is in the region before the others exist: nothing handed on yet.
-    until(&rx, id, KvPoll::Transferring).await;
-    w.post(vec![(part(3), 2000)]).await.unwrap();
-    w.post(vec![(part(2), 1000)]).await.unwrap();
-    w.finish(room, 42, 3, 1).await.unwrap();
-    let got = rx.inbox().wait(id, Instant::now() + Duration::from_secs(5)).await.unwrap();
-    let want: Vec<u8> = [part(1), part(2), part(3)].iter().flat_map(|b| b.to_vec()).collect();
-    assert_eq!(got.buf, want);
-    assert_eq!((got.notices[0].bytes, got.notices[0].first_token), (3000, 42));
-    tasks.shutdown().await;
+    for shm in [false, true] {
+        let tasks = Tasks::new();
+        let ((tx, _), (rx, _)) = (agent(&tasks, shm).await, agent(&tasks, shm).await);
+        let (room, s) = (Room::mint(), SenderId::new(0, 0));
+        let id = rx.inbox().register_region(room, 3000, [(s, std::iter::once(0..3000).collect())]);
+        let id = id.unwrap();
+        let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
+        w.post(vec![(part(1), 0)]).await.unwrap();
+        // The first part is in the region before the others exist: nothing handed on yet.
+        until(&rx, id, KvPoll::Transferring).await;
+        w.post(vec![(part(3), 2000)]).await.unwrap();
+        w.post(vec![(part(2), 1000)]).await.unwrap();
+        w.finish(room, 42, 3, 1).await.unwrap();
+        let got = rx.inbox().wait(id, Instant::now() + Duration::from_secs(5)).await.unwrap();
+        let want: Vec<u8> = [part(1), part(2), part(3)].iter().flat_map(|b| b.to_vec()).collect();
+        assert_eq!(got.buf, want, "shm: {shm}");
+        assert_eq!((got.notices[0].bytes, got.notices[0].first_token), (3000, 42));
+        tasks.shutdown().await;
+    }
 }
 
 /// A part of several pieces, an empty one and a small one, over the sockets and over shm:
@@ -68,10 +66,9 @@ async fn parts_land_as_they_are_posted_and_one_notice_verifies_them_all() {
 /// copied over shm) are those a whole write computes first, and the receiver verifies them.
 #[tokio::test]
 async fn a_streams_parts_are_summed_as_a_whole_write_sums_them() {
-    for shared_memory in [false, true] {
+    for shm in [false, true] {
         let tasks = Tasks::new();
-        let (tx, rx) =
-            (agent_with(&tasks, shared_memory).await.0, agent_with(&tasks, shared_memory).await.0);
+        let (tx, rx) = (agent(&tasks, shm).await.0, agent(&tasks, shm).await.0);
         let long = 3 * crate::inbox::PIECE + 5;
         let big: Vec<u8> = (0..long).map(|j| (j as u8).wrapping_mul(31)).collect();
         let pairs = vec![(Bytes::from(big), 1000), (Bytes::new(), 0), (part(9), 0)];
@@ -85,24 +82,26 @@ async fn a_streams_parts_are_summed_as_a_whole_write_sums_them() {
         w.finish(room, 42, 3, 1).await.unwrap();
         let got = rx.inbox().wait(id, Instant::now() + Duration::from_secs(5)).await.unwrap();
         let whole = crate::WriteRequest::new(id, pairs, room, s, 42, 3, 1).notice.unwrap();
-        assert_eq!(got.notices[0], whole, "shared memory: {shared_memory}");
+        assert_eq!(got.notices[0], whole, "shm: {shm}");
         tasks.shutdown().await;
     }
 }
 
 #[tokio::test]
 async fn a_stream_that_leaves_bytes_out_is_refused_at_its_notice() {
-    let tasks = Tasks::new();
-    let ((tx, _), (rx, _)) = (agent(&tasks).await, agent(&tasks).await);
-    let (room, s) = (Room::mint(), SenderId::new(0, 0));
-    let id =
-        rx.inbox().register_region(room, 2000, [(s, std::iter::once(0..2000).collect())]).unwrap();
-    let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
-    w.post(vec![(part(1), 0)]).await.unwrap();
-    let refused = w.finish(room, 42, 2, 0).await;
-    assert!(matches!(refused, Err(TransferError::Rejected(_))), "{refused:?}");
-    assert_eq!(rx.inbox().poll(id), KvPoll::Failed);
-    tasks.shutdown().await;
+    for shm in [false, true] {
+        let tasks = Tasks::new();
+        let ((tx, _), (rx, _)) = (agent(&tasks, shm).await, agent(&tasks, shm).await);
+        let (room, s) = (Room::mint(), SenderId::new(0, 0));
+        let id = rx.inbox().register_region(room, 2000, [(s, std::iter::once(0..2000).collect())]);
+        let id = id.unwrap();
+        let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
+        w.post(vec![(part(1), 0)]).await.unwrap();
+        let refused = w.finish(room, 42, 2, 0).await;
+        assert!(matches!(refused, Err(TransferError::Rejected(_))), "shm {shm}: {refused:?}");
+        assert_eq!(rx.inbox().poll(id), KvPoll::Failed);
+        tasks.shutdown().await;
+    }
 }
 
 /// A backend without streams (here the fault injector over tcp) holds the parts: nothing
@@ -110,7 +109,7 @@ async fn a_stream_that_leaves_bytes_out_is_refused_at_its_notice() {
 #[tokio::test]
 async fn without_a_stream_the_parts_travel_whole_at_the_end() {
     let tasks = Tasks::new();
-    let ((_, tcp), (rx, _)) = (agent(&tasks).await, agent(&tasks).await);
+    let ((_, tcp), (rx, _)) = (agent(&tasks, false).await, agent(&tasks, false).await);
     let inbox = Arc::new(Inbox::new(InboxConfig::default()));
     let tx = Agent::new(Arc::new(FaultyTransfer::new(tcp, FaultSwitch::new())), inbox);
     let (room, s) = (Room::mint(), SenderId::new(0, 0));
