@@ -29,6 +29,19 @@ fn part(i: u8) -> Bytes {
     (0..1000).map(|j| (j as u8).wrapping_mul(7).wrapping_add(i)).collect::<Vec<_>>().into()
 }
 
+/// A region of `len` bytes at `rx`, all of it one sender's, and that sender's write to it
+/// opened at `tx`.
+async fn open(
+    tx: &Agent,
+    rx: &Agent,
+    len: u64,
+) -> (Room, crate::RegionId, SenderId, crate::WriteStream) {
+    let (room, s) = (Room::mint(), SenderId::new(0, 0));
+    let id = rx.inbox().register_region(room, len, [(s, std::iter::once(0..len).collect())]);
+    let id = id.unwrap();
+    (room, id, s, tx.open_write(&rx.addr(), id, s).await.unwrap())
+}
+
 /// Waits until region `id` of `rx` is in `state` (5 s at most).
 async fn until(rx: &Agent, id: crate::RegionId, state: KvPoll) {
     let end = Instant::now() + Duration::from_secs(5);
@@ -43,10 +56,7 @@ async fn parts_land_as_they_are_posted_and_one_notice_verifies_them_all() {
     for shm in [false, true] {
         let tasks = Tasks::new();
         let ((tx, _), (rx, _)) = (agent(&tasks, shm).await, agent(&tasks, shm).await);
-        let (room, s) = (Room::mint(), SenderId::new(0, 0));
-        let id = rx.inbox().register_region(room, 3000, [(s, std::iter::once(0..3000).collect())]);
-        let id = id.unwrap();
-        let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
+        let (room, id, _, mut w) = open(&tx, &rx, 3000).await;
         w.post(vec![(part(1), 0)]).await.unwrap();
         // The first part is in the region before the others exist: nothing handed on yet.
         until(&rx, id, KvPoll::Transferring).await;
@@ -73,10 +83,7 @@ async fn a_streams_parts_are_summed_as_a_whole_write_sums_them() {
         let big: Vec<u8> = (0..long).map(|j| (j as u8).wrapping_mul(31)).collect();
         let pairs = vec![(Bytes::from(big), 1000), (Bytes::new(), 0), (part(9), 0)];
         let len = 1000 + long as u64;
-        let (room, s) = (Room::mint(), SenderId::new(0, 0));
-        let id = rx.inbox().register_region(room, len, [(s, std::iter::once(0..len).collect())]);
-        let id = id.unwrap();
-        let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
+        let (room, id, s, mut w) = open(&tx, &rx, len).await;
         w.post(pairs[..2].to_vec()).await.unwrap();
         w.post(pairs[2..].to_vec()).await.unwrap();
         w.finish(room, 42, 3, 1).await.unwrap();
@@ -92,10 +99,7 @@ async fn a_stream_that_leaves_bytes_out_is_refused_at_its_notice() {
     for shm in [false, true] {
         let tasks = Tasks::new();
         let ((tx, _), (rx, _)) = (agent(&tasks, shm).await, agent(&tasks, shm).await);
-        let (room, s) = (Room::mint(), SenderId::new(0, 0));
-        let id = rx.inbox().register_region(room, 2000, [(s, std::iter::once(0..2000).collect())]);
-        let id = id.unwrap();
-        let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
+        let (room, id, _, mut w) = open(&tx, &rx, 2000).await;
         w.post(vec![(part(1), 0)]).await.unwrap();
         let refused = w.finish(room, 42, 2, 0).await;
         assert!(matches!(refused, Err(TransferError::Rejected(_))), "shm {shm}: {refused:?}");
@@ -112,10 +116,7 @@ async fn without_a_stream_the_parts_travel_whole_at_the_end() {
     let ((_, tcp), (rx, _)) = (agent(&tasks, false).await, agent(&tasks, false).await);
     let inbox = Arc::new(Inbox::new(InboxConfig::default()));
     let tx = Agent::new(Arc::new(FaultyTransfer::new(tcp, FaultSwitch::new())), inbox);
-    let (room, s) = (Room::mint(), SenderId::new(0, 0));
-    let id =
-        rx.inbox().register_region(room, 2000, [(s, std::iter::once(0..2000).collect())]).unwrap();
-    let mut w = tx.open_write(&rx.addr(), id, s).await.unwrap();
+    let (room, id, _, mut w) = open(&tx, &rx, 2000).await;
     w.post(vec![(part(1), 0)]).await.unwrap();
     w.post(vec![(part(2), 1000)]).await.unwrap();
     w.finish(room, 7, 2, 0).await.unwrap();
