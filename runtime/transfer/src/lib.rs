@@ -173,9 +173,7 @@ impl WriteRequest {
         cached_tokens: u32,
     ) -> Self {
         let mut sums = NoticeSums::default();
-        for (b, off) in &pairs {
-            sums.add(*off, b);
-        }
+        sums.add_pairs(&pairs);
         let NoticeSums { bytes, checksum } = sums;
         let notice = Notice { room, sender, first_token, tokens, cached_tokens, bytes, checksum };
         WriteRequest { region, sender, pairs, notice: Some(notice) }

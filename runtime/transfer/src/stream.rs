@@ -24,7 +24,7 @@ use handoff_core::Room;
 
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::inbox::placement::{segment_digest, segment_hasher};
+use crate::inbox::placement::segment_hasher;
 use crate::{AgentAddr, Notice, RegionId, SenderId, TransferBackend, TransferError, WriteRequest};
 
 /// A connection a backend dedicates to one streamed write.
@@ -60,13 +60,19 @@ impl NoticeSums {
     /// Adds the segment of `bytes` at `offset` (nothing, when it is empty: an empty segment
     /// is never hashed by the receiver either).
     pub fn add(&mut self, offset: u64, bytes: &[u8]) {
-        if !bytes.is_empty() {
-            self.checksum = self.checksum.wrapping_add(segment_digest(offset, bytes));
-            self.bytes += bytes.len() as u64;
+        let mut segment = SegmentSum::new(offset, bytes.len());
+        segment.feed(bytes);
+        self.add_summed(segment);
+    }
+
+    /// Adds every (bytes, offset) pair, each a segment of its own.
+    pub fn add_pairs(&mut self, pairs: &[(Bytes, u64)]) {
+        for (b, off) in pairs {
+            self.add(*off, b);
         }
     }
 
-    /// Adds a segment summed piece by piece as it went out.
+    /// Adds a segment summed piece by piece as it went out (nothing, when it is empty).
     pub(crate) fn add_summed(&mut self, segment: SegmentSum) {
         if segment.len > 0 {
             self.checksum = self.checksum.wrapping_add(segment.hasher.digest());
@@ -76,7 +82,8 @@ impl NoticeSums {
 }
 
 /// One segment summed piece by piece as its bytes go out: fed every piece in order, then
-/// added with [`NoticeSums::add_summed`]; the same digest as [`NoticeSums::add`] takes.
+/// added with [`NoticeSums::add_summed`] (its digest is `segment_digest`'s, however it was
+/// fed).
 pub(crate) struct SegmentSum {
     len: usize,
     hasher: Xxh3,
@@ -144,9 +151,7 @@ impl WriteStream {
         if let Some(c) = &mut self.conn {
             return c.post(self.region, self.sender, &pairs, &mut self.sums).await;
         }
-        for (b, off) in &pairs {
-            self.sums.add(*off, b);
-        }
+        self.sums.add_pairs(&pairs);
         if self.backend.posts_parts() {
             let (region, sender) = (self.region, self.sender);
             let part = WriteRequest { region, sender, pairs, notice: None };
