@@ -44,7 +44,7 @@ pub use error::TransferError;
 pub use fake::{FakeNetwork, FakeTransfer};
 pub use faulty::{Fault, FaultSwitch, FaultyTransfer};
 pub use inbox::{Inbox, InboxConfig, Received};
-pub use stream::{NoticeSums, StreamConn, WriteStream};
+pub use stream::{MAX_SEGMENT, NoticeSums, StreamConn, WriteStream};
 pub use tcp::TcpTransfer;
 
 /// A transfer endpoint, as a bootstrap directory publishes it (`rank_ip`, `rank_port`).
@@ -154,7 +154,9 @@ pub struct WriteRequest {
     pub region: RegionId,
     /// The sending rank.
     pub sender: SenderId,
-    /// Source bytes and where each lands in the region.
+    /// Source bytes and where each lands in the region, each at most [`MAX_SEGMENT`] bytes
+    /// (as [`WriteRequest::new`] makes them): tcp refuses to send a pair its frames cannot
+    /// hold.
     pub pairs: Vec<(Bytes, u64)>,
     /// Sent after every pair; `None` posts bytes without a notification.
     pub notice: Option<Notice>,
@@ -162,7 +164,8 @@ pub struct WriteRequest {
 
 impl WriteRequest {
     /// Builds a write and its notice, computing bytes and checksum over `pairs` in order (as
-    /// the receiver hashes them: offset, length, bytes).
+    /// the receiver hashes them: offset, length, bytes), a pair longer than [`MAX_SEGMENT`]
+    /// split into several segments first.
     pub fn new(
         region: RegionId,
         pairs: Vec<(Bytes, u64)>,
@@ -172,6 +175,7 @@ impl WriteRequest {
         tokens: u32,
         cached_tokens: u32,
     ) -> Self {
+        let pairs = stream::segments(pairs);
         let mut sums = NoticeSums::default();
         sums.add_pairs(&pairs);
         let NoticeSums { bytes, checksum } = sums;

@@ -101,6 +101,32 @@ impl SegmentSum {
     }
 }
 
+/// The longest segment a write carries. A longer pair goes as consecutive segments of at
+/// most this many bytes, each its own term of the notice's checksum as the receiver hashes
+/// them, so every backend's length fields and frames hold one (tcp's frames take 64 MiB).
+pub const MAX_SEGMENT: usize = 16 << 20;
+
+/// `pairs` with each pair longer than [`MAX_SEGMENT`] split into consecutive segments (views
+/// of its bytes, not copies); the same pairs when none is.
+pub(crate) fn segments(pairs: Vec<(Bytes, u64)>) -> Vec<(Bytes, u64)> {
+    if pairs.iter().all(|(b, _)| b.len() <= MAX_SEGMENT) {
+        return pairs;
+    }
+    let mut out = Vec::with_capacity(pairs.len() + 1);
+    for (b, off) in pairs {
+        let mut at = 0;
+        loop {
+            let end = b.len().min(at + MAX_SEGMENT);
+            out.push((b.slice(at..end), off.saturating_add(at as u64)));
+            if end == b.len() {
+                break;
+            }
+            at = end;
+        }
+    }
+    out
+}
+
 /// A streamed write (see the module docs).
 pub struct WriteStream {
     backend: Arc<dyn TransferBackend>,
@@ -144,10 +170,12 @@ impl WriteStream {
         })
     }
 
-    /// Posts `pairs` (source bytes, destination offset): sent at once when the backend has a
-    /// stream connection (which sums them) or posts parts, else held for the end; summed
-    /// here unless the connection sums them.
+    /// Posts `pairs` (source bytes, destination offset; a pair longer than [`MAX_SEGMENT`]
+    /// goes as several segments): sent at once when the backend has a stream connection
+    /// (which sums them) or posts parts, else held for the end; summed here unless the
+    /// connection sums them.
     pub async fn post(&mut self, pairs: Vec<(Bytes, u64)>) -> Result<(), TransferError> {
+        let pairs = segments(pairs);
         if let Some(c) = &mut self.conn {
             return c.post(self.region, self.sender, &pairs, &mut self.sums).await;
         }
@@ -191,5 +219,32 @@ impl WriteStream {
                 self.backend.post_write(&self.peer, req).await
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::{MAX_SEGMENT, segments};
+
+    #[test]
+    fn only_pairs_longer_than_a_segment_are_split_into_views_of_their_bytes() {
+        // Zeroed and never touched: the pages are not made.
+        let long = Bytes::from(vec![0u8; 2 * MAX_SEGMENT + 1]);
+        let pairs =
+            vec![(Bytes::new(), 5), (long.clone(), 100), (Bytes::from(vec![1; MAX_SEGMENT]), 7)];
+        let got = segments(pairs);
+        let at: Vec<(usize, u64)> = got.iter().map(|(b, off)| (b.len(), *off)).collect();
+        let m = MAX_SEGMENT as u64;
+        let want = [
+            (0, 5),
+            (MAX_SEGMENT, 100),
+            (MAX_SEGMENT, 100 + m),
+            (1, 100 + 2 * m),
+            (MAX_SEGMENT, 7),
+        ];
+        assert_eq!(at, want);
+        assert_eq!(got[2].0.as_ptr(), long[MAX_SEGMENT..].as_ptr(), "a view, not a copy");
     }
 }

@@ -82,7 +82,8 @@ pub(super) async fn write_connect<W: AsyncWrite + Unpin>(
     w.flush().await
 }
 
-/// Writes `pairs` as one or more write frames of at most `max_frame` bytes each.
+/// Writes `pairs` as one or more write frames of at most `max_frame` bytes each; nothing
+/// when a pair would not fit in a frame of its own (the receiver would refuse that frame).
 pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
     w: &mut W,
     region: RegionId,
@@ -90,6 +91,12 @@ pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
     pairs: &[(Bytes, u64)],
     max_frame: usize,
 ) -> std::io::Result<()> {
+    if let Some((b, _)) = pairs.iter().find(|(b, _)| 1 + 16 + 12 + b.len() > max_frame) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("a pair of {} bytes does not fit a frame of {max_frame}", b.len()),
+        ));
+    }
     let mut rest = pairs;
     while !rest.is_empty() {
         // Take pairs while the frame stays under max_frame (always at least one).

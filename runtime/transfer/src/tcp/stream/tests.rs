@@ -124,3 +124,48 @@ async fn without_a_stream_the_parts_travel_whole_at_the_end() {
     assert_eq!(got.buf.len(), 2000);
     tasks.shutdown().await;
 }
+
+/// A pair longer than the largest frame (a layer's run of a long prompt), streamed and
+/// written whole, over the sockets and over shm: it goes as segments that each fit a frame,
+/// and the receiver verifies the notice the write computed.
+#[tokio::test]
+async fn a_pair_longer_than_a_frame_lands_and_verifies() {
+    let long = TcpConfig::default().max_frame + 1000;
+    let big: Bytes = (0..long).map(|j| (j as u8).wrapping_mul(31) ^ (j >> 20) as u8).collect();
+    for shm in [false, true] {
+        let tasks = Tasks::new();
+        let (tx, rx) = (agent(&tasks, shm).await.0, agent(&tasks, shm).await.0);
+        let (room, id, s, mut w) = open(&tx, &rx, long as u64).await;
+        w.post(vec![(big.clone(), 0)]).await.unwrap();
+        w.finish(room, 42, 3, 1).await.unwrap();
+        let got = rx.inbox().wait(id, Instant::now() + Duration::from_secs(20)).await.unwrap();
+        assert!(got.buf == big, "streamed, shm: {shm}");
+        let whole = crate::WriteRequest::new(id, vec![(big.clone(), 0)], room, s, 42, 3, 1);
+        assert_eq!(got.notices[0], whole.notice.unwrap(), "shm: {shm}");
+
+        let room = Room::mint();
+        let id = rx.inbox().register_region(
+            room,
+            long as u64,
+            [(s, std::iter::once(0..long as u64).collect())],
+        );
+        let id = id.unwrap();
+        let req = crate::WriteRequest::new(id, vec![(big.clone(), 0)], room, s, 42, 3, 1);
+        tx.post_write(&rx.addr(), req).await.unwrap();
+        let got = rx.inbox().wait(id, Instant::now() + Duration::from_secs(20)).await.unwrap();
+        assert!(got.buf == big, "whole, shm: {shm}");
+        if !shm {
+            // Made without `WriteRequest::new`: the sockets refuse it before sending a byte.
+            let id = rx
+                .inbox()
+                .register_region(room, 10, [(s, std::iter::once(0..10).collect())])
+                .unwrap();
+            let req = crate::WriteRequest { pairs: vec![(big.clone(), 0)], ..whole };
+            let refused =
+                tx.post_write(&rx.addr(), crate::WriteRequest { region: id, ..req }).await;
+            let refused = refused.unwrap_err().to_string();
+            assert!(refused.contains("does not fit a frame"), "{refused}");
+        }
+        tasks.shutdown().await;
+    }
+}
