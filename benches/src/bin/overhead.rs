@@ -3,6 +3,14 @@
 //! reassembly) minus the TTFT of the same mock engine called in-process, with mock compute
 //! set to zero. Prints p50 and p99 as a Markdown table:
 //!
+//! - first, distinct prompts at 64 in flight until every prefill's prefix cache is nine
+//!   tenths full, in a row of its own and counted in no other. Until then the process grows
+//!   (the caches keep buffers the allocator cannot hand out again), and more than half of
+//!   the decode's receive regions landed on fresh pages that registering faulted in
+//!   (registering a 256 KiB region took about 80 us on fresh pages and 7 us on reused ones,
+//!   on the machine this was found on); once the caches are full and evicting, a region is
+//!   almost never fresh. The levels below measure that steady state, as a server that has been up
+//!   a while runs;
 //! - closed loop with 1 request in flight (latency alone) and with 64 (saturation: its
 //!   latency is mostly queueing, and labelled so), with the process's CPU per request (every
 //!   role runs in this process, and so does the load generator), whole, beyond the mock
@@ -30,6 +38,7 @@
 //! ```
 
 use std::io::Write;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,6 +49,7 @@ use handoff_benches::path::{OwnThread, pct, process_cpu, prompt, thread_cpu, ttf
 use handoff_benches::stages::Stages;
 use handoff_engine::{Engine, MockConfig, MockEngine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
+use tonic::transport::Channel;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -165,6 +175,7 @@ async fn measure(
         scheduler_in_frontend: placement == Placement::InFrontend,
         ..ClusterConfig::ephemeral()
     };
+    let cache_budget = cfg.prefill_cache_bytes;
     let cluster = Cluster::start_shared(cfg, engine.clone()).await?;
     // The load generator runs on a thread of its own: its CPU (its gRPC client and the
     // connection that drives) is the client's, shown apart from the path's.
@@ -176,6 +187,20 @@ async fn measure(
         "| load | TTFT p50 (us) | TTFT p99 (us) | overhead p50 (us) | overhead p99 (us) | req/s | CPU per request (us) | beyond the engine's (us) | the load generator's (us) | the path's: beyond the engine's and the load generator's (us) |"
     )?;
     writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    let block_bytes = engine.info().page_size * engine.info().shape.token_bytes();
+    let (fill, full) = fill_caches(&cluster, &loadgen, &client, prompt_tokens, |blocks| {
+        blocks * block_bytes >= cache_budget / 10 * 9
+    })
+    .await?;
+    let label = format!(
+        "closed loop, 64 in flight, filling the prefix caches ({} requests{}; the process grows to its steady size, faulting fresh pages in; not counted below)",
+        fill.t.len(),
+        if full { "" } else { ", stopped short of full: prompts ran out" }
+    );
+    if !fill.t.is_empty() {
+        let cpu = fill.cpu_per_request(engine_cpu_us);
+        row(out, &label, fill.t, base_p50, fill.rate, Some(cpu))?;
+    }
     let (mut saturation, mut alone, mut path_cpu, mut alone_p50) = (0f64, None, 0f64, 0f64);
     for conc in [1usize, 64] {
         // Warm-up: connections, caches.
@@ -191,33 +216,22 @@ async fn measure(
             r?;
         }
         let stages = Stages::read(cluster.http_addr).await?;
-        let (start, cpu, client_cpu) = (Instant::now(), process_cpu()?, thread_cpu(loadgen.tid)?);
-        let c = client.clone();
-        let runs = loadgen.run(async move {
-            let runs = futures::stream::iter(0..per_level).map(|i| {
-                let mut c = c.clone();
-                // Distinct prompts: no prefix reuse, every request computes its whole prompt.
-                let p = prompt((conc * per_level + i) as u32, prompt_tokens);
-                async move { ttft(&mut c, p).await }
-            });
-            runs.buffer_unordered(conc).collect::<Vec<_>>().await
-        });
-        let t: Vec<Duration> = runs.await?.into_iter().collect::<Result<_, _>>()?;
-        let wall = start.elapsed();
-        let (cpu, client_cpu) = (process_cpu()? - cpu, thread_cpu(loadgen.tid)? - client_cpu);
+        // Distinct prompts: no prefix reuse, every request computes its whole prompt.
+        let first = (conc * per_level) as u32;
+        let seeds = first..first + per_level as u32;
+        let run = closed_loop(&loadgen, &client, conc, seeds, prompt_tokens).await?;
+        let cpu = run.cpu_per_request(engine_cpu_us);
+        let Run { t, rate, .. } = run;
         if conc == 1 {
             let mean = us(t.iter().sum::<Duration>()) / t.len() as f64;
             let means = Stages::read(cluster.http_addr).await?.mean_us_since(&stages);
             alone = Some(where_it_goes(mean, &means));
         }
-        let rate = per_level as f64 / wall.as_secs_f64();
         saturation = rate;
         let label = match conc {
             1 => "closed loop, 1 in flight".to_owned(),
             n => format!("closed loop, {n} in flight (saturated: latency is mostly queueing)"),
         };
-        let per = |d: Duration| us(d) / per_level as f64;
-        let cpu = Cpu { whole: per(cpu), engine: engine_cpu_us, client: per(client_cpu) };
         path_cpu = cpu.whole - cpu.engine - cpu.client;
         if conc == 1 {
             alone_p50 = us(pct_of(&t, 0.5));
@@ -256,6 +270,98 @@ async fn measure(
     }
     cluster.shutdown().await;
     Ok(Measured { saturation, path_cpu, alone_p50, half: half_overhead })
+}
+
+/// A closed loop's requests: each one's TTFT, the rate they were answered at, and the CPU
+/// they took, the process's and the load generator's.
+struct Run {
+    t: Vec<Duration>,
+    rate: f64,
+    cpu: Duration,
+    client_cpu: Duration,
+}
+
+impl Run {
+    /// Its CPU per request, with the mock engine's own (`engine_us`) named.
+    fn cpu_per_request(&self, engine_us: f64) -> Cpu {
+        let per = |d: Duration| us(d) / self.t.len() as f64;
+        Cpu { whole: per(self.cpu), engine: engine_us, client: per(self.client_cpu) }
+    }
+
+    /// `self` and `next` as one run, back to back.
+    fn then(self, next: Run) -> Run {
+        let (a, b) = (self.t.len() as f64 / self.rate, next.t.len() as f64 / next.rate);
+        let mut t = self.t;
+        t.extend(next.t);
+        let rate = t.len() as f64 / (a + b);
+        let (cpu, client_cpu) = (self.cpu + next.cpu, self.client_cpu + next.client_cpu);
+        Run { t, rate, cpu, client_cpu }
+    }
+}
+
+/// One request per seed of `seeds` (a `tokens`-token prompt each), `conc` in flight.
+async fn closed_loop(
+    loadgen: &OwnThread,
+    client: &GenerateClient<Channel>,
+    conc: usize,
+    seeds: Range<u32>,
+    tokens: usize,
+) -> anyhow::Result<Run> {
+    let (start, cpu, client_cpu) = (Instant::now(), process_cpu()?, thread_cpu(loadgen.tid)?);
+    let c = client.clone();
+    let runs = loadgen.run(async move {
+        let runs = futures::stream::iter(seeds).map(|s| {
+            let mut c = c.clone();
+            let p = prompt(s, tokens);
+            async move { ttft(&mut c, p).await }
+        });
+        runs.buffer_unordered(conc).collect::<Vec<_>>().await
+    });
+    let t: Vec<Duration> = runs.await?.into_iter().collect::<Result<_, _>>()?;
+    let rate = t.len() as f64 / start.elapsed().as_secs_f64();
+    let (cpu, client_cpu) = (process_cpu()? - cpu, thread_cpu(loadgen.tid)? - client_cpu);
+    Ok(Run { t, rate, cpu, client_cpu })
+}
+
+/// Prompts that fill the prefix caches: seeds no level uses (modulo `prompt`'s 31,000).
+const FILL_SEEDS: Range<u32> = 20_000..31_000;
+
+/// Requests sent before the levels, in rounds of this many.
+const FILL_ROUND: u32 = 256;
+
+/// Sends distinct prompts, 64 in flight, until every prefill's prefix cache holds blocks
+/// enough that `full` says so (or [`FILL_SEEDS`] run out; then `false`). Until then the
+/// process grows: the caches keep buffers the allocator cannot hand out again, so regions
+/// and KV land on fresh pages the kernel faults in (populated, zeroed) one request after
+/// another. A server that has been up a while reuses its memory instead; the levels after
+/// this measure that.
+async fn fill_caches(
+    cluster: &Cluster,
+    loadgen: &OwnThread,
+    client: &GenerateClient<Channel>,
+    tokens: usize,
+    full: impl Fn(usize) -> bool,
+) -> anyhow::Result<(Run, bool)> {
+    let is_full =
+        || cluster.prefills.iter().all(|p| p.snapshot().dp_blocks.iter().all(|b| full(b.len())));
+    let mut done: Option<Run> = None;
+    let mut at = FILL_SEEDS.start;
+    while at < FILL_SEEDS.end && !is_full() {
+        let seeds = at..(at + FILL_ROUND).min(FILL_SEEDS.end);
+        at = seeds.end;
+        let round = closed_loop(loadgen, client, 64, seeds, tokens).await?;
+        done = Some(match done {
+            Some(d) => d.then(round),
+            None => round,
+        });
+    }
+    let run = done.unwrap_or(Run {
+        t: Vec::new(),
+        rate: 0.0,
+        cpu: Duration::ZERO,
+        client_cpu: Duration::ZERO,
+    });
+    Ok((run, is_full()))
 }
 
 /// `q`'s percentile of `t`, unsorted.
