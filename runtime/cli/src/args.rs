@@ -180,10 +180,11 @@ impl PolicyArgs {
 
 impl FrontendArgs {
     /// What this frontend listens on, each named for the exposure check: its gRPC, its
-    /// OpenAI API, and its scheduler's operations listener when there is one.
+    /// OpenAI API, and its scheduler's operations listener and gRPC API when there are.
     pub fn listeners(&self) -> Vec<(&'static str, SocketAddr)> {
         let mut binds = vec![("the frontend", self.listen), ("the OpenAI API", self.http_listen)];
         binds.extend(self.scheduler_ops_listen.map(|a| ("its scheduler's metrics", a)));
+        binds.extend(self.scheduler_listen.map(|a| ("its scheduler's gRPC API", a)));
         binds
     }
 
@@ -272,6 +273,11 @@ pub struct FrontendArgs {
     /// `/livez`, `/readyz`).
     #[arg(long, requires = "scheduler_in_frontend")]
     pub scheduler_ops_listen: Option<SocketAddr>,
+    /// With --scheduler-in-frontend: serve the replica's gRPC API here, for `handoff ctl
+    /// --scheduler HOST:PORT` (instances, directory, drain), with the cluster's token and TLS
+    /// as `handoff scheduler`'s. It stays out of discovery: no other frontend routes by it.
+    #[arg(long, requires = "scheduler_in_frontend")]
+    pub scheduler_listen: Option<SocketAddr>,
     /// Selection (with --scheduler-in-frontend).
     #[command(flatten, next_help_heading = "Selection (with --scheduler-in-frontend)")]
     pub policy: PolicyArgs,

@@ -60,6 +60,8 @@ fn a_frontend_runs_its_own_scheduler_only_when_asked_and_then_takes_the_selectio
     assert_eq!(conflict.unwrap_err().kind(), ErrorKind::ArgumentConflict);
     let lone_ops = frontend(&["--scheduler-ops-listen", "127.0.0.1:0"]);
     assert_eq!(lone_ops.unwrap_err().kind(), ErrorKind::MissingRequiredArgument);
+    let lone_grpc = frontend(&["--scheduler-listen", "127.0.0.1:0"]);
+    assert_eq!(lone_grpc.unwrap_err().kind(), ErrorKind::MissingRequiredArgument);
     let mut no_bus = frontend(&["--scheduler-in-frontend"]).unwrap();
     // As without HANDOFF_ETCD and HANDOFF_NATS (clap reads them too).
     (no_bus.discovery.etcd, no_bus.discovery.nats) = (None, None);
@@ -113,6 +115,9 @@ fn the_charts_in_frontend_arguments_parse_and_their_ops_listener_needs_the_token
     a.scheduler_ops_listen = Some("127.0.0.1:9091".parse().unwrap());
     let e = crate::cmd::check_exposure(&a.discovery, &a.listeners()).unwrap_err().to_string();
     assert!(!e.contains("its scheduler's metrics"), "{e}");
+    a.scheduler_listen = Some("0.0.0.0:50052".parse().unwrap());
+    let e = crate::cmd::check_exposure(&a.discovery, &a.listeners()).unwrap_err().to_string();
+    assert!(e.contains("its scheduler's gRPC API on 0.0.0.0:50052"), "{e}");
     a.discovery.token = Some("the cluster's".into());
     crate::cmd::check_exposure(&a.discovery, &a.listeners()).unwrap();
 }

@@ -125,7 +125,7 @@ impl<'a> Ctl<'a> {
         };
         if replicas.is_empty() {
             bail!(
-                "no scheduler replica registered (one running inside a frontend, --scheduler-in-frontend, is not: start a `handoff scheduler` beside it, or pass --scheduler HOST:PORT)"
+                "no scheduler replica registered (one running inside a frontend, --scheduler-in-frontend, is not: pass --scheduler with the frontend's --scheduler-listen address, or start a `handoff scheduler` beside it)"
             );
         }
         let mut errors = Vec::new();

@@ -93,6 +93,10 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         if let Some(addr) = own.ops {
             ready.push_str(&format!(", its ops http://{addr}"));
         }
+        if let Some(addr) = own.grpc {
+            let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
+            ready.push_str(&format!(", its grpc{s}://{addr}"));
+        }
     }
     crate::cmd::announce(&ready)?;
     let (t1, t2) = (tasks.clone(), tasks.clone());

@@ -15,7 +15,8 @@ use super::servers::{Handoff, Server};
 
 pub(crate) fn addr_after(line: &str, scheme: &str) -> String {
     let at = line.find(scheme).unwrap_or_else(|| panic!("{scheme} in {line:?}")) + scheme.len();
-    line[at..].split_whitespace().next().unwrap().to_owned()
+    // Up to the next space, or the comma before it.
+    line[at..].split_whitespace().next().unwrap().trim_end_matches(',').to_owned()
 }
 
 fn prefill(etcd: &Server, nats: &Server, id: &str) -> Handoff {
@@ -362,8 +363,9 @@ async fn a_hung_scheduler_replica_costs_a_select_timeout_not_a_request() {
 
 /// `handoff frontend --scheduler-in-frontend`, and no scheduler process: the frontend's own
 /// replica knows the prefills through etcd before the frontend is announced, routes by
-/// their KV events over NATS, and serves its metrics (not the process's traffic, which the
-/// frontend's own `/metrics` serves) and readiness.
+/// their KV events over NATS, serves its metrics (not the process's traffic, which the
+/// frontend's own `/metrics` serves) and readiness, and its gRPC API for `handoff ctl`
+/// while staying out of discovery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
     use super::operations::{http_get, spawn_frontend, wait_ready, wait_routable};
@@ -377,9 +379,12 @@ async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
         "--scheduler-in-frontend",
         "--scheduler-ops-listen",
         "127.0.0.1:0",
+        "--scheduler-listen",
+        "127.0.0.1:0",
     ]);
     assert!(line.contains("scheduler in-process"), "{line}");
     let ops = addr_after(&line, "ops http://");
+    let its_grpc = addr_after(&line, "its grpc://");
     // Announced only once its replica knows the prefills registered before it started.
     let known: f64 = http_get(&ops, "/metrics")
         .await
@@ -412,4 +417,27 @@ async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
     for _ in 0..5 {
         assert_eq!(one(&mut client, 7).await.unwrap(), first, "the prompt goes where its KV is");
     }
+    // `handoff ctl` reaches the replica at the address given, and finds none registered.
+    let ctl = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
+            .args(["ctl", "--etcd", &etcd.url, "--nats", &nats.url])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap();
+        let text = |b: Vec<u8>| String::from_utf8(b).unwrap();
+        (out.status.success(), text(out.stdout), text(out.stderr))
+    };
+    let (ok, listed, err) = ctl(&["--scheduler", &its_grpc, "instances"]);
+    assert!(ok, "{err}");
+    assert!(listed.contains(&format!("as seen by scheduler {its_grpc}")), "{listed}");
+    let mut ids: Vec<&str> = listed
+        .lines()
+        .filter(|l| l.starts_with("prefill"))
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["a", "b"], "{listed}");
+    let (ok, _, err) = ctl(&["instances"]);
+    assert!(!ok && err.contains("--scheduler-listen"), "{err}");
 }

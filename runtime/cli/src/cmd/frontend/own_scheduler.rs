@@ -6,23 +6,26 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use futures::StreamExt;
 use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::{EventBus, Registry, Role, Update};
 use handoff_frontend::Frontend;
 use handoff_scheduler::{Scheduler, SchedulerConfig, metrics};
+use tokio::net::TcpListener;
 
 use crate::args::FrontendArgs;
 
 /// How long the replica gets to learn the prefill instances registered at start.
 const LEARN_WITHIN: Duration = Duration::from_secs(30);
 
-/// The replica, and where its operations endpoint listens.
+/// The replica, and where its operations endpoint and gRPC API listen.
 pub(super) struct OwnScheduler {
     scheduler: Scheduler,
     /// `--scheduler-ops-listen`'s bound address.
     pub(super) ops: Option<SocketAddr>,
+    /// `--scheduler-listen`'s bound address.
+    pub(super) grpc: Option<SocketAddr>,
 }
 
 impl OwnScheduler {
@@ -50,13 +53,36 @@ impl OwnScheduler {
         // The frontend's own `/metrics` serves the process's traffic.
         let ops = metrics::ops_in_frontend(scheduler.state());
         let ops = crate::cmd::serve_ops(args.scheduler_ops_listen, ops, tasks).await?;
-        Ok(OwnScheduler { scheduler, ops })
+        let grpc = match args.scheduler_listen {
+            Some(bind) => Some(serve_grpc(bind, &scheduler, tasks).await?),
+            None => None,
+        };
+        Ok(OwnScheduler { scheduler, ops, grpc })
     }
 
     /// Whether its `/readyz` says ready: as the frontend is in discovery and not draining.
     pub(super) fn set_ready(&self, ready: bool) {
         self.scheduler.state().metrics().set_registered(ready);
     }
+}
+
+/// Serves `scheduler`'s gRPC API on `bind` until `tasks` shut down (for `handoff ctl`; it is
+/// not registered in discovery); returns the bound address.
+async fn serve_grpc(
+    bind: SocketAddr,
+    scheduler: &Scheduler,
+    tasks: &Tasks,
+) -> anyhow::Result<SocketAddr> {
+    let listener = TcpListener::bind(bind).await.with_context(|| format!("listening on {bind}"))?;
+    let addr = listener.local_addr()?;
+    let (state, t) = (scheduler.state().clone(), tasks.clone());
+    tasks.spawn(async move {
+        let stop = async move { t.shutdown_requested().await };
+        if let Err(e) = handoff_scheduler::service::serve(listener, state, stop).await {
+            tracing::warn!(error = %e, "the in-frontend scheduler's gRPC API stopped");
+        }
+    });
+    Ok(addr)
 }
 
 /// Waits (at most `within`) until `scheduler` knows every prefill instance `registry` lists
