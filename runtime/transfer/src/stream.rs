@@ -30,8 +30,9 @@ use crate::{AgentAddr, Notice, RegionId, SenderId, TransferBackend, TransferErro
 /// A connection a backend dedicates to one streamed write.
 #[async_trait]
 pub trait StreamConn: Send {
-    /// Sends `pairs` (source bytes, destination offset) into `region` as `sender`'s, and adds
-    /// every pair to `sums` by the time it returns `Ok`. After an `Err` the sums are partial,
+    /// Sends `pairs` (source bytes, destination offset; each at most [`MAX_SEGMENT`] bytes, as
+    /// [`WriteStream::post`] splits them) into `region` as `sender`'s, and adds every pair to
+    /// `sums` by the time it returns `Ok`. After an `Err` the sums are partial,
     /// and the connection must refuse [`StreamConn::finish`].
     async fn post(
         &mut self,
@@ -114,13 +115,15 @@ pub(crate) fn segments(pairs: Vec<(Bytes, u64)>) -> Vec<(Bytes, u64)> {
     }
     let mut out = Vec::with_capacity(pairs.len() + 1);
     for (b, off) in pairs {
+        // One reaching past u64's end stays whole: its receiver refuses it anyway.
+        if b.len() <= MAX_SEGMENT || off.checked_add(b.len() as u64).is_none() {
+            out.push((b, off));
+            continue;
+        }
         let mut at = 0;
-        loop {
+        while at < b.len() {
             let end = b.len().min(at + MAX_SEGMENT);
-            out.push((b.slice(at..end), off.saturating_add(at as u64)));
-            if end == b.len() {
-                break;
-            }
+            out.push((b.slice(at..end), off + at as u64));
             at = end;
         }
     }
@@ -246,5 +249,11 @@ mod tests {
         ];
         assert_eq!(at, want);
         assert_eq!(got[2].0.as_ptr(), long[MAX_SEGMENT..].as_ptr(), "a view, not a copy");
+        // Past u64's end: whole, for its receiver to refuse.
+        let past = segments(vec![(long, u64::MAX - 10)]);
+        assert_eq!(
+            past.iter().map(|(b, o)| (b.len(), *o)).collect::<Vec<_>>(),
+            [(2 * MAX_SEGMENT + 1, u64::MAX - 10)]
+        );
     }
 }

@@ -39,7 +39,9 @@ const POOLED_ACK_TIMEOUT: Duration = Duration::from_secs(1);
 /// Settings of the tcp backend.
 #[derive(Debug, Clone)]
 pub struct TcpConfig {
-    /// Largest frame accepted or sent.
+    /// Largest frame accepted or sent. A write's segments are up to [`crate::MAX_SEGMENT`]
+    /// bytes (16 MiB) each, and one that does not fit a frame of its own is refused before it
+    /// is sent (`Malformed`): below 16 MiB and 29 bytes, long writes fail.
     pub max_frame: usize,
     /// Time to establish a connection.
     pub connect_timeout: Duration,
@@ -327,8 +329,9 @@ impl TransferBackend for TcpTransfer {
             }
             return res;
         }
-        let mut s = self.checkout(peer).await?;
         let max_frame = self.cfg.max_frame;
+        wire::check_fits(&req.pairs, max_frame)?;
+        let mut s = self.checkout(peer).await?;
         let exchange = async {
             let mut w = BufWriter::with_capacity(wire::BUFFERED, &mut s);
             let io = |e| Self::io_err(peer, e);

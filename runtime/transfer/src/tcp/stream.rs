@@ -46,6 +46,7 @@ impl StreamConn for TcpStreamConn {
         sums: &mut NoticeSums,
     ) -> Result<(), TransferError> {
         let (peer, max_frame, within) = (self.peer.clone(), self.max_frame, self.io_timeout);
+        wire::check_fits(pairs, max_frame)?;
         // Out while it is written: a post abandoned midway leaves no connection behind with
         // half a frame on it.
         let Some(mut s) = self.conn.take() else { return Err(broke_earlier(&self.peer)) };

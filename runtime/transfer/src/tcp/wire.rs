@@ -82,8 +82,28 @@ pub(super) async fn write_connect<W: AsyncWrite + Unpin>(
     w.flush().await
 }
 
+/// A write frame's length before its segments: the kind, the region, the sender and the
+/// segment count.
+const WRITE_HEAD: usize = 1 + 8 + 4 + 4;
+
+/// Each segment's entry in a write frame's table: its offset and length.
+const SEGMENT_ENTRY: usize = 8 + 4;
+
+/// Refuses `pairs` when one would not fit a write frame of its own of at most `max_frame`
+/// bytes (the receiver would refuse that frame, and the connection with it).
+pub(super) fn check_fits(pairs: &[(Bytes, u64)], max_frame: usize) -> Result<(), TransferError> {
+    match pairs.iter().find(|(b, _)| WRITE_HEAD + SEGMENT_ENTRY + b.len() > max_frame) {
+        Some((b, _)) => Err(malformed(format!(
+            "a pair of {} bytes does not fit a frame of {max_frame}",
+            b.len()
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Writes `pairs` as one or more write frames of at most `max_frame` bytes each; nothing
-/// when a pair would not fit in a frame of its own (the receiver would refuse that frame).
+/// when a pair would not fit in a frame of its own (see [`check_fits`], which callers run
+/// first for the typed error).
 pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
     w: &mut W,
     region: RegionId,
@@ -91,24 +111,20 @@ pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
     pairs: &[(Bytes, u64)],
     max_frame: usize,
 ) -> std::io::Result<()> {
-    if let Some((b, _)) = pairs.iter().find(|(b, _)| 1 + 16 + 12 + b.len() > max_frame) {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("a pair of {} bytes does not fit a frame of {max_frame}", b.len()),
-        ));
-    }
+    check_fits(pairs, max_frame)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
     let mut rest = pairs;
     while !rest.is_empty() {
         // Take pairs while the frame stays under max_frame (always at least one).
         let mut n = 0;
-        let mut size = 1 + 16;
-        while n < rest.len() && (n == 0 || size + 12 + rest[n].0.len() <= max_frame) {
-            size += 12 + rest[n].0.len();
+        let mut size = WRITE_HEAD;
+        while n < rest.len() && (n == 0 || size + SEGMENT_ENTRY + rest[n].0.len() <= max_frame) {
+            size += SEGMENT_ENTRY + rest[n].0.len();
             n += 1;
         }
         let (now, later) = rest.split_at(n);
         let mut head = framed(WRITE, size - 1, &[]);
-        head.reserve(16 + 12 * n);
+        head.reserve(WRITE_HEAD - 1 + SEGMENT_ENTRY * n);
         head.extend_from_slice(&region.0.to_le_bytes());
         head.extend_from_slice(&sender.0.to_le_bytes());
         head.extend_from_slice(&(n as u32).to_le_bytes());
