@@ -1,7 +1,10 @@
 //! What the path benchmarks (`overhead`, `ops_overhead`) share: distinct prompts, one
 //! request's time to first token through a frontend, and percentiles.
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
+
+use futures::StreamExt;
 
 use handoff_proto::v1::generate_client::GenerateClient;
 use handoff_proto::v1::generate_request::Input;
@@ -85,6 +88,56 @@ impl Drop for OwnThread {
             let _ = t.join();
         }
     }
+}
+
+/// A closed loop's requests: each one's TTFT, the rate they were answered at, and the CPU
+/// they took, the process's and the load generator's.
+pub struct Run {
+    /// Each request's time to first token.
+    pub t: Vec<Duration>,
+    /// Requests answered per second.
+    pub rate: f64,
+    /// The process's CPU over them.
+    pub cpu: Duration,
+    /// The load generator's thread's.
+    pub client_cpu: Duration,
+}
+
+impl Run {
+    /// `self` and `next` as one run, back to back.
+    pub fn then(self, next: Run) -> Run {
+        let (a, b) = (self.t.len() as f64 / self.rate, next.t.len() as f64 / next.rate);
+        let mut t = self.t;
+        t.extend(next.t);
+        let rate = t.len() as f64 / (a + b);
+        let (cpu, client_cpu) = (self.cpu + next.cpu, self.client_cpu + next.client_cpu);
+        Run { t, rate, cpu, client_cpu }
+    }
+}
+
+/// One request per seed of `seeds` (a `tokens`-token prompt each), `conc` in flight, sent
+/// from `loadgen`.
+pub async fn closed_loop(
+    loadgen: &OwnThread,
+    client: &GenerateClient<Channel>,
+    conc: usize,
+    seeds: Range<u32>,
+    tokens: usize,
+) -> anyhow::Result<Run> {
+    let (start, cpu, client_cpu) = (Instant::now(), process_cpu()?, thread_cpu(loadgen.tid)?);
+    let c = client.clone();
+    let runs = loadgen.run(async move {
+        let runs = futures::stream::iter(seeds).map(|s| {
+            let mut c = c.clone();
+            let p = prompt(s, tokens);
+            async move { ttft(&mut c, p).await }
+        });
+        runs.buffer_unordered(conc).collect::<Vec<_>>().await
+    });
+    let t: Vec<Duration> = runs.await?.into_iter().collect::<Result<_, _>>()?;
+    let rate = t.len() as f64 / start.elapsed().as_secs_f64();
+    let (cpu, client_cpu) = (process_cpu()? - cpu, thread_cpu(loadgen.tid)? - client_cpu);
+    Ok(Run { t, rate, cpu, client_cpu })
 }
 
 /// An `n`-token prompt of its own for each `seed` (no prefix shared with another seed's).

@@ -84,6 +84,8 @@ async fn mock_making(tokens: usize) -> anyhow::Result<Duration> {
 struct Path {
     cluster: Cluster,
     client: GenerateClient<tonic::transport::Channel>,
+    /// Its prefill's prefix cache budget.
+    cache_bytes: usize,
 }
 
 /// A cluster on `transfer`; `whole`: its prefill's agent behind an unarmed fault injector,
@@ -97,24 +99,25 @@ async fn path(transfer: TransferKind, per_token: Duration, whole: bool) -> anyho
         faults,
         ..ClusterConfig::ephemeral()
     };
+    let cache_bytes = cfg.prefill_cache_bytes;
     let mock = MockConfig { shape: SMOLLM, prefill_per_token: per_token, ..MockConfig::default() };
     let cluster =
         Cluster::start(cfg, &|| Ok(Arc::new(MockEngine::new(mock.clone())) as Arc<dyn Engine>))
             .await?;
     let mut client = GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
     ttft(&mut client, prompt(999_999, 32)).await?; // warm-up: connections
-    Ok(Path { cluster, client })
+    Ok(Path { cluster, client, cache_bytes })
 }
 
-/// Prompts of `tokens` tokens enough to fill a prefill's prefix cache (its default budget)
-/// and evict from it.
-fn cache_fill(tokens: usize) -> usize {
-    ClusterConfig::default().prefill_cache_bytes / (tokens * SMOLLM.token_bytes()) + 2
+/// Prompts of `tokens` tokens enough to fill a prefix cache of `cache_bytes` and evict from
+/// it.
+fn cache_fill(cache_bytes: usize, tokens: usize) -> usize {
+    cache_bytes / (tokens * SMOLLM.token_bytes()) + 2
 }
 
 /// Sends [`cache_fill`] distinct prompts of `tokens` tokens through `p` (see the module docs).
 async fn fill_cache(p: &mut Path, tokens: usize, seed: &mut u32) -> anyhow::Result<()> {
-    for _ in 0..cache_fill(tokens) {
+    for _ in 0..cache_fill(p.cache_bytes, tokens) {
         *seed += 1;
         ttft(&mut p.client, prompt(*seed, tokens)).await?;
     }
@@ -134,8 +137,8 @@ async fn main() -> anyhow::Result<()> {
         out,
         "KV of {} B per token (SmolLM2-135M's shape); tail = TTFT - compute, ms; each shape's runs after {} (256 tokens) or {} (1024) prompts that fill the prefill's prefix cache",
         SMOLLM.token_bytes(),
-        cache_fill(256),
-        cache_fill(1024)
+        cache_fill(ClusterConfig::ephemeral().prefill_cache_bytes, 256),
+        cache_fill(ClusterConfig::ephemeral().prefill_cache_bytes, 1024)
     )?;
     writeln!(
         out,
@@ -156,17 +159,18 @@ async fn main() -> anyhow::Result<()> {
             path(tcp, per_token, true).await?,
             path(mooncake, per_token, false).await?,
         ];
-        // The path without KV: a 1-token prompt's tail on the tcp cluster.
         let mut bare = Vec::new();
-        for _ in 0..reps {
-            seed += 1;
-            bare.push(ttft(&mut paths[0].client, prompt(seed, 1)).await?.saturating_sub(per_token));
-        }
-        bare.sort();
         for tokens in [256usize, 1024] {
             for p in &mut paths {
                 fill_cache(p, tokens, &mut seed).await?;
             }
+            // The path without KV: a 1-token prompt's tail on the tcp cluster, once filled.
+            while bare.len() < reps {
+                seed += 1;
+                let t = ttft(&mut paths[0].client, prompt(seed, 1)).await?;
+                bare.push(t.saturating_sub(per_token));
+            }
+            bare.sort();
             let compute = per_token * tokens as u32;
             let mut tails: Vec<Vec<Duration>> = vec![Vec::new(); paths.len()];
             for _ in 0..reps {

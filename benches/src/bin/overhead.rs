@@ -42,10 +42,9 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use handoff::{Cluster, ClusterConfig};
 use handoff_benches::pacer::Pacer;
-use handoff_benches::path::{OwnThread, pct, process_cpu, prompt, thread_cpu, ttft, us};
+use handoff_benches::path::{OwnThread, Run, closed_loop, pct, process_cpu, prompt, ttft, us};
 use handoff_benches::stages::Stages;
 use handoff_engine::{Engine, MockConfig, MockEngine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
@@ -57,8 +56,13 @@ async fn main() -> anyhow::Result<()> {
     let prompt_tokens: usize = args.next().map_or(Ok(256), |a| a.parse())?;
     let per_level: usize = args.next().map_or(Ok(2000), |a| a.parse())?;
     let placement = args.next().unwrap_or_else(|| "both".to_owned());
-    // Every run's prompts distinct from every other's (see `open_loop`'s seeds).
-    anyhow::ensure!(per_level <= 2000, "at most 2000 requests per level: prompts would repeat");
+    // Every level's prompts distinct from every other's, the warm-ups' and the fill's: the
+    // four levels take seeds 0..4 * per_level, below WARM_SEEDS.
+    anyhow::ensure!(
+        4 * per_level <= WARM_SEEDS.start as usize,
+        "at most {} requests per level: prompts would repeat",
+        WARM_SEEDS.start / 4
+    );
     anyhow::ensure!(
         per_level >= 500,
         "at least 500 requests per level: CPU is counted in 10 ms ticks"
@@ -198,29 +202,20 @@ async fn measure(
         if full { "" } else { ", stopped short of full: prompts ran out" }
     );
     if !fill.t.is_empty() {
-        let cpu = fill.cpu_per_request(engine_cpu_us);
+        let cpu = cpu_per_request(&fill, engine_cpu_us);
         row(out, &label, fill.t, base_p50, fill.rate, Some(cpu))?;
     }
     let (mut saturation, mut alone, mut path_cpu, mut alone_p50) = (0f64, None, 0f64, 0f64);
-    for conc in [1usize, 64] {
-        // Warm-up: connections, caches.
-        let c = client.clone();
-        let warm = loadgen.run(async move {
-            let warm = futures::stream::iter(0..conc * 4).map(|i| {
-                let mut c = c.clone();
-                async move { ttft(&mut c, prompt(1_000_000 + i as u32, prompt_tokens)).await }
-            });
-            warm.buffer_unordered(conc).collect::<Vec<_>>().await
-        });
-        for r in warm.await? {
-            r?;
-        }
+    for (level, conc) in [1usize, 64].into_iter().enumerate() {
+        // Warm-up: connections.
+        let warm = WARM_SEEDS.start..WARM_SEEDS.start + 4 * conc as u32;
+        closed_loop(&loadgen, &client, conc, warm, prompt_tokens).await?;
         let stages = Stages::read(cluster.http_addr).await?;
         // Distinct prompts: no prefix reuse, every request computes its whole prompt.
-        let first = (conc * per_level) as u32;
+        let first = (level * per_level) as u32;
         let seeds = first..first + per_level as u32;
         let run = closed_loop(&loadgen, &client, conc, seeds, prompt_tokens).await?;
-        let cpu = run.cpu_per_request(engine_cpu_us);
+        let cpu = cpu_per_request(&run, engine_cpu_us);
         let Run { t, rate, .. } = run;
         if conc == 1 {
             let mean = us(t.iter().sum::<Duration>()) / t.len() as f64;
@@ -247,9 +242,9 @@ async fn measure(
     .into_iter()
     .enumerate()
     {
-        // Seeds of its own: `prompt` has 31,000 distinct ones, and a prompt seen before
+        // Seeds of its own (the third and fourth blocks of `per_level`): a prompt seen before
         // would be served from the prefix cache (less work than the base measured).
-        let first_seed = 10_000 + (k * per_level) as u32;
+        let first_seed = ((2 + k) * per_level) as u32;
         let c = client.clone();
         let run = open_loop(c, rate, per_level, prompt_tokens, first_seed);
         let mut answered = loadgen.run(run).await??;
@@ -272,59 +267,18 @@ async fn measure(
     Ok(Measured { saturation, path_cpu, alone_p50, half: half_overhead })
 }
 
-/// A closed loop's requests: each one's TTFT, the rate they were answered at, and the CPU
-/// they took, the process's and the load generator's.
-struct Run {
-    t: Vec<Duration>,
-    rate: f64,
-    cpu: Duration,
-    client_cpu: Duration,
+/// `run`'s CPU per request, with the mock engine's own (`engine_us`) named.
+fn cpu_per_request(run: &Run, engine_us: f64) -> Cpu {
+    let per = |d: Duration| us(d) / run.t.len() as f64;
+    Cpu { whole: per(run.cpu), engine: engine_us, client: per(run.client_cpu) }
 }
 
-impl Run {
-    /// Its CPU per request, with the mock engine's own (`engine_us`) named.
-    fn cpu_per_request(&self, engine_us: f64) -> Cpu {
-        let per = |d: Duration| us(d) / self.t.len() as f64;
-        Cpu { whole: per(self.cpu), engine: engine_us, client: per(self.client_cpu) }
-    }
+/// Seeds of the levels' warm-ups; the levels' own are blocks of `per_level` below it (see
+/// `main`), and every range is distinct modulo `prompt`'s 31,000.
+const WARM_SEEDS: Range<u32> = 8_000..8_256;
 
-    /// `self` and `next` as one run, back to back.
-    fn then(self, next: Run) -> Run {
-        let (a, b) = (self.t.len() as f64 / self.rate, next.t.len() as f64 / next.rate);
-        let mut t = self.t;
-        t.extend(next.t);
-        let rate = t.len() as f64 / (a + b);
-        let (cpu, client_cpu) = (self.cpu + next.cpu, self.client_cpu + next.client_cpu);
-        Run { t, rate, cpu, client_cpu }
-    }
-}
-
-/// One request per seed of `seeds` (a `tokens`-token prompt each), `conc` in flight.
-async fn closed_loop(
-    loadgen: &OwnThread,
-    client: &GenerateClient<Channel>,
-    conc: usize,
-    seeds: Range<u32>,
-    tokens: usize,
-) -> anyhow::Result<Run> {
-    let (start, cpu, client_cpu) = (Instant::now(), process_cpu()?, thread_cpu(loadgen.tid)?);
-    let c = client.clone();
-    let runs = loadgen.run(async move {
-        let runs = futures::stream::iter(seeds).map(|s| {
-            let mut c = c.clone();
-            let p = prompt(s, tokens);
-            async move { ttft(&mut c, p).await }
-        });
-        runs.buffer_unordered(conc).collect::<Vec<_>>().await
-    });
-    let t: Vec<Duration> = runs.await?.into_iter().collect::<Result<_, _>>()?;
-    let rate = t.len() as f64 / start.elapsed().as_secs_f64();
-    let (cpu, client_cpu) = (process_cpu()? - cpu, thread_cpu(loadgen.tid)? - client_cpu);
-    Ok(Run { t, rate, cpu, client_cpu })
-}
-
-/// Prompts that fill the prefix caches: seeds no level uses (modulo `prompt`'s 31,000).
-const FILL_SEEDS: Range<u32> = 20_000..31_000;
+/// Seeds of the prompts that fill the prefix caches.
+const FILL_SEEDS: Range<u32> = WARM_SEEDS.end..31_000;
 
 /// Requests sent before the levels, in rounds of this many.
 const FILL_ROUND: u32 = 256;

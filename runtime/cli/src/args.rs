@@ -273,9 +273,10 @@ pub struct FrontendArgs {
     /// `/livez`, `/readyz`).
     #[arg(long, requires = "scheduler_in_frontend")]
     pub scheduler_ops_listen: Option<SocketAddr>,
-    /// With --scheduler-in-frontend: serve the replica's gRPC API here, for `handoff ctl
-    /// --scheduler HOST:PORT` (instances, directory, drain), with the cluster's token and TLS
-    /// as `handoff scheduler`'s. It stays out of discovery: no other frontend routes by it.
+    /// With --scheduler-in-frontend: serve the replica's whole gRPC API here (as `handoff
+    /// scheduler` does, with the cluster's token and TLS), for `handoff ctl --scheduler
+    /// HOST:PORT` (instances, directory, drain). It stays out of discovery: only a process
+    /// given this address calls it.
     #[arg(long, requires = "scheduler_in_frontend")]
     pub scheduler_listen: Option<SocketAddr>,
     /// Selection (with --scheduler-in-frontend).

@@ -364,14 +364,17 @@ async fn a_hung_scheduler_replica_costs_a_select_timeout_not_a_request() {
 /// `handoff frontend --scheduler-in-frontend`, and no scheduler process: the frontend's own
 /// replica knows the prefills through etcd before the frontend is announced, routes by
 /// their KV events over NATS, serves its metrics (not the process's traffic, which the
-/// frontend's own `/metrics` serves) and readiness, and its gRPC API for `handoff ctl`
-/// while staying out of discovery.
+/// frontend's own `/metrics` serves) and readiness, and its gRPC API for `handoff ctl`, with
+/// the cluster's token, while staying out of discovery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
     use super::operations::{http_get, spawn_frontend, wait_ready, wait_routable};
     let (etcd, nats) = (Server::etcd(), Server::nats());
-    let _prefills = [prefill(&etcd, &nats, "a"), prefill(&etcd, &nats, "b")];
+    let prefill = |id| super::servers::prefill(&etcd, &nats, id, &["--tp", "2", "--token", "t"]);
+    let _prefills = [prefill("a"), prefill("b")];
     let (_fe, line) = spawn_frontend(&[
+        "--token",
+        "t",
         "--etcd",
         &etcd.url,
         "--nats",
@@ -428,7 +431,7 @@ async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
         let text = |b: Vec<u8>| String::from_utf8(b).unwrap();
         (out.status.success(), text(out.stdout), text(out.stderr))
     };
-    let (ok, listed, err) = ctl(&["--scheduler", &its_grpc, "instances"]);
+    let (ok, listed, err) = ctl(&["--token", "t", "--scheduler", &its_grpc, "instances"]);
     assert!(ok, "{err}");
     assert!(listed.contains(&format!("as seen by scheduler {its_grpc}")), "{listed}");
     let mut ids: Vec<&str> = listed
@@ -438,6 +441,8 @@ async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
         .collect();
     ids.sort();
     assert_eq!(ids, ["a", "b"], "{listed}");
-    let (ok, _, err) = ctl(&["instances"]);
+    let (ok, _, err) = ctl(&["--scheduler", &its_grpc, "instances"]);
+    assert!(!ok && err.to_lowercase().contains("token"), "without the token: {err}");
+    let (ok, _, err) = ctl(&["--token", "t", "instances"]);
     assert!(!ok && err.contains("--scheduler-listen"), "{err}");
 }

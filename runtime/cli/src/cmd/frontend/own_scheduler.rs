@@ -33,7 +33,7 @@ impl OwnScheduler {
     /// does, engines registered with `handoff register-engine` too), makes it the frontend's
     /// replica, and waits until it knows every prefill instance registered now, so the
     /// frontend is not announced before its replica can route. It is not registered in
-    /// discovery: no other process can call it.
+    /// discovery: other processes reach it only at `--scheduler-listen`'s address, when given.
     pub(super) async fn start(
         args: &FrontendArgs,
         frontend: &Frontend,
