@@ -65,15 +65,24 @@ pub(crate) async fn wait_ready(addr: &str, within: Duration) {
     }
 }
 
-fn ctl(etcd: &Server, nats: &Server, args: &[&str]) -> String {
+/// `handoff ctl` through `etcd` and `nats` with `args`: whether it succeeded, its stdout and
+/// its stderr.
+pub(crate) fn run_ctl(etcd: &Server, nats: &Server, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
         .args(["ctl", "--etcd", &etcd.url, "--nats", &nats.url])
         .args(args)
         .env("RUST_LOG", "warn")
         .output()
         .unwrap();
-    assert!(out.status.success(), "ctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
+    let text = |b: Vec<u8>| String::from_utf8(b).unwrap();
+    (out.status.success(), text(out.stdout), text(out.stderr))
+}
+
+/// [`run_ctl`]'s stdout; it must succeed.
+fn ctl(etcd: &Server, nats: &Server, args: &[&str]) -> String {
+    let (ok, out, err) = run_ctl(etcd, nats, args);
+    assert!(ok, "ctl {args:?}: {err}");
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -421,16 +421,7 @@ async fn a_frontend_running_its_own_scheduler_needs_no_scheduler_process() {
         assert_eq!(one(&mut client, 7).await.unwrap(), first, "the prompt goes where its KV is");
     }
     // `handoff ctl` reaches the replica at the address given, and finds none registered.
-    let ctl = |args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
-            .args(["ctl", "--etcd", &etcd.url, "--nats", &nats.url])
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .output()
-            .unwrap();
-        let text = |b: Vec<u8>| String::from_utf8(b).unwrap();
-        (out.status.success(), text(out.stdout), text(out.stderr))
-    };
+    let ctl = |args: &[&str]| super::operations::run_ctl(&etcd, &nats, args);
     let (ok, listed, err) = ctl(&["--token", "t", "--scheduler", &its_grpc, "instances"]);
     assert!(ok, "{err}");
     assert!(listed.contains(&format!("as seen by scheduler {its_grpc}")), "{listed}");
