@@ -8,8 +8,9 @@
 //! and 4 concurrent streams; TTFT of a 256-token prompt aggregated (engine in-process) and
 //! disaggregated (through `handoff up`'s path); TTFT with 90 % of the prompt cached vs none;
 //! TTFT of the same prompts (256 and 1024 tokens) over the tcp (sockets, and its same-host shared memory), mooncake and nixl transfers
-//! (nixl: run with `eval "$(scripts/fetch-nixl --env)"`), next to
-//! the engine alone (its prefill, no decoder, no gRPC: the unflattering comparison).
+//! (nixl: run with `eval "$(scripts/fetch-nixl --env)"`), each next to the engine alone on the
+//! same prompts, the two in turn prompt by prompt (its prefill, no decoder, no gRPC: the
+//! unflattering comparison).
 
 use std::io::Write;
 use std::sync::Arc;
@@ -159,15 +160,9 @@ async fn main() -> anyhow::Result<()> {
         .iter()
         .map(|&(n, reps, salt)| (0..reps).map(|i| prompt(n, salt + i)).collect())
         .collect();
-    let mut agg = Vec::new();
-    for ps in &prompts {
-        let mut took = Vec::new();
-        for p in ps {
-            took.push(prefill_time(&e, p, None).await?);
-        }
-        agg.push(median(took));
-    }
-    let mut rows = vec![("aggregated (engine alone)".to_owned(), agg)];
+    // Each backend's row beside the engine alone on the same prompts, one after the other
+    // prompt by prompt: the machine's stretches move both alike.
+    let mut rows = Vec::new();
     let loopback = std::net::Ipv4Addr::LOCALHOST.into();
     for (label, transfer) in [
         (
@@ -198,27 +193,35 @@ async fn main() -> anyhow::Result<()> {
         let mut client =
             GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
         ttft_through(&mut client, prompt(32, 78)).await?; // warm-up: connections
-        let mut medians = Vec::new();
+        let (mut medians, mut alone) = (Vec::new(), Vec::new());
         for ps in &prompts {
-            let mut took = Vec::new();
+            let (mut took, mut engine) = (Vec::new(), Vec::new());
             for p in ps {
+                engine.push(prefill_time(&e, p, None).await?);
                 let (t, cached) = ttft_through(&mut client, p.clone()).await?;
                 anyhow::ensure!(cached == 0, "{cached} tokens cached: not equal work");
                 took.push(t);
             }
             medians.push(median(took));
+            alone.push(median(engine));
         }
-        rows.push((format!("disaggregated, {label}"), medians));
+        rows.push((format!("disaggregated, {label}"), medians, alone));
         cluster.shutdown().await;
     }
-    writeln!(out, "\nTTFT by transfer backend (256 tokens: median of 5; 1024: median of 3):")?;
-    writeln!(out, "| path | 256 tokens (ms) | vs engine | 1024 tokens (ms) | vs engine |")?;
-    writeln!(out, "|---|---:|---:|---:|---:|")?;
-    let engine = rows[0].1.clone();
-    for (label, t) in rows {
+    writeln!(
+        out,
+        "\nTTFT by transfer backend (256 tokens: median of 5; 1024: median of 3), each beside the engine alone on the same prompts, run prompt by prompt in turn with it:"
+    )?;
+    writeln!(
+        out,
+        "| path | 256 tokens (ms) | engine alone | vs engine | 1024 tokens (ms) | engine alone | vs engine |"
+    )?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|")?;
+    for (label, t, engine) in rows {
         let vs = |i: usize| {
             format!(
-                "{:+.1} ms ({:+.1} %)",
+                "{:.1} | {:+.1} ms ({:+.1} %)",
+                ms(engine[i]),
                 ms(t[i]) - ms(engine[i]),
                 100.0 * (ms(t[i]) / ms(engine[i]) - 1.0)
             )
