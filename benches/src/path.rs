@@ -90,13 +90,14 @@ impl Drop for OwnThread {
     }
 }
 
-/// A closed loop's requests: each one's TTFT, the rate they were answered at, and the CPU
-/// they took, the process's and the load generator's.
+/// A closed loop's requests: each one's TTFT, the time they took together, and the CPU they
+/// took, the process's and the load generator's.
+#[derive(Debug, Default)]
 pub struct Run {
     /// Each request's time to first token.
     pub t: Vec<Duration>,
-    /// Requests answered per second.
-    pub rate: f64,
+    /// From the first request's start to the last one's answer.
+    pub wall: Duration,
     /// The process's CPU over them.
     pub cpu: Duration,
     /// The load generator's thread's.
@@ -104,14 +105,17 @@ pub struct Run {
 }
 
 impl Run {
-    /// `self` and `next` as one run, back to back.
-    pub fn then(self, next: Run) -> Run {
-        let (a, b) = (self.t.len() as f64 / self.rate, next.t.len() as f64 / next.rate);
-        let mut t = self.t;
-        t.extend(next.t);
-        let rate = t.len() as f64 / (a + b);
-        let (cpu, client_cpu) = (self.cpu + next.cpu, self.client_cpu + next.client_cpu);
-        Run { t, rate, cpu, client_cpu }
+    /// Requests answered per second.
+    pub fn rate(&self) -> f64 {
+        self.t.len() as f64 / self.wall.as_secs_f64()
+    }
+
+    /// Adds `next`, run after it, as if one run.
+    pub fn extend(&mut self, next: Run) {
+        self.t.extend(next.t);
+        self.wall += next.wall;
+        self.cpu += next.cpu;
+        self.client_cpu += next.client_cpu;
     }
 }
 
@@ -135,9 +139,9 @@ pub async fn closed_loop(
         runs.buffer_unordered(conc).collect::<Vec<_>>().await
     });
     let t: Vec<Duration> = runs.await?.into_iter().collect::<Result<_, _>>()?;
-    let rate = t.len() as f64 / start.elapsed().as_secs_f64();
+    let wall = start.elapsed();
     let (cpu, client_cpu) = (process_cpu()? - cpu, thread_cpu(loadgen.tid)? - client_cpu);
-    Ok(Run { t, rate, cpu, client_cpu })
+    Ok(Run { t, wall, cpu, client_cpu })
 }
 
 /// An `n`-token prompt of its own for each `seed` (no prefix shared with another seed's).

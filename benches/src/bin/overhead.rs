@@ -203,7 +203,8 @@ async fn measure(
     );
     if !fill.t.is_empty() {
         let cpu = cpu_per_request(&fill, engine_cpu_us);
-        row(out, &label, fill.t, base_p50, fill.rate, Some(cpu))?;
+        let rate = fill.rate();
+        row(out, &label, fill.t, base_p50, rate, Some(cpu))?;
     }
     let (mut saturation, mut alone, mut path_cpu, mut alone_p50) = (0f64, None, 0f64, 0f64);
     for (level, conc) in [1usize, 64].into_iter().enumerate() {
@@ -215,8 +216,8 @@ async fn measure(
         let first = (level * per_level) as u32;
         let seeds = first..first + per_level as u32;
         let run = closed_loop(&loadgen, &client, conc, seeds, prompt_tokens).await?;
-        let cpu = cpu_per_request(&run, engine_cpu_us);
-        let Run { t, rate, .. } = run;
+        let (cpu, rate) = (cpu_per_request(&run, engine_cpu_us), run.rate());
+        let t = run.t;
         if conc == 1 {
             let mean = us(t.iter().sum::<Duration>()) / t.len() as f64;
             let means = Stages::read(cluster.http_addr).await?.mean_us_since(&stages);
@@ -298,23 +299,13 @@ async fn fill_caches(
 ) -> anyhow::Result<(Run, bool)> {
     let is_full =
         || cluster.prefills.iter().all(|p| p.snapshot().dp_blocks.iter().all(|b| full(b.len())));
-    let mut done: Option<Run> = None;
+    let mut run = Run::default();
     let mut at = FILL_SEEDS.start;
     while at < FILL_SEEDS.end && !is_full() {
         let seeds = at..(at + FILL_ROUND).min(FILL_SEEDS.end);
         at = seeds.end;
-        let round = closed_loop(loadgen, client, 64, seeds, tokens).await?;
-        done = Some(match done {
-            Some(d) => d.then(round),
-            None => round,
-        });
+        run.extend(closed_loop(loadgen, client, 64, seeds, tokens).await?);
     }
-    let run = done.unwrap_or(Run {
-        t: Vec::new(),
-        rate: 0.0,
-        cpu: Duration::ZERO,
-        client_cpu: Duration::ZERO,
-    });
     Ok((run, is_full()))
 }
 

@@ -101,9 +101,9 @@ pub(super) fn check_fits(pairs: &[(Bytes, u64)], max_frame: usize) -> Result<(),
     }
 }
 
-/// Writes `pairs` as one or more write frames of at most `max_frame` bytes each; nothing
-/// when a pair would not fit in a frame of its own (see [`check_fits`], which callers run
-/// first for the typed error).
+/// Writes `pairs` as one or more write frames of at most `max_frame` bytes each. Callers
+/// first pass them through [`check_fits`] (before taking a connection): a pair longer than a
+/// frame would go in one the receiver refuses.
 pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
     w: &mut W,
     region: RegionId,
@@ -111,8 +111,6 @@ pub(super) async fn write_pairs<W: AsyncWrite + Unpin>(
     pairs: &[(Bytes, u64)],
     max_frame: usize,
 ) -> std::io::Result<()> {
-    check_fits(pairs, max_frame)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
     let mut rest = pairs;
     while !rest.is_empty() {
         // Take pairs while the frame stays under max_frame (always at least one).
