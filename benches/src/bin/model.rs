@@ -7,10 +7,14 @@
 //! Prints: model load time; prefill tok/s at 32 / 256 / 1024 tokens; decode tok/s with 1
 //! and 4 concurrent streams; TTFT of a 256-token prompt aggregated (engine in-process) and
 //! disaggregated (through `handoff up`'s path); TTFT with 90 % of the prompt cached vs none;
-//! TTFT of the same prompts (256 and 1024 tokens) over the tcp (sockets, and its same-host shared memory), mooncake and nixl transfers
-//! (nixl: run with `eval "$(scripts/fetch-nixl --env)"`), each next to the engine alone on the
-//! same prompts, the two in turn prompt by prompt (its prefill, no decoder, no gRPC: the
-//! unflattering comparison).
+//! TTFT of the same prompts (256 and 1024 tokens) over the tcp (sockets, and its same-host
+//! shared memory), mooncake and nixl transfers (nixl: run with
+//! `eval "$(scripts/fetch-nixl --env)"`), each beside the engine alone on the same prompts
+//! (its prefill, no decoder, no gRPC: the unflattering comparison). The two run in turn
+//! prompt by prompt, which goes first alternating, and the table gives the median of the
+//! paired differences with its quartiles, and the process's CPU beyond the engine alone's.
+//! Each shape's pairs follow prompts that fill the prefill's prefix cache (the steady
+//! state; see [`CACHE_BYTES`]).
 
 use std::io::Write;
 use std::sync::Arc;
@@ -153,15 +157,24 @@ async fn main() -> anyhow::Result<()> {
     cluster.shutdown().await;
 
     // The same prompts through each transfer backend, against the engine alone, one run:
-    // 256-token prompts (median of 5) and 1024-token ones (median of 3).
+    // 256-token prompts (11 pairs) and 1024-token ones (5 pairs).
     // Salts distinct across shapes: no prompt shares a prefix with another (nothing cached).
-    let shapes: [(usize, u32, u32); 2] = [(256, 5, 40), (1024, 3, 60)];
+    let shapes: [(usize, u32, u32); 2] = [(256, 11, 40), (1024, 5, 60)];
+    out.note("pairs", serde_json::json!(shapes.map(|(n, reps, salt)| [n as u32, reps, salt])));
     let prompts: Vec<Vec<Vec<u32>>> = shapes
         .iter()
         .map(|&(n, reps, salt)| (0..reps).map(|i| prompt(n, salt + i)).collect())
         .collect();
     // Each backend's row beside the engine alone on the same prompts, one after the other
-    // prompt by prompt: the machine's stretches move both alike.
+    // prompt by prompt, which goes first alternating: the machine's stretches move both alike.
+    // Each shape's pairs follow prompts that fill the prefill's prefix cache and evict from
+    // it: the steady state of a prefill that keeps what it computed (the engine alone keeps
+    // nothing). Before, the cache grew through the pairs, each prompt's KV on pages the
+    // process had never touched, faulted in while the compute ran (about 15 ms of CPU a
+    // 256-token prompt on this VM, in a profile).
+    let token_bytes = e.info().shape.token_bytes();
+    let mut fill_salt = 500;
+    out.note("prefill_cache_bytes", serde_json::json!(CACHE_BYTES));
     let mut rows = Vec::new();
     let loopback = std::net::Ipv4Addr::LOCALHOST.into();
     for (label, transfer) in [
@@ -187,52 +200,127 @@ async fn main() -> anyhow::Result<()> {
         ("nixl", TransferKind::Nixl { bind_ip: loopback, advertise_ip: None }),
     ] {
         let base = e.clone();
-        let cfg = ClusterConfig { prefill_tp: 1, transfer, ..ClusterConfig::ephemeral() };
+        let cfg = ClusterConfig {
+            prefills: 1,
+            prefill_tp: 1,
+            prefill_cache_bytes: CACHE_BYTES,
+            transfer,
+            ..ClusterConfig::ephemeral()
+        };
         let cluster =
             Cluster::start(cfg, &|| Ok(Arc::new(base.fork()?) as Arc<dyn Engine>)).await?;
         let mut client =
             GenerateClient::connect(format!("http://{}", cluster.frontend_addr)).await?;
         ttft_through(&mut client, prompt(32, 78)).await?; // warm-up: connections
-        let (mut medians, mut alone) = (Vec::new(), Vec::new());
-        for ps in &prompts {
-            let (mut took, mut engine) = (Vec::new(), Vec::new());
-            for p in ps {
-                engine.push(prefill_time(&e, p, None).await?);
-                let (t, cached) = ttft_through(&mut client, p.clone()).await?;
-                anyhow::ensure!(cached == 0, "{cached} tokens cached: not equal work");
-                took.push(t);
+        for (ps, &(n, ..)) in prompts.iter().zip(&shapes) {
+            for _ in 0..cache_fill(n, token_bytes) {
+                fill_salt += 1;
+                ttft_through(&mut client, prompt(n, fill_salt)).await?;
             }
-            medians.push(median(took));
-            alone.push(median(engine));
+            let mut pairs = Vec::new();
+            for (i, p) in ps.iter().enumerate() {
+                let engine_first = i % 2 == 0;
+                let mut engine = None;
+                if engine_first {
+                    engine = Some(engine_alone(&e, p).await?);
+                }
+                let (path, cached) = timed(ttft_through(&mut client, p.clone())).await?;
+                anyhow::ensure!(cached == 0, "{cached} tokens cached: not equal work");
+                let engine = match engine {
+                    Some(engine) => engine,
+                    None => engine_alone(&e, p).await?,
+                };
+                pairs.push(Pair { path, engine });
+            }
+            rows.push((label, n, pairs));
         }
-        rows.push((format!("disaggregated, {label}"), medians, alone));
         cluster.shutdown().await;
     }
     writeln!(
         out,
-        "\nTTFT by transfer backend (256 tokens: median of 5; 1024: median of 3), each beside the engine alone on the same prompts, run prompt by prompt in turn with it:"
+        "\nTTFT by transfer backend beside the engine alone (its prefill, no decoder, no gRPC) on the same prompts, in turn prompt by prompt, which goes first alternating, after prompts that fill the prefill's {} MiB prefix cache ({} of 256 tokens, {} of 1024); medians, the paired difference's median and quartiles, and the process's CPU beyond the engine alone's (the path, the transfer and the decode, competing with the compute for the cores):",
+        CACHE_BYTES >> 20,
+        cache_fill(256, token_bytes),
+        cache_fill(1024, token_bytes)
     )?;
     writeln!(
         out,
-        "| path | 256 tokens (ms) | engine alone | vs engine | 1024 tokens (ms) | engine alone | vs engine |"
+        "| path | tokens | pairs | TTFT (ms) | engine alone (ms) | paired difference (ms) | quartiles (ms) | vs engine | CPU beyond the engine's (ms) |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|")?;
-    for (label, t, engine) in rows {
-        let vs = |i: usize| {
-            format!(
-                "{:.1} | {:+.1} ms ({:+.1} %)",
-                ms(engine[i]),
-                ms(t[i]) - ms(engine[i]),
-                100.0 * (ms(t[i]) / ms(engine[i]) - 1.0)
-            )
-        };
-        writeln!(out, "| {label} | {:.1} | {} | {:.1} | {} |", ms(t[0]), vs(0), ms(t[1]), vs(1))?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---|---:|---:|")?;
+    for (label, n, pairs) in rows {
+        let ttft = median_ms(pairs.iter().map(|p| ms(p.path.wall)));
+        let engine = median_ms(pairs.iter().map(|p| ms(p.engine.wall)));
+        let diffs = sorted(pairs.iter().map(|p| ms(p.path.wall) - ms(p.engine.wall)));
+        let cpu = median_ms(pairs.iter().map(|p| ms(p.path.cpu) - ms(p.engine.cpu)));
+        let q = |f: f64| diffs[((diffs.len() - 1) as f64 * f).round() as usize];
+        writeln!(
+            out,
+            "| disaggregated, {label} | {n} | {} | {ttft:.1} | {engine:.1} | {:+.1} | {:+.1} .. {:+.1} | {:+.1} % | {cpu:+.1} |",
+            pairs.len(),
+            q(0.5),
+            q(0.25),
+            q(0.75),
+            100.0 * q(0.5) / engine,
+        )?;
     }
     out.finish()?;
     Ok(())
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
+/// The prefill's prefix cache budget on the backends' clusters: 5 prompts of 256 tokens or
+/// one of 1024 (SmolLM2's 46 KiB a token), so a few prompts fill it.
+const CACHE_BYTES: usize = 64 << 20;
+
+/// Distinct prompts of `tokens` tokens that fill a [`CACHE_BYTES`] prefix cache and evict
+/// from it.
+fn cache_fill(tokens: usize, token_bytes: usize) -> usize {
+    CACHE_BYTES / (tokens * token_bytes) + 2
+}
+
+/// One run's wall time and the process's CPU time over it (every thread: the engine's
+/// compute and, for the path, the frontend, scheduler, prefill and transfer beside it).
+#[derive(Debug, Clone, Copy)]
+struct Timed {
+    wall: Duration,
+    cpu: Duration,
+}
+
+/// The path and the engine alone on one prompt.
+#[derive(Debug)]
+struct Pair {
+    path: Timed,
+    engine: Timed,
+}
+
+/// The engine alone's prefill of `tokens`, timed.
+async fn engine_alone(e: &SmolLm, tokens: &[u32]) -> anyhow::Result<Timed> {
+    Ok(timed(async { Ok((prefill_time(e, tokens, None).await?, ())) }).await?.0)
+}
+
+/// Runs `f`, timing it by the wall clock and the process's CPU clock. The wall time is
+/// the one `f` returns (the TTFT, not the rest of the stream).
+async fn timed<T>(
+    f: impl std::future::Future<Output = anyhow::Result<(Duration, T)>>,
+) -> anyhow::Result<(Timed, T)> {
+    let cpu = process_cpu_clock();
+    let (wall, rest) = f.await?;
+    Ok((Timed { wall, cpu: process_cpu_clock().saturating_sub(cpu) }, rest))
+}
+
+/// The process's CPU time, all threads, to the nanosecond (`/proc`'s is in 10 ms ticks).
+fn process_cpu_clock() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(t.tv_sec.max(0) as u64, t.tv_nsec.clamp(0, 999_999_999) as u32)
+}
+
+fn sorted(v: impl Iterator<Item = f64>) -> Vec<f64> {
+    let mut v: Vec<f64> = v.collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+fn median_ms(v: impl Iterator<Item = f64>) -> f64 {
+    let v = sorted(v);
     v[v.len() / 2]
 }
