@@ -57,12 +57,20 @@ placement() { # values file, yes|no: whether its frontends run their scheduler r
     [ "$own" = "$2" ] && [ "$workload" != "$2" ]
 }
 
+ctl_listener() { # values file: its frontends serve their replica's API on loopback, for ctl
+    helm template ci "$chart" -f "$1" --kube-version "$KUBE" >"$out/placed.yaml"
+    grep -- '- --scheduler-listen=' "$out/placed.yaml"
+    grep -q -- '- --scheduler-listen=127.0.0.1:50052$' "$out/placed.yaml"
+}
+
 for values in "$chart"/ci/*.yaml; do
     check "helm lint --strict ($values)" helm lint --strict "$chart" -f "$values"
     check "helm template + kubernetes-validate --strict ($values)" render "$values"
 done
 check "scheduler.inFrontend: each frontend runs its replica, no scheduler workload" \
     placement "$chart/ci/in-frontend-values.yaml" yes
+check "scheduler.inFrontend: the replica's API for handoff ctl, on the pod's loopback" \
+    ctl_listener "$chart/ci/in-frontend-values.yaml"
 check "by default: a scheduler workload, and frontends that ask it" \
     placement "$chart/ci/default-values.yaml" no
 refused "values.schema.json refuses broken/bad-values.yaml" \
@@ -71,6 +79,8 @@ refused "scheduler.extraArgs with scheduler.inFrontend" \
     helm template ci "$chart" -f helm/broken/in-frontend-scheduler-args.yaml --kube-version "$KUBE"
 refused "a flag the chart sets, again in frontend.extraArgs, with scheduler.inFrontend" \
     helm template ci "$chart" -f helm/broken/in-frontend-policy-twice.yaml --kube-version "$KUBE"
+refused "the ctl listener again in frontend.extraArgs, with scheduler.inFrontend" \
+    helm template ci "$chart" -f helm/broken/in-frontend-listen-twice.yaml --kube-version "$KUBE"
 refused "a scheduler address in frontend.extraArgs, with scheduler.inFrontend" \
     helm template ci "$chart" -f helm/broken/in-frontend-scheduler-elsewhere.yaml --kube-version "$KUBE"
 refused "a release without a token" helm template ci "$chart" --kube-version "$KUBE"

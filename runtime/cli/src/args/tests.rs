@@ -102,6 +102,7 @@ fn the_charts_in_frontend_arguments_parse_and_their_ops_listener_needs_the_token
         "--scheduler-in-frontend",
         "--policy=prefix-hash",
         "--scheduler-ops-listen=0.0.0.0:9091",
+        "--scheduler-listen=127.0.0.1:50052",
         "--etcd=http://etcd:2379",
         "--nats=nats://nats:4222",
     ];
@@ -112,6 +113,9 @@ fn the_charts_in_frontend_arguments_parse_and_their_ops_listener_needs_the_token
     (a.discovery.token, a.discovery.tls_cert, a.discovery.insecure) = (None, None, false);
     let e = crate::cmd::check_exposure(&a.discovery, &a.listeners()).unwrap_err().to_string();
     assert!(e.contains("its scheduler's metrics on 0.0.0.0:9091"), "{e}");
+    // The chart's ctl listener is on the pod's loopback: not exposed.
+    assert_eq!(a.scheduler_listen, Some("127.0.0.1:50052".parse().unwrap()));
+    assert!(!e.contains("its scheduler's gRPC API"), "{e}");
     a.scheduler_ops_listen = Some("127.0.0.1:9091".parse().unwrap());
     let e = crate::cmd::check_exposure(&a.discovery, &a.listeners()).unwrap_err().to_string();
     assert!(!e.contains("its scheduler's metrics"), "{e}");
