@@ -170,9 +170,16 @@ pub async fn ttft(
     Ok(t)
 }
 
-/// The `p` quantile of `sorted` (nearest rank).
-pub fn pct(sorted: &[Duration], p: f64) -> Duration {
+/// The `p` quantile of `sorted`: the element at `(len - 1) * p`, rounded to the nearest
+/// index (so the quartiles of 12 are the 4th and 9th, as far from either end).
+pub fn pct<T: Copy>(sorted: &[T], p: f64) -> T {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Distinct prompts of `tokens` tokens, `token_bytes` of KV each, that fill a prefix cache
+/// of `cache_bytes` and evict from it.
+pub fn cache_fill(cache_bytes: usize, tokens: usize, token_bytes: usize) -> usize {
+    cache_bytes / (tokens * token_bytes) + 2
 }
 
 /// `d` in microseconds.

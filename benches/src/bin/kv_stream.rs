@@ -112,7 +112,7 @@ async fn path(transfer: TransferKind, per_token: Duration, whole: bool) -> anyho
 /// Prompts of `tokens` tokens enough to fill a prefix cache of `cache_bytes` and evict from
 /// it.
 fn cache_fill(cache_bytes: usize, tokens: usize) -> usize {
-    cache_bytes / (tokens * SMOLLM.token_bytes()) + 2
+    handoff_benches::path::cache_fill(cache_bytes, tokens, SMOLLM.token_bytes())
 }
 
 /// Sends [`cache_fill`] distinct prompts of `tokens` tokens through `p` (see the module docs).

@@ -138,7 +138,7 @@ impl PrefillInstance {
             metrics: Default::default(),
             registry: registry.clone(),
             tasks: tasks.clone(),
-            storing: Arc::new(tokio::sync::Semaphore::new(4)),
+            storing: Arc::new(tokio::sync::Semaphore::new(crate::service::MAX_STORES)),
         });
         let service = svc.clone();
         warm_up(&service, &*engine).await?;
@@ -240,6 +240,13 @@ impl PrefillInstance {
     /// Requests being served (queued or computing or sending).
     pub fn running(&self) -> usize {
         self.service.running()
+    }
+
+    /// Prompts being stored in its prefix caches after their requests were answered. A
+    /// request counts as [`running`](Self::running) until its store has begun, so both at
+    /// zero means nothing of it is left to do.
+    pub fn stores_in_flight(&self) -> usize {
+        self.service.stores_in_flight()
     }
 
     /// Handshakes that came over its ranks' transfer connections and no request has taken

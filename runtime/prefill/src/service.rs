@@ -86,9 +86,12 @@ pub(crate) struct Inner {
     pub(crate) registry: Arc<dyn handoff_discovery::Registry>,
     /// The instance's tasks (prompts are cached on them, off the requests' path).
     pub(crate) tasks: handoff_core::Tasks,
-    /// Prompts being cached at once (bounded: each holds its whole KV).
+    /// Prompts being cached at once (at most [`MAX_STORES`]: each holds its whole KV).
     pub(crate) storing: Arc<Semaphore>,
 }
+
+/// Prompts cached at once; past that a prompt goes uncached rather than queue its KV.
+pub(crate) const MAX_STORES: usize = 4;
 
 /// Counts a request as running (and its tokens as queued) until dropped, even when the
 /// request is cancelled midway.
@@ -166,7 +169,7 @@ impl PrefillService {
         hashes: Vec<handoff_core::BlockHash>,
         kv: handoff_engine::Kv,
     ) {
-        // A few stores at a time: past that a prompt goes uncached rather than queue its KV.
+        // A few stores at a time (`MAX_STORES`).
         let Ok(storing) = self.inner.storing.clone().try_acquire_owned() else {
             debug!(dp_rank, "prompt not cached: stores in flight");
             return;
@@ -262,6 +265,11 @@ impl PrefillService {
     /// Requests being served.
     pub fn running(&self) -> usize {
         self.inner.running.load(Ordering::Relaxed)
+    }
+
+    /// Prompts being stored in the prefix caches, after their requests were answered.
+    pub fn stores_in_flight(&self) -> usize {
+        MAX_STORES.saturating_sub(self.inner.storing.available_permits())
     }
 
     /// Records a prefill's measured cost.

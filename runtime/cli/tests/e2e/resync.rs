@@ -94,3 +94,26 @@ async fn an_event_gap_is_resynced_to_the_instances_own_view() {
     assert_eq!(wait_equal("after the resync").await.len(), 18);
     c.shutdown().await;
 }
+
+/// A prefill running nothing and storing nothing holds every prompt it answered: the
+/// prompt's store begins before the request stops counting as running, and stops counting
+/// only once the cache holds it (what the model bench waits on before it times the next run).
+#[tokio::test]
+async fn a_prefill_idle_and_storing_nothing_holds_every_prompt_it_answered() {
+    let c =
+        cluster(ClusterConfig { prefills: 1, prefill_tp: 1, ..ClusterConfig::ephemeral() }).await;
+    let mut cl = client(&c).await;
+    let p = &c.prefills[0];
+    let held = || p.snapshot().dp_blocks[0].len();
+    for seed in 0..20 {
+        generate(&mut cl, &prompt(200 + seed, 70), 1).await.unwrap();
+        // No sleep: the first look at idle must already see the prompt's 4 full pages.
+        let start = Instant::now();
+        while p.running() + p.stores_in_flight() > 0 {
+            assert!(start.elapsed() < Duration::from_secs(5), "the prefill went idle");
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(held(), 4 * (seed as usize + 1), "prompt {seed} stored once idle");
+    }
+    c.shutdown().await;
+}
