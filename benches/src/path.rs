@@ -170,9 +170,9 @@ pub async fn ttft(
     Ok(t)
 }
 
-/// The `p` quantile of `sorted`: the element at `(len - 1) * p`, rounded to the nearest
-/// index (so the quartiles of 12 are the 4th and 9th, as far from either end).
-pub fn pct<T: Copy>(sorted: &[T], p: f64) -> T {
+/// The `p` quantile of `sorted`: the element at `(len - 1) * p` rounded to the nearest
+/// index, half up (the median of an even count is the upper middle one).
+pub fn pct(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff::{Cluster, ClusterConfig};
-use handoff_benches::path::{cache_fill, pct};
+use handoff_benches::path::cache_fill;
 use handoff_benches::record::Report;
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
@@ -130,7 +130,7 @@ fn write_table(
 ) -> anyhow::Result<()> {
     writeln!(
         out,
-        "\nTTFT by transfer backend beside the engine alone (its prefill, no decoder, no gRPC) on the same prompts, in turn prompt by prompt, which goes first alternating, after {fills:?} prompts that fill the prefill's {} MiB prefix cache. Medians of each side; the paired differences' median and quartiles; vs engine = that median over the engine's; the process's CPU beyond the engine alone's, up to the first token and up to the prefill's idle (its prompt stored in its cache); the bench's own gRPC client is in the path's:",
+        "\nTTFT by transfer backend beside the engine alone (its prefill, no decoder, no gRPC) on the same prompts, in turn prompt by prompt, which goes first alternating, after {fills:?} prompts that fill the prefill's {} MiB prefix cache. Medians of each side; the paired differences' median and quartiles (interpolated); vs engine = that median over the engine's; the process's CPU beyond the engine alone's, up to the first token and up to the prefill's idle (its prompt stored in its cache); the bench's own gRPC client is in the path's:",
         CACHE_BYTES >> 20,
     )?;
     writeln!(
@@ -140,7 +140,7 @@ fn write_table(
     writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     let mut raw = Vec::new();
     for (label, tokens, pairs) in rows {
-        let median = |f: &dyn Fn(&Pair) -> f64| pct(&sorted(pairs.iter().map(f)), 0.5);
+        let median = |f: &dyn Fn(&Pair) -> f64| quantile(&sorted(pairs.iter().map(f)), 0.5);
         let diffs = sorted(pairs.iter().map(|p| ms(p.path.ttft) - ms(p.engine.took)));
         let engine = median(&|p| ms(p.engine.took));
         writeln!(
@@ -148,10 +148,10 @@ fn write_table(
             "| disaggregated, {label} | {tokens} | {} | {:.1} | {engine:.1} | {:+.1} | {:+.1} | {:+.1} | {:+.1} | {:+.1} | {:+.1} |",
             pairs.len(),
             median(&|p| ms(p.path.ttft)),
-            pct(&diffs, 0.5),
-            pct(&diffs, 0.25),
-            pct(&diffs, 0.75),
-            100.0 * pct(&diffs, 0.5) / engine,
+            quantile(&diffs, 0.5),
+            quantile(&diffs, 0.25),
+            quantile(&diffs, 0.75),
+            100.0 * quantile(&diffs, 0.5) / engine,
             median(&|p| ms(p.path.cpu_first) - ms(p.engine.cpu)),
             median(&|p| ms(p.path.cpu_idle) - ms(p.engine.cpu)),
         )?;
@@ -238,6 +238,14 @@ async fn engine_alone(e: &SmolLm, tokens: &[u32]) -> anyhow::Result<EngineRun> {
 fn process_cpu_clock() -> Duration {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
     Duration::new(t.tv_sec.max(0) as u64, t.tv_nsec.clamp(0, 999_999_999) as u32)
+}
+
+/// The `p` quantile of `sorted`, interpolated between the two nearest ranks (the median of
+/// an even count is the mean of the middle two).
+fn quantile(sorted: &[f64], p: f64) -> f64 {
+    let h = (sorted.len() - 1) as f64 * p;
+    let (lo, hi) = (sorted[h.floor() as usize], sorted[h.ceil() as usize]);
+    lo + (hi - lo) * (h - h.floor())
 }
 
 fn sorted(v: impl Iterator<Item = f64>) -> Vec<f64> {
