@@ -151,18 +151,22 @@ pub fn prompt(seed: u32, n: usize) -> Vec<u32> {
         .collect()
 }
 
+/// A request for one token after `tokens` (end of sequence ignored).
+pub fn one_token(tokens: Vec<u32>) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(Input::TokenIds(TokenIds { ids: tokens })),
+        sampling: Some(SamplingParams { max_tokens: 1, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
 /// Sends `tokens` for one token and returns the time to it (the stream is read to its end).
 pub async fn ttft(
     client: &mut GenerateClient<Channel>,
     tokens: Vec<u32>,
 ) -> anyhow::Result<Duration> {
-    let req = GenerateRequest {
-        input: Some(Input::TokenIds(TokenIds { ids: tokens })),
-        sampling: Some(SamplingParams { max_tokens: 1, ignore_eos: true, ..Default::default() }),
-        ..Default::default()
-    };
     let start = Instant::now();
-    let mut stream = client.generate(req).await?.into_inner();
+    let mut stream = client.generate(one_token(tokens)).await?.into_inner();
     let first = stream.message().await?;
     let t = start.elapsed();
     anyhow::ensure!(first.is_some(), "no first token");

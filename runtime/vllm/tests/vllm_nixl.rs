@@ -5,9 +5,9 @@
 //! (`eval "$(scripts/fetch-nixl --env)"`); scripts/test sets both. Fails, never skips,
 //! without them.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{Receiver, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::Duration;
 
 use handoff_transfer::nixl::NixlReader;
@@ -38,26 +38,49 @@ impl Prefill {
             panic!("HANDOFF_PEERS_PYTHON is not set: run `export HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\"` (scripts/test does)")
         });
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/vllm_nixl_prefill.py");
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut child = Command::new(python)
-            .args([script, &port.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("the peers' python runs");
-        let stdin = child.stdin.take().unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in out.lines().map_while(Result::ok) {
-                if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                    let _ = tx.send(v);
+        // A port found free can be taken by a concurrent test before vLLM's listener binds
+        // it, and the peer then exits: it is tried again on another, and its stderr shown.
+        let mut logs = Vec::new();
+        for _ in 0..3 {
+            let port =
+                std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let mut child = Command::new(&python)
+                .args([script, &port.to_string()])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("the peers' python runs");
+            let stdin = child.stdin.take().unwrap();
+            let out = BufReader::new(child.stdout.take().unwrap());
+            // Drained as it comes (a full pipe would stop the peer), kept for a failure.
+            let mut err = child.stderr.take().unwrap();
+            let stderr = std::thread::spawn(move || {
+                let mut log = String::new();
+                let _ = err.read_to_string(&mut log);
+                log
+            });
+            let (tx, lines) = channel();
+            std::thread::spawn(move || {
+                for line in out.lines().map_while(Result::ok) {
+                    if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                        let _ = tx.send(v);
+                    }
+                }
+            });
+            match lines.recv_timeout(WAIT) {
+                Ok(report) => return Prefill { child, stdin, lines, port, report },
+                Err(RecvTimeoutError::Disconnected) => {
+                    let _ = child.wait();
+                    logs.push(stderr.join().unwrap_or_default());
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    let _ = child.kill();
+                    panic!("vLLM's prefill did not report ready in {WAIT:?}");
                 }
             }
-        });
-        let report = lines.recv_timeout(WAIT).expect("vLLM's prefill reports ready");
-        Prefill { child, stdin, lines, port, report }
+        }
+        panic!("vLLM's prefill exited before it was ready, three times: {logs:#?}");
     }
 
     fn send(&mut self, req: &str, blocks: &[u64]) -> Vec<String> {

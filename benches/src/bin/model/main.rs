@@ -18,10 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff::{Cluster, ClusterConfig};
+use handoff_benches::path::one_token;
 use handoff_engine::{Engine, Kv, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
-use handoff_proto::v1::generate_request::Input;
-use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
 use handoff_smollm::{SmolConfig, SmolLm};
 use handoff_transfer::TransferKind;
 
@@ -61,13 +60,8 @@ async fn ttft_through(
     client: &mut GenerateClient<tonic::transport::Channel>,
     tokens: Vec<u32>,
 ) -> anyhow::Result<(Duration, u32)> {
-    let req = GenerateRequest {
-        input: Some(Input::TokenIds(TokenIds { ids: tokens })),
-        sampling: Some(SamplingParams { max_tokens: 1, ignore_eos: true, ..Default::default() }),
-        ..Default::default()
-    };
     let t = Instant::now();
-    let mut s = client.generate(req).await?.into_inner();
+    let mut s = client.generate(one_token(tokens)).await?.into_inner();
     let _first = s.message().await?;
     let ttft = t.elapsed();
     let mut cached = 0;

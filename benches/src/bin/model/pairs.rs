@@ -17,13 +17,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff::{Cluster, ClusterConfig};
-use handoff_benches::path::cache_fill;
+use handoff_benches::path::{cache_fill, one_token};
 use handoff_benches::record::Report;
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
-use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::generate_response::Event;
-use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
 use handoff_smollm::SmolLm;
 use handoff_transfer::TransferKind;
 use serde_json::json;
@@ -186,18 +184,9 @@ impl Path {
     /// One request of one token, timed to its first token and its prefill's idle; fails
     /// when any of its prompt was cached (not the engine alone's work).
     async fn run(&mut self, tokens: Vec<u32>) -> anyhow::Result<PathRun> {
-        let req = GenerateRequest {
-            input: Some(Input::TokenIds(TokenIds { ids: tokens })),
-            sampling: Some(SamplingParams {
-                max_tokens: 1,
-                ignore_eos: true,
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
         let cpu = process_cpu_clock();
         let t = Instant::now();
-        let mut s = self.client.generate(req).await?.into_inner();
+        let mut s = self.client.generate(one_token(tokens)).await?.into_inner();
         anyhow::ensure!(s.message().await?.is_some(), "no first token");
         let ttft = t.elapsed();
         let cpu_first = process_cpu_clock().saturating_sub(cpu);
