@@ -180,8 +180,8 @@ pub fn pct(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-/// Distinct prompts of `tokens` tokens, `token_bytes` of KV each, that fill a prefix cache
-/// of `cache_bytes` and evict from it.
+/// Distinct prompts of `tokens` tokens, with `token_bytes` of KV a token, that fill a
+/// prefix cache of `cache_bytes` and evict from it.
 pub fn cache_fill(cache_bytes: usize, tokens: usize, token_bytes: usize) -> usize {
     cache_bytes / (tokens * token_bytes) + 2
 }

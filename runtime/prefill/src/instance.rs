@@ -242,11 +242,13 @@ impl PrefillInstance {
         self.service.running()
     }
 
-    /// Prompts being stored in its prefix caches after their requests were answered. A
-    /// request counts as [`running`](Self::running) until its store has begun, so both at
-    /// zero means nothing of it is left to do.
-    pub fn stores_in_flight(&self) -> usize {
-        self.service.stores_in_flight()
+    /// Nothing running and nothing being stored in its prefix caches: every request it took
+    /// is done with, its prompt stored if it was to be. A request's store (after its KV was
+    /// sent) begins before the request stops counting as [`running`](Self::running), and
+    /// counts until the cache holds the prompt. A request that failed or was cancelled
+    /// stores nothing, and neither does one finding `MAX_STORES` (4) stores in flight.
+    pub fn idle(&self) -> bool {
+        self.service.idle()
     }
 
     /// Handshakes that came over its ranks' transfer connections and no request has taken

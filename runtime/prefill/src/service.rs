@@ -111,7 +111,8 @@ impl<'a> Running<'a> {
 impl Drop for Running<'_> {
     fn drop(&mut self) {
         self.inner.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
-        self.inner.running.fetch_sub(1, Ordering::Relaxed);
+        // Release: whoever sees the count fall (`idle`) sees the request's store begun.
+        self.inner.running.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -267,9 +268,15 @@ impl PrefillService {
         self.inner.running.load(Ordering::Relaxed)
     }
 
-    /// Prompts being stored in the prefix caches, after their requests were answered.
-    pub fn stores_in_flight(&self) -> usize {
-        MAX_STORES.saturating_sub(self.inner.storing.available_permits())
+    /// Nothing running and nothing being stored in the prefix caches (see
+    /// [`PrefillInstance::idle`](crate::PrefillInstance::idle)).
+    pub fn idle(&self) -> bool {
+        // Acquire, then the permits: a request's store takes its permit before the request
+        // stops counting as running (`Running`'s release).
+        let running = self.inner.running.load(Ordering::Acquire);
+        let free = self.inner.storing.available_permits();
+        debug_assert!(free <= MAX_STORES, "more store permits than MAX_STORES");
+        running == 0 && free >= MAX_STORES
     }
 
     /// Records a prefill's measured cost.

@@ -70,13 +70,15 @@ impl Prefill {
             });
             match lines.recv_timeout(WAIT) {
                 Ok(report) => return Prefill { child, stdin, lines, port, report },
-                Err(RecvTimeoutError::Disconnected) => {
-                    let _ = child.wait();
-                    logs.push(stderr.join().unwrap_or_default());
-                }
-                Err(RecvTimeoutError::Timeout) => {
+                Err(e) => {
+                    // Killed first (it may not have exited), so its stderr closes.
                     let _ = child.kill();
-                    panic!("vLLM's prefill did not report ready in {WAIT:?}");
+                    let _ = child.wait();
+                    let log = stderr.join().unwrap_or_default();
+                    if e == RecvTimeoutError::Timeout {
+                        panic!("vLLM's prefill did not report ready in {WAIT:?}: {log}");
+                    }
+                    logs.push(log);
                 }
             }
         }

@@ -202,12 +202,10 @@ impl Path {
         Ok(PathRun { ttft, cpu_first, cpu_idle })
     }
 
-    /// Waits until the prefill runs nothing and stores nothing (a request counts as running
-    /// until its store has begun).
+    /// Waits until the prefill runs nothing and stores nothing (`PrefillInstance::idle`).
     async fn settle(&self) -> anyhow::Result<()> {
         let start = Instant::now();
-        let busy = |p: &handoff_prefill::PrefillInstance| p.running() + p.stores_in_flight() > 0;
-        while self.cluster.prefills.iter().any(busy) {
+        while !self.cluster.prefills.iter().all(|p| p.idle()) {
             anyhow::ensure!(start.elapsed() < SETTLE_LIMIT, "the prefill did not settle");
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
