@@ -16,8 +16,9 @@
 //!   role runs in this process, and so does the load generator), whole, beyond the mock
 //!   engine's own (measured on the in-process runs), the load generator's (its gRPC client
 //!   and connection, on a thread of its own: a client's cost, not the path's), and the
-//!   path's: what is left. /proc counts CPU in 10 ms ticks, so at least 500 requests per
-//!   level keep each figure within 20 us (the load generator's within 20 us too);
+//!   path's: what is left. The process's CPU is read to the nanosecond, the load
+//!   generator's thread from /proc in 10 ms ticks, so at least 500 requests per level keep
+//!   its figure within 20 us;
 //! - open loop, requests started on a fixed schedule whatever the answers do, at half the
 //!   saturation rate just measured and at 2,500 req/s (half of issue 14's 5,000 target).
 //!   Latency counts from each request's scheduled start, so a stalled path is not hidden by
@@ -65,7 +66,7 @@ async fn main() -> anyhow::Result<()> {
     );
     anyhow::ensure!(
         per_level >= 500,
-        "at least 500 requests per level: CPU is counted in 10 ms ticks"
+        "at least 500 requests per level: the load generator's CPU is counted in 10 ms ticks"
     );
     let engine = Arc::new(MockEngine::new(MockConfig::default()));
 
@@ -77,7 +78,7 @@ async fn main() -> anyhow::Result<()> {
             .await?;
     }
     let mut base = Vec::new();
-    let cpu = process_cpu()?;
+    let cpu = process_cpu();
     for i in 0..per_level {
         let p = prompt(i as u32, prompt_tokens);
         let start = Instant::now();
@@ -87,7 +88,7 @@ async fn main() -> anyhow::Result<()> {
     }
     // The engine's own CPU per request (the mock still makes its KV bytes): part of the
     // path's CPU per request below, shown apart so the orchestration's share is plain.
-    let engine_cpu_us = us(process_cpu()? - cpu) / per_level as f64;
+    let engine_cpu_us = us(process_cpu() - cpu) / per_level as f64;
     base.sort();
     let base_p50 = pct(&base, 0.5);
 

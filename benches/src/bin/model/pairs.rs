@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff::{Cluster, ClusterConfig};
-use handoff_benches::path::{cache_fill, one_token};
+use handoff_benches::path::{cache_fill, one_token, process_cpu};
 use handoff_benches::record::Report;
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
@@ -184,12 +184,12 @@ impl Path {
     /// One request of one token, timed to its first token and its prefill's idle; fails
     /// when any of its prompt was cached (not the engine alone's work).
     async fn run(&mut self, tokens: Vec<u32>) -> anyhow::Result<PathRun> {
-        let cpu = process_cpu_clock();
+        let cpu = process_cpu();
         let t = Instant::now();
         let mut s = self.client.generate(one_token(tokens)).await?.into_inner();
         anyhow::ensure!(s.message().await?.is_some(), "no first token");
         let ttft = t.elapsed();
-        let cpu_first = process_cpu_clock().saturating_sub(cpu);
+        let cpu_first = process_cpu().saturating_sub(cpu);
         let mut cached = 0;
         while let Some(m) = s.message().await? {
             if let Some(Event::Complete(c)) = m.event {
@@ -197,7 +197,7 @@ impl Path {
             }
         }
         self.settle().await?;
-        let cpu_idle = process_cpu_clock().saturating_sub(cpu);
+        let cpu_idle = process_cpu().saturating_sub(cpu);
         anyhow::ensure!(cached == 0, "{cached} tokens cached: not equal work");
         Ok(PathRun { ttft, cpu_first, cpu_idle })
     }
@@ -215,16 +215,10 @@ impl Path {
 
 /// The engine alone's prefill of `tokens`, timed by the wall and the process's CPU clock.
 async fn engine_alone(e: &SmolLm, tokens: &[u32]) -> anyhow::Result<EngineRun> {
-    let cpu = process_cpu_clock();
+    let cpu = process_cpu();
     let t = Instant::now();
     e.prefill(tokens, None, &Sampling::default()).await?;
-    Ok(EngineRun { took: t.elapsed(), cpu: process_cpu_clock().saturating_sub(cpu) })
-}
-
-/// The process's CPU time, all threads, to the nanosecond (`/proc`'s is in 10 ms ticks).
-fn process_cpu_clock() -> Duration {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
-    Duration::new(t.tv_sec.max(0) as u64, t.tv_nsec.clamp(0, 999_999_999) as u32)
+    Ok(EngineRun { took: t.elapsed(), cpu: process_cpu().saturating_sub(cpu) })
 }
 
 /// The `p` quantile of `sorted`, interpolated between the two nearest ranks (the median of
