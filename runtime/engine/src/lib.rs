@@ -4,17 +4,21 @@
 //!   cached prefix, and decoding from imported KV.
 //! - [`kv`] — [`Kv`], the canonical KV layout every engine exports and imports, held one
 //!   shared buffer per layer; [`KvMut`], the one being written.
+//! - `layers` — [`layer_channel`]: a streamed prefill's [`LayerSink`] and the [`LayerParts`]
+//!   its listener takes, woken once a part is due rather than at every layer.
 //! - [`mock`] — [`MockEngine`], a timing model whose KV bytes are a pure function of (token,
 //!   position, layer, head), so every byte received can be checked.
 
 mod error;
 pub mod kv;
+mod layers;
 pub mod mock;
 
 use async_trait::async_trait;
 
 pub use error::EngineError;
 pub use kv::{Kv, KvMut, KvShape};
+pub use layers::{LayerKv, LayerParts, LayerSink, layer_channel};
 pub use mock::{MockConfig, MockEngine};
 
 /// What a model is, as far as KV handoff is concerned.
@@ -64,19 +68,6 @@ pub struct Prefilled {
     /// The first generated token.
     pub first_token: u32,
 }
-
-/// One layer of a prompt's KV, handed on by [`Engine::prefill_streamed`] as soon as it is
-/// computed: [`Kv::layer`] of the finished KV, every prompt token (cached prefix included).
-#[derive(Debug, Clone)]
-pub struct LayerKv {
-    /// The layer.
-    pub layer: usize,
-    /// Its K and V runs, canonical layout.
-    pub bytes: bytes::Bytes,
-}
-
-/// Where a streamed prefill hands its layers, in layer order.
-pub type LayerSink = tokio::sync::mpsc::UnboundedSender<LayerKv>;
 
 /// A model runtime.
 #[async_trait]

@@ -52,13 +52,16 @@ async fn the_default_streamed_prefill_hands_on_the_kvs_own_layers() {
 /// buffer (not a copy).
 pub(crate) async fn streams_the_kvs_own_layers(e: &dyn Engine) {
     let prompt: Vec<u32> = (10..40).collect();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (tx, mut rx) = crate::layer_channel(e.info().shape.layers, 0);
     let p = e.prefill_streamed(&prompt, None, &Sampling::default(), tx).await.unwrap();
-    for l in 0..p.kv.shape().layers {
-        let got = rx.recv().await.unwrap();
+    let mut got = Vec::new();
+    while let Some(part) = rx.next_part().await {
+        got.extend(part);
+    }
+    assert_eq!(got.len(), p.kv.shape().layers, "one of each layer");
+    for (l, got) in got.iter().enumerate() {
         assert_eq!(got.layer, l);
         assert_eq!(got.bytes.as_ptr(), p.kv.layer(l).as_ptr(), "layer {l} was copied");
         assert_eq!(got.bytes, p.kv.layer(l));
     }
-    assert!(rx.recv().await.is_none(), "one of each layer");
 }

@@ -125,18 +125,17 @@ async fn a_streamed_prefill_hands_on_each_layer_as_it_is_computed() {
     let prompt: Vec<u32> = (0..192).map(|i| 300 + (i * 7919) % 20_000).collect();
     let plain = e.prefill(&prompt, None, &Sampling::default()).await.unwrap();
     for prefix in [None, Some(plain.kv.slice_tokens(0..160))] {
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let (tx, mut rx) = handoff_engine::layer_channel(e.info().shape.layers, 0);
         let (e2, p2, pre) = (e.clone(), prompt.clone(), prefix);
         let run =
             tokio::spawn(
                 async move { e2.prefill_streamed(&p2, pre, &Sampling::default(), tx).await },
             );
-        let first = rx.recv().await.expect("layer 0");
+        let mut layers = rx.next_part().await.expect("layer 0");
         let got = run.await.unwrap().unwrap();
         assert!(got.kv == plain.kv && got.first_token == plain.first_token);
-        let mut layers = vec![first];
-        while let Some(l) = rx.recv().await {
-            layers.push(l);
+        while let Some(part) = rx.next_part().await {
+            layers.extend(part);
         }
         assert_eq!(layers.len(), got.kv.shape().layers);
         for (i, l) in layers.iter().enumerate() {
