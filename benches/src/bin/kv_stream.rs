@@ -8,7 +8,8 @@
 //! token: 46 KB per token) and an exact compute time per token, through a real cluster
 //! (frontend, scheduler, one prefill, decode tp 1) on loopback. Since the mock's compute time
 //! is exact, TTFT − compute is what the KV and the path cost. `tcp streamed` and `mooncake
-//! streamed` send each layer as it is computed; `tcp whole` is the same tcp path with the
+//! streamed` send the layers as they are computed (in parts of at least 1 MiB, the last
+//! layer alone: `handoff_engine::layer_channel`); `tcp whole` is the same tcp path with the
 //! prefill's agent behind an unarmed fault injector, which has no streams: the KV goes in one
 //! write after the compute, as before streaming. Equal work, same run, interleaved. Beside
 //! them, the floor: the KV's bytes through one plain loopback socket, and the path with a

@@ -2,8 +2,9 @@
 //! [`LayerSink`] for the engine and [`LayerParts`] for whoever sends the KV on.
 //!
 //! The listener is woken once a part is due, not at every layer: when the layers gathered
-//! hold at least the part's bytes, when the last layer is in, or when the sink is gone (the
-//! compute ended, done or failed). Each wake-up of a listener parked on another core costs
+//! hold at least the part's bytes, at the last layer but one (so the last goes alone, and
+//! after the compute no more is left to travel than at one part a layer), at the last, or
+//! when the sink is gone (the compute ended, done or failed). Each wake-up of a listener parked on another core costs
 //! CPU that, on a host whose cores all compute, is taken from the compute, and each part
 //! costs the transfer its own frame, wake-up and ack; with parts of about a MiB, a prompt
 //! whose layers are small goes in a few parts while one whose layers are large still goes
@@ -25,8 +26,8 @@ pub struct LayerKv {
 }
 
 /// A channel for a prompt of `layers` layers whose listener is woken once at least
-/// `part_bytes` have gathered (0: at every layer), at the last layer, or when the sink is
-/// dropped.
+/// `part_bytes` have gathered (0: at every layer), at each of the last two layers, or when
+/// the sink is dropped.
 pub fn layer_channel(layers: usize, part_bytes: usize) -> (LayerSink, LayerParts) {
     let shared = Arc::new(Shared { gathered: Mutex::default(), due: Notify::new() });
     let sink = LayerSink { shared: shared.clone(), layers, part_bytes };
@@ -81,10 +82,12 @@ impl LayerSink {
         if g.unheard {
             return Err(layer);
         }
-        let last = layer.layer + 1 >= self.layers;
+        // The layers before the last go out without it, so that after the compute only
+        // the last layer is left to travel, as when every layer was a part.
+        let closing = layer.layer + 2 >= self.layers;
         g.bytes += layer.bytes.len();
         g.layers.push(layer);
-        let now_due = !g.due && (last || g.bytes >= self.part_bytes);
+        let now_due = !g.due && (closing || g.bytes >= self.part_bytes);
         g.due |= now_due;
         drop(g);
         if now_due {
@@ -145,8 +148,8 @@ mod tests {
     }
 
     #[test]
-    fn a_part_is_due_once_its_bytes_have_gathered_or_the_last_layer_is_in() {
-        let (sink, mut parts) = layer_channel(5, 1000);
+    fn a_part_is_due_once_its_bytes_have_gathered_and_the_last_layer_goes_alone() {
+        let (sink, mut parts) = layer_channel(7, 1000);
         sink.send(layer(0, 400)).unwrap();
         sink.send(layer(1, 400)).unwrap();
         assert!(parts.next_part().now_or_never().is_none(), "800 bytes: not due");
@@ -155,7 +158,15 @@ mod tests {
         sink.send(layer(3, 400)).unwrap();
         assert!(parts.next_part().now_or_never().is_none(), "the count starts again");
         sink.send(layer(4, 10)).unwrap();
-        assert_eq!(numbers(parts.next_part().now_or_never().unwrap()), Some(vec![3, 4]));
+        assert!(parts.next_part().now_or_never().is_none(), "410 bytes: not due");
+        sink.send(layer(5, 10)).unwrap();
+        assert_eq!(
+            numbers(parts.next_part().now_or_never().unwrap()),
+            Some(vec![3, 4, 5]),
+            "the last layer but one closes a part"
+        );
+        sink.send(layer(6, 10)).unwrap();
+        assert_eq!(numbers(parts.next_part().now_or_never().unwrap()), Some(vec![6]));
         assert!(parts.next_part().now_or_never().is_none(), "the sink may still send");
         drop(sink);
         assert_eq!(numbers(parts.next_part().now_or_never().unwrap()), None);

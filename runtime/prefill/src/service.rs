@@ -93,11 +93,10 @@ pub(crate) struct Inner {
 /// Prompts cached at once; past that a prompt goes uncached rather than queue its KV.
 pub(crate) const MAX_STORES: usize = 4;
 
-/// The fewest bytes of KV a streamed part carries before its last: layers are gathered
-/// until they hold this much (see `handoff_engine::layer_channel`). SmolLM2's 256-token
-/// prompt (30 layers of 390 KB) goes in 10 parts rather than 30, one of 1024 tokens still
-/// layer by layer. The price: after the compute, the last part carries the layers gathered
-/// before the last one too (less than this many bytes) where it carried the last alone.
+/// The fewest bytes of KV a streamed part carries, but for the last two: layers are
+/// gathered until they hold this much, and the last layer goes alone (see
+/// `handoff_engine::layer_channel`). SmolLM2's 256-token prompt (30 layers of 390 KB) goes
+/// in 11 parts rather than 30, one of 1024 tokens still layer by layer.
 const PART_BYTES: usize = 1 << 20;
 
 /// Counts a request as running (and its tokens as queued) until dropped, even when the
