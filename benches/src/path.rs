@@ -24,6 +24,29 @@ pub fn thread_cpu(tid: u32) -> anyhow::Result<Duration> {
     cpu_in(&format!("/proc/self/task/{tid}/stat"))
 }
 
+/// CPU time this process's threads have used, to the nanosecond, but for those whose name
+/// starts with one of `skip` (`/proc/self/task/*/schedstat`, the time each has run). Counts
+/// the threads alive when called: one that ended since an earlier reading takes its time
+/// with it.
+pub fn threads_cpu_but(skip: &[&str]) -> anyhow::Result<Duration> {
+    let mut ns = 0u64;
+    for task in std::fs::read_dir("/proc/self/task")? {
+        let task = task?.path();
+        // A thread that ended while being read counts nothing.
+        let (Ok(name), Ok(stat)) = (
+            std::fs::read_to_string(task.join("comm")),
+            std::fs::read_to_string(task.join("schedstat")),
+        ) else {
+            continue;
+        };
+        if skip.iter().any(|s| name.starts_with(s)) {
+            continue;
+        }
+        ns += stat.split_whitespace().next().unwrap_or("0").parse::<u64>()?;
+    }
+    Ok(Duration::from_nanos(ns))
+}
+
 /// The calling thread's id, as `/proc` names it.
 pub fn current_tid() -> anyhow::Result<u32> {
     let link = std::fs::read_link("/proc/thread-self")?;

@@ -3,8 +3,10 @@
 //! The engine alone is its prefill in this process: no decoder, no gRPC, no cache (the
 //! unflattering comparison). The two run in turn prompt by prompt, which goes first
 //! alternating, so the machine's stretches move both alike; the table gives each side's
-//! median, the median of the paired differences with its quartiles, and the process's CPU
-//! beyond the engine alone's.
+//! median, the median of the paired differences with its quartiles, the process's CPU
+//! beyond the engine alone's, and the path's threads' own: every thread but the engine's
+//! compute threads ([`ENGINE_THREADS`]), whose CPU moves with the compute by more than the
+//! path's whole CPU (tens of ms between runs of the same prompt).
 //!
 //! After each path request the bench waits until the prefill is idle (nothing running,
 //! nothing being stored in its prefix cache) and counts the CPU up to there: the store runs
@@ -17,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff::{Cluster, ClusterConfig};
-use handoff_benches::path::{cache_fill, one_token, process_cpu};
+use handoff_benches::path::{cache_fill, one_token, process_cpu, threads_cpu_but};
 use handoff_benches::record::Report;
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
@@ -32,6 +34,9 @@ use super::{ms, prompt};
 /// The prefill's prefix cache budget on the backends' clusters: 5 prompts of 256 tokens or
 /// one of 1024 (SmolLM2's 45 KiB a token), so a few prompts fill it.
 const CACHE_BYTES: usize = 64 << 20;
+
+/// The names SmolLM's compute threads start with (its worker and candle's pool).
+const ENGINE_THREADS: &[&str] = &["smollm-engine", "candle-bp"];
 
 /// Longest the bench waits for a prefill to be idle after a request.
 const SETTLE_LIMIT: Duration = Duration::from_secs(10);
@@ -54,6 +59,8 @@ struct PathRun {
     ttft: Duration,
     cpu_first: Duration,
     cpu_idle: Duration,
+    /// The CPU of every thread but the engine's compute threads, to the first token.
+    threads_first: Duration,
 }
 
 /// The engine alone on one prompt: its time and the process's CPU over it.
@@ -61,6 +68,8 @@ struct PathRun {
 struct EngineRun {
     took: Duration,
     cpu: Duration,
+    /// The CPU of every thread but the engine's compute threads (the cluster idling).
+    threads: Duration,
 }
 
 #[derive(Debug)]
@@ -128,14 +137,14 @@ fn write_table(
 ) -> anyhow::Result<()> {
     writeln!(
         out,
-        "\nTTFT by transfer backend beside the engine alone (its prefill, no decoder, no gRPC) on the same prompts, in turn prompt by prompt, which goes first alternating, after {fills:?} prompts that fill the prefill's {} MiB prefix cache. Medians of each side; the paired differences' median and quartiles (interpolated); vs engine = that median over the engine's; the process's CPU beyond the engine alone's, up to the first token and up to the prefill's idle (its prompt stored in its cache); the bench's own gRPC client is in the path's:",
+        "\nTTFT by transfer backend beside the engine alone (its prefill, no decoder, no gRPC) on the same prompts, in turn prompt by prompt, which goes first alternating, after {fills:?} prompts that fill the prefill's {} MiB prefix cache. Medians of each side; the paired differences' median and quartiles (interpolated); vs engine = that median over the engine's; the process's CPU beyond the engine alone's, up to the first token and up to the prefill's idle (its prompt stored in its cache), and that of every thread but the engine's compute threads (the path's own) to the first token; the bench's own gRPC client is in the path's:",
         CACHE_BYTES >> 20,
     )?;
     writeln!(
         out,
-        "| path | tokens | pairs | TTFT (ms) | engine alone (ms) | paired difference (ms) | q1 (ms) | q3 (ms) | vs engine (%) | CPU beyond, to first token (ms) | CPU beyond, to idle (ms) |"
+        "| path | tokens | pairs | TTFT (ms) | engine alone (ms) | paired difference (ms) | q1 (ms) | q3 (ms) | vs engine (%) | CPU beyond, to first token (ms) | CPU beyond, to idle (ms) | path's threads beyond, to first token (ms) |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     let mut raw = Vec::new();
     for (label, tokens, pairs) in rows {
         let median = |f: &dyn Fn(&Pair) -> f64| quantile(&sorted(pairs.iter().map(f)), 0.5);
@@ -143,7 +152,7 @@ fn write_table(
         let engine = median(&|p| ms(p.engine.took));
         writeln!(
             out,
-            "| disaggregated, {label} | {tokens} | {} | {:.1} | {engine:.1} | {:+.1} | {:+.1} | {:+.1} | {:+.1} | {:+.1} | {:+.1} |",
+            "| disaggregated, {label} | {tokens} | {} | {:.1} | {engine:.1} | {:+.1} | {:+.1} | {:+.1} | {:+.1} | {:+.1} | {:+.1} | {:+.1} |",
             pairs.len(),
             median(&|p| ms(p.path.ttft)),
             quantile(&diffs, 0.5),
@@ -152,10 +161,13 @@ fn write_table(
             100.0 * quantile(&diffs, 0.5) / engine,
             median(&|p| ms(p.path.cpu_first) - ms(p.engine.cpu)),
             median(&|p| ms(p.path.cpu_idle) - ms(p.engine.cpu)),
+            median(&|p| ms(p.path.threads_first) - ms(p.engine.threads)),
         )?;
         let each = |p: &Pair| {
-            let path = [ms(p.path.ttft), ms(p.path.cpu_first), ms(p.path.cpu_idle)];
-            json!({"path_ttft_cpu_first_cpu_idle_ms": path, "engine_took_cpu_ms": [ms(p.engine.took), ms(p.engine.cpu)]})
+            let (path, engine) = (p.path, p.engine);
+            let path = [path.ttft, path.cpu_first, path.cpu_idle, path.threads_first].map(ms);
+            let engine = [engine.took, engine.cpu, engine.threads].map(ms);
+            json!({"path_ttft_cpu_first_cpu_idle_threads_first_ms": path, "engine_took_cpu_threads_ms": engine})
         };
         raw.push(json!({"path": label, "tokens": tokens, "pairs": pairs.iter().map(each).collect::<Vec<_>>()}));
     }
@@ -184,12 +196,14 @@ impl Path {
     /// One request of one token, timed to its first token and its prefill's idle; fails
     /// when any of its prompt was cached (not the engine alone's work).
     async fn run(&mut self, tokens: Vec<u32>) -> anyhow::Result<PathRun> {
+        let threads = threads_cpu_but(ENGINE_THREADS)?;
         let cpu = process_cpu();
         let t = Instant::now();
         let mut s = self.client.generate(one_token(tokens)).await?.into_inner();
         anyhow::ensure!(s.message().await?.is_some(), "no first token");
         let ttft = t.elapsed();
         let cpu_first = process_cpu().saturating_sub(cpu);
+        let threads_first = threads_cpu_but(ENGINE_THREADS)?.saturating_sub(threads);
         let mut cached = 0;
         while let Some(m) = s.message().await? {
             if let Some(Event::Complete(c)) = m.event {
@@ -199,7 +213,7 @@ impl Path {
         self.settle().await?;
         let cpu_idle = process_cpu().saturating_sub(cpu);
         anyhow::ensure!(cached == 0, "{cached} tokens cached: not equal work");
-        Ok(PathRun { ttft, cpu_first, cpu_idle })
+        Ok(PathRun { ttft, cpu_first, cpu_idle, threads_first })
     }
 
     /// Waits until the prefill runs nothing and stores nothing (`PrefillInstance::idle`).
@@ -213,12 +227,16 @@ impl Path {
     }
 }
 
-/// The engine alone's prefill of `tokens`, timed by the wall and the process's CPU clock.
+/// The engine alone's prefill of `tokens`, timed by the wall, the process's CPU clock and
+/// the threads but the engine's.
 async fn engine_alone(e: &SmolLm, tokens: &[u32]) -> anyhow::Result<EngineRun> {
+    let threads = threads_cpu_but(ENGINE_THREADS)?;
     let cpu = process_cpu();
     let t = Instant::now();
     e.prefill(tokens, None, &Sampling::default()).await?;
-    Ok(EngineRun { took: t.elapsed(), cpu: process_cpu().saturating_sub(cpu) })
+    let (took, cpu) = (t.elapsed(), process_cpu().saturating_sub(cpu));
+    let threads = threads_cpu_but(ENGINE_THREADS)?.saturating_sub(threads);
+    Ok(EngineRun { took, cpu, threads })
 }
 
 /// The `p` quantile of `sorted`, interpolated between the two nearest ranks (the median of
