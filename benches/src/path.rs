@@ -24,27 +24,42 @@ pub fn thread_cpu(tid: u32) -> anyhow::Result<Duration> {
     cpu_in(&format!("/proc/self/task/{tid}/stat"))
 }
 
-/// CPU time this process's threads have used, to the nanosecond, but for those whose name
-/// starts with one of `skip` (`/proc/self/task/*/schedstat`, the time each has run). Counts
-/// the threads alive when called: one that ended since an earlier reading takes its time
-/// with it.
-pub fn threads_cpu_but(skip: &[&str]) -> anyhow::Result<Duration> {
-    let mut ns = 0u64;
-    for task in std::fs::read_dir("/proc/self/task")? {
-        let task = task?.path();
-        // A thread that ended while being read counts nothing.
-        let (Ok(name), Ok(stat)) = (
-            std::fs::read_to_string(task.join("comm")),
-            std::fs::read_to_string(task.join("schedstat")),
-        ) else {
-            continue;
-        };
-        if skip.iter().any(|s| name.starts_with(s)) {
-            continue;
+/// The CPU time each of this process's threads has used, to the nanosecond
+/// (`/proc/self/task/*/schedstat`, the time each has run), but for those whose name starts
+/// with one of the prefixes it was read with.
+#[derive(Debug, Clone)]
+pub struct ThreadsCpu(std::collections::HashMap<u32, u64>);
+
+impl ThreadsCpu {
+    /// Reads every thread alive now but those whose name starts with one of `skip`.
+    pub fn read(skip: &[&str]) -> anyhow::Result<Self> {
+        let mut ns = std::collections::HashMap::new();
+        for task in std::fs::read_dir("/proc/self/task")? {
+            let task = task?;
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else {
+                continue;
+            };
+            // A thread that ended while being read counts nothing.
+            let (Ok(name), Ok(stat)) = (
+                std::fs::read_to_string(task.path().join("comm")),
+                std::fs::read_to_string(task.path().join("schedstat")),
+            ) else {
+                continue;
+            };
+            if !skip.iter().any(|s| name.starts_with(s)) {
+                ns.insert(tid, stat.split_whitespace().next().unwrap_or("0").parse()?);
+            }
         }
-        ns += stat.split_whitespace().next().unwrap_or("0").parse::<u64>()?;
+        Ok(ThreadsCpu(ns))
     }
-    Ok(Duration::from_nanos(ns))
+
+    /// What the threads read here used since `earlier`, thread by thread: one started since
+    /// counts from zero, one that ended since takes its time with it.
+    pub fn since(&self, earlier: &ThreadsCpu) -> Duration {
+        let ns =
+            self.0.iter().map(|(tid, &now)| now.saturating_sub(*earlier.0.get(tid).unwrap_or(&0)));
+        Duration::from_nanos(ns.sum())
+    }
 }
 
 /// The calling thread's id, as `/proc` names it.

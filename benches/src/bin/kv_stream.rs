@@ -9,7 +9,7 @@
 //! (frontend, scheduler, one prefill, decode tp 1) on loopback. Since the mock's compute time
 //! is exact, TTFT − compute is what the KV and the path cost. `tcp streamed` and `mooncake
 //! streamed` send the layers as they are computed (in parts of at least 1 MiB, the last
-//! layer alone: `handoff_engine::layer_channel`); `tcp whole` is the same tcp path with the
+//! layer alone while the sender keeps up: `handoff_engine::layer_channel`); `tcp whole` is the same tcp path with the
 //! prefill's agent behind an unarmed fault injector, which has no streams: the KV goes in one
 //! write after the compute, as before streaming. Equal work, same run, interleaved. Beside
 //! them, the floor: the KV's bytes through one plain loopback socket, and the path with a

@@ -2,13 +2,16 @@
 //! [`LayerSink`] for the engine and [`LayerParts`] for whoever sends the KV on.
 //!
 //! The listener is woken once a part is due, not at every layer: when the layers gathered
-//! hold at least the part's bytes, at the last layer but one (so the last goes alone, and
-//! after the compute no more is left to travel than at one part a layer), at the last, or
-//! when the sink is gone (the compute ended, done or failed). Each wake-up of a listener parked on another core costs
-//! CPU that, on a host whose cores all compute, is taken from the compute, and each part
-//! costs the transfer its own frame, wake-up and ack; with parts of about a MiB, a prompt
-//! whose layers are small goes in a few parts while one whose layers are large still goes
-//! layer by layer.
+//! hold at least the part's bytes, at the last layer but one, at the last, or when the sink
+//! is gone (the compute ended, done or failed). A part takes every layer gathered by the
+//! time the listener comes for it: the last layer goes alone (after the compute no more is
+//! left to travel than at one part a layer) unless the listener was still busy with the
+//! part before.
+//!
+//! Why: each wake-up of a listener parked on another core costs CPU that, on a host whose
+//! cores all compute, is taken from the compute, and each part costs the transfer its own
+//! frame, wake-up and ack. With parts of about a MiB, a prompt whose layers are small goes
+//! in a few parts while one whose layers are large still goes layer by layer.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -84,7 +87,7 @@ impl LayerSink {
         }
         // The layers before the last go out without it, so that after the compute only
         // the last layer is left to travel, as when every layer was a part.
-        let closing = layer.layer + 2 >= self.layers;
+        let closing = layer.layer >= self.layers.saturating_sub(2);
         g.bytes += layer.bytes.len();
         g.layers.push(layer);
         let now_due = !g.due && (closing || g.bytes >= self.part_bytes);
@@ -134,88 +137,4 @@ impl Drop for LayerParts {
 }
 
 #[cfg(test)]
-mod tests {
-    use futures::FutureExt;
-
-    use super::{LayerKv, layer_channel};
-
-    fn layer(layer: usize, len: usize) -> LayerKv {
-        LayerKv { layer, bytes: bytes::Bytes::from(vec![layer as u8; len]) }
-    }
-
-    fn numbers(part: Option<Vec<LayerKv>>) -> Option<Vec<usize>> {
-        part.map(|p| p.iter().map(|l| l.layer).collect())
-    }
-
-    #[test]
-    fn a_part_is_due_once_its_bytes_have_gathered_and_the_last_layer_goes_alone() {
-        let (sink, mut parts) = layer_channel(7, 1000);
-        sink.send(layer(0, 400)).unwrap();
-        sink.send(layer(1, 400)).unwrap();
-        assert!(parts.next_part().now_or_never().is_none(), "800 bytes: not due");
-        sink.send(layer(2, 400)).unwrap();
-        assert_eq!(numbers(parts.next_part().now_or_never().unwrap()), Some(vec![0, 1, 2]));
-        sink.send(layer(3, 400)).unwrap();
-        assert!(parts.next_part().now_or_never().is_none(), "the count starts again");
-        sink.send(layer(4, 10)).unwrap();
-        assert!(parts.next_part().now_or_never().is_none(), "410 bytes: not due");
-        sink.send(layer(5, 10)).unwrap();
-        assert_eq!(
-            numbers(parts.next_part().now_or_never().unwrap()),
-            Some(vec![3, 4, 5]),
-            "the last layer but one closes a part"
-        );
-        sink.send(layer(6, 10)).unwrap();
-        assert_eq!(numbers(parts.next_part().now_or_never().unwrap()), Some(vec![6]));
-        assert!(parts.next_part().now_or_never().is_none(), "the sink may still send");
-        drop(sink);
-        assert_eq!(numbers(parts.next_part().now_or_never().unwrap()), None);
-    }
-
-    #[test]
-    fn with_no_part_size_every_layer_is_due() {
-        let (sink, mut parts) = layer_channel(3, 0);
-        for l in 0..3 {
-            sink.send(layer(l, 8)).unwrap();
-            assert_eq!(numbers(parts.next_part().now_or_never().unwrap()), Some(vec![l]));
-        }
-    }
-
-    #[test]
-    fn a_sink_dropped_early_hands_on_what_it_gathered_and_then_ends() {
-        let (sink, mut parts) = layer_channel(30, 1 << 20);
-        sink.send(layer(0, 8)).unwrap();
-        drop(sink); // the compute failed after one layer
-        assert_eq!(numbers(parts.next_part().now_or_never().unwrap()), Some(vec![0]));
-        assert_eq!(numbers(parts.next_part().now_or_never().unwrap()), None);
-    }
-
-    #[test]
-    fn a_sink_whose_listener_is_gone_gives_the_layer_back() {
-        let (sink, parts) = layer_channel(2, 0);
-        drop(parts);
-        assert_eq!(sink.send(layer(0, 8)).unwrap_err().layer, 0);
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_listener_parked_before_the_part_is_due_is_woken_by_it() {
-        let (sink, mut parts) = layer_channel(4, 100);
-        let listener = tokio::spawn(async move {
-            let mut got = Vec::new();
-            while let Some(p) = parts.next_part().await {
-                got.push(p.iter().map(|l| l.layer).collect::<Vec<_>>());
-            }
-            got
-        });
-        let sender = std::thread::spawn(move || {
-            for l in 0..4 {
-                sink.send(layer(l, 60)).unwrap();
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-        });
-        sender.join().unwrap();
-        let got = listener.await.unwrap();
-        assert_eq!(got.concat(), [0, 1, 2, 3], "every layer once, in order");
-        assert!(got.iter().all(|p| !p.is_empty()));
-    }
-}
+mod tests;

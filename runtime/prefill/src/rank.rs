@@ -1,5 +1,6 @@
 //! One rank of a prefill instance, and how it sends its KV shard: to each decode rank that
-//! reads from it, layer by layer as the engine computes them, one notice over them all.
+//! reads from it, a part (one or more layers) at a time as the engine computes them, one
+//! notice over them all.
 
 use std::ops::Range;
 
@@ -133,7 +134,7 @@ pub struct Destination {
 
 impl Destination {
     /// Posts the shard's runs of `layers` (none of a layer the shard does not hold) in one
-    /// part: the layers the engine had ready together travel together.
+    /// part: the layers handed on together travel together.
     pub async fn post_layers(&mut self, layers: &[LayerKv]) -> Result<(), PrefillError> {
         let mut pairs = Vec::with_capacity(2 * layers.len());
         for layer in layers.iter().filter(|l| self.shard.layers.contains(&l.layer)) {

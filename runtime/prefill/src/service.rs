@@ -93,10 +93,12 @@ pub(crate) struct Inner {
 /// Prompts cached at once; past that a prompt goes uncached rather than queue its KV.
 pub(crate) const MAX_STORES: usize = 4;
 
-/// The fewest bytes of KV a streamed part carries, but for the last two: layers are
-/// gathered until they hold this much, and the last layer goes alone (see
-/// `handoff_engine::layer_channel`). SmolLM2's 256-token prompt (30 layers of 390 KB) goes
-/// in 11 parts rather than 30, one of 1024 tokens still layer by layer.
+/// The fewest bytes of KV a streamed part carries, but for the last two and one cut short
+/// by the compute failing: layers are gathered until they hold this much (whole layers,
+/// before each decode rank takes its shard of them), and the last layer goes alone while
+/// the sender keeps up (see `handoff_engine::layer_channel`). SmolLM2's 256-token prompt
+/// (30 layers of 393 KB) then goes in 11 parts rather than 30, one of 1024 tokens still
+/// layer by layer.
 const PART_BYTES: usize = 1 << 20;
 
 /// Counts a request as running (and its tokens as queued) until dropped, even when the
@@ -407,8 +409,8 @@ impl PrefillService {
             Ok::<_, PrefillError>((out, Instant::now()))
         };
         // The decode's handshakes came in this call, or it sends them alongside it: they are
-        // taken while the engine computes, and each layer travels to every decode rank as soon
-        // as it is done.
+        // taken while the engine computes, and the layers travel to every decode rank a part
+        // at a time as they are done.
         let hs_deadline = deadline.min(Instant::now() + me.handshake_timeout);
         let stream = async {
             let opens = dp.senders.iter().zip(handshakes).map(|(r, given)| {
@@ -417,9 +419,9 @@ impl PrefillService {
             let opened = try_join_all(opens).await?;
             let ranks = opened.iter().filter(|d| !d.is_empty()).count();
             let mut dests: Vec<Destination> = opened.into_iter().flatten().collect();
-            // A part goes once it holds PART_BYTES or the last layer, with every layer
-            // ready by the time it can go (more when the engine computes faster than the
-            // KV travels).
+            // A part is due at PART_BYTES, at the last layer but one and at the last (see
+            // `layer_channel`), and takes every layer ready by the time it can go (more when
+            // the engine computes faster than the KV travels).
             while let Some(part) = parts.next_part().await {
                 try_join_all(dests.iter_mut().map(|d| d.post_layers(&part))).await?;
             }

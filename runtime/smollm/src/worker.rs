@@ -142,7 +142,9 @@ fn yield_to_serving() {
 fn start_compute_pool() {
     static STARTED: std::sync::Once = std::sync::Once::new();
     STARTED.call_once(|| {
-        let pool = rayon::ThreadPoolBuilder::new().start_handler(|_| yield_to_serving());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("smollm-pool-{i}"))
+            .start_handler(|_| yield_to_serving());
         if let Err(e) = pool.build_global() {
             debug!(error = %e, "compute pool already started; its priority is left as it was");
         }

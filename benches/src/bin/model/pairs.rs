@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff::{Cluster, ClusterConfig};
-use handoff_benches::path::{cache_fill, one_token, process_cpu, threads_cpu_but};
+use handoff_benches::path::{ThreadsCpu, cache_fill, one_token, process_cpu};
 use handoff_benches::record::Report;
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::v1::generate_client::GenerateClient;
@@ -35,8 +35,8 @@ use super::{ms, prompt};
 /// one of 1024 (SmolLM2's 45 KiB a token), so a few prompts fill it.
 const CACHE_BYTES: usize = 64 << 20;
 
-/// The names SmolLM's compute threads start with (its worker and candle's pool).
-const ENGINE_THREADS: &[&str] = &["smollm-engine", "candle-bp"];
+/// The names SmolLM's compute threads start with (its worker and pool, and candle's pool).
+const ENGINE_THREADS: &[&str] = &["smollm-", "candle-bp"];
 
 /// Longest the bench waits for a prefill to be idle after a request.
 const SETTLE_LIMIT: Duration = Duration::from_secs(10);
@@ -196,14 +196,14 @@ impl Path {
     /// One request of one token, timed to its first token and its prefill's idle; fails
     /// when any of its prompt was cached (not the engine alone's work).
     async fn run(&mut self, tokens: Vec<u32>) -> anyhow::Result<PathRun> {
-        let threads = threads_cpu_but(ENGINE_THREADS)?;
+        let threads = ThreadsCpu::read(ENGINE_THREADS)?;
         let cpu = process_cpu();
         let t = Instant::now();
         let mut s = self.client.generate(one_token(tokens)).await?.into_inner();
         anyhow::ensure!(s.message().await?.is_some(), "no first token");
         let ttft = t.elapsed();
         let cpu_first = process_cpu().saturating_sub(cpu);
-        let threads_first = threads_cpu_but(ENGINE_THREADS)?.saturating_sub(threads);
+        let threads_first = ThreadsCpu::read(ENGINE_THREADS)?.since(&threads);
         let mut cached = 0;
         while let Some(m) = s.message().await? {
             if let Some(Event::Complete(c)) = m.event {
@@ -230,12 +230,12 @@ impl Path {
 /// The engine alone's prefill of `tokens`, timed by the wall, the process's CPU clock and
 /// the threads but the engine's.
 async fn engine_alone(e: &SmolLm, tokens: &[u32]) -> anyhow::Result<EngineRun> {
-    let threads = threads_cpu_but(ENGINE_THREADS)?;
+    let threads = ThreadsCpu::read(ENGINE_THREADS)?;
     let cpu = process_cpu();
     let t = Instant::now();
     e.prefill(tokens, None, &Sampling::default()).await?;
     let (took, cpu) = (t.elapsed(), process_cpu().saturating_sub(cpu));
-    let threads = threads_cpu_but(ENGINE_THREADS)?.saturating_sub(threads);
+    let threads = ThreadsCpu::read(ENGINE_THREADS)?.since(&threads);
     Ok(EngineRun { took, cpu, threads })
 }
 
