@@ -4,16 +4,16 @@
 //! cargo run --release -p handoff-benches --bin kv_stream -- [REPS]
 //! ```
 //!
-//! The mock engine with SmolLM2-135M's KV shape (30 layers, 3 KV heads, 256 B per head and
-//! token: 46 KB per token) and an exact compute time per token, through a real cluster
-//! (frontend, scheduler, one prefill, decode tp 1) on loopback. Since the mock's compute time
-//! is exact, TTFT − compute is what the KV and the path cost. `tcp streamed` and `mooncake
-//! streamed` send the layers as they are computed (in parts of at least 1 MiB, the last
-//! layer alone while the sender keeps up: `handoff_engine::layer_channel`); `tcp whole` is the same tcp path with the
-//! prefill's agent behind an unarmed fault injector, which has no streams: the KV goes in one
-//! write after the compute, as before streaming. Equal work, same run, interleaved. Beside
-//! them, the floor: the KV's bytes through one plain loopback socket, and the path with a
-//! 1-token prompt (no KV to speak of).
+//! The mock engine with SmolLM2-135M's KV shape (30 layers, 3 KV heads, 256 B per head and token:
+//! 46 KB per token) and an exact compute time per token, through a real cluster (frontend,
+//! scheduler, one prefill, decode tp 1) on loopback. Since the mock's compute time is exact, TTFT −
+//! compute is what the KV and the path cost. `tcp streamed` and `mooncake streamed` send the layers
+//! as they are computed (in parts of at least 1 MiB, the last layer alone while the sender keeps
+//! up: `handoff_engine::layer_channel`); `tcp whole` is the same tcp path with the prefill's agent
+//! behind an unarmed fault injector, which has no streams: the KV goes in one write after the
+//! compute, as before streaming. Equal work, same run, interleaved. Beside them, the floor: the
+//! KV's bytes through one plain loopback socket, and the path with a 1-token prompt (no KV to speak
+//! of).
 //! Shapes: 256 and 1024 tokens, at 0 (nothing to overlap: the unflattering one), 100 µs and
 //! 1 ms of compute per token. Prints p50 and p90 of the tail in ms. At 0 µs the tail also
 //! holds the mock's own making of its KV bytes (printed beside it), which no engine charges
