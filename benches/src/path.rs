@@ -18,10 +18,18 @@ pub fn process_cpu() -> Duration {
     Duration::new(t.tv_sec.max(0) as u64, t.tv_nsec.clamp(0, 999_999_999) as u32)
 }
 
-/// CPU time the thread `tid` of this process has used (user and system), from its
-/// `/proc/self/task/<tid>/stat` (10 ms ticks).
+/// CPU time the thread `tid` of this process has used (user and system), to the
+/// nanosecond, from its `/proc/self/task/<tid>/schedstat`: exact for a thread that is not
+/// running, up to its last scheduler tick for one that is.
 pub fn thread_cpu(tid: u32) -> anyhow::Result<Duration> {
-    cpu_in(&format!("/proc/self/task/{tid}/stat"))
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))?;
+    Ok(Duration::from_nanos(ran_ns(&stat)?))
+}
+
+/// The time on a CPU a `schedstat` line gives (its first field, in nanoseconds).
+fn ran_ns(schedstat: &str) -> anyhow::Result<u64> {
+    let first = schedstat.split_whitespace().next();
+    Ok(first.ok_or_else(|| anyhow::anyhow!("an empty schedstat"))?.parse()?)
 }
 
 /// The CPU time each of this process's threads has used, to the nanosecond
@@ -47,7 +55,7 @@ impl ThreadsCpu {
                 continue;
             };
             if !skip.iter().any(|s| name.starts_with(s)) {
-                ns.insert(tid, stat.split_whitespace().next().unwrap_or("0").parse()?);
+                ns.insert(tid, ran_ns(&stat)?);
             }
         }
         Ok(ThreadsCpu(ns))
@@ -67,16 +75,6 @@ pub fn current_tid() -> anyhow::Result<u32> {
     let link = std::fs::read_link("/proc/thread-self")?;
     let tid = link.file_name().and_then(|n| n.to_str()).unwrap_or_default();
     Ok(tid.parse()?)
-}
-
-fn cpu_in(stat: &str) -> anyhow::Result<Duration> {
-    let stat = std::fs::read_to_string(stat)?;
-    // Fields after the command name (which may hold spaces) closed by ')'.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 =
-        f.get(11).unwrap_or(&"0").parse::<u64>()? + f.get(12).unwrap_or(&"0").parse::<u64>()?;
-    Ok(Duration::from_millis(ticks * 10))
 }
 
 /// A runtime on one thread of its own, for a load generator whose CPU must be told apart
@@ -229,3 +227,6 @@ pub fn cache_fill(cache_bytes: usize, tokens: usize, token_bytes: usize) -> usiz
 pub fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
+
+#[cfg(test)]
+mod tests;

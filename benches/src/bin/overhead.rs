@@ -16,9 +16,8 @@
 //!   role runs in this process, and so does the load generator), whole, beyond the mock
 //!   engine's own (measured on the in-process runs), the load generator's (its gRPC client
 //!   and connection, on a thread of its own: a client's cost, not the path's), and the
-//!   path's: what is left. The process's CPU is read to the nanosecond, the load
-//!   generator's thread from /proc in 10 ms ticks, so at least 500 requests per level keep
-//!   its figure within 20 us;
+//!   path's: what is left. The process's CPU and the load generator's thread are read to
+//!   the nanosecond;
 //! - open loop, requests started on a fixed schedule whatever the answers do, at half the
 //!   saturation rate just measured and at 2,500 req/s (half of issue 14's 5,000 target).
 //!   Latency counts from each request's scheduled start, so a stalled path is not hidden by
@@ -64,10 +63,7 @@ async fn main() -> anyhow::Result<()> {
         "at most {} requests per level: prompts would repeat",
         WARM_SEEDS.start / 4
     );
-    anyhow::ensure!(
-        per_level >= 500,
-        "at least 500 requests per level: the load generator's CPU is counted in 10 ms ticks"
-    );
+    anyhow::ensure!(per_level > 0, "at least one request per level");
     let engine = Arc::new(MockEngine::new(MockConfig::default()));
 
     // The in-process reference: prefill and first token with no orchestration at all.

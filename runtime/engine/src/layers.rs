@@ -62,7 +62,6 @@ struct Shared {
 #[derive(Debug, Default)]
 struct Gathered {
     layers: Vec<LayerKv>,
-    bytes: usize,
     /// A part is due: the listener takes every layer gathered.
     due: bool,
     /// The sink is gone: nothing more comes.
@@ -88,9 +87,9 @@ impl LayerSink {
         // The layers before the last go out without it, so that after the compute only
         // the last layer is left to travel, as when every layer was a part.
         let closing = layer.layer >= self.layers.saturating_sub(2);
-        g.bytes += layer.bytes.len();
         g.layers.push(layer);
-        let now_due = !g.due && (closing || g.bytes >= self.part_bytes);
+        let gathered = || g.layers.iter().map(|l| l.bytes.len()).sum::<usize>();
+        let now_due = !g.due && (closing || gathered() >= self.part_bytes);
         g.due |= now_due;
         drop(g);
         if now_due {
@@ -116,7 +115,6 @@ impl LayerParts {
                 let mut g = self.shared.lock();
                 if g.due || (g.closed && !g.layers.is_empty()) {
                     g.due = false;
-                    g.bytes = 0;
                     return Some(std::mem::take(&mut g.layers));
                 }
                 if g.closed {
