@@ -32,14 +32,42 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// Most bootstrap ports tried: another process may bind the one picked before SGLang does.
+const PORT_TRIES: usize = 5;
+
 /// Starts SGLang's prefill for `room`, writing `aux_room` in its metadata row; with `spec`,
-/// the pages of a real model's KV.
+/// the pages of a real model's KV. A port taken before SGLang binds it is given up for
+/// another.
 fn prefill(room: u64, aux_room: u64, env: &[(&str, &str)], spec: Option<&str>) -> Prefill {
+    for _ in 0..PORT_TRIES {
+        match start_prefill(free_port(), room, aux_room, env, spec) {
+            Started::Ready(p) => return p,
+            Started::PortTaken(_) => continue,
+        }
+    }
+    panic!("SGLang's bootstrap port was taken {PORT_TRIES} times in a row");
+}
+
+/// How SGLang's prefill started.
+enum Started {
+    /// Serving its bootstrap directory, with its report.
+    Ready(Prefill),
+    /// Its bootstrap port was taken: it reported so and exits.
+    PortTaken(Prefill),
+}
+
+/// Starts SGLang's prefill (see [`prefill`]) with its bootstrap directory on `port`.
+fn start_prefill(
+    port: u16,
+    room: u64,
+    aux_room: u64,
+    env: &[(&str, &str)],
+    spec: Option<&str>,
+) -> Started {
     let python = std::env::var("HANDOFF_PEERS_PYTHON").unwrap_or_else(|_| {
         panic!("HANDOFF_PEERS_PYTHON is not set: run `export HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\"` (scripts/test does)")
     });
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/sglang_prefill.py");
-    let port = free_port();
     let mut child = Command::new(python)
         .args([script, &port.to_string(), &room.to_string(), &aux_room.to_string()])
         .args(spec)
@@ -51,8 +79,10 @@ fn prefill(room: u64, aux_room: u64, env: &[(&str, &str)], spec: Option<&str>) -
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     assert!(!line.is_empty(), "SGLang's prefill exited before it was ready");
-    let report = serde_json::from_str(&line).unwrap();
-    Prefill { child, boot: format!("127.0.0.1:{port}"), report }
+    let report: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let taken = report.get("port_taken").is_some();
+    let p = Prefill { child, boot: format!("127.0.0.1:{port}"), report };
+    if taken { Started::PortTaken(p) } else { Started::Ready(p) }
 }
 
 fn layout(report: &serde_json::Value) -> SglangLayout {
@@ -140,6 +170,17 @@ async fn every_page_arrives(env: &[(&str, &str)]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglangs_sender_delivers_every_page_to_our_receiver() {
     every_page_arrives(&[]).await;
+}
+
+#[test]
+fn a_taken_bootstrap_port_is_reported_and_not_served() {
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = holder.local_addr().unwrap().port();
+    let Started::PortTaken(mut p) = start_prefill(port, 7, 7, &[], None) else {
+        panic!("SGLang's prefill reported ready on a port another process holds");
+    };
+    assert_eq!(p.report["port_taken"], port);
+    assert_eq!(p.child.wait().unwrap().code(), Some(75));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

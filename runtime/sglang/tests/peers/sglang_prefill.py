@@ -4,7 +4,9 @@ PREFILL mode, MooncakeKVSender), unmodified, on CPU buffers, through the real Mo
 argv: BOOT_PORT ROOM [AUX_ROOM [SPEC]]. Serves SGLang's bootstrap directory on BOOT_PORT,
 prints one JSON line (the layout and the sha256 of every source buffer's pages, in send
 order), then sends ROOM's pages and its metadata row to whichever decode asks, and exits 0
-once the sender reaches Success (1 otherwise). AUX_ROOM, when given, is written into the
+once the sender reaches Success (1 otherwise). When BOOT_PORT is taken (another process
+bound it after the test picked it), prints {"port_taken": BOOT_PORT} instead and exits 75, so
+the test can pick another. AUX_ROOM, when given, is written into the
 row's bootstrap_room instead of ROOM (a corrupted row the decode must refuse). SPEC, when
 given, is a JSON file naming a real model's layout, first token and pages (a file of every
 K/V buffer's pages in turn); without it, 4 pages of random bytes of a small model."""
@@ -12,6 +14,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sgl_prefill_side import (  # noqa: E402  (sets the environment, installs the shim)
@@ -35,7 +38,13 @@ POOL_PAGES, AUX_ROWS, AUX_ROW = int(SRC_PAGES.max()) + 4, 8, 1
 
 sgl_shim.CONFIG["disagg"].set(disaggregation_bootstrap_port=boot_port)
 server_args = sgl_shim.Config("server_args", enable_pd_role_switch=False)
-CommonKVBootstrapServer(host="127.0.0.1", port=boot_port)
+boot = CommonKVBootstrapServer(host="127.0.0.1", port=boot_port)
+# Its server thread ends at once when it cannot bind the port: say so, not a ready report.
+while not (getattr(boot, "_loop", None) and boot._loop.is_running()):
+    if not boot.thread.is_alive():
+        print(json.dumps({"port_taken": boot_port}), flush=True)
+        sys.exit(75)
+    time.sleep(0.005)
 
 start_mooncake()
 
