@@ -73,7 +73,6 @@ fn start_prefill(
         .args(spec)
         .envs(env.iter().copied())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
         .spawn()
         .expect("the peers' python runs");
     let mut line = String::new();

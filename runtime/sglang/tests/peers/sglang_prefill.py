@@ -10,9 +10,11 @@ the test can pick another. AUX_ROOM, when given, is written into the
 row's bootstrap_room instead of ROOM (a corrupted row the decode must refuse). SPEC, when
 given, is a JSON file naming a real model's layout, first token and pages (a file of every
 K/V buffer's pages in turn); without it, 4 pages of random bytes of a small model."""
+import errno
 import hashlib
 import json
 import os
+import socket
 import sys
 import time
 
@@ -39,11 +41,32 @@ POOL_PAGES, AUX_ROWS, AUX_ROW = int(SRC_PAGES.max()) + 4, 8, 1
 sgl_shim.CONFIG["disagg"].set(disaggregation_bootstrap_port=boot_port)
 server_args = sgl_shim.Config("server_args", enable_pd_role_switch=False)
 boot = CommonKVBootstrapServer(host="127.0.0.1", port=boot_port)
-# Its server thread ends at once when it cannot bind the port: say so, not a ready report.
-while not (getattr(boot, "_loop", None) and boot._loop.is_running()):
+
+
+def port_in_use(port):
+    """Whether binding `port` on loopback fails because something holds it."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("127.0.0.1", port))
+        return False
+    except OSError as e:
+        return e.errno == errno.EADDRINUSE
+    finally:
+        s.close()
+
+
+# The server is ready once its site listens (aiohttp lists no address before the bind
+# succeeded); its thread ends at once when the bind fails.
+deadline = time.monotonic() + 60
+while not (getattr(boot, "_runner", None) and boot._runner.addresses):
     if not boot.thread.is_alive():
-        print(json.dumps({"port_taken": boot_port}), flush=True)
-        sys.exit(75)
+        if port_in_use(boot_port):
+            print(json.dumps({"port_taken": boot_port}), flush=True)
+            sys.exit(75)
+        sys.exit("SGLang's bootstrap server stopped before it listened")
+    if time.monotonic() > deadline:
+        sys.exit("SGLang's bootstrap server did not listen within 60 s")
     time.sleep(0.005)
 
 start_mooncake()
