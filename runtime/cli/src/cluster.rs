@@ -156,7 +156,9 @@ impl Cluster {
         Self::start_with(cfg, engines, registry, bus, Tasks::new()).await
     }
 
-    /// Like [`Cluster::start`], over the given discovery, with its tasks on `tasks`.
+    /// Like [`Cluster::start`], over the given discovery, with its tasks on `tasks`. Sets the
+    /// process's allocator to keep freed memory a minute ([`crate::alloc::keep_freed_memory`]),
+    /// as the binary does: tests and benches run as it does.
     pub async fn start_with(
         cfg: ClusterConfig,
         engines: &dyn Fn() -> anyhow::Result<Arc<dyn Engine>>,
@@ -164,6 +166,7 @@ impl Cluster {
         bus: Arc<dyn EventBus>,
         tasks: Tasks,
     ) -> anyhow::Result<Cluster> {
+        crate::alloc::keep_freed_memory();
         if cfg.scheduler_in_frontend && cfg.schedulers > 1 {
             bail!("a scheduler in the frontend's process is one replica, not {}", cfg.schedulers);
         }

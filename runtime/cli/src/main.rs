@@ -3,8 +3,13 @@
 use clap::Parser;
 use handoff::args::{Cli, Command};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // Before the runtime's threads start allocating.
+    handoff::alloc::keep_freed_memory();
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let role = match &cli.command {
         Command::Up(_) => "handoff",
