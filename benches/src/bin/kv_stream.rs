@@ -24,6 +24,11 @@
 //! the mock makes each new one on fresh pages the kernel faults in as it writes (about
 //! 3.5 ms at 256 tokens on the machine this was found on), which lands in the 0 µs rows'
 //! tail; a server that has been up a while reuses the memory its cache evicts.
+//!
+//! At 100 µs a token, a row more: each request after [`PAUSE`] with nothing to do (the
+//! first request after a lull), where whatever a path lets go of while idle is paid for
+//! again. With mimalloc's default purge delay of a second, the decode's region came back on
+//! fresh pages the kernel faulted in (see `handoff::alloc`).
 
 use std::io::Write;
 use std::sync::Arc;
@@ -35,6 +40,10 @@ use handoff_engine::{Engine, KvShape, MockConfig, MockEngine};
 use handoff_proto::v1::generate_client::GenerateClient;
 use handoff_transfer::{FaultSwitch, TransferKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The lull before each request of the paused rows: longer than mimalloc's default purge
+/// delay (a second), shorter than the one the processes set (a minute).
+const PAUSE: Duration = Duration::from_secs(2);
 
 const SMOLLM: KvShape = KvShape { layers: 30, kv_heads: 3, head_bytes: 256 };
 
@@ -125,6 +134,36 @@ async fn fill_cache(p: &mut Path, tokens: usize, seed: &mut u32) -> anyhow::Resu
     Ok(())
 }
 
+/// `reps` rounds of a `tokens`-token prompt through each path in turn, each after `pause`;
+/// each path's tail (TTFT - `compute`) p50 / p90, ms.
+async fn tails(
+    paths: &mut [Path],
+    tokens: usize,
+    compute: Duration,
+    reps: usize,
+    pause: Duration,
+    seed: &mut u32,
+) -> anyhow::Result<Vec<String>> {
+    let mut tails: Vec<Vec<Duration>> = vec![Vec::new(); paths.len()];
+    for _ in 0..reps {
+        for (p, tail) in paths.iter_mut().zip(tails.iter_mut()) {
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+            *seed += 1;
+            let t = ttft(&mut p.client, prompt(*seed, tokens)).await?;
+            tail.push(t.saturating_sub(compute));
+        }
+    }
+    Ok(tails
+        .iter_mut()
+        .map(|t| {
+            t.sort();
+            format!("{:.2} / {:.2}", ms(pct(t, 0.5)), ms(pct(t, 0.9)))
+        })
+        .collect())
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -173,36 +212,27 @@ async fn main() -> anyhow::Result<()> {
             }
             bare.sort();
             let compute = per_token * tokens as u32;
-            let mut tails: Vec<Vec<Duration>> = vec![Vec::new(); paths.len()];
-            for _ in 0..reps {
-                for (p, tail) in paths.iter_mut().zip(tails.iter_mut()) {
-                    seed += 1;
-                    let t = ttft(&mut p.client, prompt(seed, tokens)).await?;
-                    tail.push(t.saturating_sub(compute));
-                }
-            }
             let bytes = tokens * SMOLLM.token_bytes();
-            let floor = socket_floor(bytes).await?;
-            let making = mock_making(tokens).await?;
-            let cells: Vec<String> = tails
-                .iter_mut()
-                .map(|t| {
-                    t.sort();
-                    format!("{:.2} / {:.2}", ms(pct(t, 0.5)), ms(pct(t, 0.9)))
-                })
-                .collect();
-            writeln!(
-                out,
-                "| {tokens} | {} µs | {:.1} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
-                per_token.as_micros(),
-                bytes as f64 / 1e6,
-                ms(floor),
-                ms(making),
-                ms(pct(&bare, 0.5)),
-                cells[0],
-                cells[1],
-                cells[2]
-            )?;
+            let floor = ms(socket_floor(bytes).await?);
+            let making = ms(mock_making(tokens).await?);
+            let pauses: &[Duration] = match per_token.as_micros() {
+                100 => &[Duration::ZERO, PAUSE],
+                _ => &[Duration::ZERO],
+            };
+            for &pause in pauses {
+                let tails = tails(&mut paths, tokens, compute, reps, pause, &mut seed).await?;
+                let (label, bare) = match pause.is_zero() {
+                    true => (String::new(), format!("{:.2}", ms(pct(&bare, 0.5)))),
+                    false => (format!(", each after {} s idle", pause.as_secs()), "-".into()),
+                };
+                writeln!(
+                    out,
+                    "| {tokens} | {} µs{label} | {:.1} | {floor:.2} | {making:.2} | {bare} | {} |",
+                    per_token.as_micros(),
+                    bytes as f64 / 1e6,
+                    tails.join(" | "),
+                )?;
+            }
         }
         for p in paths {
             p.cluster.shutdown().await;
