@@ -22,15 +22,16 @@
 //!
 //! Processes that call [`keep_freed_memory`] (the binary's roles, every [`crate::Cluster`])
 //! have mimalloc hand memory back to the OS once it has lain freed for [`PURGE_DELAY_MS`] (a
-//! minute), not after its default of one second. A decode's receive
-//! region is allocated for each request and freed once its KV is taken; a request that came
-//! more than a second after the last found the region's pages given back, and registering
-//! the region faulted them in again, zeroed by the kernel, before its transfer could start:
-//! at 256 SmolLM2 tokens (11.8 MB a region) 0.1-3.6 ms on the request's path in 8 of 10
-//! requests that each followed a run of the engine alone (1.8 s on a busy machine), and in
-//! none of 10 with the delay longer. An engine's buffers were faulted in again the same way.
-//! Memory not needed for longer than the delay still goes back (mimalloc purges as it
-//! allocates and frees, so at the next allocation after that).
+//! minute), not after its default of one second. A decode's receive region is allocated for
+//! each request and freed once its KV is taken; a request that came more than a second after
+//! the last found the region's pages given back, and registering the region faulted them in
+//! again, zeroed by the kernel, before its transfer could start. At 256 SmolLM2 tokens (11.8
+//! MB a region) that was 0.1-3.6 ms on the request's path in 8 of 10 requests that each
+//! followed a run of the engine alone (1.8 s on a busy machine), and in none of 10 with the
+//! delay longer; in `kv_stream`'s rows of requests after 2 s idle, the streamed tail at 1024
+//! tokens was 7.4-10.3 ms with the second and 3.2-3.3 ms with the minute. Memory not needed
+//! for longer than the delay still goes back (mimalloc purges as it allocates and frees, so
+//! at the next allocation after that).
 
 use std::ffi::c_long;
 
