@@ -29,7 +29,8 @@
 //! MB a region) that was 0.1-3.6 ms on the request's path in 8 of 10 requests that each
 //! followed a run of the engine alone (1.8 s on a busy machine), and in none of 10 with the
 //! delay longer; in `kv_stream`'s rows of requests after 2 s idle, the streamed tail at 1024
-//! tokens was 7.4-10.3 ms with the second and 3.2-3.3 ms with the minute. Memory not needed
+//! tokens was 7.4-10.3 ms over tcp and 7.2-7.9 over Mooncake with the second, 3.2-3.3 and
+//! 3.5-4.1 with the minute. Memory not needed
 //! for longer than the delay still goes back (mimalloc purges as it allocates and frees, so
 //! at the next allocation after that).
 
