@@ -140,6 +140,17 @@ fn matches_a_set_model_under_random_operations() {
         let workers: Vec<WorkerKey> =
             (0..6).map(|i| key(&format!("i{}", i / 2), (i % 2) as u32)).collect();
         let mut idx = KvIndex::default();
+        if seed % 2 == 1 {
+            // Workers at slots far apart (idle workers between), so holder sets span words.
+            let mut idle = 0;
+            for w in &workers {
+                for _ in 0..rng.random_range(0..100) {
+                    idx.register(&key(&format!("idle{idle}"), 0));
+                    idle += 1;
+                }
+                idx.register(w);
+            }
+        }
         let mut model: HashMap<WorkerKey, HashSet<BlockHash>> = HashMap::new();
         // Workers whose clear is going on a step at a time, with what they held before.
         let mut clearing: HashMap<WorkerKey, HashSet<BlockHash>> = HashMap::new();
