@@ -47,6 +47,10 @@ impl SlotSet {
             self.word |= bit;
             return true;
         }
+        if let Some(word) = self.spilled.get_mut(w) {
+            *word |= bit;
+            return true;
+        }
         let mut words = std::mem::take(&mut self.spilled).into_vec();
         if words.is_empty() {
             words.resize(self.base as usize + 1, 0);
