@@ -78,22 +78,25 @@ impl Seq {
         [(self.base_run(l, 0, h), &self.k[c]), (self.base_run(l, 1, h), &self.v[c])]
     }
 
-    /// Writes layer `l`'s K and V in the canonical layout (`Kv::layer`) into `out`: every
-    /// token this sequence holds for that layer, each run's f32s copied as their bytes.
-    pub(crate) fn write_layer(&self, hp: &Hyper, l: usize, out: &mut [u8]) {
-        let mut at = 0;
-        for kind in 0..2 {
-            for h in 0..hp.kv_heads {
-                let (imported, computed) = self.runs(l, h, hp.kv_heads)[kind];
-                for part in [imported, computed] {
-                    let bytes: &[u8] = bytemuck::cast_slice(part);
-                    let Some(to) = out.get_mut(at..at + bytes.len()) else { return };
-                    to.copy_from_slice(bytes);
-                    at += bytes.len();
-                }
-            }
+    /// Layer `l`'s K and V in the canonical layout (`Kv::layer`) in a buffer of its own: every
+    /// token this sequence holds for that layer, each run's f32s appended as their bytes (the
+    /// buffer is never zeroed first).
+    pub(crate) fn layer_bytes(&self, hp: &Hyper, l: usize) -> Vec<u8> {
+        // During a forward pass `len` still counts the tokens before it: the runs say how
+        // many the layer holds.
+        let runs = || {
+            (0..2).flat_map(move |kind| {
+                (0..hp.kv_heads).map(move |h| self.runs(l, h, hp.kv_heads)[kind])
+            })
+        };
+        let floats: usize =
+            runs().map(|(imported, computed)| imported.len() + computed.len()).sum();
+        let mut out = Vec::with_capacity(floats * size_of::<f32>());
+        for (imported, computed) in runs() {
+            out.extend_from_slice(bytemuck::cast_slice(imported));
+            out.extend_from_slice(bytemuck::cast_slice(computed));
         }
-        debug_assert_eq!(at, out.len(), "layer {l}: the sequence and the KV differ in tokens");
+        out
     }
 }
 

@@ -219,15 +219,12 @@ fn prefill(
     }
     let rows: Vec<(usize, u32)> = tokens[seq.len..].iter().map(|&t| (0, t)).collect();
     let shape = Seq::shape(hp);
-    let layer_len = shape.layer_bytes(tokens.len());
     // Each layer in a buffer of its own, so it is handed on as it is (not copied) while the
     // next one computes; the KV is then those buffers (a layer never done is empty, and
     // `from_layers` refuses it).
     let mut done = vec![bytes::Bytes::new(); hp.layers];
     let mut layer_done = |l: usize, s: &Seq| {
-        let mut buf = vec![0; layer_len];
-        s.write_layer(hp, l, &mut buf);
-        let bytes = bytes::Bytes::from(buf);
+        let bytes = bytes::Bytes::from(s.layer_bytes(hp, l));
         if let Some(sink) = layers {
             // A listener gone (the request failed) leaves the compute to finish on its own.
             let _ = sink.send(LayerKv { layer: l, bytes: bytes.clone() });
