@@ -10,7 +10,7 @@ use handoff_bootstrap::DirectoryCache;
 use handoff_bootstrap::RankAddr;
 use handoff_bootstrap::mapping::{self, Parallel, RankPlan, RegionLayout};
 use handoff_core::Room;
-use handoff_engine::{Engine, Kv, KvMut, KvShape};
+use handoff_engine::{Engine, Kv, KvShape};
 use handoff_proto::v1::{PrefillRequest, SamplingParams, StageTimings};
 use handoff_transfer::{Agent, Inbox, Received, RegionId, SenderId};
 use tokio::time::Instant;
@@ -320,25 +320,29 @@ fn consume(
         return Kv::from_bytes(shape, layout.tokens, std::mem::take(&mut only.buf))
             .map_err(|e| FrontendError::at("consume", e));
     }
-    let mut kv = KvMut::zeroed(shape, layout.tokens);
-    let mut filled = vec![false; shape.kv_heads];
+    // Which region (and which of its heads) each head comes from: the first rank holding it.
+    let mut from: Vec<Option<(&Received, usize)>> = vec![None; shape.kv_heads];
     for (r, rec) in received.iter().enumerate() {
         for local in 0..layout.heads {
             let g = mapping::rank_heads(d, shape.kv_heads, r).start + local;
-            if g >= shape.kv_heads || filled[g] {
-                continue;
-            }
-            filled[g] = true;
-            for l in 0..shape.layers {
-                for k in 0..2 {
-                    let off = layout.run_offset(l, k, local) as usize;
-                    kv.run_mut(l, k, g).copy_from_slice(&rec.buf[off..off + layout.run_len()]);
-                }
+            if let Some(slot @ None) = from.get_mut(g) {
+                *slot = Some((rec, local));
             }
         }
     }
-    if filled.iter().any(|f| !f) {
-        return Err(FrontendError::at("consume", "some KV heads were not received"));
+    let from: Vec<(&Received, usize)> = from
+        .into_iter()
+        .collect::<Option<_>>()
+        .ok_or_else(|| FrontendError::at("consume", "some KV heads were not received"))?;
+    // Appended run by run in the engine's layout, so the buffer is never zeroed first.
+    let mut data = Vec::with_capacity(shape.token_bytes() * layout.tokens);
+    for l in 0..shape.layers {
+        for k in 0..2 {
+            for &(rec, local) in &from {
+                let off = layout.run_offset(l, k, local) as usize;
+                data.extend_from_slice(&rec.buf[off..off + layout.run_len()]);
+            }
+        }
     }
-    Ok(kv.freeze())
+    Kv::from_bytes(shape, layout.tokens, data).map_err(|e| FrontendError::at("consume", e))
 }

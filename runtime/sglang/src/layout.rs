@@ -21,7 +21,7 @@
 
 use std::ops::Range;
 
-use handoff_engine::{Kv, KvMut, KvShape};
+use handoff_engine::{Kv, KvShape};
 
 use crate::SglangError;
 
@@ -178,22 +178,22 @@ impl SglangLayout {
                 req.pages
             )));
         }
-        let mut kv = KvMut::zeroed(shape, tokens);
+        // Appended in the canonical layout's order, so the buffer is never zeroed first.
+        let mut data = Vec::with_capacity(shape.token_bytes() * tokens);
         let token_row = self.kv_heads * self.head_bytes;
         let hb = self.head_bytes;
         for layer in 0..self.layers {
             for side in 0..2 {
                 let buffer = req.kv[side * self.layers + layer] as usize;
                 for head in 0..self.kv_heads {
-                    let run = kv.run_mut(layer, side, head);
                     for t in 0..tokens {
                         let src = buffer + t * token_row + head * hb;
-                        run[t * hb..(t + 1) * hb].copy_from_slice(&region[src..src + hb]);
+                        data.extend_from_slice(&region[src..src + hb]);
                     }
                 }
             }
         }
-        Ok(kv.freeze())
+        Kv::from_bytes(shape, tokens, data).map_err(|e| SglangError::Unsupported(e.to_string()))
     }
 }
 

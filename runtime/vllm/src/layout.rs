@@ -14,7 +14,7 @@
 //! block whose length is not `heads * block_size * 2 * head_bytes` is refused (a prefill
 //! caching bf16 for a decode computing f32 is a configuration error, not something to guess).
 
-use handoff_engine::{Kv, KvMut, KvShape};
+use handoff_engine::{Kv, KvShape};
 
 use crate::{AgentMetadata, Blocks, VllmError};
 
@@ -74,7 +74,6 @@ pub fn kv_from_ranks(
     let heads = shape.kv_heads / ranks.len().max(1);
     let hb = shape.head_bytes;
     let block_len = heads * block_size * 2 * hb;
-    let mut kv = KvMut::zeroed(shape, tokens);
     for (r, (meta, read)) in ranks.iter().enumerate() {
         check(meta, shape, ranks.len())?;
         if meta.block_size as usize != block_size || meta.heads_outer() != first.heads_outer() {
@@ -90,26 +89,25 @@ pub fn kv_from_ranks(
                 shape.layers
             )));
         }
-        for layer in 0..shape.layers {
-            for b in 0..blocks {
-                let block = read.block(layer, b, block_len);
-                for t in 0..block_size.min(tokens - b * block_size) {
-                    let token = b * block_size + t;
-                    for h in 0..heads {
-                        let at = slot(meta.heads_outer(), heads, block_size, h, t) * 2 * hb;
-                        for (part, bytes) in [&block[at..at + hb], &block[at + hb..at + 2 * hb]]
-                            .into_iter()
-                            .enumerate()
-                        {
-                            kv.run_mut(layer, part, r * heads + h)[token * hb..(token + 1) * hb]
-                                .copy_from_slice(bytes);
-                        }
-                    }
+    }
+    // Appended in the canonical layout's order (layer, k|v, head, token), so the buffer is
+    // never zeroed first; rank r holds heads r * heads .. (r + 1) * heads.
+    let heads_outer = first.heads_outer();
+    let mut data = Vec::with_capacity(shape.token_bytes() * tokens);
+    for layer in 0..shape.layers {
+        for part in 0..2 {
+            for g in 0..shape.kv_heads {
+                let (read, h) = (&ranks[g / heads].1, g % heads);
+                for token in 0..tokens {
+                    let (b, t) = (token / block_size, token % block_size);
+                    let block = read.block(layer, b, block_len);
+                    let at = slot(heads_outer, heads, block_size, h, t) * 2 * hb + part * hb;
+                    data.extend_from_slice(&block[at..at + hb]);
                 }
             }
         }
     }
-    Ok(kv.freeze())
+    Kv::from_bytes(shape, tokens, data).map_err(|e| VllmError::Invalid(e.to_string()))
 }
 
 #[cfg(test)]
