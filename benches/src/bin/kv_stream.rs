@@ -34,6 +34,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use handoff::{Cluster, ClusterConfig};
 use handoff_benches::path::{pct, prompt, ttft};
 use handoff_engine::{Engine, KvShape, MockConfig, MockEngine};
@@ -54,7 +55,9 @@ async fn socket_floor(bytes: usize) -> anyhow::Result<Duration> {
     for _ in 0..3 {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = l.local_addr()?;
-        let reader = tokio::spawn(async move {
+        // In a set of its own, so an early error here aborts it rather than leaving it be.
+        let mut reader = tokio::task::JoinSet::new();
+        reader.spawn(async move {
             let (mut s, _) = l.accept().await?;
             let mut buf = vec![0u8; 256 << 10];
             let mut got = 0;
@@ -73,7 +76,7 @@ async fn socket_floor(bytes: usize) -> anyhow::Result<Duration> {
         let mut ack = [0u8; 1];
         s.read_exact(&mut ack).await?;
         best = best.min(t.elapsed());
-        reader.await??;
+        reader.join_next().await.context("the reader task")???;
     }
     Ok(best)
 }
