@@ -1,8 +1,8 @@
-//! A set of worker slots as bits, 64 to a word. A set whose slots all lie in one word (any
-//! word: most nodes of a big fleet's tree are held by one worker or a few of neighbouring
-//! slots) keeps that word inline and never touches the heap; a wider set is a bitset from
-//! slot 0 on the heap, so a node held by a thousand workers costs 128 bytes and is walked a
-//! word at a time.
+//! A set of worker slots as bits, 64 to a word. A set whose slots all lie in one aligned
+//! word of 64 (any word: most nodes of a big fleet's tree are held by one worker, or by a few
+//! whose slots share a word) keeps that word inline and never touches the heap; a wider set
+//! is a bitset from slot 0 on the heap (its size set by its highest slot), so a node held by
+//! a thousand workers costs 128 bytes and is walked a word at a time.
 
 /// Worker slots, as bits. Each set has one form (so equal sets are equal fields): inline
 /// while its slots lie in one word, else spilled.
@@ -17,6 +17,7 @@ pub(crate) struct SlotSet {
     spilled: Box<[u64]>,
 }
 
+/// The word `slot` lies in, and its bit there.
 fn split(slot: u32) -> (usize, u64) {
     (slot as usize / 64, 1u64 << (slot % 64))
 }
@@ -51,14 +52,16 @@ impl SlotSet {
             *word |= bit;
             return true;
         }
-        let mut words = std::mem::take(&mut self.spilled).into_vec();
-        if words.is_empty() {
-            words.resize(self.base as usize + 1, 0);
+        // Spilling, or growing a spilled set past its last word: one allocation of its size.
+        let (old, len) = match self.spilled.len() {
+            0 => (&[][..], (self.base as usize).max(w) + 1),
+            _ => (&self.spilled[..], w + 1),
+        };
+        let mut words = vec![0; len];
+        words[..old.len()].copy_from_slice(old);
+        if self.spilled.is_empty() {
             words[self.base as usize] = self.word;
             (self.base, self.word) = (0, 0);
-        }
-        if words.len() <= w {
-            words.resize(w + 1, 0);
         }
         words[w] |= bit;
         self.spilled = words.into_boxed_slice();
@@ -78,15 +81,17 @@ impl SlotSet {
             }
             return true;
         }
-        let mut words = std::mem::take(&mut self.spilled).into_vec();
-        words[w] &= !bit;
-        while words.last() == Some(&0) {
-            words.pop();
-        }
-        let mut set = words.iter().enumerate().filter(|&(_, &x)| x != 0);
+        self.spilled[w] &= !bit;
+        // Still at least one word set (it had two); collapse inline once only one is.
+        let len = self.spilled.iter().rposition(|&x| x != 0).map_or(0, |last| last + 1);
+        let mut set = self.spilled[..len].iter().enumerate().filter(|&(_, &x)| x != 0);
         match (set.next(), set.next()) {
-            (Some((at, &x)), None) => (self.base, self.word) = (at as u32, x),
-            _ => self.spilled = words.into_boxed_slice(),
+            (Some((at, &x)), None) => {
+                (self.base, self.word) = (at as u32, x);
+                self.spilled = Box::default();
+            }
+            _ if len < self.spilled.len() => self.spilled = self.spilled[..len].into(),
+            _ => {}
         }
         true
     }

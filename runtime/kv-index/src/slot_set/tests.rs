@@ -76,3 +76,13 @@ fn a_set_of_one_word_far_from_slot_zero_is_inline() {
     assert!(s.spilled.is_empty() && s.is_only(5));
     assert_eq!(s, SlotSet::one(5));
 }
+
+#[test]
+fn the_highest_slots_stay_inline_alone() {
+    let mut s = SlotSet::one(u32::MAX);
+    assert!(s.contains(u32::MAX) && !s.contains(u32::MAX - 64) && s.is_only(u32::MAX));
+    assert!(s.insert(u32::MAX - 1) && s.spilled.is_empty());
+    assert_eq!(members(&s), [u32::MAX - 1, u32::MAX]);
+    assert!(s.remove(u32::MAX) && s.remove(u32::MAX - 1) && s.is_empty());
+    assert_eq!(s, SlotSet::default());
+}
