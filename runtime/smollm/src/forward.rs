@@ -81,7 +81,7 @@ impl Seq {
     /// Layer `l`'s K and V in the canonical layout (`Kv::layer`) in a buffer of its own: every
     /// token this sequence holds for that layer, each run's f32s appended as their bytes (the
     /// buffer is never zeroed first).
-    pub(crate) fn layer_bytes(&self, hp: &Hyper, l: usize) -> Vec<u8> {
+    pub(crate) fn layer_kv(&self, hp: &Hyper, l: usize) -> Vec<u8> {
         // During a forward pass `len` still counts the tokens before it: the runs say how
         // many the layer holds.
         let runs = || {

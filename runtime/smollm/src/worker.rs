@@ -221,10 +221,16 @@ fn prefill(
     let shape = Seq::shape(hp);
     // Each layer in a buffer of its own, so it is handed on as it is (not copied) while the
     // next one computes; the KV is then those buffers (a layer never done is empty, and
-    // `from_layers` refuses it).
+    // `from_layers` refuses it; so is a layer of another length than the prompt's, which is
+    // never handed on).
     let mut done = vec![bytes::Bytes::new(); hp.layers];
+    let layer_len = shape.layer_bytes(tokens.len());
     let mut layer_done = |l: usize, s: &Seq| {
-        let bytes = bytes::Bytes::from(s.layer_bytes(hp, l));
+        let kv = s.layer_kv(hp, l);
+        if kv.len() != layer_len {
+            return;
+        }
+        let bytes = bytes::Bytes::from(kv);
         if let Some(sink) = layers {
             // A listener gone (the request failed) leaves the compute to finish on its own.
             let _ = sink.send(LayerKv { layer: l, bytes: bytes.clone() });
