@@ -52,16 +52,14 @@ impl SlotSet {
             *word |= bit;
             return true;
         }
-        // Spilling, or growing a spilled set past its last word: one allocation of its size.
-        let (old, len) = match self.spilled.len() {
-            0 => (&[][..], (self.base as usize).max(w) + 1),
-            _ => (&self.spilled[..], w + 1),
-        };
-        let mut words = vec![0; len];
-        words[..old.len()].copy_from_slice(old);
-        if self.spilled.is_empty() {
+        let mut words = std::mem::take(&mut self.spilled).into_vec();
+        if words.is_empty() {
+            words.resize(self.base as usize + 1, 0);
             words[self.base as usize] = self.word;
             (self.base, self.word) = (0, 0);
+        }
+        if words.len() <= w {
+            words.resize(w + 1, 0);
         }
         words[w] |= bit;
         self.spilled = words.into_boxed_slice();
@@ -81,17 +79,15 @@ impl SlotSet {
             }
             return true;
         }
-        self.spilled[w] &= !bit;
-        // Still at least one word set (it had two); collapse inline once only one is.
-        let len = self.spilled.iter().rposition(|&x| x != 0).map_or(0, |last| last + 1);
-        let mut set = self.spilled[..len].iter().enumerate().filter(|&(_, &x)| x != 0);
+        let mut words = std::mem::take(&mut self.spilled).into_vec();
+        words[w] &= !bit;
+        while words.last() == Some(&0) {
+            words.pop();
+        }
+        let mut set = words.iter().enumerate().filter(|&(_, &x)| x != 0);
         match (set.next(), set.next()) {
-            (Some((at, &x)), None) => {
-                (self.base, self.word) = (at as u32, x);
-                self.spilled = Box::default();
-            }
-            _ if len < self.spilled.len() => self.spilled = self.spilled[..len].into(),
-            _ => {}
+            (Some((at, &x)), None) => (self.base, self.word) = (at as u32, x),
+            _ => self.spilled = words.into_boxed_slice(),
         }
         true
     }
