@@ -124,33 +124,68 @@ async fn post(addr: &str, path: &str, body: &serde_json::Value) -> (u16, serde_j
 }
 
 /// An engine's own publisher (`peers/{sglang,vllm}_publisher.py` in the sglang crate),
-/// driven line by line.
+/// driven line by line, on ports it picked: dp rank r publishes on `port + r`, its replay
+/// socket on `replay + r`.
 struct EnginePublisher {
     child: std::process::Child,
     stdin: std::process::ChildStdin,
     out: std::io::BufReader<std::process::ChildStdout>,
+    port: u16,
+    replay: u16,
 }
 
+/// Tries at starting a publisher before a test gives up on finding its ports free.
+const PUBLISHER_TRIES: usize = 5;
+
 impl EnginePublisher {
-    fn start(script: &str, port: u16, replay: u16, dp: u32) -> Self {
+    /// Starts `script` with `dp` dp ranks on free ports. Another process can take a port
+    /// between its pick and the script's bind (or hold `port + r`, never checked): the script
+    /// then says `port_taken` and other ports are tried, up to [`PUBLISHER_TRIES`] times.
+    fn start(script: &str, dp: u16) -> Self {
+        for _ in 0..PUBLISHER_TRIES {
+            // The two ranges of dp ports must not overlap.
+            let (port, mut replay) = (free_port(), free_port());
+            while replay.abs_diff(port) < dp {
+                replay = free_port();
+            }
+            if let Some(p) = Self::try_start(script, port, replay, dp) {
+                return p;
+            }
+        }
+        panic!("{script}: a port was taken on each of {PUBLISHER_TRIES} tries");
+    }
+
+    /// `script` on `port` and `replay`; `None` when it found a port taken.
+    fn try_start(script: &str, port: u16, replay: u16, dp: u16) -> Option<Self> {
         use std::io::BufRead;
         let python = std::env::var("HANDOFF_PEERS_PYTHON").unwrap_or_else(|_| {
             panic!("HANDOFF_PEERS_PYTHON is not set: run `export HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\"` (scripts/test does)")
         });
         let script = format!("{}/../sglang/tests/peers/{script}", env!("CARGO_MANIFEST_DIR"));
+        // Its stderr goes with the test's output, shown when the test fails.
         let mut child = std::process::Command::new(python)
             .args([&script, &port.to_string(), &replay.to_string(), &dp.to_string()])
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
             .spawn()
             .expect("the peers' python runs");
         let stdin = child.stdin.take().unwrap();
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready", "{script} started");
-        EnginePublisher { child, stdin, out }
+        match line.trim() {
+            "ready" => Some(EnginePublisher { child, stdin, out, port, replay }),
+            r#"{"port_taken": true}"# => {
+                let status = child.wait().expect("the publisher exits");
+                assert_eq!(status.code(), Some(75), "{script} reported a taken port");
+                None
+            }
+            other => {
+                let status = child.wait().expect("the publisher exits");
+                panic!("{script} did not start ({status}): {other:?}")
+            }
+        }
     }
 
     fn send(&mut self, cmd: serde_json::Value) {
@@ -160,6 +195,25 @@ impl EnginePublisher {
         self.out.read_line(&mut line).unwrap();
         assert_eq!(line.trim(), "ok", "{cmd}");
     }
+}
+
+/// A port another process holds (here dp rank 1's, `port + 1`, which no pick checks) is
+/// reported by the publisher, which exits rather than serve; `start` then tries other ports.
+#[test]
+fn a_publishers_taken_port_is_reported_and_not_served() {
+    let held = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let taken = held.local_addr().unwrap().port();
+    let mut replay = free_port();
+    while replay.abs_diff(taken) < 3 {
+        replay = free_port();
+    }
+    for script in ["sglang_publisher.py", "vllm_publisher.py"] {
+        let started = EnginePublisher::try_start(script, taken - 1, replay, 2);
+        assert!(started.is_none(), "{script} started with port {taken} held");
+    }
+    drop(held);
+    let p = EnginePublisher::start("sglang_publisher.py", 2);
+    assert!(p.replay.abs_diff(p.port) >= 2, "ports {} and {}", p.port, p.replay);
 }
 
 impl Drop for EnginePublisher {
@@ -208,12 +262,8 @@ async fn drive(
     store: fn(u32, i64, &[u32]) -> serde_json::Value,
     block_of: fn(i64, usize) -> serde_json::Value,
 ) {
-    // dp rank 1 uses port + 1 and replay + 1: the four must not collide.
-    let (port, mut replay) = (free_port(), free_port());
-    while replay.abs_diff(port) < 2 {
-        replay = free_port();
-    }
-    let mut sgl = tokio::task::block_in_place(|| EnginePublisher::start(script, port, replay, 2));
+    let mut sgl = tokio::task::block_in_place(|| EnginePublisher::start(script, 2));
+    let (port, replay) = (sgl.port, sgl.replay);
     let a: Vec<u32> = (100..164).collect();
     let b: Vec<u32> = (700..764).collect();
     // Published before the scheduler listens: recovered only through SGLang's replay socket.
@@ -312,13 +362,8 @@ async fn drive(
 async fn an_engine_registered_in_etcd_is_followed_until_its_registration_goes() {
     let etcd = super::servers::Server::etcd();
     let nats = super::servers::Server::nats();
-    let (port, mut replay) = (free_port(), free_port());
-    while replay.abs_diff(port) < 2 {
-        replay = free_port();
-    }
-    let mut vllm = tokio::task::block_in_place(|| {
-        EnginePublisher::start("vllm_publisher.py", port, replay, 1)
-    });
+    let mut vllm = tokio::task::block_in_place(|| EnginePublisher::start("vllm_publisher.py", 1));
+    let (port, replay) = (vllm.port, vllm.replay);
     let d = ["--etcd", etcd.url.as_str(), "--nats", nats.url.as_str()];
     let (_s, line) = Handoff::spawn(&[&["scheduler", "--listen", "127.0.0.1:0"][..], &d].concat());
     let client =

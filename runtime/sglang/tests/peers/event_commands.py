@@ -1,9 +1,30 @@
 """The command loop both engine publishers run (sglang_publisher.py, vllm_publisher.py):
 one publisher per dp rank, JSON commands on stdin, each published as a KVEventBatch of one
-event on its dp rank, "ready" once up and "ok" after each command."""
+event on its dp rank, "ready" once up and "ok" after each command; a port in use when the
+publishers bind is reported as {"port_taken": true} instead of "ready"."""
+import errno
 import json
 import sys
 import time
+
+import zmq
+
+# How a publisher that could not bind its port (another process took it after the test
+# picked it) exits; the test then picks other ports.
+PORT_TAKEN = 75
+
+
+def start(build):
+    """The publishers `build()` makes. A bind refused because the address is in use prints
+    {"port_taken": true} and exits PORT_TAKEN; any other failure goes up (exit 1, the reason
+    on stderr)."""
+    try:
+        return build()
+    except zmq.error.ZMQError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        print(json.dumps({"port_taken": True}), flush=True)
+        sys.exit(PORT_TAKEN)
 
 
 def serve(publishers, stored, removed, cleared, batch):

@@ -6,7 +6,8 @@ tcp://*:REPLAY_PORT+r, topic "kv". Reads JSON commands from stdin, one per line,
 publishes each as a KVEventBatch of one event on its dp rank:
   {"dp": 1, "stored": {"hashes": [...], "parent": null, "tokens": [...], "block_size": 1}}
   {"dp": 1, "removed": [...]}        {"dp": 1, "cleared": true}
-Prints "ready" once the publishers are up and "ok" after each command."""
+Prints "ready" once the publishers are up and "ok" after each command; a port in use is
+reported as {"port_taken": true} and exit 75 (event_commands.start)."""
 import os
 import sys
 import time
@@ -20,11 +21,11 @@ from sglang.srt.disaggregation.kv_events import (  # noqa: E402
 )
 
 port, replay, dp = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-publishers = [
+publishers = event_commands.start(lambda: [
     ZmqEventPublisher(attn_dp_rank=r, endpoint=f"tcp://*:{port}",
                       replay_endpoint=f"tcp://*:{replay}", topic="kv")
     for r in range(dp)
-]
+])
 event_commands.serve(
     publishers,
     stored=lambda s: BlockStored(block_hashes=s["hashes"], parent_block_hash=s.get("parent"),

@@ -59,11 +59,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import event_commands  # noqa: E402
 
 port, replay, dp = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-publishers = [
+publishers = event_commands.start(lambda: [
     kv.ZmqEventPublisher(data_parallel_rank=r, endpoint=f"tcp://*:{port}",
                          replay_endpoint=f"tcp://*:{replay}", topic="kv")
     for r in range(dp)
-]
+])
 event_commands.serve(
     publishers,
     stored=lambda s: kv.BlockStored(block_hashes=s["hashes"], parent_block_hash=s.get("parent"),
