@@ -162,7 +162,7 @@ impl EnginePublisher {
             panic!("HANDOFF_PEERS_PYTHON is not set: run `export HANDOFF_PEERS_PYTHON=\"$(scripts/fetch-peers)\"` (scripts/test does)")
         });
         let script = format!("{}/../sglang/tests/peers/{script}", env!("CARGO_MANIFEST_DIR"));
-        // Its stderr goes with the test's output, shown when the test fails.
+        // Its stderr goes with the test's output (nextest shows it when the test fails).
         let mut child = std::process::Command::new(python)
             .args([&script, &port.to_string(), &replay.to_string(), &dp.to_string()])
             .stdin(std::process::Stdio::piped())
@@ -174,18 +174,21 @@ impl EnginePublisher {
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
-        match line.trim() {
-            "ready" => Some(EnginePublisher { child, stdin, out, port, replay }),
-            r#"{"port_taken": true}"# => {
-                let status = child.wait().expect("the publisher exits");
-                assert_eq!(status.code(), Some(75), "{script} reported a taken port");
-                None
-            }
-            other => {
-                let status = child.wait().expect("the publisher exits");
-                panic!("{script} did not start ({status}): {other:?}")
-            }
+        if line.trim() == "ready" {
+            return Some(EnginePublisher { child, stdin, out, port, replay });
         }
+        let taken = serde_json::from_str::<serde_json::Value>(&line)
+            .is_ok_and(|report| report["port_taken"] == true);
+        if taken {
+            let status = child.wait().expect("the publisher exits");
+            assert_eq!(status.code(), Some(75), "{script} reported a taken port");
+            return None;
+        }
+        // Anything else: it may be waiting on stdin, so it is stopped, not waited for.
+        drop(stdin);
+        let _ = child.kill();
+        let status = child.wait().expect("the publisher exits");
+        panic!("{script} did not start ({status}): {line:?}")
     }
 
     fn send(&mut self, cmd: serde_json::Value) {
@@ -197,8 +200,16 @@ impl EnginePublisher {
     }
 }
 
+impl Drop for EnginePublisher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A port another process holds (here dp rank 1's, `port + 1`, which no pick checks) is
-/// reported by the publisher, which exits rather than serve; `start` then tries other ports.
+/// reported by the publisher, which exits rather than serve (the report names no port: any of
+/// the four in use reads the same); `start` then comes up on ports of its own.
 #[test]
 fn a_publishers_taken_port_is_reported_and_not_served() {
     let held = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
@@ -214,13 +225,6 @@ fn a_publishers_taken_port_is_reported_and_not_served() {
     drop(held);
     let p = EnginePublisher::start("sglang_publisher.py", 2);
     assert!(p.replay.abs_diff(p.port) >= 2, "ports {} and {}", p.port, p.replay);
-}
-
-impl Drop for EnginePublisher {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// SGLang's page-size-1 stores: one event of `tokens.len()` blocks with signed hashes; the

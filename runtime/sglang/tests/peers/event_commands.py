@@ -9,8 +9,8 @@ import time
 
 import zmq
 
-# How a publisher that could not bind its port (another process took it after the test
-# picked it) exits; the test then picks other ports.
+# How a publisher that could not bind a port (another process holds it: taken after the test
+# picked it, or a dp rank's port + r that no pick checked) exits; the test picks other ports.
 PORT_TAKEN = 75
 
 
