@@ -42,9 +42,13 @@ fn stored(hash: u64, parent: Option<u64>, tokens: &[u32], block: u32) -> Bytes {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_routes_to_an_engine_by_its_kv_events() {
-    let port = free_port();
+    // Port 0: the socket's own bind picks the port, so no other process can take it between
+    // a pick and the bind.
     let mut publisher = PubSocket::new();
-    publisher.bind(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
+    let port = match publisher.bind("tcp://127.0.0.1:0").await.unwrap() {
+        zeromq::Endpoint::Tcp(_, port) => port,
+        other => panic!("a tcp bind gave {other}"),
+    };
     let spec = format!("id=vllm-a,events=tcp://127.0.0.1:{port},url=127.0.0.1:8000,model=m");
     let (_s, line) = Handoff::spawn(&[
         "scheduler",
