@@ -12,6 +12,7 @@ mod cluster {
     pub(crate) mod operations;
     pub(crate) mod otlp;
     pub(crate) mod partitions;
+    pub(crate) mod ports;
     pub(crate) mod processes;
     pub(crate) mod resync;
     pub(crate) mod servers;

@@ -11,8 +11,9 @@ use handoff_proto::v1::scheduler_client::SchedulerClient;
 use rmpv::Value;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
+use super::ports::{free_port, on_fresh_ports};
 use super::processes::addr_after;
-use super::servers::{Handoff, free_port};
+use super::servers::Handoff;
 
 fn stored(hash: u64, parent: Option<u64>, tokens: &[u32], block: u32) -> Bytes {
     let ev = Value::Map(vec![
@@ -138,25 +139,20 @@ struct EnginePublisher {
     replay: u16,
 }
 
-/// Tries at starting a publisher before a test gives up on finding its ports free.
-const PUBLISHER_TRIES: usize = 5;
-
 impl EnginePublisher {
     /// Starts `script` with `dp` dp ranks on free ports. Another process can take a port
     /// between its pick and the script's bind (or hold `port + r`, never checked): the script
-    /// then says `port_taken` and other ports are tried, up to [`PUBLISHER_TRIES`] times.
+    /// then says `port_taken` and other ports are tried (`on_fresh_ports`).
     fn start(script: &str, dp: u16) -> Self {
-        for _ in 0..PUBLISHER_TRIES {
+        on_fresh_ports(script, |_| {
             // The two ranges of dp ports must not overlap.
             let (port, mut replay) = (free_port(), free_port());
             while replay.abs_diff(port) < dp {
                 replay = free_port();
             }
-            if let Some(p) = Self::try_start(script, port, replay, dp) {
-                return p;
-            }
-        }
-        panic!("{script}: a port was taken on each of {PUBLISHER_TRIES} tries");
+            Self::try_start(script, port, replay, dp)
+                .ok_or_else(|| format!("a port was taken: {port}+, {replay}+"))
+        })
     }
 
     /// `script` on `port` and `replay`; `None` when it found a port taken.

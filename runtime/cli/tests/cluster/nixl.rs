@@ -7,13 +7,10 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use super::servers::free_port;
-
 /// `handoff up` on ephemeral ports with `extra` flags; returns the child and its HTTP address,
 /// once it printed its ready line.
 fn up(extra: &[&str]) -> (std::process::Child, String) {
     let model = std::env::var("HANDOFF_MODEL").expect("HANDOFF_MODEL: run scripts/fetch-model");
-    let sched = format!("127.0.0.1:{}", free_port());
     let mut args = vec![
         "up",
         "--model",
@@ -23,7 +20,7 @@ fn up(extra: &[&str]) -> (std::process::Child, String) {
         "--http-listen",
         "127.0.0.1:0",
         "--scheduler-listen",
-        &sched,
+        "127.0.0.1:0",
     ];
     args.extend_from_slice(extra);
     let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))

@@ -1,25 +1,11 @@
 //! Real etcd and NATS servers for tests, and `handoff` child processes.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-pub(crate) fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn wait_for_port(ip: &str, port: u16, what: &str) {
-    let start = Instant::now();
-    while std::net::TcpStream::connect((ip, port)).is_err() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "{what} did not listen on {port} within 20 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+use super::ports::{free_port, listens, on_fresh_ports};
 
 fn binary(name: &str) -> PathBuf {
     for dir in ["/usr/bin", "/usr/sbin", "/usr/local/bin"] {
@@ -31,38 +17,53 @@ fn binary(name: &str) -> PathBuf {
     panic!("{name} not found: scripts/test installs it (apt-get install etcd-server nats-server)");
 }
 
+/// How a server is started on the ports it was given.
+struct Launch {
+    args: Vec<String>,
+    /// The port it serves clients on, and is waited on.
+    port: u16,
+    url: String,
+    /// Its data directory, removed on drop.
+    dir: Option<PathBuf>,
+}
+
 /// A server process killed on drop.
 pub(crate) struct Server {
     child: Option<Child>,
     args: Vec<String>,
     bin: PathBuf,
-    ip: String,
     port: u16,
     dir: Option<PathBuf>,
+    /// Its stderr, shown when it does not come up (removed on drop).
+    log: PathBuf,
     /// The network namespace it runs in, if not the machine's.
     ns: Option<String>,
     pub(crate) url: String,
 }
 
 impl Server {
-    fn spawn(
-        bin: PathBuf,
-        args: Vec<String>,
-        port: u16,
-        url: String,
-        dir: Option<PathBuf>,
-        ns: Option<&str>,
-    ) -> Self {
-        let ip = url.rsplit_once("://").map_or("127.0.0.1", |(_, a)| a);
-        let ip = ip.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h).to_owned();
-        let ns = ns.map(str::to_owned);
-        let mut s = Server { child: None, args, bin, ip, port, dir, ns, url };
-        s.start();
-        s
+    /// `bin` as `launch` says on ports it picks, tried again on fresh ones until it listens.
+    fn spawn(bin: PathBuf, ns: Option<&str>, launch: impl Fn() -> Launch) -> Self {
+        on_fresh_ports(&bin.display().to_string(), |_| {
+            let Launch { args, port, url, dir } = launch();
+            let log = std::env::temp_dir()
+                .join(format!("handoff-server-{}-{port}.log", std::process::id()));
+            let ns = ns.map(str::to_owned);
+            let mut s = Server { child: None, args, bin: bin.clone(), port, dir, log, ns, url };
+            s.try_start().map(|()| s)
+        })
     }
 
     /// (Re)starts the server on the same port and data.
     pub(crate) fn start(&mut self) {
+        if let Err(why) = self.try_start() {
+            panic!("{why}");
+        }
+    }
+
+    /// Starts the server and waits until its process listens on its port; says why not when
+    /// it exited first (its port taken, say) or did not listen within 20 s.
+    fn try_start(&mut self) -> Result<(), String> {
         let mut cmd = match &self.ns {
             Some(ns) => {
                 let mut c = Command::new("ip");
@@ -71,10 +72,32 @@ impl Server {
             }
             None => Command::new(&self.bin),
         };
-        let child =
-            cmd.args(&self.args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let log = std::fs::File::create(&self.log).unwrap();
+        let child = cmd.args(&self.args).stdout(Stdio::null()).stderr(log).spawn().unwrap();
+        let (pid, start) = (child.id(), Instant::now());
         self.child = Some(child);
-        wait_for_port(&self.ip, self.port, &self.bin.display().to_string());
+        while !listens(pid, self.port) {
+            let exited = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            let why = match exited {
+                Some(status) => format!("exited ({status}) before listening"),
+                None if start.elapsed() > Duration::from_secs(20) => {
+                    "did not listen in 20 s".into()
+                }
+                None => {
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+            };
+            self.stop();
+            let said = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail = &said[said.len().saturating_sub(1500)..];
+            return Err(format!(
+                "{} on {}: {why}; its stderr ends {tail:?}",
+                self.bin.display(),
+                self.port
+            ));
+        }
+        Ok(())
     }
 
     /// Stops the server (SIGKILL).
@@ -101,35 +124,37 @@ impl Server {
     }
 
     fn etcd_with(tls: Option<&PemFiles>, ip: &str, ns: Option<&str>) -> Self {
-        let (client, peer) = (free_port(), free_port());
-        let dir =
-            std::env::temp_dir().join(format!("handoff-etcd-{}-{client}", std::process::id()));
-        let scheme = if tls.is_some() { "https" } else { "http" };
-        let c = format!("{scheme}://{ip}:{client}");
-        let p = format!("http://127.0.0.1:{peer}");
-        let mut args = [
-            "--name",
-            "t",
-            "--data-dir",
-            dir.to_str().unwrap(),
-            "--listen-client-urls",
-            &c,
-            "--advertise-client-urls",
-            &c,
-            "--listen-peer-urls",
-            &p,
-            "--initial-advertise-peer-urls",
-            &p,
-            "--initial-cluster",
-            &format!("t={p}"),
-        ]
-        .map(String::from)
-        .to_vec();
-        if let Some(t) = tls {
-            args.extend(t.args(&["--cert-file", "--key-file", "--trusted-ca-file"]));
-            args.push("--client-cert-auth".into());
-        }
-        Self::spawn(binary("etcd"), args, client, c, Some(dir), ns)
+        Self::spawn(binary("etcd"), ns, || {
+            let (client, peer) = (free_port(), free_port());
+            let dir =
+                std::env::temp_dir().join(format!("handoff-etcd-{}-{client}", std::process::id()));
+            let scheme = if tls.is_some() { "https" } else { "http" };
+            let c = format!("{scheme}://{ip}:{client}");
+            let p = format!("http://127.0.0.1:{peer}");
+            let mut args = [
+                "--name",
+                "t",
+                "--data-dir",
+                dir.to_str().unwrap(),
+                "--listen-client-urls",
+                &c,
+                "--advertise-client-urls",
+                &c,
+                "--listen-peer-urls",
+                &p,
+                "--initial-advertise-peer-urls",
+                &p,
+                "--initial-cluster",
+                &format!("t={p}"),
+            ]
+            .map(String::from)
+            .to_vec();
+            if let Some(t) = tls {
+                args.extend(t.args(&["--cert-file", "--key-file", "--trusted-ca-file"]));
+                args.push("--client-cert-auth".into());
+            }
+            Launch { args, port: client, url: c, dir: Some(dir) }
+        })
     }
 
     pub(crate) fn nats() -> Self {
@@ -142,30 +167,46 @@ impl Server {
     }
 
     fn nats_with(ip: &str, ns: Option<&str>) -> Self {
-        let port = free_port();
-        let args = ["-a", ip, "-p", &port.to_string()].map(String::from).to_vec();
-        let url = format!("nats://{ip}:{port}");
-        Self::spawn(binary("nats-server"), args, port, url, None, ns)
+        Self::spawn(binary("nats-server"), ns, || {
+            let port = free_port();
+            let args = ["-a", ip, "-p", &port.to_string()].map(String::from).to_vec();
+            Launch { args, port, url: format!("nats://{ip}:{port}"), dir: None }
+        })
     }
 
     /// NATS requiring TLS with `pem`'s certificate, a client certificate its CA signed, and
     /// the user `user` with password `pass`.
     pub(crate) fn nats_tls(pem: &PemFiles, user: &str, pass: &str) -> Self {
-        let port = free_port();
-        let mut args = ["-a", "127.0.0.1", "-p", &port.to_string(), "--user", user, "--pass", pass]
-            .map(String::from)
-            .to_vec();
-        args.extend(pem.args(&["--tlscert", "--tlskey", "--tlscacert"]));
-        args.extend(["--tls", "--tlsverify"].map(String::from));
-        Self::spawn(
-            binary("nats-server"),
-            args,
-            port,
-            format!("nats://127.0.0.1:{port}"),
-            None,
-            None,
-        )
+        Self::spawn(binary("nats-server"), None, || {
+            let port = free_port();
+            let mut args =
+                ["-a", "127.0.0.1", "-p", &port.to_string(), "--user", user, "--pass", pass]
+                    .map(String::from)
+                    .to_vec();
+            args.extend(pem.args(&["--tlscert", "--tlskey", "--tlscacert"]));
+            args.extend(["--tls", "--tlsverify"].map(String::from));
+            Launch { args, port, url: format!("nats://127.0.0.1:{port}"), dir: None }
+        })
     }
+}
+
+/// A port held by another process (here this one's listener, which answers connections) makes
+/// the server exit; it is not taken for the server's, and the server comes up on a fresh one.
+#[test]
+fn a_server_whose_port_is_taken_comes_up_on_a_fresh_one() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = held.local_addr().unwrap().port();
+    let tries = std::cell::Cell::new(0);
+    let nats = Server::spawn(binary("nats-server"), None, || {
+        tries.set(tries.get() + 1);
+        let port = if tries.get() == 1 { taken } else { free_port() };
+        let args = ["-a", "127.0.0.1", "-p", &port.to_string()].map(String::from).to_vec();
+        Launch { args, port, url: format!("nats://127.0.0.1:{port}"), dir: None }
+    });
+    assert_eq!(tries.get(), 2, "the taken port's start failed, the next came up");
+    assert_ne!(nats.port, taken);
+    let pid = nats.child.as_ref().unwrap().id();
+    assert!(listens(pid, nats.port), "{} listens on its port", nats.url);
 }
 
 impl Drop for Server {
@@ -174,6 +215,7 @@ impl Drop for Server {
         if let Some(d) = &self.dir {
             let _ = std::fs::remove_dir_all(d);
         }
+        let _ = std::fs::remove_file(&self.log);
     }
 }
 

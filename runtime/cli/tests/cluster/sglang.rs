@@ -17,8 +17,9 @@ use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
 use handoff_sglang::SglangLayout;
 use handoff_smollm::{SmolConfig, SmolLm};
 
+use super::ports::{free_port, on_fresh_ports};
 use super::processes::addr_after;
-use super::servers::{Handoff, free_port};
+use super::servers::Handoff;
 
 /// The mock SGLang prefill server, killed on drop.
 struct MockSglangServer {
@@ -41,19 +42,27 @@ impl MockSglangServer {
         });
         let script =
             format!("{}/../sglang/tests/peers/sglang_server.py", env!("CARGO_MANIFEST_DIR"));
-        let (http, bootstrap) = (free_port(), free_port());
-        let mut child = Command::new(python)
-            .args([&script, &http.to_string(), &bootstrap.to_string()])
-            .arg(spec)
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("the peers' python runs");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert!(line.contains("\"http\""), "the mock SGLang server did not start: {line:?}");
-        MockSglangServer { child, http, bootstrap }
+        let dir = spec.parent().expect("the spec is in the server's directory");
+        on_fresh_ports("the mock SGLang server", |attempt| {
+            let (http, bootstrap) = (free_port(), free_port());
+            let log = dir.join(format!("sglang_server.{attempt}.log"));
+            let mut child = Command::new(&python)
+                .args([&script, &http.to_string(), &bootstrap.to_string()])
+                .arg(spec)
+                .envs(env.iter().copied())
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .expect("the peers' python runs");
+            let mut line = String::new();
+            BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+            if line.contains("\"http\"") {
+                return Ok(MockSglangServer { child, http, bootstrap });
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(format!("{line:?}, stderr {:?}", std::fs::read_to_string(&log).unwrap_or_default()))
+        })
     }
 }
 

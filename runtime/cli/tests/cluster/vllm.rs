@@ -16,7 +16,8 @@ use handoff_proto::v1::generate_client::GenerateClient;
 use handoff_smollm::SmolLm;
 use serde_json::{Value, json};
 
-use super::servers::{Handoff, free_port};
+use super::ports::{free_port, on_fresh_ports};
+use super::servers::Handoff;
 use super::sglang::{Prompt, aggregated, cluster_for, generate, model_and_dir, same_tokens};
 
 /// The mock vLLM prefill server, killed on drop.
@@ -53,10 +54,7 @@ impl MockVllmServer {
         let spec_file = dir.join("spec.json");
         std::fs::write(&spec_file, spec.to_string()).unwrap();
         let script = format!("{}/../vllm/tests/peers/vllm_server.py", env!("CARGO_MANIFEST_DIR"));
-        // Ports found free can be taken by a concurrent test before the server binds them:
-        // a server that did not start is tried again on others, and its log is shown.
-        let mut logs = Vec::new();
-        for attempt in 0..3 {
+        on_fresh_ports("the mock vLLM server", |attempt| {
             let (http, side) = (free_port(), free_port());
             let log = dir.join(format!("vllm_server.{attempt}.log"));
             let mut child = Command::new(&python)
@@ -72,12 +70,12 @@ impl MockVllmServer {
                 .map_while(Result::ok)
                 .find(|l| l.starts_with("{\"http\""));
             if ready.is_some() {
-                return MockVllmServer { child, http, side };
+                return Ok(MockVllmServer { child, http, side });
             }
+            let _ = child.kill();
             let _ = child.wait();
-            logs.push(std::fs::read_to_string(&log).unwrap_or_default());
-        }
-        panic!("the mock vLLM server did not start, three times: {logs:#?}");
+            Err(std::fs::read_to_string(&log).unwrap_or_default())
+        })
     }
 
     /// What `/stats` says: the requests whose blocks are held, those freed, free blocks.
