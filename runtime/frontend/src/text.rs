@@ -33,7 +33,11 @@ impl TextAssembler {
     /// Adds a token; returns the text it releases.
     pub fn push(&mut self, engine: &dyn Engine, token: u32) -> Released {
         self.tokens.push(token);
-        let full = engine.detokenize(&self.tokens);
+        self.release(engine.detokenize(&self.tokens))
+    }
+
+    /// Takes `full`, the text of every token so far; returns the text it releases.
+    fn release(&mut self, full: String) -> Released {
         // An unfinished character decodes as U+FFFD at the end: wait for the next token.
         let complete = full.trim_end_matches('\u{FFFD}');
         if complete.len() >= self.text.len() && complete.starts_with(self.text.as_str()) {
@@ -41,7 +45,12 @@ impl TextAssembler {
         } else if !full.ends_with('\u{FFFD}') {
             self.text = full;
         }
-        let from = self.released.saturating_sub(self.hold);
+        // A stop string may begin in the held-back text: look from `hold` bytes before what
+        // was released, moved back to a character's start (the text may be any script).
+        let mut from = self.released.saturating_sub(self.hold).min(self.text.len());
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
         if let Some(at) = self
             .stops
             .iter()
@@ -70,7 +79,7 @@ impl TextAssembler {
 
     /// All text released so far.
     pub fn released(&self) -> &str {
-        &self.text[..self.released]
+        self.text.get(..self.released).unwrap_or(&self.text)
     }
 }
 
