@@ -11,6 +11,7 @@ mod e2e {
     pub(crate) mod reassembly;
     pub(crate) mod replicas;
     pub(crate) mod resync;
+    pub(crate) mod streams;
     pub(crate) mod support;
     pub(crate) mod tls;
 }

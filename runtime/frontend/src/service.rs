@@ -43,6 +43,46 @@ impl GenerateService {
 
 type Tx = mpsc::Sender<Result<GenerateResponse, Status>>;
 
+/// How handing a message to the client's stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sent {
+    Delivered,
+    /// The client left.
+    Gone,
+    /// The client did not take it before the request's deadline.
+    Expired,
+    /// The frontend is stopping and the client did not take it.
+    Stopping,
+}
+
+impl Sent {
+    /// How a request ends that could not send.
+    fn ending(self) -> Ending {
+        match self {
+            Sent::Delivered | Sent::Gone => Ending::Cancelled,
+            Sent::Expired => Ending::Expired,
+            Sent::Stopping => Ending::Failed,
+        }
+    }
+}
+
+/// Sends `msg` unless the client stops reading until the deadline or the frontend stops:
+/// a client that neither reads nor leaves must not hold the request's permit, decoder and
+/// task past its deadline, nor the frontend's shutdown. A send that can go goes first.
+async fn deliver(
+    fe: &Frontend,
+    tx: &Tx,
+    msg: Result<GenerateResponse, Status>,
+    deadline: Instant,
+) -> Sent {
+    tokio::select! {
+        biased;
+        r = tx.send(msg) => if r.is_ok() { Sent::Delivered } else { Sent::Gone },
+        _ = tokio::time::sleep_until(deadline) => Sent::Expired,
+        _ = fe.tasks.shutdown_requested() => Sent::Stopping,
+    }
+}
+
 fn chunk(token: u32, text: String) -> Result<GenerateResponse, Status> {
     Ok(GenerateResponse { event: Some(Event::Chunk(TokenChunk { token_ids: vec![token], text })) })
 }
@@ -68,14 +108,10 @@ pub(crate) async fn stream(
         }
         generated += 1;
         let released = text.push(&*fe.engine, token);
-        // A client that stops reading holds this send: shutdown must not wait on it.
-        let sent = tokio::select! {
-            r = tx.send(chunk(token, released.text)) => r.is_ok(),
-            _ = fe.tasks.shutdown_requested() => false,
-        };
-        if !sent {
-            m.ended(Ending::Cancelled);
-            return; // the client left (or the frontend stops)
+        let sent = deliver(&fe, &tx, chunk(token, released.text), plan.deadline).await;
+        if sent != Sent::Delivered {
+            m.ended(sent.ending());
+            return;
         }
         let now = Instant::now();
         if generated == 1 {
@@ -92,17 +128,14 @@ pub(crate) async fn stream(
         }
         if Instant::now() >= plan.deadline {
             m.ended(Ending::Expired);
-            let _ = tx
-                .send(Err(Status::deadline_exceeded(format!(
-                    "deadline passed after {generated} tokens"
-                ))))
-                .await;
+            let why = format!("deadline passed after {generated} tokens");
+            let _ = tx.try_send(Err(Status::deadline_exceeded(why)));
             return;
         }
         let step = tokio::select! {
             _ = fe.tasks.shutdown_requested() => {
                 m.ended(Ending::Failed);
-                let _ = tx.send(Err(Status::unavailable("frontend shutting down"))).await;
+                let _ = tx.try_send(Err(Status::unavailable("frontend shutting down")));
                 return;
             }
             s = async {
@@ -119,23 +152,22 @@ pub(crate) async fn stream(
             Ok(t) => t,
             Err(e) => {
                 m.ended(Ending::Failed);
-                let _ = tx.send(Err(FrontendError::Decode(e.to_string()).into())).await;
+                let failed = Err(FrontendError::Decode(e.to_string()).into());
+                let _ = deliver(&fe, &tx, failed, plan.deadline).await;
                 return;
             }
         };
     };
     if finish != FinishReason::Stop {
         let rest = text.finish();
-        if !rest.is_empty()
-            && tx
-                .send(Ok(GenerateResponse {
-                    event: Some(Event::Chunk(TokenChunk { token_ids: vec![], text: rest })),
-                }))
-                .await
-                .is_err()
-        {
-            m.ended(Ending::Cancelled);
-            return;
+        if !rest.is_empty() {
+            let chunk = TokenChunk { token_ids: vec![], text: rest };
+            let msg = Ok(GenerateResponse { event: Some(Event::Chunk(chunk)) });
+            let sent = deliver(&fe, &tx, msg, plan.deadline).await;
+            if sent != Sent::Delivered {
+                m.ended(sent.ending());
+                return;
+            }
         }
     }
     m.tokens.add(u64::from(generated));
@@ -149,9 +181,14 @@ pub(crate) async fn stream(
         usage: Some(usage),
         evidence: Some(ready.evidence),
     };
-    let _ = tx.send(Ok(GenerateResponse { event: Some(Event::Complete(done)) })).await;
-    m.ended(Ending::Ok);
-    m.finished(arrived.elapsed());
+    let msg = Ok(GenerateResponse { event: Some(Event::Complete(done)) });
+    match deliver(&fe, &tx, msg, plan.deadline).await {
+        Sent::Delivered => {
+            m.ended(Ending::Ok);
+            m.finished(arrived.elapsed());
+        }
+        other => m.ended(other.ending()),
+    }
 }
 
 /// Counts a request that was dropped before it was answered (its client went away).

@@ -16,8 +16,8 @@ use handoff_scheduler::SchedulerConfig;
 
 use super::support::*;
 
-/// A cluster whose mock engine charges real time per token.
-async fn timed_cluster(cfg: ClusterConfig, prefill_per_token: Duration) -> Cluster {
+/// A cluster whose mock engine charges real time per token (and 1 ms a decode step).
+pub(crate) async fn timed_cluster(cfg: ClusterConfig, prefill_per_token: Duration) -> Cluster {
     let engine = Arc::new(MockEngine::new(MockConfig {
         prefill_per_token,
         decode_per_token: Duration::from_millis(1),

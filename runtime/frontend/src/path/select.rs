@@ -66,9 +66,13 @@ impl Frontend {
         exclude: &[String],
         failed: &[Attempt],
     ) -> Result<(Lease, Selected), FrontendError> {
-        // The prefill must leave the decode its time before the deadline.
+        // The prefill must leave the decode its time before the deadline, but at most half
+        // the time left: a decode of `max_tokens` longer than the deadline allows may still
+        // end early (EOS, a stop string), and is cut at the deadline if not; refused as
+        // overload, it could never succeed.
         let left = plan.deadline.saturating_duration_since(Instant::now());
-        let left = left.saturating_sub(self.metrics.decode_time(plan.max_tokens.saturating_sub(1)));
+        let decode = self.metrics.decode_time(plan.max_tokens.saturating_sub(1));
+        let left = left - decode.min(left / 2);
         let req = SelectPrefillRequest {
             block_hashes: hashes.to_vec(),
             prompt_tokens: plan.tokens.len() as u32,

@@ -1,0 +1,74 @@
+//! A request's token stream and its deadline: a client that stops reading holds its request
+//! only until the deadline; a `max_tokens` whose decode would outlast the deadline is served
+//! until the deadline, not refused.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff::{Cluster, ClusterConfig};
+use handoff_engine::{MockConfig, MockEngine};
+use handoff_proto::v1::generate_client::GenerateClient;
+use handoff_proto::v1::generate_request::Input;
+use handoff_proto::v1::generate_response::Event;
+use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
+
+use super::support::*;
+
+fn request(max_tokens: u32, deadline_ms: u32) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(Input::TokenIds(TokenIds { ids: prompt(1, 32) })),
+        sampling: Some(SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }),
+        deadline_ms,
+        ..Default::default()
+    }
+}
+
+/// The client's HTTP/2 windows are small and it never reads: the frontend's sends block once
+/// the server's buffers fill. The request must end at its deadline all the same (before,
+/// its task waited on the send for as long as the client held the stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_holds_its_request_only_until_the_deadline() {
+    let engine = MockEngine::new(MockConfig { max_context: 200_000, ..MockConfig::default() });
+    let c = Cluster::start_shared(ClusterConfig::ephemeral(), Arc::new(engine)).await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", c.frontend_addr))
+        .unwrap()
+        .initial_stream_window_size(Some(1024))
+        .initial_connection_window_size(Some(1024))
+        .connect()
+        .await
+        .unwrap();
+    let mut cl = GenerateClient::new(channel);
+    let unread = cl.generate(request(150_000, 1500)).await.unwrap().into_inner();
+    let since = Instant::now();
+    while c.frontend.in_flight() > 0 {
+        assert!(since.elapsed() < Duration::from_secs(30), "the request outlived its deadline");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(unread);
+}
+
+/// Decode steps of 1 ms, measured by a first request, and prefills the scheduler knows cost
+/// 100 us a token; then `max_tokens` of 5,000 (about 5 s of decode) under a 1 s deadline:
+/// tokens come, and the deadline ends the stream (before, the scheduler was asked to prefill
+/// in 1 ms and refused it as overload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_max_tokens_longer_than_the_deadline_is_served_until_the_deadline() {
+    let c = super::overload::timed_cluster(ClusterConfig::ephemeral(), Duration::from_micros(100))
+        .await;
+    let mut cl = client(&c).await;
+    generate(&mut cl, &prompt(2, 32), 20).await.expect("a first request measures the steps");
+    let mut stream = cl.generate(request(5_000, 1000)).await.expect("not refused").into_inner();
+    let mut tokens = 0;
+    let end = loop {
+        match stream.message().await {
+            Ok(Some(m)) => match m.event {
+                Some(Event::Chunk(chunk)) => tokens += chunk.token_ids.len(),
+                other => panic!("no Complete before 5,000 tokens at 1 ms: {other:?}"),
+            },
+            Ok(None) => panic!("the stream ended without a word"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(end.code(), tonic::Code::DeadlineExceeded, "{end:?}");
+    assert!(tokens > 0, "tokens came before the deadline");
+}
