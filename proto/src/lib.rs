@@ -33,6 +33,13 @@ pub mod handshakes {
     pub const MAX_PER_SENDER: usize = 256;
 }
 
+/// Bounds on `SelectPrefillRequest`.
+pub mod select {
+    /// `exclude_instances` a scheduler takes by default (its `max_exclude`); a frontend sends
+    /// no more of the instances it merely avoids than leave its request within this.
+    pub const MAX_EXCLUDE: usize = 64;
+}
+
 /// Bearer tokens on the internal gRPC services (`Scheduler`, `Prefill`): the cluster's token
 /// in `authorization: Bearer <token>` metadata, checked by [`auth::Bearer`] on the server.
 pub mod auth {

@@ -224,7 +224,10 @@ impl Schedulers {
             if tokio::time::Instant::now() >= deadline {
                 break;
             }
-            let wait = (tokio::time::Instant::now() + self.select_timeout).min(deadline);
+            let own_timeout = tokio::time::Instant::now() + self.select_timeout;
+            // When the request's deadline comes first, a replica not answering by then is
+            // not at fault: it is not passed over for it.
+            let wait = own_timeout.min(deadline);
             // The replica's waiting reports go along; those it does not say it took wait
             // again (it did not answer, or it is older than reports along).
             let along = replica.reports.take(tokio::time::Instant::now());
@@ -261,6 +264,12 @@ impl Schedulers {
                 Ok(Err(s)) => {
                     warn!(scheduler = %addr, error = %s.message(), "scheduler replica failed; trying another");
                     last = Some(s);
+                }
+                Err(_) if deadline < own_timeout => {
+                    last = Some(tonic::Status::deadline_exceeded(format!(
+                        "the request's deadline passed while scheduler {addr} was asked"
+                    )));
+                    break;
                 }
                 Err(_) => {
                     warn!(scheduler = %addr, "scheduler replica did not answer in time; trying another");

@@ -95,7 +95,7 @@ impl Default for SchedulerConfig {
             default_policy: PolicyKind::KvAware,
             params: PolicyParams::default(),
             max_block_hashes: 1 << 16,
-            max_exclude: 64,
+            max_exclude: handoff_proto::select::MAX_EXCLUDE,
             max_index_entries: 50_000_000,
             liveness_timeout: Duration::from_secs(3),
             breaker: BreakerConfig::default(),

@@ -89,6 +89,29 @@ async fn a_replica_without_instances_is_asked_past_and_not_suspected() {
     assert_eq!(pool.suspects(), vec![full]);
 }
 
+/// A replica that accepts connections and never answers. Asked under a request deadline
+/// shorter than the pool's own wait, it is not at fault and is not passed over; asked until
+/// the pool's own wait ends, it is.
+#[tokio::test]
+async fn a_replica_is_passed_over_for_its_own_silence_not_for_a_requests_short_deadline() {
+    let mute = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = mute.local_addr().unwrap().to_string();
+    let tasks = handoff_core::Tasks::new();
+    let pool = Schedulers::new(Duration::from_secs(30), &tasks);
+    pool.reset(std::slice::from_ref(&addr)).unwrap();
+    let short = tokio::time::Instant::now() + Duration::from_millis(100);
+    assert!(pool.select(ask(), short, &Default::default()).await.is_err());
+    assert!(pool.suspects().is_empty(), "suspected for the request's deadline");
+
+    let pool = Schedulers::new(Duration::from_millis(100), &tasks);
+    pool.reset(std::slice::from_ref(&addr)).unwrap();
+    let long = tokio::time::Instant::now() + Duration::from_secs(30);
+    assert!(pool.select(ask(), long, &Default::default()).await.is_err());
+    assert_eq!(pool.suspects(), vec![addr]);
+    drop(mute);
+    tasks.shutdown().await;
+}
+
 /// A booking's report goes along with the next selection asked of its replica, which ends
 /// it before booking anew; one that no selection takes goes on its own once its linger is
 /// over. Lingers are arguments: an hour (only a selection can have carried the report) and

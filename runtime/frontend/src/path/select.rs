@@ -45,6 +45,9 @@ impl Frontend {
     ) -> Result<(Lease, Selected), FrontendError> {
         let mut avoided = self.reach.avoided_at(Instant::now());
         avoided.retain(|a| !exclude.contains(a));
+        // Past the scheduler's bound a request would be refused as invalid: the instances
+        // beyond it are merely not passed over.
+        avoided.truncate(handoff_proto::select::MAX_EXCLUDE.saturating_sub(exclude.len()));
         if avoided.is_empty() {
             return self.select(plan, hashes, exclude, failed).await;
         }
@@ -127,3 +130,6 @@ impl Frontend {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
