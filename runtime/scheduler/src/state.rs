@@ -19,6 +19,11 @@ pub use select::{Ask, Outcome, Work};
 pub use status::InstanceStatus;
 pub use sync::{MAX_BUFFERED_EVENTS, MAX_SNAPSHOT_PAGES, Resynced};
 
+/// Most dp ranks a prefill registration may have (as an engine's,
+/// [`crate::engine::MAX_ENGINE_DP`]): each is a slot in the index and a route, made under
+/// the lock.
+pub const MAX_PREFILL_DP: u32 = crate::engine::MAX_ENGINE_DP;
+
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
@@ -171,6 +176,11 @@ impl Inner {
     /// Registers `instance` (fresh slots and load), or refreshes it when known: a new
     /// version (a restart) or a new topology starts it over, keeping its breaker.
     fn admit(&mut self, instance: Instance, now: Instant) {
+        let dp = instance.topology.dp;
+        if !(1..=MAX_PREFILL_DP).contains(&dp) {
+            warn!(instance = %instance.id, dp, "prefill registration ignored: not 1 to {MAX_PREFILL_DP} dp ranks");
+            return;
+        }
         let known = self.members.get(&instance.id);
         let same = known.is_some_and(|m| {
             m.instance.version == instance.version && m.instance.topology == instance.topology
@@ -188,7 +198,9 @@ impl Inner {
         self.drop_member(&instance.id);
         let mut m = Member::new(instance, &mut self.index, now);
         if let Some(b) = breaker {
+            // Its bookings were forgotten with it, a probe among them: given back.
             m.breaker = b;
+            m.breaker.release_probe();
         }
         if self.load.len() < self.index.slot_capacity() {
             self.load.resize(self.index.slot_capacity(), Load::default());
@@ -344,7 +356,10 @@ impl SchedulerState {
                     }
                     // A reset re-lists everyone: not news from a known instance itself.
                     match inner.members.get_mut(&i.id) {
-                        Some(m) if m.instance.version == i.version => {
+                        Some(m)
+                            if m.instance.version == i.version
+                                && m.instance.topology == i.topology =>
+                        {
                             let id = i.id.clone();
                             m.instance = i;
                             inner.sync(&id);
@@ -453,6 +468,8 @@ impl SchedulerState {
     }
 }
 
+#[cfg(test)]
+mod breaker_tests;
 #[cfg(test)]
 mod lease_tests;
 #[cfg(test)]

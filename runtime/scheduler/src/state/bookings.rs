@@ -27,6 +27,8 @@ pub(super) struct Booking {
     pub(super) pending: Option<u64>,
     /// When it expires unreported.
     pub(super) until: Instant,
+    /// Whether it is its instance's half-open probe: given back if it expires unreported.
+    pub(super) probe: bool,
 }
 
 /// The open bookings (see the module docs).

@@ -11,6 +11,7 @@ use tracing::debug;
 
 use super::admission::{self, Budget};
 use super::bookings::{Booking, BookingId};
+use super::member::Gate;
 use super::{Inner, SchedulerState, Selection};
 use super::{cheapest, gather, pending};
 use crate::policy::{Candidate, PolicyKind, Request};
@@ -213,7 +214,9 @@ impl SchedulerState {
         let m = members
             .get_mut(&key.instance)
             .ok_or_else(|| SchedulerError::NoInstance(" (the chosen instance left)".into()))?;
+        let probing = m.breaker.gate() == Gate::Shut;
         m.breaker.admits(true);
+        let probe = !probing && m.breaker.gate() == Gate::Shut;
         let route_changed = m.breaker.gate() != routes[c.slot.index()].gate;
         let work = Work::new(ask.prompt_tokens, c.overlap_blocks).tokens(m.instance.page_size);
         let l = &mut load[c.slot.index()];
@@ -231,6 +234,7 @@ impl SchedulerState {
             tokens: work,
             pending: noted,
             until: now + ttl.min(self.cfg.booking_ttl_max),
+            probe,
         });
         let selection = Selection {
             instance: m.instance.clone(),
@@ -328,7 +332,8 @@ impl Inner {
         }
     }
 
-    /// Ends every booking past its time: their requests were never reported.
+    /// Ends every booking past its time: their requests were never reported. An expired
+    /// probe says nothing of its instance: the next request probes again.
     pub(super) fn expire_bookings(&mut self, now: Instant) {
         let expired = self.bookings.expire(now);
         if !expired.is_empty() {
@@ -336,6 +341,12 @@ impl Inner {
         }
         for b in &expired {
             self.release(b);
+            if b.probe
+                && let Some(m) = self.members.get_mut(&b.instance)
+            {
+                m.breaker.release_probe();
+                self.sync(&b.instance);
+            }
         }
     }
 }

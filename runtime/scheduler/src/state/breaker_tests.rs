@@ -1,0 +1,93 @@
+//! The per-instance circuit breaker as selection and reports drive it.
+
+use super::tests::{book, inst};
+use super::*;
+
+#[test]
+fn breaker_opens_on_prefill_faults_only_and_recovers_through_probes() {
+    let cfg = SchedulerConfig {
+        breaker: BreakerConfig {
+            failures: 3,
+            successes: 2,
+            cooldown: std::time::Duration::from_millis(50),
+        },
+        ..SchedulerConfig::default()
+    };
+    let s = SchedulerState::new(cfg);
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1), inst("c", 1)]));
+    let others: Vec<InstanceId> = vec!["b".parse().unwrap(), "c".parse().unwrap()];
+    // Overload, deadlines, cancellation, bad input and the decode's own faults never count.
+    for outcome in [
+        Outcome::Overloaded,
+        Outcome::Deadline,
+        Outcome::Cancelled,
+        Outcome::Invalid,
+        Outcome::DecodeFault,
+    ] {
+        for _ in 0..5 {
+            assert!(s.report(book(&s, "a", &others).booking, outcome));
+        }
+    }
+    let picks = |n| {
+        (0..n)
+            .map(|_| {
+                let sel = s
+                    .select(&Ask { policy: Some(PolicyKind::RoundRobin), ..Ask::new(&[], 10) })
+                    .unwrap();
+                s.report(sel.booking, Outcome::Cancelled);
+                sel.instance.id.to_string()
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(picks(6).contains(&"a".to_owned()));
+    for _ in 0..3 {
+        s.report(book(&s, "a", &others).booking, Outcome::InstanceFault);
+    }
+    assert!(!picks(6).contains(&"a".to_owned()), "open: a gets nothing");
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    // Half-open: one probe at a time.
+    let probe = s.select(&Ask { policy: Some(PolicyKind::RoundRobin), ..Ask::new(&[], 10) });
+    let mut probe = probe.unwrap();
+    while probe.instance.id.as_str() != "a" {
+        s.report(probe.booking, Outcome::Cancelled);
+        probe =
+            s.select(&Ask { policy: Some(PolicyKind::RoundRobin), ..Ask::new(&[], 10) }).unwrap();
+    }
+    assert!(!picks(6).contains(&"a".to_owned()), "one probe out: a gets nothing else");
+    s.report(probe.booking, Outcome::Success);
+    s.report(book(&s, "a", &others).booking, Outcome::Success);
+    assert!(picks(6).iter().filter(|i| *i == "a").count() >= 2, "closed again");
+}
+
+/// A half-open instance's probe whose request is never reported (its client crashed) is given
+/// back when its booking expires, and when the instance restarts (its bookings forgotten):
+/// before, the instance stayed shut out of routing until it left discovery.
+#[test]
+fn a_probe_never_reported_is_given_back() {
+    use std::time::{Duration, Instant};
+    let cfg = SchedulerConfig {
+        breaker: BreakerConfig { failures: 1, successes: 1, cooldown: Duration::ZERO },
+        ..SchedulerConfig::default()
+    };
+    let s = SchedulerState::new(cfg);
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1), inst("c", 1)]));
+    let others: Vec<InstanceId> = vec!["b".parse().unwrap(), "c".parse().unwrap()];
+    let only_a =
+        Ask { policy: Some(PolicyKind::RoundRobin), exclude: &others, ..Ask::new(&[], 10) };
+    let open_and_probe = || {
+        s.report(book(&s, "a", &others).booking, Outcome::InstanceFault);
+        let probe = book(&s, "a", &others);
+        assert!(s.select(&only_a).is_err(), "one probe out: a takes nothing else");
+        probe
+    };
+    let _probe = open_and_probe();
+    s.lock().expire_bookings(Instant::now() + Duration::from_secs(24 * 3600));
+    let probe = book(&s, "a", &others);
+    assert!(s.select(&only_a).is_err(), "the expired probe's place went to a new probe");
+    assert!(s.report(probe.booking, Outcome::Success));
+    let _probe = open_and_probe();
+    let mut restarted = inst("a", 1);
+    restarted.version = 2;
+    s.apply_update(Update::Add(restarted));
+    book(&s, "a", &others);
+}
