@@ -73,6 +73,16 @@ impl Rank {
         if hs.len() < peers {
             hs.extend(inbox.accept(room, peers - hs.len(), deadline).await?);
         }
+        // More than the decode's tp needs: another receiver claims this room (or one sent
+        // twice), and the KV would go to each.
+        if hs.len() > peers {
+            return Err(PrefillError::Invalid(format!(
+                "{} handshakes for room {room} at tp rank {} pp rank {}, decode tp {d} needs {peers}",
+                hs.len(),
+                self.tp,
+                self.pp
+            )));
+        }
         let opens = hs.iter().map(|h| self.destination(par, shape, tokens, h, d));
         try_join_all(opens).await
     }

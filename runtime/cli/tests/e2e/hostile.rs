@@ -140,3 +140,45 @@ async fn the_internal_services_want_the_cluster_token() {
     assert!(generate(&mut cl, &prompt(1, 40), 4).await.is_ok());
     c.tasks.shutdown().await;
 }
+
+/// A room whose prefill rank finds more handshakes than the decode's tp needs (another
+/// receiver claims it, here one more over the transfer wire with the cluster token) is
+/// refused, not sent to each.
+#[tokio::test]
+async fn a_room_claimed_by_more_receivers_than_its_decode_has_is_refused() {
+    use handoff_core::Room;
+    use handoff_proto::auth;
+    use handoff_proto::v1::PrefillRequest;
+    use handoff_proto::v1::prefill_client::PrefillClient;
+    use handoff_transfer::{AgentAddr, ConnectRequest, RegionId};
+    let token = "cluster-secret";
+    let c =
+        cluster(ClusterConfig { token: Some(token.into()), ..ClusterConfig::ephemeral() }).await;
+    let rank = c.prefills[0].directory.rank(0, 0, 0, 0).unwrap();
+    let peer = AgentAddr { ip: rank.rank_ip, port: rank.rank_port };
+    let room = Room::mint();
+    for region in [1, 2] {
+        let req = ConnectRequest {
+            room,
+            receiver: c.frontend.agent().addr(),
+            region: RegionId(region),
+            region_len: 4096,
+            dst_tp_size: 1,
+            dst_tp_rank: 0,
+            tokens: 3,
+            token: Some(token.into()),
+        };
+        c.frontend.agent().connect(&peer, req).await.unwrap();
+    }
+    let addr = &c.prefills[0].grpc_addr;
+    let mut prefill = PrefillClient::connect(format!("http://{addr}")).await.unwrap();
+    let req = PrefillRequest {
+        bootstrap_room: room.get(),
+        token_ids: vec![1, 2, 3],
+        ..Default::default()
+    };
+    let e = prefill.prefill(auth::request(req, Some(token))).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("2 handshakes for room"), "{e}");
+    c.tasks.shutdown().await;
+}

@@ -1,5 +1,7 @@
 //! [`Handshakes`]: the sending side's table of receivers' handshakes, by room, until the
-//! room's prefill takes them. Bounded in rooms and handshakes per room; stale rooms go first.
+//! room's prefill takes them. Bounded in rooms, in handshakes per room and in each one's size
+//! (the token is not kept once checked, the receiver's host is at most [`MAX_HOST_LEN`]
+//! bytes); stale rooms go first.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -11,6 +13,9 @@ use tokio::time::Instant;
 
 use super::{InboxConfig, lock};
 use crate::{ConnectRequest, TransferError};
+
+/// Longest receiver host a handshake may name (a DNS name is at most 253 bytes).
+pub(crate) const MAX_HOST_LEN: usize = 255;
 
 struct Pending {
     reqs: Vec<ConnectRequest>,
@@ -40,12 +45,19 @@ impl Handshakes {
     }
 
     /// Accepts a receiver's handshake for a room this agent will send.
-    pub(super) fn on_connect(&self, req: ConnectRequest) -> Result<(), TransferError> {
+    pub(super) fn on_connect(&self, mut req: ConnectRequest) -> Result<(), TransferError> {
         if let Some(t) = &self.token
             && req.token.as_deref() != Some(t.as_str())
         {
             return Err(TransferError::Unauthorized);
         }
+        if req.receiver.ip.len() > MAX_HOST_LEN {
+            return Err(TransferError::Malformed(format!(
+                "a receiver host of {} bytes (at most {MAX_HOST_LEN})",
+                req.receiver.ip.len()
+            )));
+        }
+        req.token = None;
         let mut pending = lock(&self.pending);
         if pending.len() >= self.max_rooms && !pending.contains_key(&req.room) {
             let ttl = self.ttl;
@@ -66,7 +78,8 @@ impl Handshakes {
         Ok(())
     }
 
-    /// Waits until `count` handshakes for `room` have arrived, and takes them.
+    /// Waits until at least `count` handshakes for `room` have arrived, and takes them all
+    /// (the caller learns from the first how many it needs, and refuses more).
     pub(super) async fn accept(
         &self,
         room: Room,

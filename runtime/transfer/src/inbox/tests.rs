@@ -125,6 +125,19 @@ async fn accept_waits_for_every_handshake_of_its_room() {
     assert!(matches!(err, Err(TransferError::Timeout(_))));
 }
 
+/// A receiver host past its bound is refused; the token checked is not kept.
+#[tokio::test]
+async fn a_handshake_is_bounded_and_keeps_no_token() {
+    let inbox = Inbox::new(InboxConfig { token: Some("k".into()), ..Default::default() });
+    let mut long = connect(room(7), Some("k"));
+    long.receiver.ip = "h".repeat(super::handshakes::MAX_HOST_LEN + 1);
+    assert!(matches!(inbox.on_connect(long), Err(TransferError::Malformed(_))));
+    assert_eq!(inbox.pending_rooms(), 0);
+    inbox.on_connect(connect(room(5), Some("k"))).unwrap();
+    let got = inbox.accept(room(5), 1, soon()).await.unwrap();
+    assert_eq!(got[0].token, None, "the token is not kept");
+}
+
 #[test]
 fn handshakes_need_the_token_and_tables_are_bounded() {
     let cfg = InboxConfig {
