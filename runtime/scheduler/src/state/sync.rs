@@ -101,12 +101,10 @@ enum Step {
     Gap,
 }
 
-/// Applies `ev` to `m`'s slots if it is the next in sequence.
+/// Applies `ev` to `m`'s slots if it is the next in sequence. One for a dp rank the instance
+/// does not have takes its place in the sequence and changes nothing (were it not counted,
+/// the next event would look like a gap and cost a resync).
 fn apply_in_sequence(m: &mut Member, index: &mut KvIndex, ev: KvEvent) -> Step {
-    let Some(&slot) = m.slots.get(ev.dp_rank as usize) else {
-        debug!(instance = %ev.instance, dp_rank = ev.dp_rank, "KV event for a dp rank the instance does not have");
-        return Step::Old;
-    };
     let last = match m.seq {
         Some(l) => l,
         // Nothing known yet: a first event applies as is, anything later needs a snapshot.
@@ -120,6 +118,10 @@ fn apply_in_sequence(m: &mut Member, index: &mut KvIndex, ev: KvEvent) -> Step {
         return Step::Gap;
     }
     m.seq = Some(ev.seq);
+    let Some(&slot) = m.slots.get(ev.dp_rank as usize) else {
+        debug!(instance = %ev.instance, dp_rank = ev.dp_rank, "KV event for a dp rank the instance does not have");
+        return Step::Old;
+    };
     match ev.kind {
         KvEventKind::Stored { parent, blocks } => index.store_at(slot, parent, &blocks),
         KvEventKind::Removed { blocks } => index.remove_at(slot, &blocks),

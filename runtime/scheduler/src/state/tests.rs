@@ -120,6 +120,8 @@ fn removed_or_restarted_instances_lose_their_index() {
     assert_eq!(s.instances()[0].cached_blocks, 0);
     s.apply_event(stored("a", 5, 1, h.clone()));
     assert_eq!(s.instances()[0].cached_blocks, 0, "dp rank out of range ignored");
+    s.apply_event(stored("a", 0, 2, h.clone()));
+    assert_eq!(s.instances()[0].cached_blocks, 4, "the next event is in sequence, not a gap");
     s.apply_event(stored("zz", 0, 1, h));
     assert_eq!(s.instances().len(), 1, "events from unknown instances ignored");
 }
