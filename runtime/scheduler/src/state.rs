@@ -243,6 +243,8 @@ impl Inner {
         m.silent = true;
         m.seq = None;
         m.cleared += 1;
+        // Its bookings are forgotten below, a probe among them: given back.
+        m.breaker.release_probe();
         // A resync in flight is over: its pages would land on a cleared instance.
         self.resyncing.remove(id);
         for s in &m.slots {

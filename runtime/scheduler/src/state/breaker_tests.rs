@@ -65,12 +65,7 @@ fn breaker_opens_on_prefill_faults_only_and_recovers_through_probes() {
 #[test]
 fn a_probe_never_reported_is_given_back() {
     use std::time::{Duration, Instant};
-    let cfg = SchedulerConfig {
-        breaker: BreakerConfig { failures: 1, successes: 1, cooldown: Duration::ZERO },
-        ..SchedulerConfig::default()
-    };
-    let s = SchedulerState::new(cfg);
-    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1), inst("c", 1)]));
+    let s = half_open_fleet();
     let others: Vec<InstanceId> = vec!["b".parse().unwrap(), "c".parse().unwrap()];
     let only_a =
         Ask { policy: Some(PolicyKind::RoundRobin), exclude: &others, ..Ask::new(&[], 10) };
@@ -90,4 +85,60 @@ fn a_probe_never_reported_is_given_back() {
     restarted.version = 2;
     s.apply_update(Update::Add(restarted));
     book(&s, "a", &others);
+}
+
+/// The probe's booking is forgotten when its instance goes silent: heard again, the instance
+/// probes anew (before, its breaker stayed shut until it restarted or left).
+#[test]
+fn a_probe_forgotten_with_a_silent_instance_is_given_back() {
+    let s = half_open_fleet();
+    let others: Vec<InstanceId> = vec!["b".parse().unwrap(), "c".parse().unwrap()];
+    let only_a =
+        Ask { policy: Some(PolicyKind::RoundRobin), exclude: &others, ..Ask::new(&[], 10) };
+    s.report(book(&s, "a", &others).booking, Outcome::InstanceFault);
+    let _probe = book(&s, "a", &others);
+    assert!(s.select(&only_a).is_err(), "one probe out");
+    s.lock().silence(&"a".parse().unwrap());
+    let hb = handoff_discovery::Heartbeat {
+        instance: "a".parse().unwrap(),
+        queued_tokens: 0,
+        running: 0,
+        kv_bytes: 0,
+        prefill_ns_per_token: 0,
+        send_ns_per_token: 0,
+    };
+    s.heartbeat(&hb);
+    book(&s, "a", &others);
+}
+
+/// While half-open only the probe's outcome counts: a booking made before the breaker
+/// opened, reported a success (or cancelled) meanwhile, neither closes the breaker nor lets
+/// a second probe through.
+#[test]
+fn half_open_only_the_probes_outcome_counts() {
+    let s = half_open_fleet();
+    let others: Vec<InstanceId> = vec!["b".parse().unwrap(), "c".parse().unwrap()];
+    let only_a =
+        Ask { policy: Some(PolicyKind::RoundRobin), exclude: &others, ..Ask::new(&[], 10) };
+    let (early, later) = (book(&s, "a", &others), book(&s, "a", &others));
+    s.report(book(&s, "a", &others).booking, Outcome::InstanceFault);
+    let probe = book(&s, "a", &others);
+    assert!(s.report(early.booking, Outcome::Success));
+    assert!(s.select(&only_a).is_err(), "an old success does not close it");
+    assert!(s.report(later.booking, Outcome::Cancelled));
+    assert!(s.select(&only_a).is_err(), "an old cancel does not free the probe's place");
+    assert!(s.report(probe.booking, Outcome::Success));
+    book(&s, "a", &others);
+}
+
+/// Instances a, b and c; a's breaker opens on one fault and turns half-open at once, and one
+/// success closes it.
+fn half_open_fleet() -> SchedulerState {
+    let cfg = SchedulerConfig {
+        breaker: BreakerConfig { failures: 1, successes: 1, cooldown: std::time::Duration::ZERO },
+        ..SchedulerConfig::default()
+    };
+    let s = SchedulerState::new(cfg);
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1), inst("c", 1)]));
+    s
 }

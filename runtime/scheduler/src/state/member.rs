@@ -106,6 +106,11 @@ impl Breaker {
         }
     }
 
+    /// Whether it is half-open (letting probes through one at a time).
+    pub(super) fn half_open(&self) -> bool {
+        matches!(self, Breaker::HalfOpen { .. })
+    }
+
     /// Feeds an outcome: success, or a prefill-side failure.
     pub(super) fn record(&mut self, ok: bool, cfg: &BreakerConfig, instance: &str) {
         *self = match (*self, ok) {

@@ -304,9 +304,13 @@ impl SchedulerState {
         self.metrics.reported(outcome);
         inner.release(&b);
         if let Some(m) = inner.members.get_mut(&b.instance) {
-            match outcome.breaker() {
-                Some(ok) => m.breaker.record(ok, &self.cfg.breaker, b.instance.as_str()),
-                None => m.breaker.release_probe(),
+            // Half-open, only the probe speaks for the instance: a booking made before the
+            // breaker opened neither closes it nor frees the probe's place.
+            if b.probe || !m.breaker.half_open() {
+                match outcome.breaker() {
+                    Some(ok) => m.breaker.record(ok, &self.cfg.breaker, b.instance.as_str()),
+                    None => m.breaker.release_probe(),
+                }
             }
             inner.sync(&b.instance);
         }
