@@ -18,7 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::input::{self, Plan};
-use crate::metrics::Ending;
+use crate::metrics::{Ending, Metrics};
 use crate::path::Ready;
 use crate::text::TextAssembler;
 use crate::{Frontend, FrontendError};
@@ -55,14 +55,28 @@ enum Sent {
     Stopping,
 }
 
-impl Sent {
-    /// How a request ends that could not send.
-    fn ending(self) -> Ending {
-        match self {
-            Sent::Delivered | Sent::Gone => Ending::Cancelled,
-            Sent::Expired => Ending::Expired,
-            Sent::Stopping => Ending::Failed,
+/// The place kept in the client's stream for a request's last message from its start: an
+/// error or `Complete` is queued behind whatever the client has not read, never dropped.
+type Last = mpsc::OwnedPermit<Result<GenerateResponse, Status>>;
+
+/// Ends the request with the error `why`, counted as `ending`.
+fn fail(m: &Metrics, last: Last, ending: Ending, why: Status) {
+    m.ended(ending);
+    last.send(Err(why));
+}
+
+/// Ends a request whose message was not delivered (`sent`) after `generated` tokens.
+fn undelivered(m: &Metrics, last: Last, sent: Sent, generated: u32) {
+    match sent {
+        Sent::Expired => {
+            let why =
+                format!("deadline passed after {generated} tokens (the client was not reading)");
+            fail(m, last, Ending::Expired, Status::deadline_exceeded(why));
         }
+        Sent::Stopping => {
+            fail(m, last, Ending::Failed, Status::unavailable("frontend shutting down"))
+        }
+        Sent::Gone | Sent::Delivered => m.ended(Ending::Cancelled),
     }
 }
 
@@ -97,6 +111,11 @@ pub(crate) async fn stream(
     arrived: Instant,
 ) {
     let m = &fe.metrics;
+    // The channel is new: a place is free unless the client already left.
+    let Ok(last) = tx.clone().reserve_owned().await else {
+        m.ended(Ending::Cancelled);
+        return;
+    };
     let eos = fe.engine.info().eos.filter(|_| !plan.sampling.ignore_eos);
     let mut text = TextAssembler::new(&plan.sampling.stop);
     let mut generated = 0u32;
@@ -110,8 +129,7 @@ pub(crate) async fn stream(
         let released = text.push(&*fe.engine, token);
         let sent = deliver(&fe, &tx, chunk(token, released.text), plan.deadline).await;
         if sent != Sent::Delivered {
-            m.ended(sent.ending());
-            return;
+            return undelivered(m, last, sent, generated);
         }
         let now = Instant::now();
         if generated == 1 {
@@ -127,16 +145,13 @@ pub(crate) async fn stream(
             break FinishReason::Length;
         }
         if Instant::now() >= plan.deadline {
-            m.ended(Ending::Expired);
             let why = format!("deadline passed after {generated} tokens");
-            let _ = tx.try_send(Err(Status::deadline_exceeded(why)));
-            return;
+            return fail(m, last, Ending::Expired, Status::deadline_exceeded(why));
         }
         let step = tokio::select! {
             _ = fe.tasks.shutdown_requested() => {
-                m.ended(Ending::Failed);
-                let _ = tx.try_send(Err(Status::unavailable("frontend shutting down")));
-                return;
+                let why = Status::unavailable("frontend shutting down");
+                return fail(m, last, Ending::Failed, why);
             }
             s = async {
                 let started = Instant::now();
@@ -151,10 +166,7 @@ pub(crate) async fn stream(
         token = match step {
             Ok(t) => t,
             Err(e) => {
-                m.ended(Ending::Failed);
-                let failed = Err(FrontendError::Decode(e.to_string()).into());
-                let _ = deliver(&fe, &tx, failed, plan.deadline).await;
-                return;
+                return fail(m, last, Ending::Failed, FrontendError::Decode(e.to_string()).into());
             }
         };
     };
@@ -165,8 +177,7 @@ pub(crate) async fn stream(
             let msg = Ok(GenerateResponse { event: Some(Event::Chunk(chunk)) });
             let sent = deliver(&fe, &tx, msg, plan.deadline).await;
             if sent != Sent::Delivered {
-                m.ended(sent.ending());
-                return;
+                return undelivered(m, last, sent, generated);
             }
         }
     }
@@ -181,14 +192,12 @@ pub(crate) async fn stream(
         usage: Some(usage),
         evidence: Some(ready.evidence),
     };
-    let msg = Ok(GenerateResponse { event: Some(Event::Complete(done)) });
-    match deliver(&fe, &tx, msg, plan.deadline).await {
-        Sent::Delivered => {
-            m.ended(Ending::Ok);
-            m.finished(arrived.elapsed());
-        }
-        other => m.ended(other.ending()),
+    if tx.is_closed() {
+        return m.ended(Ending::Cancelled);
     }
+    last.send(Ok(GenerateResponse { event: Some(Event::Complete(done)) }));
+    m.ended(Ending::Ok);
+    m.finished(arrived.elapsed());
 }
 
 /// Counts a request that was dropped before it was answered (its client went away).

@@ -38,13 +38,21 @@ async fn a_client_that_stops_reading_holds_its_request_only_until_the_deadline()
         .await
         .unwrap();
     let mut cl = GenerateClient::new(channel);
-    let unread = cl.generate(request(150_000, 1500)).await.unwrap().into_inner();
+    let mut unread = cl.generate(request(150_000, 1500)).await.unwrap().into_inner();
     let since = Instant::now();
     while c.frontend.in_flight() > 0 {
         assert!(since.elapsed() < Duration::from_secs(30), "the request outlived its deadline");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    drop(unread);
+    // Read at last, the stream ends in the deadline's error, not silently.
+    let end = loop {
+        match unread.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended without a word"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(end.code(), tonic::Code::DeadlineExceeded, "{end:?}");
 }
 
 /// Decode steps of 1 ms, measured by a first request, and prefills the scheduler knows cost
