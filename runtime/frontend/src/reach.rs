@@ -87,13 +87,15 @@ impl Reach {
         self.lock().remove(instance);
     }
 
-    /// The instances a selection at `now` passes over.
+    /// The instances a selection at `now` passes over, the most recently failed first.
     pub fn avoided_at(&self, now: Instant) -> Vec<String> {
-        self.lock()
+        let all = self.lock();
+        let mut avoided: Vec<(Instant, &String)> = all
             .iter()
-            .filter(|(_, s)| s.avoid_until.is_some_and(|t| t > now))
-            .map(|(id, _)| id.clone())
-            .collect()
+            .filter_map(|(id, s)| s.avoid_until.filter(|&t| t > now).map(|t| (t, id)))
+            .collect();
+        avoided.sort_unstable_by_key(|&(until, _)| std::cmp::Reverse(until));
+        avoided.into_iter().map(|(_, id)| id.clone()).collect()
     }
 }
 
@@ -119,6 +121,17 @@ mod tests {
         r.reached("a");
         assert!(!r.failed_at("a", later) && !r.failed_at("a", later));
         assert!(r.avoided_at(later).is_empty());
+    }
+
+    #[test]
+    fn the_most_recently_failed_are_avoided_first() {
+        let r = Reach::default();
+        let t0 = Instant::now();
+        for (i, id) in ["b", "c", "a"].into_iter().enumerate() {
+            let at = t0 + Duration::from_secs(i as u64);
+            while !r.failed_at(id, at) {}
+        }
+        assert_eq!(r.avoided_at(t0 + Duration::from_secs(3)), ["a", "c", "b"]);
     }
 
     #[test]

@@ -73,14 +73,18 @@ impl Rank {
         if hs.len() < peers {
             hs.extend(inbox.accept(room, peers - hs.len(), deadline).await?);
         }
-        // More than the decode's tp needs: another receiver claims this room (or one sent
-        // twice), and the KV would go to each.
-        if hs.len() > peers {
+        // More than the decode's tp needs, or two for one decode rank: another receiver
+        // claims this room (or one sent twice), and the KV would go to each.
+        let mut ranks: Vec<u32> = hs.iter().map(|h| h.dst_tp_rank).collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        if hs.len() > peers || ranks.len() < hs.len() {
             return Err(PrefillError::Invalid(format!(
-                "{} handshakes for room {room} at tp rank {} pp rank {}, decode tp {d} needs {peers}",
+                "{} handshakes for room {room} at tp rank {} pp rank {} ({} decode ranks), decode tp {d} needs {peers}",
                 hs.len(),
                 self.tp,
-                self.pp
+                self.pp,
+                ranks.len()
             )));
         }
         let opens = hs.iter().map(|h| self.destination(par, shape, tokens, h, d));

@@ -141,9 +141,9 @@ async fn the_internal_services_want_the_cluster_token() {
     c.tasks.shutdown().await;
 }
 
-/// A room whose prefill rank finds more handshakes than the decode's tp needs (another
-/// receiver claims it, here one more over the transfer wire with the cluster token) is
-/// refused, not sent to each.
+/// A room whose prefill rank finds more handshakes than the decode's tp needs, or two for one
+/// decode rank (another receiver claims it, here over the transfer wire with the cluster
+/// token), is refused, not sent to each.
 #[tokio::test]
 async fn a_room_claimed_by_more_receivers_than_its_decode_has_is_refused() {
     use handoff_core::Room;
@@ -156,29 +156,35 @@ async fn a_room_claimed_by_more_receivers_than_its_decode_has_is_refused() {
         cluster(ClusterConfig { token: Some(token.into()), ..ClusterConfig::ephemeral() }).await;
     let rank = c.prefills[0].directory.rank(0, 0, 0, 0).unwrap();
     let peer = AgentAddr { ip: rank.rank_ip, port: rank.rank_port };
-    let room = Room::mint();
-    for region in [1, 2] {
-        let req = ConnectRequest {
-            room,
-            receiver: c.frontend.agent().addr(),
-            region: RegionId(region),
-            region_len: 4096,
-            dst_tp_size: 1,
-            dst_tp_rank: 0,
-            tokens: 3,
-            token: Some(token.into()),
-        };
-        c.frontend.agent().connect(&peer, req).await.unwrap();
-    }
     let addr = &c.prefills[0].grpc_addr;
     let mut prefill = PrefillClient::connect(format!("http://{addr}")).await.unwrap();
-    let req = PrefillRequest {
-        bootstrap_room: room.get(),
-        token_ids: vec![1, 2, 3],
-        ..Default::default()
-    };
-    let e = prefill.prefill(auth::request(req, Some(token))).await.unwrap_err();
-    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
-    assert!(e.message().contains("2 handshakes for room"), "{e}");
+    // The prefill is tp 2. Decode tp 1 needs one handshake a prefill rank: two; decode tp 4
+    // needs two: two for the same decode rank.
+    for (dst_tp_size, dst_ranks, said) in
+        [(1, [0, 0], "2 handshakes for room"), (4, [1, 1], "(1 decode ranks), decode tp 4 needs 2")]
+    {
+        let room = Room::mint();
+        for (region, dst_tp_rank) in [1, 2].into_iter().zip(dst_ranks) {
+            let req = ConnectRequest {
+                room,
+                receiver: c.frontend.agent().addr(),
+                region: RegionId(region),
+                region_len: 4096,
+                dst_tp_size,
+                dst_tp_rank,
+                tokens: 3,
+                token: Some(token.into()),
+            };
+            c.frontend.agent().connect(&peer, req).await.unwrap();
+        }
+        let req = PrefillRequest {
+            bootstrap_room: room.get(),
+            token_ids: vec![1, 2, 3],
+            ..Default::default()
+        };
+        let e = prefill.prefill(auth::request(req, Some(token))).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+        assert!(e.message().contains(said), "{said}: {e}");
+    }
     c.tasks.shutdown().await;
 }

@@ -46,7 +46,7 @@ impl Frontend {
         let mut avoided = self.reach.avoided_at(Instant::now());
         avoided.retain(|a| !exclude.contains(a));
         // Past the scheduler's bound a request would be refused as invalid: the instances
-        // beyond it are merely not passed over.
+        // beyond it (the longest since failing) are merely not passed over.
         avoided.truncate(handoff_proto::select::MAX_EXCLUDE.saturating_sub(exclude.len()));
         if avoided.is_empty() {
             return self.select(plan, hashes, exclude, failed).await;

@@ -201,11 +201,14 @@ impl Pending {
     }
 
     /// Raises `run[slot]` to the leading blocks of `hashes` pending on each slot, looking at
-    /// the [`SCAN`] most recent prompts that share the first block.
+    /// the [`SCAN`] most recent live prompts that share the first block (among the `4 * SCAN`
+    /// most recent).
     pub(super) fn overlay(&self, hashes: &[BlockHash], run: &mut Run) {
         let Some(prompts) = hashes.first().and_then(|f| self.by_first.get(f)) else { return };
-        let live = prompts.all.iter().rev().filter(|p| !p.hashes.is_empty());
-        for p in live.take(SCAN) {
+        // At most half of a list is ended, but those may be its newest: the walk is bounded
+        // too.
+        let recent = prompts.all.iter().rev().take(4 * SCAN);
+        for p in recent.filter(|p| !p.hashes.is_empty()).take(SCAN) {
             run.raise(p.slot, shared_prefix(&p.hashes, hashes) as u32);
         }
     }
