@@ -4,7 +4,7 @@
 //! or when its instance leaves or goes silent (its load is forgotten with it). So whatever
 //! mix of completed, failed, cancelled and lost requests happens, the load comes back to zero.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::Instant;
 
 use handoff_core::InstanceId;
@@ -36,6 +36,9 @@ pub(super) struct Booking {
 pub(super) struct Bookings {
     open: HashMap<BookingId, Booking>,
     by_expiry: BTreeSet<(Instant, BookingId)>,
+    /// The open bookings of each instance: a sweep that silences many instances at once
+    /// closes theirs without scanning every open booking for each.
+    by_instance: HashMap<InstanceId, HashSet<BookingId>>,
 }
 
 impl Bookings {
@@ -53,14 +56,26 @@ impl Bookings {
             }
         };
         self.by_expiry.insert((b.until, id));
+        self.by_instance.entry(b.instance.clone()).or_default().insert(id);
         self.open.insert(id, b);
         id
+    }
+
+    /// Takes `id` out of its instance's set.
+    fn unlist(&mut self, instance: &InstanceId, id: BookingId) {
+        if let Some(ids) = self.by_instance.get_mut(instance) {
+            ids.remove(&id);
+            if ids.is_empty() {
+                self.by_instance.remove(instance);
+            }
+        }
     }
 
     /// Closes `id`, returning what it held; `None` if it is not open (already closed).
     pub(super) fn close(&mut self, id: BookingId) -> Option<Booking> {
         let b = self.open.remove(&id)?;
         self.by_expiry.remove(&(b.until, id));
+        self.unlist(&b.instance, id);
         Some(b)
     }
 
@@ -72,18 +87,56 @@ impl Bookings {
                 break;
             }
             self.by_expiry.pop_first();
-            out.extend(self.open.remove(&id));
+            if let Some(b) = self.open.remove(&id) {
+                self.unlist(&b.instance, id);
+                out.push(b);
+            }
         }
         out
     }
 
     /// Closes every booking on `instance` (it left or went silent; its load is reset).
     pub(super) fn forget_instance(&mut self, instance: &InstanceId) -> usize {
-        let gone: Vec<BookingId> =
-            self.open.iter().filter(|(_, b)| &b.instance == instance).map(|(id, _)| *id).collect();
-        for id in &gone {
-            self.close(*id);
+        let gone = self.by_instance.remove(instance).unwrap_or_default();
+        for &id in &gone {
+            if let Some(b) = self.open.remove(&id) {
+                self.by_expiry.remove(&(b.until, id));
+            }
         }
         gone.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use handoff_kv_index::KvIndex;
+
+    use super::*;
+
+    /// Bookings of several instances ending every way: each instance's set holds exactly its
+    /// open bookings, and forgetting one instance closes its own alone.
+    #[test]
+    fn each_instance_lists_exactly_its_open_bookings() {
+        let slot = KvIndex::default().slot_at(0);
+        let t0 = Instant::now();
+        let mut bookings = Bookings::default();
+        let mut open = |on: &str, secs: u64| {
+            let instance: InstanceId = on.parse().unwrap();
+            let until = t0 + Duration::from_secs(secs);
+            bookings.open(Booking { slot, instance, tokens: 1, pending: None, until, probe: false })
+        };
+        let (a1, _a2, _a3) = (open("a", 10), open("a", 20), open("a", 30));
+        let (b1, _b2, _c1) = (open("b", 5), open("b", 40), open("c", 50));
+        assert!(bookings.close(a1).is_some() && bookings.close(a1).is_none());
+        assert_eq!(bookings.expire(t0 + Duration::from_secs(5)).len(), 1, "b's first");
+        assert!(bookings.close(b1).is_none(), "expired already");
+        assert_eq!(bookings.forget_instance(&"a".parse().unwrap()), 2);
+        assert_eq!(bookings.len(), 2, "b's second and c's");
+        let listed: usize = bookings.by_instance.values().map(HashSet::len).sum();
+        assert_eq!((listed, bookings.by_expiry.len()), (2, 2));
+        assert_eq!(bookings.expire(t0 + Duration::from_secs(60)).len(), 2);
+        assert!(bookings.by_instance.is_empty() && bookings.open.is_empty());
     }
 }
