@@ -82,13 +82,19 @@ fn undelivered(m: &Metrics, last: Last, sent: Sent, generated: u32) {
 
 /// Sends `msg` unless the client stops reading until the deadline or the frontend stops:
 /// a client that neither reads nor leaves must not hold the request's permit, decoder and
-/// task past its deadline, nor the frontend's shutdown. A send that can go goes first.
+/// task past its deadline, nor the frontend's shutdown. A send that can go goes at once,
+/// with no timer made (the common case, once per token); only a full channel waits.
 async fn deliver(
     fe: &Frontend,
     tx: &Tx,
     msg: Result<GenerateResponse, Status>,
     deadline: Instant,
 ) -> Sent {
+    let msg = match tx.try_send(msg) {
+        Ok(()) => return Sent::Delivered,
+        Err(mpsc::error::TrySendError::Closed(_)) => return Sent::Gone,
+        Err(mpsc::error::TrySendError::Full(msg)) => msg,
+    };
     tokio::select! {
         biased;
         r = tx.send(msg) => if r.is_ok() { Sent::Delivered } else { Sent::Gone },

@@ -66,21 +66,14 @@ fn breaker_opens_on_prefill_faults_only_and_recovers_through_probes() {
 fn a_probe_never_reported_is_given_back() {
     use std::time::{Duration, Instant};
     let s = half_open_fleet();
-    let others: Vec<InstanceId> = vec!["b".parse().unwrap(), "c".parse().unwrap()];
-    let only_a =
-        Ask { policy: Some(PolicyKind::RoundRobin), exclude: &others, ..Ask::new(&[], 10) };
-    let open_and_probe = || {
-        s.report(book(&s, "a", &others).booking, Outcome::InstanceFault);
-        let probe = book(&s, "a", &others);
-        assert!(s.select(&only_a).is_err(), "one probe out: a takes nothing else");
-        probe
-    };
-    let _probe = open_and_probe();
+    let others = not_a();
+    let only_a = only_a(&others);
+    let _probe = open_and_probe(&s);
     s.lock().expire_bookings(Instant::now() + Duration::from_secs(24 * 3600));
     let probe = book(&s, "a", &others);
     assert!(s.select(&only_a).is_err(), "the expired probe's place went to a new probe");
     assert!(s.report(probe.booking, Outcome::Success));
-    let _probe = open_and_probe();
+    let _probe = open_and_probe(&s);
     let mut restarted = inst("a", 1);
     restarted.version = 2;
     s.apply_update(Update::Add(restarted));
@@ -92,12 +85,8 @@ fn a_probe_never_reported_is_given_back() {
 #[test]
 fn a_probe_forgotten_with_a_silent_instance_is_given_back() {
     let s = half_open_fleet();
-    let others: Vec<InstanceId> = vec!["b".parse().unwrap(), "c".parse().unwrap()];
-    let only_a =
-        Ask { policy: Some(PolicyKind::RoundRobin), exclude: &others, ..Ask::new(&[], 10) };
-    s.report(book(&s, "a", &others).booking, Outcome::InstanceFault);
-    let _probe = book(&s, "a", &others);
-    assert!(s.select(&only_a).is_err(), "one probe out");
+    let others = not_a();
+    let _probe = open_and_probe(&s);
     s.lock().silence(&"a".parse().unwrap());
     let hb = handoff_discovery::Heartbeat {
         instance: "a".parse().unwrap(),
@@ -117,12 +106,10 @@ fn a_probe_forgotten_with_a_silent_instance_is_given_back() {
 #[test]
 fn half_open_only_the_probes_outcome_counts() {
     let s = half_open_fleet();
-    let others: Vec<InstanceId> = vec!["b".parse().unwrap(), "c".parse().unwrap()];
-    let only_a =
-        Ask { policy: Some(PolicyKind::RoundRobin), exclude: &others, ..Ask::new(&[], 10) };
+    let others = not_a();
+    let only_a = only_a(&others);
     let (early, later) = (book(&s, "a", &others), book(&s, "a", &others));
-    s.report(book(&s, "a", &others).booking, Outcome::InstanceFault);
-    let probe = book(&s, "a", &others);
+    let probe = open_and_probe(&s);
     assert!(s.report(early.booking, Outcome::Success));
     assert!(s.select(&only_a).is_err(), "an old success does not close it");
     assert!(s.report(later.booking, Outcome::Cancelled));
@@ -141,4 +128,24 @@ fn half_open_fleet() -> SchedulerState {
     let s = SchedulerState::new(cfg);
     s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1), inst("c", 1)]));
     s
+}
+
+/// The instances other than a.
+fn not_a() -> Vec<InstanceId> {
+    vec!["b".parse().unwrap(), "c".parse().unwrap()]
+}
+
+/// A selection among a alone, `others` excluded.
+fn only_a(others: &[InstanceId]) -> Ask<'_> {
+    Ask { policy: Some(PolicyKind::RoundRobin), exclude: others, ..Ask::new(&[], 10) }
+}
+
+/// Opens a's breaker with a fault and takes its probe (half-open at once): a takes nothing
+/// else while it is out.
+fn open_and_probe(s: &SchedulerState) -> Selection {
+    let others = not_a();
+    s.report(book(s, "a", &others).booking, Outcome::InstanceFault);
+    let probe = book(s, "a", &others);
+    assert!(s.select(&only_a(&others)).is_err(), "one probe out: a takes nothing else");
+    probe
 }
