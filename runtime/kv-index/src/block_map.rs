@@ -22,11 +22,12 @@ const SHARD_BITS: u32 = 8;
 #[derive(Debug)]
 pub(crate) struct BlockMap<V> {
     shards: Box<[HashTable<(BlockHash, V)>]>,
+    len: usize,
 }
 
 impl<V> Default for BlockMap<V> {
     fn default() -> Self {
-        BlockMap { shards: (0..1 << SHARD_BITS).map(|_| HashTable::new()).collect() }
+        BlockMap { shards: (0..1 << SHARD_BITS).map(|_| HashTable::new()).collect(), len: 0 }
     }
 }
 
@@ -68,6 +69,7 @@ impl<V> BlockMap<V> {
         match self.table_mut(k).entry(k, |e| e.0 == h, |e| hash(e.0)) {
             Entry::Vacant(e) => {
                 e.insert((h, v));
+                self.len += 1;
                 true
             }
             Entry::Occupied(_) => false,
@@ -80,6 +82,7 @@ impl<V> BlockMap<V> {
         match self.table_mut(k).entry(k, |e| e.0 == h, |e| hash(e.0)) {
             Entry::Vacant(e) => {
                 e.insert((h, v));
+                self.len += 1;
             }
             Entry::Occupied(mut e) => e.get_mut().1 = v,
         }
@@ -88,12 +91,14 @@ impl<V> BlockMap<V> {
     pub(crate) fn remove(&mut self, h: &BlockHash) -> Option<V> {
         let k = hash(*h);
         let found = self.table_mut(k).find_entry(k, |e| e.0 == *h).ok()?;
-        Some(found.remove().0.1)
+        let v = found.remove().0.1;
+        self.len -= 1;
+        Some(v)
     }
 
-    #[cfg(test)]
+    /// Entries in the map.
     pub(crate) fn len(&self) -> usize {
-        self.shards.iter().map(HashTable::len).sum()
+        self.len
     }
 
     /// Every entry, in no order.

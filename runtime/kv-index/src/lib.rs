@@ -67,8 +67,10 @@ impl Default for KvIndex {
 }
 
 impl KvIndex {
-    /// An empty index holding at most `max_entries` (block, worker) pairs; stores beyond
-    /// that are dropped (the index then underestimates overlap, which only costs a miss).
+    /// An empty index holding at most `max_entries` (block, worker) pairs, and at most as
+    /// many blocks in its tree (counting blocks nobody holds that stay above held ones);
+    /// stores beyond that are dropped (the index then underestimates overlap, which only
+    /// costs a miss).
     pub fn new(max_entries: usize) -> Self {
         KvIndex {
             tree: Tree::default(),
@@ -139,7 +141,7 @@ impl KvIndex {
         }
         self.finish_clear(slot);
         let budget = self.max_entries.saturating_sub(self.entries);
-        let added = self.tree.store(slot.0, parent, blocks, budget);
+        let added = self.tree.store(slot.0, parent, blocks, budget, self.max_entries);
         self.entries += added;
         self.held[slot.index()] += added;
     }

@@ -86,6 +86,29 @@ fn entries_are_bounded() {
     idx.tree.check();
 }
 
+/// A worker that stores a prompt and then evicts all of it but the last block leaves the
+/// evicted blocks in the tree (nobody holds them, but a held child hangs below): they count
+/// toward the bound too, so such rounds cannot grow the tree past it.
+#[test]
+fn blocks_nobody_holds_count_toward_the_bound() {
+    let mut idx = KvIndex::new(100);
+    for round in 0..1_000u32 {
+        let tokens: Vec<u32> = (0..10 * 16).map(|t| round * 1_000 + t).collect();
+        let h = block_hashes(&tokens, 16);
+        idx.store(&key("a", 0), None, &h);
+        idx.remove(&key("a", 0), &h[..9]);
+        assert!(idx.tree.block_count() <= 100, "round {round}: {}", idx.tree.block_count());
+    }
+    assert!(idx.len() <= 100);
+    // Once the holder leaves, the blocks above it go too, and the room comes back.
+    idx.remove_instance(&"a".parse().unwrap());
+    assert_eq!(idx.tree.block_count(), 0);
+    let h = block_hashes(&(0..100 * 16).collect::<Vec<_>>(), 16);
+    idx.store(&key("b", 0), None, &h);
+    assert_eq!(idx.len(), 100);
+    idx.tree.check();
+}
+
 #[test]
 fn shared_prefixes_stay_compressed() {
     let mut idx = KvIndex::default();

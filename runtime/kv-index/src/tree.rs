@@ -223,13 +223,18 @@ impl Tree {
 
     /// Adds `slot` as a holder of the chained run `blocks`, whose first block follows
     /// `parent` (`None`: it starts a prompt, or the parent is unknown), adding at most
-    /// `budget` (block, holder) pairs. Returns the pairs added.
+    /// `budget` (block, holder) pairs and keeping at most `max_blocks` blocks in the tree.
+    /// Returns the pairs added.
+    ///
+    /// The second bound is for blocks nobody holds: a node whose holders all evicted it
+    /// stays while a child is held, so (block, holder) pairs alone do not bound the tree.
     pub(crate) fn store(
         &mut self,
         slot: u32,
         parent: Option<BlockHash>,
         blocks: &[BlockHash],
         budget: usize,
+        max_blocks: usize,
     ) -> usize {
         let (mut added, mut i) = (0, 0);
         let mut prev = parent;
@@ -246,7 +251,11 @@ impl Tree {
                 }
                 n
             } else {
-                let n = self.grow(slot, prev, &blocks[i..], budget - added);
+                let room = (budget - added).min(max_blocks.saturating_sub(self.map.len()));
+                if room == 0 {
+                    break;
+                }
+                let n = self.grow(slot, prev, &blocks[i..], room);
                 added += n;
                 n
             };
@@ -432,6 +441,12 @@ impl Tree {
             }
             i += n;
         }
+    }
+
+    /// Blocks in the tree, held or not.
+    #[cfg(test)]
+    pub(crate) fn block_count(&self) -> usize {
+        self.map.len()
     }
 
     /// Live nodes (for tests of compression).
