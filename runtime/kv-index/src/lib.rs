@@ -58,6 +58,8 @@ pub struct KvIndex {
     clearing: Vec<(u32, bool)>,
     entries: usize,
     max_entries: usize,
+    /// Clears a store or removal finished at once.
+    forced_clears: u64,
 }
 
 impl Default for KvIndex {
@@ -81,6 +83,7 @@ impl KvIndex {
             clearing: Vec::new(),
             entries: 0,
             max_entries,
+            forced_clears: 0,
         }
     }
 
@@ -139,7 +142,7 @@ impl KvIndex {
         if self.key(slot).is_none() {
             return;
         }
-        self.finish_clear(slot);
+        self.finish_clear_forced(slot);
         let budget = self.max_entries.saturating_sub(self.entries);
         let added = self.tree.store(slot.0, parent, blocks, budget, self.max_entries);
         self.entries += added;
@@ -158,7 +161,7 @@ impl KvIndex {
         if self.key(slot).is_none() {
             return;
         }
-        self.finish_clear(slot);
+        self.finish_clear_forced(slot);
         let removed = self.tree.remove(slot.0, blocks);
         self.entries -= removed;
         self.held[slot.index()] -= removed;
@@ -186,13 +189,28 @@ impl KvIndex {
         }
     }
 
-    /// Finishes any clear of `slot` at once.
-    fn finish_clear(&mut self, slot: Slot) {
-        if let Some(at) = self.clearing.iter().position(|c| c.0 == slot.0) {
-            let (_, retired) = self.clearing.swap_remove(at);
-            let step = self.tree.clear_some(slot.0, usize::MAX);
-            self.cleared(slot.0, step.removed, retired);
+    /// Finishes any clear of `slot` at once; whether there was one.
+    fn finish_clear(&mut self, slot: Slot) -> bool {
+        let Some(at) = self.clearing.iter().position(|c| c.0 == slot.0) else { return false };
+        let (_, retired) = self.clearing.swap_remove(at);
+        let step = self.tree.clear_some(slot.0, usize::MAX);
+        self.cleared(slot.0, step.removed, retired);
+        true
+    }
+
+    /// [`KvIndex::finish_clear`] for a store or removal into a slot still being cleared,
+    /// which must not let the clear's later steps wipe what it adds.
+    fn finish_clear_forced(&mut self, slot: Slot) {
+        if self.finish_clear(slot) {
+            self.forced_clears += 1;
         }
+    }
+
+    /// How many clears a store or removal has finished at once: each a scan of the whole
+    /// tree from the clear's cursor, in one call. A caller that finishes its clears with
+    /// [`KvIndex::clean_some`] before changing the cleared slot again keeps this at zero.
+    pub fn forced_clears(&self) -> u64 {
+        self.forced_clears
     }
 
     fn cleared(&mut self, slot: u32, removed: usize, retired: bool) {

@@ -62,30 +62,38 @@ impl SchedulerState {
         epoch: &mut u64,
         ops: Vec<IndexOp>,
     ) -> bool {
-        let mut inner = self.lock();
-        let super::Inner { members, index, .. } = &mut *inner;
-        let Some(m) = members.get(id) else { return false };
-        if !m.routable() || m.cleared != *epoch {
-            *epoch = m.cleared;
-            return false;
-        }
-        let Some(&slot) = m.slots.get(dp_rank as usize) else { return false };
-        let mut clearing = false;
-        for op in ops {
-            match op {
-                IndexOp::Store { parent, blocks } => index.store_at(slot, parent, &blocks),
-                IndexOp::Remove { blocks } => index.remove_at(slot, &blocks),
-                IndexOp::Clear => {
-                    index.begin_clear_at(slot);
-                    clearing = true;
+        let mut ops = ops.into_iter().peekable();
+        loop {
+            let mut inner = self.lock();
+            let super::Inner { members, index, .. } = &mut *inner;
+            let Some(m) = members.get(id) else { return false };
+            if !m.routable() || m.cleared != *epoch {
+                *epoch = m.cleared;
+                return false;
+            }
+            let Some(&slot) = m.slots.get(dp_rank as usize) else { return false };
+            let mut clearing = false;
+            // Up to a clear: the clear is then finished a step per hold of the lock before
+            // the next op (a store into a slot being cleared would finish it in one hold).
+            for op in ops.by_ref() {
+                match op {
+                    IndexOp::Store { parent, blocks } => index.store_at(slot, parent, &blocks),
+                    IndexOp::Remove { blocks } => index.remove_at(slot, &blocks),
+                    IndexOp::Clear => {
+                        index.begin_clear_at(slot);
+                        clearing = true;
+                        break;
+                    }
                 }
             }
+            drop(inner);
+            if clearing {
+                self.settle_index();
+            }
+            if ops.peek().is_none() {
+                return true;
+            }
         }
-        drop(inner);
-        if clearing {
-            self.settle_index();
-        }
-        true
     }
 
     /// Forgets the engine `id`: out of routing, its index entries dropped.

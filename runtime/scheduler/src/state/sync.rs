@@ -301,32 +301,51 @@ impl SchedulerState {
         seq: u64,
         at: (u64, u32),
     ) -> Resynced {
-        let mut inner = self.lock();
-        let Inner { members, index, resyncing, .. } = &mut *inner;
-        let Some(r) = resyncing.owned(id, generation) else {
-            return Resynced::Dropped;
-        };
-        let Some(m) = members.get_mut(id).filter(|m| !m.silent && r.applying == Some(at)) else {
+        let mut pending: Vec<KvEvent> = Vec::new();
+        let (mut first, mut gap) = (true, false);
+        loop {
+            let mut inner = self.lock();
+            let Inner { members, index, resyncing, .. } = &mut *inner;
+            let Some(r) = resyncing.owned(id, generation) else {
+                return Resynced::Dropped;
+            };
+            let Some(m) = members.get_mut(id).filter(|m| !m.silent && r.applying == Some(at))
+            else {
+                resyncing.end(id, generation);
+                return Resynced::Dropped;
+            };
+            // With those heard while the last clear was finished, in order (popped from the end).
+            pending.append(&mut r.buffered);
+            pending.sort_by_key(|e| std::cmp::Reverse(e.seq));
+            if std::mem::take(&mut first) {
+                m.seq = Some(seq);
+            }
+            // Up to a clear, which is then finished a step per hold of the lock before the
+            // next event: a store into a slot being cleared would finish it in one hold.
+            let mut clearing = false;
+            while let Some(ev) = pending.pop() {
+                let clears = matches!(ev.kind, KvEventKind::Cleared);
+                gap |= matches!(apply_in_sequence(m, index, ev), Step::Gap);
+                if clears && index.is_cleaning() {
+                    clearing = true;
+                    break;
+                }
+            }
+            if clearing {
+                drop(inner);
+                self.settle_index();
+                continue;
+            }
+            if std::mem::take(&mut r.overflowed) || gap {
+                // Start again, as the same generation: buffering goes on meanwhile.
+                *r = Resync { generation, ..Resync::default() };
+                warn!(instance = %id, "KV events lost during a resync; resyncing again");
+                return Resynced::Again;
+            }
             resyncing.end(id, generation);
-            return Resynced::Dropped;
-        };
-        let mut buffered = std::mem::take(&mut r.buffered);
-        let lost = std::mem::take(&mut r.overflowed);
-        buffered.sort_by_key(|e| e.seq);
-        m.seq = Some(seq);
-        let mut gap = false;
-        for ev in buffered {
-            gap |= matches!(apply_in_sequence(m, index, ev), Step::Gap);
+            info!(instance = %id, seq = m.seq.unwrap_or(seq), "KV index resynced from snapshot");
+            return Resynced::Done;
         }
-        if lost || gap {
-            // Start again, as the same generation: buffering goes on meanwhile.
-            *r = Resync { generation, ..Resync::default() };
-            warn!(instance = %id, "KV events lost during a resync; resyncing again");
-            return Resynced::Again;
-        }
-        resyncing.end(id, generation);
-        info!(instance = %id, seq = m.seq.unwrap_or(seq), "KV index resynced from snapshot");
-        Resynced::Done
     }
 
     /// Forgets resync `generation` of `id` (it failed or was dropped), if it is still that

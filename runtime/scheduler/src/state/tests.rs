@@ -388,6 +388,27 @@ fn engine_instances_survive_resets_take_their_own_ops_and_go_silent_like_others(
     assert_eq!(s.indexed_blocks(&id, 0), h[..2].to_vec());
 }
 
+/// A clear and the stores after it in one batch (an adapter's block map overflowed): the
+/// clear is finished a step per hold of the lock, not at once by the next store.
+#[test]
+fn an_engine_batch_that_clears_then_stores_finishes_the_clear_in_steps() {
+    use handoff_kv_events::IndexOp;
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.add_engine_at(inst("sglang-a", 1), Instant::now());
+    let id: InstanceId = "sglang-a".parse().unwrap();
+    let h = block_hashes(&(0..4096).collect::<Vec<u32>>(), 16);
+    let mut epoch = 0;
+    let ops = vec![
+        IndexOp::Store { parent: None, blocks: h[..128].to_vec() },
+        IndexOp::Clear,
+        IndexOp::Store { parent: None, blocks: h[..4].to_vec() },
+        IndexOp::Remove { blocks: h[3..4].to_vec() },
+    ];
+    assert!(s.apply_engine_ops(&id, 0, &mut epoch, ops));
+    assert_eq!(s.indexed_blocks(&id, 0), h[..3].to_vec());
+    assert_eq!(s.lock().index.forced_clears(), 0);
+}
+
 #[test]
 fn engine_and_prefill_ids_never_take_each_others_place() {
     let s = SchedulerState::new(SchedulerConfig::default());
