@@ -13,6 +13,16 @@ use std::ops::Range;
 
 use xxhash_rust::xxh3::Xxh3;
 
+/// Separate written intervals a sender may have at once beyond one per range and one per
+/// [`BYTES_PER_PIECE`] of its ranges: each costs the written map about 40 bytes.
+const MIN_PIECES: usize = 1024;
+
+/// A sender's ranges allow one written interval apart from the others per this many bytes
+/// (on top of one per range and [`MIN_PIECES`]), so the written map takes at most about
+/// 40 / 64 of the bytes it tracks. Real senders write pages or head slices of hundreds of
+/// bytes and more, or in order; a sender writing every other byte would cost 20 times.
+const BYTES_PER_PIECE: u64 = 64;
+
 /// The digest of one written segment: xxh3-64 over its offset, its length, its bytes. A
 /// transfer's checksum is the wrapping sum of its segments' digests.
 pub fn segment_digest(offset: u64, bytes: &[u8]) -> u64 {
@@ -34,8 +44,9 @@ pub fn segment_hasher(offset: u64, len: u64) -> Xxh3 {
 pub(super) struct Placement {
     /// Sorted, disjoint, adjacent ones merged.
     ranges: Vec<Range<u64>>,
-    /// Written intervals, start to end, disjoint.
+    /// Written intervals, start to end, disjoint; at most `max_pieces` of them.
     written: BTreeMap<u64, u64>,
+    max_pieces: usize,
     /// Bodies landing now ([`super::Body`]), each under its hold's number: held against
     /// every other write, written only when whole. One per connection landing one, so few.
     landing: Vec<(u64, Range<u64>)>,
@@ -63,7 +74,10 @@ pub(super) fn normalize(mut ranges: Vec<Range<u64>>) -> Option<Vec<Range<u64>>> 
 impl Placement {
     /// A sender allowed `ranges` (normalized).
     pub(super) fn new(ranges: Vec<Range<u64>>) -> Self {
+        let total: u64 = ranges.iter().map(|r| r.end - r.start).sum();
+        let per_bytes = usize::try_from(total / BYTES_PER_PIECE).unwrap_or(usize::MAX);
         Placement {
+            max_pieces: MIN_PIECES.saturating_add(ranges.len()).saturating_add(per_bytes),
             ranges,
             written: BTreeMap::new(),
             landing: Vec::new(),
@@ -123,7 +137,22 @@ impl Placement {
                 r.end.min(end)
             ));
         }
+        if self.written.len() >= self.max_pieces && !self.touches_written(offset, end) {
+            return Err(format!(
+                "write of [{offset}, {end}) would be a written piece apart from {} others \
+                 (at most {} for its {} bytes)",
+                self.written.len(),
+                self.max_pieces,
+                self.total()
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether `[offset, end)` adjoins an interval already written (and would extend it).
+    fn touches_written(&self, offset: u64, end: u64) -> bool {
+        let before = self.written.range(..=offset).next_back().is_some_and(|(_, &e)| e == offset);
+        before || self.written.contains_key(&end)
     }
 
     /// Lets go of a body landing at exactly `[offset, offset + len)`, if one is: the same

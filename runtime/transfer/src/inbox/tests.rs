@@ -252,6 +252,43 @@ async fn placement_is_verified_and_each_violation_named() {
     assert_eq!(inbox.wait(id, soon()).await.unwrap().buf, b"12345678abcdefgh");
 }
 
+/// Each written interval apart from the others costs the written map about 40 bytes: a
+/// sender writing every other byte is refused once it has more than its ranges allow (1,024,
+/// one per range, one per 64 bytes), while one writing 256-byte pages out of order is not.
+#[tokio::test]
+async fn written_pieces_apart_are_bounded_by_the_bytes_they_track() {
+    let inbox = Inbox::new(InboxConfig::default());
+    let s = SenderId::new(0, 0);
+    let len = 64 * 1024u64;
+    let bytes = Bytes::from(vec![7u8; len as usize]);
+    let pairs = |offsets: Vec<u64>, size: u64| -> Vec<(Bytes, u64)> {
+        offsets.into_iter().map(|o| (bytes.slice(o as usize..(o + size) as usize), o)).collect()
+    };
+    // Odd pages first, then even ones: at most 128 pieces apart at once.
+    let pages: Vec<u64> = (0..len / 256)
+        .filter(|p| p % 2 == 1)
+        .chain((0..len / 256).filter(|p| p % 2 == 0))
+        .collect();
+    let id = inbox.register_region(room(9), len, [(s, span(0..len))]).unwrap();
+    let w = WriteRequest::new(
+        id,
+        pairs(pages.iter().map(|p| p * 256).collect(), 256),
+        room(9),
+        s,
+        7,
+        4,
+        0,
+    );
+    write(&inbox, id, &w).unwrap();
+    assert_eq!(inbox.wait(id, soon()).await.unwrap().buf, bytes);
+    // Every other byte: refused at the 1,024 + 1 + 1,024th piece apart.
+    let id = inbox.register_region(room(9), len, [(s, span(0..len))]).unwrap();
+    let w = WriteRequest::new(id, pairs((0..len).step_by(2).collect(), 1), room(9), s, 7, 4, 0);
+    assert!(write(&inbox, id, &w).is_err());
+    let err = inbox.wait(id, soon()).await.unwrap_err().to_string();
+    assert!(err.contains("apart from 2049 others (at most 2049 for its 65536 bytes)"), "{err}");
+}
+
 #[tokio::test]
 async fn region_memory_has_a_total_budget() {
     let inbox = Inbox::new(InboxConfig { max_total_bytes: 10, ..Default::default() });
