@@ -168,6 +168,10 @@ impl EngineStream {
             self.refuse(&"a message without sequence and payload frames");
             return;
         };
+        if self.last.is_some_and(|last| seq > last) {
+            // Past what any replay covered: an earlier sequence from here on is a restart.
+            self.replayed_past = None;
+        }
         match self.last {
             Some(last) if seq == last => return,
             // Live messages queued while a replay ran past them: already applied.
@@ -176,8 +180,14 @@ impl EngineStream {
             }
             Some(last) if seq < last => {
                 debug!(endpoint = %self.endpoint.events, seq, last, "engine restarted");
-                self.replayed_past = None;
                 self.rebuild(sink);
+                // The new engine's sequence starts over: follow it from its start.
+                self.last = None;
+                self.replayed_past = None;
+                if seq > 0 {
+                    self.replayed_past = Some(seq);
+                    self.fill(0, sink).await;
+                }
             }
             Some(last) if seq > last + 1 => {
                 self.replayed_past = Some(seq);

@@ -182,6 +182,16 @@ async fn the_stream_applies_in_order_replays_gaps_and_rebuilds() {
     wait_for(12).await;
     let after = ops.lock().unwrap().iter().filter(|o| **o == IndexOp::Clear).count();
     assert_eq!(after, before + 1, "a restart clears the worker");
+    // And follows the new engine from its start: its seq 0 and 1 are applied, not dropped
+    // as older than the old engine's last.
+    let restarted = block_hashes(&(2000..2016).collect::<Vec<u32>>(), 16)[0];
+    assert_eq!(stored_pages(&ops.lock().unwrap()).last(), Some(&restarted));
+    let p1 = stored(71, None, &(2100..2116).collect::<Vec<u32>>());
+    publisher.send(frame("kv", 1, &p1)).await.unwrap();
+    wait_for(13).await;
+    let next = block_hashes(&(2100..2116).collect::<Vec<u32>>(), 16)[0];
+    assert_eq!(stored_pages(&ops.lock().unwrap()).last(), Some(&next));
+    assert_eq!(ops.lock().unwrap().iter().filter(|o| **o == IndexOp::Clear).count(), after);
 
     let _ = stop_tx.send(());
     let stats = follower.await.unwrap();
