@@ -113,23 +113,29 @@ impl WorkerChains {
                 token_ids,
                 block_size,
                 lora_name,
+                namespaced,
+                spec_kind,
                 medium,
                 extra_keys,
                 group_idx,
                 ..
             } => {
                 let exact = lora_name.is_none()
+                    && !namespaced
                     && !extra_keys
                     && on_device(medium.as_deref())
-                    && group_idx.unwrap_or(0) == 0;
+                    && group_idx.unwrap_or(0) == 0
+                    && full_attention(spec_kind.as_deref());
                 if !exact {
                     self.skipped += 1;
                     return Ok(Vec::new());
                 }
                 self.stored(hashes, *parent, token_ids, *block_size)
             }
-            Event::Removed { hashes, medium } => {
-                if !on_device(medium.as_deref()) {
+            Event::Removed { hashes, medium, group_idx } => {
+                // Another group's eviction (a sliding window's, in a hybrid model) says nothing
+                // of the main group's copy of the same block.
+                if !on_device(medium.as_deref()) || group_idx.unwrap_or(0) != 0 {
                     return Ok(Vec::new());
                 }
                 let blocks: Vec<BlockHash> = hashes
@@ -218,6 +224,12 @@ impl WorkerChains {
 
 fn on_device(medium: Option<&str>) -> bool {
     matches!(medium, None | Some("GPU"))
+}
+
+/// Whether a KV cache of this kind holds every block of a prompt (a sliding window's, say,
+/// does not), so its blocks match a request's prefix.
+fn full_attention(kind: Option<&str>) -> bool {
+    matches!(kind, None | Some("full_attention" | "mla_attention"))
 }
 
 #[cfg(test)]

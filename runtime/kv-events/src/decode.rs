@@ -35,6 +35,12 @@ pub enum Event {
         block_size: u32,
         /// The LoRA adapter, if any.
         lora_name: Option<String>,
+        /// Whether the blocks are namespaced in some other way the event names but a request's
+        /// hashes here do not include: a LoRA by id only (vLLM before 0.14, SGLang before
+        /// 0.5.23) or a cache salt (SGLang from 0.5.21).
+        namespaced: bool,
+        /// The kind of KV cache (`full_attention`, `sliding_window`, ...), when it says.
+        spec_kind: Option<String>,
         /// Where the blocks live (`GPU`, `CPU`, ...); `None` means the device.
         medium: Option<String>,
         /// Whether any block carries extra keys (multimodal, cache salt, ...).
@@ -50,6 +56,8 @@ pub enum Event {
         hashes: Vec<EngineHash>,
         /// Where they lived.
         medium: Option<String>,
+        /// The KV cache group (hybrid models); `None` or 0 is the main one.
+        group_idx: Option<i64>,
     },
     /// Every block of the worker gone.
     Cleared,
@@ -206,15 +214,21 @@ fn event(v: &Value) -> Result<Event, EventsError> {
                 token_ids,
                 block_size,
                 lora_name: f.text("lora_name"),
+                namespaced: ["lora_id", "cache_salt"]
+                    .iter()
+                    .any(|k| f.get(k).is_some_and(|v| !v.is_nil())),
+                spec_kind: f.text("kv_cache_spec_kind"),
                 medium: f.text("medium"),
                 extra_keys,
                 group_idx: f.get("group_idx").and_then(Value::as_i64),
                 bigram,
             }
         }
-        "BlockRemoved" => {
-            Event::Removed { hashes: hashes(f.get("block_hashes"))?, medium: f.text("medium") }
-        }
+        "BlockRemoved" => Event::Removed {
+            hashes: hashes(f.get("block_hashes"))?,
+            medium: f.text("medium"),
+            group_idx: f.get("group_idx").and_then(Value::as_i64),
+        },
         "AllBlocksCleared" => Event::Cleared,
         other => Event::Unknown(other.to_owned()),
     })

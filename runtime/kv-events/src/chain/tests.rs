@@ -9,6 +9,8 @@ fn stored(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, block_size: u
         token_ids: tokens,
         block_size,
         lora_name: None,
+        namespaced: false,
+        spec_kind: None,
         medium: Some("GPU".into()),
         extra_keys: false,
         group_idx: None,
@@ -35,7 +37,7 @@ fn equal_block_sizes_map_one_to_one_and_match_a_requests_hashes() {
     assert_eq!(stores(&a), want[..2]);
     assert_eq!(b, vec![IndexOp::Store { parent: Some(want[1]), blocks: want[2..].to_vec() }]);
     // Removing engine block 13 removes exactly our third page.
-    let r = w.apply(&Event::Removed { hashes: vec![13], medium: None }).unwrap();
+    let r = w.apply(&Event::Removed { hashes: vec![13], medium: None, group_idx: None }).unwrap();
     assert_eq!(r, vec![IndexOp::Remove { blocks: vec![want[2]] }]);
 }
 
@@ -53,7 +55,9 @@ fn page_size_one_engines_fill_our_pages_across_events() {
     }
     assert_eq!(ours, block_hashes(&tokens, 16), "two full pages, 8 tokens pending");
     // Evicting token 3's block removes the first page, which holds it.
-    let r = w.apply(&Event::Removed { hashes: vec![(3i64 - 20) as u64], medium: None }).unwrap();
+    let r = w
+        .apply(&Event::Removed { hashes: vec![(3i64 - 20) as u64], medium: None, group_idx: None })
+        .unwrap();
     assert_eq!(r, vec![IndexOp::Remove { blocks: vec![ours[0]] }]);
 }
 
@@ -63,7 +67,7 @@ fn coarser_engine_blocks_map_to_many_pages() {
     let mut w = WorkerChains::new(4, 1000);
     let ops = w.apply(&stored(vec![1, 2, 3, 4], None, tokens.clone(), 16)).unwrap();
     assert_eq!(stores(&ops), block_hashes(&tokens, 4));
-    let r = w.apply(&Event::Removed { hashes: vec![2], medium: None }).unwrap();
+    let r = w.apply(&Event::Removed { hashes: vec![2], medium: None, group_idx: None }).unwrap();
     assert_eq!(r, vec![IndexOp::Remove { blocks: block_hashes(&tokens, 4)[4..8].to_vec() }]);
 }
 
@@ -95,16 +99,38 @@ fn unknown_parents_inconsistent_events_and_inexact_blocks() {
             }
         }
     };
+    let salted = |e: &mut Event| {
+        if let Event::Stored { namespaced, .. } = e {
+            *namespaced = true;
+        }
+    };
+    let windowed = |e: &mut Event| {
+        if let Event::Stored { spec_kind, .. } = e {
+            *spec_kind = Some("sliding_window".into());
+        }
+    };
     for inexact in [
         with(&|e| set(e, true, false, false, false)),
         with(&|e| set(e, false, true, false, false)),
         with(&|e| set(e, false, false, true, false)),
         with(&|e| set(e, false, false, false, true)),
+        with(&salted),
+        with(&windowed),
     ] {
         assert_eq!(w.apply(&inexact).unwrap(), vec![], "{inexact:?}");
     }
-    assert_eq!(w.skipped, 4);
+    assert_eq!(w.skipped, 6);
     assert!(w.is_empty(), "nothing stored, so children of those blocks are orphans");
+    let full = with(&|e| {
+        if let Event::Stored { spec_kind, .. } = e {
+            *spec_kind = Some("full_attention".into());
+        }
+    });
+    assert_eq!(w.apply(&full).unwrap().len(), 1, "a full attention cache's blocks are exact");
+    // Another group's eviction of the same block (a sliding window's) leaves it indexed.
+    let evicted = |group_idx| Event::Removed { hashes: vec![1], medium: None, group_idx };
+    assert_eq!(w.apply(&evicted(Some(1))).unwrap(), vec![]);
+    assert_eq!(w.apply(&evicted(Some(0))).unwrap().len(), 1);
     w.apply(&stored(vec![1], None, vec![1; 4], 4)).unwrap();
     assert_eq!(w.apply(&Event::Cleared).unwrap(), vec![IndexOp::Clear]);
     assert!(w.is_empty());

@@ -38,7 +38,7 @@ fn sglang_0523_events_with_signed_hashes() {
     );
     assert_eq!(
         b.events[1],
-        Event::Removed { hashes: vec![signed(-8)], medium: Some("GPU".into()) }
+        Event::Removed { hashes: vec![signed(-8)], medium: Some("GPU".into()), group_idx: None }
     );
     assert_eq!(b.events[2], Event::Cleared);
 }
@@ -55,6 +55,8 @@ fn vllm_033_map_events() {
             token_ids: (100..108).collect(),
             block_size: 4,
             lora_name: None,
+            namespaced: false,
+            spec_kind: None,
             medium: Some("GPU".into()),
             extra_keys: false,
             group_idx: Some(0),
@@ -73,7 +75,7 @@ fn vllm_022_array_events() {
         Event::Stored { hashes, parent: None, token_ids, block_size: 1, medium: Some(m), .. }
             if hashes == &[1, 2] && token_ids == &[5, 6] && m == "GPU"
     ));
-    assert_eq!(b.events[1], Event::Removed { hashes: vec![2], medium: None });
+    assert_eq!(b.events[1], Event::Removed { hashes: vec![2], medium: None, group_idx: None });
     assert_eq!(b.events[2], Event::Cleared);
 }
 
@@ -117,6 +119,56 @@ fn signed_and_bytes_hashes_bigrams_and_unknown_fields() {
     assert_eq!((token_ids.as_slice(), *bigram), (&[7, 8][..], true));
     assert_eq!(lora_name.as_deref(), Some("adapter"));
     assert_eq!(b.events[1], Event::Unknown("Future".into()));
+}
+
+/// A LoRA named by id only (old vLLM and SGLang), a cache salt (SGLang), the kind of cache,
+/// and the group of a removal are all read, whichever encoding.
+#[test]
+fn namespaces_cache_kinds_and_removal_groups() {
+    let stored = |extra: Vec<(&str, Value)>| {
+        let mut fields = vec![
+            ("type", "BlockStored".into()),
+            ("block_hashes", Value::Array(vec![1.into()])),
+            ("parent_block_hash", Value::Nil),
+            ("token_ids", Value::Array(vec![5.into()])),
+            ("block_size", 1.into()),
+        ];
+        fields.extend(extra);
+        map(fields)
+    };
+    let removed = map(vec![
+        ("type", "BlockRemoved".into()),
+        ("block_hashes", Value::Array(vec![1.into()])),
+        ("group_idx", 1.into()),
+    ]);
+    // vLLM 0.9's array: hashes, parent, tokens, block size, lora id.
+    let array = Value::Array(vec![
+        "BlockStored".into(),
+        Value::Array(vec![2.into()]),
+        Value::Nil,
+        Value::Array(vec![6.into()]),
+        1.into(),
+        7.into(),
+    ]);
+    let events = vec![
+        stored(vec![("lora_id", Value::Nil), ("cache_salt", Value::Nil)]),
+        stored(vec![("lora_id", 7.into())]),
+        stored(vec![("cache_salt", "tenant-a".into())]),
+        stored(vec![("kv_cache_spec_kind", "sliding_window".into())]),
+        array,
+        removed,
+    ];
+    let b = decode_batch(&encode(&Value::Array(vec![1.0.into(), Value::Array(events)]))).unwrap();
+    let read = |e: &Event| match e {
+        Event::Stored { namespaced, spec_kind, .. } => (*namespaced, spec_kind.clone()),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(read(&b.events[0]), (false, None));
+    assert_eq!(read(&b.events[1]), (true, None));
+    assert_eq!(read(&b.events[2]), (true, None));
+    assert_eq!(read(&b.events[3]), (false, Some("sliding_window".into())));
+    assert_eq!(read(&b.events[4]), (true, None));
+    assert_eq!(b.events[5], Event::Removed { hashes: vec![1], medium: None, group_idx: Some(1) });
 }
 
 #[test]
