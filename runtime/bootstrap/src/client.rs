@@ -32,6 +32,16 @@ pub struct DirectoryClient {
 /// How long a call on a kept connection may take before it is made on a fresh one.
 pub const POOLED_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The longest answer read from a directory: its answers are a few hundred bytes.
+pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+/// The most ranks a directory may say one dp group has (tp x cp x pp): a decode resolves the
+/// address of each rank it reads from, so this bounds what one answer can make it do.
+pub const MAX_GROUP_RANKS: i64 = 4096;
+
+/// The largest size of any one dimension (the directory's own default bound).
+pub const MAX_SIZE: i64 = 1024;
+
 impl Default for DirectoryClient {
     fn default() -> Self {
         Self::new(None)
@@ -106,13 +116,22 @@ impl DirectoryClient {
             Err(_) => self.fresh.request(request(body)).await.map_err(unreachable)?,
         };
         let status = resp.status();
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|source| ClientError::Body { addr: addr.to_owned(), source })?
-            .to_bytes();
-        Ok((status, body))
+        let mut body = resp.into_body();
+        let mut read = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame =
+                frame.map_err(|source| ClientError::Body { addr: addr.to_owned(), source })?;
+            if let Ok(data) = frame.into_data() {
+                if read.len() + data.len() > MAX_ANSWER_BYTES {
+                    return Err(ClientError::Oversized {
+                        addr: addr.to_owned(),
+                        limit: MAX_ANSWER_BYTES,
+                    });
+                }
+                read.extend_from_slice(&data);
+            }
+        }
+        Ok((status, Bytes::from(read)))
     }
 
     fn expect_ok(addr: &str, status: StatusCode, body: &Bytes) -> Result<(), ClientError> {
@@ -139,13 +158,19 @@ impl DirectoryClient {
         let (status, body) = self.call(addr, Method::GET, q, None).await?;
         Self::expect_ok(addr, status, &body)?;
         let info: ServerInfo = Self::parse(addr, &body)?;
-        let sizes =
-            [info.attn_tp_size, info.attn_cp_size, info.dp_size, info.pp_size, info.page_size];
-        if sizes.iter().any(|&s| !(1..=1 << 16).contains(&s)) {
-            return Err(ClientError::Unusable {
-                addr: addr.to_owned(),
-                reason: format!("sizes tp/cp/dp/pp/page {sizes:?} out of range"),
-            });
+        let unusable = |reason| ClientError::Unusable { addr: addr.to_owned(), reason };
+        let sizes = [info.attn_tp_size, info.attn_cp_size, info.dp_size, info.pp_size];
+        if sizes.iter().any(|&s| !(1..=MAX_SIZE).contains(&s)) {
+            return Err(unusable(format!("sizes tp/cp/dp/pp {sizes:?} out of 1..={MAX_SIZE}")));
+        }
+        let group = info.attn_tp_size * info.attn_cp_size * info.pp_size;
+        if group > MAX_GROUP_RANKS {
+            return Err(unusable(format!(
+                "{group} ranks in a dp group (tp x cp x pp), more than {MAX_GROUP_RANKS}"
+            )));
+        }
+        if !(1..=1 << 16).contains(&info.page_size) {
+            return Err(unusable(format!("page size {} out of 1..=65536", info.page_size)));
         }
         Ok(info)
     }
@@ -265,3 +290,6 @@ impl DirectoryCache {
         self.len() == 0
     }
 }
+
+#[cfg(test)]
+mod tests;

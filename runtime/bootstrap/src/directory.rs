@@ -39,8 +39,12 @@ pub struct DirectoryConfig {
     pub max_body_bytes: usize,
     /// Largest accepted parallel size per dimension.
     pub max_parallel: i64,
-    /// Most rooms one `/query_dp_ranks` may ask for.
+    /// Most rooms one `/query_dp_ranks` answers for: the first this many of a longer list
+    /// (a decode asks again for the rest, as it does for rooms not registered yet).
     pub max_query_rooms: usize,
+    /// Largest accepted `/query_dp_ranks` body: an SGLang decode sends every room it still
+    /// waits on in one list, about 21 bytes a room.
+    pub max_query_body_bytes: usize,
     /// The cluster's mutual TLS on the listener (readers and writers need a certificate from
     /// the cluster's CA).
     pub tls: Option<handoff_core::tls::ClusterTls>,
@@ -56,6 +60,7 @@ impl Default for DirectoryConfig {
             max_body_bytes: 64 * 1024,
             max_parallel: 1024,
             max_query_rooms: 4096,
+            max_query_body_bytes: 1 << 20,
             tls: None,
         }
     }
@@ -98,7 +103,11 @@ impl Directory {
     pub fn authorize(&self, header: Option<&str>) -> Result<(), BootstrapError> {
         match &self.cfg.token {
             None => Ok(()),
-            Some(token) => match header.and_then(|h| h.strip_prefix("Bearer ")) {
+            // The scheme's name in any case (RFC 9110), as SGLang's own check takes it.
+            Some(token) => match header
+                .and_then(|h| h.split_once(' '))
+                .and_then(|(scheme, given)| scheme.eq_ignore_ascii_case("bearer").then_some(given))
+            {
                 Some(given) if constant_time_eq(given.as_bytes(), token.as_bytes()) => Ok(()),
                 _ => Err(BootstrapError::Unauthorized),
             },

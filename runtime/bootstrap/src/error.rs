@@ -64,6 +64,14 @@ pub enum ClientError {
         #[source]
         source: hyper::Error,
     },
+    /// The answer is longer than any directory answer ([`crate::client::MAX_ANSWER_BYTES`]).
+    #[error("directory {addr} answered more than {limit} bytes")]
+    Oversized {
+        /// The directory.
+        addr: String,
+        /// The most an answer may have.
+        limit: usize,
+    },
     /// The directory is not fully registered yet (503).
     #[error("directory {addr} not ready: {body}")]
     NotReady {

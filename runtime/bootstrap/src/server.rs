@@ -39,11 +39,15 @@ impl IntoResponse for BootstrapError {
 /// The directory's routes, for serving or for testing without a socket.
 pub fn router(dir: Arc<Directory>) -> Router {
     let limit = dir.config().max_body_bytes;
+    let query_limit = DefaultBodyLimit::max(dir.config().max_query_body_bytes);
     Router::new()
         .route("/health", get(|| async { "OK" }))
         .route("/route", get(get_route).put(put_route).fallback(method_not_allowed))
         .route("/register_dp_rank", post(register_dp_rank).fallback(method_not_allowed))
-        .route("/query_dp_ranks", post(query_dp_ranks).fallback(method_not_allowed))
+        .route(
+            "/query_dp_ranks",
+            post(query_dp_ranks).fallback(method_not_allowed).layer(query_limit),
+        )
         .route_layer(TrafficLayer(Protocol::Http))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(dir)
@@ -170,10 +174,8 @@ async fn query_dp_ranks(
     let Some(list) = v.get("bootstrap_rooms").and_then(Value::as_array) else {
         return Err(BootstrapError::BadRequest("bootstrap_rooms must be a list".into()));
     };
-    let max = dir.config().max_query_rooms;
-    if list.len() > max {
-        return Err(BootstrapError::BadRequest(format!("at most {max} rooms per query")));
-    }
+    // The first rooms only: the rest are asked for again, as unregistered ones are.
+    let list = &list[..list.len().min(dir.config().max_query_rooms)];
     let mut rooms = Vec::with_capacity(list.len());
     for r in list {
         let n = match r {

@@ -152,8 +152,23 @@ async fn malformed_inputs_get_400_with_a_reason() {
         assert_eq!(call(&app, Method::POST, "/query_dp_ranks", Some(body), None).await.0, 400);
     }
 
-    let huge = json!({"bootstrap_rooms": vec![1u64; 100_000]});
+    // An SGLang decode waiting on 5,000 rooms asks for them all at once (about 100 KiB):
+    // answered for the first 4,096, the rest asked for again later.
+    let body = json!({"bootstrap_room": 9_000_000_000_000_004_095u64, "dp_rank": 1});
+    assert_eq!(call(&app, Method::POST, "/register_dp_rank", Some(body), None).await.0, 200);
+    let body = json!({"bootstrap_room": 9_000_000_000_000_004_096u64, "dp_rank": 1});
+    assert_eq!(call(&app, Method::POST, "/register_dp_rank", Some(body), None).await.0, 200);
+    let many: Vec<u64> = (0..5000).map(|i| 9_000_000_000_000_000_000 + i).collect();
+    let body = json!({ "bootstrap_rooms": many });
+    let (s, b, _) = call(&app, Method::POST, "/query_dp_ranks", Some(body), None).await;
+    assert_eq!(
+        (s, serde_json::from_str::<Value>(&b).unwrap()),
+        (200, json!({"9000000000000004095": 1}))
+    );
+    let huge = json!({"bootstrap_rooms": vec![1u64; 600_000]});
     assert_eq!(call(&app, Method::POST, "/query_dp_ranks", Some(huge), None).await.0, 413);
+    let big = json!({"bootstrap_room": 1, "dp_rank": 1, "pad": "x".repeat(100_000)});
+    assert_eq!(call(&app, Method::POST, "/register_dp_rank", Some(big), None).await.0, 413);
     assert_eq!(call(&app, Method::GET, "/health", None, None).await.0, 200, "still serving");
 }
 
@@ -173,6 +188,13 @@ async fn writes_need_the_token_when_configured() {
     assert_eq!(call(&app, Method::POST, "/register_dp_rank", Some(body), Some("t0k")).await.0, 200);
     // Reads stay open, as in SGLang.
     assert_eq!(call(&app, Method::GET, ALL, None, None).await.0, 503);
+    // The scheme's name in any case, as SGLang takes it; nothing but the token after it.
+    let d = Directory::new(DirectoryConfig { token: Some("t0k".into()), ..Default::default() });
+    for (header, ok) in
+        [("bearer t0k", true), ("BEARER t0k", true), ("Basic t0k", false), ("bearer  t0k", false)]
+    {
+        assert_eq!(d.authorize(Some(header)).is_ok(), ok, "{header}");
+    }
 }
 
 #[tokio::test]
