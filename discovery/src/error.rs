@@ -13,6 +13,14 @@ pub enum DiscoveryError {
     /// No answer in time.
     #[error("no answer to {0} in time")]
     Timeout(String),
+    /// A registration larger than the backend takes.
+    #[error("a registration of {bytes} bytes, more than the {limit} allowed")]
+    TooLarge {
+        /// Its size.
+        bytes: usize,
+        /// The bound.
+        limit: usize,
+    },
     /// A payload that does not decode.
     #[error("malformed discovery payload: {0}")]
     Malformed(#[from] serde_json::Error),

@@ -27,6 +27,13 @@ use crate::{DiscoveryError, Instance, Registry, Role, ServerAccess, Update};
 /// Where instances live in etcd.
 pub const KEY_PREFIX: &str = "/handoff/v1/instances/";
 
+/// The largest registration put in etcd. Registrations are a few hundred bytes; the bound
+/// keeps a role's snapshot (every registration under it, in one answer) readable.
+pub const MAX_REGISTRATION_BYTES: usize = 64 * 1024;
+
+/// The largest snapshot of a role read back: a thousand registrations at the bound.
+const MAX_SNAPSHOT_BYTES: usize = 64 << 20;
+
 fn role_dir(role: Role) -> &'static str {
     match role {
         Role::Prefill => "prefill",
@@ -84,12 +91,17 @@ impl EtcdRegistry {
             .with_timeout(Duration::from_secs(5))
             // etcd closes connections that ping more often than its --grpc-keepalive-min-time
             // (5 s by default), which would break every watch: ping every 10 s.
-            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+            // A member cut off from the quorum keeps a watch open and silent: refused, the
+            // watch fails and is taken again (through a member that has a leader).
+            .with_require_leader(true);
         if access.credentials.is_some() {
             return Err(DiscoveryError::Config("etcd takes no NATS credentials file".into()));
         }
         if let Some((user, password)) = &access.user {
-            opts = opts.with_user(user, password);
+            // etcd's tokens last until it restarts (simple) or their TTL (JWT): a call that
+            // finds its token expired authenticates again.
+            opts = opts.with_user(user, password).with_auto_token_refresh(true);
         }
         if access.tls() {
             let mut tls = TlsOptions::new();
@@ -127,7 +139,9 @@ impl EtcdRegistry {
 }
 
 /// Keeps `lease` alive until `stop`; registers again if the lease lapses (etcd was away for
-/// longer than the TTL); revokes the lease on `stop`.
+/// longer than the TTL), and puts the key back if it went while the lease lived (an operator's
+/// `etcdctl del`, or an earlier process of the same id deregistering); revokes the lease on
+/// `stop`.
 async fn keep(
     mut client: Client,
     key: String,
@@ -142,11 +156,25 @@ async fn keep(
         let alive = async {
             let (mut keeper, mut stream) =
                 client.lease_keep_alive(lease).await.map_err(unavailable)?;
+            let mut beat = 0u64;
             loop {
+                beat += 1;
                 keeper.keep_alive().await.map_err(unavailable)?;
                 match stream.message().await.map_err(unavailable)? {
                     Some(r) if r.ttl() > 0 => {}
                     _ => return Err::<(), _>(DiscoveryError::Unavailable("lease lapsed".into())),
+                }
+                // Once a TTL: the key itself is still there.
+                if beat % 3 == 0 {
+                    let held = client.get(key.as_str(), None).await.map_err(unavailable)?;
+                    if held.kvs().is_empty() {
+                        let put = PutOptions::new().with_lease(lease);
+                        client
+                            .put(key.as_str(), value.as_slice(), Some(put))
+                            .await
+                            .map_err(unavailable)?;
+                        info!(%key, "registration deleted under a live lease; put back");
+                    }
                 }
                 if outage {
                     info!(%key, "etcd reachable again; lease kept");
@@ -188,6 +216,12 @@ impl Registry for EtcdRegistry {
     async fn register(&self, instance: Instance) -> Result<(), DiscoveryError> {
         let key = key(&instance);
         let value = serde_json::to_vec(&instance)?;
+        if value.len() > MAX_REGISTRATION_BYTES {
+            return Err(DiscoveryError::TooLarge {
+                bytes: value.len(),
+                limit: MAX_REGISTRATION_BYTES,
+            });
+        }
         let mut client = self.client.clone();
         let lease = Self::put_with_lease(&mut client, &key, &value, self.ttl).await?;
         let stop = self.tasks.shutdown_token().child_token();
@@ -245,6 +279,8 @@ async fn follow(mut client: Client, prefix: String, tx: mpsc::Sender<Update>) {
     loop {
         let run = async {
             let snap = client
+                .kv_client()
+                .max_decoding_message_size(MAX_SNAPSHOT_BYTES)
                 .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
                 .await
                 .map_err(unavailable)?;

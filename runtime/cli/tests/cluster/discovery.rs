@@ -73,6 +73,86 @@ async fn etcd_restart_gives_watchers_a_reset_and_instances_register_again() {
     tasks.shutdown().await;
 }
 
+/// With auth on, etcd's tokens do not outlive it: after a restart the registry must
+/// authenticate again, or every snapshot and re-registration fails for good.
+#[tokio::test]
+async fn an_authenticated_watch_survives_an_etcd_restart() {
+    let mut etcd = Server::etcd();
+    let mut admin = etcd_client::Client::connect([etcd.url.as_str()], None).await.unwrap();
+    admin.user_add("root", "s3cret", None).await.unwrap();
+    admin.user_grant_role("root", "root").await.unwrap();
+    admin.auth_enable().await.unwrap();
+    let access = handoff_discovery::ServerAccess {
+        user: Some(("root".into(), "s3cret".into())),
+        ..Default::default()
+    };
+    let tasks = Tasks::new();
+    let reg = EtcdRegistry::connect_with(&etcd.url, &access, Duration::from_secs(2), &tasks)
+        .await
+        .unwrap();
+    reg.register(inst("p1")).await.unwrap();
+    let mut w = reg.watch(Role::Prefill).await.unwrap();
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Reset(vec![inst("p1")]));
+    etcd.stop();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    etcd.start();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while let Err(e) = reg.register(inst("p2")).await {
+        assert!(Instant::now() < deadline, "never registered again: {e}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    loop {
+        let u = next(&mut w, deadline.saturating_duration_since(Instant::now())).await;
+        if matches!(&u, Update::Reset(all) if all.contains(&inst("p2")))
+            || u == Update::Add(inst("p2"))
+        {
+            break;
+        }
+    }
+    tasks.shutdown().await;
+}
+
+/// A registration past the bound is refused; a role whose registrations add up to more than
+/// gRPC's default 4 MiB answer is still read whole.
+#[tokio::test]
+async fn registrations_are_bounded_and_a_large_role_is_read_whole() {
+    let etcd = Server::etcd();
+    let tasks = Tasks::new();
+    let reg = EtcdRegistry::connect(&etcd.url, Duration::from_secs(5), &tasks).await.unwrap();
+    let sized = |id: &str, bytes: usize| Instance { model: "m".repeat(bytes), ..inst(id) };
+    let limit = handoff_discovery::etcd::MAX_REGISTRATION_BYTES;
+    let refused = reg.register(sized("huge", limit)).await;
+    assert!(matches!(refused, Err(handoff_discovery::DiscoveryError::TooLarge { .. })));
+    let ids: Vec<String> = (0..80).map(|i| format!("p{i}")).collect();
+    for id in &ids {
+        reg.register(sized(id, limit - 1024)).await.unwrap();
+    }
+    let mut w = reg.watch(Role::Prefill).await.unwrap();
+    match next(&mut w, Duration::from_secs(10)).await {
+        Update::Reset(all) => assert_eq!(all.len(), ids.len()),
+        other => panic!("{other:?}"),
+    }
+    tasks.shutdown().await;
+}
+
+/// A registration deleted while its lease lives (`etcdctl del`, or an earlier process of the
+/// same id deregistering) is put back within a TTL.
+#[tokio::test]
+async fn a_registration_deleted_under_a_live_lease_comes_back() {
+    let etcd = Server::etcd();
+    let tasks = Tasks::new();
+    let reg = EtcdRegistry::connect(&etcd.url, Duration::from_secs(2), &tasks).await.unwrap();
+    reg.register(inst("p1")).await.unwrap();
+    let mut w = reg.watch(Role::Prefill).await.unwrap();
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Reset(vec![inst("p1")]));
+    let mut admin = etcd_client::Client::connect([etcd.url.as_str()], None).await.unwrap();
+    let key = format!("{}prefill/p1", handoff_discovery::etcd::KEY_PREFIX);
+    assert_eq!(admin.delete(key, None).await.unwrap().deleted(), 1);
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Remove("p1".parse().unwrap()));
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Add(inst("p1")));
+    tasks.shutdown().await;
+}
+
 #[tokio::test]
 async fn nats_publish_subscribe_and_request_reply() {
     let nats = Server::nats();
