@@ -165,7 +165,7 @@ async fn keep(
                     _ => return Err::<(), _>(DiscoveryError::Unavailable("lease lapsed".into())),
                 }
                 // Once a TTL: the key itself is still there.
-                if beat % 3 == 0 {
+                if beat.is_multiple_of(3) {
                     let held = client.get(key.as_str(), None).await.map_err(unavailable)?;
                     if held.kvs().is_empty() {
                         let put = PutOptions::new().with_lease(lease);
