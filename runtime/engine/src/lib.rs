@@ -38,10 +38,14 @@ pub struct ModelInfo {
     pub eos: Option<u32>,
 }
 
+/// Temperatures at or below this sample greedily: dividing logits by less would overflow
+/// them to infinities (and every probability to NaN) long before it changed the choice.
+pub const GREEDY_BELOW: f32 = 1e-5;
+
 /// Sampling settings an engine honours.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Sampling {
-    /// 0 means greedy.
+    /// At most [`GREEDY_BELOW`] means greedy.
     pub temperature: f32,
     /// Nucleus sampling mass; 0 or 1 means off.
     pub top_p: f32,

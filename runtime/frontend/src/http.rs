@@ -85,12 +85,17 @@ fn sampling(s: &openai::Sampling) -> Result<SamplingParams, ApiError> {
     if s.max_completion_tokens.or(s.max_tokens) == Some(0) {
         return Err(ApiError::invalid("max_tokens must be at least 1", Some("max_tokens")));
     }
+    // Inside, 0 means off; OpenAI's 0 keeps no token at all.
+    if s.top_p == Some(0.0) {
+        return Err(ApiError::invalid("top_p must be in (0, 1]", Some("top_p")));
+    }
     Ok(SamplingParams {
         max_tokens,
         temperature: s.temperature.unwrap_or(0.0),
         top_p: s.top_p.unwrap_or(1.0),
         top_k: s.top_k.unwrap_or(0),
-        seed: s.seed.unwrap_or(0),
+        // No seed: a fresh one, so that sampled completions differ from call to call.
+        seed: s.seed.unwrap_or_else(rand::random),
         stop: s.stop.clone().map(openai::Stop::into_vec).unwrap_or_default(),
         ignore_eos: false,
     })

@@ -48,6 +48,7 @@ pub fn plan(
     if !req.model.is_empty() && req.model != info.name {
         return Err(FrontendError::UnknownModel(req.model));
     }
+    let chat = matches!(req.input, Some(Input::Chat(_)));
     let tokens = match req.input {
         None => return Err(invalid("input is required: text, chat or token_ids")),
         Some(Input::Text(t)) => {
@@ -109,8 +110,22 @@ pub fn plan(
             "at most {MAX_STOP} stop strings of 1 to {MAX_STOP_LEN} bytes"
         )));
     }
-    let max_tokens =
-        if sampling.max_tokens == 0 { cfg.default_max_tokens } else { sampling.max_tokens };
+    let max_tokens = match sampling.max_tokens {
+        // A chat goes on until it ends or fills the context (OpenAI's chat default).
+        0 if chat => {
+            let room = info.max_context.saturating_sub(tokens.len());
+            if room == 0 {
+                return Err(invalid(format!(
+                    "prompt of {} tokens fills the context of {}",
+                    tokens.len(),
+                    info.max_context
+                )));
+            }
+            u32::try_from(room).unwrap_or(u32::MAX)
+        }
+        0 => cfg.default_max_tokens,
+        n => n,
+    };
     if tokens.len() + max_tokens as usize > info.max_context {
         return Err(invalid(format!(
             "prompt of {} tokens plus max_tokens {max_tokens} exceeds the context of {}",
@@ -133,3 +148,6 @@ pub fn plan(
         trace: Default::default(),
     })
 }
+
+#[cfg(test)]
+mod tests;

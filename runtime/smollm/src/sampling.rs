@@ -2,13 +2,13 @@
 //! for the i-th generated token is seeded by (seed, i), so a token is the same whichever
 //! process samples it.
 
-use handoff_engine::Sampling;
+use handoff_engine::{GREEDY_BELOW, Sampling};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 /// The `index`-th generated token from `logits`.
 pub(crate) fn sample(logits: &[f32], s: &Sampling, index: u64) -> u32 {
-    if s.temperature <= 0.0 {
+    if s.temperature <= GREEDY_BELOW {
         return argmax(logits);
     }
     let mut cand: Vec<(u32, f32)> =
@@ -51,4 +51,25 @@ fn argmax(logits: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A temperature too small to divide by samples greedily: dividing overflowed the logits to
+    /// infinities, every probability became NaN, and the last candidate (the least likely) won.
+    #[test]
+    fn a_vanishing_temperature_is_greedy() {
+        let logits = [1.0, 5.0, 3.0, -2.0];
+        for temperature in [1e-38, 1e-30, 1e-6, 0.0] {
+            let s = Sampling { temperature, top_p: 1.0, top_k: 0, seed: 7 };
+            for index in 0..8 {
+                assert_eq!(sample(&logits, &s, index), 1, "temperature {temperature}");
+            }
+        }
+        // A real temperature still samples (and only among the candidates).
+        let s = Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 7 };
+        assert!((0..64).map(|i| sample(&logits, &s, i)).any(|t| t != 1));
+    }
 }

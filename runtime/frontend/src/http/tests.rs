@@ -63,6 +63,7 @@ async fn bad_requests_get_400_with_an_openai_error_body() {
             "temperature",
         ),
         ("/v1/completions", r#"not json"#, "invalid request body"),
+        ("/v1/completions", r#"{"model": "mock", "prompt": "hi", "top_p": 0}"#, "top_p"),
     ];
     for (uri, body, want) in cases {
         let (status, v) = call(&app, Method::POST, uri, body).await;
@@ -78,6 +79,18 @@ async fn bad_requests_get_400_with_an_openai_error_body() {
     let (status, v) = call(&app, Method::GET, "/v1/models", "").await;
     assert_eq!((status, v["data"][0]["id"].as_str()), (200, Some("mock")));
     tasks.shutdown().await;
+}
+
+/// Without a seed, each request samples with a fresh one (the same text every call would
+/// make "regenerate" and self-consistency useless); a seed given is kept.
+#[test]
+fn a_request_without_a_seed_gets_a_fresh_one() {
+    let s: openai::Sampling = serde_json::from_str(r#"{"temperature": 1}"#).unwrap();
+    let seeds: std::collections::HashSet<u64> =
+        (0..8).map(|_| sampling(&s).unwrap().seed).collect();
+    assert_eq!(seeds.len(), 8);
+    let s: openai::Sampling = serde_json::from_str(r#"{"temperature": 1, "seed": 0}"#).unwrap();
+    assert_eq!(sampling(&s).unwrap().seed, 0);
 }
 
 #[test]

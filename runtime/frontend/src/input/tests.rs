@@ -1,0 +1,35 @@
+use handoff_engine::{MockConfig, MockEngine};
+use handoff_proto::v1::{ChatMessage as ChatMsg, ChatMessages, TokenIds};
+
+use super::*;
+
+fn request(input: Input, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(input),
+        sampling: Some(SamplingParams { max_tokens, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+/// With no `max_tokens`, a chat may fill the context (as OpenAI's chat does); text and
+/// token ids get the configured default; a number given is kept.
+#[test]
+fn a_chat_without_max_tokens_may_fill_the_context() {
+    let engine = MockEngine::new(MockConfig::default());
+    let cfg = FrontendConfig::default();
+    let context = engine.info().max_context;
+    let chat = || {
+        let m = ChatMsg { role: "user".into(), content: "hello there".into() };
+        Input::Chat(ChatMessages { messages: vec![m] })
+    };
+    let plan = super::plan(request(chat(), 0), &engine, &cfg).unwrap();
+    assert_eq!(plan.max_tokens as usize, context - plan.tokens.len());
+    let plan = super::plan(request(chat(), 5), &engine, &cfg).unwrap();
+    assert_eq!(plan.max_tokens, 5);
+    let ids = || Input::TokenIds(TokenIds { ids: (1..40).collect() });
+    let plan = super::plan(request(ids(), 0), &engine, &cfg).unwrap();
+    assert_eq!(plan.max_tokens, cfg.default_max_tokens);
+    // A prompt that fills the context leaves no room for a token.
+    let full = Input::TokenIds(TokenIds { ids: vec![1; context] });
+    assert!(super::plan(request(full, 1), &engine, &cfg).is_err());
+}
