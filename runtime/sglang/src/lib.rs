@@ -3,6 +3,7 @@
 //! - [`wire`] — the ZMQ messages (registration, transfer info, status, `AUX_DATA`).
 //! - [`layout`] — SGLang's page and metadata-row layout, and its conversion to our KV.
 //! - [`pool`] — the virtual page pool whose addresses SGLang writes to.
+//! - [`pull`] — the PULL socket the prefill ranks push statuses and rows to (ZMTP, bounded).
 //! - [`receiver`] — [`SglangReceiver`]: one request at a time or many, end to end.
 //!
 //! Pages travel over Mooncake's TCP wire into handoff's own receive regions
@@ -12,6 +13,7 @@
 mod error;
 pub mod layout;
 pub mod pool;
+pub mod pull;
 pub mod receiver;
 mod sockets;
 pub mod wire;

@@ -27,12 +27,11 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::debug;
-use zeromq::{Endpoint, PullSocket, Socket, SocketRecv};
 
 use crate::SglangError;
 use crate::layout::{self, RequestLayout, SglangLayout};
 use crate::pool::{Lease, POOL_PAGES, POOL_ROWS, PagePool};
-use crate::sockets::{RankSockets, zmq};
+use crate::sockets::RankSockets;
 use crate::wire::{Inbound, Registration, STATUS_FAILED, STATUS_SUCCESS, TransferInfo};
 
 /// The largest prefill attention TP served.
@@ -144,24 +143,12 @@ impl SglangReceiver {
             tasks,
         )
         .map_err(io)?;
-        let mut pull = PullSocket::new();
-        let endpoint = pull.bind(&format!("tcp://{bind_ip}:0")).await.map_err(zmq)?;
-        let Endpoint::Tcp(_, pull_port) = endpoint else {
-            return Err(SglangError::Zmq(format!("PULL bound to {endpoint}")));
-        };
+        let pull = TcpListener::bind((bind_ip, 0)).await.map_err(io)?;
+        let pull_port = pull.local_addr().map_err(io)?.port();
         let waiters: Waiters = Arc::default();
         let (w, t) = (waiters.clone(), tasks.clone());
         tasks.spawn(async move {
-            loop {
-                let msg = tokio::select! {
-                    _ = t.shutdown_requested() => break,
-                    m = pull.recv() => m,
-                };
-                match msg {
-                    Ok(m) => route(&w, &m.into_vec()),
-                    Err(e) => debug!(error = %e, "SGLang PULL socket"),
-                }
-            }
+            crate::pull::serve(pull, move |frames| route(&w, frames), t.shutdown_requested()).await
         });
         let (kv_bases, aux_bases) = pool_bases(&layout);
         Ok(SglangReceiver {
