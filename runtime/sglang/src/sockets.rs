@@ -1,16 +1,15 @@
-//! [`RankSockets`]: one cached ZMQ PUSH socket per prefill rank, registered with this decode
-//! once. ZMQ keeps a socket's messages in order, so a registration sent on a socket arrives
-//! before any transfer info sent on it after.
+//! [`RankSockets`]: one cached ZMQ PUSH socket per prefill rank ([`crate::zmtp::Push`]),
+//! registered with this decode once. A socket's messages arrive in order, so a registration
+//! sent on a socket arrives before any transfer info sent on it after.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
-use zeromq::{PushSocket, Socket, SocketSend, ZmqMessage};
-
 use crate::SglangError;
 use crate::wire::Registration;
+use crate::zmtp::Push;
+use bytes::Bytes;
 
 /// How long connecting to a rank and sending it a message may take.
 const SEND_TIMEOUT: Duration = Duration::from_secs(5);
@@ -27,13 +26,13 @@ pub(crate) fn zmq(e: impl std::fmt::Display) -> SglangError {
 
 /// One prefill rank's PUSH socket (registered once), behind its own lock: a slow rank holds
 /// up only its own requests.
-type Push = Arc<tokio::sync::Mutex<Option<PushSocket>>>;
+type Slot = Arc<tokio::sync::Mutex<Option<Push>>>;
 
 /// The PUSH sockets to prefill ranks, by address and attention-TP rank (a rank's
 /// registration names metadata pointers of its own).
 #[derive(Default)]
 pub(crate) struct RankSockets {
-    pushes: Mutex<HashMap<(String, usize), Push>>,
+    pushes: Mutex<HashMap<(String, usize), Slot>>,
 }
 
 impl RankSockets {
@@ -67,21 +66,16 @@ impl RankSockets {
 }
 
 /// A new PUSH socket to the rank at `addr`, with `registration` sent on it.
-async fn register(addr: &str, registration: Registration) -> Result<PushSocket, SglangError> {
-    let mut push = PushSocket::new();
-    let endpoint = format!("tcp://{addr}");
-    tokio::time::timeout(SEND_TIMEOUT, push.connect(&endpoint))
-        .await
-        .map_err(|_| zmq(format!("connecting to {addr} timed out")))?
-        .map_err(zmq)?;
+async fn register(addr: &str, registration: Registration) -> Result<Push, SglangError> {
+    let mut push =
+        Push::connect(addr).await.map_err(|e| zmq(format!("connecting to {addr}: {e}")))?;
     send_on(&mut push, addr, registration.frames()).await?;
     Ok(push)
 }
 
-async fn send_on(push: &mut PushSocket, addr: &str, frames: Vec<Bytes>) -> Result<(), SglangError> {
-    let msg = ZmqMessage::try_from(frames).map_err(zmq)?;
-    tokio::time::timeout(SEND_TIMEOUT, push.send(msg))
+async fn send_on(push: &mut Push, addr: &str, frames: Vec<Bytes>) -> Result<(), SglangError> {
+    tokio::time::timeout(SEND_TIMEOUT, push.send(&frames))
         .await
         .map_err(|_| zmq(format!("sending to {addr} timed out")))?
-        .map_err(zmq)
+        .map_err(|e| zmq(format!("sending to {addr}: {e}")))
 }

@@ -1,9 +1,11 @@
 use std::sync::Mutex;
 
+use tokio::io::AsyncReadExt;
 use tokio::sync::mpsc;
 use zeromq::{PushSocket, Socket, SocketSend, ZmqMessage};
 
 use super::*;
+use crate::zmtp::{LONG, greeting, ready};
 
 /// A PULL server on a port of its own; the messages it hands on come out of the receiver.
 async fn pull() -> (u16, mpsc::UnboundedReceiver<Vec<Bytes>>, tokio::sync::oneshot::Sender<()>) {
@@ -55,13 +57,8 @@ async fn a_push_socket_delivers_multipart_messages() {
 /// What a raw peer sends after a good greeting and READY.
 async fn greeted(port: u16) -> TcpStream {
     let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    let mut g = greeting();
-    g[10] = 3;
-    s.write_all(&g).await.unwrap();
-    let mut body = b"\x05READY\x0bSocket-Type".to_vec();
-    body.extend_from_slice(&4u32.to_be_bytes());
-    body.extend_from_slice(b"PUSH");
-    s.write_all(&command(&body)).await.unwrap();
+    s.write_all(&greeting()).await.unwrap();
+    s.write_all(&ready(b"PUSH")).await.unwrap();
     let mut theirs = [0u8; 64];
     s.read_exact(&mut theirs).await.unwrap();
     s
@@ -97,7 +94,7 @@ async fn hostile_peers_lose_their_connection_and_nobody_else_notices() {
 
     let mut puller = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
     puller.write_all(&greeting()).await.unwrap();
-    puller.write_all(&ready()).await.unwrap();
+    puller.write_all(&ready(b"PULL")).await.unwrap();
     assert!(closed(&mut puller).await, "a PULL is no PUSH");
 
     let mut p = push(port).await;

@@ -1,0 +1,175 @@
+//! ZMTP 3 with the NULL mechanism, as libzmq's PUSH and PULL sockets speak it, written here
+//! so that every length a peer declares is checked before anything is kept for it (the
+//! `zeromq` crate reserves a peer's declared frame length up front: one header declaring
+//! 2^63 bytes aborted the process). [`crate::pull`] serves PUSH peers; [`Push`] is a PUSH
+//! socket to one PULL peer, which never reads after its handshake.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The longest frame taken: statuses are a few bytes, metadata rows a few KiB.
+pub const MAX_FRAME_BYTES: u64 = 1 << 20;
+/// The most frames in one message (SGLang's have at most 20).
+pub const MAX_MESSAGE_FRAMES: usize = 32;
+/// How long a new connection has to greet and say what socket it is.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub(crate) const MORE: u8 = 0x01;
+pub(crate) const LONG: u8 = 0x02;
+pub(crate) const COMMAND: u8 = 0x04;
+
+/// Why a connection was dropped.
+#[derive(Debug, thiserror::Error)]
+pub enum ZmtpError {
+    /// The socket failed or closed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The peer does not speak ZMTP 3 as the socket it should be.
+    #[error("not a ZMTP 3 peer of the right kind: {0}")]
+    Handshake(&'static str),
+    /// A frame longer than [`MAX_FRAME_BYTES`].
+    #[error("a frame of {0} bytes (at most {MAX_FRAME_BYTES})")]
+    Oversized(u64),
+    /// A message of more than [`MAX_MESSAGE_FRAMES`] frames.
+    #[error("a message of more than {MAX_MESSAGE_FRAMES} frames")]
+    TooManyFrames,
+}
+
+/// Our greeting: signature, version 3.0, the NULL mechanism, not a server.
+pub(crate) fn greeting() -> [u8; 64] {
+    let mut g = [0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+/// A short command frame of `body`.
+pub(crate) fn command(body: &[u8]) -> Vec<u8> {
+    let mut f = vec![COMMAND, body.len() as u8];
+    f.extend_from_slice(body);
+    f
+}
+
+/// A READY command saying the socket is of `kind` (`PUSH`, `PULL`).
+pub(crate) fn ready(kind: &[u8]) -> Vec<u8> {
+    let mut body = b"\x05READY\x0bSocket-Type".to_vec();
+    body.extend_from_slice(&(kind.len() as u32).to_be_bytes());
+    body.extend_from_slice(kind);
+    command(&body)
+}
+
+/// The value of property `name` in a READY command's `props`, if it is there.
+fn property<'a>(mut props: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+    while let [len, rest @ ..] = props {
+        let (key, rest) = rest.split_at_checked(usize::from(*len))?;
+        let (size, rest) = rest.split_at_checked(4)?;
+        let size = u32::from_be_bytes(size.try_into().ok()?) as usize;
+        let (value, rest) = rest.split_at_checked(size)?;
+        if key.eq_ignore_ascii_case(name) {
+            return Some(value);
+        }
+        props = rest;
+    }
+    None
+}
+
+/// Reads one frame: its flags and body, the body's length checked before it is read.
+pub(crate) async fn read_frame(stream: &mut TcpStream) -> Result<(u8, Bytes), ZmtpError> {
+    let flags = stream.read_u8().await?;
+    let len = match flags & LONG {
+        0 => u64::from(stream.read_u8().await?),
+        _ => stream.read_u64().await?,
+    };
+    if len > MAX_FRAME_BYTES {
+        return Err(ZmtpError::Oversized(len));
+    }
+    // Grown as bytes arrive: a peer declaring a long frame and sending nothing holds little.
+    let mut body = Vec::with_capacity(len.min(4096) as usize);
+    let got = (&mut *stream).take(len).read_to_end(&mut body).await?;
+    if (got as u64) < len {
+        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+    }
+    Ok((flags, body.into()))
+}
+
+/// Greets as a socket of kind `ours`, and checks the peer's greeting and READY (a socket of
+/// kind `theirs`, the NULL mechanism).
+pub(crate) async fn handshake(
+    stream: &mut TcpStream,
+    ours: &[u8],
+    theirs: &[u8],
+) -> Result<(), ZmtpError> {
+    stream.write_all(&greeting()).await?;
+    let mut peer = [0u8; 64];
+    stream.read_exact(&mut peer).await?;
+    if peer[0] != 0xff || peer[9] & 1 != 1 {
+        return Err(ZmtpError::Handshake("no ZMTP signature"));
+    }
+    if peer[10] < 3 {
+        return Err(ZmtpError::Handshake("a version before 3.0"));
+    }
+    if &peer[12..16] != b"NULL" || peer[16..32].iter().any(|&b| b != 0) {
+        return Err(ZmtpError::Handshake("a mechanism other than NULL"));
+    }
+    stream.write_all(&ready(ours)).await?;
+    let (flags, body) = read_frame(stream).await?;
+    let props = match body.strip_prefix(b"\x05READY") {
+        Some(props) if flags & COMMAND != 0 => props,
+        _ => return Err(ZmtpError::Handshake("no READY")),
+    };
+    match property(props, b"Socket-Type") {
+        Some(kind) if kind.eq_ignore_ascii_case(theirs) => Ok(()),
+        _ => Err(ZmtpError::Handshake("another socket type")),
+    }
+}
+
+/// Writes one message: its frames, each but the last flagged MORE.
+pub(crate) async fn write_message(stream: &mut TcpStream, frames: &[Bytes]) -> std::io::Result<()> {
+    let mut out = Vec::with_capacity(frames.iter().map(|f| f.len() + 9).sum());
+    for (i, f) in frames.iter().enumerate() {
+        let more = if i + 1 < frames.len() { MORE } else { 0 };
+        match u8::try_from(f.len()) {
+            Ok(len) => out.extend_from_slice(&[more, len]),
+            Err(_) => {
+                out.push(more | LONG);
+                out.extend_from_slice(&(f.len() as u64).to_be_bytes());
+            }
+        }
+        out.extend_from_slice(f);
+    }
+    stream.write_all(&out).await
+}
+
+/// A PUSH socket connected to one PULL peer. It never reads after the handshake, so nothing
+/// the peer sends afterwards is kept.
+pub(crate) struct Push {
+    stream: TcpStream,
+}
+
+impl Push {
+    /// Connects to the PULL socket at `addr` and shakes hands, within [`HANDSHAKE_TIMEOUT`].
+    pub(crate) async fn connect(addr: &str) -> Result<Push, ZmtpError> {
+        let go = async {
+            let mut stream = TcpStream::connect(addr).await?;
+            stream.set_nodelay(true)?;
+            handshake(&mut stream, b"PUSH", b"PULL").await?;
+            Ok(Push { stream })
+        };
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, go)
+            .await
+            .map_err(|_| ZmtpError::Handshake("no handshake in time"))?
+    }
+
+    /// Sends one message.
+    pub(crate) async fn send(&mut self, frames: &[Bytes]) -> std::io::Result<()> {
+        write_message(&mut self.stream, frames).await
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,53 @@
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpListener;
+use zeromq::{PullSocket, Socket, SocketRecv};
+
+use super::*;
+
+/// Our PUSH reaches a ZMQ PULL socket of another implementation: short and long frames, in
+/// order.
+#[tokio::test]
+async fn our_push_reaches_a_zmq_pull_socket() {
+    let mut pull = PullSocket::new();
+    let zeromq::Endpoint::Tcp(_, port) = pull.bind("tcp://127.0.0.1:0").await.unwrap() else {
+        panic!("a tcp endpoint")
+    };
+    let mut push = Push::connect(&format!("127.0.0.1:{port}")).await.unwrap();
+    let long = Bytes::from(vec![3u8; 300]);
+    push.send(&[Bytes::from_static(b"a"), long.clone()]).await.unwrap();
+    push.send(&[Bytes::from_static(b"b")]).await.unwrap();
+    let got = |m: zeromq::ZmqMessage| m.into_vec();
+    assert_eq!(got(pull.recv().await.unwrap()), vec![Bytes::from_static(b"a"), long]);
+    assert_eq!(got(pull.recv().await.unwrap()), vec![Bytes::from_static(b"b")]);
+}
+
+/// A peer that is not a PULL (another socket type, or a stranger)
+/// is refused at connect; one that sends a huge frame after its READY changes nothing (a
+/// PUSH never reads after its handshake).
+#[tokio::test]
+async fn our_push_connects_only_to_a_pull_and_keeps_nothing_it_sends() {
+    async fn peer(answer: Vec<u8>) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let _ = s.write_all(&answer).await;
+            let mut sink = Vec::new();
+            let _ = s.read_to_end(&mut sink).await;
+        });
+        addr
+    }
+    let greeted = |kind: &[u8]| [&greeting()[..], &ready(kind)].concat();
+    for (answer, why) in [
+        (greeted(b"PUB"), "another socket type"),
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n".repeat(4), "no ZMTP signature"),
+    ] {
+        let e = Push::connect(&peer(answer).await).await.err().expect("refused");
+        assert!(e.to_string().contains(why), "{e}");
+    }
+    let mut hostile = greeted(b"PULL");
+    hostile.extend_from_slice(&[LONG]);
+    hostile.extend_from_slice(&0x7fff_ffff_fff0_0000u64.to_be_bytes());
+    let mut push = Push::connect(&peer(hostile).await).await.unwrap();
+    push.send(&[Bytes::from_static(b"still here")]).await.unwrap();
+}
