@@ -29,7 +29,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use crate::Frontend;
-use openai::{ApiError, CachedTokens, ChatRequest, CompletionRequest, Prompt, Usage};
+use openai::{ApiError, CachedTokens, ChatRequest, CompletionRequest, Content, Prompt, Usage};
 
 /// Largest request body.
 const MAX_BODY: usize = 4 << 20;
@@ -101,27 +101,20 @@ fn sampling(s: &openai::Sampling) -> Result<SamplingParams, ApiError> {
     })
 }
 
-fn text_content(v: &Value) -> Result<String, ApiError> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
+fn text_content(c: &Content) -> Result<String, ApiError> {
+    match c {
+        Content::Text(s) => Ok(s.clone()),
         // Content parts: concatenate the text parts.
-        Value::Array(parts) => parts
+        Content::Parts(parts) => parts
             .iter()
-            .map(|p| {
-                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str))
-                {
-                    (Some("text"), Some(t)) => Ok(t.to_owned()),
-                    _ => Err(ApiError::invalid(
-                        "only text content parts are supported",
-                        Some("messages"),
-                    )),
-                }
+            .map(|p| match (p.kind.as_str(), &p.text) {
+                ("text", Some(t)) => Ok(t.clone()),
+                _ => Err(ApiError::invalid(
+                    "only text content parts are supported",
+                    Some("messages"),
+                )),
             })
             .collect(),
-        _ => Err(ApiError::invalid(
-            "message content must be a string or text parts",
-            Some("messages"),
-        )),
     }
 }
 
@@ -141,6 +134,7 @@ async fn chat(
 ) -> Response {
     let run = async {
         let req: ChatRequest = parse(&body)?;
+        let sampled: openai::Sampling = parse(&body)?;
         if req.messages.is_empty() {
             return Err(ApiError::invalid("messages must not be empty", Some("messages")));
         }
@@ -152,10 +146,10 @@ async fn chat(
         let g = GenerateRequest {
             model: req.model.clone(),
             input: Some(Input::Chat(ChatMessages { messages })),
-            sampling: Some(sampling(&req.sampling)?),
+            sampling: Some(sampling(&sampled)?),
             ..Default::default()
         };
-        respond(&fe, g, trace_of(&headers), &req.model, &req.sampling, true).await
+        respond(&fe, g, trace_of(&headers), &req.model, &sampled, true).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -167,17 +161,18 @@ async fn completions(
 ) -> Response {
     let run = async {
         let req: CompletionRequest = parse(&body)?;
-        let input = match req.prompt.clone() {
+        let sampled: openai::Sampling = parse(&body)?;
+        let input = match req.prompt {
             Prompt::Text(t) => Input::Text(t),
             Prompt::Tokens(ids) => Input::TokenIds(TokenIds { ids }),
         };
         let g = GenerateRequest {
             model: req.model.clone(),
             input: Some(input),
-            sampling: Some(sampling(&req.sampling)?),
+            sampling: Some(sampling(&sampled)?),
             ..Default::default()
         };
-        respond(&fe, g, trace_of(&headers), &req.model, &req.sampling, false).await
+        respond(&fe, g, trace_of(&headers), &req.model, &sampled, false).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }

@@ -49,10 +49,7 @@ async fn read_message(stream: &mut TcpStream) -> Result<Vec<Bytes>, ZmtpError> {
 type OnMessage = Arc<dyn Fn(&[Bytes]) + Send + Sync>;
 
 /// One peer's connection: the handshake in time, then each message to `on_message`.
-async fn connection(
-    mut stream: TcpStream,
-    on_message: OnMessage,
-) -> Result<(), ZmtpError> {
+async fn connection(mut stream: TcpStream, on_message: OnMessage) -> Result<(), ZmtpError> {
     tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream, b"PULL", b"PUSH"))
         .await
         .map_err(|_| ZmtpError::Handshake("no handshake in time"))??;

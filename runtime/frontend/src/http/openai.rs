@@ -2,8 +2,9 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
-use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde::de::{self, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::json;
 
 use crate::{Cause, FrontendError};
 
@@ -46,22 +47,41 @@ pub(crate) struct StreamOptions {
     pub(crate) include_usage: bool,
 }
 
+// The request types below are read straight from the body, never through serde's untagged
+// enums or `flatten`, which first hold the whole value as generic content (32 bytes a token
+// id, hundreds a content part): a 4 MiB body became 60 to 120 MB. [`Sampling`] is read from
+// the same body on its own.
+
 #[derive(Debug, Clone, Deserialize)]
 pub(crate) struct ChatMessage {
     pub(crate) role: String,
-    pub(crate) content: Value,
+    pub(crate) content: Content,
+}
+
+/// A message's `content`: a string, or a list of parts.
+#[derive(Debug, Clone)]
+pub(crate) enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a message's content; only text parts are served.
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct ContentPart {
+    #[serde(rename = "type")]
+    pub(crate) kind: String,
+    #[serde(default)]
+    pub(crate) text: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 pub(crate) struct ChatRequest {
     pub(crate) model: String,
     pub(crate) messages: Vec<ChatMessage>,
-    #[serde(flatten)]
-    pub(crate) sampling: Sampling,
 }
 
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+/// `prompt`: a string or a list of token ids.
+#[derive(Debug, Clone)]
 pub(crate) enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
@@ -71,8 +91,58 @@ pub(crate) enum Prompt {
 pub(crate) struct CompletionRequest {
     pub(crate) model: String,
     pub(crate) prompt: Prompt,
-    #[serde(flatten)]
-    pub(crate) sampling: Sampling,
+}
+
+/// A string, or a list of `T`, read as it comes.
+struct StringOrList<T>(std::marker::PhantomData<T>, &'static str);
+
+impl<'de, T: Deserialize<'de>> Visitor<'de> for StringOrList<T> {
+    type Value = Result<String, Vec<T>>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(self.1)
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+        Ok(Ok(s.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, s: String) -> Result<Self::Value, E> {
+        Ok(Ok(s))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
+        while let Some(item) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Err(items))
+    }
+}
+
+fn string_or_list<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+    expecting: &'static str,
+) -> Result<Result<String, Vec<T>>, D::Error> {
+    d.deserialize_any(StringOrList(std::marker::PhantomData, expecting))
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(match string_or_list(d, "a string or a list of token ids")? {
+            Ok(text) => Prompt::Text(text),
+            Err(ids) => Prompt::Tokens(ids),
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for Content {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(match string_or_list(d, "a string or a list of content parts")? {
+            Ok(text) => Content::Text(text),
+            Err(parts) => Content::Parts(parts),
+        })
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
