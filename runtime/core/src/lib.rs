@@ -10,6 +10,7 @@
 //! - [`tasks`] — owned background tasks and a shutdown signal (no detached tasks).
 //! - [`tls`] — mutual TLS within a cluster, and public endpoints' certificates.
 //! - [`traffic`] — gRPC and HTTP requests served, counted and timed by route and status.
+//! - [`zmtp`] — ZMTP 3 (ZMQ's wire) with every length a peer declares bounded.
 
 pub mod hash;
 pub mod ids;
@@ -20,6 +21,7 @@ pub mod otel;
 pub mod tasks;
 pub mod tls;
 pub mod traffic;
+pub mod zmtp;
 
 pub use hash::{BLOCK_HASH_SEED, block_hashes};
 pub use ids::{BlockHash, InstanceId, InvalidId, Room};

@@ -3,8 +3,8 @@
 //! - [`wire`] — the ZMQ messages (registration, transfer info, status, `AUX_DATA`).
 //! - [`layout`] — SGLang's page and metadata-row layout, and its conversion to our KV.
 //! - [`pool`] — the virtual page pool whose addresses SGLang writes to.
-//! - [`zmtp`] — ZMTP 3 (NULL mechanism) with every declared length bounded, and a PUSH socket.
-//! - [`pull`] — the PULL socket the prefill ranks push statuses and rows to.
+//! - [`pull`] — the PULL socket the prefill ranks push statuses and rows to, in
+//!   [`handoff_core::zmtp`] (every length a peer declares bounded).
 //! - [`receiver`] — [`SglangReceiver`]: one request at a time or many, end to end.
 //!
 //! Pages travel over Mooncake's TCP wire into handoff's own receive regions
@@ -18,7 +18,6 @@ pub mod pull;
 pub mod receiver;
 mod sockets;
 pub mod wire;
-pub mod zmtp;
 
 pub use error::SglangError;
 pub use layout::{RequestLayout, SglangLayout};

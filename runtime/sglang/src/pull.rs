@@ -1,5 +1,5 @@
 //! The decode's PULL socket, where SGLang's prefill ranks push each request's status and
-//! `AUX_DATA` rows, in [`crate::zmtp`]: every frame's length is checked before a byte of it
+//! `AUX_DATA` rows, in [`handoff_core::zmtp`]: every frame's length is checked before a byte of it
 //! is kept, and a frame's buffer grows only as its bytes arrive. A peer that breaks a bound
 //! loses its connection; nobody else notices.
 
@@ -8,42 +8,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::debug;
 
-use crate::zmtp::{
-    COMMAND, HANDSHAKE_TIMEOUT, MAX_MESSAGE_FRAMES, MORE, ZmtpError, command, handshake, read_frame,
-};
+use handoff_core::zmtp::{HANDSHAKE_TIMEOUT, ZmtpError, handshake, read_message};
 
 /// Connections served at once (one per prefill rank that pushes to this decode); beyond,
 /// accepts wait in the backlog.
 pub const MAX_CONNECTIONS: usize = 256;
-
-/// Reads the next message, answering any PING (ZMTP 3.1 heartbeats) on the way.
-async fn read_message(stream: &mut TcpStream) -> Result<Vec<Bytes>, ZmtpError> {
-    let mut frames = Vec::new();
-    loop {
-        let (flags, body) = read_frame(stream).await?;
-        if flags & COMMAND != 0 {
-            // PING: name, a 2-byte TTL, then a context echoed in the PONG.
-            if let Some(rest) = body.strip_prefix(b"\x04PING") {
-                let mut pong = b"\x04PONG".to_vec();
-                pong.extend_from_slice(rest.get(2..).unwrap_or_default());
-                stream.write_all(&command(&pong[..pong.len().min(255)])).await?;
-            }
-            continue;
-        }
-        frames.push(body);
-        if frames.len() > MAX_MESSAGE_FRAMES {
-            return Err(ZmtpError::TooManyFrames);
-        }
-        if flags & MORE == 0 {
-            return Ok(frames);
-        }
-    }
-}
 
 /// What each message's frames are handed to.
 type OnMessage = Arc<dyn Fn(&[Bytes]) + Send + Sync>;

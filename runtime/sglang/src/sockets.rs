@@ -1,4 +1,4 @@
-//! [`RankSockets`]: one cached ZMQ PUSH socket per prefill rank ([`crate::zmtp::Push`]),
+//! [`RankSockets`]: one cached ZMQ PUSH socket per prefill rank ([`Connection`]),
 //! registered with this decode once. A socket's messages arrive in order, so a registration
 //! sent on a socket arrives before any transfer info sent on it after.
 
@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use crate::SglangError;
 use crate::wire::Registration;
-use crate::zmtp::Push;
 use bytes::Bytes;
+use handoff_core::zmtp::Connection;
 
 /// How long connecting to a rank and sending it a message may take.
 const SEND_TIMEOUT: Duration = Duration::from_secs(5);
@@ -26,7 +26,7 @@ pub(crate) fn zmq(e: impl std::fmt::Display) -> SglangError {
 
 /// One prefill rank's PUSH socket (registered once), behind its own lock: a slow rank holds
 /// up only its own requests.
-type Slot = Arc<tokio::sync::Mutex<Option<Push>>>;
+type Slot = Arc<tokio::sync::Mutex<Option<Connection>>>;
 
 /// The PUSH sockets to prefill ranks, by address and attention-TP rank (a rank's
 /// registration names metadata pointers of its own).
@@ -66,14 +66,15 @@ impl RankSockets {
 }
 
 /// A new PUSH socket to the rank at `addr`, with `registration` sent on it.
-async fn register(addr: &str, registration: Registration) -> Result<Push, SglangError> {
-    let mut push =
-        Push::connect(addr).await.map_err(|e| zmq(format!("connecting to {addr}: {e}")))?;
+async fn register(addr: &str, registration: Registration) -> Result<Connection, SglangError> {
+    let mut push = Connection::connect(addr, b"PUSH", b"PULL")
+        .await
+        .map_err(|e| zmq(format!("connecting to {addr}: {e}")))?;
     send_on(&mut push, addr, registration.frames()).await?;
     Ok(push)
 }
 
-async fn send_on(push: &mut Push, addr: &str, frames: Vec<Bytes>) -> Result<(), SglangError> {
+async fn send_on(push: &mut Connection, addr: &str, frames: Vec<Bytes>) -> Result<(), SglangError> {
     tokio::time::timeout(SEND_TIMEOUT, push.send(&frames))
         .await
         .map_err(|_| zmq(format!("sending to {addr} timed out")))?

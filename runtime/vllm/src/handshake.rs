@@ -6,9 +6,10 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
+use handoff_core::zmtp::Connection;
 use handoff_transfer::nixl::NixlReader;
 use rmpv::Value;
-use zeromq::{ReqSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::{Handshake, VllmError};
 
@@ -47,17 +48,19 @@ pub async fn ask(
         if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
     let side = |reason: String| VllmError::SideChannel { addr: addr.clone(), reason };
     let exchange = async {
-        let mut sock = ReqSocket::new();
-        sock.connect(&format!("tcp://{addr}")).await.map_err(|e| side(format!("connect: {e}")))?;
-        sock.send(ZmqMessage::from(request(pp_rank, tp_rank)))
+        let mut sock = Connection::connect(&addr, b"REQ", b"ROUTER")
             .await
-            .map_err(|e| side(format!("send: {e}")))?;
-        let answer = sock.recv().await.map_err(|e| side(format!("receive: {e}")))?;
-        let _ = sock.close().await;
-        let frames = answer.into_vec();
+            .map_err(|e| side(format!("connect: {e}")))?;
+        // A REQ's message opens with an empty delimiter frame, and so does the answer.
+        let ask = [Bytes::new(), Bytes::from(request(pp_rank, tp_rank))];
+        sock.send(&ask).await.map_err(|e| side(format!("send: {e}")))?;
+        let frames = sock.recv().await.map_err(|e| side(format!("receive: {e}")))?;
         match frames.as_slice() {
-            [payload, _clock] => Handshake::decode(payload),
-            other => Err(VllmError::Malformed(format!("{} frames (2 expected)", other.len()))),
+            [delimiter, payload, _clock] if delimiter.is_empty() => Handshake::decode(payload),
+            other => Err(VllmError::Malformed(format!(
+                "{} frames (a delimiter and 2 expected)",
+                other.len()
+            ))),
         }
     };
     match tokio::time::timeout(timeout, exchange).await {

@@ -1,11 +1,11 @@
 use std::sync::Mutex;
 
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use zeromq::{PushSocket, Socket, SocketSend, ZmqMessage};
 
 use super::*;
-use crate::zmtp::{LONG, greeting, ready};
+use handoff_core::zmtp::{LONG, MAX_MESSAGE_FRAMES, MORE, greeting, ready};
 
 /// A PULL server on a port of its own; the messages it hands on come out of the receiver.
 async fn pull() -> (u16, mpsc::UnboundedReceiver<Vec<Bytes>>, tokio::sync::oneshot::Sender<()>) {

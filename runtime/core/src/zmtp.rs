@@ -1,8 +1,9 @@
-//! ZMTP 3 with the NULL mechanism, as libzmq's PUSH and PULL sockets speak it, written here
-//! so that every length a peer declares is checked before anything is kept for it (the
-//! `zeromq` crate reserves a peer's declared frame length up front: one header declaring
-//! 2^63 bytes aborted the process). [`crate::pull`] serves PUSH peers; [`Push`] is a PUSH
-//! socket to one PULL peer, which never reads after its handshake.
+//! ZMTP 3 with the NULL mechanism, as libzmq's sockets speak it to the engines we talk to
+//! (SGLang's PUSH/PULL, vLLM's ROUTER), written here so that every length a peer declares is
+//! checked before anything is kept for it. The `zeromq` crate reserves a peer's declared
+//! frame length up front: one frame header declaring 2^63 bytes aborted the process.
+//! [`Connection`] is one socket's connection to one peer; [`read_message`] and
+//! [`handshake`] serve listeners (SGLang's PULL, in `handoff_sglang::pull`).
 
 use std::time::Duration;
 
@@ -17,9 +18,12 @@ pub const MAX_MESSAGE_FRAMES: usize = 32;
 /// How long a new connection has to greet and say what socket it is.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub(crate) const MORE: u8 = 0x01;
-pub(crate) const LONG: u8 = 0x02;
-pub(crate) const COMMAND: u8 = 0x04;
+/// A frame flag: more frames of the message follow.
+pub const MORE: u8 = 0x01;
+/// A frame flag: the length takes 8 bytes.
+pub const LONG: u8 = 0x02;
+/// A frame flag: a command, not a message frame.
+pub const COMMAND: u8 = 0x04;
 
 /// Why a connection was dropped.
 #[derive(Debug, thiserror::Error)]
@@ -39,7 +43,7 @@ pub enum ZmtpError {
 }
 
 /// Our greeting: signature, version 3.0, the NULL mechanism, not a server.
-pub(crate) fn greeting() -> [u8; 64] {
+pub fn greeting() -> [u8; 64] {
     let mut g = [0u8; 64];
     g[0] = 0xff;
     g[9] = 0x7f;
@@ -49,14 +53,14 @@ pub(crate) fn greeting() -> [u8; 64] {
 }
 
 /// A short command frame of `body`.
-pub(crate) fn command(body: &[u8]) -> Vec<u8> {
+pub fn command(body: &[u8]) -> Vec<u8> {
     let mut f = vec![COMMAND, body.len() as u8];
     f.extend_from_slice(body);
     f
 }
 
 /// A READY command saying the socket is of `kind` (`PUSH`, `PULL`).
-pub(crate) fn ready(kind: &[u8]) -> Vec<u8> {
+pub fn ready(kind: &[u8]) -> Vec<u8> {
     let mut body = b"\x05READY\x0bSocket-Type".to_vec();
     body.extend_from_slice(&(kind.len() as u32).to_be_bytes());
     body.extend_from_slice(kind);
@@ -79,7 +83,7 @@ fn property<'a>(mut props: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
 }
 
 /// Reads one frame: its flags and body, the body's length checked before it is read.
-pub(crate) async fn read_frame(stream: &mut TcpStream) -> Result<(u8, Bytes), ZmtpError> {
+pub async fn read_frame(stream: &mut TcpStream) -> Result<(u8, Bytes), ZmtpError> {
     let flags = stream.read_u8().await?;
     let len = match flags & LONG {
         0 => u64::from(stream.read_u8().await?),
@@ -99,7 +103,7 @@ pub(crate) async fn read_frame(stream: &mut TcpStream) -> Result<(u8, Bytes), Zm
 
 /// Greets as a socket of kind `ours`, and checks the peer's greeting and READY (a socket of
 /// kind `theirs`, the NULL mechanism).
-pub(crate) async fn handshake(
+pub async fn handshake(
     stream: &mut TcpStream,
     ours: &[u8],
     theirs: &[u8],
@@ -129,7 +133,7 @@ pub(crate) async fn handshake(
 }
 
 /// Writes one message: its frames, each but the last flagged MORE.
-pub(crate) async fn write_message(stream: &mut TcpStream, frames: &[Bytes]) -> std::io::Result<()> {
+pub async fn write_message(stream: &mut TcpStream, frames: &[Bytes]) -> std::io::Result<()> {
     let mut out = Vec::with_capacity(frames.iter().map(|f| f.len() + 9).sum());
     for (i, f) in frames.iter().enumerate() {
         let more = if i + 1 < frames.len() { MORE } else { 0 };
@@ -145,20 +149,46 @@ pub(crate) async fn write_message(stream: &mut TcpStream, frames: &[Bytes]) -> s
     stream.write_all(&out).await
 }
 
-/// A PUSH socket connected to one PULL peer. It never reads after the handshake, so nothing
-/// the peer sends afterwards is kept.
-pub(crate) struct Push {
+/// Reads the next message, answering any PING (ZMTP 3.1 heartbeats) on the way.
+pub async fn read_message(stream: &mut TcpStream) -> Result<Vec<Bytes>, ZmtpError> {
+    let mut frames = Vec::new();
+    loop {
+        let (flags, body) = read_frame(stream).await?;
+        if flags & COMMAND != 0 {
+            // PING: name, a 2-byte TTL, then a context echoed in the PONG.
+            if let Some(rest) = body.strip_prefix(b"\x04PING") {
+                let mut pong = b"\x04PONG".to_vec();
+                pong.extend_from_slice(rest.get(2..).unwrap_or_default());
+                stream.write_all(&command(&pong[..pong.len().min(255)])).await?;
+            }
+            continue;
+        }
+        frames.push(body);
+        if frames.len() > MAX_MESSAGE_FRAMES {
+            return Err(ZmtpError::TooManyFrames);
+        }
+        if flags & MORE == 0 {
+            return Ok(frames);
+        }
+    }
+}
+
+/// One socket's connection to one peer (a PUSH to a PULL, a REQ to a ROUTER, ...). Nothing
+/// is read but what [`Connection::recv`] asks for, so a PUSH, which never asks, keeps
+/// nothing its peer sends after the handshake.
+pub struct Connection {
     stream: TcpStream,
 }
 
-impl Push {
-    /// Connects to the PULL socket at `addr` and shakes hands, within [`HANDSHAKE_TIMEOUT`].
-    pub(crate) async fn connect(addr: &str) -> Result<Push, ZmtpError> {
+impl Connection {
+    /// Connects to the socket of kind `theirs` at `addr` (`host:port`) as one of kind `ours`,
+    /// shaking hands within [`HANDSHAKE_TIMEOUT`].
+    pub async fn connect(addr: &str, ours: &[u8], theirs: &[u8]) -> Result<Self, ZmtpError> {
         let go = async {
             let mut stream = TcpStream::connect(addr).await?;
             stream.set_nodelay(true)?;
-            handshake(&mut stream, b"PUSH", b"PULL").await?;
-            Ok(Push { stream })
+            handshake(&mut stream, ours, theirs).await?;
+            Ok(Connection { stream })
         };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, go)
             .await
@@ -166,8 +196,13 @@ impl Push {
     }
 
     /// Sends one message.
-    pub(crate) async fn send(&mut self, frames: &[Bytes]) -> std::io::Result<()> {
+    pub async fn send(&mut self, frames: &[Bytes]) -> std::io::Result<()> {
         write_message(&mut self.stream, frames).await
+    }
+
+    /// Receives one message, within the bounds.
+    pub async fn recv(&mut self) -> Result<Vec<Bytes>, ZmtpError> {
+        read_message(&mut self.stream).await
     }
 }
 

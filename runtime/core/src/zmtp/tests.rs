@@ -12,7 +12,8 @@ async fn our_push_reaches_a_zmq_pull_socket() {
     let zeromq::Endpoint::Tcp(_, port) = pull.bind("tcp://127.0.0.1:0").await.unwrap() else {
         panic!("a tcp endpoint")
     };
-    let mut push = Push::connect(&format!("127.0.0.1:{port}")).await.unwrap();
+    let mut push =
+        Connection::connect(&format!("127.0.0.1:{port}"), b"PUSH", b"PULL").await.unwrap();
     let long = Bytes::from(vec![3u8; 300]);
     push.send(&[Bytes::from_static(b"a"), long.clone()]).await.unwrap();
     push.send(&[Bytes::from_static(b"b")]).await.unwrap();
@@ -42,12 +43,36 @@ async fn our_push_connects_only_to_a_pull_and_keeps_nothing_it_sends() {
         (greeted(b"PUB"), "another socket type"),
         (b"HTTP/1.1 400 Bad Request\r\n\r\n".repeat(4), "no ZMTP signature"),
     ] {
-        let e = Push::connect(&peer(answer).await).await.err().expect("refused");
+        let e = Connection::connect(&peer(answer).await, b"PUSH", b"PULL")
+            .await
+            .err()
+            .expect("refused");
         assert!(e.to_string().contains(why), "{e}");
     }
     let mut hostile = greeted(b"PULL");
     hostile.extend_from_slice(&[LONG]);
     hostile.extend_from_slice(&0x7fff_ffff_fff0_0000u64.to_be_bytes());
-    let mut push = Push::connect(&peer(hostile).await).await.unwrap();
+    let mut push = Connection::connect(&peer(hostile).await, b"PUSH", b"PULL").await.unwrap();
     push.send(&[Bytes::from_static(b"still here")]).await.unwrap();
+}
+
+/// A ROUTER that answers a REQ with a frame declaring 2^63 bytes: the receive fails with the
+/// reason, nothing allocated for it, where the `zeromq` crate aborted the process.
+#[tokio::test]
+async fn a_huge_frame_in_an_answer_is_refused() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        handshake(&mut s, b"ROUTER", b"REQ").await.unwrap();
+        let _ = read_message(&mut s).await.unwrap();
+        let mut answer = vec![MORE, 0, LONG];
+        answer.extend_from_slice(&0x7fff_ffff_fff0_0000u64.to_be_bytes());
+        s.write_all(&answer).await.unwrap();
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink).await;
+    });
+    let mut req = Connection::connect(&addr, b"REQ", b"ROUTER").await.unwrap();
+    req.send(&[Bytes::new(), Bytes::from_static(b"get_meta_msg")]).await.unwrap();
+    assert!(matches!(req.recv().await, Err(ZmtpError::Oversized(0x7fff_ffff_fff0_0000))));
 }
