@@ -81,18 +81,6 @@ async fn bad_requests_get_400_with_an_openai_error_body() {
     tasks.shutdown().await;
 }
 
-/// Without a seed, each request samples with a fresh one (the same text every call would
-/// make "regenerate" and self-consistency useless); a seed given is kept.
-#[test]
-fn a_request_without_a_seed_gets_a_fresh_one() {
-    let s: openai::Sampling = serde_json::from_str(r#"{"temperature": 1}"#).unwrap();
-    let seeds: std::collections::HashSet<u64> =
-        (0..8).map(|_| sampling(&s).unwrap().seed).collect();
-    assert_eq!(seeds.len(), 8);
-    let s: openai::Sampling = serde_json::from_str(r#"{"temperature": 1, "seed": 0}"#).unwrap();
-    assert_eq!(sampling(&s).unwrap().seed, 0);
-}
-
 #[test]
 fn each_failure_has_its_status_and_overload_says_when_to_retry() {
     use crate::Cause;

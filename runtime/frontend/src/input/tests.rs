@@ -33,3 +33,21 @@ fn a_chat_without_max_tokens_may_fill_the_context() {
     let full = Input::TokenIds(TokenIds { ids: vec![1; context] });
     assert!(super::plan(request(full, 1), &engine, &cfg).is_err());
 }
+
+/// Seed 0 (none given) is a fresh seed per request, below 2^63 (SGLang keeps seeds in a
+/// signed 64-bit integer); a seed given is kept.
+#[test]
+fn no_seed_is_a_fresh_one_below_two_to_the_63() {
+    let engine = MockEngine::new(MockConfig::default());
+    let cfg = FrontendConfig::default();
+    let with_seed = |seed| GenerateRequest {
+        input: Some(Input::TokenIds(TokenIds { ids: (1..40).collect() })),
+        sampling: Some(SamplingParams { seed, temperature: 1.0, ..Default::default() }),
+        ..Default::default()
+    };
+    let seeds: std::collections::HashSet<u64> =
+        (0..8).map(|_| super::plan(with_seed(0), &engine, &cfg).unwrap().sampling.seed).collect();
+    assert_eq!(seeds.len(), 8, "{seeds:?}");
+    assert!(seeds.iter().all(|&s| s != 0 && s < 1 << 63), "{seeds:?}");
+    assert_eq!(super::plan(with_seed(5), &engine, &cfg).unwrap().sampling.seed, 5);
+}
