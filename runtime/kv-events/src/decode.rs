@@ -109,6 +109,8 @@ const STORED_ORDER: &[&str] = &[
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
 ];
 const REMOVED_ORDER: &[&str] = &["block_hashes", "medium", "group_idx"];
 

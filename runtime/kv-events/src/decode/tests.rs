@@ -150,6 +150,21 @@ fn namespaces_cache_kinds_and_removal_groups() {
         1.into(),
         7.into(),
     ]);
+    // vLLM 0.22's array: every field, the kind of cache eleventh.
+    let windowed = Value::Array(vec![
+        "BlockStored".into(),
+        Value::Array(vec![3.into()]),
+        Value::Nil,
+        Value::Array(vec![7.into()]),
+        1.into(),
+        Value::Nil,
+        "GPU".into(),
+        Value::Nil,
+        Value::Nil,
+        0.into(),
+        "sliding_window".into(),
+        Value::from(128),
+    ]);
     let events = vec![
         stored(vec![("lora_id", Value::Nil), ("cache_salt", Value::Nil)]),
         stored(vec![("lora_id", 7.into())]),
@@ -157,6 +172,7 @@ fn namespaces_cache_kinds_and_removal_groups() {
         stored(vec![("kv_cache_spec_kind", "sliding_window".into())]),
         array,
         removed,
+        windowed,
     ];
     let b = decode_batch(&encode(&Value::Array(vec![1.0.into(), Value::Array(events)]))).unwrap();
     let read = |e: &Event| match e {
@@ -169,6 +185,7 @@ fn namespaces_cache_kinds_and_removal_groups() {
     assert_eq!(read(&b.events[3]), (false, Some("sliding_window".into())));
     assert_eq!(read(&b.events[4]), (true, None));
     assert_eq!(b.events[5], Event::Removed { hashes: vec![1], medium: None, group_idx: Some(1) });
+    assert_eq!(read(&b.events[6]), (false, Some("sliding_window".into())));
 }
 
 #[test]
