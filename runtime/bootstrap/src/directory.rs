@@ -59,7 +59,7 @@ impl Default for DirectoryConfig {
             dp_table_capacity: 100_000,
             max_body_bytes: 64 * 1024,
             max_parallel: 1024,
-            max_query_rooms: 4096,
+            max_query_rooms: 65_536,
             max_query_body_bytes: 1 << 20,
             tls: None,
         }

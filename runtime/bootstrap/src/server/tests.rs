@@ -153,7 +153,7 @@ async fn malformed_inputs_get_400_with_a_reason() {
     }
 
     // An SGLang decode waiting on 5,000 rooms asks for them all at once (about 100 KiB):
-    // answered for the first 4,096, the rest asked for again later.
+    // every one answered (up to 65,536, more than 1 MiB of them holds).
     let body = json!({"bootstrap_room": 9_000_000_000_000_004_095u64, "dp_rank": 1});
     assert_eq!(call(&app, Method::POST, "/register_dp_rank", Some(body), None).await.0, 200);
     let body = json!({"bootstrap_room": 9_000_000_000_000_004_096u64, "dp_rank": 1});
@@ -163,7 +163,7 @@ async fn malformed_inputs_get_400_with_a_reason() {
     let (s, b, _) = call(&app, Method::POST, "/query_dp_ranks", Some(body), None).await;
     assert_eq!(
         (s, serde_json::from_str::<Value>(&b).unwrap()),
-        (200, json!({"9000000000000004095": 1}))
+        (200, json!({"9000000000000004095": 1, "9000000000000004096": 1}))
     );
     let huge = json!({"bootstrap_rooms": vec![1u64; 600_000]});
     assert_eq!(call(&app, Method::POST, "/query_dp_ranks", Some(huge), None).await.0, 413);
@@ -221,4 +221,19 @@ async fn client_reads_a_directory_over_a_real_socket() {
     assert_eq!(cache.rank("p0", &addr, (0, 0, 1, 0)).await.unwrap().rank_port, 40001);
     cache.invalidate("p0");
     assert!(cache.server_info("p0", &addr).await.is_err());
+}
+
+/// Past `max_query_rooms`, a list is answered for its first rooms only (the decode asks
+/// again for the rest), not refused.
+#[tokio::test]
+async fn a_list_past_the_bound_is_answered_for_its_first_rooms() {
+    let dir = Directory::new(DirectoryConfig { max_query_rooms: 2, ..Default::default() });
+    let app = router(Arc::new(dir));
+    for room in [1u64, 2, 3] {
+        let body = json!({"bootstrap_room": room, "dp_rank": 0});
+        assert_eq!(call(&app, Method::POST, "/register_dp_rank", Some(body), None).await.0, 200);
+    }
+    let body = json!({"bootstrap_rooms": [3, 1, 2]});
+    let (s, b, _) = call(&app, Method::POST, "/query_dp_ranks", Some(body), None).await;
+    assert_eq!((s, serde_json::from_str::<Value>(&b).unwrap()), (200, json!({"3": 0, "1": 0})));
 }
