@@ -15,6 +15,11 @@ use tokio::net::TcpStream;
 pub const MAX_FRAME_BYTES: u64 = 1 << 20;
 /// The most frames in one message (SGLang's have at most 20).
 pub const MAX_MESSAGE_FRAMES: usize = 32;
+/// The most bytes in one message's frames.
+pub const MAX_MESSAGE_BYTES: u64 = 2 << 20;
+/// A connection idle this long is probed (TCP keepalive), so a peer that died without a word
+/// (a crashed host, a partition) is noticed within a few minutes instead of never.
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
 /// How long a new connection has to greet and say what socket it is.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -37,8 +42,8 @@ pub enum ZmtpError {
     /// A frame longer than [`MAX_FRAME_BYTES`].
     #[error("a frame of {0} bytes (at most {MAX_FRAME_BYTES})")]
     Oversized(u64),
-    /// A message of more than [`MAX_MESSAGE_FRAMES`] frames.
-    #[error("a message of more than {MAX_MESSAGE_FRAMES} frames")]
+    /// A message of more than [`MAX_MESSAGE_FRAMES`] frames or [`MAX_MESSAGE_BYTES`] bytes.
+    #[error("a message of more than {MAX_MESSAGE_FRAMES} frames or {MAX_MESSAGE_BYTES} bytes")]
     TooManyFrames,
 }
 
@@ -149,9 +154,17 @@ pub async fn write_message(stream: &mut TcpStream, frames: &[Bytes]) -> std::io:
     stream.write_all(&out).await
 }
 
+/// Has the kernel probe `stream` once idle for [`KEEPALIVE_IDLE`].
+pub fn keep_alive(stream: &TcpStream) -> std::io::Result<()> {
+    let probes = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(Duration::from_secs(10));
+    socket2::SockRef::from(stream).set_tcp_keepalive(&probes)
+}
+
 /// Reads the next message, answering any PING (ZMTP 3.1 heartbeats) on the way.
 pub async fn read_message(stream: &mut TcpStream) -> Result<Vec<Bytes>, ZmtpError> {
-    let mut frames = Vec::new();
+    let (mut frames, mut bytes) = (Vec::new(), 0u64);
     loop {
         let (flags, body) = read_frame(stream).await?;
         if flags & COMMAND != 0 {
@@ -163,8 +176,9 @@ pub async fn read_message(stream: &mut TcpStream) -> Result<Vec<Bytes>, ZmtpErro
             }
             continue;
         }
+        bytes += body.len() as u64;
         frames.push(body);
-        if frames.len() > MAX_MESSAGE_FRAMES {
+        if frames.len() > MAX_MESSAGE_FRAMES || bytes > MAX_MESSAGE_BYTES {
             return Err(ZmtpError::TooManyFrames);
         }
         if flags & MORE == 0 {
@@ -187,12 +201,30 @@ impl Connection {
         let go = async {
             let mut stream = TcpStream::connect(addr).await?;
             stream.set_nodelay(true)?;
+            keep_alive(&stream)?;
             handshake(&mut stream, ours, theirs).await?;
             Ok(Connection { stream })
         };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, go)
             .await
             .map_err(|_| ZmtpError::Handshake("no handshake in time"))?
+    }
+
+    /// Whether the peer has closed the connection (or it broke), for a socket that never
+    /// reads (a PUSH): whatever the peer sent meanwhile is read and dropped. A write into a
+    /// connection the peer has closed would still succeed, into the kernel's buffer, and be
+    /// lost.
+    pub fn peer_closed(&self) -> bool {
+        let mut scratch = [0u8; 512];
+        for _ in 0..64 {
+            match self.stream.try_read(&mut scratch) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                Err(_) => return true,
+            }
+        }
+        false
     }
 
     /// Sends one message.

@@ -25,7 +25,8 @@ pub struct FrontendConfig {
     pub attempt_timeout: Duration,
     /// Longest wait for one scheduler replica's selection before asking another.
     pub select_timeout: Duration,
-    /// Tokens generated when the request names no `max_tokens`.
+    /// Tokens generated when a text or token-id request names no `max_tokens` (a chat may
+    /// fill the context).
     pub default_max_tokens: u32,
     /// Requests served at once; more are refused at once (429 / `RESOURCE_EXHAUSTED`).
     pub max_concurrent: usize,

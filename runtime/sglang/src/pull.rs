@@ -3,7 +3,9 @@
 //! is kept, and a frame's buffer grows only as its bytes arrive. A peer that breaks a bound
 //! loses its connection; nobody else notices.
 
+use std::collections::HashMap;
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,17 +14,21 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::debug;
 
-use handoff_core::zmtp::{HANDSHAKE_TIMEOUT, ZmtpError, handshake, read_message};
+use handoff_core::zmtp::{HANDSHAKE_TIMEOUT, ZmtpError, handshake, keep_alive, read_message};
 
 /// Connections served at once (one per prefill rank that pushes to this decode); beyond,
 /// accepts wait in the backlog.
-pub const MAX_CONNECTIONS: usize = 256;
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Connections from one address at once (a host's prefill ranks); beyond, a new one is
+/// closed at once, so one host cannot take every place.
+pub const MAX_PER_PEER: usize = 64;
 
 /// What each message's frames are handed to.
 type OnMessage = Arc<dyn Fn(&[Bytes]) + Send + Sync>;
 
 /// One peer's connection: the handshake in time, then each message to `on_message`.
 async fn connection(mut stream: TcpStream, on_message: OnMessage) -> Result<(), ZmtpError> {
+    keep_alive(&stream)?;
     tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream, b"PULL", b"PUSH"))
         .await
         .map_err(|_| ZmtpError::Handshake("no handshake in time"))??;
@@ -41,18 +47,35 @@ pub async fn serve(
 ) {
     let on_message: OnMessage = Arc::new(on_message);
     let mut peers = JoinSet::new();
+    let mut per_peer: HashMap<IpAddr, usize> = HashMap::new();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
-            Some(_) = peers.join_next(), if !peers.is_empty() => {}
+            Some(ended) = peers.join_next(), if !peers.is_empty() => {
+                if let Ok(ip) = ended
+                    && let Some(n) = per_peer.get_mut(&ip)
+                {
+                    *n -= 1;
+                    if *n == 0 {
+                        per_peer.remove(&ip);
+                    }
+                }
+            }
             accepted = listener.accept(), if peers.len() < MAX_CONNECTIONS => match accepted {
                 Ok((stream, from)) => {
+                    let n = per_peer.entry(from.ip()).or_default();
+                    if *n >= MAX_PER_PEER {
+                        debug!(%from, "SGLang PULL connection refused: {MAX_PER_PEER} from there already");
+                        continue;
+                    }
+                    *n += 1;
                     let on_message = on_message.clone();
                     peers.spawn(async move {
                         if let Err(e) = connection(stream, on_message).await {
                             debug!(%from, error = %e, "SGLang PULL connection ended");
                         }
+                        from.ip()
                     });
                 }
                 Err(e) => {

@@ -55,7 +55,9 @@ impl RankSockets {
             pushes.entry(key).or_default().clone()
         };
         let mut slot = slot.lock().await;
-        let mut push = match slot.take() {
+        // A rank that restarted closed our connection: register again on a new one (a
+        // message written into the closed one would be lost without a word).
+        let mut push = match slot.take().filter(|p| !p.peer_closed()) {
             Some(p) => p,
             None => register(addr, registration()).await?,
         };

@@ -76,3 +76,30 @@ async fn a_huge_frame_in_an_answer_is_refused() {
     req.send(&[Bytes::new(), Bytes::from_static(b"get_meta_msg")]).await.unwrap();
     assert!(matches!(req.recv().await, Err(ZmtpError::Oversized(0x7fff_ffff_fff0_0000))));
 }
+
+/// A PUSH learns that its peer closed (a restarted rank) before it writes into the void.
+#[tokio::test]
+async fn a_push_sees_its_peer_close() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (close, closing) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        handshake(&mut s, b"PULL", b"PUSH").await.unwrap();
+        s.write_all(&command(b"\x04PING\x00\x00")).await.unwrap();
+        let _ = closing.await;
+    });
+    let push = Connection::connect(&addr, b"PUSH", b"PULL").await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert!(!push.peer_closed(), "open, whatever it sent");
+    drop(close);
+    let mut closed = false;
+    for _ in 0..100 {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        closed = push.peer_closed();
+        if closed {
+            break;
+        }
+    }
+    assert!(closed, "its close is seen");
+}

@@ -7,6 +7,8 @@ use zeromq::{PushSocket, Socket, SocketSend, ZmqMessage};
 use super::*;
 use handoff_core::zmtp::{LONG, MAX_MESSAGE_FRAMES, MORE, greeting, ready};
 
+use super::MAX_PER_PEER;
+
 /// A PULL server on a port of its own; the messages it hands on come out of the receiver.
 async fn pull() -> (u16, mpsc::UnboundedReceiver<Vec<Bytes>>, tokio::sync::oneshot::Sender<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -101,4 +103,44 @@ async fn hostile_peers_lose_their_connection_and_nobody_else_notices() {
     p.send(message(&[b"7", b"0", b"3"])).await.unwrap();
     assert_eq!(next(&mut rx).await, vec![&b"7"[..], b"0", b"3"]);
     assert!(rx.try_recv().is_err(), "nothing from the hostile peers");
+}
+
+/// One address may hold at most `MAX_PER_PEER` connections: one more is closed at once,
+/// and another address is still served.
+#[tokio::test]
+async fn one_address_cannot_take_every_place() {
+    let (port, mut rx, _stop) = pull().await;
+    let mut held = Vec::new();
+    for _ in 0..MAX_PER_PEER {
+        held.push(greeted(port).await);
+    }
+    let mut extra = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    assert!(closed(&mut extra).await, "the one too many is closed");
+    // Another address (all of 127/8 is loopback) is served, its messages handed on.
+    let other = tokio::net::TcpSocket::new_v4().unwrap();
+    other.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut s = other.connect(format!("127.0.0.1:{port}").parse().unwrap()).await.unwrap();
+    s.write_all(&greeting()).await.unwrap();
+    s.write_all(&ready(b"PUSH")).await.unwrap();
+    let mut theirs = [0u8; 64];
+    s.read_exact(&mut theirs).await.unwrap();
+    s.write_all(&[0, 2, b'o', b'k']).await.unwrap();
+    assert_eq!(next(&mut rx).await, vec![Bytes::from_static(b"ok")]);
+    drop(held);
+}
+
+/// A message's frames may add up to `MAX_MESSAGE_BYTES` at most.
+#[tokio::test]
+async fn a_message_past_its_byte_bound_closes_the_connection() {
+    let (port, _rx, _stop) = pull().await;
+    let mut s = greeted(port).await;
+    let frame = vec![0u8; 1 << 20];
+    for _ in 0..3 {
+        s.write_all(&[MORE | LONG]).await.unwrap();
+        s.write_all(&(frame.len() as u64).to_be_bytes()).await.unwrap();
+        if s.write_all(&frame).await.is_err() {
+            break;
+        }
+    }
+    assert!(closed(&mut s).await);
 }
