@@ -25,6 +25,9 @@ pub struct Plan {
     pub sampling: SamplingParams,
     /// Tokens to generate, the first included.
     pub max_tokens: u32,
+    /// Whether `max_tokens` is only the context's room (a chat that named none): such a
+    /// request reaching its deadline ends as long enough (`Length`), not as a failure.
+    pub open_ended: bool,
     /// Scheduling policy (`Unspecified` = the scheduler's).
     pub policy: Policy,
     /// Whole-request deadline.
@@ -115,9 +118,10 @@ pub fn plan(
             "at most {MAX_STOP} stop strings of 1 to {MAX_STOP_LEN} bytes"
         )));
     }
+    let open_ended = chat && sampling.max_tokens == 0;
     let max_tokens = match sampling.max_tokens {
         // A chat goes on until it ends or fills the context (OpenAI's chat default).
-        0 if chat => {
+        0 if open_ended => {
             let room = info.max_context.saturating_sub(tokens.len());
             if room == 0 {
                 return Err(invalid(format!(
@@ -148,6 +152,7 @@ pub fn plan(
         tokens,
         sampling,
         max_tokens,
+        open_ended,
         policy,
         deadline: Instant::now() + budget,
         trace: Default::default(),

@@ -151,6 +151,9 @@ pub(crate) async fn stream(
             break FinishReason::Length;
         }
         if Instant::now() >= plan.deadline {
+            if plan.open_ended {
+                break FinishReason::Length;
+            }
             let why = format!("deadline passed after {generated} tokens");
             return fail(m, last, Ending::Expired, Status::deadline_exceeded(why));
         }

@@ -1,6 +1,6 @@
 //! A request's token stream and its deadline: a client that stops reading holds its request
 //! only until the deadline; a `max_tokens` whose decode would outlast the deadline is served
-//! until the deadline, not refused.
+//! until the deadline, not refused; a chat with no `max_tokens` ends there as long enough.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -79,4 +79,37 @@ async fn a_max_tokens_longer_than_the_deadline_is_served_until_the_deadline() {
     };
     assert_eq!(end.code(), tonic::Code::DeadlineExceeded, "{end:?}");
     assert!(tokens > 0, "tokens came before the deadline");
+}
+
+/// A chat that names no `max_tokens` may fill the context (OpenAI's chat default); reaching
+/// its deadline first, it ends as long enough (`Length`, with its usage), not as a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_ended_chat_ends_at_its_deadline_as_long_enough() {
+    use handoff_proto::v1::{ChatMessage, ChatMessages, FinishReason};
+    let c = super::overload::timed_cluster(ClusterConfig::ephemeral(), Duration::from_micros(100))
+        .await;
+    let mut cl = client(&c).await;
+    generate(&mut cl, &prompt(3, 32), 20).await.expect("a first request measures the steps");
+    let chat = ChatMessage { role: "user".into(), content: "tell me everything".into() };
+    let req = GenerateRequest {
+        input: Some(Input::Chat(ChatMessages { messages: vec![chat] })),
+        sampling: Some(SamplingParams { ignore_eos: true, ..Default::default() }),
+        deadline_ms: 1000,
+        ..Default::default()
+    };
+    let mut stream = cl.generate(req).await.expect("not refused").into_inner();
+    let mut tokens = 0;
+    let done = loop {
+        match stream.message().await.expect("no error") {
+            Some(m) => match m.event {
+                Some(Event::Chunk(chunk)) => tokens += chunk.token_ids.len(),
+                Some(Event::Complete(done)) => break done,
+                other => panic!("{other:?}"),
+            },
+            None => panic!("the stream ended without a word"),
+        }
+    };
+    assert_eq!(done.finish_reason, FinishReason::Length as i32);
+    assert!(tokens > 0 && tokens < 8000, "{tokens} tokens, cut by the deadline");
+    assert_eq!(done.usage.unwrap().completion_tokens as usize, tokens);
 }
