@@ -237,7 +237,7 @@ pub struct PrefillArgs {
     #[arg(long, default_value_t = 1)]
     pub pp: u32,
     /// Seconds in-flight requests get to finish on SIGTERM (drain).
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub drain_secs: u64,
     /// Discovery.
     #[command(flatten)]

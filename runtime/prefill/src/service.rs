@@ -308,11 +308,16 @@ impl PrefillService {
 
     /// A graceful drain: out of routing first (deregistered, not ready), then waits until
     /// the requests in flight have finished (at most `grace`). Returns how many are left.
+    /// Discovery out of reach does not cut the drain short: the registration's lease, no
+    /// longer kept alive, takes it out of routing within its TTL, and the requests in flight
+    /// still finish.
     pub async fn drain(&self, grace: Duration) -> Result<usize, PrefillError> {
         self.inner.metrics.set_registered(false);
-        self.inner.registry.deregister(&self.inner.id).await?;
-        let deadline = Instant::now() + grace;
-        while self.running() > 0 && Instant::now() < deadline {
+        if let Err(e) = self.inner.registry.deregister(&self.inner.id).await {
+            warn!(instance = %self.inner.id, error = %e, "could not deregister (its lease will lapse); draining all the same");
+        }
+        let deadline = Instant::now().checked_add(grace);
+        while self.running() > 0 && deadline.is_none_or(|d| Instant::now() < d) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let left = self.running();

@@ -23,7 +23,9 @@ pub struct DiscoveryArgs {
     /// The cluster's shared secret: required as a bearer token on bootstrap directory writes,
     /// on the scheduler and prefill gRPC services, and on every KV transfer connection and
     /// handshake; sent by this process on its own.
-    #[arg(long, env = "HANDOFF_TOKEN", hide_env_values = true)]
+    /// An empty one (`HANDOFF_TOKEN=`) is refused, not taken as a secret anyone can send.
+    #[arg(long, env = "HANDOFF_TOKEN", hide_env_values = true,
+          value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub token: Option<String>,
     /// Let a role without a token listen on a non-loopback address (anyone who can reach
     /// it can then write directories and open transfer connections).

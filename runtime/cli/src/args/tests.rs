@@ -125,3 +125,12 @@ fn the_charts_in_frontend_arguments_parse_and_their_ops_listener_needs_the_token
     a.discovery.token = Some("the cluster's".into());
     crate::cmd::check_exposure(&a.discovery, &a.listeners()).unwrap();
 }
+
+/// An empty token (`HANDOFF_TOKEN=` left blank, or `--token=`) is refused, not taken as a
+/// secret anyone can send (which would also pass the check that refuses open listeners).
+#[test]
+fn an_empty_token_is_refused() {
+    let e = scheduler(&["--token="]).unwrap_err().to_string();
+    assert!(e.contains("--token"), "{e}");
+    assert_eq!(scheduler(&["--token=s3cret"]).unwrap().discovery.token.as_deref(), Some("s3cret"));
+}

@@ -103,3 +103,67 @@ async fn a_token_guards_handshakes_and_the_right_one_passes() {
     assert!(err.message().contains("wrong bearer token"), "{err}");
     c.shutdown().await;
 }
+
+/// Discovery that takes registrations but cannot be told of a departure (etcd away).
+struct CannotDeregister(handoff_discovery::MemoryRegistry);
+
+#[async_trait::async_trait]
+impl handoff_discovery::Registry for CannotDeregister {
+    async fn register(
+        &self,
+        instance: handoff_discovery::Instance,
+    ) -> Result<(), handoff_discovery::DiscoveryError> {
+        self.0.register(instance).await
+    }
+
+    async fn deregister(
+        &self,
+        _: &handoff_core::InstanceId,
+    ) -> Result<(), handoff_discovery::DiscoveryError> {
+        Err(handoff_discovery::DiscoveryError::Unavailable("etcd is away".into()))
+    }
+
+    async fn watch(
+        &self,
+        role: handoff_discovery::Role,
+    ) -> Result<
+        futures::stream::BoxStream<'static, handoff_discovery::Update>,
+        handoff_discovery::DiscoveryError,
+    > {
+        self.0.watch(role).await
+    }
+}
+
+/// A drain while discovery is out of reach still waits for the request in flight (before,
+/// it gave up at once and the process exited under it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_waits_for_its_requests_when_discovery_is_out_of_reach() {
+    use std::sync::Arc;
+    let engine = Arc::new(handoff_engine::MockEngine::new(handoff_engine::MockConfig {
+        prefill_per_token: Duration::from_millis(5),
+        ..Default::default()
+    }));
+    let engines = || Ok(engine.clone() as Arc<dyn handoff_engine::Engine>);
+    let registry = Arc::new(CannotDeregister(handoff_discovery::MemoryRegistry::new()));
+    let bus = Arc::new(handoff_discovery::MemoryBus::new());
+    let c = handoff::Cluster::start_with(
+        ClusterConfig { prefills: 1, ..ClusterConfig::ephemeral() },
+        &engines,
+        registry,
+        bus,
+        handoff_core::Tasks::new(),
+    )
+    .await
+    .unwrap();
+    let mut cl = client(&c).await;
+    // 100 tokens at 5 ms: half a second of prefill.
+    let request = tokio::spawn(async move { generate(&mut cl, &prompt(1, 100), 4).await });
+    let since = Instant::now();
+    while c.prefills[0].running() == 0 {
+        assert!(since.elapsed() < Duration::from_secs(5), "the request reaches the prefill");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    c.prefills[0].drain(Duration::from_secs(10)).await.expect("drains all the same");
+    assert_eq!(c.prefills[0].running(), 0, "waited for the request in flight");
+    request.await.unwrap().expect("the request in flight is served");
+}
