@@ -51,3 +51,13 @@ fn no_seed_is_a_fresh_one_below_two_to_the_63() {
     assert!(seeds.iter().all(|&s| s != 0 && s < 1 << 63), "{seeds:?}");
     assert_eq!(super::plan(with_seed(5), &engine, &cfg).unwrap().sampling.seed, 5);
 }
+
+/// A chat whose prompt fills the context leaves no room for a token: refused with the reason.
+#[test]
+fn a_chat_filling_the_context_is_refused() {
+    let engine = MockEngine::new(MockConfig { max_context: 8, ..MockConfig::default() });
+    let m = ChatMsg { role: "user".into(), content: "one two three four five six seven".into() };
+    let chat = Input::Chat(ChatMessages { messages: vec![m] });
+    let e = super::plan(request(chat, 0), &engine, &FrontendConfig::default()).unwrap_err();
+    assert!(e.to_string().contains("fills the context"), "{e}");
+}
