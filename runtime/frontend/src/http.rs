@@ -10,6 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
@@ -47,6 +48,10 @@ pub fn router(fe: Arc<Frontend>) -> Router {
         .fallback(|| async {
             ApiError { status: StatusCode::NOT_FOUND, ..ApiError::invalid("no such route", None) }
         })
+        .method_not_allowed_fallback(|| async {
+            let status = StatusCode::METHOD_NOT_ALLOWED;
+            ApiError { status, ..ApiError::invalid("method not allowed on this route", None) }
+        })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(fe)
         .merge(ops)
@@ -66,6 +71,11 @@ pub async fn serve(
             axum::serve(listener, router(fe)).with_graceful_shutdown(shutdown).await
         }
     }
+}
+
+/// The body, or why it could not be read (too large: 413) as an OpenAI error.
+fn read(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| ApiError { status: r.status(), ..ApiError::invalid(r.body_text(), None) })
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -130,9 +140,10 @@ fn trace_of(headers: &axum::http::HeaderMap) -> TraceContext {
 async fn chat(
     State(fe): State<Arc<Frontend>>,
     headers: axum::http::HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let run = async {
+        let body = read(body)?;
         let req: ChatRequest = parse(&body)?;
         let sampled: openai::Sampling = parse(&body)?;
         if req.messages.is_empty() {
@@ -157,9 +168,10 @@ async fn chat(
 async fn completions(
     State(fe): State<Arc<Frontend>>,
     headers: axum::http::HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let run = async {
+        let body = read(body)?;
         let req: CompletionRequest = parse(&body)?;
         let sampled: openai::Sampling = parse(&body)?;
         let input = match req.prompt {

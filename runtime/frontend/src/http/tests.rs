@@ -78,6 +78,16 @@ async fn bad_requests_get_400_with_an_openai_error_body() {
     assert_eq!((status, v["error"]["code"].as_str()), (404, Some("model_not_found")), "{v}");
     let (status, v) = call(&app, Method::GET, "/v1/models", "").await;
     assert_eq!((status, v["data"][0]["id"].as_str()), (200, Some("mock")));
+    // A body past the bound, and a method a route does not take: OpenAI's error body too.
+    let huge = format!(r#"{{"model": "mock", "prompt": "{}"}}"#, "a".repeat(5 << 20));
+    let (status, v) = call(&app, Method::POST, "/v1/completions", &huge).await;
+    assert_eq!(status, 413, "{v}");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    let (status, v) = call(&app, Method::GET, "/v1/chat/completions", "").await;
+    assert_eq!(
+        (status, v["error"]["message"].as_str()),
+        (405, Some("method not allowed on this route"))
+    );
     tasks.shutdown().await;
 }
 
