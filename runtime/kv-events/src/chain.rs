@@ -68,6 +68,10 @@ struct Point {
     tail_owners: Vec<EngineHash>,
     /// Our pages holding this block's tokens.
     pages: Vec<BlockHash>,
+    /// Earlier blocks that share one of this block's pages (their tokens began it): when
+    /// this block goes, its pages leave their lists too, so a hot prefix's last block does
+    /// not collect a page for every continuation ever stored after it.
+    co_owners: Vec<EngineHash>,
 }
 
 /// One worker's engine blocks (see the module docs). Bounded: past `max_blocks` the map is
@@ -138,11 +142,16 @@ impl WorkerChains {
                 if !on_device(medium.as_deref()) || group_idx.unwrap_or(0) != 0 {
                     return Ok(Vec::new());
                 }
-                let blocks: Vec<BlockHash> = hashes
-                    .iter()
-                    .filter_map(|h| self.points.remove(h))
-                    .flat_map(|p| p.pages)
-                    .collect();
+                let mut blocks = Vec::new();
+                for h in hashes {
+                    let Some(gone) = self.points.remove(h) else { continue };
+                    for co in &gone.co_owners {
+                        if let Some(p) = self.points.get_mut(co) {
+                            p.pages.retain(|page| !gone.pages.contains(page));
+                        }
+                    }
+                    blocks.extend(gone.pages);
+                }
                 Ok(if blocks.is_empty() { Vec::new() } else { vec![IndexOp::Remove { blocks }] })
             }
             Event::Cleared => {
@@ -175,7 +184,7 @@ impl WorkerChains {
             None => Point::default(),
             Some(p) => {
                 let known = self.points.get(&p).ok_or(ChainError::UnknownParent(p))?;
-                Point { pages: Vec::new(), ..known.clone() }
+                Point { pages: Vec::new(), co_owners: Vec::new(), ..known.clone() }
             }
         };
         let mut ops = Vec::new();
@@ -191,7 +200,7 @@ impl WorkerChains {
         let mut at = start;
         let mut new_pages = Vec::new();
         for (h, block) in hashes.iter().zip(tokens.chunks_exact(bs)) {
-            let mut pages = Vec::new();
+            let (mut pages, mut co_owners) = (Vec::new(), Vec::new());
             at.tail_owners.push(*h);
             for &t in block {
                 at.tail.push(t);
@@ -205,6 +214,7 @@ impl WorkerChains {
                     for owner in at.tail_owners.drain(..).filter(|o| o != h) {
                         if let Some(p) = self.points.get_mut(&owner) {
                             p.pages.push(page);
+                            co_owners.push(owner);
                         }
                     }
                     at.tail_owners.push(*h);
@@ -213,7 +223,7 @@ impl WorkerChains {
             if at.tail.is_empty() {
                 at.tail_owners.clear();
             }
-            self.points.insert(*h, Point { pages, ..at.clone() });
+            self.points.insert(*h, Point { pages, co_owners, ..at.clone() });
         }
         if !new_pages.is_empty() {
             ops.push(IndexOp::Store { parent: first_parent, blocks: new_pages });

@@ -146,3 +146,37 @@ fn the_map_is_bounded() {
     assert_eq!(ops[0], IndexOp::Clear, "full: cleared and rebuilt");
     assert_eq!(w.len(), 1);
 }
+
+/// A hot prefix whose last page is partial (SGLang, page size 1): each continuation stored
+/// after it completes a page its last blocks share. Removing a continuation takes that page
+/// out of their lists too, so a thousand continuations come and gone leave them as they were.
+#[test]
+fn continuations_come_and_gone_leave_a_prefix_as_it_was() {
+    let mut w = WorkerChains::new(4, 100_000);
+    // Six tokens: one full page and two tokens of the next.
+    let prefix: Vec<u32> = (1..=6).collect();
+    for (i, &t) in prefix.iter().enumerate() {
+        let parent = (i > 0).then(|| i as u64);
+        w.apply(&stored(vec![i as u64 + 1], parent, vec![t], 1)).unwrap();
+    }
+    let shared = |w: &WorkerChains| w.points[&5].pages.len() + w.points[&6].pages.len();
+    let before = shared(&w);
+    for c in 0..1000u64 {
+        let (a, b) = (1_000 + 2 * c, 1_001 + 2 * c);
+        w.apply(&stored(vec![a, b], Some(6), vec![100 + c as u32, 7], 1)).unwrap();
+        let gone = Event::Removed { hashes: vec![b, a], medium: None, group_idx: None };
+        let r = w.apply(&gone).unwrap();
+        assert_eq!(stores_removed(&r), 1, "the continuation's page goes");
+    }
+    assert_eq!(shared(&w), before, "the prefix's blocks kept no page of a continuation gone");
+    assert_eq!(w.len(), 6);
+}
+
+fn stores_removed(ops: &[IndexOp]) -> usize {
+    ops.iter()
+        .map(|op| match op {
+            IndexOp::Remove { blocks } => blocks.len(),
+            _ => 0,
+        })
+        .sum()
+}
