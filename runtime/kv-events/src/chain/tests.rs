@@ -156,7 +156,7 @@ fn continuations_come_and_gone_leave_a_prefix_as_it_was() {
     // Six tokens: one full page and two tokens of the next.
     let prefix: Vec<u32> = (1..=6).collect();
     for (i, &t) in prefix.iter().enumerate() {
-        let parent = (i > 0).then(|| i as u64);
+        let parent = (i > 0).then_some(i as u64);
         w.apply(&stored(vec![i as u64 + 1], parent, vec![t], 1)).unwrap();
     }
     let shared = |w: &WorkerChains| w.points[&5].pages.len() + w.points[&6].pages.len();
