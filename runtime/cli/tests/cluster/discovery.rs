@@ -61,23 +61,20 @@ async fn etcd_restart_gives_watchers_a_reset_and_instances_register_again() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     etcd.start();
     // The watcher reconnects with a fresh snapshot; the instance is registered again.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let u = next(&mut w, deadline.saturating_duration_since(Instant::now())).await;
-        if matches!(&u, Update::Reset(all) if all.contains(&inst("p1")))
-            || u == Update::Add(inst("p1"))
-        {
-            break;
-        }
-    }
+    seen_again(&mut w, "p1", Instant::now() + Duration::from_secs(20)).await;
     tasks.shutdown().await;
 }
 
-/// With auth on, etcd's tokens do not outlive it: after a restart the registry must
-/// authenticate again, or every snapshot and re-registration fails for good.
+/// With auth on, etcd's tokens expire (JWTs here, after 2 s): a registry that keeps using
+/// its first token can neither register nor take a new snapshot once it has expired. It must
+/// authenticate again.
 #[tokio::test]
-async fn an_authenticated_watch_survives_an_etcd_restart() {
-    let mut etcd = Server::etcd();
+async fn an_authenticated_registry_outlives_its_token() {
+    let pem = super::servers::PemFiles::write(
+        &handoff_core::tls::test_certs::TestCa::new().issue(),
+        "jwt",
+    );
+    let etcd = Server::etcd_jwt(&pem, 2);
     let mut admin = etcd_client::Client::connect([etcd.url.as_str()], None).await.unwrap();
     admin.user_add("root", "s3cret", None).await.unwrap();
     admin.user_grant_role("root", "root").await.unwrap();
@@ -93,23 +90,26 @@ async fn an_authenticated_watch_survives_an_etcd_restart() {
     reg.register(inst("p1")).await.unwrap();
     let mut w = reg.watch(Role::Prefill).await.unwrap();
     assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Reset(vec![inst("p1")]));
-    etcd.stop();
+    // Past the token's life.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    etcd.start();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while let Err(e) = reg.register(inst("p2")).await {
-        assert!(Instant::now() < deadline, "never registered again: {e}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    reg.register(inst("p2")).await.expect("registers with a fresh token");
+    seen_again(&mut w, "p2", Instant::now() + Duration::from_secs(20)).await;
+    tasks.shutdown().await;
+}
+
+/// Waits until `w` shows instance `id` (an `Add`, or a `Reset` holding it) before `deadline`.
+async fn seen_again(
+    w: &mut futures::stream::BoxStream<'static, Update>,
+    id: &str,
+    deadline: Instant,
+) {
     loop {
-        let u = next(&mut w, deadline.saturating_duration_since(Instant::now())).await;
-        if matches!(&u, Update::Reset(all) if all.contains(&inst("p2")))
-            || u == Update::Add(inst("p2"))
+        let u = next(w, deadline.saturating_duration_since(Instant::now())).await;
+        if matches!(&u, Update::Reset(all) if all.contains(&inst(id))) || u == Update::Add(inst(id))
         {
-            break;
+            return;
         }
     }
-    tasks.shutdown().await;
 }
 
 /// A registration past the bound is refused; a role whose registrations add up to more than

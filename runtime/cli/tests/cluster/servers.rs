@@ -109,21 +109,28 @@ impl Server {
     }
 
     pub(crate) fn etcd() -> Self {
-        Self::etcd_with(None, "127.0.0.1", None)
+        Self::etcd_with(None, "127.0.0.1", None, &[])
+    }
+
+    /// etcd whose auth tokens are JWTs signed with `pem`'s key and valid for `ttl_secs`.
+    pub(crate) fn etcd_jwt(pem: &PemFiles, ttl_secs: u32) -> Self {
+        let (cert, key) = (pem.cert.display(), pem.key.display());
+        let token = format!("jwt,pub-key={cert},priv-key={key},sign-method=ES256,ttl={ttl_secs}s");
+        Self::etcd_with(None, "127.0.0.1", None, &["--auth-token".to_owned(), token])
     }
 
     /// etcd in network namespace `ns`, listening on its address `ip`.
     pub(crate) fn etcd_in(ns: &str, ip: &str) -> Self {
-        Self::etcd_with(None, ip, Some(ns))
+        Self::etcd_with(None, ip, Some(ns), &[])
     }
 
     /// etcd serving clients over TLS with `pem`'s certificate, and accepting only clients
     /// with a certificate its CA signed.
     pub(crate) fn etcd_tls(pem: &PemFiles) -> Self {
-        Self::etcd_with(Some(pem), "127.0.0.1", None)
+        Self::etcd_with(Some(pem), "127.0.0.1", None, &[])
     }
 
-    fn etcd_with(tls: Option<&PemFiles>, ip: &str, ns: Option<&str>) -> Self {
+    fn etcd_with(tls: Option<&PemFiles>, ip: &str, ns: Option<&str>, extra: &[String]) -> Self {
         Self::spawn(binary("etcd"), ns, || {
             let (client, peer) = (free_port(), free_port());
             let dir =
@@ -153,6 +160,7 @@ impl Server {
                 args.extend(t.args(&["--cert-file", "--key-file", "--trusted-ca-file"]));
                 args.push("--client-cert-auth".into());
             }
+            args.extend_from_slice(extra);
             Launch { args, port: client, url: c, dir: Some(dir) }
         })
     }
