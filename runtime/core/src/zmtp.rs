@@ -11,12 +11,28 @@ use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// The longest frame taken: statuses are a few bytes, metadata rows a few KiB.
+/// The longest frame taken by default: SGLang's statuses are a few bytes, its metadata rows
+/// a few KiB, vLLM's handshake a few KiB ([`Limits`] for others).
 pub const MAX_FRAME_BYTES: u64 = 1 << 20;
 /// The most frames in one message (SGLang's have at most 20).
 pub const MAX_MESSAGE_FRAMES: usize = 32;
-/// The most bytes in one message's frames.
+/// The most bytes in one message's frames, by default.
 pub const MAX_MESSAGE_BYTES: u64 = 2 << 20;
+
+/// How long a frame and a message may be on one connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes in one frame.
+    pub frame: u64,
+    /// Bytes in one message's frames.
+    pub message: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { frame: MAX_FRAME_BYTES, message: MAX_MESSAGE_BYTES }
+    }
+}
 /// A connection idle this long is probed (TCP keepalive), so a peer that died without a word
 /// (a crashed host, a partition) is noticed within a few minutes instead of never.
 pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
@@ -39,11 +55,12 @@ pub enum ZmtpError {
     /// The peer does not speak ZMTP 3 as the socket it should be.
     #[error("not a ZMTP 3 peer of the right kind: {0}")]
     Handshake(&'static str),
-    /// A frame longer than [`MAX_FRAME_BYTES`].
-    #[error("a frame of {0} bytes (at most {MAX_FRAME_BYTES})")]
+    /// A frame longer than its connection's [`Limits`].
+    #[error("a frame of {0} bytes, past the connection's bound")]
     Oversized(u64),
-    /// A message of more than [`MAX_MESSAGE_FRAMES`] frames or [`MAX_MESSAGE_BYTES`] bytes.
-    #[error("a message of more than {MAX_MESSAGE_FRAMES} frames or {MAX_MESSAGE_BYTES} bytes")]
+    /// A message of more than [`MAX_MESSAGE_FRAMES`] frames, or bytes past its connection's
+    /// [`Limits`].
+    #[error("a message of more than {MAX_MESSAGE_FRAMES} frames, or bytes past the bound")]
     TooManyFrames,
 }
 
@@ -88,13 +105,13 @@ fn property<'a>(mut props: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
 }
 
 /// Reads one frame: its flags and body, the body's length checked before it is read.
-pub async fn read_frame(stream: &mut TcpStream) -> Result<(u8, Bytes), ZmtpError> {
+pub async fn read_frame(stream: &mut TcpStream, max: u64) -> Result<(u8, Bytes), ZmtpError> {
     let flags = stream.read_u8().await?;
     let len = match flags & LONG {
         0 => u64::from(stream.read_u8().await?),
         _ => stream.read_u64().await?,
     };
-    if len > MAX_FRAME_BYTES {
+    if len > max {
         return Err(ZmtpError::Oversized(len));
     }
     // Grown as bytes arrive: a peer declaring a long frame and sending nothing holds little.
@@ -126,7 +143,7 @@ pub async fn handshake(
         return Err(ZmtpError::Handshake("a mechanism other than NULL"));
     }
     stream.write_all(&ready(ours)).await?;
-    let (flags, body) = read_frame(stream).await?;
+    let (flags, body) = read_frame(stream, MAX_FRAME_BYTES).await?;
     let props = match body.strip_prefix(b"\x05READY") {
         Some(props) if flags & COMMAND != 0 => props,
         _ => return Err(ZmtpError::Handshake("no READY")),
@@ -163,10 +180,10 @@ pub fn keep_alive(stream: &TcpStream) -> std::io::Result<()> {
 }
 
 /// Reads the next message, answering any PING (ZMTP 3.1 heartbeats) on the way.
-pub async fn read_message(stream: &mut TcpStream) -> Result<Vec<Bytes>, ZmtpError> {
+pub async fn read_message(stream: &mut TcpStream, limits: Limits) -> Result<Vec<Bytes>, ZmtpError> {
     let (mut frames, mut bytes) = (Vec::new(), 0u64);
     loop {
-        let (flags, body) = read_frame(stream).await?;
+        let (flags, body) = read_frame(stream, limits.frame).await?;
         if flags & COMMAND != 0 {
             // PING: name, a 2-byte TTL, then a context echoed in the PONG.
             if let Some(rest) = body.strip_prefix(b"\x04PING") {
@@ -178,7 +195,7 @@ pub async fn read_message(stream: &mut TcpStream) -> Result<Vec<Bytes>, ZmtpErro
         }
         bytes += body.len() as u64;
         frames.push(body);
-        if frames.len() > MAX_MESSAGE_FRAMES || bytes > MAX_MESSAGE_BYTES {
+        if frames.len() > MAX_MESSAGE_FRAMES || bytes > limits.message {
             return Err(ZmtpError::TooManyFrames);
         }
         if flags & MORE == 0 {
@@ -192,6 +209,7 @@ pub async fn read_message(stream: &mut TcpStream) -> Result<Vec<Bytes>, ZmtpErro
 /// nothing its peer sends after the handshake.
 pub struct Connection {
     stream: TcpStream,
+    limits: Limits,
 }
 
 impl Connection {
@@ -203,7 +221,7 @@ impl Connection {
             stream.set_nodelay(true)?;
             keep_alive(&stream)?;
             handshake(&mut stream, ours, theirs).await?;
-            Ok(Connection { stream })
+            Ok(Connection { stream, limits: Limits::default() })
         };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, go)
             .await
@@ -227,6 +245,11 @@ impl Connection {
         false
     }
 
+    /// The same connection, receiving within `limits`.
+    pub fn with_limits(self, limits: Limits) -> Self {
+        Connection { limits, ..self }
+    }
+
     /// Sends one message.
     pub async fn send(&mut self, frames: &[Bytes]) -> std::io::Result<()> {
         write_message(&mut self.stream, frames).await
@@ -234,7 +257,7 @@ impl Connection {
 
     /// Receives one message, within the bounds.
     pub async fn recv(&mut self) -> Result<Vec<Bytes>, ZmtpError> {
-        read_message(&mut self.stream).await
+        read_message(&mut self.stream, self.limits).await
     }
 }
 

@@ -13,14 +13,19 @@
 //! Each batch's events go through the worker's [`WorkerChains`] and come out as
 //! [`IndexOp`]s for the sink. Bad payloads are counted and skipped; nothing here blocks
 //! another engine's stream.
+//!
+//! Both sockets speak ZMTP through `handoff_core::zmtp`, with every length the engine
+//! declares bounded ([`EVENT_LIMITS`]) before anything is kept for it; a lost connection
+//! is made again (a second later), and what was missed meanwhile is a gap like any other.
+//! Endpoints are `tcp://host:port`.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use handoff_core::zmtp::{Connection, Limits};
 use tracing::{debug, warn};
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::chain::{ChainError, IndexOp, WorkerChains};
 use crate::decode::decode_batch;
@@ -29,6 +34,25 @@ use crate::decode::decode_batch;
 const END: u64 = u64::MAX;
 /// How long a replay may take before the worker is rebuilt instead.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The longest batch taken from an engine: a prompt of a few million tokens stored at once.
+pub const EVENT_LIMITS: Limits = Limits { frame: 16 << 20, message: 16 << 20 };
+
+/// `host:port` of a `tcp://host:port` endpoint.
+fn tcp_addr(endpoint: &str) -> Result<&str, String> {
+    endpoint.strip_prefix("tcp://").ok_or_else(|| format!("{endpoint} is not tcp://host:port"))
+}
+
+/// A SUB connection to the publisher at `endpoint`, subscribed to `topic`.
+async fn subscribe(endpoint: &str, topic: &str) -> Result<Connection, String> {
+    let sub = Connection::connect(tcp_addr(endpoint)?, b"SUB", b"PUB").await;
+    let mut sub = sub.map_err(|e| e.to_string())?.with_limits(EVENT_LIMITS);
+    // ZMTP 3.0's subscription: a message of 1 then the topic (publishers of 3.1 take it too).
+    let mut subscription = vec![1u8];
+    subscription.extend_from_slice(topic.as_bytes());
+    sub.send(&[Bytes::from(subscription)]).await.map_err(|e| e.to_string())?;
+    Ok(sub)
+}
 
 /// Where an engine publishes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,41 +145,43 @@ impl EngineStream {
         shutdown: impl Future<Output = ()> + Send,
     ) -> StreamStats {
         tokio::pin!(shutdown);
-        let mut sub = loop {
-            let mut sub = SubSocket::new();
-            let connected = async {
-                sub.connect(&self.endpoint.events).await?;
-                sub.subscribe(&self.endpoint.topic).await
-            };
-            let result = tokio::select! {
+        let mut lost = false;
+        loop {
+            let connected = tokio::select! {
                 _ = &mut shutdown => return self.stats,
-                r = connected => r,
+                r = subscribe(&self.endpoint.events, &self.endpoint.topic) => r,
             };
-            match result {
-                Ok(()) => break sub,
+            let mut sub = match connected {
+                Ok(sub) => sub,
                 Err(e) => {
-                    warn!(endpoint = %self.endpoint.events, error = %e, "KV event stream not connected; retrying");
+                    if !std::mem::replace(&mut lost, true) {
+                        warn!(endpoint = %self.endpoint.events, error = %e, "KV event stream not connected; retrying every second");
+                    }
                     tokio::select! {
                         _ = &mut shutdown => return self.stats,
                         _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                     }
+                    continue;
+                }
+            };
+            lost = false;
+            loop {
+                let msg = tokio::select! {
+                    _ = &mut shutdown => return self.stats,
+                    m = sub.recv() => m,
+                };
+                match msg {
+                    Ok(frames) => self.on_message(&frames, &mut sink).await,
+                    Err(e) => {
+                        debug!(endpoint = %self.endpoint.events, error = %e, "KV event stream lost; connecting again");
+                        break;
+                    }
+                }
+                if let Some(m) = &self.meter {
+                    *m.lock().unwrap_or_else(|e| e.into_inner()) = self.stats;
                 }
             }
-        };
-        loop {
-            let msg = tokio::select! {
-                _ = &mut shutdown => break,
-                m = sub.recv() => m,
-            };
-            match msg {
-                Ok(m) => self.on_message(&m.into_vec(), &mut sink).await,
-                Err(e) => debug!(endpoint = %self.endpoint.events, error = %e, "KV event stream"),
-            }
-            if let Some(m) = &self.meter {
-                *m.lock().unwrap_or_else(|e| e.into_inner()) = self.stats;
-            }
         }
-        self.stats
     }
 
     /// Handles one live message.
@@ -279,14 +305,13 @@ impl EngineStream {
 
 /// Asks the replay socket at `endpoint` for every batch from `start`; `None` if it fails.
 async fn replay(endpoint: &str, start: u64) -> Option<Vec<(u64, Bytes)>> {
-    let mut dealer = DealerSocket::new();
-    dealer.connect(endpoint).await.ok()?;
-    let ask =
-        ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())]);
-    dealer.send(ask.ok()?).await.ok()?;
+    let dealer = Connection::connect(tcp_addr(endpoint).ok()?, b"DEALER", b"ROUTER").await;
+    let mut dealer = dealer.ok()?.with_limits(EVENT_LIMITS);
+    let ask = [Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())];
+    dealer.send(&ask).await.ok()?;
     let (mut out, mut bytes) = (Vec::new(), 0usize);
     loop {
-        let frames = dealer.recv().await.ok()?.into_vec();
+        let frames = dealer.recv().await.ok()?;
         let (seq, payload) = seq_and_payload(&frames)?;
         if seq == END {
             return Some(out);

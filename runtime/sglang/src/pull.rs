@@ -14,7 +14,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::debug;
 
-use handoff_core::zmtp::{HANDSHAKE_TIMEOUT, ZmtpError, handshake, keep_alive, read_message};
+use handoff_core::zmtp::{
+    HANDSHAKE_TIMEOUT, Limits, ZmtpError, handshake, keep_alive, read_message,
+};
 
 /// Connections served at once (one per prefill rank that pushes to this decode); beyond,
 /// accepts wait in the backlog.
@@ -33,7 +35,7 @@ async fn connection(mut stream: TcpStream, on_message: OnMessage) -> Result<(), 
         .await
         .map_err(|_| ZmtpError::Handshake("no handshake in time"))??;
     loop {
-        let message = read_message(&mut stream).await?;
+        let message = read_message(&mut stream, Limits::default()).await?;
         on_message(&message);
     }
 }

@@ -65,7 +65,7 @@ async fn a_huge_frame_in_an_answer_is_refused() {
     tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap();
         handshake(&mut s, b"ROUTER", b"REQ").await.unwrap();
-        let _ = read_message(&mut s).await.unwrap();
+        let _ = read_message(&mut s, Limits::default()).await.unwrap();
         let mut answer = vec![MORE, 0, LONG];
         answer.extend_from_slice(&0x7fff_ffff_fff0_0000u64.to_be_bytes());
         s.write_all(&answer).await.unwrap();
