@@ -114,11 +114,18 @@ pub async fn read_frame(stream: &mut TcpStream, max: u64) -> Result<(u8, Bytes),
     if len > max {
         return Err(ZmtpError::Oversized(len));
     }
-    // Grown as bytes arrive: a peer declaring a long frame and sending nothing holds little.
-    let mut body = Vec::with_capacity(len.min(4096) as usize);
-    let got = (&mut *stream).take(len).read_to_end(&mut body).await?;
-    if (got as u64) < len {
-        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+    // Grown as bytes arrive (a peer declaring a long frame and sending nothing holds little),
+    // doubling but never past the frame's length.
+    let len = len as usize;
+    let mut body: Vec<u8> = Vec::new();
+    while body.len() < len {
+        if body.len() == body.capacity() {
+            body.reserve_exact((len - body.len()).min(body.len().max(4096)));
+        }
+        let room = (body.capacity() - body.len()) as u64;
+        if (&mut *stream).take(room).read_buf(&mut body).await? == 0 {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+        }
     }
     Ok((flags, body.into()))
 }
@@ -183,7 +190,9 @@ pub fn keep_alive(stream: &TcpStream) -> std::io::Result<()> {
 pub async fn read_message(stream: &mut TcpStream, limits: Limits) -> Result<Vec<Bytes>, ZmtpError> {
     let (mut frames, mut bytes) = (Vec::new(), 0u64);
     loop {
-        let (flags, body) = read_frame(stream, limits.frame).await?;
+        // What is left of the message's bytes bounds this frame too.
+        let room = limits.frame.min(limits.message.saturating_sub(bytes));
+        let (flags, body) = read_frame(stream, room).await?;
         if flags & COMMAND != 0 {
             // PING: name, a 2-byte TTL, then a context echoed in the PONG.
             if let Some(rest) = body.strip_prefix(b"\x04PING") {
@@ -225,7 +234,7 @@ impl Connection {
         };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, go)
             .await
-            .map_err(|_| ZmtpError::Handshake("no handshake in time"))?
+            .map_err(|_| ZmtpError::Io(std::io::ErrorKind::TimedOut.into()))?
     }
 
     /// Whether the peer has closed the connection (or it broke), for a socket that never
@@ -233,9 +242,12 @@ impl Connection {
     /// connection the peer has closed would still succeed, into the kernel's buffer, and be
     /// lost.
     pub fn peer_closed(&self) -> bool {
-        let mut scratch = [0u8; 512];
+        // Straight to the socket (non-blocking already): tokio's cached readiness could say
+        // "nothing yet" for a close that has arrived.
+        let sock = socket2::SockRef::from(&self.stream);
+        let mut scratch = [std::mem::MaybeUninit::<u8>::uninit(); 512];
         for _ in 0..64 {
-            match self.stream.try_read(&mut scratch) {
+            match sock.recv(&mut scratch) {
                 Ok(0) => return true,
                 Ok(_) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,

@@ -23,6 +23,9 @@ use crate::path::Ready;
 use crate::text::TextAssembler;
 use crate::{Frontend, FrontendError};
 
+/// How long an open-ended chat ended by its deadline has to hand on its held-back text.
+const TAIL_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The Generate service over a [`Frontend`].
 #[derive(Debug, Clone)]
 pub struct GenerateService {
@@ -184,7 +187,13 @@ pub(crate) async fn stream(
         if !rest.is_empty() {
             let chunk = TokenChunk { token_ids: vec![], text: rest };
             let msg = Ok(GenerateResponse { event: Some(Event::Chunk(chunk)) });
-            let sent = deliver(&fe, &tx, msg, plan.deadline).await;
+            // An open-ended chat ended by its deadline still hands on its held-back text.
+            let by = if plan.open_ended {
+                plan.deadline.max(Instant::now() + TAIL_GRACE)
+            } else {
+                plan.deadline
+            };
+            let sent = deliver(&fe, &tx, msg, by).await;
             if sent != Sent::Delivered {
                 return undelivered(m, last, sent, generated);
             }

@@ -162,7 +162,7 @@ fn sampling_params(s: &SamplingParams) -> Value {
         p.insert("top_k".into(), json!(s.top_k));
     }
     // Only where it matters; SGLang keeps seeds in a signed 64-bit integer.
-    if s.temperature > 0.0 {
+    if s.temperature > handoff_engine::GREEDY_BELOW {
         p.insert("sampling_seed".into(), json!(s.seed & i64::MAX as u64));
     }
     if s.ignore_eos {

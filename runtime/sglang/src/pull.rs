@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use handoff_core::zmtp::{
     HANDSHAKE_TIMEOUT, Limits, ZmtpError, handshake, keep_alive, read_message,
@@ -50,12 +50,20 @@ pub async fn serve(
     let on_message: OnMessage = Arc::new(on_message);
     let mut peers = JoinSet::new();
     let mut per_peer: HashMap<IpAddr, usize> = HashMap::new();
+    // Each connection's address by its task, so that one which ended in any way (a panic
+    // included) gives its place back.
+    let mut from_of: HashMap<tokio::task::Id, IpAddr> = HashMap::new();
+    let mut refused = 0u64;
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
-            Some(ended) = peers.join_next(), if !peers.is_empty() => {
-                if let Ok(ip) = ended
+            Some(ended) = peers.join_next_with_id(), if !peers.is_empty() => {
+                let id = match ended {
+                    Ok((id, ())) => id,
+                    Err(e) => e.id(),
+                };
+                if let Some(ip) = from_of.remove(&id)
                     && let Some(n) = per_peer.get_mut(&ip)
                 {
                     *n -= 1;
@@ -68,17 +76,20 @@ pub async fn serve(
                 Ok((stream, from)) => {
                     let n = per_peer.entry(from.ip()).or_default();
                     if *n >= MAX_PER_PEER {
-                        debug!(%from, "SGLang PULL connection refused: {MAX_PER_PEER} from there already");
+                        refused += 1;
+                        if refused.is_power_of_two() {
+                            warn!(%from, refused, "SGLang PULL connections refused: {MAX_PER_PEER} from one address at most");
+                        }
                         continue;
                     }
                     *n += 1;
                     let on_message = on_message.clone();
-                    peers.spawn(async move {
+                    let task = peers.spawn(async move {
                         if let Err(e) = connection(stream, on_message).await {
                             debug!(%from, error = %e, "SGLang PULL connection ended");
                         }
-                        from.ip()
                     });
+                    from_of.insert(task.id(), from.ip());
                 }
                 Err(e) => {
                     // Out of descriptors, say: a moment for some to close.

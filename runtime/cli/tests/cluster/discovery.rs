@@ -66,8 +66,7 @@ async fn etcd_restart_gives_watchers_a_reset_and_instances_register_again() {
 }
 
 /// With auth on, etcd's tokens expire (JWTs here, after 2 s): a registry that keeps using
-/// its first token can neither register nor take a new snapshot once it has expired. It must
-/// authenticate again.
+/// its first token cannot register once it has expired. It must authenticate again.
 #[tokio::test]
 async fn an_authenticated_registry_outlives_its_token() {
     let pem = super::servers::PemFiles::write(

@@ -74,9 +74,7 @@ impl Frontend {
         // end early (EOS, a stop string), and is cut at the deadline if not; refused as
         // overload, it could never succeed.
         let left = plan.deadline.saturating_duration_since(Instant::now());
-        // An open-ended chat has no length to leave time for: the default's.
-        let length = if plan.open_ended { self.cfg.default_max_tokens } else { plan.max_tokens };
-        let decode = self.metrics.decode_time(length.saturating_sub(1));
+        let decode = self.metrics.decode_time(plan.max_tokens.saturating_sub(1));
         let left = left - decode.min(left / 2);
         let req = SelectPrefillRequest {
             block_hashes: hashes.to_vec(),

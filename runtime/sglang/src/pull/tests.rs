@@ -19,6 +19,8 @@ async fn pull() -> (u16, mpsc::UnboundedReceiver<Vec<Bytes>>, tokio::sync::onesh
     tokio::spawn(serve(
         listener,
         move |frames: &[Bytes]| {
+            // A handler that fails: its connection's task panics (see the test below).
+            assert_ne!(frames, [Bytes::from_static(b"panic")], "the handler fails");
             let _ = tx.lock().unwrap().send(frames.to_vec());
         },
         async move {
@@ -143,4 +145,20 @@ async fn a_message_past_its_byte_bound_closes_the_connection() {
         }
     }
     assert!(closed(&mut s).await);
+}
+
+/// A connection whose task ended in a panic gives its address's place back too: after
+/// `MAX_PER_PEER` of them, one more from the same address is still served.
+#[tokio::test]
+async fn connections_that_failed_give_their_place_back() {
+    let (port, mut rx, _stop) = pull().await;
+    for _ in 0..MAX_PER_PEER {
+        let mut s = greeted(port).await;
+        s.write_all(&[0, 5]).await.unwrap();
+        s.write_all(b"panic").await.unwrap();
+        assert!(closed(&mut s).await, "its task ended");
+    }
+    let mut s = greeted(port).await;
+    s.write_all(&[0, 2, b'o', b'k']).await.unwrap();
+    assert_eq!(next(&mut rx).await, vec![Bytes::from_static(b"ok")]);
 }
