@@ -2,8 +2,8 @@
 //! (SGLang's PUSH/PULL, vLLM's ROUTER), written here so that every length a peer declares is
 //! checked before anything is kept for it. The `zeromq` crate reserves a peer's declared
 //! frame length up front: one frame header declaring 2^63 bytes aborted the process.
-//! [`Connection`] is one socket's connection to one peer; [`read_message`] and
-//! [`handshake`] serve listeners (SGLang's PULL, in `handoff_sglang::pull`).
+//! [`Connection`] is one socket's connection to one peer, dialled or accepted (SGLang's
+//! PULL, in `handoff_sglang::pull`, accepts).
 
 use std::time::Duration;
 
@@ -225,16 +225,25 @@ impl Connection {
     /// Connects to the socket of kind `theirs` at `addr` (`host:port`) as one of kind `ours`,
     /// shaking hands within [`HANDSHAKE_TIMEOUT`].
     pub async fn connect(addr: &str, ours: &[u8], theirs: &[u8]) -> Result<Self, ZmtpError> {
-        let go = async {
-            let mut stream = TcpStream::connect(addr).await?;
-            stream.set_nodelay(true)?;
-            keep_alive(&stream)?;
-            handshake(&mut stream, ours, theirs).await?;
-            Ok(Connection { stream, limits: Limits::default() })
-        };
+        let go = async { Self::shake(TcpStream::connect(addr).await?, ours, theirs).await };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, go)
             .await
             .map_err(|_| ZmtpError::Io(std::io::ErrorKind::TimedOut.into()))?
+    }
+
+    /// A connection a listener accepted, once its peer (of kind `theirs`) has shaken hands
+    /// with us (of kind `ours`) within [`HANDSHAKE_TIMEOUT`].
+    pub async fn accept(stream: TcpStream, ours: &[u8], theirs: &[u8]) -> Result<Self, ZmtpError> {
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, Self::shake(stream, ours, theirs))
+            .await
+            .map_err(|_| ZmtpError::Handshake("no handshake in time"))?
+    }
+
+    async fn shake(mut stream: TcpStream, ours: &[u8], theirs: &[u8]) -> Result<Self, ZmtpError> {
+        stream.set_nodelay(true)?;
+        keep_alive(&stream)?;
+        handshake(&mut stream, ours, theirs).await?;
+        Ok(Connection { stream, limits: Limits::default() })
     }
 
     /// Whether the peer has closed the connection (or it broke), for a socket that never

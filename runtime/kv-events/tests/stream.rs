@@ -203,3 +203,61 @@ fn tokio_util_cancel() -> (tokio::sync::oneshot::Receiver<()>, tokio::sync::ones
     let (tx, rx) = tokio::sync::oneshot::channel();
     (rx, tx)
 }
+
+/// A publisher whose frame header declares more than the stream takes (17 MiB, past its
+/// 16 MiB bound) loses its connection, and nothing else happens: the stream connects again
+/// and applies what the engine publishes then. (With the `zeromq` crate, a header declaring
+/// 2^63 bytes aborted the process.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_frame_costs_the_connection_and_the_stream_connects_again() {
+    use handoff_core::zmtp::{LONG, Limits, handshake, read_message, write_message};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let events = format!("tcp://{}", listener.local_addr().unwrap());
+    let ops = Arc::new(Mutex::new(Vec::<IndexOp>::new()));
+    let (o, (stop_rx, stop_tx)) = (ops.clone(), tokio_util_cancel());
+    let stream = EngineStream::new(
+        EngineEndpoint { events, replay: None, topic: String::new() },
+        16,
+        1 << 16,
+    );
+    let follower = tokio::spawn(stream.run(
+        move |batch| {
+            o.lock().unwrap().extend(batch);
+            true
+        },
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    // Its first connection: subscribed, then a frame header past the bound.
+    let (mut first, _) =
+        tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.unwrap().unwrap();
+    handshake(&mut first, b"PUB", b"SUB").await.unwrap();
+    let subscription = read_message(&mut first, Limits::default()).await.unwrap();
+    assert_eq!(subscription, vec![Bytes::from_static(b"\x01")], "subscribed to every topic");
+    first.write_all(&[LONG]).await.unwrap();
+    first.write_all(&(17u64 << 20).to_be_bytes()).await.unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), first.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the stream dropped the connection");
+    // Its next: a batch, applied.
+    let again = tokio::time::timeout(Duration::from_secs(5), listener.accept()).await;
+    let (mut second, _) = again.expect("the stream connects again").unwrap();
+    handshake(&mut second, b"PUB", b"SUB").await.unwrap();
+    read_message(&mut second, Limits::default()).await.unwrap();
+    let tokens: Vec<u32> = (40..56).collect();
+    let batch =
+        [Bytes::new(), Bytes::copy_from_slice(&0u64.to_be_bytes()), stored(5, None, &tokens)];
+    write_message(&mut second, &batch).await.unwrap();
+    let want = IndexOp::Store { parent: None, blocks: block_hashes(&tokens, 16) };
+    let since = std::time::Instant::now();
+    while !ops.lock().unwrap().contains(&want) {
+        assert!(since.elapsed() < Duration::from_secs(5), "{:?}", ops.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _ = stop_tx.send(());
+    let stats = follower.await.unwrap();
+    assert_eq!(stats.batches, 1, "{stats:?}");
+}

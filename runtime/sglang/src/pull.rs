@@ -14,9 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
-use handoff_core::zmtp::{
-    HANDSHAKE_TIMEOUT, Limits, ZmtpError, handshake, keep_alive, read_message,
-};
+use handoff_core::zmtp::{Connection, ZmtpError};
 
 /// Connections served at once (one per prefill rank that pushes to this decode); beyond,
 /// accepts wait in the backlog.
@@ -29,13 +27,10 @@ pub const MAX_PER_PEER: usize = 64;
 type OnMessage = Arc<dyn Fn(&[Bytes]) + Send + Sync>;
 
 /// One peer's connection: the handshake in time, then each message to `on_message`.
-async fn connection(mut stream: TcpStream, on_message: OnMessage) -> Result<(), ZmtpError> {
-    keep_alive(&stream)?;
-    tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream, b"PULL", b"PUSH"))
-        .await
-        .map_err(|_| ZmtpError::Handshake("no handshake in time"))??;
+async fn connection(stream: TcpStream, on_message: OnMessage) -> Result<(), ZmtpError> {
+    let mut pull = Connection::accept(stream, b"PULL", b"PUSH").await?;
     loop {
-        let message = read_message(&mut stream, Limits::default()).await?;
+        let message = pull.recv().await?;
         on_message(&message);
     }
 }
@@ -49,7 +44,6 @@ pub async fn serve(
 ) {
     let on_message: OnMessage = Arc::new(on_message);
     let mut peers = JoinSet::new();
-    let mut per_peer: HashMap<IpAddr, usize> = HashMap::new();
     // Each connection's address by its task, so that one which ended in any way (a panic
     // included) gives its place back.
     let mut from_of: HashMap<tokio::task::Id, IpAddr> = HashMap::new();
@@ -63,26 +57,19 @@ pub async fn serve(
                     Ok((id, ())) => id,
                     Err(e) => e.id(),
                 };
-                if let Some(ip) = from_of.remove(&id)
-                    && let Some(n) = per_peer.get_mut(&ip)
-                {
-                    *n -= 1;
-                    if *n == 0 {
-                        per_peer.remove(&ip);
-                    }
-                }
+                from_of.remove(&id);
             }
             accepted = listener.accept(), if peers.len() < MAX_CONNECTIONS => match accepted {
                 Ok((stream, from)) => {
-                    let n = per_peer.entry(from.ip()).or_default();
-                    if *n >= MAX_PER_PEER {
+                    // At most `MAX_CONNECTIONS` to count through, once per accept.
+                    let held = from_of.values().filter(|&&ip| ip == from.ip()).count();
+                    if held >= MAX_PER_PEER {
                         refused += 1;
                         if refused.is_power_of_two() {
                             warn!(%from, refused, "SGLang PULL connections refused: {MAX_PER_PEER} from one address at most");
                         }
                         continue;
                     }
-                    *n += 1;
                     let on_message = on_message.clone();
                     let task = peers.spawn(async move {
                         if let Err(e) = connection(stream, on_message).await {
