@@ -11,6 +11,9 @@ pub enum PrefillError {
     /// fault: the caller should try elsewhere, or the old way.
     #[error("mismatch: {0}")]
     Mismatch(String),
+    /// The instance is draining: it takes no new request (the caller tries another).
+    #[error("draining: this instance takes no new requests")]
+    Draining,
     /// Too many requests queued.
     #[error("overloaded: {0}")]
     Overloaded(String),
@@ -42,7 +45,7 @@ impl From<PrefillError> for tonic::Status {
             PrefillError::Mismatch(_) => tonic::Status::failed_precondition(msg),
             PrefillError::Overloaded(_) => tonic::Status::resource_exhausted(msg),
             PrefillError::Deadline(_) => tonic::Status::deadline_exceeded(msg),
-            PrefillError::Transfer(_) | PrefillError::Discovery(_) => {
+            PrefillError::Draining | PrefillError::Transfer(_) | PrefillError::Discovery(_) => {
                 tonic::Status::unavailable(msg)
             }
             PrefillError::Engine(_) | PrefillError::Startup(_) => tonic::Status::internal(msg),

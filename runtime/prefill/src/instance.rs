@@ -134,6 +134,7 @@ impl PrefillInstance {
             token: cfg.inbox.token.clone(),
             handshake_timeout: cfg.handshake_timeout,
             running: Default::default(),
+            draining: Default::default(),
             queued_tokens: Default::default(),
             metrics: Default::default(),
             registry: registry.clone(),
@@ -201,6 +202,9 @@ impl PrefillInstance {
                 tokio::select! {
                     _ = t.shutdown_requested() => break,
                     _ = tick.tick() => {}
+                }
+                if svc.draining() {
+                    continue;
                 }
                 let Ok(body) = serde_json::to_vec(&svc.heartbeat()) else { continue };
                 publisher.try_publish(subject.clone(), body.into());

@@ -33,8 +33,8 @@ impl Default for PrefillMetrics {
         PrefillMetrics {
             requests: r.counters(
                 "handoff_prefill_requests_total",
-                "Prefill requests by result (ok, invalid, mismatch, overloaded, deadline, engine, \
-                 transfer, cancelled, other).",
+                "Prefill requests by result (ok, invalid, mismatch, overloaded, draining, deadline, \
+                 engine, transfer, cancelled, other).",
                 &["result"],
             ),
             stages: r.histograms(
@@ -80,6 +80,7 @@ impl PrefillMetrics {
             Err(PrefillError::Invalid(_)) => "invalid",
             Err(PrefillError::Mismatch(_)) => "mismatch",
             Err(PrefillError::Overloaded(_)) => "overloaded",
+            Err(PrefillError::Draining) => "draining",
             Err(PrefillError::Deadline(_)) => "deadline",
             Err(PrefillError::Engine(_)) => "engine",
             Err(PrefillError::Transfer(t)) => {

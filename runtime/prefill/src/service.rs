@@ -80,6 +80,8 @@ pub(crate) struct Inner {
     pub(crate) token: Option<String>,
     pub(crate) handshake_timeout: Duration,
     pub(crate) running: AtomicUsize,
+    /// Set by a drain: new requests are refused and heartbeats stop.
+    pub(crate) draining: std::sync::atomic::AtomicBool,
     pub(crate) queued_tokens: std::sync::atomic::AtomicU64,
     pub(crate) metrics: crate::metrics::PrefillMetrics,
     /// Where the instance is registered (a drain deregisters it).
@@ -271,6 +273,13 @@ impl PrefillService {
         }
     }
 
+    /// A drain has begun: new requests are refused with `UNAVAILABLE` and no heartbeat is
+    /// sent, so a scheduler that cannot see the deregistration (etcd away) still lets the
+    /// instance go once its heartbeats stop.
+    pub fn draining(&self) -> bool {
+        self.inner.draining.load(Ordering::Relaxed)
+    }
+
     /// Requests being served.
     pub fn running(&self) -> usize {
         self.inner.running.load(Ordering::Relaxed)
@@ -298,6 +307,10 @@ impl PrefillService {
     }
 
     async fn run(&self, req: PrefillRequest) -> Result<PrefillResponse, PrefillError> {
+        if self.draining() {
+            self.inner.metrics.ended(Err(&PrefillError::Draining));
+            return Err(PrefillError::Draining);
+        }
         let _running = Running::new(&self.inner, req.token_ids.len() as u64);
         let mut unanswered = Unanswered(Some(&self.inner.metrics));
         let served = self.serve(req).await;
@@ -306,12 +319,15 @@ impl PrefillService {
         served
     }
 
-    /// A graceful drain: out of routing first (deregistered, not ready), then waits until
-    /// the requests in flight have finished (at most `grace`). Returns how many are left.
-    /// Discovery out of reach does not cut the drain short: the registration's lease, no
-    /// longer kept alive, takes it out of routing within its TTL, and the requests in flight
-    /// still finish.
+    /// A graceful drain: out of routing first (new requests refused, heartbeats stopped,
+    /// deregistered, not ready), then waits until the requests in flight have finished (at
+    /// most `grace`). Returns how many are left. Discovery out of reach does not cut the
+    /// drain short: the registration's lease, no longer kept alive, takes it out of routing
+    /// within its TTL, a scheduler that cannot see etcd either drops it once its heartbeats
+    /// stop, a request routed to it meanwhile is refused (the frontend tries another), and
+    /// the requests in flight still finish.
     pub async fn drain(&self, grace: Duration) -> Result<usize, PrefillError> {
+        self.inner.draining.store(true, Ordering::Relaxed);
         self.inner.metrics.set_registered(false);
         if let Err(e) = self.inner.registry.deregister(&self.inner.id).await {
             warn!(instance = %self.inner.id, error = %e, "could not deregister (its lease will lapse); draining all the same");

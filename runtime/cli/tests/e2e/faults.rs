@@ -167,3 +167,37 @@ async fn a_drain_waits_for_its_requests_when_discovery_is_out_of_reach() {
     assert_eq!(c.prefills[0].running(), 0, "waited for the request in flight");
     request.await.unwrap().expect("the request in flight is served");
 }
+
+/// A draining instance takes no new request even when discovery could not be told (etcd
+/// away, so a scheduler still routes to it): each one routed there is refused and served by
+/// the other instance. Before, the draining instance served them, past its grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_instance_refuses_new_requests_when_discovery_is_out_of_reach() {
+    use std::sync::Arc;
+    let engines = || Ok(engine() as Arc<dyn handoff_engine::Engine>);
+    let registry = Arc::new(CannotDeregister(handoff_discovery::MemoryRegistry::new()));
+    let bus = Arc::new(handoff_discovery::MemoryBus::new());
+    let c = handoff::Cluster::start_with(
+        ClusterConfig::ephemeral(),
+        &engines,
+        registry,
+        bus,
+        handoff_core::Tasks::new(),
+    )
+    .await
+    .unwrap();
+    c.prefills[0].drain(Duration::ZERO).await.expect("drains all the same");
+    let mut cl = client(&c).await;
+    let mut refused = 0;
+    for seed in 0..8 {
+        let (_, done) = generate(&mut cl, &prompt(seed, 40), 2).await.expect("served");
+        let ev = done.evidence.unwrap();
+        assert_eq!(ev.instance_id, "prefill-1", "served by the instance not draining");
+        for a in &ev.failed_attempts {
+            assert_eq!(a.instance_id, "prefill-0");
+            assert!(a.error.contains("draining"), "{}", a.error);
+            refused += 1;
+        }
+    }
+    assert!(refused > 0, "the scheduler still routed to the draining instance");
+}
