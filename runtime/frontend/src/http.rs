@@ -104,8 +104,8 @@ fn sampling(s: &openai::Sampling) -> Result<SamplingParams, ApiError> {
         temperature: s.temperature.unwrap_or(0.0),
         top_p: s.top_p.unwrap_or(1.0),
         top_k: s.top_k.unwrap_or(0),
-        // No seed is 0: a fresh one per request (see `input::plan`).
-        seed: s.seed.unwrap_or(0),
+        // No seed: a fresh one per request (see `input::plan`).
+        seed: s.seed,
         stop: s.stop.clone().map(openai::Stop::into_vec).unwrap_or_default(),
         ignore_eos: false,
     })

@@ -97,10 +97,10 @@ pub fn plan(
         return Err(invalid("the prompt is empty"));
     }
     let mut sampling = req.sampling.unwrap_or_default();
-    if sampling.seed == 0 {
+    if sampling.seed.is_none() {
         // A fresh seed, so that sampled outputs differ from call to call; below 2^63, as
         // engines that keep seeds in a signed 64-bit integer (SGLang) need.
-        sampling.seed = (rand::random::<u64>() >> 1).max(1);
+        sampling.seed = Some(rand::random::<u64>() >> 1);
     }
     if !sampling.temperature.is_finite() || !(0.0..=2.0).contains(&sampling.temperature) {
         return Err(invalid(format!(

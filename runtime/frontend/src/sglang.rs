@@ -162,8 +162,10 @@ fn sampling_params(s: &SamplingParams) -> Value {
         p.insert("top_k".into(), json!(s.top_k));
     }
     // Only where it matters; SGLang keeps seeds in a signed 64-bit integer.
-    if s.temperature > handoff_engine::GREEDY_BELOW {
-        p.insert("sampling_seed".into(), json!(s.seed & i64::MAX as u64));
+    if let Some(seed) = s.seed
+        && s.temperature > handoff_engine::GREEDY_BELOW
+    {
+        p.insert("sampling_seed".into(), json!(seed & i64::MAX as u64));
     }
     if s.ignore_eos {
         p.insert("ignore_eos".into(), json!(true));
@@ -210,13 +212,13 @@ mod tests {
 
     #[test]
     fn only_the_sampling_asked_for_is_sent() {
-        let greedy = SamplingParams { max_tokens: 8, seed: 3, ..Default::default() };
+        let greedy = SamplingParams { max_tokens: 8, seed: Some(3), ..Default::default() };
         assert_eq!(sampling_params(&greedy), json!({"max_new_tokens": 8, "temperature": 0.0}));
-        let s = SamplingParams { top_k: 5, seed: 7, temperature: 1.0, ..Default::default() };
+        let s = SamplingParams { top_k: 5, seed: Some(7), temperature: 1.0, ..Default::default() };
         let p = sampling_params(&s);
         assert_eq!((p["top_k"].as_u64(), p["sampling_seed"].as_u64()), (Some(5), Some(7)));
         // A seed past 2^63 would overflow SGLang's signed 64-bit seeds.
-        let s = SamplingParams { seed: u64::MAX, temperature: 1.0, ..Default::default() };
+        let s = SamplingParams { seed: Some(u64::MAX), temperature: 1.0, ..Default::default() };
         assert_eq!(sampling_params(&s)["sampling_seed"].as_u64(), Some(i64::MAX as u64));
     }
 }

@@ -152,8 +152,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Sampling settings from the wire.
 pub fn sampling_from_wire(s: Option<&SamplingParams>) -> Sampling {
-    s.map(|s| Sampling { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, seed: s.seed })
-        .unwrap_or_default()
+    s.map(|s| Sampling {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        seed: s.seed.unwrap_or_default(),
+    })
+    .unwrap_or_default()
 }
 
 impl PrefillService {

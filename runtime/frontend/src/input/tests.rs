@@ -34,8 +34,8 @@ fn a_chat_without_max_tokens_may_fill_the_context() {
     assert!(super::plan(request(full, 1), &engine, &cfg).is_err());
 }
 
-/// Seed 0 (none given) is a fresh seed per request, below 2^63 (SGLang keeps seeds in a
-/// signed 64-bit integer); a seed given is kept.
+/// No seed given is a fresh seed per request, below 2^63 (SGLang keeps seeds in a signed
+/// 64-bit integer); a seed given, 0 included, is kept.
 #[test]
 fn no_seed_is_a_fresh_one_below_two_to_the_63() {
     let engine = MockEngine::new(MockConfig::default());
@@ -45,11 +45,15 @@ fn no_seed_is_a_fresh_one_below_two_to_the_63() {
         sampling: Some(SamplingParams { seed, temperature: 1.0, ..Default::default() }),
         ..Default::default()
     };
-    let seeds: std::collections::HashSet<u64> =
-        (0..8).map(|_| super::plan(with_seed(0), &engine, &cfg).unwrap().sampling.seed).collect();
+    let seeds: std::collections::HashSet<u64> = (0..8)
+        .map(|_| super::plan(with_seed(None), &engine, &cfg).unwrap().sampling.seed.unwrap())
+        .collect();
     assert_eq!(seeds.len(), 8, "{seeds:?}");
-    assert!(seeds.iter().all(|&s| s != 0 && s < 1 << 63), "{seeds:?}");
-    assert_eq!(super::plan(with_seed(5), &engine, &cfg).unwrap().sampling.seed, 5);
+    assert!(seeds.iter().all(|&s| s < 1 << 63), "{seeds:?}");
+    for given in [0, 5] {
+        let plan = super::plan(with_seed(Some(given)), &engine, &cfg).unwrap();
+        assert_eq!(plan.sampling.seed, Some(given));
+    }
 }
 
 /// A chat whose prompt fills the context leaves no room for a token: refused with the reason.

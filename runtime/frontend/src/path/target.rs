@@ -70,7 +70,8 @@ pub(super) fn handoff_prefill_sampling(
         temperature: s.temperature,
         top_p: s.top_p,
         top_k: s.top_k,
-        seed: s.seed,
+        // `input::plan` gave every request one.
+        seed: s.seed.unwrap_or_default(),
     }
 }
 
