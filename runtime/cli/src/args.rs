@@ -297,12 +297,32 @@ pub struct FrontendArgs {
     /// The public listeners' TLS.
     #[command(flatten)]
     pub public_tls: PublicTlsArgs,
+    /// What a client's request may take.
+    #[command(flatten)]
+    pub requests: RequestArgs,
     /// Discovery.
     #[command(flatten)]
     pub discovery: DiscoveryArgs,
     /// The engine.
     #[command(flatten)]
     pub engine: EngineArgs,
+}
+
+/// What a client's request may take, at the frontend.
+#[derive(Debug, Clone, Args)]
+pub struct RequestArgs {
+    /// Seconds a request has when it names no deadline (gRPC `deadline_ms`; the HTTP API's
+    /// requests always take this): past it, a request fails with 504 / `DEADLINE_EXCEEDED`
+    /// (a chat without `max_tokens` ends with `finish_reason: "length"`).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub request_timeout_secs: u64,
+}
+
+impl RequestArgs {
+    /// The whole-request deadline of requests that name none.
+    pub fn request_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.request_timeout_secs)
+    }
 }
 
 /// Which engine serves.
@@ -395,6 +415,9 @@ pub struct UpArgs {
     /// The public listeners' TLS.
     #[command(flatten)]
     pub public_tls: PublicTlsArgs,
+    /// What a client's request may take.
+    #[command(flatten)]
+    pub requests: RequestArgs,
     /// Selection.
     #[command(flatten)]
     pub policy: PolicyArgs,

@@ -134,3 +134,21 @@ fn an_empty_token_is_refused() {
     assert!(e.contains("--token"), "{e}");
     assert_eq!(scheduler(&["--token=s3cret"]).unwrap().discovery.token.as_deref(), Some("s3cret"));
 }
+
+/// `--request-timeout-secs` sets the deadline of requests naming none, on the frontend and
+/// on `up`; 0 (every request failing at once) and past a day are refused.
+#[test]
+fn the_request_timeout_is_a_flag_within_a_day() {
+    assert_eq!(frontend(&[]).unwrap().requests.request_timeout().as_secs(), 60);
+    let a = frontend(&["--request-timeout-secs=600"]).unwrap();
+    assert_eq!(a.requests.request_timeout().as_secs(), 600);
+    for bad in ["0", "86401"] {
+        let e = frontend(&[&format!("--request-timeout-secs={bad}")]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad}");
+    }
+    let argv = ["handoff", "up", "--request-timeout-secs", "5"];
+    match Cli::try_parse_from(argv).unwrap().command {
+        Command::Up(a) => assert_eq!(a.requests.request_timeout().as_secs(), 5),
+        other => panic!("parsed as {other:?}"),
+    }
+}

@@ -49,6 +49,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         public_tls: args.public_tls.server_tls()?,
         require_registered_prefill: args.discovery.etcd.is_some(),
         drive_vllm: args.drive_vllm,
+        request_timeout: args.requests.request_timeout(),
         ..FrontendConfig::default()
     };
     let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, &tasks).await?;

@@ -75,6 +75,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         tls: args.discovery.cluster_tls()?,
         frontend: FrontendConfig {
             public_tls: args.public_tls.server_tls()?,
+            request_timeout: args.requests.request_timeout(),
             ..FrontendConfig::default()
         },
         scheduler: args.policy.config(),
