@@ -8,6 +8,15 @@ use handoff_engine::Engine;
 #[derive(Debug, Default)]
 pub struct TextAssembler {
     tokens: Vec<u32>,
+    /// Where the tokens still decoded at each step begin: only a few tokens before the
+    /// newest are decoded again (the text of those before is settled), so a long output
+    /// costs linear, not quadratic, decoding.
+    window: usize,
+    /// The tokens of `window..read` were decoded into `text` already.
+    read: usize,
+    /// Bytes of the text of the tokens past `read` in `text` already (the characters before
+    /// an unfinished one).
+    shown: usize,
     text: String,
     released: usize,
     stops: Vec<String>,
@@ -32,19 +41,38 @@ impl TextAssembler {
 
     /// Adds a token; returns the text it releases.
     pub fn push(&mut self, engine: &dyn Engine, token: u32) -> Released {
-        self.tokens.push(token);
-        self.release(engine.detokenize(&self.tokens))
+        self.push_decoded(|t| engine.detokenize(t), token)
     }
 
-    /// Takes `full`, the text of every token so far; returns the text it releases.
-    fn release(&mut self, full: String) -> Released {
-        // An unfinished character decodes as U+FFFD at the end: wait for the next token.
-        let complete = full.trim_end_matches('\u{FFFD}');
-        if complete.len() >= self.text.len() && complete.starts_with(self.text.as_str()) {
-            self.text = complete.to_owned();
-        } else if !full.ends_with('\u{FFFD}') {
-            self.text = full;
+    /// [`TextAssembler::push`] with `decode` turning tokens into text. The tokens from
+    /// `window` are decoded twice, up to `read` and up to the newest: the difference is the
+    /// new text, decoded with the tokens before it (byte-level and SentencePiece decoders
+    /// render a token by its neighbours). An unfinished character decodes as U+FFFD at the
+    /// end: what comes before it is taken (`shown`), and the window waits for the rest.
+    pub(crate) fn push_decoded(
+        &mut self,
+        decode: impl Fn(&[u32]) -> String,
+        token: u32,
+    ) -> Released {
+        self.tokens.push(token);
+        let settled = decode(&self.tokens[self.window..self.read]);
+        let now = decode(&self.tokens[self.window..]);
+        // Past what the two have in common (all of `settled` but for decoders that tidy
+        // spaces by the next token, whose change is already sent).
+        let new = &now[common_prefix(&settled, &now)..];
+        let complete = new.trim_end_matches('\u{FFFD}');
+        if let Some(more) = complete.get(self.shown..) {
+            self.text.push_str(more);
+            self.shown = complete.len();
         }
+        if complete.len() == new.len() {
+            (self.window, self.read, self.shown) = (self.read, self.tokens.len(), 0);
+        }
+        self.release()
+    }
+
+    /// Looks for stop strings in the text not yet released; returns the text it releases.
+    fn release(&mut self) -> Released {
         // A stop string may begin in the held-back text: look from `hold` bytes before what
         // was released, moved back to a character's start (the text may be any script).
         let mut from = self.released.saturating_sub(self.hold).min(self.text.len());
@@ -81,6 +109,11 @@ impl TextAssembler {
     pub fn released(&self) -> &str {
         self.text.get(..self.released).unwrap_or(&self.text)
     }
+}
+
+/// The bytes `a` and `b` begin with alike, in whole characters.
+fn common_prefix(a: &str, b: &str) -> usize {
+    a.chars().zip(b.chars()).take_while(|(x, y)| x == y).map(|(x, _)| x.len_utf8()).sum()
 }
 
 #[cfg(test)]

@@ -31,28 +31,90 @@ fn without_stops_everything_is_released() {
     assert_eq!(a.released(), " w5 w6");
 }
 
+/// Tokens of one byte each, as a byte-level tokenizer may split a character.
+fn bytes(tokens: &[u32]) -> String {
+    String::from_utf8_lossy(&tokens.iter().map(|&t| t as u8).collect::<Vec<_>>()).into_owned()
+}
+
 /// Held-back text is searched for stop strings from a character's start: accented and CJK
-/// text (several bytes a character) with a stop string of two bytes or more.
+/// text (several bytes a character, here a token a byte) with a stop string of two bytes or
+/// more.
 #[test]
 fn stop_strings_are_found_in_text_of_any_script() {
-    for (steps, stop, expected) in [
-        (&["Tr", "Très", "Très b", "Très bien\n\nAu"][..], "\n\n", "Très bien"),
-        (&["日", "日本", "日本語", "日本語です</s>x"][..], "</s>", "日本語です"),
-        (&["ü", "üü", "üüü"][..], "üü", ""),
+    for (text, stop, expected) in [
+        ("Très bien\n\nAu", "\n\n", "Très bien"),
+        ("日本語です</s>x", "</s>", "日本語です"),
+        ("üüü", "üü", ""),
+        // The stop string ends where a character begins, unfinished.
+        ("añ€", "añ", ""),
     ] {
         let mut a = TextAssembler::new(&[stop.to_owned()]);
         let mut sent = String::new();
         let mut stopped = false;
-        for step in steps {
-            let r = a.release(step.to_string());
+        for &b in text.as_bytes() {
+            let r = a.push_decoded(bytes, u32::from(b));
             sent.push_str(&r.text);
             stopped |= r.stopped;
             if r.stopped {
                 break;
             }
         }
-        assert!(stopped, "{steps:?} stops at {stop:?}");
+        assert!(stopped, "{text:?} stops at {stop:?}");
         assert_eq!(sent, expected);
         assert_eq!(a.released(), expected);
     }
+}
+
+/// A long output is decoded a few tokens at a time, not whole at every token, and comes out
+/// as decoding it whole would: text split mid-character, and an invalid byte.
+#[test]
+fn each_token_is_decoded_with_a_few_before_it_not_all() {
+    let text = "Grüße aus 東京 🙂, ".repeat(100);
+    let mut tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+    tokens.insert(7, 0xff);
+    let decoded = std::cell::Cell::new(0);
+    let counting = |t: &[u32]| {
+        decoded.set(decoded.get() + t.len());
+        bytes(t)
+    };
+    let mut a = TextAssembler::new(&[]);
+    let mut sent: String = tokens.iter().map(|&t| a.push_decoded(counting, t).text).collect();
+    sent.push_str(&a.finish());
+    assert_eq!(sent, bytes(&tokens));
+    assert!(
+        decoded.get() < 8 * tokens.len(),
+        "{} tokens decoded for {}",
+        decoded.get(),
+        tokens.len()
+    );
+}
+
+/// A token ending in the first byte of a character still releases (and stops at) the text
+/// before it, as soon as it comes.
+#[test]
+fn the_text_before_an_unfinished_character_is_taken_at_once() {
+    // Tokens of up to four bytes, the first in the lowest byte (no zero bytes).
+    let packed = |t: &[u32]| {
+        let b: Vec<u8> = t.iter().flat_map(|t| t.to_le_bytes()).filter(|&b| b != 0).collect();
+        String::from_utf8_lossy(&b).into_owned()
+    };
+    let euro = "€".as_bytes();
+    let b_and_euro_begun = u32::from_le_bytes([b'b', euro[0], 0, 0]);
+    let mut a = TextAssembler::new(&["ab".to_owned()]);
+    assert!(!a.push_decoded(packed, u32::from(b'a')).stopped);
+    assert!(a.push_decoded(packed, b_and_euro_begun).stopped, "stops at the token with b");
+    let mut a = TextAssembler::new(&[]);
+    assert_eq!(a.push_decoded(packed, b_and_euro_begun).text, "b");
+    let rest = u32::from_le_bytes([euro[1], euro[2], b'c', 0]);
+    assert_eq!(a.push_decoded(packed, rest).text, "€c");
+}
+
+/// The last tokens ending mid-character send the characters before it, not a U+FFFD.
+#[test]
+fn an_unfinished_last_character_is_not_sent() {
+    let mut a = TextAssembler::new(&[]);
+    let mut sent: String =
+        "ab€".bytes().take(4).map(|b| a.push_decoded(bytes, u32::from(b)).text).collect();
+    sent.push_str(&a.finish());
+    assert_eq!(sent, "ab");
 }
