@@ -349,6 +349,15 @@ impl Frontend {
                     );
                     return Err(FrontendError::at("consume", why));
                 }
+                // A prefill of another model (or a broken one): its token would fail every
+                // sequence decoded in the same batch.
+                if p.first_token >= info.vocab {
+                    let why = format!(
+                        "first token {} outside the vocabulary of {}",
+                        p.first_token, info.vocab
+                    );
+                    return Err(FrontendError::at("consume", why));
+                }
                 let sampling = handoff_prefill_sampling(&plan.sampling);
                 let decoder: Box<dyn Decoder> = Box::new(first_token::LoadOnFirstStep::new(
                     self.engine.clone(),

@@ -396,6 +396,12 @@ impl Engine for SmolLm {
         last_token: u32,
         sampling: &Sampling,
     ) -> Result<Box<dyn Decoder>, EngineError> {
+        // Checked here, not at the step: a bad token would fail its whole batch there.
+        let vocab = self.info().vocab;
+        if last_token >= vocab {
+            let why = format!("token {last_token} outside the vocabulary of {vocab}");
+            return Err(EngineError::InvalidInput(why));
+        }
         let seq = Seq::from_kv(&self.shared.weights.hp, kv)?;
         Ok(Box::new(SmolDecoder {
             worker: self.worker.clone(),

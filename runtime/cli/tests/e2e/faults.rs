@@ -201,3 +201,46 @@ async fn a_draining_instance_refuses_new_requests_when_discovery_is_out_of_reach
     }
     assert!(refused > 0, "the scheduler still routed to the draining instance");
 }
+
+/// A prefill whose first token is outside the decode's vocabulary (another model, or a
+/// broken one) fails its attempt before a token reaches the client, and the request is
+/// served by the other instance. Before, the token went to the client and into the decode
+/// batch, where SmolLM2 failed every sequence decoded with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_token_outside_the_vocabulary_is_refused_and_retried_elsewhere() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Engines are made prefills first, then the frontend: the first prefill's vocabulary is
+    // far larger than the others'.
+    let made = AtomicUsize::new(0);
+    let engines = || {
+        let vocab = if made.fetch_add(1, Ordering::Relaxed) == 0 { 1 << 30 } else { 32_000 };
+        let cfg = handoff_engine::MockConfig { vocab, ..Default::default() };
+        Ok(Arc::new(handoff_engine::MockEngine::new(cfg)) as Arc<dyn handoff_engine::Engine>)
+    };
+    let registry = Arc::new(handoff_discovery::MemoryRegistry::new());
+    let bus = Arc::new(handoff_discovery::MemoryBus::new());
+    let c = handoff::Cluster::start_with(
+        ClusterConfig::ephemeral(),
+        &engines,
+        registry,
+        bus,
+        handoff_core::Tasks::new(),
+    )
+    .await
+    .unwrap();
+    let mut cl = client(&c).await;
+    let mut refused = 0;
+    for seed in 0..8 {
+        let (tokens, done) = generate(&mut cl, &prompt(seed, 40), 3).await.expect("served");
+        assert!(tokens.iter().all(|&t| t < 32_000), "{tokens:?}");
+        let ev = done.evidence.unwrap();
+        assert_eq!(ev.instance_id, "prefill-1", "served by the instance of the same model");
+        for a in &ev.failed_attempts {
+            assert_eq!(a.instance_id, "prefill-0");
+            assert!(a.error.contains("outside the vocabulary of 32000"), "{}", a.error);
+            refused += 1;
+        }
+    }
+    assert!(refused > 0, "the scheduler never chose the other model's instance");
+}
