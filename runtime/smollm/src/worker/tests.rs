@@ -145,3 +145,18 @@ async fn a_streamed_prefill_hands_on_each_layer_as_it_is_computed() {
         }
     }
 }
+
+/// A last token outside the vocabulary is refused when the decoder is made: at its step it
+/// would fail every sequence decoded in the same batch.
+#[tokio::test]
+async fn a_decoder_of_a_token_outside_the_vocabulary_is_refused() {
+    let e = engine();
+    let p = e.prefill(&[1, 2, 3, 4], None, &Sampling::default()).await.unwrap();
+    let vocab = e.info().vocab;
+    match e.decoder(p.kv.clone(), vocab, &Sampling::default()) {
+        Err(EngineError::InvalidInput(why)) => assert!(why.contains("outside the vocabulary")),
+        Err(other) => panic!("refused otherwise: {other}"),
+        Ok(_) => panic!("a decoder of token {vocab} was made"),
+    }
+    assert!(e.decoder(p.kv, vocab - 1, &Sampling::default()).is_ok());
+}
