@@ -7,7 +7,7 @@ use std::ops::Range;
 use futures::future::try_join_all;
 use handoff_bootstrap::mapping::{self, Parallel, RegionLayout, Shard};
 use handoff_core::Room;
-use handoff_engine::{KvShape, LayerKv, kv::run_in_layer};
+use handoff_engine::{EngineError, KvShape, LayerKv, kv::run_in_layer};
 use handoff_transfer::{Agent, ConnectRequest, SenderId, WriteStream};
 use tokio::time::Instant;
 
@@ -56,14 +56,14 @@ impl Rank {
         let mut hs = if in_call { given } else { inbox.accept(room, 1, deadline).await? };
         let d = hs[0].dst_tp_size as usize;
         if !mapping::tp_compatible(d, par.tp) {
-            return Err(PrefillError::Invalid(format!(
+            return Err(PrefillError::Mismatch(format!(
                 "decode tp {d} does not divide with prefill tp {}",
                 par.tp
             )));
         }
         let peers = mapping::readers_per_sender(d, par.tp);
         if in_call && hs.len() != peers {
-            return Err(PrefillError::Invalid(format!(
+            return Err(PrefillError::Mismatch(format!(
                 "{} handshakes for tp rank {} pp rank {}, decode tp {d} needs {peers}",
                 hs.len(),
                 self.tp,
@@ -79,7 +79,7 @@ impl Rank {
         ranks.sort_unstable();
         ranks.dedup();
         if hs.len() > peers || ranks.len() < hs.len() {
-            return Err(PrefillError::Invalid(format!(
+            return Err(PrefillError::Mismatch(format!(
                 "{} handshakes for room {room} at tp rank {} pp rank {} ({} decode ranks), decode tp {d} needs {peers}",
                 hs.len(),
                 self.tp,
@@ -102,16 +102,16 @@ impl Rank {
         let (tp, pp, dst) = (self.tp as usize, self.pp as usize, h.dst_tp_rank as usize);
         let heads = shape.kv_heads;
         if h.dst_tp_size as usize != d || dst >= d || h.tokens as usize != tokens {
-            return Err(PrefillError::Invalid(format!(
+            return Err(PrefillError::Mismatch(format!(
                 "handshake for decode rank {dst}/{} of {} tokens does not match this request ({tokens} tokens)",
                 h.dst_tp_size, h.tokens
             )));
         }
         let decode = Parallel { tp: d, pp: 1, cp: 1 };
         let plan = mapping::plan_ranks(par, decode, dst, 0, false)
-            .map_err(|e| PrefillError::Invalid(e.to_string()))?;
+            .map_err(|e| PrefillError::Mismatch(e.to_string()))?;
         if !plan.tp_ranks.contains(&tp) {
-            return Err(PrefillError::Invalid(format!(
+            return Err(PrefillError::Mismatch(format!(
                 "decode rank {dst} does not read from tp rank {tp}"
             )));
         }
@@ -123,7 +123,7 @@ impl Rank {
             head_bytes: shape.head_bytes,
         };
         if h.region_len != layout.len() {
-            return Err(PrefillError::Invalid(format!(
+            return Err(PrefillError::Mismatch(format!(
                 "decode region of {} bytes, this shard needs {}",
                 h.region_len,
                 layout.len()
@@ -178,10 +178,10 @@ impl Destination {
             }
         }
         if merged.last().is_some_and(|(r, _)| r.end > layer.bytes.len()) {
-            return Err(PrefillError::Invalid(format!(
+            return Err(PrefillError::Engine(EngineError::KvShape(format!(
                 "layer {l} of {} bytes is short of its runs",
                 layer.bytes.len()
-            )));
+            ))));
         }
         Ok(merged.into_iter().map(|(r, at)| (layer.bytes.slice(r), at)).collect())
     }

@@ -368,7 +368,7 @@ impl PrefillService {
         let room =
             Room::try_from(req.bootstrap_room).map_err(|e| PrefillError::Invalid(e.to_string()))?;
         let dp = me.dps.get(req.dp_rank as usize).ok_or_else(|| {
-            PrefillError::Invalid(format!(
+            PrefillError::Mismatch(format!(
                 "dp_rank {} outside dp size {}",
                 req.dp_rank,
                 me.dps.len()
@@ -380,14 +380,14 @@ impl PrefillService {
             return Err(PrefillError::Invalid("token_ids is empty".into()));
         }
         if tokens.len() >= info.max_context {
-            return Err(PrefillError::Invalid(format!(
+            return Err(PrefillError::Mismatch(format!(
                 "{} tokens exceed the context of {}",
                 tokens.len(),
                 info.max_context
             )));
         }
         if let Some(t) = tokens.iter().find(|&&t| t >= info.vocab) {
-            return Err(PrefillError::Invalid(format!(
+            return Err(PrefillError::Mismatch(format!(
                 "token id {t} outside the vocabulary of {}",
                 info.vocab
             )));

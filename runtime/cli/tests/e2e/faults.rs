@@ -202,45 +202,75 @@ async fn a_draining_instance_refuses_new_requests_when_discovery_is_out_of_reach
     assert!(refused > 0, "the scheduler still routed to the draining instance");
 }
 
+/// A cluster whose first prefill's engine is `first` (another model), the others' and the
+/// frontend's the default mock.
+async fn cluster_with_first_prefill(first: handoff_engine::MockConfig) -> handoff::Cluster {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Engines are made prefills first, then the frontend.
+    let made = AtomicUsize::new(0);
+    let engines = || {
+        let cfg = match made.fetch_add(1, Ordering::Relaxed) {
+            0 => first.clone(),
+            _ => handoff_engine::MockConfig::default(),
+        };
+        Ok(Arc::new(handoff_engine::MockEngine::new(cfg)) as Arc<dyn handoff_engine::Engine>)
+    };
+    handoff::Cluster::start_with(
+        ClusterConfig::ephemeral(),
+        &engines,
+        Arc::new(handoff_discovery::MemoryRegistry::new()),
+        Arc::new(handoff_discovery::MemoryBus::new()),
+        handoff_core::Tasks::new(),
+    )
+    .await
+    .unwrap()
+}
+
+/// Serves prompts until one was tried on prefill-0 (another model's) and refused for `why`:
+/// each is served by prefill-1 with the right tokens.
+async fn served_past_the_other_model(c: &handoff::Cluster, why: &str) {
+    let mut cl = client(c).await;
+    let mut refused = 0;
+    for seed in 0..8 {
+        let p = prompt(seed, 40);
+        let (tokens, done) = generate(&mut cl, &p, 3).await.expect("served");
+        assert_eq!(tokens, aggregated(&*engine(), &p, 3).await, "right tokens");
+        let ev = done.evidence.unwrap();
+        assert_eq!(ev.instance_id, "prefill-1", "served by the instance of the same model");
+        for a in &ev.failed_attempts {
+            assert_eq!(a.instance_id, "prefill-0");
+            assert!(a.error.contains(why), "{}", a.error);
+            refused += 1;
+        }
+    }
+    assert!(refused > 0, "the scheduler never chose the other model's instance");
+}
+
 /// A prefill whose first token is outside the decode's vocabulary (another model, or a
 /// broken one) fails its attempt before a token reaches the client, and the request is
 /// served by the other instance. Before, the token went to the client and into the decode
 /// batch, where SmolLM2 failed every sequence decoded with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_token_outside_the_vocabulary_is_refused_and_retried_elsewhere() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    // Engines are made prefills first, then the frontend: the first prefill's vocabulary is
-    // far larger than the others'.
-    let made = AtomicUsize::new(0);
-    let engines = || {
-        let vocab = if made.fetch_add(1, Ordering::Relaxed) == 0 { 1 << 30 } else { 32_000 };
-        let cfg = handoff_engine::MockConfig { vocab, ..Default::default() };
-        Ok(Arc::new(handoff_engine::MockEngine::new(cfg)) as Arc<dyn handoff_engine::Engine>)
+    let other = handoff_engine::MockConfig { vocab: 1 << 30, ..Default::default() };
+    let c = cluster_with_first_prefill(other).await;
+    served_past_the_other_model(&c, "outside the vocabulary of 32000").await;
+}
+
+/// A prefill of another model (KV of another size, or a smaller vocabulary) refuses the
+/// request as a mismatch, not as the client's bad input: the frontend tries the other
+/// instance. Before, the client got INVALID_ARGUMENT (400) and the scheduler, told the
+/// client erred, kept sending a share of all requests there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_of_another_model_is_a_mismatch_retried_elsewhere() {
+    let deeper = handoff_engine::MockConfig {
+        shape: handoff_engine::KvShape { layers: 8, kv_heads: 4, head_bytes: 32 },
+        ..Default::default()
     };
-    let registry = Arc::new(handoff_discovery::MemoryRegistry::new());
-    let bus = Arc::new(handoff_discovery::MemoryBus::new());
-    let c = handoff::Cluster::start_with(
-        ClusterConfig::ephemeral(),
-        &engines,
-        registry,
-        bus,
-        handoff_core::Tasks::new(),
-    )
-    .await
-    .unwrap();
-    let mut cl = client(&c).await;
-    let mut refused = 0;
-    for seed in 0..8 {
-        let (tokens, done) = generate(&mut cl, &prompt(seed, 40), 3).await.expect("served");
-        assert!(tokens.iter().all(|&t| t < 32_000), "{tokens:?}");
-        let ev = done.evidence.unwrap();
-        assert_eq!(ev.instance_id, "prefill-1", "served by the instance of the same model");
-        for a in &ev.failed_attempts {
-            assert_eq!(a.instance_id, "prefill-0");
-            assert!(a.error.contains("outside the vocabulary of 32000"), "{}", a.error);
-            refused += 1;
-        }
-    }
-    assert!(refused > 0, "the scheduler never chose the other model's instance");
+    served_past_the_other_model(&cluster_with_first_prefill(deeper).await, "this shard needs")
+        .await;
+    let smaller = handoff_engine::MockConfig { vocab: 2_000, ..Default::default() };
+    served_past_the_other_model(&cluster_with_first_prefill(smaller).await, "vocabulary of 2000")
+        .await;
 }
