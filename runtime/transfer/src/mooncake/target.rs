@@ -91,10 +91,10 @@ fn on_notify(body: &[u8], peer: SocketAddr, s: &Shared) -> Result<(), TransferEr
         .map_err(|e| TransferError::Malformed(format!("mooncake notify message: {e}")))?;
     match control {
         Control::Connect { req, base } => {
-            let region = req.region;
-            s.inbox.on_connect(req)?;
-            s.remotes.insert(region, base);
-            Ok(())
+            // Known before the inbox wakes the prefill that writes to it (a refused one is
+            // never looked up, and goes with the oldest).
+            s.remotes.insert(req.region, base);
+            s.inbox.on_connect(req)
         }
         Control::Notice { region, notice, token } => {
             if !crate::token_accepted(s.cfg.token.as_deref(), token.as_deref().map(str::as_bytes)) {

@@ -149,10 +149,11 @@ impl<C> IdleState<C> {
     }
 }
 
-/// Whether the connection an exchange ended on can serve another: the exchange completed,
-/// answered even if refused.
+/// Whether the connection an exchange ended on can serve another: the exchange completed.
+/// Not after a refusal: the receiver may be closing it (a forbidden frame, a wrong token),
+/// and another request taking it before the close arrives would fail with it.
 pub(super) fn reusable(res: &Result<(), TransferError>) -> bool {
-    matches!(res, Ok(()) | Err(TransferError::Rejected(_)))
+    res.is_ok()
 }
 
 /// A stream whose connection failed an exchange before.
@@ -171,7 +172,7 @@ pub(super) async fn read_ack<S: AsyncRead + Unpin>(
     s: &mut S,
     max_frame: usize,
 ) -> Result<(), TransferError> {
-    match wire::read_ack(s, max_frame).await? {
+    match wire::read_ack(s, peer, max_frame).await? {
         Some(Ok(())) => Ok(()),
         Some(Err(reason)) => Err(TransferError::Rejected(reason)),
         None => Err(io_err(peer, "connection closed before the ack")),
@@ -296,21 +297,62 @@ mod tests {
         let next = b"next frame";
         let plain: Vec<u8> = [yes.clone(), yes.clone(), yes.clone(), next.to_vec()].concat();
         let mut s = Counted { data: &plain, reads: 0 };
-        let got = wire::read_acks(&mut s, 3, 1 << 20).await.unwrap();
+        let got = wire::read_acks(&mut s, &peer(1), 3, 1 << 20).await.unwrap();
         assert_eq!(got, vec![Ok(()), Ok(()), Ok(())]);
         assert_eq!((s.reads, s.data), (1, &next[..]), "one read, no further");
 
         let mixed: Vec<u8> = [yes.clone(), no.clone(), yes.clone(), next.to_vec()].concat();
         let mut s = Counted { data: &mixed, reads: 0 };
-        let got = wire::read_acks(&mut s, 3, 1 << 20).await.unwrap();
+        let got = wire::read_acks(&mut s, &peer(1), 3, 1 << 20).await.unwrap();
         assert_eq!(got, vec![Ok(()), Err("region expired".to_owned()), Ok(())]);
         assert_eq!(s.data, &next[..], "nothing past the third");
 
         let cut: Vec<u8> = [yes.clone(), yes.clone()].concat();
-        let got = wire::read_acks(&mut Counted { data: &cut, reads: 0 }, 3, 1 << 20).await;
+        let got =
+            wire::read_acks(&mut Counted { data: &cut, reads: 0 }, &peer(1), 3, 1 << 20).await;
         assert_eq!(got.unwrap().len(), 2, "the stream ended after two");
         let torn = &cut[..9];
-        let got = wire::read_acks(&mut Counted { data: torn, reads: 0 }, 2, 1 << 20).await;
+        let got =
+            wire::read_acks(&mut Counted { data: torn, reads: 0 }, &peer(1), 2, 1 << 20).await;
         assert!(matches!(got, Err(TransferError::Malformed(_))), "{got:?}");
+    }
+
+    /// A frame's bound is its kind's, checked before its body is read: a peer declaring a
+    /// 64 MiB notice or a 1 MiB ack (and sending nothing more) is refused at once, not
+    /// waited on and buffered.
+    #[tokio::test]
+    async fn frames_longer_than_their_kind_are_refused_before_their_body() {
+        use tokio::io::AsyncWriteExt;
+        let within = Duration::from_secs(5);
+        let (mut peer_end, mut ours) = tokio::io::duplex(1 << 10);
+        peer_end.write_all(&[0, 0, 0, 4, 3]).await.unwrap(); // a notice of 64 MiB
+        let got = tokio::time::timeout(within, wire::read_frame(&mut ours, 128 << 20)).await;
+        let got = got.expect("refused without waiting for the body");
+        assert!(matches!(got, Err(TransferError::Malformed(_))), "{got:?}");
+        let (mut peer_end, mut ours) = tokio::io::duplex(1 << 10);
+        peer_end.write_all(&[0, 0, 16, 0, 4, 1]).await.unwrap(); // an ack of 1 MiB
+        let got =
+            tokio::time::timeout(within, wire::read_acks(&mut ours, &peer(1), 1, 128 << 20)).await;
+        let got = got.expect("refused without waiting for the rest");
+        assert!(matches!(got, Err(TransferError::Malformed(_))), "{got:?}");
+    }
+
+    /// A connection reset (or a TLS stream cut without its close) while an ack is awaited is
+    /// the peer's loss (`Io`, which a handshake retries on a fresh connection), not a
+    /// malformed frame.
+    #[tokio::test]
+    async fn a_reset_while_an_ack_is_awaited_is_an_io_error() {
+        struct Reset;
+        impl AsyncRead for Reset {
+            fn poll_read(
+                self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+                _: &mut tokio::io::ReadBuf<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::task::Poll::Ready(Err(std::io::ErrorKind::ConnectionReset.into()))
+            }
+        }
+        let got = read_ack(&peer(1), &mut Reset, 1 << 20).await;
+        assert!(matches!(got, Err(TransferError::Io { .. })), "{got:?}");
     }
 }

@@ -46,10 +46,10 @@ impl StreamConn for TcpStreamConn {
         sums: &mut NoticeSums,
     ) -> Result<(), TransferError> {
         let (peer, max_frame, within) = (self.peer.clone(), self.max_frame, self.io_timeout);
-        wire::check_fits(pairs, max_frame)?;
         // Out while it is written: a post abandoned midway leaves no connection behind with
-        // half a frame on it.
+        // half a frame on it. A post that fails ends the stream (no finish after it).
         let Some(mut s) = self.conn.take() else { return Err(broke_earlier(&self.peer)) };
+        wire::check_fits(pairs, max_frame)?;
         // Summed before any byte goes. Summed piece by piece between the writes instead (as
         // shm does), a loopback receiver ran dry between pieces and slept: a transfer at a time
         // measured slower, with a third more context switches.

@@ -296,7 +296,8 @@ async fn idle_and_trickling_peers_are_cut_off_and_excess_connections_wait() {
     // One says nothing; one declares a frame and trickles: both hold the only two places.
     let mut idle = dial().await.unwrap();
     let mut trickler = dial().await.unwrap();
-    trickler.write_all(&1000u32.to_le_bytes()).await.unwrap();
+    // A hello of 1000 bytes (its length, then its kind), trickled.
+    trickler.write_all(&[232, 3, 0, 0, 5]).await.unwrap();
     let started = Instant::now();
     // A real write meanwhile waits for a place instead of being refused.
     let (r, s) = (room(), SenderId::new(0, 0));

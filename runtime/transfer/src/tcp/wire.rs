@@ -6,7 +6,7 @@ use handoff_core::Room;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::receive::SharedPiece;
-use crate::{ConnectRequest, Notice, RegionId, SenderId, TransferError};
+use crate::{AgentAddr, ConnectRequest, Notice, RegionId, SenderId, TransferError};
 
 const CONNECT: u8 = 1;
 const WRITE: u8 = 2;
@@ -216,6 +216,12 @@ pub(super) async fn put_ack<W: AsyncWrite + Unpin>(
 /// The shortest ack: its length, its kind and the verdict byte.
 const ACK_MIN: usize = 6;
 
+/// The longest ack's length field: its kind, the verdict byte and a reason of 4 KiB.
+const ACK_LEN_MAX: usize = 2 + 4096;
+
+/// The longest handshake (JSON of a few fields and a token of at most [`MAX_TOKEN`]).
+const CONNECT_MAX: usize = 64 << 10;
+
 /// The most one read of acks asks for: a refusal's reason is at most 4 KiB.
 const ACK_READ: usize = 64 << 10;
 
@@ -224,9 +230,10 @@ const ACK_READ: usize = 64 << 10;
 /// before the ack.
 pub(super) async fn read_ack<R: AsyncRead + Unpin>(
     r: &mut R,
+    peer: &AgentAddr,
     max_frame: usize,
 ) -> Result<Option<Result<(), String>>, TransferError> {
-    Ok(read_acks(r, 1, max_frame).await?.pop())
+    Ok(read_acks(r, peer, 1, max_frame).await?.pop())
 }
 
 /// Reads the next `n` frames, which must be acks, oldest first: fewer when the stream ends
@@ -236,6 +243,7 @@ pub(super) async fn read_ack<R: AsyncRead + Unpin>(
 /// not an ack, or too short to be one, is malformed, and its connection is not used again.
 pub(super) async fn read_acks<R: AsyncRead + Unpin>(
     r: &mut R,
+    peer: &AgentAddr,
     n: usize,
     max_frame: usize,
 ) -> Result<Vec<Result<(), String>>, TransferError> {
@@ -251,9 +259,10 @@ pub(super) async fn read_acks<R: AsyncRead + Unpin>(
         let len = match buf.get(..4) {
             Some(l) => {
                 let len = u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize;
-                if len < ACK_MIN - 4 || len > max_frame {
+                let most = max_frame.min(ACK_LEN_MAX);
+                if len < ACK_MIN - 4 || len > most {
                     return Err(malformed(format!(
-                        "ack length {len} outside {}..={max_frame}",
+                        "ack length {len} outside {}..={most}",
                         ACK_MIN - 4
                     )));
                 }
@@ -275,8 +284,11 @@ pub(super) async fn read_acks<R: AsyncRead + Unpin>(
         let want = (len.map_or(ACK_MIN, |l| 4 + l) + after - buf.len()).min(ACK_READ);
         let at = buf.len();
         buf.resize(at + want, 0);
-        let got =
-            r.read(&mut buf[at..]).await.map_err(|e| malformed(format!("reading an ack: {e}")))?;
+        // A connection reset or a TLS stream cut without its close: the peer is gone.
+        let got = r.read(&mut buf[at..]).await.map_err(|e| TransferError::Io {
+            peer: peer.clone(),
+            reason: format!("reading an ack: {e}"),
+        })?;
         buf.truncate(at + got);
         if got == 0 {
             if buf.is_empty() {
@@ -304,6 +316,21 @@ pub(super) async fn read_frame<R: AsyncRead + Unpin>(
     let kind = r.read_u8().await.map_err(|e| malformed(format!("reading frame kind: {e}")))?;
     if kind == WRITE {
         return read_write_head(r, len - 1).await.map(Some);
+    }
+    // Read whole before it is decoded: bounded by what its kind can hold first.
+    let most = match kind {
+        CONNECT => CONNECT_MAX,
+        NOTICE => NOTICE_LEN,
+        ACK => ACK_LEN_MAX - 1,
+        HELLO => MAX_TOKEN,
+        SHARED_WRITE => max_frame,
+        k => return Err(malformed(format!("unknown frame kind {k}"))),
+    };
+    if len - 1 > most {
+        return Err(malformed(format!(
+            "frame of kind {kind} and {} bytes, at most {most}",
+            len - 1
+        )));
     }
     let body = read_up_to(r, len - 1).await?;
     decode(kind, Bytes::from(body)).map(Some)

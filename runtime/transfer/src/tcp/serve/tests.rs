@@ -57,6 +57,10 @@ fn cfg() -> ConnCfg {
     }
 }
 
+fn peer() -> AgentAddr {
+    AgentAddr { ip: "127.0.0.1".into(), port: 1 }
+}
+
 fn connect(region: u64) -> ConnectRequest {
     ConnectRequest {
         room: Room::mint(),
@@ -89,14 +93,14 @@ async fn acks_of_frames_read_together_go_out_together() {
         client.write_all(&three).await.unwrap();
         // Three plain yeses (a handshake is kept until the prefill it names takes it).
         for _ in 0..3 {
-            assert_eq!(wire::read_ack(&mut client, 1 << 20).await.unwrap(), Some(Ok(())));
+            assert_eq!(wire::read_ack(&mut client, &peer(), 1 << 20).await.unwrap(), Some(Ok(())));
         }
         assert_eq!(writes.load(Ordering::SeqCst), 1, "three acks, one write");
         // One frame alone: its ack comes while the connection waits for the next.
         let mut one = Vec::new();
         wire::write_connect(&mut one, &connect(4)).await.unwrap();
         client.write_all(&one).await.unwrap();
-        assert_eq!(wire::read_ack(&mut client, 1 << 20).await.unwrap(), Some(Ok(())));
+        assert_eq!(wire::read_ack(&mut client, &peer(), 1 << 20).await.unwrap(), Some(Ok(())));
         assert_eq!(writes.load(Ordering::SeqCst), 2);
         drop(client);
     };
@@ -120,7 +124,7 @@ async fn the_acks_queued_before_a_connection_breaks_off_still_go() {
         sent.extend_from_slice(&[9, 0]); // half of the next frame's length, then the end
         client.write_all(&sent).await.unwrap();
         client.shutdown().await.unwrap();
-        assert_eq!(wire::read_ack(&mut client, 1 << 20).await.unwrap(), Some(Ok(())));
+        assert_eq!(wire::read_ack(&mut client, &peer(), 1 << 20).await.unwrap(), Some(Ok(())));
     };
     let guard = tokio::time::timeout(Duration::from_secs(10), async {
         tokio::join!(serving, talking);

@@ -160,7 +160,7 @@ impl ShmConn {
         wire::write_notice(&mut self.stream, region, notice).await.map_err(|e| io_err(peer, e))?;
         self.stream.flush().await.map_err(|e| io_err(peer, e))?;
         let due = self.in_flight.len() + 1;
-        let mut verdicts = wire::read_acks(&mut self.stream, due, self.max_frame).await?;
+        let mut verdicts = wire::read_acks(&mut self.stream, peer, due, self.max_frame).await?;
         // What the halves' acks say does not matter (see `take_ack`); the notice's does.
         let said = verdicts.pop().filter(|_| verdicts.len() + 1 == due);
         self.in_flight.clear();
