@@ -12,7 +12,6 @@ use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
-use handoff_core::tls::TlsListener;
 use handoff_core::traffic::{Protocol, TrafficLayer};
 use serde_json::Value;
 use tokio::net::TcpListener;
@@ -60,13 +59,8 @@ pub async fn run(
     dir: Arc<Directory>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    match dir.config().tls.clone() {
-        None => axum::serve(listener, router(dir)).with_graceful_shutdown(shutdown).await,
-        Some(tls) => {
-            let listener = TlsListener::new(listener, tls.acceptor().clone());
-            axum::serve(listener, router(dir)).with_graceful_shutdown(shutdown).await
-        }
-    }
+    let tls = dir.config().tls.as_ref().map(|t| t.acceptor().clone());
+    handoff_core::http::serve_tcp(listener, tls, router(dir), shutdown, Default::default()).await
 }
 
 async fn method_not_allowed() -> Response {

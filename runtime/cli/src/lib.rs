@@ -12,6 +12,7 @@ pub mod alloc;
 pub mod args;
 pub mod cluster;
 pub mod cmd;
+pub mod fds;
 pub mod telemetry;
 
 pub use cluster::{Cluster, ClusterConfig};

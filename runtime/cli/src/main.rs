@@ -20,6 +20,10 @@ async fn run() -> anyhow::Result<()> {
         Command::RegisterEngine(_) => "handoff-register-engine",
     };
     let _telemetry = handoff::telemetry::init(cli.log_format, cli.otlp_endpoint.as_deref(), role)?;
+    match handoff::fds::raise_open_files_limit() {
+        Ok(limit) => tracing::debug!(limit, "open files"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the open files limit"),
+    }
     match cli.command {
         Command::Up(args) => handoff::cmd::up::run(args).await,
         Command::Scheduler(args) => handoff::cmd::scheduler::run(args).await,

@@ -3,6 +3,7 @@
 //! - [`ids`] — newtypes for the ids that bind a request end to end ([`Room`], [`InstanceId`],
 //!   [`BlockHash`]).
 //! - [`hash`] — the chained block hashes of a prompt, the same function on every side.
+//! - [`http`] — an axum router served with a head timeout and a bound on connections.
 //! - [`metrics`] — Prometheus counters, gauges and histograms, and their text format.
 //! - [`net`] — listeners whose connections set `TCP_NODELAY`.
 //! - [`otel`] — spans linked into OpenTelemetry traces across processes.
@@ -13,6 +14,7 @@
 //! - [`zmtp`] — ZMTP 3 (ZMQ's wire) with every length a peer declares bounded.
 
 pub mod hash;
+pub mod http;
 pub mod ids;
 pub mod metrics;
 pub mod net;

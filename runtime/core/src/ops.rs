@@ -125,7 +125,8 @@ pub async fn serve(
     ops: Arc<Ops>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(ops)).with_graceful_shutdown(shutdown).await
+    let limits = crate::http::HttpLimits::default();
+    crate::http::serve_tcp(listener, None, router(ops), shutdown, limits).await
 }
 
 #[cfg(test)]

@@ -30,6 +30,8 @@ pub struct FrontendConfig {
     pub default_max_tokens: u32,
     /// Requests served at once; more are refused at once (429 / `RESOURCE_EXHAUSTED`).
     pub max_concurrent: usize,
+    /// The HTTP API's connections: open at once, and how long a request's head may take.
+    pub http: handoff_core::http::HttpLimits,
     /// The frontend's transfer backend.
     pub transfer: TransferKind,
     /// Bounds of its receive inbox.
@@ -64,6 +66,7 @@ impl Default for FrontendConfig {
             select_timeout: Duration::from_secs(1),
             default_max_tokens: 16,
             max_concurrent: 4096,
+            http: handoff_core::http::HttpLimits::default(),
             transfer: TransferKind::loopback(),
             inbox: InboxConfig::default(),
             transfer_token: None,

@@ -16,7 +16,6 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
-use handoff_core::tls::TlsListener;
 use handoff_core::traffic::{Protocol, TrafficLayer};
 use handoff_proto::trace::{TRACEPARENT, TraceContext};
 use handoff_proto::v1::generate_request::Input;
@@ -64,13 +63,9 @@ pub async fn serve(
     fe: Arc<Frontend>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    match fe.cfg.public_tls.clone() {
-        None => axum::serve(listener, router(fe)).with_graceful_shutdown(shutdown).await,
-        Some(tls) => {
-            let listener = TlsListener::new(listener, tls.acceptor().clone());
-            axum::serve(listener, router(fe)).with_graceful_shutdown(shutdown).await
-        }
-    }
+    let tls = fe.cfg.public_tls.as_ref().map(|t| t.acceptor().clone());
+    let limits = fe.cfg.http;
+    handoff_core::http::serve_tcp(listener, tls, router(fe), shutdown, limits).await
 }
 
 /// The body, or why it could not be read (too large: 413) as an OpenAI error.

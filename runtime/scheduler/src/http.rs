@@ -224,11 +224,6 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let tls = state.config().tls.clone();
     let app = router(state, page_size);
-    match tls {
-        None => axum::serve(listener, app).with_graceful_shutdown(shutdown).await,
-        Some(tls) => {
-            let listener = handoff_core::tls::TlsListener::new(listener, tls.acceptor().clone());
-            axum::serve(listener, app).with_graceful_shutdown(shutdown).await
-        }
-    }
+    let tls = tls.map(|t| t.acceptor().clone());
+    handoff_core::http::serve_tcp(listener, tls, app, shutdown, Default::default()).await
 }

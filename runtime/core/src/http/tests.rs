@@ -1,0 +1,127 @@
+use std::time::Duration;
+
+use axum::routing::get;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+
+const GET: &[u8] = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n";
+
+/// Serves a router answering `GET /` on an ephemeral port until the token is cancelled.
+async fn server(
+    limits: HttpLimits,
+) -> (std::net::SocketAddr, CancellationToken, tokio::task::JoinHandle<std::io::Result<()>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let router = Router::new().route("/", get(|| async { "hello" }));
+    let done = stop.clone();
+    let served = tokio::spawn(serve(listener, router, done.cancelled_owned(), limits));
+    (addr, stop, served)
+}
+
+/// Reads until the peer closes (`true`) or `within` passes (`false`).
+async fn closes(s: &mut TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 4096];
+    let read_all = async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(within, read_all).await.is_ok()
+}
+
+/// Reads one response's first bytes.
+async fn answered(s: &mut TcpStream) -> String {
+    let mut buf = [0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+        .await
+        .expect("answered")
+        .unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+/// A client that connects and says nothing, one that trickles a head, and one that leaves
+/// its kept-alive connection idle after a request are all cut off at the head timeout.
+#[tokio::test]
+async fn silent_trickling_and_idle_connections_are_cut_off() {
+    let limits = HttpLimits { head_timeout: Duration::from_millis(300), max_connections: 16 };
+    let (addr, stop, served) = server(limits).await;
+    let mut silent = TcpStream::connect(addr).await.unwrap();
+    let mut trickling = TcpStream::connect(addr).await.unwrap();
+    let mut kept = TcpStream::connect(addr).await.unwrap();
+    kept.write_all(GET).await.unwrap();
+    assert!(answered(&mut kept).await.contains("hello"));
+    let trickle = async {
+        for b in b"GET / HTTP/1.1\r\nhost: x" {
+            if trickling.write_all(&[*b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        closes(&mut trickling, Duration::from_secs(10)).await
+    };
+    let within = Duration::from_secs(10);
+    let (a, b, c) = tokio::join!(closes(&mut silent, within), trickle, closes(&mut kept, within));
+    assert!(a && b && c, "silent {a}, trickling {b}, idle after a request {c}");
+    stop.cancel();
+    served.await.unwrap().unwrap();
+}
+
+/// Past `max_connections`, a connection waits for one to close before it is served.
+#[tokio::test]
+async fn a_connection_past_the_bound_waits_for_a_place() {
+    let limits = HttpLimits { head_timeout: Duration::from_secs(60), max_connections: 2 };
+    let (addr, stop, served) = server(limits).await;
+    let first = TcpStream::connect(addr).await.unwrap();
+    let mut second = TcpStream::connect(addr).await.unwrap();
+    second.write_all(GET).await.unwrap();
+    assert!(answered(&mut second).await.contains("hello"), "within the bound: served");
+    let mut third = TcpStream::connect(addr).await.unwrap();
+    third.write_all(GET).await.unwrap();
+    let mut buf = [0u8; 64];
+    let early = tokio::time::timeout(Duration::from_millis(300), third.read(&mut buf)).await;
+    assert!(early.is_err(), "served past the bound: {early:?}");
+    drop(first);
+    assert!(answered(&mut third).await.contains("hello"), "served once a place freed");
+    stop.cancel();
+    drop((second, third));
+    served.await.unwrap().unwrap();
+}
+
+/// Shutdown lets a request being served finish, closes idle connections, and returns.
+#[tokio::test]
+async fn shutdown_finishes_the_requests_in_flight_and_returns() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let begun = started.clone();
+    let slow = Router::new().route(
+        "/",
+        get(move || async move {
+            begun.notify_one();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            "slow"
+        }),
+    );
+    let served =
+        tokio::spawn(serve(listener, slow, stop.clone().cancelled_owned(), HttpLimits::default()));
+    let mut idle = TcpStream::connect(addr).await.unwrap();
+    let mut busy = TcpStream::connect(addr).await.unwrap();
+    busy.write_all(GET).await.unwrap();
+    started.notified().await;
+    stop.cancel();
+    assert!(answered(&mut busy).await.contains("slow"), "the request in flight finished");
+    assert!(closes(&mut idle, Duration::from_secs(10)).await, "the idle connection closed");
+    tokio::time::timeout(Duration::from_secs(10), served)
+        .await
+        .expect("returned")
+        .unwrap()
+        .unwrap();
+}
