@@ -19,18 +19,26 @@ pub const MAX_MESSAGE_FRAMES: usize = 32;
 /// The most bytes in one message's frames, by default.
 pub const MAX_MESSAGE_BYTES: u64 = 2 << 20;
 
-/// How long a frame and a message may be on one connection.
+/// How long a message, once begun, may take to arrive whole, by default.
+pub const MESSAGE_WITHIN: Duration = Duration::from_secs(10);
+
+/// How long a frame and a message may be on one connection, and how long a message may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// Bytes in one frame.
     pub frame: u64,
     /// Bytes in one message's frames.
     pub message: u64,
+    /// Time from a message's (or command's) first byte to its last, and to our answer to a
+    /// PING: a peer that begins one and stalls, or sends PINGs and never reads our PONGs,
+    /// loses the connection instead of holding it (and what it sent) forever. Between
+    /// messages a connection may be idle for as long as it stays up.
+    pub within: Duration,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { frame: MAX_FRAME_BYTES, message: MAX_MESSAGE_BYTES }
+        Limits { frame: MAX_FRAME_BYTES, message: MAX_MESSAGE_BYTES, within: MESSAGE_WITHIN }
     }
 }
 /// A connection idle this long is probed (TCP keepalive), so a peer that died without a word
@@ -62,6 +70,9 @@ pub enum ZmtpError {
     /// [`Limits`].
     #[error("a message of more than {MAX_MESSAGE_FRAMES} frames, or bytes past the bound")]
     TooManyFrames,
+    /// A message begun and not finished (or a PING not answered) within [`Limits::within`].
+    #[error("a message begun and not finished within {0:?}")]
+    Stalled(Duration),
 }
 
 /// Our greeting: signature, version 3.0, the NULL mechanism, not a server.
@@ -107,6 +118,15 @@ fn property<'a>(mut props: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
 /// Reads one frame: its flags and body, the body's length checked before it is read.
 pub async fn read_frame(stream: &mut TcpStream, max: u64) -> Result<(u8, Bytes), ZmtpError> {
     let flags = stream.read_u8().await?;
+    read_frame_after(stream, flags, max).await
+}
+
+/// [`read_frame`] once its flags byte was read.
+async fn read_frame_after(
+    stream: &mut TcpStream,
+    flags: u8,
+    max: u64,
+) -> Result<(u8, Bytes), ZmtpError> {
     let len = match flags & LONG {
         0 => u64::from(stream.read_u8().await?),
         _ => stream.read_u64().await?,
@@ -186,30 +206,55 @@ pub fn keep_alive(stream: &TcpStream) -> std::io::Result<()> {
     socket2::SockRef::from(stream).set_tcp_keepalive(&probes)
 }
 
-/// Reads the next message, answering any PING (ZMTP 3.1 heartbeats) on the way.
+/// Reads the next message, answering any PING (ZMTP 3.1 heartbeats) on the way. It waits
+/// for a message to begin as long as the connection lasts; once begun, the message (or a
+/// command, and our PONG) must be done within [`Limits::within`].
 pub async fn read_message(stream: &mut TcpStream, limits: Limits) -> Result<Vec<Bytes>, ZmtpError> {
+    loop {
+        let flags = stream.read_u8().await?;
+        let rest = read_message_after(stream, flags, limits);
+        match tokio::time::timeout(limits.within, rest).await {
+            Ok(Ok(Some(frames))) => return Ok(frames),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(ZmtpError::Stalled(limits.within)),
+        }
+    }
+}
+
+/// The rest of a message whose first frame's flags were `flags`; `None` for a command
+/// (a PING is answered).
+async fn read_message_after(
+    stream: &mut TcpStream,
+    mut flags: u8,
+    limits: Limits,
+) -> Result<Option<Vec<Bytes>>, ZmtpError> {
     let (mut frames, mut bytes) = (Vec::new(), 0u64);
     loop {
         // What is left of the message's bytes bounds this frame too.
         let room = limits.frame.min(limits.message.saturating_sub(bytes));
-        let (flags, body) = read_frame(stream, room).await?;
-        if flags & COMMAND != 0 {
+        let (flags_read, body) = read_frame_after(stream, flags, room).await?;
+        if flags_read & COMMAND != 0 {
             // PING: name, a 2-byte TTL, then a context echoed in the PONG.
             if let Some(rest) = body.strip_prefix(b"\x04PING") {
                 let mut pong = b"\x04PONG".to_vec();
                 pong.extend_from_slice(rest.get(2..).unwrap_or_default());
                 stream.write_all(&command(&pong[..pong.len().min(255)])).await?;
             }
-            continue;
+            if frames.is_empty() {
+                return Ok(None);
+            }
+        } else {
+            bytes += body.len() as u64;
+            frames.push(body);
+            if frames.len() > MAX_MESSAGE_FRAMES || bytes > limits.message {
+                return Err(ZmtpError::TooManyFrames);
+            }
+            if flags_read & MORE == 0 {
+                return Ok(Some(frames));
+            }
         }
-        bytes += body.len() as u64;
-        frames.push(body);
-        if frames.len() > MAX_MESSAGE_FRAMES || bytes > limits.message {
-            return Err(ZmtpError::TooManyFrames);
-        }
-        if flags & MORE == 0 {
-            return Ok(frames);
-        }
+        flags = stream.read_u8().await?;
     }
 }
 

@@ -36,7 +36,8 @@ const END: u64 = u64::MAX;
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The longest batch taken from an engine: a prompt of a few million tokens stored at once.
-pub const EVENT_LIMITS: Limits = Limits { frame: 16 << 20, message: 16 << 20 };
+pub const EVENT_LIMITS: Limits =
+    Limits { frame: 16 << 20, message: 16 << 20, within: Duration::from_secs(30) };
 
 /// `host:port` of a `tcp://host:port` endpoint.
 fn tcp_addr(endpoint: &str) -> Result<&str, String> {

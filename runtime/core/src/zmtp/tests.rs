@@ -103,3 +103,44 @@ async fn a_push_sees_its_peer_close() {
     }
     assert!(closed, "its close is seen");
 }
+
+/// A peer that begins a message and stalls loses its connection after `within` (before, it
+/// held it, and what it had sent, for as long as it liked); one idle between messages for
+/// longer than that keeps it, and its next message is read.
+#[tokio::test]
+async fn a_message_begun_must_end_in_time_but_a_connection_may_idle() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let within = Duration::from_millis(300);
+    let limits = Limits { within, ..Limits::default() };
+    let pulling = async {
+        let mut conns = Vec::new();
+        for _ in 0..2 {
+            let (s, _) = listener.accept().await.unwrap();
+            let c = Connection::accept(s, b"PULL", b"PUSH").await.unwrap();
+            conns.push(c.with_limits(limits));
+        }
+        let guard = Duration::from_secs(10);
+        let [stalling, idling] = &mut conns[..] else { unreachable!() };
+        let (stalled, idle) = tokio::join!(
+            tokio::time::timeout(guard, stalling.recv()),
+            tokio::time::timeout(guard, idling.recv()),
+        );
+        (stalled.expect("gave up"), idle.expect("read"))
+    };
+    let pushing = async {
+        let mut stalling = Connection::connect(&addr, b"PUSH", b"PULL").await.unwrap();
+        let mut idling = Connection::connect(&addr, b"PUSH", b"PULL").await.unwrap();
+        // The first frame of two, then nothing.
+        stalling.stream.write_all(&[MORE, 3, b'a', b'b', b'c']).await.unwrap();
+        tokio::time::sleep(within * 4).await;
+        idling
+            .send(&[Bytes::from_static(b"late"), Bytes::from_static(b"but whole")])
+            .await
+            .unwrap();
+        (stalling, idling)
+    };
+    let ((stalled, idle), _held) = tokio::join!(pulling, pushing);
+    assert!(matches!(stalled, Err(ZmtpError::Stalled(_))), "{stalled:?}");
+    assert_eq!(idle.unwrap(), [Bytes::from_static(b"late"), Bytes::from_static(b"but whole")]);
+}
