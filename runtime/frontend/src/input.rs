@@ -1,5 +1,6 @@
 //! Turning a `GenerateRequest` into a plan, rejecting bad input with a reason.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_engine::{ChatMessage, Engine};
@@ -7,7 +8,7 @@ use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::{GenerateRequest, Policy, SamplingParams};
 use tokio::time::Instant;
 
-use crate::{FrontendConfig, FrontendError};
+use crate::{Frontend, FrontendConfig, FrontendError};
 
 /// Most stop strings per request.
 pub const MAX_STOP: usize = 8;
@@ -35,6 +36,33 @@ pub struct Plan {
     /// The request's trace (the caller's, or a new one), sent on to the scheduler and the
     /// prefill.
     pub trace: handoff_proto::trace::TraceContext,
+}
+
+/// Text and chat inputs longer than this are tokenized on a blocking thread, as many at once
+/// as there are cores: encoding takes about 1.6 us a byte (a megabyte of digits, 1.6 s),
+/// which on an async worker would stall every stream it serves.
+pub const TOKENIZE_APART_BYTES: usize = 64 << 10;
+
+/// [`plan`], with a long input tokenized apart (see [`TOKENIZE_APART_BYTES`]).
+pub(crate) async fn checked(
+    fe: &Arc<Frontend>,
+    req: GenerateRequest,
+) -> Result<Plan, FrontendError> {
+    let bytes = match &req.input {
+        Some(Input::Text(t)) => t.len(),
+        Some(Input::Chat(c)) => c.messages.iter().map(|m| m.content.len() + m.role.len()).sum(),
+        Some(Input::TokenIds(_)) | None => 0,
+    };
+    if bytes <= TOKENIZE_APART_BYTES {
+        return plan(req, &*fe.engine, &fe.cfg);
+    }
+    let turn = fe.tokenizing.clone().acquire_owned().await;
+    let fe = fe.clone();
+    let apart = tokio::task::spawn_blocking(move || {
+        let _turn = turn;
+        plan(req, &*fe.engine, &fe.cfg)
+    });
+    apart.await.map_err(|e| invalid(format!("the input could not be tokenized: {e}")))?
 }
 
 fn invalid(s: impl Into<String>) -> FrontendError {

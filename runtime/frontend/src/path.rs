@@ -54,6 +54,8 @@ pub struct Frontend {
     vllm: crate::vllm::VllmPrefills,
     pub(crate) tasks: Tasks,
     pub(crate) limit: Arc<Semaphore>,
+    /// Long inputs tokenized at once, on blocking threads (see `input::checked`).
+    pub(crate) tokenizing: Arc<Semaphore>,
     pub(crate) metrics: Arc<Metrics>,
     /// Prefill instances registered in discovery (while followed).
     prefills_known: std::sync::atomic::AtomicUsize,
@@ -131,6 +133,9 @@ impl Frontend {
         let vllm = crate::vllm::VllmPrefills::new(engine.clone(), &cfg.inbox);
         Ok(Arc::new(Frontend {
             limit: Arc::new(Semaphore::new(cfg.max_concurrent)),
+            tokenizing: Arc::new(Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            )),
             cfg,
             engine,
             agent,

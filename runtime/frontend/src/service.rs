@@ -245,7 +245,7 @@ pub(crate) async fn start(
                 retry_after: std::time::Duration::from_secs(1),
                 reason: format!("{} requests in progress", fe.cfg.max_concurrent),
             })?;
-        let plan = Plan { trace, ..input::plan(req, &*fe.engine, &fe.cfg)? };
+        let plan = Plan { trace, ..input::checked(fe, req).await? };
         let ready = fe.prefill(&plan).await?;
         let (tx, rx) = mpsc::channel(64);
         let f = fe.clone();

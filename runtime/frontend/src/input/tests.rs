@@ -65,3 +65,85 @@ fn a_chat_filling_the_context_is_refused() {
     let e = super::plan(request(chat, 0), &engine, &FrontendConfig::default()).unwrap_err();
     assert!(e.to_string().contains("fills the context"), "{e}");
 }
+
+/// The mock engine, whose tokenizing of a long text blocks until the test lets it go.
+struct SlowTokenizer {
+    mock: MockEngine,
+    began: std::sync::atomic::AtomicBool,
+    go: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+#[async_trait::async_trait]
+impl Engine for SlowTokenizer {
+    fn info(&self) -> &handoff_engine::ModelInfo {
+        self.mock.info()
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, handoff_engine::EngineError> {
+        if text.len() > TOKENIZE_APART_BYTES {
+            self.began.store(true, std::sync::atomic::Ordering::SeqCst);
+            let go = self.go.lock().unwrap();
+            let _ = go.recv_timeout(Duration::from_secs(5));
+        }
+        self.mock.tokenize(&text[..text.len().min(64)])
+    }
+
+    fn detokenize(&self, tokens: &[u32]) -> String {
+        self.mock.detokenize(tokens)
+    }
+
+    fn chat_prompt(&self, m: &[ChatMessage]) -> Result<String, handoff_engine::EngineError> {
+        self.mock.chat_prompt(m)
+    }
+
+    async fn prefill(
+        &self,
+        tokens: &[u32],
+        prefix: Option<handoff_engine::Kv>,
+        s: &handoff_engine::Sampling,
+    ) -> Result<handoff_engine::Prefilled, handoff_engine::EngineError> {
+        self.mock.prefill(tokens, prefix, s).await
+    }
+
+    fn decoder(
+        &self,
+        kv: handoff_engine::Kv,
+        last: u32,
+        s: &handoff_engine::Sampling,
+    ) -> Result<Box<dyn handoff_engine::Decoder>, handoff_engine::EngineError> {
+        self.mock.decoder(kv, last, s)
+    }
+}
+
+/// A long text is tokenized off the async threads: on a one-thread runtime, a short request
+/// is checked while a long one's tokenizing is still under way (before, the long one held
+/// the thread, and every other request on it, until done).
+#[tokio::test(flavor = "current_thread")]
+async fn a_long_input_is_tokenized_apart_while_others_are_served() {
+    let (go, gate) = std::sync::mpsc::channel();
+    let engine = Arc::new(SlowTokenizer {
+        mock: MockEngine::new(MockConfig::default()),
+        began: Default::default(),
+        go: std::sync::Mutex::new(gate),
+    });
+    let tasks = handoff_core::Tasks::new();
+    let fe =
+        Frontend::new(FrontendConfig::default(), engine.clone(), &["127.0.0.1:9".into()], &tasks)
+            .await
+            .unwrap();
+    let text = |n: usize| GenerateRequest {
+        input: Some(Input::Text("w".repeat(n))),
+        ..Default::default()
+    };
+    let long = tokio::spawn({
+        let fe = fe.clone();
+        async move { checked(&fe, text(TOKENIZE_APART_BYTES + 1)).await }
+    });
+    while !engine.began.load(std::sync::atomic::Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(checked(&fe, text(10)).await.is_ok(), "the short one is checked");
+    assert!(!long.is_finished(), "while the long one is still being tokenized");
+    go.send(()).unwrap();
+    assert!(long.await.unwrap().is_ok());
+}

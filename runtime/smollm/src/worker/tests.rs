@@ -160,3 +160,16 @@ async fn a_decoder_of_a_token_outside_the_vocabulary_is_refused() {
     }
     assert!(e.decoder(p.kv, vocab - 1, &Sampling::default()).is_ok());
 }
+
+/// A text too long for the context whatever its tokens is refused before it is encoded (4
+/// MiB of digits took 6.5 s to encode); one that may fit is encoded.
+#[test]
+fn a_text_that_cannot_fit_the_context_is_refused_unencoded() {
+    let e = engine();
+    let most = e.info().max_context * e.shared.longest_token;
+    match e.tokenize(&"7".repeat(most + 1)) {
+        Err(EngineError::InvalidInput(why)) => assert!(why.contains("cannot fit"), "{why}"),
+        other => panic!("{:?}", other.map(|t| t.len())),
+    }
+    assert!(e.tokenize(&"hello ".repeat(100)).is_ok());
+}
