@@ -82,7 +82,7 @@ mod first_token;
 mod select;
 mod target;
 
-use target::{handoff_prefill_sampling, summary};
+use target::{all_failed, handoff_prefill_sampling, summary};
 
 impl Frontend {
     /// A frontend that asks the scheduler replicas at `scheduler_addrs` (host:port; more
@@ -420,13 +420,6 @@ impl Frontend {
                 }
             }
         }
-        // Every attempt failed: overload refuses, anything else is unavailable.
-        Err(match last.and_then(|e| e.cause()) {
-            Some(Cause::Overloaded) => FrontendError::Overloaded {
-                retry_after: std::time::Duration::from_secs(1),
-                reason: summary(failed),
-            },
-            _ => FrontendError::Unavailable(summary(failed)),
-        })
+        Err(all_failed(last.and_then(|e| e.cause()), failed))
     }
 }

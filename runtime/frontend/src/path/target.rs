@@ -86,3 +86,36 @@ pub(super) fn summary(failed: &[Attempt]) -> String {
         .collect::<Vec<_>>()
         .join(" ")
 }
+
+/// What a client gets when every attempt failed, the last with `last`: overload, and an
+/// attempt that ran out of time while queued (the instances are busy, not broken), refuse
+/// with 429 / `RESOURCE_EXHAUSTED` and a time to retry; anything else is unavailable (503).
+pub(super) fn all_failed(last: Option<Cause>, failed: &[Attempt]) -> FrontendError {
+    match last {
+        Some(Cause::Overloaded | Cause::Deadline) => FrontendError::Overloaded {
+            retry_after: std::time::Duration::from_secs(1),
+            reason: summary(failed),
+        },
+        _ => FrontendError::Unavailable(summary(failed)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Instances that each let an attempt run out of time in their queue are busy: the client
+    /// is told to come back (429), not that the service is down (503).
+    #[test]
+    fn attempts_that_ran_out_of_time_queued_are_an_overload() {
+        for (last, overloaded) in [
+            (Some(Cause::Deadline), true),
+            (Some(Cause::Overloaded), true),
+            (Some(Cause::Instance), false),
+            (None, false),
+        ] {
+            let e = all_failed(last, &[]);
+            assert_eq!(matches!(e, FrontendError::Overloaded { .. }), overloaded, "{last:?}: {e}");
+        }
+    }
+}
