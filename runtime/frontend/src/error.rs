@@ -73,11 +73,13 @@ impl FrontendError {
         FrontendError::Attempt { stage, reason: e.to_string(), cause }
     }
 
-    /// A transfer failure at `stage`: a timeout is the deadline's, anything else the
+    /// A transfer failure at `stage`: a timeout is the deadline's, one of the decode's own
+    /// tables full (its staging memory, its SGLang pages) an overload, anything else the
     /// instance's.
     pub(crate) fn transfer(stage: &'static str, e: handoff_transfer::TransferError) -> Self {
         let cause = match e {
             handoff_transfer::TransferError::Timeout(_) => Cause::Deadline,
+            handoff_transfer::TransferError::Full(_) => Cause::Overloaded,
             _ => Cause::Instance,
         };
         Self::because(stage, cause, e)
@@ -127,6 +129,28 @@ impl From<FrontendError> for tonic::Status {
             },
             FrontendError::Deadline(_) => tonic::Status::deadline_exceeded(msg),
             FrontendError::Decode(_) => tonic::Status::internal(msg),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use handoff_transfer::TransferError;
+
+    use super::*;
+
+    /// The decode's own staging memory or tables full is an overload (retried later, no
+    /// instance blamed); a timeout the deadline's; a broken transfer the instance's.
+    #[test]
+    fn a_full_table_of_the_decode_is_an_overload_not_the_instances_fault() {
+        let peer = handoff_transfer::AgentAddr { ip: "10.0.0.1".into(), port: 1 };
+        for (e, cause) in [
+            (TransferError::Full("nixl staging memory"), Cause::Overloaded),
+            (TransferError::Timeout("x".into()), Cause::Deadline),
+            (TransferError::Io { peer, reason: "reset".into() }, Cause::Instance),
+            (TransferError::Failed("checksum".into()), Cause::Instance),
+        ] {
+            assert_eq!(FrontendError::transfer("connect", e.clone()).cause(), Some(cause), "{e}");
         }
     }
 }
