@@ -14,10 +14,16 @@ use tonic::transport::{
 };
 use tower::layer::util::Stack;
 
+mod placed;
+pub use placed::{Placed, placed_incoming};
+
 /// How often an internal channel pings its server when it has heard nothing ...
 pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
 /// ... and how long it waits for the answer before the connection counts as lost.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often a public server pings a client connection it has heard nothing on.
+pub const PUBLIC_KEEPALIVE_EVERY: Duration = Duration::from_secs(30);
 
 /// How long a TLS handshake may take, on either side.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -70,14 +76,19 @@ fn counted(s: Server) -> Counted {
 /// A server builder for a public service: its certificate when given (and its client CA,
 /// when clients must present a certificate).
 pub fn public_server(tls: Option<&ServerTls>) -> Result<Counted, GrpcError> {
-    let Some(tls) = tls else { return Ok(counted(Server::builder())) };
+    // A client gone without a word (a crashed host, a partition) gives its connection back
+    // within 40 s.
+    let base = Server::builder()
+        .http2_keepalive_interval(Some(PUBLIC_KEEPALIVE_EVERY))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
+    let Some(tls) = tls else { return Ok(counted(base)) };
     let mut cfg = ServerTlsConfig::new()
         .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
         .timeout(TLS_HANDSHAKE_TIMEOUT);
     if let Some(ca) = tls.client_ca_pem() {
         cfg = cfg.client_ca_root(Certificate::from_pem(ca));
     }
-    Server::builder().tls_config(cfg).map(counted).map_err(GrpcError::Tls)
+    base.tls_config(cfg).map(counted).map_err(GrpcError::Tls)
 }
 
 /// A lazily connecting channel to an internal service at `addr` (`host:port`): `https://`

@@ -316,11 +316,12 @@ pub struct RequestArgs {
     /// (a chat without `max_tokens` ends with `finish_reason: "length"`).
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub request_timeout_secs: u64,
-    /// HTTP API connections open at once; past it, new ones wait in the listen backlog until
-    /// one closes. A connection's request head must come within 30 s (an idle kept-alive
-    /// connection is closed then too).
+    /// Client connections open at once on each public listener (the HTTP API, gRPC
+    /// Generate); past it, new ones wait in the listen backlog until one closes. An HTTP
+    /// request's head must come within 30 s (an idle kept-alive connection is closed then
+    /// too).
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-    pub http_max_connections: u32,
+    pub max_connections: u32,
 }
 
 impl RequestArgs {
@@ -332,7 +333,7 @@ impl RequestArgs {
     /// The HTTP API's connection bounds.
     pub fn http(&self) -> handoff_core::http::HttpLimits {
         handoff_core::http::HttpLimits {
-            max_connections: self.http_max_connections as usize,
+            max_connections: self.max_connections as usize,
             ..Default::default()
         }
     }

@@ -30,7 +30,8 @@ pub struct FrontendConfig {
     pub default_max_tokens: u32,
     /// Requests served at once; more are refused at once (429 / `RESOURCE_EXHAUSTED`).
     pub max_concurrent: usize,
-    /// The HTTP API's connections: open at once, and how long a request's head may take.
+    /// The public listeners' connections: open at once (on the HTTP API and on gRPC
+    /// Generate, each), and how long an HTTP request's head may take.
     pub http: handoff_core::http::HttpLimits,
     /// The frontend's transfer backend.
     pub transfer: TransferKind,

@@ -284,9 +284,11 @@ pub async fn serve(
     frontend: Arc<Frontend>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
+    let incoming =
+        handoff_proto::grpc::placed_incoming(listener, frontend.cfg.http.max_connections);
     handoff_proto::grpc::public_server(frontend.cfg.public_tls.as_ref())?
         .add_service(GenerateService::new(frontend).into_server())
-        .serve_with_incoming_shutdown(handoff_core::net::nodelay_incoming(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .map_err(GrpcError::Serve)
 }

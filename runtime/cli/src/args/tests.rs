@@ -137,16 +137,16 @@ fn an_empty_token_is_refused() {
 
 /// `--request-timeout-secs` sets the deadline of requests naming none, on the frontend and
 /// on `up`; 0 (every request failing at once) and past a day are refused. The HTTP API's
-/// connections are bounded by `--http-max-connections`.
+/// connections are bounded by `--max-connections`.
 #[test]
 fn the_request_timeout_and_http_connections_are_flags_within_bounds() {
     assert_eq!(frontend(&[]).unwrap().requests.request_timeout().as_secs(), 60);
     let a = frontend(&["--request-timeout-secs=600"]).unwrap();
     assert_eq!(a.requests.request_timeout().as_secs(), 600);
     assert_eq!(frontend(&[]).unwrap().requests.http().max_connections, 4096);
-    let a = frontend(&["--http-max-connections=20000"]).unwrap();
+    let a = frontend(&["--max-connections=20000"]).unwrap();
     assert_eq!(a.requests.http().max_connections, 20_000);
-    assert!(frontend(&["--http-max-connections=0"]).is_err());
+    assert!(frontend(&["--max-connections=0"]).is_err());
     for bad in ["0", "86401"] {
         let e = frontend(&[&format!("--request-timeout-secs={bad}")]).unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad}");
