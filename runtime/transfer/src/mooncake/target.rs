@@ -91,8 +91,12 @@ fn on_notify(body: &[u8], peer: SocketAddr, s: &Shared) -> Result<(), TransferEr
         .map_err(|e| TransferError::Malformed(format!("mooncake notify message: {e}")))?;
     match control {
         Control::Connect { req, base } => {
-            // Known before the inbox wakes the prefill that writes to it (a refused one is
-            // never looked up, and goes with the oldest).
+            // The token first: a stranger's handshake leaves nothing behind. Then the base,
+            // known before the inbox wakes the prefill that writes to it.
+            let token = req.token.as_deref().map(str::as_bytes);
+            if !crate::token_accepted(s.cfg.token.as_deref(), token) {
+                return Err(TransferError::Unauthorized);
+            }
             s.remotes.insert(req.region, base);
             s.inbox.on_connect(req)
         }

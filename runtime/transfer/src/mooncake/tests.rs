@@ -133,6 +133,28 @@ async fn a_notice_without_the_token_is_refused() {
     p.tasks.shutdown().await;
 }
 
+/// A handshake without the token is refused before its base is kept: strangers cannot
+/// push the real handshakes' bases out of the table.
+#[tokio::test]
+async fn a_handshake_without_the_token_leaves_nothing_behind() {
+    let p = pair(Some("secret")).await;
+    let req = ConnectRequest {
+        room: Room::mint(),
+        receiver: p.tx.addr(),
+        region: RegionId(7777),
+        region_len: 64,
+        dst_tp_size: 1,
+        dst_tp_rank: 0,
+        tokens: 1,
+        token: Some("guess".into()),
+    };
+    let forged = Control::Connect { req, base: 4096 };
+    let e = p.rx_backend.initiator().notify(&p.rx.addr(), &forged).await.unwrap_err();
+    assert!(matches!(e, TransferError::Rejected(_)), "{e}");
+    assert_eq!(p.rx_backend.shared.remotes.base(RegionId(7777)), None, "no base kept");
+    p.tasks.shutdown().await;
+}
+
 impl Pair {
     /// The base the receiver exposed `id` at.
     fn tx_base(&self, id: RegionId) -> u64 {
