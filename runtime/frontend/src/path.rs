@@ -355,13 +355,13 @@ impl Frontend {
                     return Err(FrontendError::at("consume", why));
                 }
                 // A prefill of another model (or a broken one): its token would fail every
-                // sequence decoded in the same batch.
+                // sequence decoded in the same batch. The instance's fault.
                 if p.first_token >= info.vocab {
                     let why = format!(
                         "first token {} outside the vocabulary of {}",
                         p.first_token, info.vocab
                     );
-                    return Err(FrontendError::at("consume", why));
+                    return Err(FrontendError::because("consume", Cause::Instance, why));
                 }
                 let sampling = handoff_prefill_sampling(&plan.sampling);
                 let decoder: Box<dyn Decoder> = Box::new(first_token::LoadOnFirstStep::new(

@@ -8,9 +8,8 @@ pub enum PrefillError {
     Invalid(String),
     /// The caller's view of this instance does not match it: handshakes in the call for ranks
     /// it does not have, or over a transfer that takes none in the call; a decode of another
-    /// model (its region's size, a token outside this vocabulary, a prompt past this
-    /// context) or tp. Not the client's fault: the caller should try elsewhere, or the old
-    /// way.
+    /// model (its region's size, a token outside this vocabulary) or tp. Not the client's
+    /// fault: the caller should try elsewhere, or the old way.
     #[error("mismatch: {0}")]
     Mismatch(String),
     /// The instance is draining: it takes no new request (the caller tries another).

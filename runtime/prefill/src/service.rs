@@ -379,8 +379,10 @@ impl PrefillService {
         if tokens.is_empty() {
             return Err(PrefillError::Invalid("token_ids is empty".into()));
         }
+        // Past this instance's context: the request is too long here (a 400 for the client),
+        // not a fault of the instance.
         if tokens.len() >= info.max_context {
-            return Err(PrefillError::Mismatch(format!(
+            return Err(PrefillError::Invalid(format!(
                 "{} tokens exceed the context of {}",
                 tokens.len(),
                 info.max_context

@@ -177,8 +177,13 @@ async fn a_draining_instance_refuses_new_requests_when_discovery_is_out_of_reach
     let engines = || Ok(engine() as Arc<dyn handoff_engine::Engine>);
     let registry = Arc::new(CannotDeregister(handoff_discovery::MemoryRegistry::new()));
     let bus = Arc::new(handoff_discovery::MemoryBus::new());
+    // Round robin: the scheduler goes to the draining instance every other request.
+    let scheduler = handoff_scheduler::SchedulerConfig {
+        default_policy: handoff_scheduler::PolicyKind::RoundRobin,
+        ..Default::default()
+    };
     let c = handoff::Cluster::start_with(
-        ClusterConfig::ephemeral(),
+        ClusterConfig { scheduler, ..ClusterConfig::ephemeral() },
         &engines,
         registry,
         bus,
