@@ -317,11 +317,14 @@ pub struct RequestArgs {
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub request_timeout_secs: u64,
     /// Client connections open at once on each public listener (the HTTP API, gRPC
-    /// Generate); past it, new ones wait in the listen backlog until one closes. An HTTP
-    /// request's head must come within 30 s (an idle kept-alive connection is closed then
-    /// too).
-    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    /// Generate); past it, new ones wait in the listen backlog until one closes.
+    #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_connections: u32,
+    /// Seconds an HTTP connection may wait for a request's head, an idle kept-alive one too
+    /// (then it is closed): keep it above the idle timeout of a load balancer in front (AWS's
+    /// is 60 s), which would otherwise reuse a connection being closed.
+    #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub http_idle_secs: u64,
 }
 
 impl RequestArgs {
@@ -334,6 +337,7 @@ impl RequestArgs {
     pub fn http(&self) -> handoff_core::http::HttpLimits {
         handoff_core::http::HttpLimits {
             max_connections: self.max_connections as usize,
+            head_timeout: std::time::Duration::from_secs(self.http_idle_secs),
             ..Default::default()
         }
     }

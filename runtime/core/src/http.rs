@@ -1,11 +1,17 @@
-//! Serving an axum router over HTTP/1.1, as `axum::serve` does, with the bounds a listener
-//! open to clients needs (`axum::serve` sets neither):
-//! - a request's head must arrive within [`HttpLimits::head_timeout`], counted from when the
-//!   connection waits for it: a client that connects and says nothing, trickles a head, or
-//!   leaves a kept-alive connection idle is cut off then;
+//! Serving an axum router over HTTP/1.1 and HTTP/2 (prior knowledge, as `axum::serve`
+//! does), with the bounds a listener open to clients needs (`axum::serve` sets none):
+//! - a connection's first bytes, which say which HTTP it speaks, must arrive within
+//!   [`HttpLimits::head_timeout`] ([`sniff`]);
+//! - an HTTP/1 request's head must arrive within [`HttpLimits::head_timeout`], counted from
+//!   when the connection waits for it: a client that connects and says nothing, trickles a
+//!   head, or leaves a kept-alive connection idle is cut off then (90 s: longer than the idle
+//!   time of the usual load balancers, which would otherwise reuse a connection being
+//!   closed);
+//! - a request's body must arrive whole within [`HttpLimits::body_timeout`] of its head;
 //! - at most [`HttpLimits::max_connections`] connections are open at once; the next ones
 //!   wait in the listen backlog until one closes (rather than the process running out of
-//!   file descriptors, when no listener can accept at all).
+//!   file descriptors, when no listener can accept at all);
+//! - an HTTP/2 connection is pinged every 30 s and dropped after 10 s without an answer.
 //!
 //! On shutdown it stops accepting, lets each connection finish the request it is serving
 //! (an idle one closes at once) and returns when all have closed.
@@ -16,27 +22,44 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::serve::Listener;
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper::server::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulConnection;
 use hyper_util::service::TowerToHyperService;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tracing::debug;
 
+mod sniff;
+mod timed_body;
+
+use sniff::Spoken;
+
 /// What one HTTP listener allows.
 #[derive(Debug, Clone, Copy)]
 pub struct HttpLimits {
-    /// Time a request's head has to arrive, from when the connection waits for it.
+    /// Time an HTTP/1 request's head has to arrive, from when the connection waits for it
+    /// (an idle kept-alive connection's too).
     pub head_timeout: Duration,
+    /// Time a request's body has to arrive whole, from its head.
+    pub body_timeout: Duration,
     /// Connections open at once.
     pub max_connections: usize,
 }
 
 impl Default for HttpLimits {
     fn default() -> Self {
-        HttpLimits { head_timeout: Duration::from_secs(30), max_connections: 4096 }
+        HttpLimits {
+            head_timeout: Duration::from_secs(90),
+            body_timeout: Duration::from_secs(60),
+            max_connections: 16_384,
+        }
     }
 }
+
+/// How often an HTTP/2 connection is pinged, and how long its answer may take.
+const H2_PING_EVERY: Duration = Duration::from_secs(30);
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves `router` on `listener` within `limits` until `shutdown` completes, then waits for
 /// the requests being served.
@@ -66,27 +89,51 @@ where
             accepted = listener.accept() => accepted,
         };
         debug!(?peer, "HTTP connection accepted");
-        let service = TowerToHyperService::new(router.clone());
+        let within = limits.body_timeout;
+        let timed = router
+            .clone()
+            .layer(axum::middleware::map_request(move |r| timed_body::timed(within, r)));
+        let service = TowerToHyperService::new(timed);
         let mut stopped = stopped.clone();
         conns.spawn(async move {
             let _place = place;
-            let conn = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.head_timeout)
-                .serve_connection(TokioIo::new(io), service);
-            let mut conn = std::pin::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => return,
-                _ = stopped.wait_for(|s| *s) => {}
+            // A shutdown while its first bytes are awaited: nothing to finish.
+            let spoken = tokio::select! {
+                spoken = sniff::sniff(io, limits.head_timeout) => spoken,
+                _ = stopped.wait_for(|s| *s) => None,
+            };
+            match spoken {
+                None => {}
+                Some(Spoken::Http1(io)) => {
+                    let mut h1 = http1::Builder::new();
+                    h1.timer(TokioTimer::new()).header_read_timeout(limits.head_timeout);
+                    until_stopped(h1.serve_connection(TokioIo::new(io), service), stopped).await;
+                }
+                Some(Spoken::Http2(io)) => {
+                    let mut h2 = http2::Builder::new(TokioExecutor::new());
+                    h2.timer(TokioTimer::new())
+                        .keep_alive_interval(H2_PING_EVERY)
+                        .keep_alive_timeout(H2_PING_TIMEOUT);
+                    until_stopped(h2.serve_connection(TokioIo::new(io), service), stopped).await;
+                }
             }
-            conn.as_mut().graceful_shutdown();
-            let _ = conn.await;
         });
     }
     drop(listener);
     let _ = stop.send(true);
     while conns.join_next().await.is_some() {}
     Ok(())
+}
+
+/// Serves `conn` until it ends; once `stopped`, it finishes what it is serving and ends.
+async fn until_stopped<C: GracefulConnection>(conn: C, mut stopped: watch::Receiver<bool>) {
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        _ = stopped.wait_for(|s| *s) => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
 }
 
 /// [`serve`] on a TCP listener, over TLS when `tls` is given (see

@@ -143,7 +143,10 @@ fn the_request_timeout_and_http_connections_are_flags_within_bounds() {
     assert_eq!(frontend(&[]).unwrap().requests.request_timeout().as_secs(), 60);
     let a = frontend(&["--request-timeout-secs=600"]).unwrap();
     assert_eq!(a.requests.request_timeout().as_secs(), 600);
-    assert_eq!(frontend(&[]).unwrap().requests.http().max_connections, 4096);
+    assert_eq!(frontend(&[]).unwrap().requests.http().max_connections, 16_384);
+    assert_eq!(frontend(&[]).unwrap().requests.http().head_timeout.as_secs(), 90);
+    let a = frontend(&["--http-idle-secs=700"]).unwrap();
+    assert_eq!(a.requests.http().head_timeout.as_secs(), 700);
     let a = frontend(&["--max-connections=20000"]).unwrap();
     assert_eq!(a.requests.http().max_connections, 20_000);
     assert!(frontend(&["--max-connections=0"]).is_err());

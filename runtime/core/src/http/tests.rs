@@ -16,7 +16,9 @@ async fn server(
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
-    let router = Router::new().route("/", get(|| async { "hello" }));
+    let router = Router::new()
+        .route("/", get(|| async { "hello" }))
+        .route("/echo", axum::routing::post(|b: bytes::Bytes| async move { b.len().to_string() }));
     let done = stop.clone();
     let served = tokio::spawn(serve(listener, router, done.cancelled_owned(), limits));
     (addr, stop, served)
@@ -50,7 +52,7 @@ async fn answered(s: &mut TcpStream) -> String {
 /// its kept-alive connection idle after a request are all cut off at the head timeout.
 #[tokio::test]
 async fn silent_trickling_and_idle_connections_are_cut_off() {
-    let limits = HttpLimits { head_timeout: Duration::from_millis(300), max_connections: 16 };
+    let limits = HttpLimits { head_timeout: Duration::from_millis(300), ..HttpLimits::default() };
     let (addr, stop, served) = server(limits).await;
     let mut silent = TcpStream::connect(addr).await.unwrap();
     let mut trickling = TcpStream::connect(addr).await.unwrap();
@@ -76,7 +78,7 @@ async fn silent_trickling_and_idle_connections_are_cut_off() {
 /// Past `max_connections`, a connection waits for one to close before it is served.
 #[tokio::test]
 async fn a_connection_past_the_bound_waits_for_a_place() {
-    let limits = HttpLimits { head_timeout: Duration::from_secs(60), max_connections: 2 };
+    let limits = HttpLimits { max_connections: 2, ..HttpLimits::default() };
     let (addr, stop, served) = server(limits).await;
     let first = TcpStream::connect(addr).await.unwrap();
     let mut second = TcpStream::connect(addr).await.unwrap();
@@ -124,4 +126,47 @@ async fn shutdown_finishes_the_requests_in_flight_and_returns() {
         .expect("returned")
         .unwrap()
         .unwrap();
+}
+
+/// A body declared and trickled is cut off at the body timeout (the head came in time);
+/// one that comes whole is read.
+#[tokio::test]
+async fn a_trickled_body_is_cut_off() {
+    let limits = HttpLimits { body_timeout: Duration::from_millis(300), ..HttpLimits::default() };
+    let (addr, stop, served) = server(limits).await;
+    let mut whole = TcpStream::connect(addr).await.unwrap();
+    whole
+        .write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello")
+        .await
+        .unwrap();
+    let said = answered(&mut whole).await;
+    assert!(said.starts_with("HTTP/1.1 200") && said.ends_with('5'), "{said}");
+    let mut slow = TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\nhello")
+        .await
+        .unwrap();
+    let said = answered(&mut slow).await;
+    assert!(said.starts_with("HTTP/1.1 400"), "refused once its time was up: {said}");
+    stop.cancel();
+    drop((whole, slow));
+    served.await.unwrap().unwrap();
+}
+
+/// HTTP/2 with prior knowledge (an h2 proxy in front) is served, as `axum::serve` did: the
+/// server answers the preface with its SETTINGS.
+#[tokio::test]
+async fn http2_with_prior_knowledge_is_served() {
+    let (addr, stop, served) = server(HttpLimits::default()).await;
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
+    s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap(); // an empty SETTINGS frame
+    let mut head = [0u8; 9];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut head))
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(head[3], 4, "a SETTINGS frame first: {head:?}");
+    stop.cancel();
+    drop(s);
+    served.await.unwrap().unwrap();
 }
