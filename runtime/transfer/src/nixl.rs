@@ -196,7 +196,7 @@ impl NixlTransfer {
         let max = shared.cfg.max_inbound;
         crate::listen::serve_accepts(control, max, tasks, "nixl control", move |st, peer, _| {
             let s = s.clone();
-            async move { serve::serve_control(st, peer, &s).await }
+            async move { serve::serve_control(st, peer, s).await }
         });
         Ok(NixlTransfer { shared })
     }

@@ -2,6 +2,7 @@
 //! sender's notice at the receiver.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -14,13 +15,13 @@ use crate::inbox::lock;
 use crate::{ConnectRequest, RegionId, TransferError};
 
 /// One control connection: a message, its answer, then close.
-pub(super) async fn serve_control(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
+pub(super) async fn serve_control(mut st: TcpStream, peer: SocketAddr, s: Arc<Shared>) {
     let deadline = s.cfg.control_timeout;
     let served = async {
         let msg = control::read_message::<_, Control>(&mut st).await;
         let reply: Reply = match msg {
             Ok(Control::Connect { req, introduction, metadata, addr, ticket }) => {
-                on_connect(s, req, &introduction, &metadata, (addr, ticket)).into()
+                on_connect(&s, req, &introduction, &metadata, (addr, ticket)).into()
             }
             Ok(Control::Notice { region, ticket, notice, segments, token }) => {
                 if !crate::token_accepted(
@@ -30,7 +31,16 @@ pub(super) async fn serve_control(mut st: TcpStream, peer: SocketAddr, s: &Share
                     Err(TransferError::Unauthorized).into()
                 } else {
                     let conn = crate::mooncake::peer_conn(peer.ip());
-                    on_notice(s, region, ticket, conn, notice, &segments).into()
+                    // Copying and hashing a region's bytes (up to its whole size) is off
+                    // the async workers.
+                    let s = s.clone();
+                    let copied = tokio::task::spawn_blocking(move || {
+                        on_notice(&s, region, ticket, conn, notice, &segments)
+                    });
+                    let done = copied.await.unwrap_or_else(|e| {
+                        Err(TransferError::Failed(format!("notice not applied: {e}")))
+                    });
+                    done.into()
                 }
             }
             Err(e) => Err(e).into(),

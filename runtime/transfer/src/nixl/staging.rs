@@ -57,9 +57,14 @@ impl Staging {
         open: impl Fn(RegionId) -> bool,
     ) -> Result<(u64, u64), TransferError> {
         self.wake(now);
+        // Asked outside the table's lock: `open` takes a region's lock, which a notice holds
+        // while it copies its region's bytes, and every other handshake and notice would
+        // wait on the table behind it. A region closed stays closed.
+        let ids: Vec<RegionId> = lock(&self.table).keys().copied().collect();
+        let gone: Vec<RegionId> = ids.into_iter().filter(|id| !open(*id)).collect();
         let closed: Vec<Staged> = {
             let mut table = lock(&self.table);
-            table.extract_if(|id, _| !open(*id)).map(|(_, s)| s).collect()
+            gone.iter().filter_map(|id| table.remove(id)).collect()
         };
         closed.into_iter().for_each(|s| self.back(s, now));
         let ticket = rand::random::<u64>();

@@ -298,6 +298,27 @@ fn a_slot_rests_when_a_failed_handshake_may_still_write_into_it() {
     assert_eq!(staging.resting(), 0);
 }
 
+/// A handshake asks whether regions are still open without holding the staging table: that
+/// question takes a region's lock, which a notice holds while it copies, and every other
+/// handshake and notice waited on the table behind it. Here the question itself looks at
+/// the table, which would never return if the table were held.
+#[test]
+fn a_handshake_asks_about_regions_without_holding_the_table() {
+    let engine = Engine::start("staging-test", Duration::from_millis(10)).unwrap();
+    let staging =
+        Arc::new(staging::Staging::new(engine.arena(1 << 20).unwrap(), Duration::from_secs(60), 8));
+    let now = Instant::now();
+    staging.lend(RegionId(1), 4096, now, |_| true).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    let s = staging.clone();
+    std::thread::spawn(move || {
+        let lent = s.lend(RegionId(2), 4096, now, |id| id == RegionId(2) || s.regions() > 5);
+        let _ = done.send(lent.map(|_| s.regions()));
+    });
+    let lent = finished.recv_timeout(Duration::from_secs(10)).expect("the handshake returned");
+    assert_eq!(lent.unwrap(), 1, "the closed region's slot taken back, the new one lent");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handshake_past_its_lifetime_is_not_written_for() {
     // The receiver may have lent its slot to another request by then.
