@@ -7,6 +7,8 @@
 //! share its pass: a cached prefix plus a computed suffix gives the same KV and logits as a
 //! one-shot prefill, and decode steps batched across sequences equal steps run alone.
 
+use std::ops::ControlFlow;
+
 use handoff_engine::{Kv, KvShape};
 
 use crate::SmolError;
@@ -154,13 +156,13 @@ fn rope(row: &mut [f32], head_dim: usize, pos: usize, table: &(Vec<f32>, Vec<f32
 /// consecutive and in order, and are appended at its end. Returns the logits of the rows
 /// listed in `logits_for` (indices into `rows`), in that order. `layer_done(l, seqs[0])` runs
 /// as soon as layer `l`'s KV is appended, before its attention: a prefill streams its layers
-/// from there.
+/// from there, and stops the pass ([`SmolError::Cancelled`]) by breaking.
 pub(crate) fn forward(
     w: &Weights,
     seqs: &mut [&mut Seq],
     rows: &[(usize, u32)],
     logits_for: &[usize],
-    layer_done: &mut dyn FnMut(usize, &Seq),
+    layer_done: &mut dyn FnMut(usize, &Seq) -> ControlFlow<()>,
 ) -> Result<Vec<Vec<f32>>, SmolError> {
     let hp = &w.hp;
     let (n, dim, hd) = (rows.len(), hp.dim, hp.head_dim);
@@ -206,8 +208,10 @@ pub(crate) fn forward(
                 seq.v[c].extend_from_slice(&v[r * kv_dim + kh * hd..r * kv_dim + (kh + 1) * hd]);
             }
         }
-        if let Some(first) = seqs.first() {
-            layer_done(li, first);
+        if let Some(first) = seqs.first()
+            && layer_done(li, first).is_break()
+        {
+            return Err(SmolError::Cancelled);
         }
         let mut attn = vec![0f32; n * dim];
         for r in 0..n {

@@ -45,6 +45,9 @@ pub enum SmolError {
     /// The compute thread is gone.
     #[error("engine stopped")]
     Stopped,
+    /// Nobody waits for the prefill any more: its compute stopped between two layers.
+    #[error("the prefill was cancelled")]
+    Cancelled,
 }
 
 impl From<SmolError> for handoff_engine::EngineError {

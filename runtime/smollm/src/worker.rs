@@ -8,6 +8,7 @@
 //! callers, so several handles in one process do not oversubscribe the cores.
 
 use std::collections::VecDeque;
+use std::ops::ControlFlow;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -168,7 +169,10 @@ fn run(shared: &Shared, rx: &mpsc::Receiver<Job>) {
             // Nobody waits for it any more (the request was cancelled): not computed.
             Job::Prefill { reply, .. } if reply.is_closed() => {}
             Job::Prefill { tokens, prefix, sampling, layers, reply } => {
-                let run = || prefill(shared, &tokens, prefix, &sampling, layers.as_ref());
+                // Cancelled midway, it stops at the next layer: the engine's slot was given
+                // back, and the next request would queue behind the rest of its compute.
+                let gone = || reply.is_closed();
+                let run = || prefill(shared, &tokens, prefix, &sampling, layers.as_ref(), &gone);
                 let r = catch_unwind(AssertUnwindSafe(run))
                     .unwrap_or_else(|_| Err(SmolError::Format("prefill panicked".into())));
                 let _ = reply.send(r);
@@ -201,6 +205,7 @@ fn prefill(
     prefix: Option<Kv>,
     sampling: &Sampling,
     layers: Option<&LayerSink>,
+    cancelled: &dyn Fn() -> bool,
 ) -> Result<Prefilled, SmolError> {
     let hp = &shared.weights.hp;
     if tokens.is_empty() {
@@ -229,9 +234,12 @@ fn prefill(
     let mut done = vec![bytes::Bytes::new(); hp.layers];
     let layer_len = shape.layer_bytes(tokens.len());
     let mut layer_done = |l: usize, s: &Seq| {
+        if cancelled() {
+            return ControlFlow::Break(());
+        }
         let kv = s.layer_kv(hp, l);
         if kv.len() != layer_len {
-            return;
+            return ControlFlow::Continue(());
         }
         let bytes = bytes::Bytes::from(kv);
         if let Some(sink) = layers {
@@ -239,6 +247,7 @@ fn prefill(
             let _ = sink.send(LayerKv { layer: l, bytes: bytes.clone() });
         }
         done[l] = bytes;
+        ControlFlow::Continue(())
     };
     let logits =
         forward(&shared.weights, &mut [&mut seq], &rows, &[rows.len() - 1], &mut layer_done)?;
@@ -263,7 +272,9 @@ fn steps(shared: &Shared, batch: Vec<(Box<Seq>, u32, u64, Sampling, StepReply)>)
     let all: Vec<usize> = (0..rows.len()).collect();
     let result = {
         let mut seqs: Vec<&mut Seq> = ready.iter_mut().map(|b| &mut *b.0).collect();
-        let run = || forward(&shared.weights, &mut seqs, &rows, &all, &mut |_, _| {});
+        let run = || {
+            forward(&shared.weights, &mut seqs, &rows, &all, &mut |_, _| ControlFlow::Continue(()))
+        };
         catch_unwind(AssertUnwindSafe(run))
             .unwrap_or_else(|_| Err(SmolError::Format("decode panicked".into())))
     };

@@ -173,3 +173,27 @@ fn a_text_that_cannot_fit_the_context_is_refused_unencoded() {
     }
     assert!(e.tokenize(&"hello ".repeat(100)).is_ok());
 }
+
+/// A prefill cancelled while it computes stops at the next layer: of a 1,000-token prompt's
+/// 30 layers, only the first few are computed and handed on (before, all of them, while the
+/// next request waited behind them).
+#[tokio::test]
+async fn a_prefill_cancelled_midway_stops_computing() {
+    let e = engine().fork().unwrap();
+    let layers = e.info().shape.layers;
+    let prompt: Vec<u32> = (0..1000).map(|i| 100 + i % 5000).collect();
+    let (tx, mut rx) = handoff_engine::layer_channel(layers, 0);
+    let sampling = Sampling::default();
+    {
+        let prefill = e.prefill_streamed(&prompt, None, &sampling, tx);
+        tokio::select! {
+            _ = prefill => panic!("the prefill finished before its first layer was seen"),
+            first = rx.next_part() => assert!(first.is_some(), "a first layer"),
+        }
+    } // Dropped: the request is cancelled.
+    let mut handed_on = 1;
+    while let Some(part) = rx.next_part().await {
+        handed_on += part.len();
+    }
+    assert!(handed_on < layers / 2, "{handed_on} of {layers} layers computed after the cancel");
+}
