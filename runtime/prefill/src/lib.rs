@@ -18,6 +18,7 @@ pub mod cache;
 pub mod config;
 mod cost;
 mod error;
+mod guards;
 mod handshakes;
 pub mod instance;
 pub mod metrics;

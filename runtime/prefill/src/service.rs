@@ -29,6 +29,7 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::cache::CacheDelta;
 use crate::cost::{SendCost, TokenCost};
+use crate::guards::{Queued, Running, Unanswered};
 use crate::rank::{Destination, Rank, SendMeta};
 use crate::{PrefillError, PrefixCache};
 
@@ -102,49 +103,6 @@ pub(crate) const MAX_STORES: usize = 4;
 /// (30 layers of 393 KB) then goes in 11 parts rather than 30, one of 1024 tokens still
 /// layer by layer.
 const PART_BYTES: usize = 1 << 20;
-
-/// Counts a request as running (and its tokens as queued) until dropped, even when the
-/// request is cancelled midway.
-struct Running<'a> {
-    inner: &'a Inner,
-    tokens: u64,
-}
-
-impl<'a> Running<'a> {
-    fn new(inner: &'a Inner, tokens: u64) -> Self {
-        inner.running.fetch_add(1, Ordering::Relaxed);
-        inner.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
-        Running { inner, tokens }
-    }
-}
-
-impl Drop for Running<'_> {
-    fn drop(&mut self) {
-        self.inner.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
-        // Release: whoever sees the count fall (`idle`) sees the request's store begun.
-        self.inner.running.fetch_sub(1, Ordering::Release);
-    }
-}
-
-/// Counts a request dropped before it was answered (its caller went away) as cancelled.
-struct Unanswered<'a>(Option<&'a crate::metrics::PrefillMetrics>);
-
-impl Drop for Unanswered<'_> {
-    fn drop(&mut self) {
-        if let Some(m) = self.0 {
-            m.cancelled();
-        }
-    }
-}
-
-/// Holds a place in a dp rank's queue until dropped.
-struct Queued<'a>(&'a AtomicUsize);
-
-impl Drop for Queued<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())

@@ -134,27 +134,30 @@ impl handoff_discovery::Registry for CannotDeregister {
     }
 }
 
+/// A cluster of `cfg` on `engine` whose discovery cannot be told of a departure.
+async fn cannot_deregister(
+    cfg: ClusterConfig,
+    engine: std::sync::Arc<handoff_engine::MockEngine>,
+) -> handoff::Cluster {
+    use std::sync::Arc;
+    let engines = || Ok(engine.clone() as Arc<dyn handoff_engine::Engine>);
+    let registry = Arc::new(CannotDeregister(handoff_discovery::MemoryRegistry::new()));
+    let bus = Arc::new(handoff_discovery::MemoryBus::new());
+    handoff::Cluster::start_with(cfg, &engines, registry, bus, handoff_core::Tasks::new())
+        .await
+        .unwrap()
+}
+
 /// A drain while discovery is out of reach still waits for the request in flight (before,
 /// it gave up at once and the process exited under it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_waits_for_its_requests_when_discovery_is_out_of_reach() {
-    use std::sync::Arc;
-    let engine = Arc::new(handoff_engine::MockEngine::new(handoff_engine::MockConfig {
+    let engine = std::sync::Arc::new(handoff_engine::MockEngine::new(handoff_engine::MockConfig {
         prefill_per_token: Duration::from_millis(5),
         ..Default::default()
     }));
-    let engines = || Ok(engine.clone() as Arc<dyn handoff_engine::Engine>);
-    let registry = Arc::new(CannotDeregister(handoff_discovery::MemoryRegistry::new()));
-    let bus = Arc::new(handoff_discovery::MemoryBus::new());
-    let c = handoff::Cluster::start_with(
-        ClusterConfig { prefills: 1, ..ClusterConfig::ephemeral() },
-        &engines,
-        registry,
-        bus,
-        handoff_core::Tasks::new(),
-    )
-    .await
-    .unwrap();
+    let cfg = ClusterConfig { prefills: 1, ..ClusterConfig::ephemeral() };
+    let c = cannot_deregister(cfg, engine).await;
     let mut cl = client(&c).await;
     // 100 tokens at 5 ms: half a second of prefill.
     let request = tokio::spawn(async move { generate(&mut cl, &prompt(1, 100), 4).await });
@@ -173,24 +176,13 @@ async fn a_drain_waits_for_its_requests_when_discovery_is_out_of_reach() {
 /// the other instance. Before, the draining instance served them, past its grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_instance_refuses_new_requests_when_discovery_is_out_of_reach() {
-    use std::sync::Arc;
-    let engines = || Ok(engine() as Arc<dyn handoff_engine::Engine>);
-    let registry = Arc::new(CannotDeregister(handoff_discovery::MemoryRegistry::new()));
-    let bus = Arc::new(handoff_discovery::MemoryBus::new());
     // Round robin: the scheduler goes to the draining instance every other request.
     let scheduler = handoff_scheduler::SchedulerConfig {
         default_policy: handoff_scheduler::PolicyKind::RoundRobin,
         ..Default::default()
     };
-    let c = handoff::Cluster::start_with(
-        ClusterConfig { scheduler, ..ClusterConfig::ephemeral() },
-        &engines,
-        registry,
-        bus,
-        handoff_core::Tasks::new(),
-    )
-    .await
-    .unwrap();
+    let c = cannot_deregister(ClusterConfig { scheduler, ..ClusterConfig::ephemeral() }, engine())
+        .await;
     c.prefills[0].drain(Duration::ZERO).await.expect("drains all the same");
     let mut cl = client(&c).await;
     let mut refused = 0;

@@ -1,0 +1,49 @@
+//! Guards a prefill request holds while it is served: each undoes its count when dropped,
+//! however the request ends (answered, failed, or cancelled midway by its caller).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::service::Inner;
+
+/// Counts a request as running (and its tokens as queued) until dropped, even when the
+/// request is cancelled midway.
+pub(crate) struct Running<'a> {
+    inner: &'a Inner,
+    tokens: u64,
+}
+
+impl<'a> Running<'a> {
+    pub(crate) fn new(inner: &'a Inner, tokens: u64) -> Self {
+        inner.running.fetch_add(1, Ordering::Relaxed);
+        inner.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
+        Running { inner, tokens }
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.inner.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        // Release: whoever sees the count fall (`idle`) sees the request's store begun.
+        self.inner.running.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Counts a request dropped before it was answered (its caller went away) as cancelled.
+pub(crate) struct Unanswered<'a>(pub(crate) Option<&'a crate::metrics::PrefillMetrics>);
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some(m) = self.0 {
+            m.cancelled();
+        }
+    }
+}
+
+/// Holds a place in a dp rank's queue until dropped.
+pub(crate) struct Queued<'a>(pub(crate) &'a AtomicUsize);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
