@@ -377,7 +377,11 @@ impl PrefillService {
         drop(queued);
         me.metrics.stage("queue", waited.elapsed());
         let permit = permit
-            .map_err(|_| PrefillError::Deadline("waiting for the engine".into()))?
+            // Alive, but too busy to start it in time: an overload, not a silent instance
+            // (the frontend refuses with 429 once every instance says so).
+            .map_err(|_| {
+                PrefillError::Overloaded("the deadline passed in the engine's queue".into())
+            })?
             .map_err(|_| PrefillError::Startup("engine slot closed".into()))?;
         let hashes = block_hashes(&tokens, info.page_size);
         let prefix = lock(&dp.cache).lookup(&hashes, tokens.len());

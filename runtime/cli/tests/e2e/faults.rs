@@ -271,3 +271,37 @@ async fn a_prefill_of_another_model_is_a_mismatch_retried_elsewhere() {
     served_past_the_other_model(&cluster_with_first_prefill(smaller).await, "vocabulary of 2000")
         .await;
 }
+
+/// A request that waits in a busy prefill's queue past its deadline is refused as an
+/// overload (`RESOURCE_EXHAUSTED`: the instance is alive and busy, not silent), so a client
+/// whose every attempt did so gets 429, and no breaker counts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_passed_in_a_prefills_queue_is_an_overload() {
+    use handoff_proto::v1::PrefillRequest;
+    use handoff_proto::v1::prefill_client::PrefillClient;
+    let engine = std::sync::Arc::new(handoff_engine::MockEngine::new(handoff_engine::MockConfig {
+        prefill_per_token: Duration::from_millis(5),
+        ..Default::default()
+    }));
+    let cfg = ClusterConfig { prefills: 1, prefill_tp: 1, ..ClusterConfig::ephemeral() };
+    let c = handoff::Cluster::start_shared(cfg, engine).await.unwrap();
+    let mut cl = client(&c).await;
+    // 200 tokens at 5 ms: a second of the only engine slot.
+    let busy = tokio::spawn(async move { generate(&mut cl, &prompt(1, 200), 2).await });
+    let since = Instant::now();
+    while c.prefills[0].running() == 0 {
+        assert!(since.elapsed() < Duration::from_secs(5), "the request reaches the prefill");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let addr = &c.prefills[0].grpc_addr;
+    let mut prefill = PrefillClient::connect(format!("http://{addr}")).await.unwrap();
+    let late = PrefillRequest {
+        bootstrap_room: 7,
+        token_ids: vec![1, 2, 3],
+        deadline_ms: 50,
+        ..Default::default()
+    };
+    let e = prefill.prefill(late).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
+    busy.await.unwrap().expect("the request holding the engine is served");
+}

@@ -87,12 +87,13 @@ pub(super) fn summary(failed: &[Attempt]) -> String {
         .join(" ")
 }
 
-/// What a client gets when every attempt failed, the last with `last`: overload, and an
-/// attempt that ran out of time while queued (the instances are busy, not broken), refuse
-/// with 429 / `RESOURCE_EXHAUSTED` and a time to retry; anything else is unavailable (503).
+/// What a client gets when every attempt failed, the last with `last`: overload (an
+/// instance refusing, or one whose queue held the request past the attempt's deadline)
+/// refuses with 429 / `RESOURCE_EXHAUSTED` and a time to retry; anything else (a timeout
+/// with no word from the instance included) is unavailable (503).
 pub(super) fn all_failed(last: Option<Cause>, failed: &[Attempt]) -> FrontendError {
     match last {
-        Some(Cause::Overloaded | Cause::Deadline) => FrontendError::Overloaded {
+        Some(Cause::Overloaded) => FrontendError::Overloaded {
             retry_after: std::time::Duration::from_secs(1),
             reason: summary(failed),
         },
@@ -104,12 +105,13 @@ pub(super) fn all_failed(last: Option<Cause>, failed: &[Attempt]) -> FrontendErr
 mod tests {
     use super::*;
 
-    /// Instances that each let an attempt run out of time in their queue are busy: the client
-    /// is told to come back (429), not that the service is down (503).
+    /// Instances that refused, or held the request in their queue past its time, are busy:
+    /// the client is told to come back (429). A timeout without a word from the instance
+    /// (hung, or its KV lost) is not an overload (503).
     #[test]
-    fn attempts_that_ran_out_of_time_queued_are_an_overload() {
+    fn only_refusals_and_queue_expiry_are_an_overload() {
         for (last, overloaded) in [
-            (Some(Cause::Deadline), true),
+            (Some(Cause::Deadline), false),
             (Some(Cause::Overloaded), true),
             (Some(Cause::Instance), false),
             (None, false),
