@@ -14,14 +14,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
-use handoff_core::net::host_of;
 use handoff_core::zmtp::{Connection, ZmtpError};
 
 /// Connections served at once (one per prefill rank that pushes to this decode); beyond,
 /// accepts wait in the backlog.
 pub const MAX_CONNECTIONS: usize = 1024;
-/// Connections from one host at once (its prefill ranks; an IPv6 host is its /64, see
-/// [`host_of`]); beyond, a new one is closed at once, so one host cannot take every place.
+/// Connections from one address at once (a host's prefill ranks); beyond, a new one is
+/// closed at once, so one host cannot take every place.
 pub const MAX_PER_PEER: usize = 64;
 
 /// What each message's frames are handed to.
@@ -63,7 +62,7 @@ pub async fn serve(
             accepted = listener.accept(), if peers.len() < MAX_CONNECTIONS => match accepted {
                 Ok((stream, from)) => {
                     // At most `MAX_CONNECTIONS` to count through, once per accept.
-                    let held = from_of.values().filter(|&&host| host == host_of(from.ip())).count();
+                    let held = from_of.values().filter(|&&ip| ip == from.ip()).count();
                     if held >= MAX_PER_PEER {
                         refused += 1;
                         if refused.is_power_of_two() {
@@ -77,7 +76,7 @@ pub async fn serve(
                             debug!(%from, error = %e, "SGLang PULL connection ended");
                         }
                     });
-                    from_of.insert(task.id(), host_of(from.ip()));
+                    from_of.insert(task.id(), from.ip());
                 }
                 Err(e) => {
                     // Out of descriptors, say: a moment for some to close.

@@ -15,8 +15,7 @@ use tracing::debug;
 
 type Handshake = Pin<Box<dyn Future<Output = (SocketAddr, Option<TlsStream<TcpStream>>)> + Send>>;
 
-/// Handshakes one host (an IPv4 address, an IPv6 /64: [`crate::net::host_of`]) may have in
-/// progress; more from it are closed at once.
+/// Handshakes one address may have in progress; more from it are closed at once.
 pub const HANDSHAKES_PER_HOST: usize = 8;
 
 /// A TCP listener whose connections come out TLS-wrapped (see the module docs). Handshakes
@@ -65,7 +64,7 @@ impl TlsListener {
     }
 
     fn begin(&mut self, stream: TcpStream, peer: SocketAddr) {
-        let host = crate::net::host_of(peer.ip());
+        let host = peer.ip().to_canonical();
         let busy = self.per_host.entry(host).or_default();
         if *busy >= HANDSHAKES_PER_HOST {
             debug!(%peer, "too many TLS handshakes from this host; closed");
@@ -92,7 +91,7 @@ impl TlsListener {
     }
 
     fn end(&mut self, peer: SocketAddr) {
-        let host = crate::net::host_of(peer.ip());
+        let host = peer.ip().to_canonical();
         if let Some(n) = self.per_host.get_mut(&host) {
             *n -= 1;
             if *n == 0 {
