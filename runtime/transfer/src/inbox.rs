@@ -264,6 +264,18 @@ impl Inbox {
         open.then_some(r.buf.len() as u64)
     }
 
+    /// Whether region `id` is open, without waiting for it: one whose lock is held (a write
+    /// or a notice being applied to it, perhaps a copy of its whole length) counts as open.
+    pub fn open_now(&self, id: RegionId) -> bool {
+        let Ok(r) = self.region(id) else { return false };
+        let r = match r.try_lock() {
+            Ok(r) => r,
+            Err(std::sync::TryLockError::WouldBlock) => return true,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        };
+        !matches!(*r.state.borrow(), KvPoll::Failed | KvPoll::Success)
+    }
+
     /// Marks the handshake for `id` done.
     pub fn mark_connected(&self, id: RegionId) {
         if let Ok(r) = self.region(id) {

@@ -229,7 +229,7 @@ impl TransferBackend for NixlTransfer {
             .map_err(|_| TransferError::Malformed("region too large".into()))?;
         let inbox = &s.inbox;
         let (addr, ticket) =
-            s.staging.lend(region, len, Instant::now(), |id| inbox.open_len(id).is_some())?;
+            s.staging.lend(region, len, Instant::now(), |id| inbox.open_now(id))?;
         let msg = Control::Connect {
             req,
             introduction: s.handshake_hex.0.clone(),

@@ -329,3 +329,20 @@ async fn an_empty_segment_far_past_the_end_lands_nowhere() {
     write(&inbox, id, &far).unwrap();
     assert_eq!(inbox.wait(id, soon()).await.unwrap().buf, b"abcd");
 }
+
+/// Whether a region is open is answered without waiting for its lock (held while a notice
+/// copies a whole region): a held one counts as open; a failed or unknown one is not.
+#[test]
+fn whether_a_region_is_open_is_answered_without_waiting_for_it() {
+    let inbox = Inbox::new(InboxConfig::default());
+    let s = SenderId::new(0, 0);
+    let id = inbox.register_region(room(1), 64, [(s, span(0..64))]).unwrap();
+    assert!(inbox.open_now(id));
+    let region = inbox.region(id).unwrap();
+    let held = region.lock().unwrap();
+    assert!(inbox.open_now(id), "held, so at work: open");
+    drop(held);
+    inbox.fail(id, "gone");
+    assert!(!inbox.open_now(id));
+    assert!(!inbox.open_now(RegionId(u64::MAX)));
+}
