@@ -34,6 +34,10 @@ pub fn placed_incoming(
             let _ = stream.set_nodelay(true);
             Placed { stream, _place: place }
         });
+        if accepted.is_err() {
+            // Out of descriptors and the like pass; tonic asks again at once: don't spin.
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
         Some((accepted, (listener, places)))
     })
 }

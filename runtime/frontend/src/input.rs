@@ -56,13 +56,19 @@ pub(crate) async fn checked(
     if bytes <= TOKENIZE_APART_BYTES {
         return plan(req, &*fe.engine, &fe.cfg);
     }
+    let arrived = Instant::now();
     let turn = fe.tokenizing.clone().acquire_owned().await;
     let fe = fe.clone();
     let apart = tokio::task::spawn_blocking(move || {
         let _turn = turn;
         plan(req, &*fe.engine, &fe.cfg)
     });
-    apart.await.map_err(|e| invalid(format!("the input could not be tokenized: {e}")))?
+    let mut planned =
+        apart.await.map_err(|e| invalid(format!("the input could not be tokenized: {e}")))??;
+    // The deadline counts from the request's arrival, its wait for a turn included.
+    let waited = arrived.elapsed();
+    planned.deadline = planned.deadline.checked_sub(waited).unwrap_or(planned.deadline);
+    Ok(planned)
 }
 
 fn invalid(s: impl Into<String>) -> FrontendError {

@@ -142,8 +142,14 @@ async fn a_long_input_is_tokenized_apart_while_others_are_served() {
     while !engine.began.load(std::sync::atomic::Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+    // It arrived before its tokenizing began, so before this.
+    let arrived_by = Instant::now();
     assert!(checked(&fe, text(10)).await.is_ok(), "the short one is checked");
     assert!(!long.is_finished(), "while the long one is still being tokenized");
+    // Held a while longer: its deadline counts from its arrival, not from its tokenizing's end.
+    tokio::time::sleep(Duration::from_millis(200)).await;
     go.send(()).unwrap();
-    assert!(long.await.unwrap().is_ok());
+    let planned = long.await.unwrap().unwrap();
+    let budget = FrontendConfig::default().request_timeout;
+    assert!(planned.deadline <= arrived_by + budget, "the deadline counts from the arrival");
 }
