@@ -74,8 +74,8 @@ impl FrontendError {
     }
 
     /// A transfer failure at `stage`: a timeout is the deadline's, one of the decode's own
-    /// tables full (its staging memory, its SGLang pages) an overload, anything else the
-    /// instance's.
+    /// tables full (NIXL staging memory, Mooncake's exposed ranges) an overload, anything
+    /// else the instance's.
     pub(crate) fn transfer(stage: &'static str, e: handoff_transfer::TransferError) -> Self {
         let cause = match e {
             handoff_transfer::TransferError::Timeout(_) => Cause::Deadline,
