@@ -73,6 +73,9 @@ where
     L: Listener,
     L::Addr: std::fmt::Debug,
 {
+    // Layered once: each connection gets a clone of the same router.
+    let within = limits.body_timeout;
+    let timed = router.layer(axum::middleware::map_request(move |r| timed_body::timed(within, r)));
     let places = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let (stop, stopped) = watch::channel(false);
     let mut conns = JoinSet::new();
@@ -89,11 +92,7 @@ where
             accepted = listener.accept() => accepted,
         };
         debug!(?peer, "HTTP connection accepted");
-        let within = limits.body_timeout;
-        let timed = router
-            .clone()
-            .layer(axum::middleware::map_request(move |r| timed_body::timed(within, r)));
-        let service = TowerToHyperService::new(timed);
+        let service = TowerToHyperService::new(timed.clone());
         let mut stopped = stopped.clone();
         conns.spawn(async move {
             let _place = place;

@@ -78,20 +78,8 @@ async fn the_stream_applies_in_order_replays_gaps_and_rebuilds() {
     let buffer = Arc::new(Mutex::new(Vec::new()));
     let replayer = tokio::spawn(serve_replay(router, buffer.clone()));
 
-    let ops = Arc::new(Mutex::new(Vec::<IndexOp>::new()));
-    let (o, stop) = (ops.clone(), tokio_util_cancel());
     let endpoint = EngineEndpoint { events, replay: Some(replay), topic: String::new() };
-    let stream = EngineStream::new(endpoint, 16, 1 << 16);
-    let (stop_rx, stop_tx) = stop;
-    let follower = tokio::spawn(stream.run(
-        move |batch| {
-            o.lock().unwrap().extend(batch);
-            true
-        },
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let Following { ops, stop_tx, follower } = follow(endpoint);
 
     // Seq 0 and 1 go to the replay buffer only (the subscriber may not be connected yet);
     // seq 2 is live: the stream replays 0 and 1 first. Then seq 3 is "lost" live and comes
@@ -199,9 +187,28 @@ async fn the_stream_applies_in_order_replays_gaps_and_rebuilds() {
     replayer.abort();
 }
 
-fn tokio_util_cancel() -> (tokio::sync::oneshot::Receiver<()>, tokio::sync::oneshot::Sender<()>) {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    (rx, tx)
+/// An [`EngineStream`] of `endpoint` running: the ops it applied, its stop, its task.
+struct Following {
+    ops: Arc<Mutex<Vec<IndexOp>>>,
+    stop_tx: tokio::sync::oneshot::Sender<()>,
+    follower: tokio::task::JoinHandle<handoff_kv_events::StreamStats>,
+}
+
+fn follow(endpoint: EngineEndpoint) -> Following {
+    let ops = Arc::new(Mutex::new(Vec::<IndexOp>::new()));
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let o = ops.clone();
+    let stream = EngineStream::new(endpoint, 16, 1 << 16);
+    let follower = tokio::spawn(stream.run(
+        move |batch| {
+            o.lock().unwrap().extend(batch);
+            true
+        },
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    Following { ops, stop_tx, follower }
 }
 
 /// A publisher whose frame header declares more than the stream takes (17 MiB, past its
@@ -215,22 +222,8 @@ async fn an_oversized_frame_costs_the_connection_and_the_stream_connects_again()
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let events = format!("tcp://{}", listener.local_addr().unwrap());
-    let ops = Arc::new(Mutex::new(Vec::<IndexOp>::new()));
-    let (o, (stop_rx, stop_tx)) = (ops.clone(), tokio_util_cancel());
-    let stream = EngineStream::new(
-        EngineEndpoint { events, replay: None, topic: String::new() },
-        16,
-        1 << 16,
-    );
-    let follower = tokio::spawn(stream.run(
-        move |batch| {
-            o.lock().unwrap().extend(batch);
-            true
-        },
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let endpoint = EngineEndpoint { events, replay: None, topic: String::new() };
+    let Following { ops, stop_tx, follower } = follow(endpoint);
     // Its first connection: subscribed, then a frame header past the bound.
     let (mut first, _) =
         tokio::time::timeout(Duration::from_secs(5), listener.accept()).await.unwrap().unwrap();

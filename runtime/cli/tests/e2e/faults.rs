@@ -134,6 +134,23 @@ impl handoff_discovery::Registry for CannotDeregister {
     }
 }
 
+/// The mock engine at 5 ms a prefill token.
+fn slow_engine() -> std::sync::Arc<handoff_engine::MockEngine> {
+    std::sync::Arc::new(handoff_engine::MockEngine::new(handoff_engine::MockConfig {
+        prefill_per_token: Duration::from_millis(5),
+        ..Default::default()
+    }))
+}
+
+/// Waits (up to 5 s) until the first prefill runs a request.
+async fn until_running(c: &handoff::Cluster) {
+    let since = Instant::now();
+    while c.prefills[0].running() == 0 {
+        assert!(since.elapsed() < Duration::from_secs(5), "the request reaches the prefill");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A cluster of `cfg` on `engine` whose discovery cannot be told of a departure.
 async fn cannot_deregister(
     cfg: ClusterConfig,
@@ -152,20 +169,13 @@ async fn cannot_deregister(
 /// it gave up at once and the process exited under it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_waits_for_its_requests_when_discovery_is_out_of_reach() {
-    let engine = std::sync::Arc::new(handoff_engine::MockEngine::new(handoff_engine::MockConfig {
-        prefill_per_token: Duration::from_millis(5),
-        ..Default::default()
-    }));
+    let engine = slow_engine();
     let cfg = ClusterConfig { prefills: 1, ..ClusterConfig::ephemeral() };
     let c = cannot_deregister(cfg, engine).await;
     let mut cl = client(&c).await;
     // 100 tokens at 5 ms: half a second of prefill.
     let request = tokio::spawn(async move { generate(&mut cl, &prompt(1, 100), 4).await });
-    let since = Instant::now();
-    while c.prefills[0].running() == 0 {
-        assert!(since.elapsed() < Duration::from_secs(5), "the request reaches the prefill");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_running(&c).await;
     c.prefills[0].drain(Duration::from_secs(10)).await.expect("drains all the same");
     assert_eq!(c.prefills[0].running(), 0, "waited for the request in flight");
     request.await.unwrap().expect("the request in flight is served");
@@ -279,20 +289,13 @@ async fn a_prefill_of_another_model_is_a_mismatch_retried_elsewhere() {
 async fn a_deadline_passed_in_a_prefills_queue_is_an_overload() {
     use handoff_proto::v1::PrefillRequest;
     use handoff_proto::v1::prefill_client::PrefillClient;
-    let engine = std::sync::Arc::new(handoff_engine::MockEngine::new(handoff_engine::MockConfig {
-        prefill_per_token: Duration::from_millis(5),
-        ..Default::default()
-    }));
+    let engine = slow_engine();
     let cfg = ClusterConfig { prefills: 1, prefill_tp: 1, ..ClusterConfig::ephemeral() };
     let c = handoff::Cluster::start_shared(cfg, engine).await.unwrap();
     let mut cl = client(&c).await;
     // 200 tokens at 5 ms: a second of the only engine slot.
     let busy = tokio::spawn(async move { generate(&mut cl, &prompt(1, 200), 2).await });
-    let since = Instant::now();
-    while c.prefills[0].running() == 0 {
-        assert!(since.elapsed() < Duration::from_secs(5), "the request reaches the prefill");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_running(&c).await;
     let addr = &c.prefills[0].grpc_addr;
     let mut prefill = PrefillClient::connect(format!("http://{addr}")).await.unwrap();
     let late = PrefillRequest {
