@@ -194,10 +194,16 @@ impl NixlTransfer {
         });
         let s = shared.clone();
         let max = shared.cfg.max_inbound;
-        crate::listen::serve_accepts(control, max, tasks, "nixl control", move |st, peer, _| {
-            let s = s.clone();
-            async move { serve::serve_control(st, peer, s).await }
-        });
+        crate::listen::serve_accepts(
+            control,
+            max,
+            tasks,
+            "nixl control",
+            move |st, peer, _, at| {
+                let s = s.clone();
+                async move { serve::serve_control(st, peer, s, &at).await }
+            },
+        );
         Ok(NixlTransfer { shared })
     }
 

@@ -141,11 +141,13 @@ impl TcpTransfer {
             cfg.max_inbound,
             tasks,
             "tcp transfer",
-            move |stream, peer, conn| {
+            move |stream, peer, conn, place| {
                 let (inbox, cc, tls) = (inbox.clone(), conn_cfg.clone(), server_tls.clone());
                 async move {
                     let peer = peer.to_string();
-                    let inbound = Inbound { peer: &peer, id: conn, authed: false, window: None };
+                    let place = Some(&place);
+                    let inbound =
+                        Inbound { peer: &peer, id: conn, authed: false, window: None, place };
                     let Some(tls) = tls else {
                         return serve_conn(stream, inbound, inbox, &cc).await;
                     };

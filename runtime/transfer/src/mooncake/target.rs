@@ -17,18 +17,19 @@ use super::wire::{
 use super::{Control, SUCCESS, Shared, peer_conn};
 use crate::TransferError;
 use crate::inbox::PIECE;
+use crate::listen::Place;
 
 /// Starts both listeners on `tasks`.
 pub(super) fn serve(rpc: TcpListener, data: TcpListener, shared: Arc<Shared>, tasks: &Tasks) {
     let max = shared.cfg.max_inbound;
     let s = shared.clone();
-    crate::listen::serve_accepts(rpc, max, tasks, "mooncake handshake", move |st, peer, _| {
+    crate::listen::serve_accepts(rpc, max, tasks, "mooncake handshake", move |st, peer, _, at| {
         let s = s.clone();
-        async move { handshake(st, peer, &s).await }
+        async move { handshake(st, peer, &s, &at).await }
     });
-    crate::listen::serve_accepts(data, max, tasks, "mooncake data", move |st, peer, _| {
+    crate::listen::serve_accepts(data, max, tasks, "mooncake data", move |st, peer, _, at| {
         let s = shared.clone();
-        async move { serve_data(st, peer, &s).await }
+        async move { serve_data(st, peer, &s, &at).await }
     });
 }
 
@@ -48,8 +49,9 @@ pub(super) fn descriptor(s: &Shared) -> SegmentDesc {
     }
 }
 
-/// One handshake connection: a request frame, a reply of the same type, then close.
-async fn handshake(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
+/// One handshake connection: a request frame, a reply of the same type, then close. Only a
+/// notify with the token proves its place: a metadata request or a probe carries none.
+async fn handshake(mut st: TcpStream, peer: SocketAddr, s: &Shared, place: &Place) {
     let deadline = s.cfg.handshake_timeout;
     let frame = match tokio::time::timeout(deadline, wire::read_frame(&mut st)).await {
         Ok(Ok(f)) => f,
@@ -61,7 +63,10 @@ async fn handshake(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
         (FrameType::Probe, _) => wire::json_line(&json!({ "status": "success" })),
         (FrameType::Notify, body) => {
             let answer = match on_notify(&body, peer, s) {
-                Ok(()) => SUCCESS.to_owned(),
+                Ok(()) => {
+                    place.proven();
+                    SUCCESS.to_owned()
+                }
                 Err(e) => format!("error: {e}"),
             };
             wire::json_line(&NotifyMsg { name: String::new(), notify_msg: answer })
@@ -109,11 +114,13 @@ fn on_notify(body: &[u8], peer: SocketAddr, s: &Shared) -> Result<(), TransferEr
     }
 }
 
-/// One data connection: headers, bodies into regions, a status after each (v2).
-async fn serve_data(mut st: TcpStream, peer: SocketAddr, s: &Shared) {
+/// One data connection: headers, bodies into regions, a status after each (v2). Its host is
+/// its proof: one a token holder's handshake named.
+async fn serve_data(mut st: TcpStream, peer: SocketAddr, s: &Shared, place: &Place) {
     if !s.exposed.allowed(peer.ip()) {
         return debug!(%peer, "mooncake data connection from a host no handshake named");
     }
+    place.proven();
     loop {
         let mut h = [0u8; HEADER_LEN];
         match tokio::time::timeout(s.cfg.idle_timeout, st.read_exact(&mut h)).await {

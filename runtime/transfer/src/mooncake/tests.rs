@@ -20,11 +20,15 @@ struct Pair {
 }
 
 async fn agent(tasks: &Tasks, token: Option<&str>) -> (Agent, Arc<MooncakeTransfer>) {
-    let cfg = InboxConfig { token: token.map(String::from), ..InboxConfig::default() };
+    let mc = MooncakeConfig { token: token.map(String::from), ..MooncakeConfig::default() };
+    agent_with(tasks, mc).await
+}
+
+async fn agent_with(tasks: &Tasks, mc: MooncakeConfig) -> (Agent, Arc<MooncakeTransfer>) {
+    let cfg = InboxConfig { token: mc.token.clone(), ..InboxConfig::default() };
     let inbox = Arc::new(Inbox::new(cfg));
     let rpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let data = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mc = MooncakeConfig { token: token.map(String::from), ..MooncakeConfig::default() };
     let t = Arc::new(MooncakeTransfer::serve(rpc, data, None, inbox.clone(), mc, tasks).unwrap());
     (Agent::new(t.clone(), inbox), t)
 }
@@ -165,6 +169,36 @@ impl Pair {
     async fn tx_backend_write(&self, base: u64, pairs: &[(Bytes, u64)]) {
         self.rx_backend.initiator().write(&self.rx.addr(), base, pairs).await.unwrap();
     }
+}
+
+#[tokio::test]
+async fn strangers_holding_every_handshake_place_give_them_up_to_a_token_holder() {
+    let tasks = Tasks::new();
+    let mc = MooncakeConfig {
+        token: Some("secret".into()),
+        max_inbound: 2,
+        // Strangers could hold their places for an hour, were they not taken back.
+        handshake_timeout: Duration::from_secs(3600),
+        ..MooncakeConfig::default()
+    };
+    let (tx, _) = agent_with(&tasks, mc.clone()).await;
+    let (rx, rx_backend) = agent_with(&tasks, mc).await;
+    let p = Pair { tasks, tx, rx, rx_backend };
+    let at = p.tx.addr();
+    let mut strangers = Vec::new();
+    for _ in 0..2 {
+        strangers.push(tokio::net::TcpStream::connect((at.ip.as_str(), at.port)).await.unwrap());
+    }
+    let senders = [SenderId::new(0, 0)];
+    let shaken = region(&p, Room::mint(), 64, &senders, Some("secret"));
+    assert!(
+        tokio::time::timeout(Duration::from_secs(30), shaken).await.is_ok(),
+        "the token holder's handshake was kept out"
+    );
+    let mut b = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(30), strangers[0].read(&mut b)).await;
+    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "the oldest stranger kept its place");
+    p.tasks.shutdown().await;
 }
 
 #[tokio::test]

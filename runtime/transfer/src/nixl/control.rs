@@ -31,6 +31,16 @@ pub(super) enum Control {
     },
 }
 
+impl Control {
+    /// The cluster token the message carries.
+    pub(super) fn token(&self) -> Option<&str> {
+        match self {
+            Control::Connect { req, .. } => req.token.as_deref(),
+            Control::Notice { token, .. } => token.as_deref(),
+        }
+    }
+}
+
 /// The answer to a [`Control`] message.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "snake_case")]

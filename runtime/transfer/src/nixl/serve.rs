@@ -12,36 +12,43 @@ use super::control::{self, Control, Reply};
 use super::memory::Slot;
 use super::{Remote, Shared};
 use crate::inbox::lock;
+use crate::listen::Place;
 use crate::{ConnectRequest, RegionId, TransferError};
 
-/// One control connection: a message, its answer, then close.
-pub(super) async fn serve_control(mut st: TcpStream, peer: SocketAddr, s: Arc<Shared>) {
+/// One control connection: a message, its answer, then close. The message's token, checked
+/// first (the metadata is parsed by NIXL only for a peer that has it), proves its place.
+pub(super) async fn serve_control(
+    mut st: TcpStream,
+    peer: SocketAddr,
+    s: Arc<Shared>,
+    place: &Place,
+) {
     let deadline = s.cfg.control_timeout;
     let served = async {
-        let msg = control::read_message::<_, Control>(&mut st).await;
+        let msg = control::read_message::<_, Control>(&mut st).await.and_then(|m| {
+            let token = m.token().map(str::as_bytes);
+            if !crate::token_accepted(s.cfg.token.as_deref(), token) {
+                return Err(TransferError::Unauthorized);
+            }
+            place.proven();
+            Ok(m)
+        });
         let reply: Reply = match msg {
             Ok(Control::Connect { req, introduction, metadata, addr, ticket }) => {
                 on_connect(&s, req, &introduction, &metadata, (addr, ticket)).into()
             }
-            Ok(Control::Notice { region, ticket, notice, segments, token }) => {
-                if !crate::token_accepted(
-                    s.cfg.token.as_deref(),
-                    token.as_deref().map(str::as_bytes),
-                ) {
-                    Err(TransferError::Unauthorized).into()
-                } else {
-                    let conn = crate::mooncake::peer_conn(peer.ip());
-                    // Copying and hashing a region's bytes (up to its whole size) is off
-                    // the async workers.
-                    let s = s.clone();
-                    let copied = tokio::task::spawn_blocking(move || {
-                        on_notice(&s, region, ticket, conn, notice, &segments)
-                    });
-                    let done = copied.await.unwrap_or_else(|e| {
-                        Err(TransferError::Failed(format!("notice not applied: {e}")))
-                    });
-                    done.into()
-                }
+            Ok(Control::Notice { region, ticket, notice, segments, .. }) => {
+                let conn = crate::mooncake::peer_conn(peer.ip());
+                // Copying and hashing a region's bytes (up to its whole size) is off the
+                // async workers.
+                let s = s.clone();
+                let copied = tokio::task::spawn_blocking(move || {
+                    on_notice(&s, region, ticket, conn, notice, &segments)
+                });
+                let done = copied.await.unwrap_or_else(|e| {
+                    Err(TransferError::Failed(format!("notice not applied: {e}")))
+                });
+                done.into()
             }
             Err(e) => Err(e).into(),
         };
@@ -54,9 +61,8 @@ pub(super) async fn serve_control(mut st: TcpStream, peer: SocketAddr, s: Arc<Sh
     }
 }
 
-/// A receiver's handshake, at the sender: token first (the metadata is parsed by NIXL only
-/// for a peer that has it), then the introduction and the buffer's metadata (one agent's
-/// both), then the inbox's table.
+/// A receiver's handshake, at the sender (its token checked): the introduction and the
+/// buffer's metadata (one agent's both), then the inbox's table.
 fn on_connect(
     s: &Shared,
     req: ConnectRequest,
@@ -64,9 +70,6 @@ fn on_connect(
     metadata: &str,
     (addr, ticket): (u64, u64),
 ) -> Result<(), TransferError> {
-    if !crate::token_accepted(s.cfg.token.as_deref(), req.token.as_deref().map(str::as_bytes)) {
-        return Err(TransferError::Unauthorized);
-    }
     let region = req.region;
     let len = req.region_len;
     {

@@ -19,10 +19,14 @@ struct Pair {
 }
 
 async fn agent(tasks: &Tasks, token: Option<&str>) -> (Agent, Arc<NixlTransfer>) {
-    let cfg = InboxConfig { token: token.map(String::from), ..InboxConfig::default() };
+    let nc = NixlConfig { token: token.map(String::from), ..NixlConfig::default() };
+    agent_with(tasks, nc).await
+}
+
+async fn agent_with(tasks: &Tasks, nc: NixlConfig) -> (Agent, Arc<NixlTransfer>) {
+    let cfg = InboxConfig { token: nc.token.clone(), ..InboxConfig::default() };
     let inbox = Arc::new(Inbox::new(cfg));
     let control = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let nc = NixlConfig { token: token.map(String::from), ..NixlConfig::default() };
     let t = Arc::new(NixlTransfer::serve(control, None, inbox.clone(), nc, tasks).unwrap());
     (Agent::new(t.clone(), inbox), t)
 }
@@ -104,6 +108,37 @@ async fn kv_moves_between_handoff_agents_and_is_verified() {
     assert_eq!(p.rx_backend.open_staging(), 0, "the staging slot is given back at the notice");
     let arena = p.rx_backend.shared.staging.arena();
     assert_eq!(arena.free_bytes(), NixlConfig::default().staging_bytes, "all of it free again");
+    p.tasks.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_holding_every_control_place_give_them_up_to_a_token_holder() {
+    let tasks = Tasks::new();
+    let nc = NixlConfig {
+        token: Some("secret".into()),
+        max_inbound: 2,
+        // Strangers could hold their places for an hour, were they not taken back.
+        control_timeout: Duration::from_secs(3600),
+        ..NixlConfig::default()
+    };
+    let (tx, tx_backend) = agent_with(&tasks, nc.clone()).await;
+    let (rx, rx_backend) = agent_with(&tasks, nc).await;
+    let p = Pair { tasks, tx, rx, tx_backend, rx_backend };
+    let at = p.tx.addr();
+    let mut strangers = Vec::new();
+    for _ in 0..2 {
+        strangers.push(tokio::net::TcpStream::connect((at.ip.as_str(), at.port)).await.unwrap());
+    }
+    let senders = [SenderId::new(0, 0)];
+    let shaken = region(&p, Room::mint(), 64, &senders, Some("secret"));
+    assert!(
+        tokio::time::timeout(Duration::from_secs(30), shaken).await.is_ok(),
+        "the token holder's handshake was kept out"
+    );
+    let mut b = [0u8; 1];
+    let read = tokio::io::AsyncReadExt::read(&mut strangers[0], &mut b);
+    let read = tokio::time::timeout(Duration::from_secs(30), read).await;
+    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "the oldest stranger kept its place");
     p.tasks.shutdown().await;
 }
 

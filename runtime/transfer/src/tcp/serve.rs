@@ -12,6 +12,7 @@ use tracing::debug;
 use super::receive::{self, Writer};
 use super::shm::SharedWindow;
 use super::wire::{self, Frame};
+use crate::listen::Place;
 use crate::{ConnId, Inbox, RegionId, TransferError};
 
 /// Decodes `bytes` as the frames of one inbound connection and hands each to `inbox` as a
@@ -62,6 +63,8 @@ pub(super) struct Inbound<'a> {
     pub(super) authed: bool,
     /// The window a shm connection's sender shares: its writes' bytes are there.
     pub(super) window: Option<SharedWindow>,
+    /// Its place at the listener, proven at the hello.
+    pub(super) place: Option<&'a Place>,
 }
 
 /// Serves one inbound connection until it closes or breaks the protocol.
@@ -71,13 +74,21 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
     inbox: Arc<Inbox>,
     cfg: &ConnCfg,
 ) {
-    let Inbound { peer, id: conn, authed, window } = inbound;
+    let Inbound { peer, id: conn, authed, window, place } = inbound;
+    let prove = || {
+        if let Some(p) = place {
+            p.proven();
+        }
+    };
     let (r, w) = tokio::io::split(stream);
     let mut r = BufReader::with_capacity(wire::BUFFERED, r);
     // Acks wait here while the frames they answer were read together, and go out together
     // before the connection reads from its socket again (see `flush_acks`).
     let mut w = BufWriter::with_capacity(ACKS_BUFFERED, w);
     let mut authed = authed || cfg.token.is_none();
+    if authed {
+        prove();
+    }
     let mut unknown = 0u32;
     // Where a refused write's payload is drained (see `receive`).
     let mut piece = Vec::new();
@@ -150,6 +161,7 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
                     debug!(%peer, "transfer connection with a wrong token; closing");
                     break "wrong token".to_owned();
                 }
+                prove();
                 Some(Ok(()))
             }
             _ if !authed => {

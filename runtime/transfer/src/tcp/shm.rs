@@ -147,17 +147,25 @@ pub(crate) fn serve(
             return;
         }
     };
-    crate::listen::serve_accepts(listener, max_inbound, tasks, "shm transfer", move |s, _, id| {
-        let (inbox, cfg) = (inbox.clone(), cfg.clone());
-        async move {
-            let Some((s, window)) = accept(s, &cfg).await else { return };
-            // Apart from the tcp listener's ids, which count from 1 as these do: a sender
-            // bound to a tcp connection is not the same one over shared memory.
-            let id = ConnId(id.0 | 1 << 63);
-            let inbound = Inbound { peer: "shm", id, authed: true, window: Some(window) };
-            serve_conn(s, inbound, inbox, &cfg).await;
-        }
-    });
+    crate::listen::serve_accepts(
+        listener,
+        max_inbound,
+        tasks,
+        "shm transfer",
+        move |s, _, id, place| {
+            let (inbox, cfg) = (inbox.clone(), cfg.clone());
+            async move {
+                let Some((s, window)) = accept(s, &cfg).await else { return };
+                place.proven();
+                // Apart from the tcp listener's ids, which count from 1 as these do: a sender
+                // bound to a tcp connection is not the same one over shared memory.
+                let id = ConnId(id.0 | 1 << 63);
+                let window = Some(window);
+                let inbound = Inbound { peer: "shm", id, authed: true, window, place: None };
+                serve_conn(s, inbound, inbox, &cfg).await;
+            }
+        },
+    );
 }
 
 fn listen(addr: &AgentAddr) -> std::io::Result<UnixListener> {

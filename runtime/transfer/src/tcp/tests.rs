@@ -362,6 +362,37 @@ async fn with_a_token_a_silent_connection_is_dropped_at_the_hello_deadline() {
     p.tasks.shutdown().await;
 }
 
+#[tokio::test]
+async fn with_a_token_strangers_holding_every_place_give_them_up_to_the_token_holders() {
+    let cfg = TcpConfig {
+        token: Some("s3cret".into()),
+        max_inbound: 2,
+        // Strangers could hold their places for an hour, were they not taken back.
+        hello_timeout: Duration::from_secs(3600),
+        ..Default::default()
+    };
+    let p = pair(cfg).await;
+    let addr = p.rx.addr();
+    let mut strangers = Vec::new();
+    for _ in 0..2 {
+        strangers.push(TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap());
+    }
+    let (r, s) = (room(), SenderId::new(0, 0));
+    let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
+    let w = WriteRequest::new(id, vec![(Bytes::from_static(b"okok"), 0)], r, s, 1, 1, 0);
+    let posted = tokio::time::timeout(Duration::from_secs(30), p.tx.post_write(&addr, w)).await;
+    assert!(matches!(posted, Ok(Ok(_))), "the token holder was kept out: {posted:?}");
+    assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
+    assert!(closed(&mut strangers[0]).await, "the oldest stranger gave its place up");
+    // The token holder's connection, proven at its hello, keeps its place: the next two
+    // strangers take the other stranger's place, then each other's.
+    for _ in 0..2 {
+        strangers.push(TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap());
+    }
+    assert!(closed(&mut strangers[1]).await && closed(&mut strangers[2]).await);
+    p.tasks.shutdown().await;
+}
+
 fn tls_config(ca: &TestCa) -> TcpConfig {
     TcpConfig { tls: Some(ca.issue().cluster()), ..Default::default() }
 }

@@ -82,7 +82,7 @@ async fn acks_of_frames_read_together_go_out_together() {
     let writes = Arc::new(AtomicUsize::new(0));
     let server = CountedWrites { inner: server, writes: writes.clone() };
     let inbox = Arc::new(Inbox::new(InboxConfig::default()));
-    let inbound = Inbound { peer: "test", id: ConnId(1), authed: true, window: None };
+    let inbound = Inbound { peer: "test", id: ConnId(1), authed: true, window: None, place: None };
     let cfg = cfg();
     let serving = serve_conn(server, inbound, inbox, &cfg);
     let talking = async {
@@ -115,7 +115,7 @@ async fn acks_of_frames_read_together_go_out_together() {
 async fn the_acks_queued_before_a_connection_breaks_off_still_go() {
     let (mut client, server) = tokio::io::duplex(1 << 16);
     let inbox = Arc::new(Inbox::new(InboxConfig::default()));
-    let inbound = Inbound { peer: "test", id: ConnId(1), authed: true, window: None };
+    let inbound = Inbound { peer: "test", id: ConnId(1), authed: true, window: None, place: None };
     let cfg = cfg();
     let serving = serve_conn(server, inbound, inbox, &cfg);
     let talking = async {

@@ -1,0 +1,72 @@
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::*;
+
+/// A listener of `places` places whose connections prove themselves with a `P`, are answered
+/// `ok`, and are then held until their peer closes.
+async fn listener(places: usize, tasks: &Tasks) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    serve_accepts(l, places, tasks, "test", |mut s: TcpStream, _, _, place: Place| async move {
+        let mut b = [0u8; 1];
+        if s.read_exact(&mut b).await.is_err() || b[0] != b'P' {
+            return;
+        }
+        place.proven();
+        if s.write_all(b"ok").await.is_ok() {
+            while s.read(&mut b).await.is_ok_and(|n| n > 0) {}
+        }
+    });
+    addr
+}
+
+/// Proves `s` and waits for its answer.
+async fn prove(s: &mut TcpStream) {
+    s.write_all(b"P").await.unwrap();
+    let mut ok = [0u8; 2];
+    let answered = tokio::time::timeout(Duration::from_secs(30), s.read_exact(&mut ok)).await;
+    assert!(matches!(answered, Ok(Ok(_))), "a proven connection was not served");
+    assert_eq!(&ok, b"ok");
+}
+
+/// Whether the listener closed `s` (it reads its end).
+async fn closed(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(30), s.read(&mut b)).await;
+    matches!(read, Ok(Ok(0)) | Ok(Err(_)))
+}
+
+#[tokio::test]
+async fn strangers_give_their_places_to_connections_that_prove_themselves() {
+    let tasks = Tasks::new();
+    let addr = listener(2, &tasks).await;
+    let mut strangers = Vec::new();
+    for _ in 0..2 {
+        strangers.push(TcpStream::connect(addr).await.unwrap());
+    }
+    // Both places held by strangers who say nothing: the next connection takes the oldest's.
+    let mut first = TcpStream::connect(addr).await.unwrap();
+    prove(&mut first).await;
+    assert!(closed(&mut strangers[0]).await, "the oldest stranger kept its place");
+    // And the next stranger takes the remaining stranger's, never the proven one's.
+    let mut late = TcpStream::connect(addr).await.unwrap();
+    assert!(closed(&mut strangers[1]).await, "a stranger kept its place over a newer one");
+    let mut second = TcpStream::connect(addr).await.unwrap();
+    prove(&mut second).await;
+    assert!(closed(&mut late).await);
+
+    // Every place proven: a new connection waits for one, then is served.
+    let mut third = TcpStream::connect(addr).await.unwrap();
+    third.write_all(b"P").await.unwrap();
+    let mut ok = [0u8; 2];
+    let early = tokio::time::timeout(Duration::from_millis(200), third.read_exact(&mut ok)).await;
+    assert!(early.is_err(), "served past the places");
+    drop(first);
+    let answered = tokio::time::timeout(Duration::from_secs(30), third.read_exact(&mut ok)).await;
+    assert!(matches!(answered, Ok(Ok(_))), "a freed place was not given to the waiting one");
+    drop((second, third));
+    tasks.shutdown().await;
+}
