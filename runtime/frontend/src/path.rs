@@ -210,25 +210,20 @@ impl Frontend {
                     _ = t.shutdown_requested() => break,
                     u = updates.next() => match u { Some(u) => u, None => break },
                 };
-                let res = match u {
+                match u {
                     Update::Reset(all) => {
                         addrs = all.into_iter().map(|i| (i.id.to_string(), i.grpc_addr)).collect();
-                        s.reset(&addrs.values().cloned().collect::<Vec<_>>())
                     }
                     Update::Add(i) => {
-                        if let Some(old) = addrs.insert(i.id.to_string(), i.grpc_addr.clone()) {
-                            s.remove(&old);
-                        }
-                        s.add(&i.grpc_addr)
+                        addrs.insert(i.id.to_string(), i.grpc_addr);
                     }
                     Update::Remove(id) => {
-                        if let Some(a) = addrs.remove(id.as_str()) {
-                            s.remove(&a);
-                        }
-                        Ok(())
+                        addrs.remove(id.as_str());
                     }
-                };
-                if let Err(e) = res {
+                }
+                // The addresses registered, however many ids name each: a replica restarted
+                // at its address registers a new id before its old one's lease lapses.
+                if let Err(e) = s.reset(&addrs.values().cloned().collect::<Vec<_>>()) {
                     warn!(error = %e, "scheduler registration ignored");
                 }
             }

@@ -161,18 +161,17 @@ impl Schedulers {
         }
     }
 
-    /// Removes the replica at `addr`.
-    pub fn remove(&self, addr: &str) {
-        let mut map = self.lock();
-        if map.remove(addr).is_some() {
-            info!(scheduler = addr, replicas = map.len(), "scheduler replica removed");
-        }
-    }
-
-    /// Keeps exactly `addrs`, and the replicas in this process.
+    /// Keeps exactly `addrs`, and the replicas in this process; an address it cannot dial is
+    /// left out (the first such is the error), the others kept.
     pub fn reset(&self, addrs: &[String]) -> Result<(), FrontendError> {
-        self.lock().retain(|a, r| r.in_process || addrs.contains(a));
-        addrs.iter().try_for_each(|a| self.add(a))
+        self.lock().retain(|a, r| {
+            let kept = r.in_process || addrs.contains(a);
+            if !kept {
+                info!(scheduler = a, "scheduler replica removed");
+            }
+            kept
+        });
+        addrs.iter().map(|a| self.add(a)).fold(Ok(()), Result::and)
     }
 
     /// The replicas' addresses.
