@@ -208,10 +208,15 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
         assert!(s.sweep_at(at(ms)).is_empty(), "nobody swept while everyone is quiet ({ms} ms)");
     }
     assert_eq!(s.instances().iter().filter(|i| i.routable).count(), 2, "both still routed");
-    // Beats resume; a dies again later: swept once others are heard.
+    // Beats resume, b's first: a (whose connection to the bus may come back seconds later)
+    // has a full timeout from then; it died meanwhile, so it is swept after that.
     s.heartbeat_at(&hb("b"), at(31_000));
-    assert_eq!(s.sweep_at(at(31_100)), vec!["a".parse::<InstanceId>().unwrap()]);
-    assert!(s.heartbeat_at(&hb("a"), at(31_200)), "a back: routed again after a resync");
+    s.heartbeat_at(&hb("b"), at(32_000));
+    assert!(s.sweep_at(at(32_100)).is_empty(), "a swept before its beats could resume");
+    s.heartbeat_at(&hb("b"), at(33_000));
+    s.heartbeat_at(&hb("b"), at(34_000));
+    assert_eq!(s.sweep_at(at(34_100)), vec!["a".parse::<InstanceId>().unwrap()]);
+    assert!(s.heartbeat_at(&hb("a"), at(34_200)), "a back: routed again after a resync");
 }
 
 #[test]
