@@ -104,6 +104,9 @@ pub struct AttemptCtx<'a> {
     pub tasks: &'a handoff_core::Tasks,
 }
 
+/// How much sooner than the attempt's deadline a prefill is told to answer by.
+const ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(500);
+
 async fn before<T, E: std::fmt::Display>(
     deadline: Instant,
     stage: &'static str,
@@ -166,8 +169,11 @@ pub async fn run(
     };
     let connected = connect::connected(ctx.agent, connects, deadline);
 
-    // prefill: the request, with the handshakes when they ride in it
+    // prefill: the request, with the handshakes when they ride in it. Its deadline is a
+    // little before the attempt's, so a prefill whose queue held the request past it says so
+    // (an overload) before this side's timers take its silence for a hang (its fault).
     let left = deadline.saturating_duration_since(Instant::now());
+    let left = left.saturating_sub(ANSWER_MARGIN.min(left / 10));
     let req = PrefillRequest {
         bootstrap_room: room.get(),
         token_ids: tokens.to_vec(),

@@ -96,6 +96,19 @@ impl FrontendError {
         Self::because("prefill", cause, format!("{}: {}", s.code(), s.message()))
     }
 
+    /// An attempt that ran out of its own time (the wait its instance was expected to have
+    /// plus the attempt timeout), with the request's still left: the instance went silent
+    /// (an engine hung behind live heartbeats), its fault. Other errors are kept as they are.
+    pub(crate) fn overran(self) -> Self {
+        match self {
+            FrontendError::Attempt { stage, reason, cause: Cause::Deadline } => {
+                let reason = format!("{reason}: no answer within the wait expected of it");
+                FrontendError::Attempt { stage, reason, cause: Cause::Instance }
+            }
+            e => e,
+        }
+    }
+
     /// Whose fault an attempt's failure was (`None` for errors that are not an attempt's).
     pub fn cause(&self) -> Option<Cause> {
         match self {

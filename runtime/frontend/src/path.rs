@@ -325,7 +325,8 @@ impl Frontend {
             self.metrics.selected(asked.elapsed());
             let room = Room::mint();
             let mut stages = Stages::start();
-            let wait = std::time::Duration::from_millis(u64::from(sel.expected_wait_ms));
+            let wait = std::time::Duration::from_millis(u64::from(sel.expected_wait_ms))
+                + std::time::Duration::from_millis(u64::from(sel.expected_prefill_ms));
             let deadline = plan.deadline.min(Instant::now() + wait + self.cfg.attempt_timeout);
             let span = tracing::info_span!(
                 "attempt",
@@ -385,6 +386,7 @@ impl Frontend {
                     return Ok(Ready { decoder, first_token, cached_tokens, evidence });
                 }
                 Err(e) => {
+                    let e = if deadline < plan.deadline { e.overran() } else { e };
                     warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed");
                     if unreachable(&e) && self.reach.failed_at(&sel.instance_id, Instant::now()) {
                         warn!(

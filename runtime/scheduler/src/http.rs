@@ -3,7 +3,8 @@
 //! - `POST /v1/select` `{"token_ids": [..]}` (hashed here, `page_size` tokens per page) or
 //!   `{"block_hashes": [..], "prompt_tokens": n}`, optionally `"exclude": ["id", ..]` and
 //!   `"deadline_ms"`: `{"instance_id", "dp_rank", "url", "cached_blocks", "booking_id",
-//!   "expected_wait_ms"}`; `url` is where the instance takes requests (an engine's `url=`).
+//!   "expected_wait_ms", "expected_prefill_ms"}`; `url` is where the instance takes requests
+//!   (an engine's `url=`).
 //! - `POST /v1/report` `{"booking_id", "outcome": "success" | "instance_fault" |
 //!   "overloaded" | "deadline" | "cancelled" | "invalid" | "decode_fault"}`:
 //!   `{"closed": bool}`.
@@ -54,6 +55,7 @@ struct Selected {
     cached_blocks: u32,
     booking_id: u64,
     expected_wait_ms: u64,
+    expected_prefill_ms: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -173,6 +175,7 @@ fn select_inner(api: &Api, body: &[u8]) -> Result<Response, ApiError> {
         cached_blocks: sel.cached_blocks,
         booking_id: sel.booking.0,
         expected_wait_ms: sel.expected_wait.as_millis().min(u128::from(u64::MAX)) as u64,
+        expected_prefill_ms: sel.expected_prefill.as_millis().min(u128::from(u64::MAX)) as u64,
     })
     .into_response())
 }

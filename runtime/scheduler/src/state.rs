@@ -132,6 +132,8 @@ pub struct Selection {
     pub booking: BookingId,
     /// Estimated prefill work queued ahead of the request there.
     pub expected_wait: Duration,
+    /// Its own prefill there, estimated.
+    pub expected_prefill: Duration,
 }
 
 #[derive(Debug, Default, Clone, Copy)]

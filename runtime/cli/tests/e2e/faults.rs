@@ -212,19 +212,27 @@ async fn a_draining_instance_refuses_new_requests_when_discovery_is_out_of_reach
 /// A cluster whose first prefill's engine is `first` (another model), the others' and the
 /// frontend's the default mock.
 async fn cluster_with_first_prefill(first: handoff_engine::MockConfig) -> handoff::Cluster {
+    let first = std::sync::Arc::new(handoff_engine::MockEngine::new(first));
+    cluster_with_first_engine(ClusterConfig::ephemeral(), first).await
+}
+
+/// A cluster of `cfg` whose first prefill's engine is `first`, the others' and the
+/// frontend's the default mock.
+async fn cluster_with_first_engine(
+    cfg: ClusterConfig,
+    first: std::sync::Arc<dyn handoff_engine::Engine>,
+) -> handoff::Cluster {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     // Engines are made prefills first, then the frontend.
     let made = AtomicUsize::new(0);
-    let engines = || {
-        let cfg = match made.fetch_add(1, Ordering::Relaxed) {
-            0 => first.clone(),
-            _ => handoff_engine::MockConfig::default(),
-        };
-        Ok(Arc::new(handoff_engine::MockEngine::new(cfg)) as Arc<dyn handoff_engine::Engine>)
+    let engines = || match made.fetch_add(1, Ordering::Relaxed) {
+        0 => Ok(first.clone()),
+        _ => Ok(Arc::new(handoff_engine::MockEngine::new(handoff_engine::MockConfig::default()))
+            as Arc<dyn handoff_engine::Engine>),
     };
     handoff::Cluster::start_with(
-        ClusterConfig::ephemeral(),
+        cfg,
         &engines,
         Arc::new(handoff_discovery::MemoryRegistry::new()),
         Arc::new(handoff_discovery::MemoryBus::new()),
@@ -280,6 +288,92 @@ async fn a_prefill_of_another_model_is_a_mismatch_retried_elsewhere() {
     let smaller = handoff_engine::MockConfig { vocab: 2_000, ..Default::default() };
     served_past_the_other_model(&cluster_with_first_prefill(smaller).await, "vocabulary of 2000")
         .await;
+}
+
+/// A test engine: the mock, whose prefills after the instance's two warm-up ones never
+/// finish, as an engine hung behind a live process.
+struct HungAfterWarmUp {
+    mock: handoff_engine::MockEngine,
+    prefills: std::sync::atomic::AtomicUsize,
+}
+
+impl HungAfterWarmUp {
+    async fn hang_unless_warming_up(&self) {
+        if self.prefills.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= 2 {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl handoff_engine::Engine for HungAfterWarmUp {
+    fn info(&self) -> &handoff_engine::ModelInfo {
+        self.mock.info()
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, handoff_engine::EngineError> {
+        self.mock.tokenize(text)
+    }
+
+    fn detokenize(&self, tokens: &[u32]) -> String {
+        self.mock.detokenize(tokens)
+    }
+
+    fn chat_prompt(
+        &self,
+        messages: &[handoff_engine::ChatMessage],
+    ) -> Result<String, handoff_engine::EngineError> {
+        self.mock.chat_prompt(messages)
+    }
+
+    async fn prefill(
+        &self,
+        tokens: &[u32],
+        prefix: Option<handoff_engine::Kv>,
+        sampling: &handoff_engine::Sampling,
+    ) -> Result<handoff_engine::Prefilled, handoff_engine::EngineError> {
+        self.hang_unless_warming_up().await;
+        self.mock.prefill(tokens, prefix, sampling).await
+    }
+
+    fn decoder(
+        &self,
+        kv: handoff_engine::Kv,
+        last_token: u32,
+        sampling: &handoff_engine::Sampling,
+    ) -> Result<Box<dyn handoff_engine::Decoder>, handoff_engine::EngineError> {
+        self.mock.decoder(kv, last_token, sampling)
+    }
+}
+
+/// A prefill whose engine hangs while the instance stays up (its heartbeats go on) gives no
+/// answer within the wait expected of it plus the attempt timeout: its fault, counted by the
+/// scheduler's breaker, and the request is served by the other instance. Before, the timeout
+/// was taken as the request's own deadline, which no breaker counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_that_hangs_behind_live_heartbeats_is_at_fault() {
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.attempt_timeout = Duration::from_secs(1);
+    let hung = HungAfterWarmUp {
+        mock: handoff_engine::MockEngine::new(handoff_engine::MockConfig::default()),
+        prefills: Default::default(),
+    };
+    let c = cluster_with_first_engine(cfg, std::sync::Arc::new(hung)).await;
+    served_past_the_other_model(&c, "no answer within the wait expected of it").await;
+}
+
+/// An attempt is given the wait expected ahead of it, its own prefill and the attempt
+/// timeout: a prompt whose prefill alone takes longer than the timeout is served. Before, its
+/// own prefill was left out, and such a prompt timed out on every instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_longer_than_the_attempt_timeout_is_waited_for() {
+    let mut cfg = ClusterConfig { prefills: 1, prefill_tp: 1, ..ClusterConfig::ephemeral() };
+    cfg.frontend.attempt_timeout = Duration::from_millis(500);
+    let c = handoff::Cluster::start_shared(cfg, slow_engine()).await.unwrap();
+    let mut cl = client(&c).await;
+    // 300 tokens at 5 ms: 1.5 s of prefill.
+    let (_, done) = generate(&mut cl, &prompt(1, 300), 2).await.expect("served");
+    assert!(done.evidence.unwrap().failed_attempts.is_empty(), "served at the first attempt");
 }
 
 /// A request that waits in a busy prefill's queue past its deadline is refused as an

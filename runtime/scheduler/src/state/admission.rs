@@ -18,11 +18,12 @@ pub(super) struct Budget {
     pub(super) deadline: Option<Duration>,
 }
 
-/// Where a request was admitted, and the wait ahead of it there.
+/// Where a request was admitted, the wait ahead of it there, and its own work.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Admitted {
     pub(super) index: usize,
     pub(super) wait: Duration,
+    pub(super) own: Duration,
 }
 
 /// Why a request was refused.
@@ -60,9 +61,9 @@ pub(super) fn admit(
         (over, wait, own)
     };
     let micros = |us: f64| Duration::from_micros(us.max(0.0) as u64);
-    let (o, wait, _) = over(&candidates[pick]);
+    let (o, wait, own) = over(&candidates[pick]);
     if o <= 0.0 {
-        return Ok(Admitted { index: pick, wait: micros(wait) });
+        return Ok(Admitted { index: pick, wait: micros(wait), own: micros(own) });
     }
     let (best, (o, wait, own)) = candidates
         .iter()
@@ -71,7 +72,7 @@ pub(super) fn admit(
         .min_by(|a, b| a.1.0.total_cmp(&b.1.0))
         .unwrap_or((pick, (o, wait, 0.0)));
     if o <= 0.0 {
-        return Ok(Admitted { index: best, wait: micros(wait) });
+        return Ok(Admitted { index: best, wait: micros(wait), own: micros(own) });
     }
     let reason = if own > deadline {
         format!(
@@ -120,7 +121,8 @@ mod tests {
         };
         // The pick fits: kept.
         let a = admit(&cs, 0, 100, b(10_000, None), cost).unwrap();
-        assert_eq!(a, Admitted { index: 0, wait: Duration::from_secs(5) });
+        let own = Duration::from_millis(100);
+        assert_eq!(a, Admitted { index: 0, wait: Duration::from_secs(5), own });
         // The pick waits too long, the other fits.
         assert_eq!(admit(&cs, 0, 100, b(2_000, None), cost).unwrap().index, 1);
         // Both over the bound: refused, retry when the lighter one has drained enough.

@@ -9,7 +9,7 @@ use handoff_core::{BlockHash, InstanceId};
 use handoff_kv_index::KvIndex;
 use tracing::debug;
 
-use super::admission::{self, Budget};
+use super::admission::{self, Admitted, Budget};
 use super::bookings::{Booking, BookingId};
 use super::member::Gate;
 use super::{Inner, SchedulerState, Selection};
@@ -198,9 +198,9 @@ impl SchedulerState {
                     budget,
                     cost_us,
                 );
-                fits.ok().map(|a| (c, a.wait))
+                fits.ok().map(|a| (c, a))
             });
-        let (c, wait) = match fast {
+        let (c, admitted) = match fast {
             Some(picked) => picked,
             None => {
                 let pass = Pass { slots, ask, index, now, tick, budget };
@@ -241,7 +241,8 @@ impl SchedulerState {
             dp_rank: key.dp_rank,
             cached_blocks: c.overlap_blocks,
             booking,
-            expected_wait: wait,
+            expected_wait: admitted.wait,
+            expected_prefill: admitted.own,
         };
         if route_changed {
             inner.sync(&key.instance);
@@ -257,7 +258,7 @@ impl SchedulerState {
         policy: PolicyKind,
         candidates: &mut Vec<Candidate>,
         cost_us: impl Fn(&Candidate) -> (f32, u32),
-    ) -> Result<(Candidate, Duration), SchedulerError> {
+    ) -> Result<(Candidate, Admitted), SchedulerError> {
         let Pass { slots, ask, index, now, tick, budget } = pass;
         let gathered = gather::gather(candidates, slots, ask, index, now);
         let (live, page_size) = (gathered.live, gathered.page_size);
@@ -283,7 +284,7 @@ impl SchedulerState {
             admission::admit(candidates, pick, ask.prompt_tokens, budget, cost_us).map_err(
                 |r| SchedulerError::Overloaded { retry_after: r.retry_after, reason: r.reason },
             )?;
-        Ok((candidates[admitted.index].clone(), admitted.wait))
+        Ok((candidates[admitted.index].clone(), admitted))
     }
 
     /// Ends `booking`: its load and pending prefix come off its instance, and its outcome
