@@ -4,8 +4,10 @@
 //!
 //! A connection holds its place unproven until its peer shows the cluster token (a hello, a
 //! handshake's token). With every place held, a new connection takes the place of the
-//! oldest unproven one: a stranger who opens connections and says nothing cannot keep a
-//! token holder out, since a token holder's connection proves itself within a round trip.
+//! oldest unproven one, if it has been unproven for a grace (a second by default): a
+//! stranger who opens connections and says nothing cannot keep a token holder out, since a
+//! token holder's connection proves itself within a round trip, and a burst of token
+//! holders' fresh connections waits for places rather than ending each other's hellos.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -16,6 +18,7 @@ use std::time::Duration;
 use handoff_core::Tasks;
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -70,14 +73,17 @@ impl Drop for Place {
     }
 }
 
-/// A listener's unproven connections, oldest first (ids grow), each with its signal to end.
+/// An unproven connection: since when, and its signal to end.
+type Entry = (Instant, CancellationToken);
+
+/// A listener's unproven connections, oldest first (ids grow with time).
 #[derive(Debug, Default)]
-struct Unproven(Mutex<BTreeMap<u64, CancellationToken>>);
+struct Unproven(Mutex<BTreeMap<u64, Entry>>);
 
 impl Unproven {
-    fn add(self: &Arc<Self>, id: u64) -> (Place, CancellationToken) {
+    fn add(self: &Arc<Self>, id: u64, now: Instant) -> (Place, CancellationToken) {
         let end = CancellationToken::new();
-        self.table().insert(id, end.clone());
+        self.table().insert(id, (now, end.clone()));
         (Place { id, unproven: self.clone() }, end)
     }
 
@@ -85,23 +91,48 @@ impl Unproven {
         self.table().remove(&id);
     }
 
-    /// Ends the oldest unproven connection; `false` when every connection is proven.
-    fn end_oldest(&self) -> bool {
-        let oldest = self.table().pop_first();
-        oldest.map(|(_, end)| end.cancel()).is_some()
+    /// Ends the oldest unproven connection if it has been so for `grace` as of `now`.
+    fn end_oldest(&self, now: Instant, grace: Duration) -> Oldest {
+        let mut table = self.table();
+        let Some(entry) = table.first_entry() else { return Oldest::None };
+        let due = entry.get().0 + grace;
+        if now < due {
+            return Oldest::Young(due);
+        }
+        entry.remove().1.cancel();
+        Oldest::Ended
     }
 
-    fn table(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, CancellationToken>> {
+    fn table(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Entry>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
-/// Serves `listener` on `tasks` until they shut down: at most `max_inbound` connections at
+/// What [`Unproven::end_oldest`] did.
+#[derive(Debug, PartialEq)]
+enum Oldest {
+    /// It ended: its place is free soon.
+    Ended,
+    /// It is unproven for less than the grace, which ends at this instant.
+    Young(Instant),
+    /// Every connection is proven.
+    None,
+}
+
+/// A listener's places: how many connections at once, and how long one may stay unproven
+/// before a newer connection may take its place.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Places {
+    pub(crate) max: usize,
+    pub(crate) grace: Duration,
+}
+
+/// Serves `listener` on `tasks` until they shut down: at most `places.max` connections at
 /// once (and one accepted, waiting for a place), each handed to `handle` with its peer, a
 /// fresh [`ConnId`] and its [`Place`].
 pub(crate) fn serve_accepts<L, F, Fut>(
     listener: L,
-    max_inbound: usize,
+    places: Places,
     tasks: &Tasks,
     what: &'static str,
     handle: F,
@@ -111,7 +142,7 @@ pub(crate) fn serve_accepts<L, F, Fut>(
     Fut: Future<Output = ()> + Send + 'static,
 {
     let t = tasks.clone();
-    let limit = Arc::new(Semaphore::new(max_inbound.max(1)));
+    let limit = Arc::new(Semaphore::new(places.max.max(1)));
     let unproven = Arc::new(Unproven::default());
     tasks.spawn(async move {
         let mut next_conn = 0u64;
@@ -128,22 +159,11 @@ pub(crate) fn serve_accepts<L, F, Fut>(
                     continue;
                 }
             };
-            let permit = match limit.clone().try_acquire_owned() {
-                Ok(p) => p,
-                Err(_) => {
-                    // Every place held: the oldest unproven connection gives its place up.
-                    // With none, this one waits for a place, and the backlog behind it.
-                    if unproven.end_oldest() {
-                        debug!(listener = what, "places full: an unproven connection ended");
-                    }
-                    tokio::select! {
-                        _ = t.shutdown_requested() => break,
-                        p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-                    }
-                }
+            let Some(permit) = place_for(&limit, &unproven, places.grace, &t, what).await else {
+                break;
             };
             next_conn += 1;
-            let (place, ended) = unproven.add(next_conn);
+            let (place, ended) = unproven.add(next_conn, Instant::now());
             let served = handle(stream, peer, ConnId(next_conn), place);
             let t2 = t.clone();
             t.spawn(async move {
@@ -156,6 +176,41 @@ pub(crate) fn serve_accepts<L, F, Fut>(
             });
         }
     });
+}
+
+/// A place for a connection just accepted: a free one, or the oldest unproven connection's
+/// once past its grace; meanwhile the backlog waits. `None` at shutdown.
+async fn place_for(
+    limit: &Arc<Semaphore>,
+    unproven: &Unproven,
+    grace: Duration,
+    tasks: &Tasks,
+    what: &'static str,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    loop {
+        if let Ok(p) = limit.clone().try_acquire_owned() {
+            return Some(p);
+        }
+        let wake = match unproven.end_oldest(Instant::now(), grace) {
+            Oldest::Ended => {
+                debug!(listener = what, "places full: an unproven connection ended");
+                None
+            }
+            Oldest::Young(due) => Some(due),
+            Oldest::None => None,
+        };
+        let again = async {
+            match wake {
+                Some(due) => tokio::time::sleep_until(due).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = tasks.shutdown_requested() => return None,
+            p = limit.clone().acquire_owned() => return p.ok(),
+            () = again => {}
+        }
+    }
 }
 
 #[cfg(test)]

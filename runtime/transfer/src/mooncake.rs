@@ -53,6 +53,9 @@ pub struct MooncakeConfig {
     pub lanes: usize,
     /// Inbound connections served at once, per listener.
     pub max_inbound: usize,
+    /// How long an inbound connection may go without showing the token before a newer one,
+    /// with every place held, may take its place (see `listen.rs`).
+    pub unproven_grace: Duration,
     /// An inbound data connection with no request begun for this long is closed.
     pub idle_timeout: Duration,
     /// The cluster's token: sent in handshakes and notices, required of them.
@@ -67,6 +70,7 @@ impl Default for MooncakeConfig {
             io_timeout: Duration::from_secs(30),
             lanes: 4,
             max_inbound: 1024,
+            unproven_grace: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(120),
             token: None,
         }

@@ -73,6 +73,9 @@ pub struct NixlConfig {
     pub progress_delay: Duration,
     /// Inbound control connections served at once.
     pub max_inbound: usize,
+    /// How long an inbound connection may go without showing the token before a newer one,
+    /// with every place held, may take its place (see `listen.rs`).
+    pub unproven_grace: Duration,
     /// Open handshakes, either side, before new ones are refused (closed regions' entries
     /// are swept first).
     pub max_open: usize,
@@ -96,6 +99,7 @@ impl Default for NixlConfig {
             io_timeout: Duration::from_secs(30),
             progress_delay: Duration::from_millis(10),
             max_inbound: 1024,
+            unproven_grace: Duration::from_secs(1),
             max_open: 4096,
             handshake_ttl: Duration::from_secs(120),
             token: None,
@@ -193,7 +197,8 @@ impl NixlTransfer {
             cfg,
         });
         let s = shared.clone();
-        let max = shared.cfg.max_inbound;
+        let max =
+            crate::listen::Places { max: shared.cfg.max_inbound, grace: shared.cfg.unproven_grace };
         crate::listen::serve_accepts(
             control,
             max,

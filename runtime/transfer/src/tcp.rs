@@ -26,6 +26,7 @@ use tokio::io::{AsyncRead, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::debug;
 
+use crate::listen::Places;
 use crate::{AgentAddr, ConnectRequest, Inbox, TransferBackend, TransferError, WriteRequest};
 pub use serve::apply_frames;
 
@@ -51,6 +52,9 @@ pub struct TcpConfig {
     pub max_idle_per_peer: usize,
     /// Inbound connections served at once.
     pub max_inbound: usize,
+    /// How long an inbound connection may go without showing the token before a newer one,
+    /// with every place held, may take its place (see `listen.rs`).
+    pub unproven_grace: Duration,
     /// When set, connections authenticate with it in their first frame, both ways: this
     /// agent requires it of inbound connections and sends it on the ones it dials.
     pub token: Option<String>,
@@ -84,6 +88,7 @@ impl Default for TcpConfig {
             io_timeout: Duration::from_secs(60),
             max_idle_per_peer: 32,
             max_inbound: 1024,
+            unproven_grace: Duration::from_secs(1),
             token: None,
             max_unknown_writes: 64,
             idle_timeout: Duration::from_secs(120),
@@ -129,16 +134,17 @@ impl TcpTransfer {
             hello_timeout: cfg.hello_timeout,
         });
         let server_tls = cfg.tls.clone();
+        let places = Places { max: cfg.max_inbound, grace: cfg.unproven_grace };
         let shared_memory = cfg.shared_memory && cfg.tls.is_none();
         if shared_memory {
             // As many places as tcp's: senders pool up to `max_idle_per_peer` connections
             // each, and a listener out of places leaves a dialing sender waiting for its
             // hello's answer (a second, then tcp) on every write.
-            shm::serve(&addr, inbox.clone(), conn_cfg.clone(), cfg.max_inbound, tasks);
+            shm::serve(&addr, inbox.clone(), conn_cfg.clone(), places, tasks);
         }
         crate::listen::serve_accepts(
             listener,
-            cfg.max_inbound,
+            places,
             tasks,
             "tcp transfer",
             move |stream, peer, conn, place| {

@@ -17,11 +17,11 @@ use super::wire::{
 use super::{Control, SUCCESS, Shared, peer_conn};
 use crate::TransferError;
 use crate::inbox::PIECE;
-use crate::listen::Place;
+use crate::listen::{Place, Places};
 
 /// Starts both listeners on `tasks`.
 pub(super) fn serve(rpc: TcpListener, data: TcpListener, shared: Arc<Shared>, tasks: &Tasks) {
-    let max = shared.cfg.max_inbound;
+    let max = Places { max: shared.cfg.max_inbound, grace: shared.cfg.unproven_grace };
     let s = shared.clone();
     crate::listen::serve_accepts(rpc, max, tasks, "mooncake handshake", move |st, peer, _, at| {
         let s = s.clone();

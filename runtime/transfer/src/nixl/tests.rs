@@ -117,6 +117,8 @@ async fn strangers_holding_every_control_place_give_them_up_to_a_token_holder() 
     let nc = NixlConfig {
         token: Some("secret".into()),
         max_inbound: 2,
+        // Taken back at once (the grace has tests of its own, in `listen/tests.rs`).
+        unproven_grace: Duration::ZERO,
         // Strangers could hold their places for an hour, were they not taken back.
         control_timeout: Duration::from_secs(3600),
         ..NixlConfig::default()

@@ -40,6 +40,7 @@ pub(crate) use window::SharedWindow;
 use super::pool::Idle;
 use super::serve::{ConnCfg, Inbound, serve_conn};
 use super::wire::{self, Frame};
+use crate::listen::Places;
 use crate::{AgentAddr, ConnId, Inbox};
 
 /// The abstract socket name of the agent published at `addr`.
@@ -131,7 +132,7 @@ pub(crate) fn serve(
     addr: &AgentAddr,
     inbox: Arc<Inbox>,
     cfg: Arc<ConnCfg>,
-    max_inbound: usize,
+    places: Places,
     tasks: &Tasks,
 ) {
     let listener = match listen(addr) {
@@ -149,7 +150,7 @@ pub(crate) fn serve(
     };
     crate::listen::serve_accepts(
         listener,
-        max_inbound,
+        places,
         tasks,
         "shm transfer",
         move |s, _, id, place| {

@@ -367,6 +367,8 @@ async fn with_a_token_strangers_holding_every_place_give_them_up_to_the_token_ho
     let cfg = TcpConfig {
         token: Some("s3cret".into()),
         max_inbound: 2,
+        // Taken back at once (the grace has tests of its own, in `listen/tests.rs`).
+        unproven_grace: Duration::ZERO,
         // Strangers could hold their places for an hour, were they not taken back.
         hello_timeout: Duration::from_secs(3600),
         ..Default::default()
