@@ -47,3 +47,20 @@ impl Drop for Queued<'_> {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
+
+/// Closes a request's room on each of its dp rank's senders when dropped, however the
+/// request ended: handshakes that came for it and were not taken (it was refused, timed out,
+/// failed or was cancelled first), or that come later, are dropped rather than kept until
+/// the table is full.
+pub(crate) struct RoomClosing<'a> {
+    pub(crate) ranks: &'a [crate::rank::Rank],
+    pub(crate) room: handoff_core::Room,
+}
+
+impl Drop for RoomClosing<'_> {
+    fn drop(&mut self) {
+        for r in self.ranks {
+            r.agent.inbox().close_room(self.room);
+        }
+    }
+}

@@ -29,7 +29,7 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::cache::CacheDelta;
 use crate::cost::{SendCost, TokenCost};
-use crate::guards::{Queued, Running, Unanswered};
+use crate::guards::{Queued, RoomClosing, Running, Unanswered};
 use crate::rank::{Destination, Rank, SendMeta};
 use crate::{PrefillError, PrefixCache};
 
@@ -332,6 +332,7 @@ impl PrefillService {
                 me.dps.len()
             ))
         })?;
+        let _closing = RoomClosing { ranks: &dp.senders, room };
         let info = me.engine.info();
         let tokens = req.token_ids;
         if tokens.is_empty() {

@@ -401,10 +401,11 @@ impl SchedulerState {
         if !inner.members.contains_key(&hb.instance) {
             return false;
         }
-        // The first beat after a quiet bus: while it was quiet nobody was swept, and the
-        // others' beats come as their own connections come back (seconds apart), so each is
-        // given a full timeout from now, not from its last beat before the outage.
-        if inner.last_beat.is_none_or(|t| now.saturating_duration_since(t) > self.quiet_after()) {
+        // The first beat after the bus was down (nobody heard for a whole timeout): nobody was
+        // swept meanwhile, and the others' beats come as their own connections come back
+        // (seconds apart), so each is given a full timeout from now, not from its last beat
+        // before the outage. (A shorter lull only held the sweeps back.)
+        if inner.bus_quiet {
             let Inner { members, engines, .. } = &mut *inner;
             for m in members.values_mut().filter(|m| !engines.contains(&m.instance.id)) {
                 m.seen = m.seen.max(now);
@@ -436,11 +437,6 @@ impl SchedulerState {
         (resumed || unsynced) && sync::start(&mut inner.resyncing, &hb.instance)
     }
 
-    /// How long without any heartbeat the bus counts as quiet (see [`Self::sweep_at`]).
-    fn quiet_after(&self) -> Duration {
-        self.cfg.liveness_timeout / 2
-    }
-
     /// Takes instances not heard from within the liveness timeout out of routing and drops
     /// their index entries. Returns the ones taken out now.
     pub fn sweep(&self) -> Vec<InstanceId> {
@@ -462,8 +458,7 @@ impl SchedulerState {
         // are spread over one interval, so the first to look stale must not be swept while
         // the others' last beats still look recent.
         // Engines are heard on their own streams, not the bus: they are swept either way.
-        let quiet =
-            inner.last_beat.is_none_or(|t| now.saturating_duration_since(t) > self.quiet_after());
+        let quiet = inner.last_beat.is_none_or(|t| now.saturating_duration_since(t) > timeout / 2);
         if quiet {
             let long = inner.last_beat.is_some_and(|t| now.saturating_duration_since(t) > timeout);
             if long && !inner.bus_quiet {

@@ -405,6 +405,17 @@ impl Inbox {
         self.handshakes.accept(room, count, deadline).await
     }
 
+    /// Closes `room` on this sender: its request is done with it (served, refused, failed or
+    /// cancelled). Its pending handshakes are dropped, and later ones answered and dropped.
+    pub fn close_room(&self, room: Room) {
+        self.handshakes.close(room);
+    }
+
+    /// Whether `room` was closed ([`Inbox::close_room`]) lately.
+    pub fn room_closed(&self, room: Room) -> bool {
+        self.handshakes.closed(room)
+    }
+
     /// Rooms with pending handshakes.
     pub fn pending_rooms(&self) -> usize {
         self.handshakes.rooms()

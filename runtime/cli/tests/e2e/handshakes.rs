@@ -109,3 +109,49 @@ async fn an_attempt_that_carried_them_and_failed_sends_the_next_the_old_way() {
     assert!(served_in_call(&c, next).await);
     c.shutdown().await;
 }
+
+/// Handshakes for requests that ended without taking them (refused here for a token outside
+/// the vocabulary, before their handshakes came, and after) are dropped, not kept until the
+/// table is full: there, every new handshake was refused and the instance blamed.
+#[tokio::test]
+async fn handshakes_of_requests_that_ended_without_them_are_dropped() {
+    use handoff_core::Room;
+    use handoff_proto::v1::PrefillRequest;
+    use handoff_proto::v1::prefill_client::PrefillClient;
+    use handoff_transfer::{AgentAddr, ConnectRequest, RegionId};
+    let c =
+        cluster(ClusterConfig { prefills: 1, prefill_tp: 1, ..ClusterConfig::ephemeral() }).await;
+    let rank = c.prefills[0].directory.rank(0, 0, 0, 0).unwrap();
+    let peer = AgentAddr { ip: rank.rank_ip, port: rank.rank_port };
+    let addr = &c.prefills[0].grpc_addr;
+    let mut prefill = PrefillClient::connect(format!("http://{addr}")).await.unwrap();
+    let handshake = |room| ConnectRequest {
+        room,
+        receiver: c.frontend.agent().addr(),
+        region: RegionId(1),
+        region_len: 4096,
+        dst_tp_size: 1,
+        dst_tp_rank: 0,
+        tokens: 3,
+        token: None,
+    };
+    for handshake_first in [true, false] {
+        let room = Room::mint();
+        if handshake_first {
+            c.frontend.agent().connect(&peer, handshake(room)).await.unwrap();
+            assert_eq!(c.prefills[0].pending_handshakes(), 1);
+        }
+        let req = PrefillRequest {
+            bootstrap_room: room.get(),
+            token_ids: vec![1, u32::MAX],
+            ..Default::default()
+        };
+        let e = prefill.prefill(req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+        if !handshake_first {
+            c.frontend.agent().connect(&peer, handshake(room)).await.unwrap();
+        }
+        assert_eq!(c.prefills[0].pending_handshakes(), 0, "handshake first: {handshake_first}");
+    }
+    c.shutdown().await;
+}

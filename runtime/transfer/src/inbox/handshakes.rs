@@ -1,9 +1,11 @@
 //! [`Handshakes`]: the sending side's table of receivers' handshakes, by room, until the
 //! room's prefill takes them. Bounded in rooms, in handshakes per room and in each one's size
 //! (the token is not kept once checked, the receiver's host is at most [`MAX_HOST_LEN`]
-//! bytes); stale rooms go first.
+//! bytes); stale rooms go first. A room its prefill is done with (served, refused, failed or
+//! cancelled) is closed: its handshakes are dropped, and later ones answered and dropped, so
+//! requests that ended before their handshakes came leave nothing behind.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -22,6 +24,27 @@ struct Pending {
     since: Instant,
 }
 
+/// The rooms closed last, at most as many as pending rooms may be, the oldest forgotten first.
+#[derive(Default)]
+struct Closed {
+    rooms: HashSet<Room>,
+    order: VecDeque<Room>,
+}
+
+impl Closed {
+    fn insert(&mut self, room: Room, cap: usize) {
+        if !self.rooms.insert(room) {
+            return;
+        }
+        self.order.push_back(room);
+        while self.order.len() > cap {
+            if let Some(old) = self.order.pop_front() {
+                self.rooms.remove(&old);
+            }
+        }
+    }
+}
+
 /// See the module docs.
 pub(super) struct Handshakes {
     token: Option<String>,
@@ -29,6 +52,7 @@ pub(super) struct Handshakes {
     max_per_room: usize,
     ttl: Duration,
     pending: Mutex<HashMap<Room, Pending>>,
+    closed: Mutex<Closed>,
     changed: Notify,
 }
 
@@ -40,6 +64,7 @@ impl Handshakes {
             max_per_room: cfg.max_connects_per_room,
             ttl: cfg.pending_ttl,
             pending: Mutex::default(),
+            closed: Mutex::default(),
             changed: Notify::new(),
         }
     }
@@ -58,6 +83,11 @@ impl Handshakes {
             )));
         }
         req.token = None;
+        // Its request ended already: nothing will take it. Answered all the same, as the
+        // request's own answer says why it ended (a refusal for overload is not a fault).
+        if self.closed(req.room) {
+            return Ok(());
+        }
         let mut pending = lock(&self.pending);
         if pending.len() >= self.max_rooms && !pending.contains_key(&req.room) {
             let ttl = self.ttl;
@@ -104,6 +134,16 @@ impl Handshakes {
                 )));
             }
         }
+    }
+
+    /// Closes `room`: its request is done with it, however it ended.
+    pub(super) fn close(&self, room: Room) {
+        lock(&self.closed).insert(room, self.max_rooms);
+        lock(&self.pending).remove(&room);
+    }
+
+    pub(super) fn closed(&self, room: Room) -> bool {
+        lock(&self.closed).rooms.contains(&room)
     }
 
     /// Rooms with pending handshakes.

@@ -161,6 +161,28 @@ fn handshakes_need_the_token_and_tables_are_bounded() {
     assert_eq!(inbox.register_region(room(1), 1, []), Err(TransferError::Full("region")));
 }
 
+/// A closed room's handshakes are dropped, and later ones answered and dropped; the rooms
+/// closed last are remembered up to the pending bound, the oldest forgotten first.
+#[test]
+fn a_closed_rooms_handshakes_are_dropped_now_and_later() {
+    let inbox = Inbox::new(InboxConfig { max_pending_rooms: 3, ..Default::default() });
+    inbox.on_connect(connect(room(1), None)).unwrap();
+    inbox.close_room(room(1));
+    assert_eq!(inbox.pending_rooms(), 0, "dropped at the close");
+    inbox.close_room(room(2));
+    inbox.on_connect(connect(room(2), None)).unwrap();
+    assert_eq!(inbox.pending_rooms(), 0, "answered, and dropped");
+    // Requests refused before their handshakes came never fill the table.
+    for r in 10..100 {
+        inbox.close_room(room(r));
+        inbox.on_connect(connect(room(r), None)).unwrap();
+    }
+    assert_eq!(inbox.pending_rooms(), 0);
+    assert!(inbox.room_closed(room(99)) && !inbox.room_closed(room(96)), "three remembered");
+    inbox.on_connect(connect(room(96), None)).unwrap();
+    assert_eq!(inbox.pending_rooms(), 1, "a room forgotten is taken again");
+}
+
 #[tokio::test]
 async fn a_sender_is_bound_to_its_connection_and_others_change_nothing() {
     let inbox = Inbox::new(InboxConfig::default());

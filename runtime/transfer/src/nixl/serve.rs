@@ -72,6 +72,10 @@ fn on_connect(
 ) -> Result<(), TransferError> {
     let region = req.region;
     let len = req.region_len;
+    // Its request ended already: nothing will write for it (see `Inbox::close_room`).
+    if s.inbox.room_closed(req.room) {
+        return Ok(());
+    }
     {
         let mut remotes = lock(&s.remotes);
         if remotes.len() >= s.cfg.max_open && !remotes.contains_key(&region) {
