@@ -57,7 +57,14 @@ pub(crate) async fn checked(
         return plan(req, &*fe.engine, &fe.cfg);
     }
     let arrived = Instant::now();
-    let turn = fe.tokenizing.clone().acquire_owned().await;
+    // A turn within the request's time: past it, the frontend is too busy for it (429).
+    let turn = tokio::time::timeout_at(arrived + budget(&req, &fe.cfg), async {
+        fe.tokenizing.clone().acquire_owned().await
+    });
+    let turn = turn.await.map_err(|_| FrontendError::Overloaded {
+        retry_after: Duration::from_secs(1),
+        reason: "long inputs ahead of it took the time it had to be tokenized".into(),
+    })?;
     let fe = fe.clone();
     let apart = tokio::task::spawn_blocking(move || {
         let _turn = turn;
@@ -71,6 +78,14 @@ pub(crate) async fn checked(
     Ok(planned)
 }
 
+/// The time `req` has: its own deadline, else the frontend's request timeout.
+fn budget(req: &GenerateRequest, cfg: &FrontendConfig) -> Duration {
+    match req.deadline_ms {
+        0 => cfg.request_timeout,
+        ms => Duration::from_millis(u64::from(ms)),
+    }
+}
+
 fn invalid(s: impl Into<String>) -> FrontendError {
     FrontendError::Invalid(s.into())
 }
@@ -82,6 +97,7 @@ pub fn plan(
     cfg: &FrontendConfig,
 ) -> Result<Plan, FrontendError> {
     let info = engine.info();
+    let budget = budget(&req, cfg);
     if !req.model.is_empty() && req.model != info.name {
         return Err(FrontendError::UnknownModel(req.model));
     }
@@ -178,10 +194,6 @@ pub fn plan(
     }
     let policy = Policy::try_from(req.policy)
         .map_err(|_| invalid(format!("unknown policy {}", req.policy)))?;
-    let budget = match req.deadline_ms {
-        0 => cfg.request_timeout,
-        ms => Duration::from_millis(u64::from(ms)),
-    };
     Ok(Plan {
         tokens,
         sampling,

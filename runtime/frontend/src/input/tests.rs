@@ -153,3 +153,26 @@ async fn a_long_input_is_tokenized_apart_while_others_are_served() {
     let budget = FrontendConfig::default().request_timeout;
     assert!(planned.deadline <= arrived_by + budget, "the deadline counts from the arrival");
 }
+
+/// A long input waits for a turn to be tokenized only within its own time: past it, the
+/// frontend is too busy for it (429), and it is not tokenized at all. Before, it waited as
+/// long as the turns were taken, then was tokenized anyway.
+#[tokio::test]
+async fn a_long_input_waits_for_a_turn_only_within_its_deadline() {
+    let tasks = handoff_core::Tasks::new();
+    let engine = Arc::new(MockEngine::new(MockConfig::default()));
+    let fe = Frontend::new(FrontendConfig::default(), engine, &["127.0.0.1:9".into()], &tasks)
+        .await
+        .unwrap();
+    // Every turn taken, as by long inputs being tokenized.
+    let turns = fe.tokenizing.available_permits() as u32;
+    let _held = fe.tokenizing.clone().acquire_many_owned(turns).await.unwrap();
+    let req = GenerateRequest {
+        input: Some(Input::Text("w ".repeat(TOKENIZE_APART_BYTES))),
+        deadline_ms: 50,
+        ..Default::default()
+    };
+    let answered = tokio::time::timeout(Duration::from_secs(30), checked(&fe, req)).await;
+    let e = answered.expect("waited past its deadline").unwrap_err();
+    assert!(matches!(e, FrontendError::Overloaded { .. }), "{e}");
+}
