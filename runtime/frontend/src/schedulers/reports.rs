@@ -34,6 +34,16 @@ pub(crate) const RETRY_ALONG: Duration = Duration::from_secs(60);
 /// expires on the replica (as a lost report's does).
 pub(crate) const MAX_WAITING: usize = 65_536;
 
+/// How long a report that could not be delivered (the replica did not answer) is tried
+/// again: past it, its booking has expired on the replica anyway (a deadline of a minute,
+/// and a grace).
+pub(crate) const RETRY_FOR: Duration = Duration::from_secs(70);
+
+/// The first wait before trying an undelivered batch again; it doubles up to
+/// [`RETRY_AT_MOST`] while the replica does not answer.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+const RETRY_AT_MOST: Duration = Duration::from_secs(2);
+
 /// What queueing did with reports.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Queued {
@@ -49,7 +59,7 @@ pub(crate) enum Queued {
 #[derive(Debug, PartialEq)]
 pub(crate) enum Due {
     /// Send these (their linger is over).
-    Send(Vec<ReportOutcomeRequest>),
+    Send(Vec<Stamped>),
     /// Wait this long: the oldest report's linger is not over yet.
     Wait(Duration),
     /// Nothing waits: the sender stops, and the next report starts another.
@@ -143,7 +153,7 @@ impl ReportQueue {
             return Due::Wait(linger - now.saturating_duration_since(*oldest));
         }
         let n = w.reports.iter().take(BATCH).take_while(|(at, _)| ripe(at)).count();
-        Due::Send(w.reports.drain(..n).map(|(_, r)| r).collect())
+        Due::Send(w.reports.drain(..n).collect())
     }
 }
 
@@ -159,9 +169,11 @@ pub(crate) struct Sender {
 }
 
 impl Sender {
-    /// Sends `queue`'s reports as their linger ends, until it finds none waiting (best
-    /// effort: a batch that fails is not sent again, and its bookings expire on the
-    /// replica). At shutdown, what waits goes at once.
+    /// Sends `queue`'s reports as their linger ends, until it finds none waiting. A batch
+    /// the replica did not answer is put back and tried again after a wait (doubling while
+    /// it does not answer), each report for [`RETRY_FOR`] after it was made: a short outage
+    /// of the replica does not leave its bookings' load counted until they expire. At
+    /// shutdown, what waits goes at once, once.
     pub(crate) async fn run(
         mut self,
         queue: std::sync::Arc<ReportQueue>,
@@ -169,6 +181,7 @@ impl Sender {
     ) {
         // The first look is at once: reports put back may be due already.
         let mut wait = Duration::ZERO;
+        let mut retry = RETRY_FIRST;
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
@@ -177,8 +190,15 @@ impl Sender {
             let linger = if shutdown.is_cancelled() { Duration::ZERO } else { self.linger };
             match queue.due(Instant::now(), linger) {
                 Due::Send(batch) => {
-                    self.send(batch).await;
-                    wait = Duration::ZERO;
+                    let reports = batch.iter().map(|(_, r)| r.clone()).collect();
+                    if self.send(reports).await || shutdown.is_cancelled() {
+                        (wait, retry) = (Duration::ZERO, RETRY_FIRST);
+                        continue;
+                    }
+                    let now = Instant::now();
+                    let live = |(at, _): &Stamped| now.saturating_duration_since(*at) < RETRY_FOR;
+                    queue.put_back(batch.into_iter().filter(live).collect(), true, now);
+                    (wait, retry) = (retry, (retry * 2).min(RETRY_AT_MOST));
                 }
                 Due::Wait(d) => wait = d,
                 Due::Done => break,
@@ -186,12 +206,13 @@ impl Sender {
         }
     }
 
-    async fn send(&mut self, reports: Vec<ReportOutcomeRequest>) {
+    /// Sends `reports`; `false` when the replica did not answer (worth trying again).
+    async fn send(&mut self, reports: Vec<ReportOutcomeRequest>) -> bool {
         let n = reports.len();
         let batch = ReportOutcomesRequest { reports: reports.clone() };
         let req = auth::request(batch, self.token.as_deref());
         match tokio::time::timeout(self.timeout, self.client.report_outcomes(req)).await {
-            Ok(Ok(_)) => {}
+            Ok(Ok(_)) => true,
             // A replica older than batches: one call per report, as it takes them.
             Ok(Err(e)) if e.code() == tonic::Code::Unimplemented => {
                 for r in reports {
@@ -201,9 +222,23 @@ impl Sender {
                         debug!(scheduler = %self.replica, "outcome not reported");
                     }
                 }
+                true
             }
-            Ok(Err(e)) => debug!(scheduler = %self.replica, error = %e, n, "outcomes not reported"),
-            Err(_) => debug!(scheduler = %self.replica, n, "outcome reports timed out"),
+            Ok(Err(e)) => {
+                debug!(scheduler = %self.replica, error = %e, n, "outcomes not reported");
+                // Refused for what they are (their form, the token) they would be again.
+                !matches!(
+                    e.code(),
+                    tonic::Code::Unavailable
+                        | tonic::Code::Unknown
+                        | tonic::Code::DeadlineExceeded
+                        | tonic::Code::Cancelled
+                )
+            }
+            Err(_) => {
+                debug!(scheduler = %self.replica, n, "outcome reports timed out");
+                false
+            }
         }
     }
 }
