@@ -200,9 +200,8 @@ impl Inner {
         self.drop_member(&instance.id);
         let mut m = Member::new(instance, &mut self.index, now);
         if let Some(b) = breaker {
-            // Its bookings were forgotten with it, a probe among them: given back.
             m.breaker = b;
-            m.breaker.release_probe();
+            m.breaker.restarted();
         }
         if self.load.len() < self.index.slot_capacity() {
             self.load.resize(self.index.slot_capacity(), Load::default());

@@ -149,3 +149,30 @@ fn open_and_probe(s: &SchedulerState) -> Selection {
     assert!(s.select(&only_a(&others)).is_err(), "one probe out: a takes nothing else");
     probe
 }
+
+/// An instance restarted (a new version) while its breaker was open is probed at once, not
+/// after the old process's cooldown; the probe failing opens it again.
+#[test]
+fn a_restarted_instance_is_probed_at_once() {
+    let cfg = SchedulerConfig {
+        breaker: BreakerConfig {
+            failures: 1,
+            successes: 1,
+            cooldown: std::time::Duration::from_secs(3600),
+        },
+        ..SchedulerConfig::default()
+    };
+    let s = SchedulerState::new(cfg);
+    s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1), inst("c", 1)]));
+    let others = not_a();
+    let only_a = only_a(&others);
+    s.report(book(&s, "a", &others).booking, Outcome::InstanceFault);
+    assert!(s.select(&only_a).is_err(), "open for the cooldown");
+    let mut restarted = inst("a", 1);
+    restarted.version = 2;
+    s.apply_update(Update::Add(restarted));
+    let probe = book(&s, "a", &others);
+    assert!(s.select(&only_a).is_err(), "one probe at a time");
+    assert!(s.report(probe.booking, Outcome::InstanceFault));
+    assert!(s.select(&only_a).is_err(), "the probe failed: open again");
+}

@@ -106,6 +106,18 @@ impl Breaker {
         }
     }
 
+    /// Its instance restarted (a new version): an open breaker turns half-open at once, so
+    /// the new process is probed now rather than after the old one's cooldown; a probe out
+    /// was forgotten with the old process's bookings, and is given back. A crash-looping
+    /// instance still gets one probe per restart, and each failed one opens it again.
+    pub(super) fn restarted(&mut self) {
+        *self = match *self {
+            Breaker::Open { .. } => Breaker::HalfOpen { successes: 0, probing: false },
+            Breaker::HalfOpen { successes, .. } => Breaker::HalfOpen { successes, probing: false },
+            closed @ Breaker::Closed { .. } => closed,
+        };
+    }
+
     /// Whether it is half-open (letting probes through one at a time).
     pub(super) fn half_open(&self) -> bool {
         matches!(self, Breaker::HalfOpen { .. })
