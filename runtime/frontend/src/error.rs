@@ -98,10 +98,14 @@ impl FrontendError {
 
     /// An attempt that ran out of its own time (the wait its instance was expected to have
     /// plus the attempt timeout), with the request's still left: the instance went silent
-    /// (an engine hung behind live heartbeats), its fault. Other errors are kept as they are.
+    /// (an engine hung behind live heartbeats), its fault. Other errors are kept as they are,
+    /// and so is a deadline at a stage that reaches the instance (slow is not unreachable).
     pub(crate) fn overran(self) -> Self {
+        let reaching = ["resolve-topology", "resolve-rank", "connect"];
         match self {
-            FrontendError::Attempt { stage, reason, cause: Cause::Deadline } => {
+            FrontendError::Attempt { stage, reason, cause: Cause::Deadline }
+                if !reaching.contains(&stage) =>
+            {
                 let reason = format!("{reason}: no answer within the wait expected of it");
                 FrontendError::Attempt { stage, reason, cause: Cause::Instance }
             }

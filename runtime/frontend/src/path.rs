@@ -386,7 +386,13 @@ impl Frontend {
                     return Ok(Ready { decoder, first_token, cached_tokens, evidence });
                 }
                 Err(e) => {
-                    let e = if deadline < plan.deadline { e.overran() } else { e };
+                    // Its own time passed before the request's, on an instance whose times
+                    // are measured (a handoff prefill's, by its heartbeats): it went silent.
+                    let own_time_passed = deadline < plan.deadline && Instant::now() >= deadline;
+                    let e = match own_time_passed && sel.protocol == "handoff" {
+                        true => e.overran(),
+                        false => e,
+                    };
                     warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed");
                     if unreachable(&e) && self.reach.failed_at(&sel.instance_id, Instant::now()) {
                         warn!(

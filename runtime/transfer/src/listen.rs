@@ -151,6 +151,8 @@ pub(crate) fn serve_accepts<L, F, Fut>(
                 _ = t.shutdown_requested() => break,
                 a = listener.next() => a,
             };
+            // Its grace counts from here: the wait for a place below is part of it.
+            let accepted_at = Instant::now();
             let (stream, peer) = match accepted {
                 Ok(a) => a,
                 Err(e) => {
@@ -163,7 +165,7 @@ pub(crate) fn serve_accepts<L, F, Fut>(
                 break;
             };
             next_conn += 1;
-            let (place, ended) = unproven.add(next_conn, Instant::now());
+            let (place, ended) = unproven.add(next_conn, accepted_at);
             let served = handle(stream, peer, ConnId(next_conn), place);
             let t2 = t.clone();
             t.spawn(async move {

@@ -47,7 +47,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use handoff_core::Tasks;
+use handoff_core::{Room, Tasks};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
@@ -113,6 +113,8 @@ impl Default for NixlConfig {
 /// Where a region's KV lands at its receiver (sender side).
 #[derive(Debug)]
 struct Remote {
+    /// The room it is for: closed (its request ended), it is swept with the stale ones.
+    room: Room,
     agent: String,
     addr: u64,
     len: u64,

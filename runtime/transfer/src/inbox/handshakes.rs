@@ -83,12 +83,14 @@ impl Handshakes {
             )));
         }
         req.token = None;
+        // The pending table's lock first, then the closed rooms' (as `close` takes them): a
+        // room closed meanwhile is seen closed here, or its entry is removed there.
+        let mut pending = lock(&self.pending);
         // Its request ended already: nothing will take it. Answered all the same, as the
         // request's own answer says why it ended (a refusal for overload is not a fault).
         if self.closed(req.room) {
             return Ok(());
         }
-        let mut pending = lock(&self.pending);
         if pending.len() >= self.max_rooms && !pending.contains_key(&req.room) {
             let ttl = self.ttl;
             pending.retain(|_, p| p.since.elapsed() < ttl);
@@ -138,8 +140,9 @@ impl Handshakes {
 
     /// Closes `room`: its request is done with it, however it ended.
     pub(super) fn close(&self, room: Room) {
+        let mut pending = lock(&self.pending);
         lock(&self.closed).insert(room, self.max_rooms);
-        lock(&self.pending).remove(&room);
+        pending.remove(&room);
     }
 
     pub(super) fn closed(&self, room: Room) -> bool {

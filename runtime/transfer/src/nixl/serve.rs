@@ -80,7 +80,7 @@ fn on_connect(
         let mut remotes = lock(&s.remotes);
         if remotes.len() >= s.cfg.max_open && !remotes.contains_key(&region) {
             let ttl = s.cfg.handshake_ttl;
-            remotes.retain(|_, r| r.since.elapsed() < ttl);
+            remotes.retain(|_, r| r.since.elapsed() < ttl && !s.inbox.room_closed(r.room));
             if remotes.len() >= s.cfg.max_open {
                 return Err(TransferError::Full("nixl handshake"));
             }
@@ -89,7 +89,9 @@ fn on_connect(
     let (introduction, metadata) = (control::unhex(introduction)?, control::unhex(metadata)?);
     let agent = s.load(&introduction, &metadata)?;
     // Recorded before the inbox's table wakes the prefill, whose first write looks it up.
-    let remote = Remote { agent, addr, len, ticket, since: Instant::now(), written: Vec::new() };
+    let room = req.room;
+    let remote =
+        Remote { room, agent, addr, len, ticket, since: Instant::now(), written: Vec::new() };
     lock(&s.remotes).insert(region, remote);
     let accepted = s.inbox.on_connect(req);
     if accepted.is_err() {

@@ -394,3 +394,30 @@ async fn a_peer_nixl_dropped_is_loaded_again_after_a_failed_write() {
     assert_eq!(lock(&p.tx_backend.shared.loaded).len(), 1);
     p.tasks.shutdown().await;
 }
+
+/// A handshake whose request ended without taking it (its room closed at the sender) does not
+/// hold a place in the sender's table of remotes: when the table is full it is swept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_rooms_remote_gives_its_place_up() {
+    let tasks = Tasks::new();
+    // The sender's table holds two.
+    let (tx, tx_backend) =
+        agent_with(&tasks, NixlConfig { max_open: 2, ..Default::default() }).await;
+    let (rx, rx_backend) = agent_with(&tasks, NixlConfig::default()).await;
+    let p = Pair { tasks, tx, rx, tx_backend, rx_backend };
+    let ended = Room::mint();
+    shake(&p, ended).await.unwrap();
+    p.tx.inbox().close_room(ended);
+    shake(&p, Room::mint()).await.unwrap();
+    // The table holds two: the ended room's is swept for the third.
+    shake(&p, Room::mint()).await.expect("the closed room's remote gave its place up");
+    p.tasks.shutdown().await;
+}
+
+/// A 64-byte region for `r` at the receiver, and its handshake with the sender (not taken).
+async fn shake(p: &Pair, r: Room) -> Result<(), TransferError> {
+    let s = SenderId::new(0, 0);
+    let id = p.rx.inbox().register_region(r, 64, [(s, std::iter::once(0..64).collect())]);
+    let req = connect_request(p, r, id.unwrap(), 64, None);
+    p.rx.connect(&p.tx.addr(), req).await
+}
