@@ -216,4 +216,4 @@ async fn place_for(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -34,8 +34,17 @@ async fn prove(s: &mut TcpStream) {
     assert_eq!(&ok, b"ok");
 }
 
+/// `n` connections to `at` that say nothing, in the order they were made.
+pub(crate) async fn strangers(at: &crate::AgentAddr, n: usize) -> Vec<TcpStream> {
+    let mut made = Vec::new();
+    for _ in 0..n {
+        made.push(TcpStream::connect((at.ip.as_str(), at.port)).await.unwrap());
+    }
+    made
+}
+
 /// Whether the listener closed `s` (it reads its end).
-async fn closed(s: &mut TcpStream) -> bool {
+pub(crate) async fn closed(s: &mut TcpStream) -> bool {
     let mut b = [0u8; 1];
     let read = tokio::time::timeout(Duration::from_secs(30), s.read(&mut b)).await;
     matches!(read, Ok(Ok(0)) | Ok(Err(_)))

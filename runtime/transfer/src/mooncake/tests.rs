@@ -186,20 +186,15 @@ async fn strangers_holding_every_handshake_place_give_them_up_to_a_token_holder(
     let (tx, _) = agent_with(&tasks, mc.clone()).await;
     let (rx, rx_backend) = agent_with(&tasks, mc).await;
     let p = Pair { tasks, tx, rx, rx_backend };
-    let at = p.tx.addr();
-    let mut strangers = Vec::new();
-    for _ in 0..2 {
-        strangers.push(tokio::net::TcpStream::connect((at.ip.as_str(), at.port)).await.unwrap());
-    }
+    let mut strangers = crate::listen::tests::strangers(&p.tx.addr(), 2).await;
     let senders = [SenderId::new(0, 0)];
     let shaken = region(&p, Room::mint(), 64, &senders, Some("secret"));
     assert!(
         tokio::time::timeout(Duration::from_secs(30), shaken).await.is_ok(),
         "the token holder's handshake was kept out"
     );
-    let mut b = [0u8; 1];
-    let read = tokio::time::timeout(Duration::from_secs(30), strangers[0].read(&mut b)).await;
-    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "the oldest stranger kept its place");
+    let closed = crate::listen::tests::closed(&mut strangers[0]).await;
+    assert!(closed, "the oldest stranger kept its place");
     p.tasks.shutdown().await;
 }
 

@@ -126,21 +126,15 @@ async fn strangers_holding_every_control_place_give_them_up_to_a_token_holder() 
     let (tx, tx_backend) = agent_with(&tasks, nc.clone()).await;
     let (rx, rx_backend) = agent_with(&tasks, nc).await;
     let p = Pair { tasks, tx, rx, tx_backend, rx_backend };
-    let at = p.tx.addr();
-    let mut strangers = Vec::new();
-    for _ in 0..2 {
-        strangers.push(tokio::net::TcpStream::connect((at.ip.as_str(), at.port)).await.unwrap());
-    }
+    let mut strangers = crate::listen::tests::strangers(&p.tx.addr(), 2).await;
     let senders = [SenderId::new(0, 0)];
     let shaken = region(&p, Room::mint(), 64, &senders, Some("secret"));
     assert!(
         tokio::time::timeout(Duration::from_secs(30), shaken).await.is_ok(),
         "the token holder's handshake was kept out"
     );
-    let mut b = [0u8; 1];
-    let read = tokio::io::AsyncReadExt::read(&mut strangers[0], &mut b);
-    let read = tokio::time::timeout(Duration::from_secs(30), read).await;
-    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "the oldest stranger kept its place");
+    let closed = crate::listen::tests::closed(&mut strangers[0]).await;
+    assert!(closed, "the oldest stranger kept its place");
     p.tasks.shutdown().await;
 }
 
