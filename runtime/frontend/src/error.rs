@@ -170,4 +170,22 @@ mod tests {
             assert_eq!(FrontendError::transfer("connect", e.clone()).cause(), Some(cause), "{e}");
         }
     }
+
+    /// An attempt's own time passing is the instance's fault, but at a stage that reaches it
+    /// (slow is not unreachable), and only for a deadline: other causes keep theirs.
+    #[test]
+    fn an_overrun_blames_the_instance_past_the_stages_that_reach_it() {
+        let late = |stage| FrontendError::because(stage, Cause::Deadline, "late");
+        for (stage, cause) in [
+            ("prefill", Cause::Instance),
+            ("verify", Cause::Instance),
+            ("connect", Cause::Deadline),
+            ("resolve-topology", Cause::Deadline),
+            ("resolve-rank", Cause::Deadline),
+        ] {
+            assert_eq!(late(stage).overran().cause(), Some(cause), "{stage}");
+        }
+        let busy = FrontendError::because("prefill", Cause::Overloaded, "queue full");
+        assert_eq!(busy.overran().cause(), Some(Cause::Overloaded));
+    }
 }

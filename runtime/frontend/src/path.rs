@@ -387,9 +387,11 @@ impl Frontend {
                 }
                 Err(e) => {
                     // Its own time passed before the request's, on an instance whose times
-                    // are measured (a handoff prefill's, by its heartbeats): it went silent.
+                    // are measured (a handoff prefill's, once its heartbeat said its cost:
+                    // the estimate is then at least 1 ms): it went silent.
                     let own_time_passed = deadline < plan.deadline && Instant::now() >= deadline;
-                    let e = match own_time_passed && sel.protocol == "handoff" {
+                    let measured = sel.protocol == "handoff" && sel.expected_prefill_ms > 0;
+                    let e = match own_time_passed && measured {
                         true => e.overran(),
                         false => e,
                     };

@@ -175,7 +175,11 @@ fn select_inner(api: &Api, body: &[u8]) -> Result<Response, ApiError> {
         cached_blocks: sel.cached_blocks,
         booking_id: sel.booking.0,
         expected_wait_ms: sel.expected_wait.as_millis().min(u128::from(u64::MAX)) as u64,
-        expected_prefill_ms: sel.expected_prefill.as_millis().min(u128::from(u64::MAX)) as u64,
+        expected_prefill_ms: sel
+            .expected_prefill
+            .as_micros()
+            .div_ceil(1000)
+            .min(u128::from(u64::MAX)) as u64,
     })
     .into_response())
 }

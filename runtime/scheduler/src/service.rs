@@ -125,7 +125,11 @@ impl SchedulerService {
             cached_blocks: sel.cached_blocks,
             booking_id: sel.booking.0,
             expected_wait_ms: sel.expected_wait.as_millis().min(u128::from(u32::MAX)) as u32,
-            expected_prefill_ms: sel.expected_prefill.as_millis().min(u128::from(u32::MAX)) as u32,
+            expected_prefill_ms: sel
+                .expected_prefill
+                .as_micros()
+                .div_ceil(1000)
+                .min(u128::from(u32::MAX)) as u32,
             protocol: Protocol::of(&sel.instance).name().to_owned(),
             bootstrap_addr: sel.instance.bootstrap_addr,
             prefill_addr: sel.instance.grpc_addr,

@@ -151,8 +151,6 @@ pub(crate) fn serve_accepts<L, F, Fut>(
                 _ = t.shutdown_requested() => break,
                 a = listener.next() => a,
             };
-            // Its grace counts from here: the wait for a place below is part of it.
-            let accepted_at = Instant::now();
             let (stream, peer) = match accepted {
                 Ok(a) => a,
                 Err(e) => {
@@ -165,7 +163,9 @@ pub(crate) fn serve_accepts<L, F, Fut>(
                 break;
             };
             next_conn += 1;
-            let (place, ended) = unproven.add(next_conn, accepted_at);
+            // Its grace counts from its place, not its accept: a token holder that waited
+            // for one has its whole second to say its hello in.
+            let (place, ended) = unproven.add(next_conn, Instant::now());
             let served = handle(stream, peer, ConnId(next_conn), place);
             let t2 = t.clone();
             t.spawn(async move {

@@ -142,6 +142,17 @@ fn slow_engine() -> std::sync::Arc<handoff_engine::MockEngine> {
     }))
 }
 
+/// Waits (up to 30 s) until the scheduler knows every prefill's cost per token (from its
+/// first heartbeat), on which an attempt's time is reckoned.
+async fn until_costs_known(c: &handoff::Cluster) {
+    let since = Instant::now();
+    let state = c.schedulers[0].scheduler.state();
+    while state.instances().iter().any(|i| i.token_cost_us <= 0.0) {
+        assert!(since.elapsed() < Duration::from_secs(30), "the prefills' costs are heard");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Waits (up to 5 s) until the first prefill runs a request.
 async fn until_running(c: &handoff::Cluster) {
     let since = Instant::now();
@@ -359,6 +370,7 @@ async fn a_prefill_that_hangs_behind_live_heartbeats_is_at_fault() {
         prefills: Default::default(),
     };
     let c = cluster_with_first_engine(cfg, std::sync::Arc::new(hung)).await;
+    until_costs_known(&c).await;
     served_past_the_other_model(&c, "no answer within the wait expected of it").await;
 }
 
@@ -370,6 +382,7 @@ async fn a_prefill_longer_than_the_attempt_timeout_is_waited_for() {
     let mut cfg = ClusterConfig { prefills: 1, prefill_tp: 1, ..ClusterConfig::ephemeral() };
     cfg.frontend.attempt_timeout = Duration::from_millis(500);
     let c = handoff::Cluster::start_shared(cfg, slow_engine()).await.unwrap();
+    until_costs_known(&c).await;
     let mut cl = client(&c).await;
     // 300 tokens at 5 ms: 1.5 s of prefill.
     let (_, done) = generate(&mut cl, &prompt(1, 300), 2).await.expect("served");

@@ -35,9 +35,9 @@ pub(crate) const RETRY_ALONG: Duration = Duration::from_secs(60);
 pub(crate) const MAX_WAITING: usize = 65_536;
 
 /// How long a report that could not be delivered (the replica did not answer) is tried
-/// again: past it, its booking has expired on the replica anyway (a deadline of a minute,
-/// and a grace).
-pub(crate) const RETRY_FOR: Duration = Duration::from_secs(70);
+/// again: past it, its booking has expired on the replica anyway (a booking lives at most
+/// the scheduler's `booking_ttl_max`, 10 minutes by default).
+pub(crate) const RETRY_FOR: Duration = Duration::from_secs(600);
 
 /// The first wait before trying an undelivered batch again; it doubles up to
 /// [`RETRY_AT_MOST`] while the replica does not answer.
