@@ -388,7 +388,8 @@ impl Frontend {
                 Err(e) => {
                     // Its own time passed before the request's, on an instance whose times
                     // are measured (a handoff prefill's, once its heartbeat said its cost:
-                    // the estimate is then at least 1 ms): it went silent.
+                    // the estimate is then at least 1 ms, but for a prompt cached whole,
+                    // which is not blamed): it went silent.
                     let own_time_passed = deadline < plan.deadline && Instant::now() >= deadline;
                     let measured = sel.protocol == "handoff" && sel.expected_prefill_ms > 0;
                     let e = match own_time_passed && measured {
