@@ -190,8 +190,7 @@ impl Sender {
             let linger = if shutdown.is_cancelled() { Duration::ZERO } else { self.linger };
             match queue.due(Instant::now(), linger) {
                 Due::Send(batch) => {
-                    let reports = batch.iter().map(|(_, r)| r.clone()).collect();
-                    if self.send(reports).await || shutdown.is_cancelled() {
+                    if self.send(&batch).await || shutdown.is_cancelled() {
                         (wait, retry) = (Duration::ZERO, RETRY_FIRST);
                         continue;
                     }
@@ -206,17 +205,19 @@ impl Sender {
         }
     }
 
-    /// Sends `reports`; `false` when the replica did not answer (worth trying again).
-    async fn send(&mut self, reports: Vec<ReportOutcomeRequest>) -> bool {
-        let n = reports.len();
-        let batch = ReportOutcomesRequest { reports: reports.clone() };
+    /// Sends `stamped`'s reports; `false` when the replica did not answer (worth trying
+    /// again).
+    async fn send(&mut self, stamped: &[Stamped]) -> bool {
+        let n = stamped.len();
+        let reports = stamped.iter().map(|(_, r)| r.clone()).collect();
+        let batch = ReportOutcomesRequest { reports };
         let req = auth::request(batch, self.token.as_deref());
         match tokio::time::timeout(self.timeout, self.client.report_outcomes(req)).await {
             Ok(Ok(_)) => true,
             // A replica older than batches: one call per report, as it takes them.
             Ok(Err(e)) if e.code() == tonic::Code::Unimplemented => {
-                for r in reports {
-                    let req = auth::request(r, self.token.as_deref());
+                for (_, r) in stamped {
+                    let req = auth::request(r.clone(), self.token.as_deref());
                     let call = tokio::time::timeout(self.timeout, self.client.report_outcome(req));
                     if !matches!(call.await, Ok(Ok(_))) {
                         debug!(scheduler = %self.replica, "outcome not reported");
