@@ -325,12 +325,23 @@ pub struct RequestArgs {
     /// is 60 s), which would otherwise reuse a connection being closed.
     #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub http_idle_secs: u64,
+    /// Sequences the frontend decodes at once (by default the engine's batch: SmolLM2
+    /// advances 32 a pass); more wait for a slot in arrival order, and a request whose wait
+    /// would leave it too little of its deadline is refused at once (429 /
+    /// `RESOURCE_EXHAUSTED`).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_decoding: Option<u32>,
 }
 
 impl RequestArgs {
     /// The whole-request deadline of requests that name none.
     pub fn request_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.request_timeout_secs)
+    }
+
+    /// The bound on sequences decoded at once, if one is given.
+    pub fn max_decoding(&self) -> Option<usize> {
+        self.max_decoding.map(|n| n as usize)
     }
 
     /// The HTTP API's connection bounds.

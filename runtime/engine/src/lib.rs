@@ -124,6 +124,13 @@ pub trait Engine: Send + Sync + 'static {
         1
     }
 
+    /// Sequences one decode pass advances, at most, if the engine batches them (`None`: no
+    /// such bound known). Sequences past it wait for later passes, gaining no throughput:
+    /// the frontend decodes at most this many at once by default.
+    fn decode_batch(&self) -> Option<usize> {
+        None
+    }
+
     /// Starts decoding after `last_token`, from the KV of everything before it.
     fn decoder(
         &self,

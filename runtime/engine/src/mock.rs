@@ -5,12 +5,15 @@
 //! - The next token is a function of a digest of all the KV the sequence holds, so wrong KV
 //!   gives wrong tokens.
 //! - Prefill costs `prefill_per_token` for each computed (not cached) token; each decode step
-//!   costs `decode_per_token`.
+//!   costs `decode_per_token`, and with a `decode_batch` at most that many steps run at once
+//!   (the others wait for their turn, as in a batching engine's later passes).
 //! - Text is "tokenized" word by word into ids; ids render back as `w<id>`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use tokio::sync::Semaphore;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::{
@@ -34,6 +37,8 @@ pub struct MockConfig {
     pub prefill_per_token: Duration,
     /// Time charged per decode step.
     pub decode_per_token: Duration,
+    /// Decode steps charged at once, at most (`None`: any number).
+    pub decode_batch: Option<usize>,
 }
 
 impl Default for MockConfig {
@@ -46,6 +51,7 @@ impl Default for MockConfig {
             max_context: 8192,
             prefill_per_token: Duration::ZERO,
             decode_per_token: Duration::ZERO,
+            decode_batch: None,
         }
     }
 }
@@ -58,6 +64,8 @@ pub const MOCK_EOS: u32 = 1;
 pub struct MockEngine {
     cfg: MockConfig,
     info: ModelInfo,
+    /// Turns at decode steps, one per sequence of a batch (with a `decode_batch`).
+    batch: Option<Arc<Semaphore>>,
 }
 
 impl MockEngine {
@@ -71,7 +79,8 @@ impl MockEngine {
             max_context: cfg.max_context,
             eos: Some(MOCK_EOS),
         };
-        MockEngine { cfg, info }
+        let batch = cfg.decode_batch.map(|n| Arc::new(Semaphore::new(n.max(1))));
+        MockEngine { cfg, info, batch }
     }
 
     /// The KV bytes of one (token, position, layer, head), k and v alike differing by `kv`.
@@ -120,6 +129,10 @@ impl MockEngine {
 impl Engine for MockEngine {
     fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    fn decode_batch(&self) -> Option<usize> {
+        self.cfg.decode_batch
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
@@ -249,6 +262,11 @@ impl Decoder for MockDecoder {
         if self.pos + 1 >= self.engine.cfg.max_context {
             return Err(EngineError::InvalidInput("context is full".into()));
         }
+        // The engine's semaphore is never closed.
+        let _turn = match &self.engine.batch {
+            Some(b) => b.acquire().await.ok(),
+            None => None,
+        };
         if !self.engine.cfg.decode_per_token.is_zero() {
             tokio::time::sleep(self.engine.cfg.decode_per_token).await;
         }

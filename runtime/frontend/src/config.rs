@@ -30,6 +30,11 @@ pub struct FrontendConfig {
     pub default_max_tokens: u32,
     /// Requests served at once; more are refused at once (429 / `RESOURCE_EXHAUSTED`).
     pub max_concurrent: usize,
+    /// Sequences decoded at once; more wait for a slot in arrival order, and a request
+    /// whose wait would leave it too little time is refused at once (429 /
+    /// `RESOURCE_EXHAUSTED`; see [`crate::decoding`]). `None`: the engine's decode batch, or
+    /// no bound if it names none.
+    pub max_decoding: Option<usize>,
     /// The public listeners' connections: open at once (on the HTTP API and on gRPC
     /// Generate, each), and how long an HTTP request's head may take.
     pub http: handoff_core::http::HttpLimits,
@@ -67,6 +72,7 @@ impl Default for FrontendConfig {
             select_timeout: Duration::from_secs(1),
             default_max_tokens: 16,
             max_concurrent: 4096,
+            max_decoding: None,
             http: handoff_core::http::HttpLimits::default(),
             transfer: TransferKind::loopback(),
             inbox: InboxConfig::default(),

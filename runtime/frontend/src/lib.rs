@@ -26,6 +26,7 @@
 
 pub mod attempt;
 pub mod config;
+pub mod decoding;
 mod engine_http;
 mod error;
 pub mod http;

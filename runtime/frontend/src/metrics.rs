@@ -232,6 +232,11 @@ pub(crate) fn ops(fe: &Arc<crate::Frontend>) -> Ops {
     let suspect =
         r.gauge("handoff_frontend_schedulers_suspect", "Scheduler replicas passed over for now.");
     let prefills = r.gauge("handoff_frontend_prefills", "Prefill instances registered.");
+    let decoding = r.gauge("handoff_frontend_decoding", "Sequences holding a decode slot.");
+    let admitted = r.gauge(
+        "handoff_frontend_decode_admitted",
+        "Requests admitted to the decode's slots, not ended (prefilling, waiting or decoding).",
+    );
     let (a, b) = (Arc::downgrade(fe), Arc::downgrade(fe));
     Ops::new(r)
         .on_scrape(move || {
@@ -240,6 +245,10 @@ pub(crate) fn ops(fe: &Arc<crate::Frontend>) -> Ops {
                 replicas.set(fe.schedulers().addrs().len() as f64);
                 suspect.set(fe.schedulers().suspects().len() as f64);
                 prefills.set(fe.prefills_known() as f64);
+                if let Some(slots) = &fe.decoding {
+                    decoding.set(slots.decoding() as f64);
+                    admitted.set(slots.admitted() as f64);
+                }
             }
         })
         .ready_when(move || {

@@ -54,6 +54,8 @@ pub struct Frontend {
     vllm: crate::vllm::VllmPrefills,
     pub(crate) tasks: Tasks,
     pub(crate) limit: Arc<Semaphore>,
+    /// The decode's slots, if it has a bound ([`crate::decoding`]).
+    pub(crate) decoding: Option<Arc<crate::decoding::DecodeSlots>>,
     /// Long inputs tokenized at once, on blocking threads (see `input::checked`).
     pub(crate) tokenizing: Arc<Semaphore>,
     pub(crate) metrics: Arc<Metrics>,
@@ -133,6 +135,10 @@ impl Frontend {
         let vllm = crate::vllm::VllmPrefills::new(engine.clone(), &cfg.inbox);
         Ok(Arc::new(Frontend {
             limit: Arc::new(Semaphore::new(cfg.max_concurrent)),
+            decoding: cfg
+                .max_decoding
+                .or_else(|| engine.decode_batch())
+                .map(crate::decoding::DecodeSlots::new),
             tokenizing: Arc::new(Semaphore::new(
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
             )),
@@ -152,6 +158,11 @@ impl Frontend {
             reach: Reach::default(),
             draining: Default::default(),
         }))
+    }
+
+    /// The decode's slots, if it has a bound ([`crate::decoding`]).
+    pub fn decode_slots(&self) -> Option<&crate::decoding::DecodeSlots> {
+        self.decoding.as_deref()
     }
 
     /// Follows the prefill instances in `registry` on the frontend's tasks: an instance that

@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::decoding::Ticket;
 use crate::input::{self, Plan};
 use crate::metrics::{Ending, Metrics};
 use crate::path::Ready;
@@ -111,11 +112,12 @@ fn chunk(token: u32, text: String) -> Result<GenerateResponse, Status> {
 }
 
 /// Streams `ready`'s tokens into `tx` until a finish condition, the deadline, the client
-/// leaving, or shutdown. The last message is a `Complete`.
+/// leaving, or shutdown; decode steps wait for `ticket`'s slot, if it has one. The last
+/// message is a `Complete`.
 pub(crate) async fn stream(
     fe: Arc<Frontend>,
     plan: Plan,
-    mut ready: Ready,
+    (mut ready, mut ticket): (Ready, Option<Ticket>),
     tx: Tx,
     arrived: Instant,
 ) {
@@ -125,6 +127,11 @@ pub(crate) async fn stream(
         m.ended(Ending::Cancelled);
         return;
     };
+    if let Some(t) = ticket.as_mut()
+        && let Err((ending, why)) = decode_turn(&fe, t, &plan, arrived).await
+    {
+        return fail(m, last, ending, why);
+    }
     let eos = fe.engine.info().eos.filter(|_| !plan.sampling.ignore_eos);
     let mut text = TextAssembler::new(&plan.sampling.stop);
     let mut generated = 0u32;
@@ -210,12 +217,77 @@ pub(crate) async fn stream(
         usage: Some(usage),
         evidence: Some(ready.evidence),
     };
+    if let Some(t) = ticket.as_mut() {
+        t.ran_to_end(generated);
+    }
     if tx.is_closed() {
         return m.ended(Ending::Cancelled);
     }
     last.send(Ok(GenerateResponse { event: Some(Event::Complete(done)) }));
     m.ended(Ending::Ok);
     m.finished(arrived.elapsed());
+}
+
+/// Waits for `ticket`'s decode slot, before the request's first token goes out: until the
+/// deadline or shutdown, and a slot that comes too late for the decode the request expects
+/// is given up at once, for the next one in line (see [`crate::decoding`]).
+async fn decode_turn(
+    fe: &Frontend,
+    ticket: &mut Ticket,
+    plan: &Plan,
+    arrived: Instant,
+) -> Result<(), (Ending, Status)> {
+    tokio::select! {
+        _ = fe.tasks.shutdown_requested() => {
+            return Err((Ending::Failed, Status::unavailable("frontend shutting down")));
+        }
+        _ = tokio::time::sleep_until(plan.deadline) => {
+            let why = "the deadline passed waiting for a decode slot";
+            return Err((Ending::Expired, Status::deadline_exceeded(why)));
+        }
+        _ = ticket.slot() => {}
+    }
+    // An open-ended chat is cut at its deadline, whatever it gets done by then.
+    if plan.open_ended {
+        return Ok(());
+    }
+    let now = Instant::now();
+    let left = plan.deadline.saturating_duration_since(now);
+    let whole = plan.deadline.saturating_duration_since(arrived);
+    let decode = expected_decode(fe, plan);
+    if left < decode.min(whole / 2) {
+        let why = format!(
+            "a decode slot came with {} ms left, {} ms of decode expected",
+            left.as_millis(),
+            decode.as_millis()
+        );
+        return Err((Ending::Expired, Status::deadline_exceeded(why)));
+    }
+    Ok(())
+}
+
+/// How long `plan`'s decode is expected to take: its tokens after the first at the larger of
+/// a step's time lately and a token's share of a slot's hold lately (see
+/// [`crate::decoding`]).
+fn expected_decode(fe: &Frontend, plan: &Plan) -> std::time::Duration {
+    let tokens = plan.max_tokens.saturating_sub(1);
+    let held = fe.decoding.as_ref().map(|s| s.decode_time(tokens)).unwrap_or_default();
+    fe.metrics.decode_time(tokens).max(held)
+}
+
+/// Admits `plan` to the decode's slots, if it has a bound (see [`crate::decoding`]): before
+/// its prefill, so a request the decode cannot take in time costs no prefill.
+fn admitted(fe: &Frontend, plan: &Plan) -> Result<Option<Ticket>, FrontendError> {
+    let Some(slots) = &fe.decoding else { return Ok(None) };
+    let decode = expected_decode(fe, plan);
+    let left = plan.deadline.saturating_duration_since(Instant::now());
+    match slots.admit(decode, left) {
+        Ok(ticket) => Ok(Some(ticket)),
+        Err(full) => Err(FrontendError::Overloaded {
+            retry_after: full.retry_after(),
+            reason: full.to_string(),
+        }),
+    }
 }
 
 /// Counts a request that was dropped before it was answered (its client went away).
@@ -246,11 +318,12 @@ pub(crate) async fn start(
                 reason: format!("{} requests in progress", fe.cfg.max_concurrent),
             })?;
         let plan = Plan { trace, ..input::checked(fe, req).await? };
+        let ticket = admitted(fe, &plan)?;
         let ready = fe.prefill(&plan).await?;
         let (tx, rx) = mpsc::channel(64);
         let f = fe.clone();
         fe.tasks.spawn(async move {
-            stream(f, plan, ready, tx, arrived).await;
+            stream(f, plan, (ready, ticket), tx, arrived).await;
             drop((permit, in_flight));
         });
         Ok(rx)

@@ -389,6 +389,10 @@ impl Engine for SmolLm {
         WORKERS.load(Ordering::Relaxed).max(1)
     }
 
+    fn decode_batch(&self) -> Option<usize> {
+        Some(self.shared.max_batch)
+    }
+
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
         if messages.is_empty() {
             return Err(EngineError::InvalidInput("no chat messages".into()));

@@ -137,7 +137,8 @@ fn an_empty_token_is_refused() {
 
 /// `--request-timeout-secs` sets the deadline of requests naming none, on the frontend and
 /// on `up`; 0 (every request failing at once) and past a day are refused. The HTTP API's
-/// connections are bounded by `--max-connections`.
+/// connections are bounded by `--max-connections`, sequences decoded at once by
+/// `--max-decoding` (at least 1).
 #[test]
 fn the_request_timeout_and_http_connections_are_flags_within_bounds() {
     assert_eq!(frontend(&[]).unwrap().requests.request_timeout().as_secs(), 60);
@@ -154,9 +155,15 @@ fn the_request_timeout_and_http_connections_are_flags_within_bounds() {
         let e = frontend(&[&format!("--request-timeout-secs={bad}")]).unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad}");
     }
-    let argv = ["handoff", "up", "--request-timeout-secs", "5"];
+    assert_eq!(frontend(&[]).unwrap().requests.max_decoding(), None);
+    assert_eq!(frontend(&["--max-decoding=8"]).unwrap().requests.max_decoding(), Some(8));
+    assert!(frontend(&["--max-decoding=0"]).is_err());
+    let argv = ["handoff", "up", "--request-timeout-secs", "5", "--max-decoding", "3"];
     match Cli::try_parse_from(argv).unwrap().command {
-        Command::Up(a) => assert_eq!(a.requests.request_timeout().as_secs(), 5),
+        Command::Up(a) => {
+            assert_eq!(a.requests.request_timeout().as_secs(), 5);
+            assert_eq!(a.requests.max_decoding(), Some(3));
+        }
         other => panic!("parsed as {other:?}"),
     }
 }

@@ -50,6 +50,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         require_registered_prefill: args.discovery.etcd.is_some(),
         drive_vllm: args.drive_vllm,
         request_timeout: args.requests.request_timeout(),
+        max_decoding: args.requests.max_decoding(),
         http: args.requests.http(),
         ..FrontendConfig::default()
     };

@@ -76,6 +76,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         frontend: FrontendConfig {
             public_tls: args.public_tls.server_tls()?,
             request_timeout: args.requests.request_timeout(),
+            max_decoding: args.requests.max_decoding(),
             http: args.requests.http(),
             ..FrontendConfig::default()
         },

@@ -227,3 +227,61 @@ async fn a_scheduler_replica_going_away_costs_no_request() {
     assert!(ok > before, "requests kept being served");
     c.shutdown().await;
 }
+
+/// The decode's own bound: a burst of more sequences than the decode advances at once is not
+/// let in to slow every stream past its deadline (before, with the prefills keeping up, all of
+/// them timed out). What the slots serve in time is served, the rest refused at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed_out() {
+    // 4 sequences a step, 20 ms a step: 20 tokens hold a slot about 0.4 s, and a 2.2 s
+    // deadline leaves room for about four rounds after the first.
+    let engine = Arc::new(MockEngine::new(MockConfig {
+        decode_per_token: Duration::from_millis(20),
+        decode_batch: Some(4),
+        ..MockConfig::default()
+    }));
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.request_timeout = Duration::from_millis(2200);
+    let c = Cluster::start_shared(cfg, engine).await.expect("cluster starts");
+    let cl = client(&c).await;
+    let burst = |n: u32, from: u32| {
+        join_all((from..from + n).map(|i| {
+            let mut cl = cl.clone();
+            async move {
+                let started = Instant::now();
+                (generate(&mut cl, &prompt(i, 32), 20).await, started.elapsed())
+            }
+        }))
+    };
+    type Answer = (Result<(Vec<u32>, handoff_proto::v1::Complete), tonic::Status>, Duration);
+    let tally = |answers: Vec<Answer>| {
+        let (mut served, mut refused) = (0, 0);
+        for (r, took) in answers {
+            match r {
+                Ok((tokens, _)) => {
+                    assert_eq!(tokens.len(), 20);
+                    served += 1;
+                }
+                Err(e) if e.code() == tonic::Code::ResourceExhausted => {
+                    refused += 1;
+                    assert!(e.message().contains("decode slots full"), "{e:?}");
+                    assert!(took < Duration::from_secs(1), "refused at once: {took:?}");
+                }
+                Err(e) => panic!("only answers or refusals in a burst, got {e:?} after {took:?}"),
+            }
+        }
+        (served, refused)
+    };
+    // Before any sequence ran to its end, a wait cannot be promised: one round is served.
+    assert_eq!(tally(burst(12, 0).await), (4, 8), "cold: the capacity, the rest refused");
+    // Now as many rounds as the deadline leaves time for.
+    let (served, refused) = tally(burst(48, 100).await);
+    eprintln!("decode burst of 48: {served} served, {refused} refused");
+    assert!(served >= 8, "what the slots serve in time is served: {served}");
+    assert!(refused > 0, "what they cannot is refused");
+    let mut cl = client(&c).await;
+    generate(&mut cl, &prompt(999, 32), 20).await.expect("served right after the burst");
+    let slots = c.frontend.decode_slots().expect("the mock's batch bounds the decode");
+    assert_eq!((slots.admitted(), slots.decoding()), (0, 0), "every ticket given back");
+    c.shutdown().await;
+}

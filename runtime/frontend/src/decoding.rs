@@ -1,0 +1,210 @@
+//! [`DecodeSlots`]: the decode's own admission.
+//!
+//! An engine advances at most its batch of sequences in one pass: more sequences than that
+//! add no throughput, only passes, so every sequence's tokens come slower. Left unbounded, a
+//! burst slows every stream until none meets its deadline, the ones that would have been
+//! served included. So at most `capacity` sequences decode at once (by default the engine's
+//! batch), and the others wait for a slot in arrival order.
+//!
+//! A request is admitted (before its prefill) only if its expected wait for a slot leaves it
+//! its expected decode time (its tokens at the larger of a step's time and a token's share
+//! of a slot's hold lately), or half the time left if that is less (a decode may end early,
+//! at its end token or a stop string; the prefill's admission reserves the decode the same
+//! time); otherwise it is refused at once as an overload. The wait counts whole rounds of
+//! slots (the requests admitted ahead beyond the capacity, divided by it and rounded up) times
+//! how long a sequence that ran to its end held its slot lately, plus how long a request takes
+//! from its admission to its slot (its prefill and transfer): slots taken in a burst free up
+//! together once their prefills are done, and a sequence cut by its deadline held its slot
+//! less than it needed. Until one has run to its end, only the capacity is admitted: a wait
+//! that cannot be estimated is not promised.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// The decode's slots and the requests admitted to them (see the module docs).
+#[derive(Debug)]
+pub struct DecodeSlots {
+    capacity: usize,
+    slots: Arc<Semaphore>,
+    counts: Mutex<Counts>,
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    /// Requests admitted and not ended: prefilling, waiting for a slot or decoding.
+    admitted: usize,
+    /// Moving average of how long a sequence that ran to its end held its slot (0: none
+    /// has yet).
+    hold_ns: u64,
+    /// Moving average of a token's share of such a hold (the hold over the tokens decoded).
+    token_ns: u64,
+    /// Moving average of how long a request took from its admission to a slot it found free
+    /// (its prefill and transfer).
+    lead_ns: u64,
+}
+
+/// Why a request was not admitted: the wait for a slot, and its share of the time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeFull {
+    /// The expected wait for a slot (`None`: no sequence has run to its end yet).
+    pub wait: Option<Duration>,
+    /// What the request's deadline leaves for that wait.
+    pub allowed: Duration,
+}
+
+impl DecodeFull {
+    /// When to try again: once the wait would fit, at least a second from now.
+    pub fn retry_after(&self) -> Duration {
+        let over = self.wait.map_or(Duration::ZERO, |w| w.saturating_sub(self.allowed));
+        over.max(Duration::from_secs(1))
+    }
+}
+
+impl std::fmt::Display for DecodeFull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let allowed = self.allowed.as_millis();
+        match self.wait {
+            Some(w) => write!(
+                f,
+                "decode slots full: a slot expected in {} ms, {allowed} ms allowed by the deadline",
+                w.as_millis()
+            ),
+            None => write!(f, "decode slots full: no slot's hold measured yet to promise a wait"),
+        }
+    }
+}
+
+impl DecodeSlots {
+    /// At most `capacity` (at least 1) sequences decoding at once.
+    pub fn new(capacity: usize) -> Arc<Self> {
+        let capacity = capacity.max(1);
+        Arc::new(DecodeSlots {
+            capacity,
+            slots: Arc::new(Semaphore::new(capacity)),
+            counts: Mutex::default(),
+        })
+    }
+
+    fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
+        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sequences decoding at once, at most.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Requests admitted and not ended.
+    pub fn admitted(&self) -> usize {
+        self.counts().admitted
+    }
+
+    /// Slots held now.
+    pub fn decoding(&self) -> usize {
+        self.capacity - self.slots.available_permits()
+    }
+
+    /// Admits a request whose decode is expected to take `decode` and whose deadline is
+    /// `left` away, or refuses it: its expected wait for a slot must leave it `decode`, or
+    /// half of `left` if that is less (a decode may end early, at its end token or a stop
+    /// string).
+    pub fn admit(self: &Arc<Self>, decode: Duration, left: Duration) -> Result<Ticket, DecodeFull> {
+        let mut c = self.counts();
+        let ahead = (c.admitted + 1).saturating_sub(self.capacity);
+        if ahead > 0 {
+            let allowed = left - decode.min(left / 2);
+            if c.hold_ns == 0 {
+                return Err(DecodeFull { wait: None, allowed });
+            }
+            let rounds = ahead.div_ceil(self.capacity) as u64;
+            let wait = rounds.saturating_mul(c.hold_ns).saturating_add(c.lead_ns);
+            let wait = Duration::from_nanos(wait);
+            if wait > allowed {
+                return Err(DecodeFull { wait: Some(wait), allowed });
+            }
+        }
+        c.admitted += 1;
+        let admitted_at = Instant::now();
+        Ok(Ticket { slots: self.clone(), admitted_at, slot: None, ran_to_end: 0 })
+    }
+
+    /// How long decoding `tokens` held a slot lately (zero until a sequence ran to its end):
+    /// measured under the load the sequences ran in, as a step's time is not once the
+    /// sequences of a burst have ended.
+    pub fn decode_time(&self, tokens: u32) -> Duration {
+        Duration::from_nanos(self.counts().token_ns.saturating_mul(u64::from(tokens)))
+    }
+
+    /// Adds how long a sequence that ran to its end held its slot, decoding `tokens`, to the
+    /// moving averages.
+    fn note_hold(&self, took: Duration, tokens: u32) {
+        let mut c = self.counts();
+        moving_average(&mut c.hold_ns, took);
+        moving_average(&mut c.token_ns, took / tokens.max(1));
+    }
+
+    /// Adds how long a request took from its admission to a free slot to the moving average.
+    fn note_lead(&self, took: Duration) {
+        moving_average(&mut self.counts().lead_ns, took);
+    }
+}
+
+/// Adds `sample` (at least 1 ns: 0 stands for nothing measured) to the average `ns`.
+fn moving_average(ns: &mut u64, sample: Duration) {
+    let sample = sample.as_nanos().clamp(1, u128::from(u64::MAX)) as u64;
+    *ns = if *ns == 0 { sample } else { (*ns * 7 + sample) / 8 };
+}
+
+/// An admitted request's place: counted until dropped; holds a slot once [`Ticket::slot`]
+/// returns.
+#[derive(Debug)]
+pub struct Ticket {
+    slots: Arc<DecodeSlots>,
+    admitted_at: Instant,
+    slot: Option<(OwnedSemaphorePermit, Instant)>,
+    /// Tokens its sequence decoded, once it ended on its own terms (see
+    /// [`Ticket::ran_to_end`]); 0 before.
+    ran_to_end: u32,
+}
+
+impl Ticket {
+    /// Marks its sequence as ended on its own terms (an end token, a stop string, its
+    /// length, an open-ended chat's deadline): how long it held its slot is then what the
+    /// next ones are promised.
+    pub fn ran_to_end(&mut self, tokens: u32) {
+        self.ran_to_end = tokens.max(1);
+    }
+
+    /// Waits for a slot in arrival order (at once if it holds one).
+    pub async fn slot(&mut self) {
+        if self.slot.is_some() {
+            return;
+        }
+        let slots = self.slots.slots.clone();
+        if let Ok(permit) = slots.clone().try_acquire_owned() {
+            self.slots.note_lead(self.admitted_at.elapsed());
+            self.slot = Some((permit, Instant::now()));
+        // The semaphore is never closed.
+        } else if let Ok(permit) = slots.acquire_owned().await {
+            self.slot = Some((permit, Instant::now()));
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Some((permit, since)) = self.slot.take() {
+            if self.ran_to_end > 0 {
+                self.slots.note_hold(since.elapsed(), self.ran_to_end);
+            }
+            drop(permit);
+        }
+        let mut c = self.slots.counts();
+        c.admitted = c.admitted.saturating_sub(1);
+    }
+}
+
+#[cfg(test)]
+mod tests;
