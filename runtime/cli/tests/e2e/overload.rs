@@ -285,3 +285,40 @@ async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed
     assert_eq!((slots.admitted(), slots.decoding()), (0, 0), "every ticket given back");
     c.shutdown().await;
 }
+
+/// A request admitted on a wait that turned out longer (a sequence ahead of it decoding for
+/// longer than they lately did) gives its slot up when it comes too late for its decode:
+/// before any token, rather than decoding into its deadline while the next ones wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_slot_that_comes_too_late_is_given_up_before_any_token() {
+    let engine = Arc::new(MockEngine::new(MockConfig {
+        decode_per_token: Duration::from_millis(20),
+        ..MockConfig::default()
+    }));
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.request_timeout = Duration::from_millis(2500);
+    cfg.frontend.max_decoding = Some(1);
+    let c = Cluster::start_shared(cfg, engine).await.expect("cluster starts");
+    let mut cl = client(&c).await;
+    // Sequences of 20 tokens hold the slot about 0.4 s.
+    for i in 0..3 {
+        generate(&mut cl, &prompt(i, 32), 20).await.expect("one at a time, each is served");
+    }
+    // One of 100 tokens holds it 2 s; the next, admitted on a 0.4 s wait, gets it with about
+    // 0.4 s left and 0.8 s of decode to do.
+    let mut long = cl.clone();
+    let first = tokio::spawn(async move { generate(&mut long, &prompt(10, 32), 100).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let req = GenerateRequest {
+        input: Some(Input::TokenIds(TokenIds { ids: prompt(11, 32) })),
+        sampling: Some(SamplingParams { max_tokens: 40, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    };
+    let mut stream = cl.generate(req).await.expect("admitted").into_inner();
+    let e = stream.message().await.expect_err("no token, an error");
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    assert!(e.message().contains("a decode slot came with"), "{e:?}");
+    let (tokens, _) = first.await.unwrap().expect("the long one is served");
+    assert_eq!(tokens.len(), 100);
+    c.shutdown().await;
+}
