@@ -284,6 +284,18 @@ impl Cluster {
         Self::start(cfg, &move || Ok(engine.clone())).await
     }
 
+    /// Starts another scheduler replica with `cfg`, serving on `bind` (the address of one
+    /// stopped, to restart it there), over the cluster's discovery.
+    pub async fn start_scheduler(
+        &mut self,
+        cfg: &SchedulerConfig,
+        bind: SocketAddr,
+    ) -> anyhow::Result<()> {
+        let replica = start_scheduler(cfg, bind, &self.registry, &self.bus, &self.tasks).await?;
+        self.schedulers.push(replica);
+        Ok(())
+    }
+
     /// Stops every part and waits for its tasks.
     pub async fn shutdown(self) {
         self.tasks.shutdown().await;

@@ -228,6 +228,28 @@ async fn a_scheduler_replica_going_away_costs_no_request() {
     c.shutdown().await;
 }
 
+/// The only scheduler replica restarted at its address (a deploy, a crash its supervisor
+/// restarts): requests arriving while it is away wait for it within their deadline, rather
+/// than failing with "no scheduler replica answered" (every one did, at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_the_only_scheduler_replica_to_come_back() {
+    let mut c = timed_cluster(ClusterConfig::ephemeral(), Duration::from_micros(50)).await;
+    let mut cl = client(&c).await;
+    generate(&mut cl, &prompt(1, 40), 4).await.expect("served before");
+    let gone = c.schedulers.pop().expect("one replica");
+    gone.tasks.shutdown().await;
+    let asked = Instant::now();
+    let (mut during, p) = (cl.clone(), prompt(2, 40));
+    let request = tokio::spawn(async move { generate(&mut during, &p, 4).await });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!request.is_finished(), "waiting for a replica, not failed");
+    c.start_scheduler(&SchedulerConfig::default(), gone.addr).await.expect("back at its address");
+    let (tokens, _) = request.await.unwrap().expect("served once the replica is back");
+    assert_eq!(tokens.len(), 4);
+    eprintln!("served {:?} after its replica went away", asked.elapsed());
+    c.shutdown().await;
+}
+
 /// The decode's own bound: a burst of more sequences than the decode advances at once is not
 /// let in to slow every stream past its deadline (before, with the prefills keeping up, all of
 /// them timed out). What the slots serve in time is served, the rest refused at once.

@@ -17,6 +17,9 @@ use crate::schedulers::{SelectFailure, Selected};
 /// when configured ([`crate::FrontendConfig::drive_vllm`]).
 const PROTOCOLS: [&str; 2] = ["handoff", "sglang"];
 
+/// How long a selection waits for a scheduler replica to answer when none does.
+const NO_REPLICA_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+
 fn retry_after(s: &tonic::Status) -> std::time::Duration {
     let ms = s
         .metadata()
@@ -61,7 +64,11 @@ impl Frontend {
         }
     }
 
-    /// Asks a scheduler replica where the prompt goes, booking it there.
+    /// Asks a scheduler replica where the prompt goes, booking it there. When no replica
+    /// answers (or none is known), asks again after 0.1 s, doubling to 1 s, for up to
+    /// [`NO_REPLICA_PATIENCE`] within the deadline: a replica restarting (a deploy, a crash
+    /// its supervisor restarts) is back within seconds, and a request with time left waits
+    /// for it rather than failing.
     async fn select(
         &self,
         plan: &Plan,
@@ -69,6 +76,28 @@ impl Frontend {
         exclude: &[String],
         failed: &[Attempt],
     ) -> Result<(Lease, Selected), FrontendError> {
+        let patience = (Instant::now() + NO_REPLICA_PATIENCE).min(plan.deadline);
+        let mut pause = std::time::Duration::from_millis(100);
+        loop {
+            match self.select_once(plan, hashes, exclude).await {
+                Err(SelectFailure::NoReplica(s)) if Instant::now() + pause < patience => {
+                    let why = s.as_ref().map_or("none known", |s| s.message());
+                    debug!(%why, ?pause, "no scheduler replica answered; asking again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(std::time::Duration::from_secs(1));
+                }
+                answer => return selected(answer, plan, failed),
+            }
+        }
+    }
+
+    /// Asks the scheduler replicas once (see [`crate::Schedulers::select`]).
+    async fn select_once(
+        &self,
+        plan: &Plan,
+        hashes: &[u64],
+        exclude: &[String],
+    ) -> Result<(Lease, Selected), SelectFailure> {
         // The prefill must leave the decode its time before the deadline, but at most half
         // the time left: a decode of `max_tokens` longer than the deadline allows may still
         // end early (EOS, a stop string), and is cut at the deadline if not; refused as
@@ -102,31 +131,39 @@ impl Frontend {
             }
             .instrument(tracing::Span::current()),
         );
-        let answer = call.await.unwrap_or_else(|e| {
+        call.await.unwrap_or_else(|e| {
             Err(SelectFailure::NoReplica(Some(tonic::Status::internal(format!(
                 "selection task: {e}"
             )))))
-        });
-        match answer {
-            Ok(booked) => Ok(booked),
-            Err(SelectFailure::Answer(s)) => Err(match s.code() {
-                tonic::Code::InvalidArgument => FrontendError::Invalid(s.message().to_owned()),
-                tonic::Code::ResourceExhausted => FrontendError::Overloaded {
-                    retry_after: retry_after(&s),
-                    // Said once: the error's own display says it is overload.
-                    reason: s.message().trim_start_matches("overloaded: ").to_owned(),
-                },
-                _ => FrontendError::Unavailable(format!("scheduler: {}", s.message())),
-            }),
-            Err(SelectFailure::NoReplica(_)) if Instant::now() >= plan.deadline => {
-                Err(FrontendError::Deadline(summary(failed)))
-            }
-            Err(SelectFailure::NoReplica(s)) => {
-                let why = s.map_or("no scheduler replica known".to_owned(), |s| {
-                    format!("no scheduler replica answered: {}", s.message())
-                });
-                Err(FrontendError::Unavailable(why))
-            }
+        })
+    }
+}
+
+/// What a selection's `answer` means to the request.
+fn selected(
+    answer: Result<(Lease, Selected), SelectFailure>,
+    plan: &Plan,
+    failed: &[Attempt],
+) -> Result<(Lease, Selected), FrontendError> {
+    match answer {
+        Ok(booked) => Ok(booked),
+        Err(SelectFailure::Answer(s)) => Err(match s.code() {
+            tonic::Code::InvalidArgument => FrontendError::Invalid(s.message().to_owned()),
+            tonic::Code::ResourceExhausted => FrontendError::Overloaded {
+                retry_after: retry_after(&s),
+                // Said once: the error's own display says it is overload.
+                reason: s.message().trim_start_matches("overloaded: ").to_owned(),
+            },
+            _ => FrontendError::Unavailable(format!("scheduler: {}", s.message())),
+        }),
+        Err(SelectFailure::NoReplica(_)) if Instant::now() >= plan.deadline => {
+            Err(FrontendError::Deadline(summary(failed)))
+        }
+        Err(SelectFailure::NoReplica(s)) => {
+            let why = s.map_or("no scheduler replica known".to_owned(), |s| {
+                format!("no scheduler replica answered: {}", s.message())
+            });
+            Err(FrontendError::Unavailable(why))
         }
     }
 }
