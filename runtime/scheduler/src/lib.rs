@@ -134,11 +134,13 @@ impl Scheduler {
                         ticks += 1;
                         let Some(report) = s.load_report(&me, ticks.is_multiple_of(keepalive)) else { continue };
                         match serde_json::to_vec(&report) {
-                            Ok(p) => {
-                                if let Err(e) = b.publish(load_subject(&me), p.into()).await {
-                                    warn!(error = %e, "load report not published");
-                                }
-                            }
+                            // Bounded: a bus client reconnecting can hold a publish without end,
+                            // and with it this loop (and its shutdown).
+                            Ok(p) => match tokio::time::timeout(LOAD_PUBLISH_TIMEOUT, b.publish(load_subject(&me), p.into())).await {
+                                Ok(Ok(())) => {}
+                                Ok(Err(e)) => warn!(error = %e, "load report not published"),
+                                Err(_) => warn!("load report not published within its timeout"),
+                            },
                             Err(e) => warn!(error = %e, "load report not encodable"),
                         }
                     }
@@ -173,6 +175,9 @@ fn cfg_share_interval(state: &SchedulerState) -> std::time::Duration {
 /// Times a resync starts over (events lost while its snapshot was fetched) before it is
 /// left to the next trigger.
 const RESYNC_RESTARTS: u32 = 3;
+
+/// Longest wait for the bus to take a load report.
+const LOAD_PUBLISH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Fetches an instance's KV snapshot page by page and applies it (see [`Resynced`]).
 async fn resync_from_snapshot(state: &SchedulerState, bus: &dyn EventBus, id: InstanceId) {

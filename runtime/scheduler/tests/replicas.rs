@@ -55,3 +55,53 @@ async fn replicas_on_one_bus_spread_requests_between_them() {
     assert_eq!(chosen.len(), 4, "every instance got one request: {chosen:?}");
     tasks.shutdown().await;
 }
+
+/// A bus whose publishes never return (a test double: a NATS client reconnecting holds
+/// them while its command queue is full) and whose subscriptions never deliver.
+struct StalledBus(tokio::sync::Notify);
+
+#[async_trait::async_trait]
+impl EventBus for StalledBus {
+    async fn publish(
+        &self,
+        _: String,
+        _: bytes::Bytes,
+    ) -> Result<(), handoff_discovery::DiscoveryError> {
+        self.0.notify_one();
+        std::future::pending().await
+    }
+
+    async fn subscribe(
+        &self,
+        _: &str,
+    ) -> Result<
+        futures::stream::BoxStream<'static, handoff_discovery::Message>,
+        handoff_discovery::DiscoveryError,
+    > {
+        Ok(Box::pin(futures::stream::pending()))
+    }
+
+    async fn request(
+        &self,
+        _: String,
+        _: bytes::Bytes,
+        _: Duration,
+    ) -> Result<bytes::Bytes, handoff_discovery::DiscoveryError> {
+        std::future::pending().await
+    }
+}
+
+/// A load report the bus never takes does not hold the replica's shutdown (it waited for
+/// the bus to come back).
+#[tokio::test]
+async fn a_stalled_bus_does_not_hold_a_replicas_shutdown() {
+    let registry = Arc::new(MemoryRegistry::new());
+    let bus = Arc::new(StalledBus(tokio::sync::Notify::new()));
+    let tasks = Tasks::new();
+    let cfg =
+        SchedulerConfig { load_share_interval: Duration::from_millis(5), ..Default::default() };
+    let _s = Scheduler::start(cfg, registry, bus.clone(), &tasks).await.unwrap();
+    bus.0.notified().await;
+    let stopped = tokio::time::timeout(Duration::from_secs(5), tasks.shutdown()).await;
+    assert!(stopped.is_ok(), "shut down while a load report waits on the bus");
+}
