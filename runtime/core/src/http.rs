@@ -45,6 +45,10 @@ pub struct HttpLimits {
     pub body_timeout: Duration,
     /// Connections open at once.
     pub max_connections: usize,
+    /// Once the server stops, how long a connection may take to finish what it serves
+    /// (a response to a client that no longer reads, a request whose head or body is still
+    /// coming) before it is cut.
+    pub shutdown_grace: Duration,
 }
 
 impl Default for HttpLimits {
@@ -53,6 +57,7 @@ impl Default for HttpLimits {
             head_timeout: Duration::from_secs(90),
             body_timeout: Duration::from_secs(60),
             max_connections: 16_384,
+            shutdown_grace: Duration::from_secs(10),
         }
     }
 }
@@ -106,14 +111,16 @@ where
                 Some(Spoken::Http1(io)) => {
                     let mut h1 = http1::Builder::new();
                     h1.timer(TokioTimer::new()).header_read_timeout(limits.head_timeout);
-                    until_stopped(h1.serve_connection(TokioIo::new(io), service), stopped).await;
+                    let conn = h1.serve_connection(TokioIo::new(io), service);
+                    until_stopped(conn, stopped, limits.shutdown_grace).await;
                 }
                 Some(Spoken::Http2(io)) => {
                     let mut h2 = http2::Builder::new(TokioExecutor::new());
                     h2.timer(TokioTimer::new())
                         .keep_alive_interval(H2_PING_EVERY)
                         .keep_alive_timeout(H2_PING_TIMEOUT);
-                    until_stopped(h2.serve_connection(TokioIo::new(io), service), stopped).await;
+                    let conn = h2.serve_connection(TokioIo::new(io), service);
+                    until_stopped(conn, stopped, limits.shutdown_grace).await;
                 }
             }
         });
@@ -124,15 +131,20 @@ where
     Ok(())
 }
 
-/// Serves `conn` until it ends; once `stopped`, it finishes what it is serving and ends.
-async fn until_stopped<C: GracefulConnection>(conn: C, mut stopped: watch::Receiver<bool>) {
+/// Serves `conn` until it ends; once `stopped`, it finishes what it is serving and ends, or
+/// is cut after `grace`.
+async fn until_stopped<C: GracefulConnection>(
+    conn: C,
+    mut stopped: watch::Receiver<bool>,
+    grace: Duration,
+) {
     let mut conn = std::pin::pin!(conn);
     tokio::select! {
         _ = conn.as_mut() => return,
         _ = stopped.wait_for(|s| *s) => {}
     }
     conn.as_mut().graceful_shutdown();
-    let _ = conn.await;
+    let _ = tokio::time::timeout(grace, conn).await;
 }
 
 /// [`serve`] on a TCP listener, over TLS when `tls` is given (see

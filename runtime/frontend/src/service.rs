@@ -351,17 +351,32 @@ impl Generate for GenerateService {
 }
 
 /// Serves Generate (and standard gRPC health) on `listener` until `shutdown` completes (over
-/// TLS when the frontend's config has a public certificate).
+/// TLS when the frontend's config has a public certificate); then finishes what its
+/// connections serve, for at most the shutdown grace (a stream whose client no longer reads
+/// never finishes).
 pub async fn serve(
     listener: TcpListener,
     frontend: Arc<Frontend>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
-    let incoming =
-        handoff_proto::grpc::placed_incoming(listener, frontend.cfg.http.max_connections);
-    handoff_proto::grpc::public_server(frontend.cfg.public_tls.as_ref())?
+    let (limits, tls) = (frontend.cfg.http.clone(), frontend.cfg.public_tls.clone());
+    let incoming = handoff_proto::grpc::placed_incoming(listener, limits.max_connections);
+    let (stopped, mut stopping) = tokio::sync::watch::channel(false);
+    let signal = async move {
+        shutdown.await;
+        let _ = stopped.send(true);
+    };
+    let serving = handoff_proto::grpc::public_server(tls.as_ref())?
         .add_service(GenerateService::new(frontend).into_server())
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
-        .map_err(GrpcError::Serve)
+        .serve_with_incoming_shutdown(incoming, signal);
+    tokio::select! {
+        served = serving => served.map_err(GrpcError::Serve),
+        _ = async {
+            let _ = stopping.wait_for(|s| *s).await;
+            tokio::time::sleep(limits.shutdown_grace).await;
+        } => {
+            tracing::warn!("Generate connections not finished within the shutdown grace: cut");
+            Ok(())
+        }
+    }
 }

@@ -1,5 +1,5 @@
 //! A request's token stream and its deadline: a client that stops reading holds its request
-//! only until the deadline; a `max_tokens` whose decode would outlast the deadline is served
+//! only until the deadline, and the frontend's shutdown only for its grace; a `max_tokens` whose decode would outlast the deadline is served
 //! until the deadline, not refused; a chat with no `max_tokens` ends there as long enough.
 
 use std::sync::Arc;
@@ -53,6 +53,28 @@ async fn a_client_that_stops_reading_holds_its_request_only_until_the_deadline()
         }
     };
     assert_eq!(end.code(), tonic::Code::DeadlineExceeded, "{end:?}");
+}
+
+/// A client that stops reading does not hold the frontend's shutdown either: its connection
+/// is cut after the shutdown grace (before, the server waited for the stream to finish, and
+/// the process for the client).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_does_not_hold_the_shutdown() {
+    let engine = MockEngine::new(MockConfig { max_context: 200_000, ..MockConfig::default() });
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.http.shutdown_grace = Duration::from_millis(300);
+    let c = Cluster::start_shared(cfg, Arc::new(engine)).await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", c.frontend_addr))
+        .unwrap()
+        .initial_stream_window_size(Some(1024))
+        .initial_connection_window_size(Some(1024))
+        .connect()
+        .await
+        .unwrap();
+    let mut cl = GenerateClient::new(channel);
+    let _unread = cl.generate(request(150_000, 60_000)).await.unwrap().into_inner();
+    let stopped = tokio::time::timeout(Duration::from_secs(10), c.shutdown()).await;
+    assert!(stopped.is_ok(), "the shutdown waited for a client that does not read");
 }
 
 /// Decode steps of 1 ms, measured by a first request, and prefills the scheduler knows cost

@@ -128,6 +128,28 @@ async fn shutdown_finishes_the_requests_in_flight_and_returns() {
         .unwrap();
 }
 
+/// A connection still busy when the server stops (here a request whose body never comes;
+/// as well a response its client no longer reads) is cut after the shutdown grace: the
+/// server returned only once the client left.
+#[tokio::test]
+async fn shutdown_cuts_what_is_not_finished_within_its_grace() {
+    let limits = HttpLimits { shutdown_grace: Duration::from_millis(200), ..HttpLimits::default() };
+    let (addr, stop, served) = server(limits).await;
+    let mut stuck = TcpStream::connect(addr).await.unwrap();
+    stuck
+        .write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\nabc")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(5), served)
+        .await
+        .expect("returned after the grace")
+        .unwrap()
+        .unwrap();
+    assert!(closes(&mut stuck, Duration::from_secs(1)).await, "the busy connection was cut");
+}
+
 /// A body declared and trickled is cut off at the body timeout (the head came in time);
 /// one that comes whole is read.
 #[tokio::test]
