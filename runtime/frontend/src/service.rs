@@ -359,7 +359,7 @@ pub async fn serve(
     frontend: Arc<Frontend>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
-    let (limits, tls) = (frontend.cfg.http.clone(), frontend.cfg.public_tls.clone());
+    let (limits, tls) = (frontend.cfg.http, frontend.cfg.public_tls.clone());
     let incoming = handoff_proto::grpc::placed_incoming(listener, limits.max_connections);
     let (stopped, mut stopping) = tokio::sync::watch::channel(false);
     let signal = async move {
