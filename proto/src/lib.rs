@@ -19,6 +19,9 @@ pub mod metadata {
     /// On a scheduler's `UNAVAILABLE`: the replica is up and answered that it has no
     /// routable instance (not a failure of the replica itself).
     pub const NO_INSTANCE: &str = "handoff-no-instance";
+    /// On a prefill's `UNAVAILABLE`: the instance is draining, refusing new work (not a
+    /// failure of the instance: another one is asked).
+    pub const DRAINING: &str = "handoff-draining";
     /// On a scheduler's refusal of `SelectPrefill`: how many of the reports sent along it
     /// took (as `SelectPrefillResponse.reports_taken` says on an answer).
     pub const REPORTS_TAKEN: &str = "handoff-reports-taken";

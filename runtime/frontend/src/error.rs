@@ -85,10 +85,13 @@ impl FrontendError {
         Self::because(stage, cause, e)
     }
 
-    /// A failed call to the prefill instance, classified by its status code.
+    /// A failed call to the prefill instance, classified by its status code. An instance
+    /// draining refuses new work as one that is full does: not its fault.
     pub(crate) fn prefill_status(s: &tonic::Status) -> Self {
+        let draining = s.metadata().contains_key(handoff_proto::metadata::DRAINING);
         let cause = match s.code() {
             tonic::Code::ResourceExhausted => Cause::Overloaded,
+            tonic::Code::Unavailable if draining => Cause::Overloaded,
             tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => Cause::Deadline,
             tonic::Code::InvalidArgument => Cause::Invalid,
             _ => Cause::Instance,

@@ -46,7 +46,13 @@ impl From<PrefillError> for tonic::Status {
             PrefillError::Mismatch(_) => tonic::Status::failed_precondition(msg),
             PrefillError::Overloaded(_) => tonic::Status::resource_exhausted(msg),
             PrefillError::Deadline(_) => tonic::Status::deadline_exceeded(msg),
-            PrefillError::Draining | PrefillError::Transfer(_) | PrefillError::Discovery(_) => {
+            PrefillError::Draining => {
+                let mut s = tonic::Status::unavailable(msg);
+                let draining = tonic::metadata::MetadataValue::from_static("1");
+                s.metadata_mut().insert(handoff_proto::metadata::DRAINING, draining);
+                s
+            }
+            PrefillError::Transfer(_) | PrefillError::Discovery(_) => {
                 tonic::Status::unavailable(msg)
             }
             PrefillError::Engine(_) | PrefillError::Startup(_) => tonic::Status::internal(msg),

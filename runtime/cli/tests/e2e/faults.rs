@@ -415,3 +415,19 @@ async fn a_deadline_passed_in_a_prefills_queue_is_an_overload() {
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
     busy.await.unwrap().expect("the request holding the engine is served");
 }
+
+/// A prefill draining refuses new work (a request routed to it before its deregistration was
+/// seen): that is not its fault (no breaker counts it, the frontend keeps its way of calling
+/// it), but another instance is asked, as when one is full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_prefills_refusal_is_not_its_fault() {
+    let c = cluster(ClusterConfig::ephemeral()).await;
+    c.prefills[0].drain(Duration::ZERO).await.expect("drained");
+    let e = match try_direct_attempt(&c, &*engine(), 1, &prompt(1, 32)).await {
+        Err(e) => e,
+        Ok(_) => panic!("a draining prefill took new work"),
+    };
+    assert_eq!(e.cause(), Some(handoff_frontend::Cause::Overloaded), "{e}");
+    assert!(e.to_string().contains("draining"), "{e}");
+    c.shutdown().await;
+}

@@ -71,6 +71,18 @@ pub(crate) async fn direct_attempt(
     decode_tp: usize,
     tokens: &[u32],
 ) -> handoff_frontend::attempt::Prefilled {
+    try_direct_attempt(c, engine, decode_tp, tokens)
+        .await
+        .unwrap_or_else(|e| panic!("decode tp {decode_tp}: {e}"))
+}
+
+/// [`direct_attempt`], failing as the attempt does.
+pub(crate) async fn try_direct_attempt(
+    c: &Cluster,
+    engine: &dyn Engine,
+    decode_tp: usize,
+    tokens: &[u32],
+) -> Result<handoff_frontend::attempt::Prefilled, handoff_frontend::FrontendError> {
     use handoff_bootstrap::{DirectoryCache, DirectoryClient};
     use handoff_frontend::attempt::{self, AttemptCtx, PrefillPeer, Stages, Target};
     use handoff_proto::v1::prefill_client::PrefillClient;
@@ -108,8 +120,7 @@ pub(crate) async fn direct_attempt(
         deadline,
         &mut Stages::start(),
     )
-    .await
-    .unwrap_or_else(|e| panic!("decode tp {decode_tp}: {e}"));
+    .await;
     tasks.shutdown().await;
     got
 }
