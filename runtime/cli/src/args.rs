@@ -311,9 +311,10 @@ pub struct FrontendArgs {
 /// What a client's request may take, at the frontend.
 #[derive(Debug, Clone, Args)]
 pub struct RequestArgs {
-    /// Seconds a request has when it names no deadline (gRPC `deadline_ms`; the HTTP API's
-    /// requests always take this): past it, a request fails with 504 / `DEADLINE_EXCEEDED`
-    /// (a chat without `max_tokens` ends with `finish_reason: "length"`).
+    /// Seconds a request has when it names no deadline, and at most when it names one (gRPC
+    /// `deadline_ms`; the HTTP API's requests always take this): past it, a request fails
+    /// with 504 / `DEADLINE_EXCEEDED` (a chat without `max_tokens` ends with
+    /// `finish_reason: "length"`).
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub request_timeout_secs: u64,
     /// Client connections open at once on each public listener (the HTTP API, gRPC

@@ -18,7 +18,7 @@ pub struct FrontendConfig {
     pub backoff: Duration,
     /// Longest wait between attempts.
     pub max_backoff: Duration,
-    /// Whole-request deadline when the request names none.
+    /// Whole-request deadline when the request names none, and the longest one it may name.
     pub request_timeout: Duration,
     /// Deadline of one attempt beyond the queue wait the scheduler expects for it (bounded by
     /// the request's deadline): queueing is not failure, a silent instance is.

@@ -78,11 +78,12 @@ pub(crate) async fn checked(
     Ok(planned)
 }
 
-/// The time `req` has: its own deadline, else the frontend's request timeout.
+/// The time `req` has: its own deadline, at most the frontend's request timeout (a client
+/// naming 49 days held its place that long, reading nothing), or that timeout.
 fn budget(req: &GenerateRequest, cfg: &FrontendConfig) -> Duration {
     match req.deadline_ms {
         0 => cfg.request_timeout,
-        ms => Duration::from_millis(u64::from(ms)),
+        ms => Duration::from_millis(u64::from(ms)).min(cfg.request_timeout),
     }
 }
 

@@ -34,6 +34,17 @@ fn a_chat_without_max_tokens_may_fill_the_context() {
     assert!(super::plan(request(full, 1), &engine, &cfg).is_err());
 }
 
+/// A request's own deadline is kept up to the frontend's request timeout, and cut to it
+/// beyond; none named is that timeout.
+#[test]
+fn a_deadline_named_is_at_most_the_request_timeout() {
+    let cfg = FrontendConfig { request_timeout: Duration::from_secs(60), ..Default::default() };
+    let with = |deadline_ms| GenerateRequest { deadline_ms, ..Default::default() };
+    assert_eq!(budget(&with(0), &cfg), Duration::from_secs(60));
+    assert_eq!(budget(&with(1500), &cfg), Duration::from_millis(1500));
+    assert_eq!(budget(&with(u32::MAX), &cfg), Duration::from_secs(60));
+}
+
 /// No seed given is a fresh seed per request, below 2^63 (SGLang keeps seeds in a signed
 /// 64-bit integer); a seed given, 0 included, is kept.
 #[test]
