@@ -190,6 +190,9 @@ impl Frontend {
                     }
                     Update::Add(i) => {
                         me.directory.invalidate(i.id.as_str());
+                        // A registration is a process started: what the last one failed
+                        // to reach says nothing of it.
+                        me.reach.reached(i.id.as_str());
                         known.insert(i.id.to_string());
                     }
                     Update::Remove(id) => {

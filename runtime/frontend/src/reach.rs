@@ -10,7 +10,8 @@
 //! the load, not the network. After the while the instance may be tried again: a success
 //! forgets it, a failure avoids it again at once (so only the attempts already under way
 //! when the while ends can lose to it; a single probe would need the scheduler to pick it
-//! for that one selection, or the instance would stay avoided). A selection that finds nothing else is asked again without the avoided instances:
+//! for that one selection, or the instance would stay avoided). An instance registering
+//! again (a restart) is forgotten as well. A selection that finds nothing else is asked again without the avoided instances:
 //! this frontend's view never makes the service unavailable by itself.
 
 use std::collections::HashMap;

@@ -46,3 +46,25 @@ async fn avoiding_more_instances_than_a_request_may_exclude_still_selects() {
     drop(stop);
     tasks.shutdown().await;
 }
+
+/// An instance this frontend avoids (it could not reach it: a process killed, say) and that
+/// registers again (its restart) is tried at once, not after the avoidance's 10 s.
+#[tokio::test]
+async fn an_instance_registering_again_is_no_longer_avoided() {
+    let tasks = Tasks::new();
+    let engine = Arc::new(MockEngine::new(MockConfig::default()));
+    let fe = super::Frontend::new(FrontendConfig::default(), engine, &[], &tasks).await.unwrap();
+    let registry = Arc::new(handoff_discovery::MemoryRegistry::new());
+    fe.follow(registry.clone()).await.unwrap();
+    let now = tokio::time::Instant::now();
+    while !fe.reach.failed_at("p0", now) {}
+    assert_eq!(fe.reach.avoided_at(now), ["p0"]);
+    let p0 = Instance::fixture("p0".parse().unwrap(), Role::Prefill);
+    handoff_discovery::Registry::register(&*registry, p0).await.unwrap();
+    let since = std::time::Instant::now();
+    while !fe.reach.avoided_at(now).is_empty() {
+        assert!(since.elapsed() < std::time::Duration::from_secs(5), "still avoided");
+        tokio::task::yield_now().await;
+    }
+    tasks.shutdown().await;
+}
