@@ -3,6 +3,7 @@
 //! operations endpoints (`/metrics`, `/livez`, `/readyz`). Requests become `GenerateRequest`s and take the same path as gRPC.
 
 mod openai;
+mod unsupported;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -101,7 +102,7 @@ fn sampling(s: &openai::Sampling) -> Result<SamplingParams, ApiError> {
         top_k: s.top_k.unwrap_or(0),
         // No seed: a fresh one per request (see `input::plan`).
         seed: s.seed,
-        stop: s.stop.clone().map(openai::Stop::into_vec).unwrap_or_default(),
+        stop: s.stop.clone().map(|s| s.0).unwrap_or_default(),
         ignore_eos: false,
     })
 }
@@ -141,6 +142,7 @@ async fn chat(
         let body = read(body)?;
         let req: ChatRequest = parse(&body)?;
         let sampled: openai::Sampling = parse(&body)?;
+        parse::<unsupported::Unsupported>(&body)?.refuse()?;
         if req.messages.is_empty() {
             return Err(ApiError::invalid("messages must not be empty", Some("messages")));
         }
@@ -169,6 +171,7 @@ async fn completions(
         let body = read(body)?;
         let req: CompletionRequest = parse(&body)?;
         let sampled: openai::Sampling = parse(&body)?;
+        parse::<unsupported::Unsupported>(&body)?.refuse()?;
         let input = match req.prompt {
             Prompt::Text(t) => Input::Text(t),
             Prompt::Tokens(ids) => Input::TokenIds(TokenIds { ids }),
@@ -211,8 +214,9 @@ async fn respond(
 ) -> Result<Response, ApiError> {
     let rx = crate::service::start(fe, g, trace).await?;
     let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_id());
-    if s.stream {
-        let include_usage = s.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    if s.stream == Some(true) {
+        let include_usage =
+            s.stream_options.as_ref().is_some_and(|o| o.include_usage == Some(true));
         return Ok(sse(rx, id, model.to_owned(), chat, include_usage));
     }
     let (text, done) = collect(rx).await?;

@@ -6,22 +6,42 @@ use serde::de::{self, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::json;
 
+use crate::input::MAX_STOP;
 use crate::{Cause, FrontendError};
 
-/// `stop`: a string or a list of strings.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub(crate) enum Stop {
-    One(String),
-    Many(Vec<String>),
+/// `stop`: a string or a list of at most [`MAX_STOP`] strings, read no further (a list of a
+/// million took 70 MB, as generic values, before it was counted).
+#[derive(Debug, Clone)]
+pub(crate) struct Stop(pub(crate) Vec<String>);
+
+struct StopVisitor;
+
+impl<'de> Visitor<'de> for StopVisitor {
+    type Value = Stop;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "a string or a list of at most {MAX_STOP} strings")
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Stop, E> {
+        Ok(Stop(vec![s.to_owned()]))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Stop, A::Error> {
+        let mut all = Vec::new();
+        while let Some(s) = seq.next_element::<String>()? {
+            if all.len() == MAX_STOP {
+                return Err(de::Error::invalid_length(MAX_STOP + 1, &self));
+            }
+            all.push(s);
+        }
+        Ok(Stop(all))
+    }
 }
 
-impl Stop {
-    pub(crate) fn into_vec(self) -> Vec<String> {
-        match self {
-            Stop::One(s) => vec![s],
-            Stop::Many(v) => v,
-        }
+impl<'de> Deserialize<'de> for Stop {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StopVisitor)
     }
 }
 
@@ -36,15 +56,14 @@ pub(crate) struct Sampling {
     pub(crate) seed: Option<u64>,
     pub(crate) stop: Option<Stop>,
     pub(crate) n: Option<u32>,
-    #[serde(default)]
-    pub(crate) stream: bool,
+    /// `null` as absent, as OpenAI takes it.
+    pub(crate) stream: Option<bool>,
     pub(crate) stream_options: Option<StreamOptions>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
 pub(crate) struct StreamOptions {
-    #[serde(default)]
-    pub(crate) include_usage: bool,
+    pub(crate) include_usage: Option<bool>,
 }
 
 // The request types below are read straight from the body, never through serde's untagged

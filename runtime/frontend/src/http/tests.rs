@@ -91,6 +91,61 @@ async fn bad_requests_get_400_with_an_openai_error_body() {
     tasks.shutdown().await;
 }
 
+/// Parameters handoff does not serve are refused by name when asked for, and taken when
+/// they ask for nothing (null, false, 0, empty, a text response format); `stream: null` is
+/// absent, and a `stop` list past its bound is refused as it is read.
+#[tokio::test]
+async fn parameters_not_served_are_refused_by_name_when_asked_for() {
+    let tasks = Tasks::new();
+    let engine = Arc::new(MockEngine::new(MockConfig::default()));
+    let fe = Frontend::new(FrontendConfig::default(), engine, &["127.0.0.1:9".into()], &tasks)
+        .await
+        .unwrap();
+    let app = router(fe);
+    let chat = |extra: &str| {
+        format!(
+            r#"{{"model": "mock", "messages": [{{"role": "user", "content": "hi"}}], {extra}}}"#
+        )
+    };
+    for (extra, name) in [
+        (r#""logprobs": true"#, "logprobs"),
+        (r#""top_logprobs": 3"#, "top_logprobs"),
+        (r#""tools": [{"type": "function", "function": {"name": "f"}}]"#, "tools"),
+        (r#""response_format": {"type": "json_object"}"#, "response_format"),
+        (r#""logit_bias": {"50256": -100}"#, "logit_bias"),
+        (r#""presence_penalty": 0.5"#, "presence_penalty"),
+        (r#""frequency_penalty": -1"#, "frequency_penalty"),
+        (r#""best_of": 2"#, "best_of"),
+        (r#""echo": true"#, "echo"),
+        (r#""stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]"#, "at most 8 strings"),
+    ] {
+        let (status, v) = call(&app, Method::POST, "/v1/chat/completions", &chat(extra)).await;
+        assert_eq!(status, 400, "{extra}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(name), "{extra}: {msg}");
+    }
+    let (status, v) = call(
+        &app,
+        Method::POST,
+        "/v1/completions",
+        r#"{"model": "mock", "prompt": "hi", "suffix": "x"}"#,
+    )
+    .await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("suffix")), "{v}");
+    let nothing = r#"{"logprobs": false, "top_logprobs": 0, "tools": [], "logit_bias": {},
+        "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1, "echo": null,
+        "suffix": "", "response_format": {"type": "text"}, "functions": null}"#;
+    let asked: unsupported::Unsupported = serde_json::from_str(nothing).unwrap();
+    assert!(asked.refuse().is_ok(), "nothing asked for");
+    let s: openai::Sampling =
+        serde_json::from_str(r#"{"stream": null, "stream_options": {"include_usage": null}}"#)
+            .unwrap();
+    assert_eq!(s.stream, None);
+    let s: openai::Sampling = serde_json::from_str(r#"{"stop": ["a", "b"]}"#).unwrap();
+    assert_eq!(s.stop.map(|s| s.0), Some(vec!["a".to_owned(), "b".to_owned()]));
+    tasks.shutdown().await;
+}
+
 #[test]
 fn each_failure_has_its_status_and_overload_says_when_to_retry() {
     use crate::Cause;
