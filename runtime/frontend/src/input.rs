@@ -40,8 +40,10 @@ pub struct Plan {
 
 /// Text and chat inputs longer than this are tokenized on a blocking thread, as many at once
 /// as there are cores: encoding takes about 1.6 us a byte (a megabyte of digits, 1.6 s),
-/// which on an async worker would stall every stream it serves.
-pub const TOKENIZE_APART_BYTES: usize = 64 << 10;
+/// which on an async worker would stall every stream it serves. At 4 KiB an input inline
+/// holds a worker about 7 ms at most (at 64 KiB, 100 ms: two such requests stalled both
+/// workers of a 2-core host).
+pub const TOKENIZE_APART_BYTES: usize = 4 << 10;
 
 /// [`plan`], with a long input tokenized apart (see [`TOKENIZE_APART_BYTES`]).
 pub(crate) async fn checked(
