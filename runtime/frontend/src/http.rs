@@ -53,8 +53,26 @@ pub fn router(fe: Arc<Frontend>) -> Router {
             ApiError { status, ..ApiError::invalid("method not allowed on this route", None) }
         })
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn_with_state(fe.clone(), close_when_draining))
         .with_state(fe)
         .merge(ops)
+}
+
+/// While the frontend drains, an HTTP/1.1 answer closes its connection: a client keeping
+/// connections alive (a pool behind a balancer) opens its next one elsewhere, rather than
+/// bringing this frontend new requests until its drain ends and cuts them.
+async fn close_when_draining(
+    State(fe): State<Arc<Frontend>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let h1 = req.version() == axum::http::Version::HTTP_11;
+    let mut answer = next.run(req).await;
+    if h1 && fe.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        let close = axum::http::HeaderValue::from_static("close");
+        answer.headers_mut().insert(header::CONNECTION, close);
+    }
+    answer
 }
 
 /// Serves the HTTP API on `listener` until `shutdown` completes (HTTPS when the frontend's

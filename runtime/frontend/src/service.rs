@@ -359,22 +359,41 @@ pub async fn serve(
     frontend: Arc<Frontend>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
+    serve_draining(listener, frontend, std::future::pending(), shutdown).await
+}
+
+/// [`serve`], and from when `drain` completes, tells its clients to go (HTTP/2 `GOAWAY`: a
+/// client pinned to this frontend's connection reconnects, through its balancer, to another)
+/// and takes no new connection, while its streams in flight go on until `shutdown`.
+pub async fn serve_draining(
+    listener: TcpListener,
+    frontend: Arc<Frontend>,
+    drain: impl Future<Output = ()> + Send,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), GrpcError> {
     let (limits, tls) = (frontend.cfg.http, frontend.cfg.public_tls.clone());
     let incoming = handoff_proto::grpc::placed_incoming(listener, limits.max_connections);
-    let (stopped, mut stopping) = tokio::sync::watch::channel(false);
-    let signal = async move {
-        shutdown.await;
-        let _ = stopped.send(true);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut stopping = stopped.clone();
+    let goaway = async move {
+        tokio::select! {
+            _ = drain => {}
+            _ = stopping.wait_for(|s| *s) => {}
+        }
     };
     let serving = handoff_proto::grpc::public_server(tls.as_ref())?
         .add_service(GenerateService::new(frontend).into_server())
-        .serve_with_incoming_shutdown(incoming, signal);
+        .serve_with_incoming_shutdown(incoming, goaway);
+    tokio::pin!(serving, shutdown);
     tokio::select! {
-        served = serving => served.map_err(GrpcError::Serve),
-        _ = async {
-            let _ = stopping.wait_for(|s| *s).await;
-            tokio::time::sleep(limits.shutdown_grace).await;
-        } => {
+        served = &mut serving => return served.map_err(GrpcError::Serve),
+        _ = &mut shutdown => {
+            let _ = stop.send(true);
+        }
+    }
+    match tokio::time::timeout(limits.shutdown_grace, serving).await {
+        Ok(served) => served.map_err(GrpcError::Serve),
+        Err(_) => {
             tracing::warn!("Generate connections not finished within the shutdown grace: cut");
             Ok(())
         }

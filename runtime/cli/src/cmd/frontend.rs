@@ -112,9 +112,16 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
             tracing::warn!(error = %e, "HTTP stopped");
         }
     });
-    let serving = handoff_frontend::service::serve(grpc, frontend.clone(), async move {
-        t2.shutdown_requested().await
-    });
+    // A drain tells gRPC clients to go (GOAWAY) at once; their streams go on until shutdown.
+    let (drain, draining) = tokio::sync::watch::channel(false);
+    let goaway = async move {
+        let mut draining = draining;
+        let _ = draining.wait_for(|d| *d).await;
+    };
+    let serving =
+        handoff_frontend::service::serve_draining(grpc, frontend.clone(), goaway, async move {
+            t2.shutdown_requested().await
+        });
     tokio::pin!(serving);
     let stopped = tokio::select! {
         r = &mut serving => Some(r),
@@ -125,9 +132,11 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         tasks.shutdown().await;
         return Ok(r?);
     }
-    // Drain: out of discovery and not ready at once; streams in flight finish while the
-    // listeners still serve, for at most --drain-secs.
+    // Drain: out of discovery and not ready at once; clients told to go (gRPC's GOAWAY, an
+    // HTTP/1.1 connection closed after its answer); streams in flight finish, for at most
+    // --drain-secs.
     frontend.start_draining();
+    let _ = drain.send(true);
     if let Some(own) = &own_scheduler {
         own.set_ready(false);
     }
@@ -138,16 +147,27 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    tokio::select! {
-        r = &mut serving => r?,
-        _ = drained => {}
+    // The gRPC server ends once its connections have (told to go, they close): the HTTP
+    // API's streams may still be in flight.
+    tokio::pin!(drained);
+    let mut served = None;
+    loop {
+        tokio::select! {
+            r = &mut serving, if served.is_none() => served = Some(r),
+            _ = &mut drained => break,
+        }
     }
     tracing::info!(left = frontend.in_flight(), "frontend drained");
-    // Graceful: the listeners stop accepting and hand out what their streams still hold.
-    let (_, served) =
-        tokio::join!(tasks.shutdown(), tokio::time::timeout(Duration::from_secs(5), &mut serving));
-    if let Ok(r) = served {
-        r?;
+    // The listeners stop and hand out what their streams still hold (cut after their grace).
+    match served {
+        Some(r) => {
+            tasks.shutdown().await;
+            r?;
+        }
+        None => {
+            let (_, r) = tokio::join!(tasks.shutdown(), &mut serving);
+            r?;
+        }
     }
     Ok(())
 }

@@ -77,6 +77,50 @@ async fn a_client_that_stops_reading_does_not_hold_the_shutdown() {
     assert!(stopped.is_ok(), "the shutdown waited for a client that does not read");
 }
 
+/// A drain tells gRPC clients to go (GOAWAY) while their streams in flight go on: a stream
+/// begun before it ends whole, and the server ends once its connections have, before any
+/// shutdown (before, a client kept on its connection brought new requests until the drain
+/// ended, and then had its streams cut).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_sends_clients_away_and_finishes_their_streams() {
+    let engine = MockEngine::new(MockConfig {
+        decode_per_token: Duration::from_millis(5),
+        ..MockConfig::default()
+    });
+    let c = Cluster::start_shared(ClusterConfig::ephemeral(), Arc::new(engine)).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (drain, draining) = tokio::sync::oneshot::channel::<()>();
+    let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(handoff_frontend::service::serve_draining(
+        listener,
+        c.frontend.clone(),
+        async move {
+            let _ = draining.await;
+        },
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let mut cl = GenerateClient::connect(format!("http://{addr}")).await.unwrap();
+    let mut long = cl.generate(request(200, 0)).await.unwrap().into_inner();
+    long.message().await.unwrap().expect("a first token");
+    drain.send(()).unwrap();
+    let mut tokens = 1;
+    loop {
+        match long.message().await.expect("the stream goes on").expect("to its end").event {
+            Some(Event::Chunk(ch)) => tokens += ch.token_ids.len(),
+            Some(Event::Complete(_)) => break,
+            None => {}
+        }
+    }
+    assert_eq!(tokens, 200, "the stream in flight ended whole");
+    let ended = tokio::time::timeout(Duration::from_secs(10), serving).await;
+    ended.expect("the server ended with its connections, no shutdown needed").unwrap().unwrap();
+    assert!(cl.generate(request(4, 0)).await.is_err(), "no new request taken");
+    c.shutdown().await;
+}
+
 /// Decode steps of 1 ms, measured by a first request, and prefills the scheduler knows cost
 /// 100 us a token; then `max_tokens` of 5,000 (about 5 s of decode) under a 1 s deadline:
 /// tokens come, and the deadline ends the stream (before, the scheduler was asked to prefill

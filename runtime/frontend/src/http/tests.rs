@@ -146,6 +146,26 @@ async fn parameters_not_served_are_refused_by_name_when_asked_for() {
     tasks.shutdown().await;
 }
 
+/// While the frontend drains, an HTTP/1.1 answer closes its connection (a client's pool
+/// opens the next one elsewhere); before, it is kept alive.
+#[tokio::test]
+async fn a_draining_frontend_closes_each_http1_connection_after_its_answer() {
+    let tasks = Tasks::new();
+    let engine = Arc::new(MockEngine::new(MockConfig::default()));
+    let fe = Frontend::new(FrontendConfig::default(), engine, &["127.0.0.1:9".into()], &tasks)
+        .await
+        .unwrap();
+    let app = router(fe.clone());
+    let models = || Request::get("/v1/models").body(Body::empty()).unwrap();
+    let kept = app.clone().oneshot(models()).await.unwrap();
+    assert_eq!(kept.headers().get(header::CONNECTION), None);
+    fe.start_draining();
+    let closed = app.clone().oneshot(models()).await.unwrap();
+    assert_eq!(closed.status(), 200);
+    assert_eq!(closed.headers().get(header::CONNECTION).unwrap(), "close");
+    tasks.shutdown().await;
+}
+
 #[test]
 fn each_failure_has_its_status_and_overload_says_when_to_retry() {
     use crate::Cause;
