@@ -127,12 +127,16 @@ pub(crate) async fn stream(
         m.ended(Ending::Cancelled);
         return;
     };
-    if let Some(t) = ticket.as_mut()
-        && let Err((ending, why)) = decode_turn(&fe, t, &plan, arrived).await
-    {
-        return fail(m, last, ending, why);
-    }
     let eos = fe.engine.info().eos.filter(|_| !plan.sampling.ignore_eos);
+    // A first token that ends the sequence needs no decode step, nor a slot.
+    let decodes = plan.max_tokens > 1 && Some(ready.first_token) != eos;
+    if let Some(t) = ticket.as_mut().filter(|_| decodes) {
+        match decode_turn(&fe, t, &plan, arrived, &tx).await {
+            Ok(()) => {}
+            Err(None) => return m.ended(Ending::Cancelled),
+            Err(Some((ending, why))) => return fail(m, last, ending, why),
+        }
+    }
     let mut text = TextAssembler::new(&plan.sampling.stop);
     let mut generated = 0u32;
     let mut token = ready.first_token;
@@ -162,6 +166,8 @@ pub(crate) async fn stream(
         }
         if Instant::now() >= plan.deadline {
             if plan.open_ended {
+                // Cut, not run to its end: its hold says nothing of a sequence's.
+                ticket = None;
                 break FinishReason::Length;
             }
             let why = format!("deadline passed after {generated} tokens");
@@ -229,22 +235,26 @@ pub(crate) async fn stream(
 }
 
 /// Waits for `ticket`'s decode slot, before the request's first token goes out: until the
-/// deadline or shutdown, and a slot that comes too late for the decode the request expects
-/// is given up at once, for the next one in line (see [`crate::decoding`]).
+/// deadline, shutdown or the client leaving (`Err(None)`), and a slot that comes too late
+/// for the decode the request expects is given up at once, for the next one in line (see
+/// [`crate::decoding`]).
 async fn decode_turn(
     fe: &Frontend,
     ticket: &mut Ticket,
     plan: &Plan,
     arrived: Instant,
-) -> Result<(), (Ending, Status)> {
+    tx: &Tx,
+) -> Result<(), Option<(Ending, Status)>> {
     tokio::select! {
         _ = fe.tasks.shutdown_requested() => {
-            return Err((Ending::Failed, Status::unavailable("frontend shutting down")));
+            return Err(Some((Ending::Failed, Status::unavailable("frontend shutting down"))));
         }
         _ = tokio::time::sleep_until(plan.deadline) => {
             let why = "the deadline passed waiting for a decode slot";
-            return Err((Ending::Expired, Status::deadline_exceeded(why)));
+            return Err(Some((Ending::Expired, Status::deadline_exceeded(why))));
         }
+        // The client left: its place in line goes to the next one.
+        _ = tx.closed() => return Err(None),
         _ = ticket.slot() => {}
     }
     // An open-ended chat is cut at its deadline, whatever it gets done by then.
@@ -261,7 +271,7 @@ async fn decode_turn(
             left.as_millis(),
             decode.as_millis()
         );
-        return Err((Ending::Expired, Status::deadline_exceeded(why)));
+        return Err(Some((Ending::Expired, Status::deadline_exceeded(why))));
     }
     Ok(())
 }
@@ -278,7 +288,10 @@ fn expected_decode(fe: &Frontend, plan: &Plan) -> std::time::Duration {
 /// Admits `plan` to the decode's slots, if it has a bound (see [`crate::decoding`]): before
 /// its prefill, so a request the decode cannot take in time costs no prefill.
 fn admitted(fe: &Frontend, plan: &Plan) -> Result<Option<Ticket>, FrontendError> {
-    let Some(slots) = &fe.decoding else { return Ok(None) };
+    // One token is the prefill's: no decode step, no slot.
+    let Some(slots) = fe.decoding.as_ref().filter(|_| plan.max_tokens > 1) else {
+        return Ok(None);
+    };
     let decode = expected_decode(fe, plan);
     let left = plan.deadline.saturating_duration_since(Instant::now());
     match slots.admit(decode, left) {

@@ -262,7 +262,8 @@ async fn turn(
             ..Default::default()
         }),
         policy: policy as i32,
-        deadline_ms: 120_000,
+        // A frontend takes at most its request timeout (60 s by default).
+        deadline_ms: 60_000,
         ..Default::default()
     };
     let start = Instant::now();

@@ -255,15 +255,16 @@ async fn a_request_waits_for_the_only_scheduler_replica_to_come_back() {
 /// them timed out). What the slots serve in time is served, the rest refused at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed_out() {
-    // 4 sequences a step, 20 ms a step: 20 tokens hold a slot about 0.4 s, and a 2.2 s
-    // deadline leaves room for about four rounds after the first.
+    // 4 sequences a step, 20 ms a step: 40 tokens hold a slot about 0.8 s, and a 4.4 s
+    // deadline leaves room for four rounds after the first, the last ending at about 4 s
+    // (the admission's bound falls half a round past it).
     let engine = Arc::new(MockEngine::new(MockConfig {
         decode_per_token: Duration::from_millis(20),
         decode_batch: Some(4),
         ..MockConfig::default()
     }));
     let mut cfg = ClusterConfig::ephemeral();
-    cfg.frontend.request_timeout = Duration::from_millis(2200);
+    cfg.frontend.request_timeout = Duration::from_millis(4400);
     let c = Cluster::start_shared(cfg, engine).await.expect("cluster starts");
     let cl = client(&c).await;
     let burst = |n: u32, from: u32| {
@@ -271,7 +272,7 @@ async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed
             let mut cl = cl.clone();
             async move {
                 let started = Instant::now();
-                (generate(&mut cl, &prompt(i, 32), 20).await, started.elapsed())
+                (generate(&mut cl, &prompt(i, 32), 40).await, started.elapsed())
             }
         }))
     };
@@ -281,7 +282,7 @@ async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed
         for (r, took) in answers {
             match r {
                 Ok((tokens, _)) => {
-                    assert_eq!(tokens.len(), 20);
+                    assert_eq!(tokens.len(), 40);
                     served += 1;
                 }
                 Err(e) if e.code() == tonic::Code::ResourceExhausted => {
@@ -302,9 +303,14 @@ async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed
     assert!(served >= 8, "what the slots serve in time is served: {served}");
     assert!(refused > 0, "what they cannot is refused");
     let mut cl = client(&c).await;
-    generate(&mut cl, &prompt(999, 32), 20).await.expect("served right after the burst");
+    generate(&mut cl, &prompt(999, 32), 40).await.expect("served right after the burst");
     let slots = c.frontend.decode_slots().expect("the mock's batch bounds the decode");
-    assert_eq!((slots.admitted(), slots.decoding()), (0, 0), "every ticket given back");
+    // A ticket is given back as its stream's task ends, just after the client's last message.
+    let since = Instant::now();
+    while (slots.admitted(), slots.decoding()) != (0, 0) {
+        assert!(since.elapsed() < Duration::from_secs(5), "every ticket given back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     c.shutdown().await;
 }
 
@@ -318,7 +324,7 @@ async fn a_decode_slot_that_comes_too_late_is_given_up_before_any_token() {
         ..MockConfig::default()
     }));
     let mut cfg = ClusterConfig::ephemeral();
-    cfg.frontend.request_timeout = Duration::from_millis(2500);
+    cfg.frontend.request_timeout = Duration::from_secs(3);
     cfg.frontend.max_decoding = Some(1);
     let c = Cluster::start_shared(cfg, engine).await.expect("cluster starts");
     let mut cl = client(&c).await;
@@ -327,13 +333,16 @@ async fn a_decode_slot_that_comes_too_late_is_given_up_before_any_token() {
         generate(&mut cl, &prompt(i, 32), 20).await.expect("one at a time, each is served");
     }
     // One of 100 tokens holds it 2 s; the next, admitted on a 0.4 s wait, gets it with about
-    // 0.4 s left and 0.8 s of decode to do.
+    // 1 s left and 1.6 s of decode to do (it needs at least half its 3 s).
     let mut long = cl.clone();
     let first = tokio::spawn(async move { generate(&mut long, &prompt(10, 32), 100).await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let slots = c.frontend.decode_slots().expect("bounded");
+    while slots.decoding() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let req = GenerateRequest {
         input: Some(Input::TokenIds(TokenIds { ids: prompt(11, 32) })),
-        sampling: Some(SamplingParams { max_tokens: 40, ignore_eos: true, ..Default::default() }),
+        sampling: Some(SamplingParams { max_tokens: 80, ignore_eos: true, ..Default::default() }),
         ..Default::default()
     };
     let mut stream = cl.generate(req).await.expect("admitted").into_inner();
@@ -342,5 +351,54 @@ async fn a_decode_slot_that_comes_too_late_is_given_up_before_any_token() {
     assert!(e.message().contains("a decode slot came with"), "{e:?}");
     let (tokens, _) = first.await.unwrap().expect("the long one is served");
     assert_eq!(tokens.len(), 100);
+    c.shutdown().await;
+}
+
+/// Requests that hold no decode slot: one of a single token (the prefill's) is answered at
+/// once with every slot held (it waited for the slot); one whose client leaves while it
+/// waits for a slot gives its place up at once (it counted in everyone's wait until the
+/// slot came).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_needing_no_decode_or_left_by_its_client_holds_no_place() {
+    let engine = Arc::new(MockEngine::new(MockConfig {
+        decode_per_token: Duration::from_millis(20),
+        ..MockConfig::default()
+    }));
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.max_decoding = Some(1);
+    let c = Cluster::start_shared(cfg, engine).await.expect("cluster starts");
+    let mut cl = client(&c).await;
+    let slots = c.frontend.decode_slots().expect("bounded");
+    generate(&mut cl, &prompt(0, 32), 20).await.expect("a hold measured");
+    // 200 tokens: the slot is held about 4 s.
+    let mut long = cl.clone();
+    let first = tokio::spawn(async move { generate(&mut long, &prompt(1, 32), 200).await });
+    while slots.decoding() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let asked = Instant::now();
+    let (one, _) = generate(&mut cl, &prompt(2, 32), 1).await.expect("a single token is served");
+    assert_eq!(one.len(), 1);
+    assert!(asked.elapsed() < Duration::from_secs(1), "not after the slot: {:?}", asked.elapsed());
+    // A request of 20 tokens waits for the slot; its client then leaves.
+    let req = GenerateRequest {
+        input: Some(Input::TokenIds(TokenIds { ids: prompt(3, 32) })),
+        sampling: Some(SamplingParams { max_tokens: 20, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    };
+    let waiting = cl.generate(req).await.expect("admitted");
+    let since = Instant::now();
+    while slots.admitted() < 2 {
+        assert!(since.elapsed() < Duration::from_secs(2), "admitted and waiting");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(waiting);
+    let left = Instant::now();
+    while slots.admitted() > 1 {
+        // The slot comes about 4 s after the long one began.
+        assert!(left.elapsed() < Duration::from_secs(2), "its place held until the slot came");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first.await.unwrap().expect("the long one is served");
     c.shutdown().await;
 }

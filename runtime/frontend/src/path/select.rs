@@ -51,39 +51,46 @@ impl Frontend {
         // Past the scheduler's bound a request would be refused as invalid: the instances
         // beyond it (the longest since failing) are merely not passed over.
         avoided.truncate(handoff_proto::select::MAX_EXCLUDE.saturating_sub(exclude.len()));
+        // One patience for both askings: the second is not given its own.
+        let patience = (Instant::now() + NO_REPLICA_PATIENCE).min(plan.deadline);
         if avoided.is_empty() {
-            return self.select(plan, hashes, exclude, failed).await;
+            return self.select(plan, hashes, exclude, failed, patience).await;
         }
         let wider: Vec<String> = exclude.iter().chain(&avoided).cloned().collect();
-        match self.select(plan, hashes, &wider, failed).await {
+        match self.select(plan, hashes, &wider, failed, patience).await {
             Err(FrontendError::Unavailable(why)) => {
                 debug!(%why, ?avoided, "only instances this frontend avoids: asking for them");
-                self.select(plan, hashes, exclude, failed).await
+                self.select(plan, hashes, exclude, failed, patience).await
             }
             other => other,
         }
     }
 
     /// Asks a scheduler replica where the prompt goes, booking it there. When no replica
-    /// answers (or none is known), asks again after 0.1 s, doubling to 1 s, for up to
-    /// [`NO_REPLICA_PATIENCE`] within the deadline: a replica restarting (a deploy, a crash
-    /// its supervisor restarts) is back within seconds, and a request with time left waits
-    /// for it rather than failing.
+    /// answers (or none is known), asks again after 0.1 s, doubling to 1 s, until `patience`
+    /// (at most [`NO_REPLICA_PATIENCE`], within the deadline) or shutdown: a replica
+    /// restarting (a deploy, a crash its supervisor restarts) is back within seconds, and a
+    /// request with time left waits for it rather than failing.
     async fn select(
         &self,
         plan: &Plan,
         hashes: &[u64],
         exclude: &[String],
         failed: &[Attempt],
+        patience: Instant,
     ) -> Result<(Lease, Selected), FrontendError> {
-        let patience = (Instant::now() + NO_REPLICA_PATIENCE).min(plan.deadline);
         let mut pause = std::time::Duration::from_millis(100);
         loop {
             match self.select_once(plan, hashes, exclude).await {
                 Err(SelectFailure::NoReplica(s)) if Instant::now() + pause < patience => {
                     let why = s.as_ref().map_or("none known", |s| s.message());
                     debug!(%why, ?pause, "no scheduler replica answered; asking again");
-                    tokio::time::sleep(pause).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(pause) => {}
+                        _ = self.tasks.shutdown_requested() => {
+                            return selected(Err(SelectFailure::NoReplica(s)), plan, failed);
+                        }
+                    }
                     pause = (pause * 2).min(std::time::Duration::from_secs(1));
                 }
                 answer => return selected(answer, plan, failed),
