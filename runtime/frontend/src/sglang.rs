@@ -115,12 +115,14 @@ impl SglangPrefills {
             "stream": false,
         });
         let shape = self.engine.info().shape;
-        let receive = async {
+        // Bounded as a whole: its directory reads have no deadline of their own, and a
+        // server answering `/generate` while its directory hangs would hold it.
+        let receive = within(deadline, "verify", async {
             receiver
                 .receive(&target.bootstrap_addr, room, tokens.len(), shape, deadline)
                 .await
                 .map_err(|e| failure("verify", e))
-        };
+        });
         let generate = within(
             deadline,
             "prefill",
