@@ -171,8 +171,8 @@ pub struct Ticket {
 
 impl Ticket {
     /// Marks its sequence as ended on its own terms (an end token, a stop string, its
-    /// length, an open-ended chat's deadline): how long it held its slot is then what the
-    /// next ones are promised.
+    /// `max_tokens`; not a deadline, an open-ended chat's included): how long it held its
+    /// slot is then what the next ones are promised.
     pub fn ran_to_end(&mut self, tokens: u32) {
         self.ran_to_end = tokens.max(1);
     }

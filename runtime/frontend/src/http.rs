@@ -58,7 +58,7 @@ pub fn router(fe: Arc<Frontend>) -> Router {
         .merge(ops)
 }
 
-/// While the frontend drains, an HTTP/1.1 answer closes its connection: a client keeping
+/// While the frontend drains, an HTTP/1 answer closes its connection: a client keeping
 /// connections alive (a pool behind a balancer) opens its next one elsewhere, rather than
 /// bringing this frontend new requests until its drain ends and cuts them.
 async fn close_when_draining(
@@ -66,7 +66,7 @@ async fn close_when_draining(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let h1 = req.version() == axum::http::Version::HTTP_11;
+    let h1 = req.version() < axum::http::Version::HTTP_2;
     let mut answer = next.run(req).await;
     if h1 && fe.draining.load(std::sync::atomic::Ordering::Relaxed) {
         let close = axum::http::HeaderValue::from_static("close");
@@ -160,7 +160,7 @@ async fn chat(
         let body = read(body)?;
         let req: ChatRequest = parse(&body)?;
         let sampled: openai::Sampling = parse(&body)?;
-        parse::<unsupported::Unsupported>(&body)?.refuse()?;
+        parse::<unsupported::Unsupported>(&body)?.refuse(false)?;
         if req.messages.is_empty() {
             return Err(ApiError::invalid("messages must not be empty", Some("messages")));
         }
@@ -189,7 +189,7 @@ async fn completions(
         let body = read(body)?;
         let req: CompletionRequest = parse(&body)?;
         let sampled: openai::Sampling = parse(&body)?;
-        parse::<unsupported::Unsupported>(&body)?.refuse()?;
+        parse::<unsupported::Unsupported>(&body)?.refuse(true)?;
         let input = match req.prompt {
             Prompt::Text(t) => Input::Text(t),
             Prompt::Tokens(ids) => Input::TokenIds(TokenIds { ids }),

@@ -223,7 +223,9 @@ pub(crate) async fn stream(
         usage: Some(usage),
         evidence: Some(ready.evidence),
     };
-    if let Some(t) = ticket.as_mut() {
+    // The decode is over: its slot goes before the last message does, so a client's next
+    // request finds it free.
+    if let Some(mut t) = ticket.take() {
         t.ran_to_end(generated);
     }
     if tx.is_closed() {

@@ -23,13 +23,9 @@ fn request(max_tokens: u32, deadline_ms: u32) -> GenerateRequest {
     }
 }
 
-/// The client's HTTP/2 windows are small and it never reads: the frontend's sends block once
-/// the server's buffers fill. The request must end at its deadline all the same (before,
-/// its task waited on the send for as long as the client held the stream).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_stops_reading_holds_its_request_only_until_the_deadline() {
-    let engine = MockEngine::new(MockConfig { max_context: 200_000, ..MockConfig::default() });
-    let c = Cluster::start_shared(ClusterConfig::ephemeral(), Arc::new(engine)).await.unwrap();
+/// A client of `c`'s frontend whose HTTP/2 windows are 1 KiB: a stream it does not read
+/// fills them at once.
+async fn small_windowed_client(c: &Cluster) -> GenerateClient<tonic::transport::Channel> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", c.frontend_addr))
         .unwrap()
         .initial_stream_window_size(Some(1024))
@@ -37,7 +33,17 @@ async fn a_client_that_stops_reading_holds_its_request_only_until_the_deadline()
         .connect()
         .await
         .unwrap();
-    let mut cl = GenerateClient::new(channel);
+    GenerateClient::new(channel)
+}
+
+/// The client's HTTP/2 windows are small and it never reads: the frontend's sends block once
+/// the server's buffers fill. The request must end at its deadline all the same (before,
+/// its task waited on the send for as long as the client held the stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_holds_its_request_only_until_the_deadline() {
+    let engine = MockEngine::new(MockConfig { max_context: 200_000, ..MockConfig::default() });
+    let c = Cluster::start_shared(ClusterConfig::ephemeral(), Arc::new(engine)).await.unwrap();
+    let mut cl = small_windowed_client(&c).await;
     let mut unread = cl.generate(request(150_000, 1500)).await.unwrap().into_inner();
     let since = Instant::now();
     while c.frontend.in_flight() > 0 {
@@ -64,14 +70,7 @@ async fn a_client_that_stops_reading_does_not_hold_the_shutdown() {
     let mut cfg = ClusterConfig::ephemeral();
     cfg.frontend.http.shutdown_grace = Duration::from_millis(300);
     let c = Cluster::start_shared(cfg, Arc::new(engine)).await.unwrap();
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", c.frontend_addr))
-        .unwrap()
-        .initial_stream_window_size(Some(1024))
-        .initial_connection_window_size(Some(1024))
-        .connect()
-        .await
-        .unwrap();
-    let mut cl = GenerateClient::new(channel);
+    let mut cl = small_windowed_client(&c).await;
     let _unread = cl.generate(request(150_000, 60_000)).await.unwrap().into_inner();
     let stopped = tokio::time::timeout(Duration::from_secs(10), c.shutdown()).await;
     assert!(stopped.is_ok(), "the shutdown waited for a client that does not read");

@@ -24,14 +24,20 @@ async fn call(app: &Router, method: Method, uri: &str, body: &str) -> (u16, Valu
     (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
 }
 
-#[tokio::test]
-async fn bad_requests_get_400_with_an_openai_error_body() {
+/// A frontend of the mock engine whose scheduler is nowhere (127.0.0.1:9): what a test
+/// asks of it must be answered before one is needed.
+async fn frontend() -> (Tasks, Arc<Frontend>) {
     let tasks = Tasks::new();
     let engine = Arc::new(MockEngine::new(MockConfig::default()));
-    // No scheduler listens there: every case below must be refused before one is needed.
     let fe = Frontend::new(FrontendConfig::default(), engine, &["127.0.0.1:9".into()], &tasks)
         .await
         .unwrap();
+    (tasks, fe)
+}
+
+#[tokio::test]
+async fn bad_requests_get_400_with_an_openai_error_body() {
+    let (tasks, fe) = frontend().await;
     let app = router(fe);
     let cases = [
         ("/v1/chat/completions", r#"{"model": "mock", "messages": []}"#, "messages"),
@@ -96,11 +102,7 @@ async fn bad_requests_get_400_with_an_openai_error_body() {
 /// absent, and a `stop` list past its bound is refused as it is read.
 #[tokio::test]
 async fn parameters_not_served_are_refused_by_name_when_asked_for() {
-    let tasks = Tasks::new();
-    let engine = Arc::new(MockEngine::new(MockConfig::default()));
-    let fe = Frontend::new(FrontendConfig::default(), engine, &["127.0.0.1:9".into()], &tasks)
-        .await
-        .unwrap();
+    let (tasks, fe) = frontend().await;
     let app = router(fe);
     let chat = |extra: &str| {
         format!(
@@ -136,7 +138,17 @@ async fn parameters_not_served_are_refused_by_name_when_asked_for() {
         "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1, "echo": null,
         "suffix": "", "response_format": {"type": "text"}, "functions": null}"#;
     let asked: unsupported::Unsupported = serde_json::from_str(nothing).unwrap();
-    assert!(asked.refuse().is_ok(), "nothing asked for");
+    assert!(asked.refuse(false).is_ok(), "nothing asked for");
+    // Tools not to be called ask for nothing; a completion's `logprobs: 0` asks for the
+    // sampled token's, a chat's `logprobs: 0` (false) for nothing; a format without a type is
+    // text.
+    let tools =
+        r#"{"tools": [{"type": "function"}], "tool_choice": "none", "response_format": {}}"#;
+    let asked: unsupported::Unsupported = serde_json::from_str(tools).unwrap();
+    assert!(asked.refuse(false).is_ok());
+    let zero: unsupported::Unsupported = serde_json::from_str(r#"{"logprobs": 0}"#).unwrap();
+    assert!(zero.refuse(false).is_ok());
+    assert!(zero.refuse(true).is_err(), "a completion's logprobs: 0 asks for one");
     let s: openai::Sampling =
         serde_json::from_str(r#"{"stream": null, "stream_options": {"include_usage": null}}"#)
             .unwrap();
@@ -150,11 +162,7 @@ async fn parameters_not_served_are_refused_by_name_when_asked_for() {
 /// opens the next one elsewhere); before, it is kept alive.
 #[tokio::test]
 async fn a_draining_frontend_closes_each_http1_connection_after_its_answer() {
-    let tasks = Tasks::new();
-    let engine = Arc::new(MockEngine::new(MockConfig::default()));
-    let fe = Frontend::new(FrontendConfig::default(), engine, &["127.0.0.1:9".into()], &tasks)
-        .await
-        .unwrap();
+    let (tasks, fe) = frontend().await;
     let app = router(fe.clone());
     let models = || Request::get("/v1/models").body(Body::empty()).unwrap();
     let kept = app.clone().oneshot(models()).await.unwrap();

@@ -8,9 +8,11 @@ use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use super::openai::ApiError;
 
-/// Whether a field asks for something: not null, false, 0, an empty string, list or object.
+/// Whether a field asks for something: not null, false, 0, an empty string, list or object
+/// (`.0`); and whether it was the number 0 (`.1`: a completion's `logprobs: 0` asks for
+/// the sampled token's).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Asked(pub(crate) bool);
+pub(crate) struct Asked(pub(crate) bool, bool);
 
 struct AskedVisitor;
 
@@ -22,27 +24,27 @@ impl<'de> Visitor<'de> for AskedVisitor {
     }
 
     fn visit_unit<E: de::Error>(self) -> Result<Asked, E> {
-        Ok(Asked(false))
+        Ok(Asked(false, false))
     }
 
     fn visit_bool<E: de::Error>(self, b: bool) -> Result<Asked, E> {
-        Ok(Asked(b))
+        Ok(Asked(b, false))
     }
 
     fn visit_i64<E: de::Error>(self, n: i64) -> Result<Asked, E> {
-        Ok(Asked(n != 0))
+        Ok(Asked(n != 0, n == 0))
     }
 
     fn visit_u64<E: de::Error>(self, n: u64) -> Result<Asked, E> {
-        Ok(Asked(n != 0))
+        Ok(Asked(n != 0, n == 0))
     }
 
     fn visit_f64<E: de::Error>(self, n: f64) -> Result<Asked, E> {
-        Ok(Asked(n != 0.0))
+        Ok(Asked(n != 0.0, n == 0.0))
     }
 
     fn visit_str<E: de::Error>(self, s: &str) -> Result<Asked, E> {
-        Ok(Asked(!s.is_empty()))
+        Ok(Asked(!s.is_empty(), false))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Asked, A::Error> {
@@ -50,7 +52,7 @@ impl<'de> Visitor<'de> for AskedVisitor {
         while seq.next_element::<IgnoredAny>()?.is_some() {
             any = true;
         }
-        Ok(Asked(any))
+        Ok(Asked(any, false))
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Asked, A::Error> {
@@ -58,7 +60,7 @@ impl<'de> Visitor<'de> for AskedVisitor {
         while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {
             any = true;
         }
-        Ok(Asked(any))
+        Ok(Asked(any, false))
     }
 }
 
@@ -68,11 +70,11 @@ impl<'de> Deserialize<'de> for Asked {
     }
 }
 
-/// `response_format`: only its type is read.
+/// `response_format`: only its type is read (none given: text).
 #[derive(Debug, Clone, Deserialize)]
 pub(crate) struct ResponseFormat {
     #[serde(rename = "type")]
-    kind: String,
+    kind: Option<String>,
 }
 
 /// The parameters refused when asked for, read from the request's body on their own.
@@ -98,26 +100,59 @@ pub(crate) struct Unsupported {
     frequency_penalty: Asked,
     best_of: Option<u32>,
     response_format: Option<ResponseFormat>,
+    tool_choice: Option<ToolChoice>,
+}
+
+/// `tool_choice`: whether it is the string `"none"` (anything else is read past).
+#[derive(Debug, Clone, Copy)]
+struct ToolChoice(bool);
+
+struct ToolChoiceVisitor;
+
+impl<'de> Visitor<'de> for ToolChoiceVisitor {
+    type Value = ToolChoice;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a tool choice")
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<ToolChoice, E> {
+        Ok(ToolChoice(s == "none"))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ToolChoice, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(ToolChoice(false))
+    }
+}
+
+impl<'de> Deserialize<'de> for ToolChoice {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ToolChoiceVisitor)
+    }
 }
 
 impl Unsupported {
-    /// The first parameter asked for that is not served, as a 400.
-    pub(crate) fn refuse(&self) -> Result<(), ApiError> {
+    /// The first parameter asked for that is not served, as a 400; `completion`: on
+    /// `/v1/completions`, where `logprobs` is a count (0 asks for the sampled token's).
+    pub(crate) fn refuse(&self, completion: bool) -> Result<(), ApiError> {
+        let logprobs = Asked(self.logprobs.0 || (completion && self.logprobs.1), false);
+        // Tools a request says not to call (`tool_choice: "none"`) ask for nothing.
+        let no_tools = self.tool_choice.is_some_and(|c| c.0);
+        let tools = Asked(self.tools.0 && !no_tools, false);
+        let format = self.response_format.as_ref().and_then(|f| f.kind.as_deref());
         let asked = [
-            (self.logprobs, "logprobs"),
+            (logprobs, "logprobs"),
             (self.top_logprobs, "top_logprobs"),
             (self.echo, "echo"),
             (self.suffix, "suffix"),
-            (self.tools, "tools"),
+            (tools, "tools"),
             (self.functions, "functions"),
             (self.logit_bias, "logit_bias"),
             (self.presence_penalty, "presence_penalty"),
             (self.frequency_penalty, "frequency_penalty"),
-            (Asked(self.best_of.is_some_and(|n| n > 1)), "best_of"),
-            (
-                Asked(self.response_format.as_ref().is_some_and(|f| f.kind != "text")),
-                "response_format",
-            ),
+            (Asked(self.best_of.is_some_and(|n| n > 1), false), "best_of"),
+            (Asked(format.is_some_and(|t| t != "text"), false), "response_format"),
         ];
         match asked.into_iter().find(|(a, _)| a.0) {
             Some((_, name)) => {
