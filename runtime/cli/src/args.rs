@@ -327,7 +327,7 @@ pub struct RequestArgs {
     #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub http_idle_secs: u64,
     /// Sequences the frontend decodes at once (by default the engine's batch: SmolLM2
-    /// advances 32 a pass); more wait for a slot in arrival order, and a request whose wait
+    /// advances 32 a pass); more wait for a slot in turn, and a request whose wait
     /// would leave it too little of its deadline is refused at once (429 /
     /// `RESOURCE_EXHAUSTED`).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]

@@ -30,7 +30,7 @@ pub struct FrontendConfig {
     pub default_max_tokens: u32,
     /// Requests served at once; more are refused at once (429 / `RESOURCE_EXHAUSTED`).
     pub max_concurrent: usize,
-    /// Sequences decoded at once; more wait for a slot in arrival order, and a request
+    /// Sequences decoded at once; more wait for a slot in turn, and a request
     /// whose wait would leave it too little time is refused at once (429 /
     /// `RESOURCE_EXHAUSTED`; see [`crate::decoding`]). `None`: the engine's decode batch, or
     /// no bound if it names none.

@@ -4,7 +4,8 @@
 //! add no throughput, only passes, so every sequence's tokens come slower. Left unbounded, a
 //! burst slows every stream until none meets its deadline, the ones that would have been
 //! served included. So at most `capacity` sequences decode at once (by default the engine's
-//! batch), and the others wait for a slot in arrival order.
+//! batch), and the others wait for a slot in turn (first come, first served, from when their
+//! prefill is done).
 //!
 //! A request is admitted (before its prefill) only if its expected wait for a slot leaves it
 //! its expected decode time (its tokens at the larger of a step's time and a token's share
@@ -177,7 +178,7 @@ impl Ticket {
         self.ran_to_end = tokens.max(1);
     }
 
-    /// Waits for a slot in arrival order (at once if it holds one).
+    /// Waits for a slot, after those that began waiting before it (at once if it holds one).
     pub async fn slot(&mut self) {
         if self.slot.is_some() {
             return;

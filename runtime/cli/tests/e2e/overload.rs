@@ -288,7 +288,7 @@ async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed
                 Err(e) if e.code() == tonic::Code::ResourceExhausted => {
                     refused += 1;
                     assert!(e.message().contains("decode slots full"), "{e:?}");
-                    assert!(took < Duration::from_secs(1), "refused at once: {took:?}");
+                    assert!(took < Duration::from_secs(2), "refused at once: {took:?}");
                 }
                 Err(e) => panic!("only answers or refusals in a burst, got {e:?} after {took:?}"),
             }
@@ -305,7 +305,8 @@ async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed
     let mut cl = client(&c).await;
     generate(&mut cl, &prompt(999, 32), 40).await.expect("served right after the burst");
     let slots = c.frontend.decode_slots().expect("the mock's batch bounds the decode");
-    // A ticket is given back as its stream's task ends, just after the client's last message.
+    // A ticket is given back just before the client's last message; its count, at the
+    // stream task's end.
     let since = Instant::now();
     while (slots.admitted(), slots.decoding()) != (0, 0) {
         assert!(since.elapsed() < Duration::from_secs(5), "every ticket given back");
@@ -383,7 +384,7 @@ async fn a_request_needing_no_decode_or_left_by_its_client_holds_no_place() {
     let asked = Instant::now();
     let (one, _) = generate(&mut cl, &prompt(2, 32), 1).await.expect("a single token is served");
     assert_eq!(one.len(), 1);
-    assert!(asked.elapsed() < Duration::from_secs(1), "not after the slot: {:?}", asked.elapsed());
+    assert!(asked.elapsed() < Duration::from_secs(2), "not after the slot: {:?}", asked.elapsed());
     // A request of 20 tokens waits for the slot; its client then leaves.
     let req = GenerateRequest {
         input: Some(Input::TokenIds(TokenIds { ids: prompt(3, 32) })),

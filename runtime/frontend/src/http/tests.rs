@@ -119,6 +119,7 @@ async fn parameters_not_served_are_refused_by_name_when_asked_for() {
         (r#""frequency_penalty": -1"#, "frequency_penalty"),
         (r#""best_of": 2"#, "best_of"),
         (r#""echo": true"#, "echo"),
+        (r#""functions": [{"name": "f"}]"#, "functions"),
         (r#""stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]"#, "at most 8 strings"),
     ] {
         let (status, v) = call(&app, Method::POST, "/v1/chat/completions", &chat(extra)).await;
@@ -144,6 +145,8 @@ async fn parameters_not_served_are_refused_by_name_when_asked_for() {
     // text.
     let tools =
         r#"{"tools": [{"type": "function"}], "tool_choice": "none", "response_format": {}}"#;
+    let other: unsupported::Unsupported = serde_json::from_str(r#"{"tool_choice": true}"#).unwrap();
+    assert!(other.refuse(false).is_ok(), "a tool choice of any shape is read past");
     let asked: unsupported::Unsupported = serde_json::from_str(tools).unwrap();
     assert!(asked.refuse(false).is_ok());
     let zero: unsupported::Unsupported = serde_json::from_str(r#"{"logprobs": 0}"#).unwrap();

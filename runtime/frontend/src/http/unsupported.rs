@@ -103,7 +103,7 @@ pub(crate) struct Unsupported {
     tool_choice: Option<ToolChoice>,
 }
 
-/// `tool_choice`: whether it is the string `"none"` (anything else is read past).
+/// `tool_choice`: whether it is the string `"none"` (any other value is read past).
 #[derive(Debug, Clone, Copy)]
 struct ToolChoice(bool);
 
@@ -122,6 +122,27 @@ impl<'de> Visitor<'de> for ToolChoiceVisitor {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ToolChoice, A::Error> {
         while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(ToolChoice(false))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ToolChoice, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(ToolChoice(false))
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<ToolChoice, E> {
+        Ok(ToolChoice(false))
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<ToolChoice, E> {
+        Ok(ToolChoice(false))
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<ToolChoice, E> {
+        Ok(ToolChoice(false))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<ToolChoice, E> {
         Ok(ToolChoice(false))
     }
 }
