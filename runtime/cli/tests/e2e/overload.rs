@@ -305,8 +305,8 @@ async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed
     let mut cl = client(&c).await;
     generate(&mut cl, &prompt(999, 32), 40).await.expect("served right after the burst");
     let slots = c.frontend.decode_slots().expect("the mock's batch bounds the decode");
-    // A ticket is given back just before the client's last message; its count, at the
-    // stream task's end.
+    // A finished stream's ticket is given back just before the client's last message; on
+    // other endings, as its stream's task ends.
     let since = Instant::now();
     while (slots.admitted(), slots.decoding()) != (0, 0) {
         assert!(since.elapsed() < Duration::from_secs(5), "every ticket given back");
