@@ -92,11 +92,6 @@ impl DecodeSlots {
         self.counts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Sequences decoding at once, at most.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     /// Requests admitted and not ended.
     pub fn admitted(&self) -> usize {
         self.counts().admitted
@@ -138,17 +133,24 @@ impl DecodeSlots {
         Duration::from_nanos(self.counts().token_ns.saturating_mul(u64::from(tokens)))
     }
 
-    /// Adds how long a sequence that ran to its end held its slot, decoding `tokens`, to the
-    /// moving averages.
+    /// [`Counts::note_hold`].
+    #[cfg(test)]
     fn note_hold(&self, took: Duration, tokens: u32) {
-        let mut c = self.counts();
-        moving_average(&mut c.hold_ns, took);
-        moving_average(&mut c.token_ns, took / tokens.max(1));
+        self.counts().note_hold(took, tokens);
     }
 
     /// Adds how long a request took from its admission to a free slot to the moving average.
     fn note_lead(&self, took: Duration) {
         moving_average(&mut self.counts().lead_ns, took);
+    }
+}
+
+impl Counts {
+    /// Adds how long a sequence that ran to its end held its slot, decoding `tokens`, to the
+    /// moving averages.
+    fn note_hold(&mut self, took: Duration, tokens: u32) {
+        moving_average(&mut self.hold_ns, took);
+        moving_average(&mut self.token_ns, took / tokens.max(1));
     }
 }
 
@@ -172,8 +174,8 @@ pub struct Ticket {
 
 impl Ticket {
     /// Marks its sequence as ended on its own terms (an end token, a stop string, its
-    /// `max_tokens`; not a deadline, an open-ended chat's included): how long it held its
-    /// slot is then what the next ones are promised.
+    /// `max_tokens`, an open-ended chat's deadline; not a request's failure): how long it
+    /// held its slot is then what the next ones are promised.
     pub fn ran_to_end(&mut self, tokens: u32) {
         self.ran_to_end = tokens.max(1);
     }
@@ -196,14 +198,14 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if let Some((permit, since)) = self.slot.take() {
-            if self.ran_to_end > 0 {
-                self.slots.note_hold(since.elapsed(), self.ran_to_end);
-            }
-            drop(permit);
-        }
         let mut c = self.slots.counts();
+        if let Some((_, since)) = &self.slot
+            && self.ran_to_end > 0
+        {
+            c.note_hold(since.elapsed(), self.ran_to_end);
+        }
         c.admitted = c.admitted.saturating_sub(1);
+        // The slot goes back with the ticket's fields, after the count.
     }
 }
 

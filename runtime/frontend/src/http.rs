@@ -68,7 +68,7 @@ async fn close_when_draining(
 ) -> Response {
     let h1 = req.version() < axum::http::Version::HTTP_2;
     let mut answer = next.run(req).await;
-    if h1 && fe.draining.load(std::sync::atomic::Ordering::Relaxed) {
+    if h1 && fe.is_draining() {
         let close = axum::http::HeaderValue::from_static("close");
         answer.headers_mut().insert(header::CONNECTION, close);
     }

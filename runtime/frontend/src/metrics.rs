@@ -253,7 +253,7 @@ pub(crate) fn ops(fe: &Arc<crate::Frontend>) -> Ops {
         })
         .ready_when(move || {
             let fe = b.upgrade().ok_or("shutting down")?;
-            if fe.draining.load(std::sync::atomic::Ordering::Relaxed) {
+            if fe.is_draining() {
                 return Err("draining".into());
             }
             let (all, suspect) = (fe.schedulers().addrs(), fe.schedulers().suspects());

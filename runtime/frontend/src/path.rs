@@ -66,7 +66,7 @@ pub struct Frontend {
     /// The prefills this frontend cannot reach, in its own view.
     reach: Reach,
     /// Set when the frontend drains: readiness fails, requests in flight finish.
-    pub(crate) draining: std::sync::atomic::AtomicBool,
+    draining: tokio::sync::watch::Sender<bool>,
 }
 
 impl std::fmt::Debug for Frontend {
@@ -156,7 +156,7 @@ impl Frontend {
             ops: Default::default(),
             recent: Recent::default(),
             reach: Reach::default(),
-            draining: Default::default(),
+            draining: tokio::sync::watch::Sender::new(false),
         }))
     }
 
@@ -268,7 +268,28 @@ impl Frontend {
 
     /// Starts a drain: `/readyz` fails from now on (requests still served).
     pub fn start_draining(&self) {
-        self.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.draining.send_replace(true);
+    }
+
+    /// How long decoding `max_tokens` (the first is the prefill's) is expected to take: its
+    /// tokens at the larger of a step's time lately and a token's share of a decode slot's
+    /// hold lately (see [`crate::decoding`]). The selection reserves it, the decode's
+    /// admission and its slot's give-up weigh it.
+    pub(crate) fn expected_decode(&self, max_tokens: u32) -> std::time::Duration {
+        let tokens = max_tokens.saturating_sub(1);
+        let held = self.decoding.as_ref().map(|s| s.decode_time(tokens)).unwrap_or_default();
+        self.metrics.decode_time(tokens).max(held)
+    }
+
+    /// Whether the frontend drains ([`Frontend::start_draining`]).
+    pub fn is_draining(&self) -> bool {
+        *self.draining.borrow()
+    }
+
+    /// Completes once the frontend drains.
+    pub async fn drained(&self) {
+        // The sender lives as long as the frontend.
+        let _ = self.draining.subscribe().wait_for(|d| *d).await;
     }
 
     /// Requests being served (arrived and not yet streamed to their end).

@@ -166,8 +166,7 @@ pub(crate) async fn stream(
         }
         if Instant::now() >= plan.deadline {
             if plan.open_ended {
-                // Cut, not run to its end: its hold says nothing of a sequence's.
-                ticket = None;
+                // Its end: it held its slot this long, as open-ended chats do.
                 break FinishReason::Length;
             }
             let why = format!("deadline passed after {generated} tokens");
@@ -266,7 +265,7 @@ async fn decode_turn(
     let now = Instant::now();
     let left = plan.deadline.saturating_duration_since(now);
     let whole = plan.deadline.saturating_duration_since(arrived);
-    let decode = expected_decode(fe, plan);
+    let decode = fe.expected_decode(plan.max_tokens);
     if left < decode.min(whole / 2) {
         let why = format!(
             "a decode slot came with {} ms left, {} ms of decode expected",
@@ -278,15 +277,6 @@ async fn decode_turn(
     Ok(())
 }
 
-/// How long `plan`'s decode is expected to take: its tokens after the first at the larger of
-/// a step's time lately and a token's share of a slot's hold lately (see
-/// [`crate::decoding`]).
-fn expected_decode(fe: &Frontend, plan: &Plan) -> std::time::Duration {
-    let tokens = plan.max_tokens.saturating_sub(1);
-    let held = fe.decoding.as_ref().map(|s| s.decode_time(tokens)).unwrap_or_default();
-    fe.metrics.decode_time(tokens).max(held)
-}
-
 /// Admits `plan` to the decode's slots, if it has a bound (see [`crate::decoding`]): before
 /// its prefill, so a request the decode cannot take in time costs no prefill.
 fn admitted(fe: &Frontend, plan: &Plan) -> Result<Option<Ticket>, FrontendError> {
@@ -294,7 +284,7 @@ fn admitted(fe: &Frontend, plan: &Plan) -> Result<Option<Ticket>, FrontendError>
     let Some(slots) = fe.decoding.as_ref().filter(|_| plan.max_tokens > 1) else {
         return Ok(None);
     };
-    let decode = expected_decode(fe, plan);
+    let decode = fe.expected_decode(plan.max_tokens);
     let left = plan.deadline.saturating_duration_since(Instant::now());
     match slots.admit(decode, left) {
         Ok(ticket) => Ok(Some(ticket)),
@@ -366,33 +356,25 @@ impl Generate for GenerateService {
 }
 
 /// Serves Generate (and standard gRPC health) on `listener` until `shutdown` completes (over
-/// TLS when the frontend's config has a public certificate); then finishes what its
-/// connections serve, for at most the shutdown grace (a stream whose client no longer reads
-/// never finishes).
+/// TLS when the frontend's config has a public certificate). From when the frontend drains
+/// ([`Frontend::start_draining`]) it tells its clients to go (HTTP/2 `GOAWAY`: a client
+/// pinned to this frontend's connection reconnects, through its balancer, to another) and
+/// takes no new connection, while its streams in flight go on until `shutdown`; then it
+/// finishes what its connections serve for at most the shutdown grace (a stream whose
+/// client no longer reads never finishes).
 pub async fn serve(
     listener: TcpListener,
     frontend: Arc<Frontend>,
-    shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), GrpcError> {
-    serve_draining(listener, frontend, std::future::pending(), shutdown).await
-}
-
-/// [`serve`], and from when `drain` completes, tells its clients to go (HTTP/2 `GOAWAY`: a
-/// client pinned to this frontend's connection reconnects, through its balancer, to another)
-/// and takes no new connection, while its streams in flight go on until `shutdown`.
-pub async fn serve_draining(
-    listener: TcpListener,
-    frontend: Arc<Frontend>,
-    drain: impl Future<Output = ()> + Send,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
     let (limits, tls) = (frontend.cfg.http, frontend.cfg.public_tls.clone());
     let incoming = handoff_proto::grpc::placed_incoming(listener, limits.max_connections);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut stopping = stopped.clone();
+    let fe = frontend.clone();
     let goaway = async move {
         tokio::select! {
-            _ = drain => {}
+            _ = fe.drained() => {}
             _ = stopping.wait_for(|s| *s) => {}
         }
     };

@@ -113,15 +113,9 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         }
     });
     // A drain tells gRPC clients to go (GOAWAY) at once; their streams go on until shutdown.
-    let (drain, draining) = tokio::sync::watch::channel(false);
-    let goaway = async move {
-        let mut draining = draining;
-        let _ = draining.wait_for(|d| *d).await;
-    };
-    let serving =
-        handoff_frontend::service::serve_draining(grpc, frontend.clone(), goaway, async move {
-            t2.shutdown_requested().await
-        });
+    let serving = handoff_frontend::service::serve(grpc, frontend.clone(), async move {
+        t2.shutdown_requested().await
+    });
     tokio::pin!(serving);
     let stopped = tokio::select! {
         r = &mut serving => Some(r),
@@ -133,10 +127,9 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         return Ok(r?);
     }
     // Drain: out of discovery and not ready at once; clients told to go (gRPC's GOAWAY, an
-    // HTTP/1.1 connection closed after its answer); streams in flight finish, for at most
+    // HTTP/1 connection closed after its answer); streams in flight finish, for at most
     // --drain-secs.
     frontend.start_draining();
-    let _ = drain.send(true);
     if let Some(own) = &own_scheduler {
         own.set_ready(false);
     }

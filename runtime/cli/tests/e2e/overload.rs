@@ -315,19 +315,52 @@ async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed
     c.shutdown().await;
 }
 
-/// A request admitted on a wait that turned out longer (a sequence ahead of it decoding for
-/// longer than they lately did) gives its slot up when it comes too late for its decode:
-/// before any token, rather than decoding into its deadline while the next ones wait.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_slot_that_comes_too_late_is_given_up_before_any_token() {
+/// A cluster whose frontend decodes one sequence at a time, 20 ms a step, with requests
+/// given `timeout`.
+async fn one_slot_cluster(timeout: Duration) -> Cluster {
     let engine = Arc::new(MockEngine::new(MockConfig {
         decode_per_token: Duration::from_millis(20),
         ..MockConfig::default()
     }));
     let mut cfg = ClusterConfig::ephemeral();
-    cfg.frontend.request_timeout = Duration::from_secs(3);
+    cfg.frontend.request_timeout = timeout;
     cfg.frontend.max_decoding = Some(1);
-    let c = Cluster::start_shared(cfg, engine).await.expect("cluster starts");
+    Cluster::start_shared(cfg, engine).await.expect("cluster starts")
+}
+
+/// `max_tokens` tokens after prompt `seed`'s 32, end token ignored.
+fn tokens_request(seed: u32, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(Input::TokenIds(TokenIds { ids: prompt(seed, 32) })),
+        sampling: Some(SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+/// A request of `tokens` tokens on its own task, returned once it holds `c`'s decode slot.
+async fn holding_the_slot(
+    c: &Cluster,
+    cl: &handoff_proto::v1::generate_client::GenerateClient<tonic::transport::Channel>,
+    seed: u32,
+    tokens: u32,
+) -> tokio::task::JoinHandle<Result<(Vec<u32>, handoff_proto::v1::Complete), tonic::Status>> {
+    let mut long = cl.clone();
+    let first = tokio::spawn(async move { generate(&mut long, &prompt(seed, 32), tokens).await });
+    let slots = c.frontend.decode_slots().expect("bounded");
+    let since = Instant::now();
+    while slots.decoding() == 0 {
+        assert!(since.elapsed() < Duration::from_secs(5), "the long request holds the slot");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first
+}
+
+/// A request admitted on a wait that turned out longer (a sequence ahead of it decoding for
+/// longer than they lately did) gives its slot up when it comes too late for its decode:
+/// before any token, rather than decoding into its deadline while the next ones wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_slot_that_comes_too_late_is_given_up_before_any_token() {
+    let c = one_slot_cluster(Duration::from_secs(3)).await;
     let mut cl = client(&c).await;
     // Sequences of 20 tokens hold the slot about 0.4 s.
     for i in 0..3 {
@@ -335,20 +368,8 @@ async fn a_decode_slot_that_comes_too_late_is_given_up_before_any_token() {
     }
     // One of 100 tokens holds it 2 s; the next, admitted on a 0.4 s wait, gets it with about
     // 1 s left and 1.6 s of decode to do (it needs at least half its 3 s).
-    let mut long = cl.clone();
-    let first = tokio::spawn(async move { generate(&mut long, &prompt(10, 32), 100).await });
-    let slots = c.frontend.decode_slots().expect("bounded");
-    let since = Instant::now();
-    while slots.decoding() == 0 {
-        assert!(since.elapsed() < Duration::from_secs(5), "the long request holds the slot");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let req = GenerateRequest {
-        input: Some(Input::TokenIds(TokenIds { ids: prompt(11, 32) })),
-        sampling: Some(SamplingParams { max_tokens: 80, ignore_eos: true, ..Default::default() }),
-        ..Default::default()
-    };
-    let mut stream = cl.generate(req).await.expect("admitted").into_inner();
+    let first = holding_the_slot(&c, &cl, 10, 100).await;
+    let mut stream = cl.generate(tokens_request(11, 80)).await.expect("admitted").into_inner();
     let e = stream.message().await.expect_err("no token, an error");
     assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
     assert!(e.message().contains("a decode slot came with"), "{e:?}");
@@ -363,35 +384,18 @@ async fn a_decode_slot_that_comes_too_late_is_given_up_before_any_token() {
 /// slot came).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_needing_no_decode_or_left_by_its_client_holds_no_place() {
-    let engine = Arc::new(MockEngine::new(MockConfig {
-        decode_per_token: Duration::from_millis(20),
-        ..MockConfig::default()
-    }));
-    let mut cfg = ClusterConfig::ephemeral();
-    cfg.frontend.max_decoding = Some(1);
-    let c = Cluster::start_shared(cfg, engine).await.expect("cluster starts");
+    let c = one_slot_cluster(Duration::from_secs(60)).await;
     let mut cl = client(&c).await;
     let slots = c.frontend.decode_slots().expect("bounded");
     generate(&mut cl, &prompt(0, 32), 20).await.expect("a hold measured");
     // 200 tokens: the slot is held about 4 s.
-    let mut long = cl.clone();
-    let first = tokio::spawn(async move { generate(&mut long, &prompt(1, 32), 200).await });
-    let since = Instant::now();
-    while slots.decoding() == 0 {
-        assert!(since.elapsed() < Duration::from_secs(5), "the long request holds the slot");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let first = holding_the_slot(&c, &cl, 1, 200).await;
     let asked = Instant::now();
     let (one, _) = generate(&mut cl, &prompt(2, 32), 1).await.expect("a single token is served");
     assert_eq!(one.len(), 1);
     assert!(asked.elapsed() < Duration::from_secs(2), "not after the slot: {:?}", asked.elapsed());
     // A request of 20 tokens waits for the slot; its client then leaves.
-    let req = GenerateRequest {
-        input: Some(Input::TokenIds(TokenIds { ids: prompt(3, 32) })),
-        sampling: Some(SamplingParams { max_tokens: 20, ignore_eos: true, ..Default::default() }),
-        ..Default::default()
-    };
-    let waiting = cl.generate(req).await.expect("admitted");
+    let waiting = cl.generate(tokens_request(3, 20)).await.expect("admitted");
     let since = Instant::now();
     while slots.admitted() < 2 {
         assert!(since.elapsed() < Duration::from_secs(2), "admitted and waiting");

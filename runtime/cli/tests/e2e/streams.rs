@@ -89,22 +89,15 @@ async fn a_drain_sends_clients_away_and_finishes_their_streams() {
     let c = Cluster::start_shared(ClusterConfig::ephemeral(), Arc::new(engine)).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let (drain, draining) = tokio::sync::oneshot::channel::<()>();
     let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(handoff_frontend::service::serve_draining(
-        listener,
-        c.frontend.clone(),
-        async move {
-            let _ = draining.await;
-        },
-        async move {
+    let serving =
+        tokio::spawn(handoff_frontend::service::serve(listener, c.frontend.clone(), async move {
             let _ = stopped.await;
-        },
-    ));
+        }));
     let mut cl = GenerateClient::connect(format!("http://{addr}")).await.unwrap();
     let mut long = cl.generate(request(200, 0)).await.unwrap().into_inner();
     long.message().await.unwrap().expect("a first token");
-    drain.send(()).unwrap();
+    c.frontend.start_draining();
     let mut tokens = 1;
     loop {
         match long.message().await.expect("the stream goes on").expect("to its end").event {

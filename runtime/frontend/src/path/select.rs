@@ -110,7 +110,7 @@ impl Frontend {
         // end early (EOS, a stop string), and is cut at the deadline if not; refused as
         // overload, it could never succeed.
         let left = plan.deadline.saturating_duration_since(Instant::now());
-        let decode = self.metrics.decode_time(plan.max_tokens.saturating_sub(1));
+        let decode = self.expected_decode(plan.max_tokens);
         let left = left - decode.min(left / 2);
         let req = SelectPrefillRequest {
             block_hashes: hashes.to_vec(),
