@@ -51,6 +51,11 @@ impl NatsBus {
         let client = opts
             .retry_on_initial_connect()
             .connection_timeout(Duration::from_secs(2))
+            // A connection gone silent (a partition: no reset, no close) is found dead when
+            // a third ping goes unanswered (about 15 s), and connected again: with the
+            // default 60 s, an instance's heartbeats could stay stuck in it for minutes after
+            // the partition healed.
+            .ping_interval(Duration::from_secs(5))
             .max_reconnects(None)
             .connect(url)
             .await

@@ -56,14 +56,20 @@ impl std::fmt::Display for GrpcError {
 
 impl std::error::Error for GrpcError {}
 
-/// A server builder for an internal service: the cluster's mutual TLS when given.
+/// A server builder for an internal service: the cluster's mutual TLS when given. A caller
+/// gone without a word (its host lost power, a partition) gives its connection back within
+/// 15 s, and its calls are dropped with it (a prefill gives up their queued work, not
+/// computing and sending KV for a decode that is gone).
 pub fn cluster_server(tls: Option<&ClusterTls>) -> Result<Counted, GrpcError> {
-    let Some(tls) = tls else { return Ok(counted(Server::builder())) };
+    let base = Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE_EVERY))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
+    let Some(tls) = tls else { return Ok(counted(base)) };
     let cfg = ServerTlsConfig::new()
         .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
         .client_ca_root(Certificate::from_pem(tls.ca_pem()))
         .timeout(TLS_HANDSHAKE_TIMEOUT);
-    Server::builder().tls_config(cfg).map(counted).map_err(GrpcError::Tls)
+    base.tls_config(cfg).map(counted).map_err(GrpcError::Tls)
 }
 
 /// A server builder whose calls are counted and timed ([`TrafficLayer`]).

@@ -417,7 +417,8 @@ pub struct UpArgs {
     #[arg(long, default_value = "127.0.0.1:50052")]
     pub scheduler_listen: SocketAddr,
     /// Prefill instances.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     pub prefills: usize,
     /// Scheduler replicas (the first on --scheduler-listen, the others on ephemeral ports);
     /// the frontend fails over between them.

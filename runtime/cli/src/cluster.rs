@@ -140,8 +140,13 @@ pub struct Cluster {
     pub bus: Arc<dyn EventBus>,
 }
 
-fn port_plus(base: u16, i: usize) -> u16 {
-    if base == 0 { 0 } else { base + i as u16 }
+/// The i-th port from `base` (0 stays 0: ephemeral); past 65535, an error.
+fn port_plus(base: u16, i: usize) -> anyhow::Result<u16> {
+    match base {
+        0 => Ok(0),
+        _ => u16::try_from(usize::from(base) + i)
+            .map_err(|_| anyhow::anyhow!("port {base} + {i} is past 65535")),
+    }
 }
 
 impl Cluster {
@@ -191,8 +196,8 @@ impl Cluster {
                 dp: cfg.prefill_dp,
                 tp: cfg.prefill_tp,
                 pp: cfg.prefill_pp,
-                bootstrap_bind: ([127, 0, 0, 1], port_plus(cfg.bootstrap_port, i)).into(),
-                grpc_bind: ([127, 0, 0, 1], port_plus(cfg.prefill_port, i)).into(),
+                bootstrap_bind: ([127, 0, 0, 1], port_plus(cfg.bootstrap_port, i)?).into(),
+                grpc_bind: ([127, 0, 0, 1], port_plus(cfg.prefill_port, i)?).into(),
                 transfer: cfg.transfer.clone(),
                 tls: cfg.tls.clone(),
                 cache_bytes_per_dp: cfg.prefill_cache_bytes,
@@ -330,4 +335,15 @@ async fn start_scheduler(
         }
     });
     Ok(SchedulerReplica { scheduler, addr, tasks })
+}
+
+#[cfg(test)]
+mod tests {
+    /// The i-th port from a base: 0 stays ephemeral, past 65535 is an error (it wrapped).
+    #[test]
+    fn ports_past_65535_are_refused() {
+        assert_eq!(super::port_plus(0, 7).unwrap(), 0);
+        assert_eq!(super::port_plus(65534, 1).unwrap(), 65535);
+        assert!(super::port_plus(65535, 1).unwrap_err().to_string().contains("past 65535"));
+    }
 }

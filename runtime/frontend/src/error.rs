@@ -86,9 +86,15 @@ impl FrontendError {
     }
 
     /// A failed call to the prefill instance, classified by its status code. An instance
-    /// draining refuses new work as one that is full does: not its fault.
+    /// draining refuses new work as one that is full does: not its fault; nor is one that
+    /// could not reach this decode's receiver.
     pub(crate) fn prefill_status(s: &tonic::Status) -> Self {
         let draining = s.metadata().contains_key(handoff_proto::metadata::DRAINING);
+        if s.metadata().contains_key(handoff_proto::metadata::RECEIVER_UNREACHABLE) {
+            // The instance could not reach this decode's receiver: the path back (or this
+            // decode) failed, not the instance (see `crate::reach`).
+            return Self::because("connect-back", Cause::Decode, s.message());
+        }
         let cause = match s.code() {
             tonic::Code::ResourceExhausted => Cause::Overloaded,
             tonic::Code::Unavailable if draining => Cause::Overloaded,

@@ -1,11 +1,10 @@
 //! [`Lease`]: a booking held on a scheduler replica until its attempt ends; a lease dropped
 //! first (the client went away) reports its booking cancelled.
 
-use std::sync::Arc;
-
 use handoff_proto::v1::{Outcome, ReportOutcomeRequest};
 
-use crate::{Cause, FrontendError, Schedulers};
+use crate::schedulers::reports::ReportTo;
+use crate::{Cause, FrontendError};
 
 /// Longest failure reason a report carries, in bytes.
 const MAX_REASON: usize = 256;
@@ -13,16 +12,15 @@ const MAX_REASON: usize = 256;
 /// A booking held on a scheduler replica: ended with its outcome, or, if dropped first (the
 /// client went away), reported cancelled.
 pub(crate) struct Lease {
-    schedulers: Arc<Schedulers>,
-    replica: String,
+    report_to: ReportTo,
     booking: u64,
     open: bool,
 }
 
 impl Lease {
-    /// A booking `booking` held on `replica`.
-    pub(crate) fn new(schedulers: Arc<Schedulers>, replica: String, booking: u64) -> Self {
-        Lease { schedulers, replica, booking, open: true }
+    /// A booking `booking`, reported to `report_to` (the replica that made it).
+    pub(crate) fn new(report_to: ReportTo, booking: u64) -> Self {
+        Lease { report_to, booking, open: true }
     }
 
     /// Reports the outcome (the request does not wait for it to arrive).
@@ -38,7 +36,7 @@ impl Lease {
             error.truncate(cut);
         }
         let req = ReportOutcomeRequest { booking_id: self.booking, outcome: outcome as i32, error };
-        self.schedulers.report(&self.replica, req);
+        self.report_to.report(req);
     }
 }
 

@@ -42,9 +42,9 @@ pub struct Reach {
 }
 
 /// Whether `e` says the instance could not be got through to: reading its directory or
-/// connecting to its ranks failed for the instance's sake, before it was given any work.
-/// Deadlines, overload, a failed prefill or transfer, and the decode's own faults do not
-/// count.
+/// connecting to its ranks failed for the instance's sake, before it was given any work, or
+/// the instance could not connect back to this decode's receiver. Deadlines, overload, a
+/// failed prefill or transfer, and the decode's own other faults do not count.
 pub fn unreachable(e: &FrontendError) -> bool {
     matches!(
         e,
@@ -52,7 +52,7 @@ pub fn unreachable(e: &FrontendError) -> bool {
             stage: "resolve-topology" | "resolve-rank" | "connect",
             cause: Cause::Instance,
             ..
-        }
+        } | FrontendError::Attempt { stage: "connect-back", cause: Cause::Decode, .. }
     )
 }
 

@@ -14,7 +14,9 @@ use handoff_proto::grpc::cluster_channel;
 use handoff_proto::metadata::{NO_INSTANCE, REPORTS_TAKEN};
 use handoff_proto::trace::{TraceContext, traced};
 use handoff_proto::v1::scheduler_client::SchedulerClient;
-use handoff_proto::v1::{ReportOutcomeRequest, SelectPrefillRequest, SelectPrefillResponse};
+use handoff_proto::v1::{
+    Outcome, ReportOutcomeRequest, SelectPrefillRequest, SelectPrefillResponse,
+};
 use tracing::{debug, info, warn};
 
 use crate::FrontendError;
@@ -24,7 +26,7 @@ pub mod reports;
 
 pub use channel::ReplicaChannel;
 
-use reports::{Queued, ReportQueue, Stamped};
+use reports::{ReportQueue, ReportTo};
 
 /// How long a replica that failed a call is tried only after the others.
 const SUSPECT_FOR: Duration = Duration::from_secs(5);
@@ -88,7 +90,12 @@ pub struct Selected {
     pub replica: String,
     /// Its answer.
     pub selection: SelectPrefillResponse,
+    /// Where the booking's report goes.
+    pub(crate) report_to: ReportTo,
 }
+
+/// How long an answer that came too late is waited for, to end the booking it made.
+const LATE_ANSWER_FOR: Duration = Duration::from_secs(60);
 
 /// Whether a failed call says the replica is unreachable or broken (try another one), as
 /// opposed to an answer from a working replica.
@@ -162,15 +169,27 @@ impl Schedulers {
     }
 
     /// Keeps exactly `addrs`, and the replicas in this process; an address it cannot dial is
-    /// left out (the first such is the error), the others kept.
+    /// left out (the first such is the error), the others kept. A list naming none keeps the
+    /// replicas known: discovery losing every replica at once is more likely the replicas
+    /// losing etcd (their leases lapse while they still answer) than all of them gone, and
+    /// one really gone fails its calls as a replica unknown would.
     pub fn reset(&self, addrs: &[String]) -> Result<(), FrontendError> {
-        self.lock().retain(|a, r| {
+        let mut map = self.lock();
+        if addrs.is_empty() && map.values().any(|r| !r.in_process) {
+            warn!(
+                replicas = ?map.keys().collect::<Vec<_>>(),
+                "discovery lists no scheduler replica; asking the last ones listed"
+            );
+            return Ok(());
+        }
+        map.retain(|a, r| {
             let kept = r.in_process || addrs.contains(a);
             if !kept {
                 info!(scheduler = a, "scheduler replica removed");
             }
             kept
         });
+        drop(map);
         addrs.iter().map(|a| self.add(a)).fold(Ok(()), Result::and)
     }
 
@@ -219,7 +238,7 @@ impl Schedulers {
         trace: &TraceContext,
     ) -> Result<Selected, SelectFailure> {
         let (mut last, mut no_instance) = (None, None);
-        for (addr, mut replica) in self.order(Instant::now()) {
+        for (addr, replica) in self.order(Instant::now()) {
             if tokio::time::Instant::now() >= deadline {
                 break;
             }
@@ -232,10 +251,11 @@ impl Schedulers {
             let along = replica.reports.take(tokio::time::Instant::now());
             let mut ask = req.clone();
             ask.reports = along.iter().map(|(_, r)| r.clone()).collect();
-            let call = replica
-                .client
-                .select_prefill(traced(auth::request(ask, self.token.as_deref()), trace));
-            let answer = tokio::time::timeout_at(wait, call).await;
+            let mut client = replica.client.clone();
+            let ask = traced(auth::request(ask, self.token.as_deref()), trace);
+            let mut call = Box::pin(async move { client.select_prefill(ask).await });
+            let answer = tokio::time::timeout_at(wait, &mut call).await;
+            let report_to = self.report_to(&addr, &replica);
             if !along.is_empty() {
                 let taken = match &answer {
                     Ok(Ok(r)) => Some(r.get_ref().reports_taken),
@@ -248,11 +268,14 @@ impl Schedulers {
                     // An answer that did not take them all is from a replica that takes
                     // none along (one older than the field).
                     let takes_along = !matches!(answer, Ok(Ok(_)));
-                    self.put_back(&addr, &replica, along, takes_along);
+                    report_to.put_back(along, takes_along);
                 }
             }
             match answer {
-                Ok(Ok(r)) => return Ok(Selected { replica: addr, selection: r.into_inner() }),
+                Ok(Ok(r)) => {
+                    let selection = r.into_inner();
+                    return Ok(Selected { replica: addr, selection, report_to });
+                }
                 // Up, but it knows no routable instance: another replica may (its view of
                 // the fleet can lag), and this one is not suspect.
                 Ok(Err(s)) if s.metadata().contains_key(NO_INSTANCE) => {
@@ -265,12 +288,14 @@ impl Schedulers {
                     last = Some(s);
                 }
                 Err(_) if deadline < own_timeout => {
+                    self.end_when_answered(call, report_to);
                     last = Some(tonic::Status::deadline_exceeded(format!(
                         "the request's deadline passed while scheduler {addr} was asked"
                     )));
                     break;
                 }
                 Err(_) => {
+                    self.end_when_answered(call, report_to);
                     warn!(scheduler = %addr, "scheduler replica did not answer in time; trying another");
                     last = Some(tonic::Status::deadline_exceeded(format!(
                         "scheduler {addr} did not answer in time"
@@ -286,49 +311,59 @@ impl Schedulers {
         }
     }
 
-    /// Reports a booking's outcome to the replica that made it: along with the next
-    /// selection asked of it, or soon in a call with the others waiting (see `reports`).
-    /// Best effort: a booking whose report is lost expires there.
+    /// Reports a booking's outcome to the replica named `replica`, if it is known: along
+    /// with the next selection asked of it, or soon in a call with the others waiting (see
+    /// `reports`). Best effort: a booking whose report is lost expires there. (A lease
+    /// reports through the [`ReportTo`] of its selection, known or not.)
     pub fn report(&self, replica: &str, req: ReportOutcomeRequest) {
-        let found = self.lock().get(replica).map(|r| (r.reports.clone(), r.client.clone()));
-        let Some((queue, client)) = found else {
-            debug!(scheduler = replica, "outcome not reported: replica gone");
-            return;
-        };
-        let queued = queue.push(req, tokio::time::Instant::now());
-        self.after_queueing(replica, client, queue, queued);
-    }
-
-    fn put_back(&self, addr: &str, replica: &Replica, reports: Vec<Stamped>, along: bool) {
-        let queued = replica.reports.put_back(reports, along, tokio::time::Instant::now());
-        let (client, queue) = (replica.client.clone(), replica.reports.clone());
-        self.after_queueing(addr, client, queue, queued);
-    }
-
-    /// Starts a sender for `replica`'s `queue` if the queueing said so.
-    fn after_queueing(
-        &self,
-        replica: &str,
-        client: SchedulerClient<ReplicaChannel>,
-        queue: Arc<ReportQueue>,
-        queued: Queued,
-    ) {
-        match queued {
-            Queued::Taken => {}
-            Queued::Dropped => {
-                debug!(scheduler = replica, "outcome not reported: too many waiting")
-            }
-            Queued::StartSender => {
-                let sender = reports::Sender {
-                    replica: replica.to_owned(),
-                    client,
-                    token: self.token.clone(),
-                    timeout: self.select_timeout * 2,
-                    linger: self.report_linger,
-                };
-                self.tasks.spawn(sender.run(queue, self.tasks.shutdown_token()));
-            }
+        let found = self.lock().get(replica).map(|r| self.report_to(replica, r));
+        match found {
+            Some(to) => to.report(req),
+            None => debug!(scheduler = replica, "outcome not reported: replica gone"),
         }
+    }
+
+    /// Where `replica`'s (at `addr`) reports go.
+    fn report_to(&self, addr: &str, replica: &Replica) -> ReportTo {
+        ReportTo {
+            replica: addr.to_owned(),
+            client: replica.client.clone(),
+            queue: replica.reports.clone(),
+            token: self.token.clone(),
+            timeout: self.select_timeout * 2,
+            linger: self.report_linger,
+            tasks: self.tasks.clone(),
+        }
+    }
+
+    /// Waits (on a task of its own, up to [`LATE_ANSWER_FOR`] or shutdown) for the answer of
+    /// a selection given up on, and reports a booking it made cancelled: the replica booked
+    /// it, and its load and pending prefix would otherwise stay counted until it expired (a
+    /// slow replica's late answers, one per selection asked again, could fill every queue
+    /// it prices).
+    fn end_when_answered<F>(&self, call: F, report_to: ReportTo)
+    where
+        F: std::future::Future<
+                Output = Result<tonic::Response<SelectPrefillResponse>, tonic::Status>,
+            > + Send
+            + 'static,
+    {
+        let tasks = self.tasks.clone();
+        self.tasks.spawn(async move {
+            let answer = tokio::select! {
+                a = tokio::time::timeout(LATE_ANSWER_FOR, call) => a,
+                _ = tasks.shutdown_requested() => return,
+            };
+            if let Ok(Ok(r)) = answer {
+                let booking_id = r.get_ref().booking_id;
+                debug!(scheduler = %report_to.replica, booking_id, "a late selection's booking ended");
+                report_to.report(ReportOutcomeRequest {
+                    booking_id,
+                    outcome: Outcome::Cancelled as i32,
+                    error: "answered after the frontend stopped waiting".into(),
+                });
+            }
+        });
     }
 }
 
@@ -340,3 +375,6 @@ pub enum SelectFailure {
     /// No replica answered (the last failure, if any replica was tried).
     NoReplica(Option<tonic::Status>),
 }
+
+#[cfg(test)]
+mod tests;

@@ -44,8 +44,17 @@ async fn a_replica_restarted_at_its_address_stays_when_its_old_registration_laps
     registry.deregister(&"scheduler-old".parse().unwrap()).await.unwrap();
     registry.deregister(&"scheduler-other".parse().unwrap()).await.unwrap();
     until_replicas(&fe, &[addr]).await;
-    // Its last registration gone, so is the replica.
+    // Its last registration gone, it is still asked: discovery listing no replica at all
+    // is more likely the replicas' own leases lapsing (they lost etcd, not their clients).
     registry.deregister(&"scheduler-new".parse().unwrap()).await.unwrap();
-    until_replicas(&fe, &[]).await;
+    let other = "127.0.0.1:7003";
+    registry.register(scheduler("scheduler-third", other)).await.unwrap();
+    until_replicas(&fe, &[other]).await;
+    registry.deregister(&"scheduler-third".parse().unwrap()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(fe.schedulers().addrs(), [other], "the last one listed is kept");
+    // One listed again, the unlisted one is gone.
+    registry.register(scheduler("scheduler-new", addr)).await.unwrap();
+    until_replicas(&fe, &[addr]).await;
     tasks.shutdown().await;
 }

@@ -27,6 +27,11 @@ pub enum PrefillError {
     /// Sending the KV failed.
     #[error("KV transfer: {0}")]
     Transfer(#[from] handoff_transfer::TransferError),
+    /// The decode's receiver could not be reached: a connection to it refused, unreachable
+    /// or timed out before anything was sent (the path back to the decode failed, or the
+    /// decode did, not this instance).
+    #[error("KV transfer: cannot reach the decode's receiver: {0}")]
+    ReceiverUnreachable(handoff_transfer::TransferError),
     /// Discovery failed (e.g. deregistering while draining).
     #[error("discovery: {0}")]
     Discovery(#[from] handoff_discovery::DiscoveryError),
@@ -50,6 +55,12 @@ impl From<PrefillError> for tonic::Status {
                 let mut s = tonic::Status::unavailable(msg);
                 let draining = tonic::metadata::MetadataValue::from_static("1");
                 s.metadata_mut().insert(handoff_proto::metadata::DRAINING, draining);
+                s
+            }
+            PrefillError::ReceiverUnreachable(_) => {
+                let mut s = tonic::Status::unavailable(msg);
+                let unreachable = tonic::metadata::MetadataValue::from_static("1");
+                s.metadata_mut().insert(handoff_proto::metadata::RECEIVER_UNREACHABLE, unreachable);
                 s
             }
             PrefillError::Transfer(_) | PrefillError::Discovery(_) => {

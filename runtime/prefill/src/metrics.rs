@@ -83,7 +83,7 @@ impl PrefillMetrics {
             Err(PrefillError::Draining) => "draining",
             Err(PrefillError::Deadline(_)) => "deadline",
             Err(PrefillError::Engine(_)) => "engine",
-            Err(PrefillError::Transfer(t)) => {
+            Err(PrefillError::Transfer(t) | PrefillError::ReceiverUnreachable(t)) => {
                 self.transfer_failures.with(&[t.kind()]).inc();
                 "transfer"
             }

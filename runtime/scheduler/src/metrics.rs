@@ -154,27 +154,27 @@ impl Gauges {
             in_flight: r.gauges(
                 "handoff_scheduler_instance_in_flight",
                 "Requests booked on an instance and not yet reported.",
-                &["instance"],
+                &["prefill"],
             ),
             cached_blocks: r.gauges(
                 "handoff_scheduler_instance_cached_blocks",
                 "Blocks the index holds for an instance.",
-                &["instance"],
+                &["prefill"],
             ),
             breaker_open: r.gauges(
                 "handoff_scheduler_instance_breaker_open",
                 "1 while an instance's circuit breaker is open or half-open.",
-                &["instance"],
+                &["prefill"],
             ),
             token_cost: r.gauges(
                 "handoff_scheduler_instance_token_cost_seconds",
                 "An instance's measured prefill time per computed token.",
-                &["instance"],
+                &["prefill"],
             ),
             send_cost: r.gauges(
                 "handoff_scheduler_instance_send_cost_seconds",
                 "The time an instance's KV takes to leave after its compute, per prompt token.",
-                &["instance"],
+                &["prefill"],
             ),
             bookings: r.gauge("handoff_scheduler_open_bookings", "Bookings not yet reported."),
             rejects: r.tallies(

@@ -5,6 +5,7 @@ mod bookings;
 mod cheapest;
 mod engines;
 mod gather;
+mod liveness;
 mod member;
 mod pending;
 mod replicas;
@@ -29,7 +30,7 @@ use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
 use handoff_core::InstanceId;
-use handoff_discovery::{Heartbeat, Instance, Update};
+use handoff_discovery::{Instance, Update};
 use handoff_kv_index::KvIndex;
 use parking_lot::{Mutex, MutexGuard};
 use tracing::{info, warn};
@@ -387,106 +388,13 @@ impl SchedulerState {
         drop(inner);
         self.settle_index();
     }
-
-    /// Applies a heartbeat. Returns whether the instance's index must be resynced from a
-    /// snapshot (first heartbeat heard, or heartbeats resumed after silence).
-    pub fn heartbeat(&self, hb: &Heartbeat) -> bool {
-        self.heartbeat_at(hb, Instant::now())
-    }
-
-    /// [`SchedulerState::heartbeat`] as of `now`.
-    pub fn heartbeat_at(&self, hb: &Heartbeat, now: Instant) -> bool {
-        let mut inner = self.lock();
-        if !inner.members.contains_key(&hb.instance) {
-            return false;
-        }
-        // The first beat after the bus was down (nobody heard for a whole timeout): nobody was
-        // swept meanwhile, and the others' beats come as their own connections come back
-        // (seconds apart), so each is given a full timeout from now, not from its last beat
-        // before the outage. (A shorter lull only held the sweeps back.)
-        if inner.bus_quiet {
-            let Inner { members, engines, .. } = &mut *inner;
-            for m in members.values_mut().filter(|m| !engines.contains(&m.instance.id)) {
-                m.seen = m.seen.max(now);
-            }
-        }
-        let Some(m) = inner.members.get_mut(&hb.instance) else { return false };
-        m.seen = now;
-        let resumed = std::mem::replace(&mut m.silent, false);
-        let unsynced = m.seq.is_none();
-        let cost = hb.prefill_ns_per_token as f32 / 1e3;
-        let send = hb.send_ns_per_token as f32 / 1e3;
-        let cost_changed = (cost.is_finite() && cost != m.token_cost_us)
-            || (send.is_finite() && send != m.send_cost_us);
-        if cost_changed {
-            m.token_cost_us = cost;
-            m.send_cost_us = send;
-        }
-        if resumed {
-            info!(instance = %hb.instance, "heartbeats resumed; back in routing");
-        }
-        if resumed || cost_changed {
-            inner.sync(&hb.instance);
-        }
-        inner.last_beat = Some(now);
-        if inner.bus_quiet {
-            info!("heartbeats heard again; liveness checks resume");
-            inner.bus_quiet = false;
-        }
-        (resumed || unsynced) && sync::start(&mut inner.resyncing, &hb.instance)
-    }
-
-    /// Takes instances not heard from within the liveness timeout out of routing and drops
-    /// their index entries. Returns the ones taken out now.
-    pub fn sweep(&self) -> Vec<InstanceId> {
-        self.sweep_at(Instant::now())
-    }
-
-    /// [`SchedulerState::sweep`] as of `now`.
-    pub fn sweep_at(&self, now: Instant) -> Vec<InstanceId> {
-        let mut inner = self.lock();
-        let timeout = self.cfg.liveness_timeout;
-        if let Some(before) = now.checked_sub(timeout) {
-            inner.expire_replicas(before);
-        }
-        inner.expire_bookings(now);
-        inner.pending.expire(now);
-        // Silence from everyone at once is the bus, not the fleet: keep routing on the last
-        // known state (leases still remove instances that are really gone). Someone must have
-        // been heard within half the timeout: when the bus stops, the instances' last beats
-        // are spread over one interval, so the first to look stale must not be swept while
-        // the others' last beats still look recent.
-        // Engines are heard on their own streams, not the bus: they are swept either way.
-        let quiet = inner.last_beat.is_none_or(|t| now.saturating_duration_since(t) > timeout / 2);
-        if quiet {
-            let long = inner.last_beat.is_some_and(|t| now.saturating_duration_since(t) > timeout);
-            if long && !inner.bus_quiet {
-                warn!(
-                    "no heartbeat from any instance for {timeout:?}; the bus may be down; routing on the last known state"
-                );
-                inner.bus_quiet = true;
-            }
-        }
-        let stale: Vec<InstanceId> = inner
-            .members
-            .values()
-            .filter(|m| now.saturating_duration_since(m.seen) > timeout && !m.silent)
-            .filter(|m| !quiet || inner.engines.contains(&m.instance.id))
-            .map(|m| m.instance.id.clone())
-            .collect();
-        for id in &stale {
-            warn!(instance = %id, "no heartbeat for {timeout:?}; out of routing");
-            inner.silence(id);
-        }
-        drop(inner);
-        self.settle_index();
-        stale
-    }
 }
 
 #[cfg(test)]
 mod breaker_tests;
 #[cfg(test)]
 mod lease_tests;
+#[cfg(test)]
+mod replica_tests;
 #[cfg(test)]
 mod tests;

@@ -167,3 +167,11 @@ fn the_request_timeout_and_http_connections_are_flags_within_bounds() {
         other => panic!("parsed as {other:?}"),
     }
 }
+
+/// `handoff up` starts at least one prefill: zero would never be ready.
+#[test]
+fn up_refuses_zero_prefills() {
+    let e = Cli::try_parse_from(["handoff", "up", "--prefills", "0"]).unwrap_err();
+    assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation);
+    assert!(Cli::try_parse_from(["handoff", "up", "--prefills", "1"]).is_ok());
+}

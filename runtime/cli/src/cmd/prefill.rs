@@ -48,7 +48,16 @@ pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
         "prefill {} ready: bootstrap http{s}://{} grpc{s}://{}",
         p.id, p.bootstrap_addr, p.grpc_addr
     );
-    if let Some(a) = crate::cmd::serve_ops(args.ops_listen, p.ops(), &tasks).await? {
+    let ops = match crate::cmd::serve_ops(args.ops_listen, p.ops(), &tasks).await {
+        Ok(ops) => ops,
+        Err(e) => {
+            // Registered already: taken out of discovery before this process ends, not left
+            // listed (a dead address) until its lease lapses.
+            tasks.shutdown().await;
+            return Err(e);
+        }
+    };
+    if let Some(a) = ops {
         ready.push_str(&format!(" ops http://{a}"));
     }
     crate::cmd::announce(&ready)?;

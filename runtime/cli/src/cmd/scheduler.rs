@@ -53,8 +53,6 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
         version: 1,
         engine: None,
     };
-    registry.register(me).await?;
-    scheduler.state().metrics().set_registered(true);
     let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
     let mut ready = format!("scheduler {id} ready: grpc{s}://{addr}");
     if let Some(bind) = args.http_listen {
@@ -72,6 +70,10 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     if let Some(a) = crate::cmd::serve_ops(args.ops_listen, ops, &tasks).await? {
         ready.push_str(&format!(" ops http://{a}"));
     }
+    // Registered once every listener is bound: one that fails (its port taken) ends this
+    // process before discovery lists it, not leaving a dead address listed for a lease.
+    registry.register(me).await?;
+    scheduler.state().metrics().set_registered(true);
     crate::cmd::announce(&ready)?;
     let t = tasks.clone();
     let serving =

@@ -46,14 +46,9 @@ pub fn engines(args: &EngineArgs) -> anyhow::Result<Engines> {
 
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
-    crate::cmd::check_exposure(
-        &args.discovery,
-        &[
-            ("the frontend", args.frontend_listen),
-            ("the OpenAI API", args.http_listen),
-            ("the scheduler", args.scheduler_listen),
-        ],
-    )?;
+    // No exposure check (`check_exposure`): this process always has a token (given or
+    // generated), so its directories, transfers and scheduler are never open, wherever they
+    // listen; its public APIs are meant to be reached.
     // Secure by default: the roles in this process authenticate to each other with a token
     // of their own when none is given (processes joining it over etcd/NATS need --token).
     let generated = args.discovery.token.is_none();

@@ -148,11 +148,11 @@ async fn every_role_serves_metrics_and_readiness_and_ctl_sees_the_cluster() {
     assert!(sample(&sched, ok).unwrap() >= 5.0, "{sched}");
     assert_eq!(sample(&sched, "handoff_scheduler_instances{routable=\"true\"}"), Some(1.0));
     assert_eq!(
-        sample(&sched, "handoff_scheduler_instance_breaker_open{instance=\"p1\"}"),
+        sample(&sched, "handoff_scheduler_instance_breaker_open{prefill=\"p1\"}"),
         Some(0.0)
     );
     assert!(
-        sample(&sched, "handoff_scheduler_instance_cached_blocks{instance=\"p1\"}").unwrap() > 0.0
+        sample(&sched, "handoff_scheduler_instance_cached_blocks{prefill=\"p1\"}").unwrap() > 0.0
     );
 
     let pre = http_get(&prefill_ops, "/metrics").await.1;

@@ -416,6 +416,29 @@ async fn a_deadline_passed_in_a_prefills_queue_is_an_overload() {
     busy.await.unwrap().expect("the request holding the engine is served");
 }
 
+/// A prefill that cannot connect back to the decode's receiver (a firewall on the decode's
+/// side, a wrong advertised address: here one where nothing listens) fails the attempt on
+/// the path back to the decode, not on the instance: no breaker counts it, and this
+/// frontend's own view of what it cannot reach does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_that_cannot_reach_the_decodes_receiver_is_not_at_fault() {
+    let c = cluster(ClusterConfig { prefill_tp: 1, ..ClusterConfig::ephemeral() }).await;
+    let unreachable = handoff_transfer::TransferKind::Tcp {
+        bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+        advertise_ip: Some("127.0.0.2".into()),
+        tls: None,
+        shared_memory: false,
+    };
+    let e = match try_direct_attempt_over(&c, &*engine(), 1, &prompt(1, 32), unreachable).await {
+        Err(e) => e,
+        Ok(_) => panic!("the KV came to a receiver nobody could reach"),
+    };
+    assert_eq!(e.cause(), Some(handoff_frontend::Cause::Decode), "{e}");
+    assert!(e.to_string().contains("cannot reach the decode's receiver"), "{e}");
+    assert!(handoff_frontend::reach::unreachable(&e), "{e}");
+    c.shutdown().await;
+}
+
 /// A prefill draining refuses new work (a request routed to it before its deregistration was
 /// seen): that is not its fault (no breaker counts it, the frontend keeps its way of calling
 /// it), but another instance is asked, as when one is full.

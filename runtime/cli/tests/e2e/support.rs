@@ -83,13 +83,25 @@ pub(crate) async fn try_direct_attempt(
     decode_tp: usize,
     tokens: &[u32],
 ) -> Result<handoff_frontend::attempt::Prefilled, handoff_frontend::FrontendError> {
+    let loopback = handoff_transfer::TransferKind::loopback();
+    try_direct_attempt_over(c, engine, decode_tp, tokens, loopback).await
+}
+
+/// [`try_direct_attempt`] with the decode's agent of `kind`.
+pub(crate) async fn try_direct_attempt_over(
+    c: &Cluster,
+    engine: &dyn Engine,
+    decode_tp: usize,
+    tokens: &[u32],
+    kind: handoff_transfer::TransferKind,
+) -> Result<handoff_frontend::attempt::Prefilled, handoff_frontend::FrontendError> {
     use handoff_bootstrap::{DirectoryCache, DirectoryClient};
     use handoff_frontend::attempt::{self, AttemptCtx, PrefillPeer, Stages, Target};
     use handoff_proto::v1::prefill_client::PrefillClient;
-    use handoff_transfer::{InboxConfig, TransferKind};
+    use handoff_transfer::InboxConfig;
 
     let tasks = handoff_core::Tasks::new();
-    let agent = TransferKind::loopback().start(InboxConfig::default(), &tasks, None).await.unwrap();
+    let agent = kind.start(InboxConfig::default(), &tasks, None).await.unwrap();
     let directory = DirectoryCache::new(DirectoryClient::default());
     let ctx = AttemptCtx {
         engine,

@@ -133,7 +133,7 @@ impl Frontend {
         let call = self.tasks.spawn(
             async move {
                 let sel = schedulers.select(req, deadline, &trace).await?;
-                let lease = Lease::new(schedulers, sel.replica.clone(), sel.selection.booking_id);
+                let lease = Lease::new(sel.report_to.clone(), sel.selection.booking_id);
                 Ok::<_, SelectFailure>((lease, sel))
             }
             .instrument(tracing::Span::current()),

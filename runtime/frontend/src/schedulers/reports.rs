@@ -157,15 +157,74 @@ impl ReportQueue {
     }
 }
 
-/// How a sender reaches its replica.
-pub(crate) struct Sender {
+/// Where one replica's reports go: its queue, and how a sender reaches it. A lease holds it
+/// from its selection on, so a booking's report reaches the replica that made it even when
+/// discovery drops the replica meanwhile (its lease in etcd lapsed while it still answers).
+#[derive(Clone)]
+pub(crate) struct ReportTo {
     pub(crate) replica: String,
     pub(crate) client: SchedulerClient<super::ReplicaChannel>,
+    pub(crate) queue: std::sync::Arc<ReportQueue>,
     pub(crate) token: Option<String>,
-    /// Longest wait for one call.
+    /// Longest wait for one call of a sender's.
     pub(crate) timeout: Duration,
     /// How long reports wait for a selection to take them along.
     pub(crate) linger: Duration,
+    /// Where a sender runs.
+    pub(crate) tasks: handoff_core::Tasks,
+}
+
+impl std::fmt::Debug for ReportTo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReportTo").field("replica", &self.replica).finish_non_exhaustive()
+    }
+}
+
+impl ReportTo {
+    /// Queues `req` for the replica (see the module docs).
+    pub(crate) fn report(&self, req: ReportOutcomeRequest) {
+        let queued = self.queue.push(req, Instant::now());
+        self.after_queueing(queued);
+    }
+
+    /// Puts back reports a selection took along and the replica did not say it took (see
+    /// [`ReportQueue::put_back`]).
+    pub(crate) fn put_back(&self, reports: Vec<Stamped>, along: bool) {
+        let queued = self.queue.put_back(reports, along, Instant::now());
+        self.after_queueing(queued);
+    }
+
+    /// Starts a sender if the queueing said so.
+    fn after_queueing(&self, queued: Queued) {
+        match queued {
+            Queued::Taken => {}
+            Queued::Dropped => {
+                debug!(scheduler = %self.replica, "outcome not reported: too many waiting")
+            }
+            Queued::StartSender => {
+                let sender = Sender {
+                    replica: self.replica.clone(),
+                    client: self.client.clone(),
+                    token: self.token.clone(),
+                    timeout: self.timeout,
+                    linger: self.linger,
+                };
+                let queue = self.queue.clone();
+                self.tasks.spawn(sender.run(queue, self.tasks.shutdown_token()));
+            }
+        }
+    }
+}
+
+/// How a sender reaches its replica.
+struct Sender {
+    replica: String,
+    client: SchedulerClient<super::ReplicaChannel>,
+    token: Option<String>,
+    /// Longest wait for one call.
+    timeout: Duration,
+    /// How long reports wait for a selection to take them along.
+    linger: Duration,
 }
 
 impl Sender {
@@ -174,11 +233,7 @@ impl Sender {
     /// it does not answer), each report for [`RETRY_FOR`] after it was made: a short outage
     /// of the replica does not leave its bookings' load counted until they expire. At
     /// shutdown, what waits goes at once, once.
-    pub(crate) async fn run(
-        mut self,
-        queue: std::sync::Arc<ReportQueue>,
-        shutdown: CancellationToken,
-    ) {
+    async fn run(mut self, queue: std::sync::Arc<ReportQueue>, shutdown: CancellationToken) {
         // The first look is at once: reports put back may be due already.
         let mut wait = Duration::ZERO;
         let mut retry = RETRY_FIRST;

@@ -109,6 +109,14 @@ impl Inner {
         }
     }
 
+    /// The bus is heard again at `now` after a quiet spell (see `sweep_at`): the other
+    /// replicas' reports come back with it, so each is given a full timeout from now.
+    pub(super) fn remotes_heard_by(&mut self, now: Instant) {
+        for r in self.remote.values_mut() {
+            r.seen = r.seen.max(now);
+        }
+    }
+
     /// Forgets replicas not heard from since `before`.
     pub(super) fn expire_replicas(&mut self, before: Instant) {
         let n = self.remote.len();

@@ -1,5 +1,5 @@
 use handoff_core::{BlockHash, block_hashes};
-use handoff_discovery::{KvEvent, KvEventKind, KvSnapshot, Role, Topology};
+use handoff_discovery::{Heartbeat, KvEvent, KvEventKind, KvSnapshot, Role, Topology};
 
 use super::*;
 use crate::SchedulerError;
@@ -241,60 +241,6 @@ fn queued_load_is_the_uncached_work_and_reports_take_it_off() {
         s.report(p.booking, Outcome::Success);
     }
     assert_eq!(s.select(&Ask::new(&prompt(5), 256)).unwrap().instance.id.as_str(), "a", "drained");
-}
-
-#[test]
-fn replicas_price_each_others_load_and_forget_silent_ones() {
-    let (a, b) = (
-        SchedulerState::new(SchedulerConfig::default()),
-        SchedulerState::new(SchedulerConfig::default()),
-    );
-    for s in [&a, &b] {
-        s.apply_update(Update::Reset(vec![inst("x", 1), inst("y", 1)]));
-    }
-    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
-    let other = block_hashes(&(1000..1256).collect::<Vec<_>>(), 16);
-    let first = a.select(&Ask::new(&h, 256)).unwrap().instance.id;
-    // Alone, b would make the same first choice for another prompt; with a's load it goes
-    // elsewhere.
-    let report = a.load_report("ra", false).unwrap();
-    assert_eq!((report.loads.len(), report.routed.len()), (1, 1));
-    assert!(a.load_report("ra", false).is_none(), "unchanged: nothing to say");
-    assert!(b.select(&Ask::new(&other, 256)).is_ok_and(|s| {
-        b.report(s.booking, Outcome::Cancelled);
-        s.instance.id == first
-    }));
-    b.apply_load_report(report.clone(), "rb");
-    assert_ne!(b.select(&Ask::new(&other, 256)).unwrap().instance.id, first);
-    // The same new prompt goes where a sent it, priced as cached there: not computed twice.
-    let same = b.select(&Ask::new(&h, 256)).unwrap();
-    assert_eq!((same.instance.id.clone(), same.cached_blocks), (first.clone(), 16));
-    // Its own report, a bad name, or unknown workers change nothing.
-    b.apply_load_report(report.clone(), "ra");
-    let mut bad = report.clone();
-    bad.replica = "r".repeat(65);
-    b.apply_load_report(bad, "rb");
-    let mut unknown = report.clone();
-    unknown.loads[0].instance = "zz".parse().unwrap();
-    unknown.replica = "rc".into();
-    b.apply_load_report(unknown, "rb");
-    // Overflowing loads from two replicas: saturated, nothing panics, selection goes on.
-    for name in ["huge1", "huge2"] {
-        let mut huge = report.clone();
-        huge.replica = name.into();
-        for l in &mut huge.loads {
-            (l.in_flight, l.queued_tokens) = (u32::MAX, u64::MAX);
-        }
-        b.apply_load_report(huge, "rb");
-    }
-    let after = b.select(&Ask::new(&other, 256)).expect("selection goes on");
-    assert_ne!(after.instance.id, first, "the saturated instance looks busiest");
-    // A replica not heard from within the liveness timeout is forgotten.
-    let c = SchedulerState::new(SchedulerConfig::default());
-    c.apply_update(Update::Reset(vec![inst("x", 1), inst("y", 1)]));
-    c.apply_load_report(report, "rc");
-    c.sweep_at(std::time::Instant::now() + std::time::Duration::from_secs(4));
-    assert_eq!(c.select(&Ask::new(&h, 256)).unwrap().instance.id, first, "a's load forgotten");
 }
 
 #[test]

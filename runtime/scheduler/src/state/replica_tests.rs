@@ -1,0 +1,144 @@
+//! Scheduler replicas sharing their load over the bus.
+
+use std::time::{Duration, Instant};
+
+use handoff_core::block_hashes;
+use handoff_discovery::{Heartbeat, KvSnapshot, LoadReport, WorkerLoad};
+
+use super::tests::inst;
+use super::*;
+
+/// Instants from the first test's start: beats and sweeps name their time.
+fn at(ms: u64) -> Instant {
+    static T0: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *T0.get_or_init(Instant::now) + Duration::from_millis(ms)
+}
+
+/// A heartbeat from each of `ids` at `now`.
+fn beat(s: &SchedulerState, ids: &[&str], now: Instant) {
+    for id in ids {
+        let hb = Heartbeat {
+            instance: id.parse().unwrap(),
+            queued_tokens: 0,
+            running: 0,
+            kv_bytes: 0,
+            prefill_ns_per_token: 1_000,
+            send_ns_per_token: 0,
+        };
+        if s.heartbeat_at(&hb, now) {
+            s.apply_snapshot(KvSnapshot {
+                instance: id.parse().unwrap(),
+                seq: 0,
+                dp_blocks: vec![vec![]],
+                dp_parents: vec![],
+                snapshot: 0,
+                page: 0,
+                pages: 1,
+            });
+        }
+    }
+}
+
+/// A replica knowing `ids` (one dp rank each), each heard at 0 ms.
+fn beating(ids: &[&str]) -> SchedulerState {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(ids.iter().map(|id| inst(id, 1)).collect()));
+    beat(&s, ids, at(0));
+    s
+}
+
+#[test]
+fn replicas_price_each_others_load_and_forget_silent_ones() {
+    let (a, b) = (
+        SchedulerState::new(SchedulerConfig::default()),
+        SchedulerState::new(SchedulerConfig::default()),
+    );
+    for s in [&a, &b] {
+        s.apply_update(Update::Reset(vec![inst("x", 1), inst("y", 1)]));
+    }
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    let other = block_hashes(&(1000..1256).collect::<Vec<_>>(), 16);
+    let first = a.select(&Ask::new(&h, 256)).unwrap().instance.id;
+    // Alone, b would make the same first choice for another prompt; with a's load it goes
+    // elsewhere.
+    let report = a.load_report("ra", false).unwrap();
+    assert_eq!((report.loads.len(), report.routed.len()), (1, 1));
+    assert!(a.load_report("ra", false).is_none(), "unchanged: nothing to say");
+    assert!(b.select(&Ask::new(&other, 256)).is_ok_and(|s| {
+        b.report(s.booking, Outcome::Cancelled);
+        s.instance.id == first
+    }));
+    b.apply_load_report(report.clone(), "rb");
+    assert_ne!(b.select(&Ask::new(&other, 256)).unwrap().instance.id, first);
+    // The same new prompt goes where a sent it, priced as cached there: not computed twice.
+    let same = b.select(&Ask::new(&h, 256)).unwrap();
+    assert_eq!((same.instance.id.clone(), same.cached_blocks), (first.clone(), 16));
+    // Its own report, a bad name, or unknown workers change nothing.
+    b.apply_load_report(report.clone(), "ra");
+    let mut bad = report.clone();
+    bad.replica = "r".repeat(65);
+    b.apply_load_report(bad, "rb");
+    let mut unknown = report.clone();
+    unknown.loads[0].instance = "zz".parse().unwrap();
+    unknown.replica = "rc".into();
+    b.apply_load_report(unknown, "rb");
+    // Overflowing loads from two replicas: saturated, nothing panics, selection goes on.
+    for name in ["huge1", "huge2"] {
+        let mut huge = report.clone();
+        huge.replica = name.into();
+        for l in &mut huge.loads {
+            (l.in_flight, l.queued_tokens) = (u32::MAX, u64::MAX);
+        }
+        b.apply_load_report(huge, "rb");
+    }
+    let after = b.select(&Ask::new(&other, 256)).expect("selection goes on");
+    assert_ne!(after.instance.id, first, "the saturated instance looks busiest");
+    // A replica not heard from within the liveness timeout, while the others are, is
+    // forgotten.
+    let c = beating(&["x", "y"]);
+    c.apply_load_report(report, "rc");
+    for sec in 1..=4 {
+        beat(&c, &["x", "y"], at(sec * 1000));
+    }
+    c.sweep_at(at(4100));
+    assert_eq!(c.select(&Ask::new(&h, 256)).unwrap().instance.id, first, "a's load forgotten");
+}
+
+/// The other replicas' load reports ride the bus: while nobody is heard (the bus is down)
+/// their load is kept, as their requests are still queued at the prefills; once beats are
+/// heard again, each replica has a full timeout from then to be heard too. (Seen through
+/// admission: another replica's 1,000 s of queued work on every instance refuses a
+/// selection; forgotten, the selection is made.)
+#[test]
+fn a_quiet_bus_keeps_the_other_replicas_load() {
+    let c = beating(&["x", "y"]);
+    let busy = |id: &str| WorkerLoad {
+        instance: id.parse().unwrap(),
+        dp_rank: 0,
+        in_flight: 1000,
+        queued_tokens: 1_000_000_000,
+    };
+    let report =
+        LoadReport { replica: "ra".into(), loads: vec![busy("x"), busy("y")], routed: vec![] };
+    c.apply_load_report(report, "rc");
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    let admitted = || {
+        let s = c.select(&Ask::new(&h, 256));
+        s.map(|s| c.report(s.booking, Outcome::Cancelled)).is_ok()
+    };
+    assert!(!admitted(), "the other replica's queue is full");
+    // The bus stops: nothing from anyone.
+    for ms in [4000, 10_000, 30_000] {
+        c.sweep_at(at(ms));
+        assert!(!admitted(), "its load kept at {ms} ms");
+    }
+    // Beats resume; its reports would too, but it died meanwhile.
+    beat(&c, &["x", "y"], at(31_000));
+    c.sweep_at(at(32_000));
+    assert!(!admitted(), "it has a full timeout from the bus's return");
+    for sec in 32..=34 {
+        beat(&c, &["x", "y"], at(sec * 1000));
+    }
+    c.sweep_at(at(34_100));
+    assert!(admitted(), "its load forgotten");
+}
