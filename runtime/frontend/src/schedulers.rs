@@ -72,6 +72,9 @@ pub struct Schedulers {
     tasks: handoff_core::Tasks,
     /// How long a report waits for a selection to take it along.
     report_linger: Duration,
+    /// This frontend's id in discovery, named in each selection: its bookings end when its
+    /// registration does.
+    owner: std::sync::OnceLock<String>,
 }
 
 impl std::fmt::Debug for Schedulers {
@@ -115,7 +118,14 @@ impl Schedulers {
             tls: None,
             tasks: tasks.clone(),
             report_linger: reports::LINGER,
+            owner: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Names this frontend's registration `id` in every selection from now on (the first
+    /// name given stays): the replicas end its open bookings when the registration ends.
+    pub fn set_owner(&self, id: &str) {
+        let _ = self.owner.set(id.to_owned());
     }
 
     /// Reports wait up to `linger` for a selection to take them along (instead of
@@ -237,6 +247,10 @@ impl Schedulers {
         deadline: tokio::time::Instant,
         trace: &TraceContext,
     ) -> Result<Selected, SelectFailure> {
+        let mut req = req;
+        if let Some(owner) = self.owner.get() {
+            req.frontend_id = owner.clone();
+        }
         let (mut last, mut no_instance) = (None, None);
         for (addr, replica) in self.order(Instant::now()) {
             if tokio::time::Instant::now() >= deadline {

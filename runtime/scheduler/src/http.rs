@@ -166,6 +166,7 @@ fn select_inner(api: &Api, body: &[u8]) -> Result<Response, ApiError> {
         exclude: &exclude,
         deadline: b.deadline_ms.filter(|&d| d > 0).map(Duration::from_millis),
         protocols: crate::Protocols::ANY,
+        owner: None,
     };
     let sel = api.state.select(&ask)?;
     Ok(Json(Selected {

@@ -19,6 +19,7 @@ mod rejects;
 pub mod service;
 pub mod state;
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -28,7 +29,7 @@ use handoff_discovery::events::{
     KV_SUBJECT_PREFIX, LIVENESS_PREFIX, LOAD_PREFIX, load_subject, snapshot_subject,
 };
 use handoff_discovery::{
-    EventBus, Heartbeat, KvEvent, KvSnapshot, LoadReport, Registry, Role, SnapshotAsk,
+    EventBus, Heartbeat, KvEvent, KvSnapshot, LoadReport, Registry, Role, SnapshotAsk, Update,
 };
 use tracing::{debug, warn};
 
@@ -63,6 +64,8 @@ impl Scheduler {
         let sweep_every = cfg.liveness_timeout / 12;
         let state = Arc::new(SchedulerState::new(cfg));
         let mut updates = registry.watch(Role::Prefill).await.map_err(SchedulerError::Discovery)?;
+        let mut frontends =
+            registry.watch(Role::Frontend).await.map_err(SchedulerError::Discovery)?;
         let mut events =
             bus.subscribe(KV_SUBJECT_PREFIX).await.map_err(SchedulerError::Discovery)?;
         let mut beats = bus.subscribe(LIVENESS_PREFIX).await.map_err(SchedulerError::Discovery)?;
@@ -79,6 +82,24 @@ impl Scheduler {
                         Some(u) => s.apply_update(u),
                         None => break,
                     },
+                }
+            }
+        });
+        // A frontend leaving discovery (stopped, or killed and its lease lapsed) ends the
+        // bookings it asked for: killed, it reports none of them.
+        let (s, t) = (state.clone(), tasks.clone());
+        tasks.spawn(async move {
+            let mut listed = HashSet::new();
+            loop {
+                let u = tokio::select! {
+                    _ = t.shutdown_requested() => break,
+                    u = frontends.next() => match u {
+                        Some(u) => u,
+                        None => break,
+                    },
+                };
+                for gone in frontends_left(&mut listed, u) {
+                    s.frontend_left(&gone);
                 }
             }
         });
@@ -168,6 +189,27 @@ impl Scheduler {
     }
 }
 
+/// The frontends an update of their registrations says left (`listed` kept current): each
+/// one removed, and those a fresh list leaves out.
+fn frontends_left(listed: &mut HashSet<InstanceId>, u: Update) -> Vec<InstanceId> {
+    match u {
+        Update::Reset(all) => {
+            let now: HashSet<InstanceId> = all.into_iter().map(|i| i.id).collect();
+            let left = listed.difference(&now).cloned().collect();
+            *listed = now;
+            left
+        }
+        Update::Add(i) => {
+            listed.insert(i.id);
+            Vec::new()
+        }
+        Update::Remove(id) => {
+            listed.remove(&id);
+            vec![id]
+        }
+    }
+}
+
 fn cfg_share_interval(state: &SchedulerState) -> std::time::Duration {
     state.config().load_share_interval.max(std::time::Duration::from_millis(1))
 }
@@ -241,5 +283,28 @@ async fn snapshot_page(
             state.rejects().note(Reject::MalformedSnapshot, &format_args!("{id}: {e}"));
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use handoff_discovery::{Instance, Role, Update};
+
+    use super::*;
+
+    /// A fresh list (a watch connected again) says which frontends left meanwhile; a
+    /// removal says one did; additions say none did.
+    #[test]
+    fn frontends_left_by_removal_or_absence_from_a_fresh_list() {
+        let f = |id: &str| Instance::fixture(id.parse().unwrap(), Role::Frontend);
+        let mut listed = HashSet::new();
+        assert!(frontends_left(&mut listed, Update::Reset(vec![f("a"), f("b")])).is_empty());
+        assert!(frontends_left(&mut listed, Update::Add(f("c"))).is_empty());
+        let gone = frontends_left(&mut listed, Update::Remove("b".parse().unwrap()));
+        assert_eq!(gone, ["b".parse::<InstanceId>().unwrap()]);
+        let mut gone = frontends_left(&mut listed, Update::Reset(vec![f("c"), f("d")]));
+        gone.sort();
+        assert_eq!(gone, ["a".parse::<InstanceId>().unwrap()]);
+        assert_eq!(listed.len(), 2);
     }
 }

@@ -108,6 +108,13 @@ impl SchedulerService {
         let exclude =
             r.exclude_instances.iter().map(|s| instance_id(s)).collect::<Result<Vec<_>, _>>()?;
         let hashes: Vec<BlockHash> = r.block_hashes.into_iter().map(BlockHash).collect();
+        let owner =
+            match r.frontend_id.as_str() {
+                "" => None,
+                id => Some(instance_id(id).map_err(|s| {
+                    Status::invalid_argument(format!("frontend_id: {}", s.message()))
+                })?),
+            };
         let ask = Ask {
             hashes: &hashes,
             prompt_tokens: r.prompt_tokens,
@@ -116,6 +123,7 @@ impl SchedulerService {
             deadline: (r.deadline_ms > 0)
                 .then(|| std::time::Duration::from_millis(u64::from(r.deadline_ms))),
             protocols: Protocols::from_names(&r.protocols)?,
+            owner: owner.as_ref(),
         };
         let sel = self.state.select(&ask)?;
         debug!(instance = %sel.instance.id, dp_rank = sel.dp_rank, cached = sel.cached_blocks, "prefill selected");

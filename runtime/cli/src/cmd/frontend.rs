@@ -84,6 +84,9 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         engine: None,
     };
     let id = me.id.clone();
+    // Named in its selections: the scheduler replicas end its open bookings when this
+    // registration ends (a frontend killed reports none of them).
+    frontend.schedulers().set_owner(id.as_str());
     registry.register(me).await?;
     let s = if args.public_tls.public_tls_cert.is_some() { "s" } else { "" };
     let mut ready = format!(
@@ -126,14 +129,14 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         tasks.shutdown().await;
         return Ok(r?);
     }
-    // Drain: out of discovery and not ready at once; clients told to go (gRPC's GOAWAY, an
-    // HTTP/1 connection closed after its answer); streams in flight finish, for at most
-    // --drain-secs.
+    // Drain: not ready at once; clients told to go (gRPC's GOAWAY, an HTTP/1 connection
+    // closed after its answer); streams in flight finish, for at most --drain-secs. Out of
+    // discovery at its end: the scheduler replicas end the bookings of a frontend that
+    // leaves, and those in flight are still being prefilled.
     frontend.start_draining();
     if let Some(own) = &own_scheduler {
         own.set_ready(false);
     }
-    let _ = registry.deregister(&id).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.drain_secs);
     let drained = async {
         while frontend.in_flight() > 0 && tokio::time::Instant::now() < deadline {
@@ -151,6 +154,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         }
     }
     tracing::info!(left = frontend.in_flight(), "frontend drained");
+    let _ = registry.deregister(&id).await;
     // The listeners stop and hand out what their streams still hold (cut after their grace).
     match served {
         Some(r) => {

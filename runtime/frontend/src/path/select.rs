@@ -123,8 +123,10 @@ impl Frontend {
                 .chain(self.cfg.drive_vllm.then_some(&"vllm"))
                 .map(|p| p.to_string())
                 .collect(),
-            // The replica asked adds its waiting reports (see `Schedulers::select`).
+            // The replica asked adds its waiting reports, and the frontend's name (see
+            // `Schedulers::select`).
             reports: Vec::new(),
+            frontend_id: String::new(),
         };
         // The call runs on its own task and wraps its booking in a lease there: if this
         // request is dropped while the scheduler books it, the lease is dropped with the

@@ -95,3 +95,23 @@ async fn a_lease_reports_to_its_replica_after_discovery_dropped_it() {
     tasks.shutdown().await;
     stop.shutdown().await;
 }
+
+/// A frontend named (its registration's id) names itself in every selection: a replica
+/// ends its bookings when it leaves.
+#[tokio::test]
+async fn selections_name_their_frontend() {
+    let state = state_knowing("p0");
+    let tasks = handoff_core::Tasks::new();
+    let pool = Schedulers::new(Duration::from_secs(1), &tasks);
+    let service = SchedulerService::new(state.clone()).into_server();
+    pool.add_in_process("in-process", channel::in_process(service));
+    pool.set_owner("frontend-1");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    for _ in 0..2 {
+        pool.select(ask(), deadline, &Default::default()).await.unwrap();
+    }
+    assert_eq!(state.frontend_left(&"frontend-2".parse().unwrap()), 0);
+    assert_eq!(state.frontend_left(&"frontend-1".parse().unwrap()), 2);
+    assert_eq!(state.open_bookings(), 0);
+    tasks.shutdown().await;
+}

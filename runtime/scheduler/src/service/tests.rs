@@ -87,3 +87,23 @@ async fn a_refused_selection_says_how_many_reports_it_took() {
     let sel = svc.select_prefill(Request::new(many)).await.unwrap().into_inner();
     assert_eq!(sel.reports_taken, 0);
 }
+
+/// A selection naming its frontend books for it; a name that is no id is refused, saying
+/// which field, and books nothing.
+#[tokio::test]
+async fn a_frontend_id_that_is_no_id_is_refused() {
+    use handoff_proto::v1::SelectPrefillRequest;
+    let (svc, _) = booked(0);
+    let ask = |frontend_id: &str| SelectPrefillRequest {
+        block_hashes: vec![1],
+        prompt_tokens: 16,
+        frontend_id: frontend_id.into(),
+        ..Default::default()
+    };
+    let s = svc.select_prefill(Request::new(ask("bad id\n"))).await.unwrap_err();
+    assert_eq!(s.code(), tonic::Code::InvalidArgument);
+    assert!(s.message().contains("frontend_id"), "{}", s.message());
+    assert_eq!(svc.state.open_bookings(), 0);
+    svc.select_prefill(Request::new(ask("frontend-1"))).await.unwrap();
+    assert_eq!(svc.state.frontend_left(&"frontend-1".parse().unwrap()), 1);
+}

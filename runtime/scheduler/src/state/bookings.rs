@@ -1,7 +1,8 @@
 //! Selections are leases. Each selection opens a [`Booking`]: the load it queued on one
 //! (instance, dp rank) and the pending prefix it noted there. The booking ends exactly once:
 //! when its outcome is reported (a second report finds nothing), when it expires unreported,
-//! or when its instance leaves or goes silent (its load is forgotten with it). So whatever
+//! when its instance leaves or goes silent (its load is forgotten with it), or when the
+//! frontend that asked for it leaves discovery (killed, it can report nothing). So whatever
 //! mix of completed, failed, cancelled and lost requests happens, the load comes back to zero.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -29,6 +30,8 @@ pub(super) struct Booking {
     pub(super) until: Instant,
     /// Whether it is its instance's half-open probe: given back if it expires unreported.
     pub(super) probe: bool,
+    /// The frontend that asked for it, if it said.
+    pub(super) owner: Option<InstanceId>,
 }
 
 /// The open bookings (see the module docs).
@@ -39,6 +42,8 @@ pub(super) struct Bookings {
     /// The open bookings of each instance: a sweep that silences many instances at once
     /// closes theirs without scanning every open booking for each.
     by_instance: HashMap<InstanceId, HashSet<BookingId>>,
+    /// The open bookings of each frontend that named itself.
+    by_owner: HashMap<InstanceId, HashSet<BookingId>>,
 }
 
 impl Bookings {
@@ -57,17 +62,18 @@ impl Bookings {
         };
         self.by_expiry.insert((b.until, id));
         self.by_instance.entry(b.instance.clone()).or_default().insert(id);
+        if let Some(owner) = &b.owner {
+            self.by_owner.entry(owner.clone()).or_default().insert(id);
+        }
         self.open.insert(id, b);
         id
     }
 
-    /// Takes `id` out of its instance's set.
-    fn unlist(&mut self, instance: &InstanceId, id: BookingId) {
-        if let Some(ids) = self.by_instance.get_mut(instance) {
-            ids.remove(&id);
-            if ids.is_empty() {
-                self.by_instance.remove(instance);
-            }
+    /// Takes `id` out of its instance's set, and its owner's.
+    fn unlist(&mut self, b: &Booking, id: BookingId) {
+        unlist_in(&mut self.by_instance, &b.instance, id);
+        if let Some(owner) = &b.owner {
+            unlist_in(&mut self.by_owner, owner, id);
         }
     }
 
@@ -75,7 +81,7 @@ impl Bookings {
     pub(super) fn close(&mut self, id: BookingId) -> Option<Booking> {
         let b = self.open.remove(&id)?;
         self.by_expiry.remove(&(b.until, id));
-        self.unlist(&b.instance, id);
+        self.unlist(&b, id);
         Some(b)
     }
 
@@ -88,7 +94,7 @@ impl Bookings {
             }
             self.by_expiry.pop_first();
             if let Some(b) = self.open.remove(&id) {
-                self.unlist(&b.instance, id);
+                self.unlist(&b, id);
                 out.push(b);
             }
         }
@@ -101,9 +107,36 @@ impl Bookings {
         for &id in &gone {
             if let Some(b) = self.open.remove(&id) {
                 self.by_expiry.remove(&(b.until, id));
+                if let Some(owner) = &b.owner {
+                    unlist_in(&mut self.by_owner, owner, id);
+                }
             }
         }
         gone.len()
+    }
+
+    /// Closes every booking `owner` asked for (it left), returning them.
+    pub(super) fn close_owned_by(&mut self, owner: &InstanceId) -> Vec<Booking> {
+        let ids = self.by_owner.remove(owner).unwrap_or_default();
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(b) = self.open.remove(&id) {
+                self.by_expiry.remove(&(b.until, id));
+                unlist_in(&mut self.by_instance, &b.instance, id);
+                out.push(b);
+            }
+        }
+        out
+    }
+}
+
+/// Takes `id` out of `key`'s set in `sets` (the set too, once empty).
+fn unlist_in(sets: &mut HashMap<InstanceId, HashSet<BookingId>>, key: &InstanceId, id: BookingId) {
+    if let Some(ids) = sets.get_mut(key) {
+        ids.remove(&id);
+        if ids.is_empty() {
+            sets.remove(key);
+        }
     }
 }
 
@@ -125,7 +158,16 @@ mod tests {
         let mut open = |on: &str, secs: u64| {
             let instance: InstanceId = on.parse().unwrap();
             let until = t0 + Duration::from_secs(secs);
-            bookings.open(Booking { slot, instance, tokens: 1, pending: None, until, probe: false })
+            let owner = Some("frontend-1".parse().unwrap());
+            bookings.open(Booking {
+                slot,
+                instance,
+                tokens: 1,
+                pending: None,
+                until,
+                probe: false,
+                owner,
+            })
         };
         let (a1, _a2, _a3) = (open("a", 10), open("a", 20), open("a", 30));
         let (b1, _b2, _c1) = (open("b", 5), open("b", 40), open("c", 50));
@@ -135,8 +177,42 @@ mod tests {
         assert_eq!(bookings.forget_instance(&"a".parse().unwrap()), 2);
         assert_eq!(bookings.len(), 2, "b's second and c's");
         let listed: usize = bookings.by_instance.values().map(HashSet::len).sum();
-        assert_eq!((listed, bookings.by_expiry.len()), (2, 2));
+        let owned: usize = bookings.by_owner.values().map(HashSet::len).sum();
+        assert_eq!((listed, owned, bookings.by_expiry.len()), (2, 2, 2));
         assert_eq!(bookings.expire(t0 + Duration::from_secs(60)).len(), 2);
         assert!(bookings.by_instance.is_empty() && bookings.open.is_empty());
+        assert!(bookings.by_owner.is_empty());
+    }
+
+    /// A frontend leaving closes exactly the bookings it asked for, on every instance.
+    #[test]
+    fn a_frontend_leaving_closes_its_own_bookings() {
+        let slot = KvIndex::default().slot_at(0);
+        let until = Instant::now() + Duration::from_secs(60);
+        let mut bookings = Bookings::default();
+        let mut open = |on: &str, by: Option<&str>| {
+            let (instance, owner) = (on.parse().unwrap(), by.map(|b| b.parse().unwrap()));
+            bookings.open(Booking {
+                slot,
+                instance,
+                tokens: 1,
+                pending: None,
+                until,
+                probe: false,
+                owner,
+            })
+        };
+        let (_, _, mine) = (open("a", Some("f1")), open("b", Some("f1")), open("a", Some("f2")));
+        let _anonymous = open("b", None);
+        let gone = bookings.close_owned_by(&"f1".parse().unwrap());
+        assert_eq!(gone.len(), 2);
+        assert!(gone.iter().all(|b| b.owner.as_ref().is_some_and(|o| o.as_str() == "f1")));
+        assert!(bookings.close_owned_by(&"f1".parse().unwrap()).is_empty(), "once");
+        assert_eq!(bookings.len(), 2, "f2's and the anonymous one");
+        assert_eq!(bookings.forget_instance(&"a".parse().unwrap()), 1, "f2's");
+        assert!(bookings.close(mine).is_none());
+        assert!(bookings.close_owned_by(&"f2".parse().unwrap()).is_empty());
+        assert_eq!(bookings.by_expiry.len(), 1);
+        assert!(bookings.by_owner.is_empty());
     }
 }

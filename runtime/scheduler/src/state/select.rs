@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use handoff_core::{BlockHash, InstanceId};
 use handoff_kv_index::KvIndex;
-use tracing::debug;
+use tracing::{debug, info};
 
 use super::admission::{self, Admitted, Budget};
 use super::bookings::{Booking, BookingId};
@@ -65,6 +65,8 @@ pub struct Ask<'a> {
     pub deadline: Option<Duration>,
     /// The protocols the caller can drive: instances speaking others are not chosen.
     pub protocols: Protocols,
+    /// The asking frontend (as registered): its bookings end when it leaves discovery.
+    pub owner: Option<&'a InstanceId>,
 }
 
 impl<'a> Ask<'a> {
@@ -77,6 +79,7 @@ impl<'a> Ask<'a> {
             exclude: &[],
             deadline: None,
             protocols: Protocols::ANY,
+            owner: None,
         }
     }
 }
@@ -235,6 +238,7 @@ impl SchedulerState {
             pending: noted,
             until: now + ttl.min(self.cfg.booking_ttl_max),
             probe,
+            owner: ask.owner.cloned(),
         });
         let selection = Selection {
             instance: m.instance.clone(),
@@ -318,6 +322,22 @@ impl SchedulerState {
         true
     }
 
+    /// Ends the open bookings `frontend` asked for: it left discovery (stopped, or killed
+    /// and its lease lapsed), and none of them will be reported. Their load and pending
+    /// prefixes come off their instances at once, not at their expiry (up to the requests'
+    /// deadlines later), and a probe among them is given back. Returns how many ended.
+    pub fn frontend_left(&self, frontend: &InstanceId) -> usize {
+        let mut inner = self.lock();
+        let gone = inner.bookings.close_owned_by(frontend);
+        for b in &gone {
+            inner.end_unreported(b);
+        }
+        if !gone.is_empty() {
+            info!(%frontend, bookings = gone.len(), "frontend left; its open bookings ended");
+        }
+        gone.len()
+    }
+
     /// Open bookings (requests selected and not yet reported).
     pub fn open_bookings(&self) -> usize {
         self.lock().bookings.len()
@@ -337,21 +357,26 @@ impl Inner {
         }
     }
 
-    /// Ends every booking past its time: their requests were never reported. An expired
-    /// probe says nothing of its instance: the next request probes again.
+    /// Ends every booking past its time: their requests were never reported.
     pub(super) fn expire_bookings(&mut self, now: Instant) {
         let expired = self.bookings.expire(now);
         if !expired.is_empty() {
             debug!(n = expired.len(), "bookings expired unreported");
         }
         for b in &expired {
-            self.release(b);
-            if b.probe
-                && let Some(m) = self.members.get_mut(&b.instance)
-            {
-                m.breaker.release_probe();
-                self.sync(&b.instance);
-            }
+            self.end_unreported(b);
+        }
+    }
+
+    /// Takes a booking that will never be reported off its slot; a probe among them says
+    /// nothing of its instance: given back, the next request probes again.
+    fn end_unreported(&mut self, b: &Booking) {
+        self.release(b);
+        if b.probe
+            && let Some(m) = self.members.get_mut(&b.instance)
+        {
+            m.breaker.release_probe();
+            self.sync(&b.instance);
         }
     }
 }
