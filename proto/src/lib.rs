@@ -23,8 +23,9 @@ pub mod metadata {
     /// failure of the instance: another one is asked).
     pub const DRAINING: &str = "handoff-draining";
     /// On a prefill's `UNAVAILABLE`: it could not reach the decode's transfer receiver (a
-    /// connection to it refused, unreachable or timed out). The path back to that decode,
-    /// or the decode itself, failed, not the instance: its breaker does not count it.
+    /// connection to it refused, with no route, or its connect unanswered). The path back
+    /// to that decode, or the decode itself, failed, not the instance: its breaker does not
+    /// count it.
     pub const RECEIVER_UNREACHABLE: &str = "handoff-receiver-unreachable";
     /// On a scheduler's refusal of `SelectPrefill`: how many of the reports sent along it
     /// took (as `SelectPrefillResponse.reports_taken` says on an answer).

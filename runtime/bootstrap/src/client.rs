@@ -1,10 +1,13 @@
 //! A pooled keep-alive client of the directory protocol, and [`DirectoryCache`], which keeps
 //! each instance's server info and rank addresses until the instance's registration changes.
 //! A call on a kept connection that does not answer within [`POOLED_CALL_TIMEOUT`] (one the
-//! network lost, say) is made again on a fresh connection.
+//! network lost, say) is made again on a fresh connection, which has [`FRESH_CALL_TIMEOUT`]
+//! (connecting and the whole answer): a directory the network silently drops fails the call
+//! then, not at the caller's deadline.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use handoff_core::tls::ClusterTls;
@@ -27,10 +30,17 @@ pub struct DirectoryClient {
     fresh: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     scheme: &'static str,
     token: Option<String>,
+    /// How long a call on a kept connection may take, its answer included.
+    pooled_timeout: Duration,
+    /// How long the call made again on a fresh connection may take, its answer included.
+    fresh_timeout: Duration,
 }
 
 /// How long a call on a kept connection may take before it is made on a fresh one.
-pub const POOLED_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+pub const POOLED_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long a call made again on a fresh connection may take before it fails.
+pub const FRESH_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The longest answer read from a directory: its answers are a few hundred bytes.
 pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
@@ -80,7 +90,15 @@ impl DirectoryClient {
             Client::builder(TokioExecutor::new()).pool_max_idle_per_host(64).build(conn.clone());
         let fresh = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(conn);
         let scheme = if tls.is_some() { "https" } else { "http" };
-        DirectoryClient { http, fresh, scheme, token }
+        let (pooled_timeout, fresh_timeout) = (POOLED_CALL_TIMEOUT, FRESH_CALL_TIMEOUT);
+        DirectoryClient { http, fresh, scheme, token, pooled_timeout, fresh_timeout }
+    }
+
+    /// Gives a call on a kept connection `pooled`, and the call made again `fresh` (instead
+    /// of [`POOLED_CALL_TIMEOUT`] and [`FRESH_CALL_TIMEOUT`]).
+    pub fn with_timeouts(mut self, pooled: Duration, fresh: Duration) -> Self {
+        (self.pooled_timeout, self.fresh_timeout) = (pooled, fresh);
+        self
     }
 
     async fn call(
@@ -104,34 +122,23 @@ impl DirectoryClient {
         let req = req.body(Full::new(body.clone())).map_err(|e| bad(e.to_string()))?;
         let (parts, _) = req.into_parts();
         let request = |body: Bytes| Request::from_parts(parts.clone(), Full::new(body));
-        let unreachable = |source| ClientError::Unreachable { addr: addr.to_owned(), source };
-        // Directory calls are reads and idempotent registrations: safe to make again.
-        let resp = match tokio::time::timeout(
-            POOLED_CALL_TIMEOUT,
-            self.http.request(request(body.clone())),
-        )
-        .await
-        {
-            Ok(r) => r.map_err(unreachable)?,
-            Err(_) => self.fresh.request(request(body)).await.map_err(unreachable)?,
-        };
-        let status = resp.status();
-        let mut body = resp.into_body();
-        let mut read = Vec::new();
-        while let Some(frame) = body.frame().await {
-            let frame =
-                frame.map_err(|source| ClientError::Body { addr: addr.to_owned(), source })?;
-            if let Ok(data) = frame.into_data() {
-                if read.len() + data.len() > MAX_ANSWER_BYTES {
-                    return Err(ClientError::Oversized {
-                        addr: addr.to_owned(),
-                        limit: MAX_ANSWER_BYTES,
-                    });
-                }
-                read.extend_from_slice(&data);
+        let exchange = |client: &Client<HttpsConnector<HttpConnector>, Full<Bytes>>, body| {
+            let asked = client.request(request(body));
+            async move {
+                let unreachable =
+                    |source| ClientError::Unreachable { addr: addr.to_owned(), source };
+                read_answer(addr, asked.await.map_err(unreachable)?).await
             }
+        };
+        // Directory calls are reads and idempotent registrations: safe to make again.
+        match tokio::time::timeout(self.pooled_timeout, exchange(&self.http, body.clone())).await {
+            Ok(answer) => answer,
+            Err(_) => tokio::time::timeout(self.fresh_timeout, exchange(&self.fresh, body))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(ClientError::TimedOut { addr: addr.to_owned(), after: self.fresh_timeout })
+                }),
         }
-        Ok((status, Bytes::from(read)))
     }
 
     fn expect_ok(addr: &str, status: StatusCode, body: &Bytes) -> Result<(), ClientError> {
@@ -289,6 +296,29 @@ impl DirectoryCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Reads `resp`'s status and body (at most [`MAX_ANSWER_BYTES`]).
+async fn read_answer(
+    addr: &str,
+    resp: hyper::Response<hyper::body::Incoming>,
+) -> Result<(StatusCode, Bytes), ClientError> {
+    let status = resp.status();
+    let mut body = resp.into_body();
+    let mut read = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|source| ClientError::Body { addr: addr.to_owned(), source })?;
+        if let Ok(data) = frame.into_data() {
+            if read.len() + data.len() > MAX_ANSWER_BYTES {
+                return Err(ClientError::Oversized {
+                    addr: addr.to_owned(),
+                    limit: MAX_ANSWER_BYTES,
+                });
+            }
+            read.extend_from_slice(&data);
+        }
+    }
+    Ok((status, Bytes::from(read)))
 }
 
 #[cfg(test)]

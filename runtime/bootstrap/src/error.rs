@@ -55,6 +55,15 @@ pub enum ClientError {
         #[source]
         source: hyper_util::client::legacy::Error,
     },
+    /// The directory did not answer in time, on a kept connection nor on a fresh one (the
+    /// network may be dropping its packets).
+    #[error("directory {addr} gave no answer within {after:?} on a fresh connection")]
+    TimedOut {
+        /// The directory.
+        addr: String,
+        /// The fresh connection's time.
+        after: std::time::Duration,
+    },
     /// Reading the response body failed.
     #[error("directory {addr} body: {source}")]
     Body {

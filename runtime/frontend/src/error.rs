@@ -173,7 +173,8 @@ mod tests {
         for (e, cause) in [
             (TransferError::Full("nixl staging memory"), Cause::Overloaded),
             (TransferError::Timeout("x".into()), Cause::Deadline),
-            (TransferError::Io { peer, reason: "reset".into() }, Cause::Instance),
+            (TransferError::Io { peer: peer.clone(), reason: "reset".into() }, Cause::Instance),
+            (TransferError::Unreachable { peer, reason: "refused".into() }, Cause::Instance),
             (TransferError::Failed("checksum".into()), Cause::Instance),
         ] {
             assert_eq!(FrontendError::transfer("connect", e.clone()).cause(), Some(cause), "{e}");

@@ -43,8 +43,9 @@ pub struct Reach {
 
 /// Whether `e` says the instance could not be got through to: reading its directory or
 /// connecting to its ranks failed for the instance's sake, before it was given any work, or
-/// the instance could not connect back to this decode's receiver. Deadlines, overload, a
-/// failed prefill or transfer, and the decode's own other faults do not count.
+/// the instance's connect back to this decode's receiver was refused, found no route or went
+/// unanswered. Deadlines, overload, a failed prefill or transfer, and the decode's own other
+/// faults do not count.
 pub fn unreachable(e: &FrontendError) -> bool {
     matches!(
         e,

@@ -36,6 +36,9 @@ struct Replica {
     client: SchedulerClient<ReplicaChannel>,
     /// Runs in this process ([`Schedulers::add_in_process`]): discovery does not list it.
     in_process: bool,
+    /// Kept though discovery's list no longer names it (see [`Schedulers::reset`]): dropped
+    /// at its first failed call.
+    unlisted: bool,
     /// Failed a call recently: tried after the others until then.
     suspect_until: Option<Instant>,
     /// Outcome reports waiting to go to it.
@@ -56,7 +59,13 @@ impl Replica {
     /// Not suspect, with no reports waiting.
     fn reached(channel: ReplicaChannel, in_process: bool) -> Self {
         let client = SchedulerClient::new(channel);
-        Replica { client, in_process, suspect_until: None, reports: Arc::default() }
+        Replica {
+            client,
+            in_process,
+            unlisted: false,
+            suspect_until: None,
+            reports: Arc::default(),
+        }
     }
 }
 
@@ -180,16 +189,23 @@ impl Schedulers {
 
     /// Keeps exactly `addrs`, and the replicas in this process; an address it cannot dial is
     /// left out (the first such is the error), the others kept. A list naming none keeps the
-    /// replicas known: discovery losing every replica at once is more likely the replicas
-    /// losing etcd (their leases lapse while they still answer) than all of them gone, and
-    /// one really gone fails its calls as a replica unknown would.
+    /// replicas known until each fails a call: discovery losing every replica at once is
+    /// more likely the replicas losing etcd (their leases lapse while they still answer)
+    /// than all of them gone, and one really gone is dropped at its first failed call.
     pub fn reset(&self, addrs: &[String]) -> Result<(), FrontendError> {
         let mut map = self.lock();
-        if addrs.is_empty() && map.values().any(|r| !r.in_process) {
-            warn!(
-                replicas = ?map.keys().collect::<Vec<_>>(),
-                "discovery lists no scheduler replica; asking the last ones listed"
-            );
+        if addrs.is_empty() {
+            let mut newly = 0;
+            for r in map.values_mut().filter(|r| !r.in_process && !r.unlisted) {
+                r.unlisted = true;
+                newly += 1;
+            }
+            if newly > 0 {
+                warn!(
+                    replicas = ?map.keys().collect::<Vec<_>>(),
+                    "discovery lists no scheduler replica; asking the last ones listed until they fail"
+                );
+            }
             return Ok(());
         }
         map.retain(|a, r| {
@@ -197,6 +213,7 @@ impl Schedulers {
             if !kept {
                 info!(scheduler = a, "scheduler replica removed");
             }
+            r.unlisted = false;
             kept
         });
         drop(map);
@@ -232,9 +249,17 @@ impl Schedulers {
         all.into_iter().map(|(a, r)| (a.clone(), r.clone())).collect()
     }
 
+    /// `addr` failed a call at `now`: tried after the others for a while, or, kept unlisted
+    /// ([`Schedulers::reset`]), dropped.
     fn suspect(&self, addr: &str, now: Instant) {
-        if let Some(r) = self.lock().get_mut(addr) {
-            r.suspect_until = Some(now + SUSPECT_FOR);
+        let mut map = self.lock();
+        match map.get_mut(addr) {
+            Some(r) if r.unlisted => {
+                map.remove(addr);
+                info!(scheduler = addr, "unlisted scheduler replica failed a call; removed");
+            }
+            Some(r) => r.suspect_until = Some(now + SUSPECT_FOR),
+            None => {}
         }
     }
 
@@ -350,11 +375,11 @@ impl Schedulers {
         }
     }
 
-    /// Waits (on a task of its own, up to [`LATE_ANSWER_FOR`] or shutdown) for the answer of
-    /// a selection given up on, and reports a booking it made cancelled: the replica booked
-    /// it, and its load and pending prefix would otherwise stay counted until it expired (a
-    /// slow replica's late answers, one per selection asked again, could fill every queue
-    /// it prices).
+    /// Waits (on a task of its own, up to [`LATE_ANSWER_FOR`], or a second once shutdown is
+    /// requested) for the answer of a selection given up on, and reports a booking it made
+    /// cancelled: the replica booked it, and its load and pending prefix would otherwise
+    /// stay counted until it expired (a slow replica's late answers, one per selection
+    /// asked again, could fill every queue it prices).
     fn end_when_answered<F>(&self, call: F, report_to: ReportTo)
     where
         F: std::future::Future<
@@ -364,11 +389,15 @@ impl Schedulers {
     {
         let tasks = self.tasks.clone();
         self.tasks.spawn(async move {
+            let mut call = std::pin::pin!(call);
+            // At shutdown a second more (the report then goes at once, as the others do).
             let answer = tokio::select! {
-                a = tokio::time::timeout(LATE_ANSWER_FOR, call) => a,
-                _ = tasks.shutdown_requested() => return,
+                a = tokio::time::timeout(LATE_ANSWER_FOR, &mut call) => a.ok(),
+                _ = tasks.shutdown_requested() => {
+                    tokio::time::timeout(Duration::from_secs(1), &mut call).await.ok()
+                }
             };
-            if let Ok(Ok(r)) = answer {
+            if let Some(Ok(r)) = answer {
                 let booking_id = r.get_ref().booking_id;
                 debug!(scheduler = %report_to.replica, booking_id, "a late selection's booking ended");
                 report_to.report(ReportOutcomeRequest {

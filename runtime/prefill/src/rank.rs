@@ -130,13 +130,13 @@ impl Rank {
             )));
         }
         let sender = SenderId::new(self.tp as u16, self.pp as u16);
-        let stream = self.agent.open_write(&h.receiver, h.region, sender).await.map_err(|e| {
-            use handoff_transfer::TransferError::{Io, Timeout};
-            match e {
-                Io { .. } | Timeout(_) => PrefillError::ReceiverUnreachable(e),
+        let stream =
+            self.agent.open_write(&h.receiver, h.region, sender).await.map_err(|e| match e {
+                handoff_transfer::TransferError::Unreachable { .. } => {
+                    PrefillError::ReceiverUnreachable(e)
+                }
                 e => e.into(),
-            }
-        })?;
+            })?;
         Ok(Destination { shard, layout, shape, tokens, stream })
     }
 }

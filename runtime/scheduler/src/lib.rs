@@ -99,7 +99,7 @@ impl Scheduler {
                     },
                 };
                 for gone in frontends_left(&mut listed, u) {
-                    s.frontend_left(&gone);
+                    s.frontend_left_at(&gone, std::time::Instant::now());
                 }
             }
         });

@@ -68,7 +68,8 @@ pub struct SchedulerConfig {
     pub max_bookings: usize,
     /// How long a booking of a request without a deadline stays open unreported.
     pub booking_ttl: Duration,
-    /// How long past its request's deadline a booking stays open unreported.
+    /// How long past its request's deadline a booking stays open unreported (and, at most,
+    /// past its frontend's departure from discovery).
     pub booking_grace: Duration,
     /// Longest any booking stays open unreported.
     pub booking_ttl_max: Duration,
@@ -166,6 +167,9 @@ struct Inner {
     /// When any instance was last heard from: while nothing is heard from anyone, the bus is
     /// presumed down and nobody is swept out of routing.
     last_beat: Option<Instant>,
+    /// When anything was last heard on the bus: a heartbeat, or a load report (this
+    /// replica's own, echoed, included: a fleet of engines sends no heartbeat).
+    last_bus: Option<Instant>,
     bus_quiet: bool,
     /// Reused by every selection: overlap per slot, the candidate list, and the ties.
     run: handoff_kv_index::Run,
@@ -289,6 +293,7 @@ impl SchedulerState {
             bookings: Default::default(),
             resyncing: Default::default(),
             last_beat: None,
+            last_bus: None,
             bus_quiet: false,
             run: handoff_kv_index::Run::new(),
             candidates: Vec::new(),

@@ -1,6 +1,6 @@
 //! A running scheduler follows the frontends in discovery: one that leaves (stopped, or
-//! killed and its lease lapsed) has its open bookings ended then, not at their expiry; the
-//! other frontends' bookings stay.
+//! killed and its lease lapsed) has its open bookings expire after the booking grace, not
+//! at their requests' deadlines; the other frontends' bookings stay.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,7 +39,13 @@ async fn a_frontend_leaving_discovery_ends_its_bookings() {
         registry.register(inst(f, Role::Frontend)).await.unwrap();
     }
     let tasks = Tasks::new();
-    let s = Scheduler::start(SchedulerConfig::default(), registry.clone(), bus, &tasks).await;
+    // Departed frontends' bookings expire after the grace; sweeps every 25 ms.
+    let cfg = SchedulerConfig {
+        booking_grace: Duration::from_millis(200),
+        liveness_timeout: Duration::from_millis(300),
+        ..SchedulerConfig::default()
+    };
+    let s = Scheduler::start(cfg, registry.clone(), bus, &tasks).await;
     let s = s.unwrap();
     let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
     let (a, b): (InstanceId, InstanceId) =

@@ -13,6 +13,15 @@ pub enum TransferError {
         /// What went wrong.
         reason: String,
     },
+    /// A connection to the peer could not be made: refused, no route to it, or no answer
+    /// to the connect within its time (the network or the peer; nothing was sent).
+    #[error("peer {peer} unreachable: {reason}")]
+    Unreachable {
+        /// The peer.
+        peer: AgentAddr,
+        /// What the connect said.
+        reason: String,
+    },
     /// A frame or request that violates the protocol.
     #[error("malformed: {0}")]
     Malformed(String),
@@ -46,6 +55,7 @@ impl TransferError {
     pub fn kind(&self) -> &'static str {
         match self {
             TransferError::Io { .. } => "io",
+            TransferError::Unreachable { .. } => "unreachable",
             TransferError::Malformed(_) => "malformed",
             TransferError::Rejected(_) => "rejected",
             TransferError::Unauthorized => "unauthorized",

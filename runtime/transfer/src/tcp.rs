@@ -215,10 +215,20 @@ impl TcpTransfer {
     /// A new connection to `peer`, authenticated when the agent has a token.
     async fn dial(&self, peer: &AgentAddr) -> Result<Box<dyn ClientIo>, TransferError> {
         let dial = TcpStream::connect((peer.ip.as_str(), peer.port));
+        let unreachable =
+            |reason: String| TransferError::Unreachable { peer: peer.clone(), reason };
         let s = tokio::time::timeout(self.cfg.connect_timeout, dial)
             .await
-            .map_err(|_| Self::io_err(peer, "connect timed out"))?
-            .map_err(|e| Self::io_err(peer, e))?;
+            .map_err(|_| unreachable("connect timed out".into()))?
+            .map_err(|e| {
+                use std::io::ErrorKind::*;
+                match e.kind() {
+                    ConnectionRefused | HostUnreachable | NetworkUnreachable | TimedOut => {
+                        unreachable(e.to_string())
+                    }
+                    _ => Self::io_err(peer, e),
+                }
+            })?;
         s.set_nodelay(true).map_err(|e| Self::io_err(peer, e))?;
         let mut s: Box<dyn ClientIo> = match &self.cfg.tls {
             None => Box::new(s),

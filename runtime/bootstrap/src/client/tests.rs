@@ -68,3 +68,44 @@ async fn an_oversized_answer_is_refused() {
         Err(ClientError::Oversized { limit: MAX_ANSWER_BYTES, .. })
     ));
 }
+
+/// A directory that takes connections and never answers (what a peer whose packets the
+/// network drops looks like, once connected) fails the call after the kept connection's
+/// time and the fresh one's, not at the caller's deadline; one that sends its head and then
+/// stalls its body, the same.
+#[tokio::test]
+async fn a_directory_that_never_answers_fails_the_call_in_time() {
+    let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap().to_string();
+    let held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            conns.push(conn);
+        }
+    });
+    let (pooled, fresh) = (Duration::from_millis(100), Duration::from_millis(300));
+    let client = DirectoryClient::default().with_timeouts(pooled, fresh);
+    let since = std::time::Instant::now();
+    match client.server_info(&addr).await {
+        Err(e @ ClientError::TimedOut { .. }) => assert!(e.to_string().contains(&addr), "{e}"),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(since.elapsed() < Duration::from_secs(5), "{:?}", since.elapsed());
+
+    let stalling = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = stalling.local_addr().unwrap().to_string();
+    let stalled = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((mut conn, _)) = stalling.accept().await {
+            let mut buf = [0u8; 1024];
+            let _ = conn.read(&mut buf).await;
+            let head =
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{";
+            let _ = conn.write_all(head.as_bytes()).await;
+            conns.push(conn);
+        }
+    });
+    assert!(matches!(client.server_info(&addr).await, Err(ClientError::TimedOut { .. })));
+    held.abort();
+    stalled.abort();
+}

@@ -84,8 +84,8 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         engine: None,
     };
     let id = me.id.clone();
-    // Named in its selections: the scheduler replicas end its open bookings when this
-    // registration ends (a frontend killed reports none of them).
+    // Named in its selections: the scheduler replicas have its open bookings expire soon
+    // when this registration ends (a frontend killed reports none of them).
     frontend.schedulers().set_owner(id.as_str());
     registry.register(me).await?;
     let s = if args.public_tls.public_tls_cert.is_some() { "s" } else { "" };
@@ -131,8 +131,8 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
     }
     // Drain: not ready at once; clients told to go (gRPC's GOAWAY, an HTTP/1 connection
     // closed after its answer); streams in flight finish, for at most --drain-secs. Out of
-    // discovery at its end: the scheduler replicas end the bookings of a frontend that
-    // leaves, and those in flight are still being prefilled.
+    // discovery at its end: the scheduler replicas cut short the bookings of a frontend
+    // that leaves, and those in flight are still being prefilled.
     frontend.start_draining();
     if let Some(own) = &own_scheduler {
         own.set_ready(false);

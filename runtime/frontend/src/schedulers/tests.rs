@@ -110,8 +110,10 @@ async fn selections_name_their_frontend() {
     for _ in 0..2 {
         pool.select(ask(), deadline, &Default::default()).await.unwrap();
     }
-    assert_eq!(state.frontend_left(&"frontend-2".parse().unwrap()), 0);
-    assert_eq!(state.frontend_left(&"frontend-1".parse().unwrap()), 2);
+    let now = std::time::Instant::now();
+    assert_eq!(state.frontend_left_at(&"frontend-2".parse().unwrap(), now), 0);
+    assert_eq!(state.frontend_left_at(&"frontend-1".parse().unwrap(), now), 2);
+    state.sweep_at(now + Duration::from_secs(11));
     assert_eq!(state.open_bookings(), 0);
     tasks.shutdown().await;
 }

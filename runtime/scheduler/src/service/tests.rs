@@ -105,5 +105,6 @@ async fn a_frontend_id_that_is_no_id_is_refused() {
     assert!(s.message().contains("frontend_id"), "{}", s.message());
     assert_eq!(svc.state.open_bookings(), 0);
     svc.select_prefill(Request::new(ask("frontend-1"))).await.unwrap();
-    assert_eq!(svc.state.frontend_left(&"frontend-1".parse().unwrap()), 1);
+    let now = std::time::Instant::now();
+    assert_eq!(svc.state.frontend_left_at(&"frontend-1".parse().unwrap(), now), 1);
 }

@@ -1,8 +1,8 @@
 //! Selections are leases. Each selection opens a [`Booking`]: the load it queued on one
 //! (instance, dp rank) and the pending prefix it noted there. The booking ends exactly once:
 //! when its outcome is reported (a second report finds nothing), when it expires unreported,
-//! when its instance leaves or goes silent (its load is forgotten with it), or when the
-//! frontend that asked for it leaves discovery (killed, it can report nothing). So whatever
+//! or when its instance leaves or goes silent (its load is forgotten with it); one whose
+//! frontend leaves discovery (killed, it can report nothing) expires soon after. So whatever
 //! mix of completed, failed, cancelled and lost requests happens, the load comes back to zero.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -115,18 +115,20 @@ impl Bookings {
         gone.len()
     }
 
-    /// Closes every booking `owner` asked for (it left), returning them.
-    pub(super) fn close_owned_by(&mut self, owner: &InstanceId) -> Vec<Booking> {
-        let ids = self.by_owner.remove(owner).unwrap_or_default();
-        let mut out = Vec::with_capacity(ids.len());
+    /// Has every booking `owner` asked for expire by `until` at the latest (it left);
+    /// returns how many it holds.
+    pub(super) fn cut_short_owned_by(&mut self, owner: &InstanceId, until: Instant) -> usize {
+        let Some(ids) = self.by_owner.get(owner) else { return 0 };
         for id in ids {
-            if let Some(b) = self.open.remove(&id) {
-                self.by_expiry.remove(&(b.until, id));
-                unlist_in(&mut self.by_instance, &b.instance, id);
-                out.push(b);
+            if let Some(b) = self.open.get_mut(id)
+                && b.until > until
+            {
+                self.by_expiry.remove(&(b.until, *id));
+                b.until = until;
+                self.by_expiry.insert((until, *id));
             }
         }
-        out
+        ids.len()
     }
 }
 
@@ -184,14 +186,17 @@ mod tests {
         assert!(bookings.by_owner.is_empty());
     }
 
-    /// A frontend leaving closes exactly the bookings it asked for, on every instance.
+    /// A frontend leaving has exactly the bookings it asked for, on every instance, expire
+    /// soon (none later than they would have).
     #[test]
-    fn a_frontend_leaving_closes_its_own_bookings() {
+    fn a_frontend_leaving_cuts_its_own_bookings_short() {
         let slot = KvIndex::default().slot_at(0);
-        let until = Instant::now() + Duration::from_secs(60);
+        let t0 = Instant::now();
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
         let mut bookings = Bookings::default();
-        let mut open = |on: &str, by: Option<&str>| {
+        let mut open = |on: &str, by: Option<&str>, secs: u64| {
             let (instance, owner) = (on.parse().unwrap(), by.map(|b| b.parse().unwrap()));
+            let until = at(secs);
             bookings.open(Booking {
                 slot,
                 instance,
@@ -202,17 +207,16 @@ mod tests {
                 owner,
             })
         };
-        let (_, _, mine) = (open("a", Some("f1")), open("b", Some("f1")), open("a", Some("f2")));
-        let _anonymous = open("b", None);
-        let gone = bookings.close_owned_by(&"f1".parse().unwrap());
-        assert_eq!(gone.len(), 2);
-        assert!(gone.iter().all(|b| b.owner.as_ref().is_some_and(|o| o.as_str() == "f1")));
-        assert!(bookings.close_owned_by(&"f1".parse().unwrap()).is_empty(), "once");
+        let _ = (open("a", Some("f1"), 60), open("b", Some("f1"), 5), open("a", Some("f2"), 60));
+        let _anonymous = open("b", None, 60);
+        assert_eq!(bookings.cut_short_owned_by(&"f1".parse().unwrap(), at(10)), 2);
+        assert_eq!(bookings.cut_short_owned_by(&"f3".parse().unwrap(), at(10)), 0);
+        assert_eq!(bookings.expire(at(9)).len(), 1, "the one due at 5 s, not made later");
+        let gone = bookings.expire(at(10));
+        assert_eq!(gone.len(), 1);
+        assert!(gone[0].owner.as_ref().is_some_and(|o| o.as_str() == "f1"));
         assert_eq!(bookings.len(), 2, "f2's and the anonymous one");
-        assert_eq!(bookings.forget_instance(&"a".parse().unwrap()), 1, "f2's");
-        assert!(bookings.close(mine).is_none());
-        assert!(bookings.close_owned_by(&"f2".parse().unwrap()).is_empty());
-        assert_eq!(bookings.by_expiry.len(), 1);
-        assert!(bookings.by_owner.is_empty());
+        assert_eq!(bookings.by_expiry.len(), 2);
+        assert!(!bookings.by_owner.contains_key(&"f1".parse().unwrap()));
     }
 }

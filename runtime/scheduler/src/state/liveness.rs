@@ -32,10 +32,7 @@ impl SchedulerState {
                 m.seen = m.seen.max(now);
             }
         }
-        let timeout = self.cfg.liveness_timeout;
-        if inner.last_beat.is_none_or(|t| now.saturating_duration_since(t) > timeout / 2) {
-            inner.remotes_heard_by(now);
-        }
+        inner.bus_heard(now, self.cfg.liveness_timeout);
         let Some(m) = inner.members.get_mut(&hb.instance) else { return false };
         m.seen = now;
         let resumed = std::mem::replace(&mut m.silent, false);
@@ -90,9 +87,11 @@ impl SchedulerState {
                 inner.bus_quiet = true;
             }
         }
-        // The other replicas' load reports ride the same bus: while it is quiet their load
-        // is kept (their requests are still queued at the prefills).
-        if let Some(before) = now.checked_sub(timeout).filter(|_| !quiet) {
+        // The other replicas' load reports ride the same bus: while nothing is heard on it
+        // their load is kept (their requests are still queued at the prefills).
+        let bus_quiet =
+            inner.last_bus.is_none_or(|t| now.saturating_duration_since(t) > timeout / 2);
+        if let Some(before) = now.checked_sub(timeout).filter(|_| !bus_quiet) {
             inner.expire_replicas(before);
         }
         let stale: Vec<InstanceId> = inner

@@ -142,3 +142,31 @@ fn a_quiet_bus_keeps_the_other_replicas_load() {
     c.sweep_at(at(34_100));
     assert!(admitted(), "its load forgotten");
 }
+
+/// A fleet whose instances send no heartbeat (engines): the bus is heard by the replicas'
+/// own reports coming back, and a replica silent past the timeout is forgotten all the same.
+#[test]
+fn a_silent_replica_is_forgotten_when_only_reports_are_heard() {
+    let c = beating(&["x", "y"]);
+    let busy = |id: &str| WorkerLoad {
+        instance: id.parse().unwrap(),
+        dp_rank: 0,
+        in_flight: 1000,
+        queued_tokens: 1_000_000_000,
+    };
+    let report =
+        |replica: &str, loads| LoadReport { replica: replica.into(), loads, routed: vec![] };
+    c.apply_load_report_at(report("ra", vec![busy("x"), busy("y")]), "rc", at(0));
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    let admitted = || {
+        let s = c.select(&Ask::new(&h, 256));
+        s.map(|s| c.report(s.booking, Outcome::Cancelled)).is_ok()
+    };
+    assert!(!admitted(), "the other replica's queue is full");
+    // No heartbeat from here on; this replica's own reports come back every second.
+    for ms in [1000, 2000, 3000, 4000] {
+        c.apply_load_report_at(report("rc", vec![]), "rc", at(ms));
+    }
+    c.sweep_at(at(4100));
+    assert!(admitted(), "the silent replica's load forgotten");
+}

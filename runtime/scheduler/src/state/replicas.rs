@@ -5,7 +5,10 @@
 //! reports to its own when it prices candidates. Each report also carries the prompts the
 //! replica routed since its last one, which the others note as pending where they went, so
 //! two replicas do not send the same new prefix to two cold instances. A replica not heard
-//! from within the liveness timeout is forgotten, and at most [`MAX_REPLICAS`] are tracked.
+//! from within the liveness timeout, while the bus is heard (a heartbeat, or any replica's
+//! report: this one's own comes back to it), is forgotten; while nothing is heard on the bus
+//! (it is down) the others' load is kept, as their requests are still queued at the
+//! prefills. At most [`MAX_REPLICAS`] are tracked.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -109,12 +112,16 @@ impl Inner {
         }
     }
 
-    /// The bus is heard again at `now` after a quiet spell (see `sweep_at`): the other
-    /// replicas' reports come back with it, so each is given a full timeout from now.
-    pub(super) fn remotes_heard_by(&mut self, now: Instant) {
-        for r in self.remote.values_mut() {
-            r.seen = r.seen.max(now);
+    /// Something was heard on the bus at `now`. After a quiet spell (nothing for half the
+    /// liveness `timeout`, see `sweep_at`) the other replicas' reports come back with it, so
+    /// each is given a full timeout from now.
+    pub(super) fn bus_heard(&mut self, now: Instant, timeout: std::time::Duration) {
+        if self.last_bus.is_none_or(|t| now.saturating_duration_since(t) > timeout / 2) {
+            for r in self.remote.values_mut() {
+                r.seen = r.seen.max(now);
+            }
         }
+        self.last_bus = Some(self.last_bus.map_or(now, |t| t.max(now)));
     }
 
     /// Forgets replicas not heard from since `before`.
@@ -159,9 +166,15 @@ impl SchedulerState {
         Some(LoadReport { replica: me.to_owned(), loads, routed: inner.routed.take() })
     }
 
-    /// Applies another replica's load report (this replica's own, `me`, is ignored).
-    /// Entries for unknown workers are skipped.
+    /// Applies another replica's load report (this replica's own, `me`, is ignored but for
+    /// saying the bus is up). Entries for unknown workers are skipped.
     pub fn apply_load_report(&self, report: LoadReport, me: &str) {
+        self.apply_load_report_at(report, me, Instant::now());
+    }
+
+    /// [`SchedulerState::apply_load_report`] as of `now`.
+    pub fn apply_load_report_at(&self, report: LoadReport, me: &str, now: Instant) {
+        self.lock().bus_heard(now, self.cfg.liveness_timeout);
         if report.replica == me {
             return;
         }
@@ -191,9 +204,7 @@ impl SchedulerState {
         loads.sort_by_key(|(s, _)| *s);
         loads.dedup_by_key(|(s, _)| *s);
         // Swap this replica's contribution: take its last report off, put this one on.
-        let old = inner
-            .remote
-            .insert(report.replica, Remote { seen: Instant::now(), loads: loads.clone() });
+        let old = inner.remote.insert(report.replica, Remote { seen: now, loads: loads.clone() });
         let Inner { remote_load, .. } = &mut *inner;
         for (slot, l) in old.map(|r| r.loads).unwrap_or_default() {
             if let Some(t) = remote_load.get_mut(slot.index()) {

@@ -322,20 +322,19 @@ impl SchedulerState {
         true
     }
 
-    /// Ends the open bookings `frontend` asked for: it left discovery (stopped, or killed
-    /// and its lease lapsed), and none of them will be reported. Their load and pending
-    /// prefixes come off their instances at once, not at their expiry (up to the requests'
-    /// deadlines later), and a probe among them is given back. Returns how many ended.
-    pub fn frontend_left(&self, frontend: &InstanceId) -> usize {
-        let mut inner = self.lock();
-        let gone = inner.bookings.close_owned_by(frontend);
-        for b in &gone {
-            inner.end_unreported(b);
+    /// `frontend` left discovery at `now`: stopped, or killed and its lease lapsed (then none
+    /// of its bookings will be reported). Its open bookings expire within the booking grace
+    /// from now, not up to their requests' deadlines later: a frontend killed leaves its
+    /// load counted seconds, not a minute, and one alive after all (its lease lapsed while
+    /// it was cut off from etcd) still ends them by its reports, as their prefills finish.
+    /// Returns how many it holds.
+    pub fn frontend_left_at(&self, frontend: &InstanceId, now: Instant) -> usize {
+        let until = now + self.cfg.booking_grace;
+        let n = self.lock().bookings.cut_short_owned_by(frontend, until);
+        if n > 0 {
+            info!(%frontend, bookings = n, "frontend left; its open bookings expire soon");
         }
-        if !gone.is_empty() {
-            info!(%frontend, bookings = gone.len(), "frontend left; its open bookings ended");
-        }
-        gone.len()
+        n
     }
 
     /// Open bookings (requests selected and not yet reported).

@@ -60,7 +60,7 @@ impl OwnScheduler {
         Ok(OwnScheduler { scheduler, ops, grpc })
     }
 
-    /// Whether its `/readyz` says ready: as the frontend is in discovery and not draining.
+    /// Whether its `/readyz` says ready: as the frontend is registered and not draining.
     pub(super) fn set_ready(&self, ready: bool) {
         self.scheduler.state().metrics().set_registered(ready);
     }
