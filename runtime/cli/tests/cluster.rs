@@ -6,6 +6,7 @@ mod cluster {
     pub(crate) mod discovery;
     pub(crate) mod engines;
     pub(crate) mod fleet;
+    pub(crate) mod frontends;
     pub(crate) mod links;
     pub(crate) mod netbed;
     pub(crate) mod nixl;
