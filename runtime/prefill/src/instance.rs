@@ -77,8 +77,10 @@ impl PrefillInstance {
             ..cfg.directory.clone()
         }));
         let bl = TcpListener::bind(cfg.bootstrap_bind).await.map_err(startup)?;
-        let bootstrap_addr =
-            format!("{}:{}", cfg.advertise_host, bl.local_addr().map_err(startup)?.port());
+        let bootstrap_addr = handoff_core::net::host_port(
+            &cfg.advertise_host,
+            bl.local_addr().map_err(startup)?.port(),
+        );
         let t = tasks.clone();
         let dir = directory.clone();
         tasks.spawn(async move {
@@ -145,8 +147,10 @@ impl PrefillInstance {
         warm_up(&service, &*engine).await?;
         let gl = TcpListener::bind(cfg.grpc_bind).await.map_err(startup)?;
         let mut grpc = handoff_proto::grpc::cluster_server(cfg.tls.as_ref()).map_err(startup)?;
-        let grpc_addr =
-            format!("{}:{}", cfg.advertise_host, gl.local_addr().map_err(startup)?.port());
+        let grpc_addr = handoff_core::net::host_port(
+            &cfg.advertise_host,
+            gl.local_addr().map_err(startup)?.port(),
+        );
         let t = tasks.clone();
         tasks.spawn(async move {
             let res = grpc

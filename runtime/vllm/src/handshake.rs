@@ -43,9 +43,7 @@ pub async fn ask(
     tp_rank: u32,
     timeout: Duration,
 ) -> Result<Handshake, VllmError> {
-    // An IPv6 host keeps its brackets in the address.
-    let addr =
-        if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
+    let addr = handoff_core::net::host_port(host, port);
     let side = |reason: String| VllmError::SideChannel { addr: addr.clone(), reason };
     let exchange = async {
         let mut sock = Connection::connect(&addr, b"REQ", b"ROUTER")

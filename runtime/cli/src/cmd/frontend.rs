@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use handoff_core::net::host_port;
 use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::{Instance, Role, Topology};
 use handoff_frontend::{Frontend, FrontendConfig};
@@ -76,8 +77,8 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         role: Role::Frontend,
         model: frontend.model_name().to_owned(),
         // A frontend's "bootstrap" address is its HTTP API (where ctl finds its traces).
-        bootstrap_addr: format!("{}:{}", args.advertise_host, http.local_addr()?.port()),
-        grpc_addr: format!("{}:{}", args.advertise_host, grpc.local_addr()?.port()),
+        bootstrap_addr: host_port(&args.advertise_host, http.local_addr()?.port()),
+        grpc_addr: host_port(&args.advertise_host, grpc.local_addr()?.port()),
         topology: Topology { dp: 1, tp: args.decode_tp, pp: 1, cp: 1 },
         page_size: 0,
         version: 1,

@@ -40,7 +40,7 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
-    let addr = format!("{}:{}", args.advertise_host, listener.local_addr()?.port());
+    let addr = handoff_core::net::host_port(&args.advertise_host, listener.local_addr()?.port());
     let id = InstanceId::random("scheduler");
     let me = Instance {
         id: id.clone(),
