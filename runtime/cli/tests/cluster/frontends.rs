@@ -11,8 +11,8 @@ use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{GenerateRequest, ListInstancesRequest, SamplingParams, TokenIds};
 
-use super::processes::addr_after;
-use super::servers::{Handoff, Server};
+use super::processes::{frontend, scheduler};
+use super::servers::Server;
 
 /// The bookings the scheduler at `sched` holds on every instance.
 async fn booked(sched: &mut SchedulerClient<tonic::transport::Channel>) -> u32 {
@@ -23,34 +23,12 @@ async fn booked(sched: &mut SchedulerClient<tonic::transport::Channel>) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_frontends_load_is_forgotten_within_its_lease_and_the_grace() {
     let (etcd, nats) = (Server::etcd(), Server::nats());
-    let (_scheduler, line) = Handoff::spawn(&[
-        "scheduler",
-        "--listen",
-        "127.0.0.1:0",
-        "--etcd",
-        &etcd.url,
-        "--nats",
-        &nats.url,
-    ]);
-    let mut sched =
-        SchedulerClient::connect(format!("http://{}", addr_after(&line, "grpc://"))).await.unwrap();
+    let (_scheduler, addr) = scheduler(&etcd, &nats);
+    let mut sched = SchedulerClient::connect(format!("http://{addr}")).await.unwrap();
     // 40 tokens at 20 ms each: 0.8 s a prompt, one at a time.
     let _prefill = super::servers::prefill(&etcd, &nats, "slow", &["--mock-prefill-us", "20000"]);
-    let (mut frontend, line) = Handoff::spawn(&[
-        "frontend",
-        "--engine",
-        "mock",
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--etcd",
-        &etcd.url,
-        "--nats",
-        &nats.url,
-    ]);
-    let client = GenerateClient::connect(format!("http://{}", addr_after(&line, "grpc://")));
-    let client = client.await.unwrap();
+    let (mut frontend, addr) = frontend(&etcd, &nats);
+    let client = GenerateClient::connect(format!("http://{addr}")).await.unwrap();
     // Twelve requests at once, each with a minute: most wait in the prefill's queue.
     let mut asked = Vec::new();
     for seed in 0..12u32 {

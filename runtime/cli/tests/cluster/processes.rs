@@ -44,6 +44,24 @@ pub(crate) async fn one(
     Ok(instance)
 }
 
+/// A frontend process (mock engine) on etcd and NATS, and its gRPC address.
+pub(crate) fn frontend(etcd: &Server, nats: &Server) -> (Handoff, String) {
+    let (fe, line) = Handoff::spawn(&[
+        "frontend",
+        "--engine",
+        "mock",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--etcd",
+        &etcd.url,
+        "--nats",
+        &nats.url,
+    ]);
+    (fe, addr_after(&line, "grpc://"))
+}
+
 /// etcd, NATS, schedulers, two prefills and a frontend, as separate processes.
 struct Fleet {
     etcd: Server,
@@ -56,7 +74,8 @@ struct Fleet {
     client: GenerateClient<tonic::transport::Channel>,
 }
 
-fn scheduler(etcd: &Server, nats: &Server) -> (Handoff, String) {
+/// A scheduler process on etcd and NATS, and its gRPC address.
+pub(crate) fn scheduler(etcd: &Server, nats: &Server) -> (Handoff, String) {
     let (p, line) = Handoff::spawn(&[
         "scheduler",
         "--listen",
@@ -81,20 +100,7 @@ impl Fleet {
         let second_scheduler = (schedulers > 1).then(|| scheduler(&etcd, &nats).0);
         let victim = prefill(&etcd, &nats, "victim");
         let survivor = prefill(&etcd, &nats, "survivor");
-        let (fe, line) = Handoff::spawn(&[
-            "frontend",
-            "--engine",
-            "mock",
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--etcd",
-            &etcd.url,
-            "--nats",
-            &nats.url,
-        ]);
-        let fe_addr = addr_after(&line, "grpc://");
+        let (fe, fe_addr) = frontend(&etcd, &nats);
         let sched = SchedulerClient::connect(format!("http://{sched_addr}")).await.unwrap();
         let client = GenerateClient::connect(format!("http://{fe_addr}")).await.unwrap();
         let fleet = Fleet {

@@ -150,26 +150,21 @@ mod tests {
 
     use super::*;
 
+    /// A booking of one token on `on`, asked for `by`, until `until`.
+    fn booking(on: &str, by: Option<&str>, until: Instant) -> Booking {
+        let slot = KvIndex::default().slot_at(0);
+        let (instance, owner) = (on.parse().unwrap(), by.map(|b| b.parse().unwrap()));
+        Booking { slot, instance, tokens: 1, pending: None, until, probe: false, owner }
+    }
+
     /// Bookings of several instances ending every way: each instance's set holds exactly its
     /// open bookings, and forgetting one instance closes its own alone.
     #[test]
     fn each_instance_lists_exactly_its_open_bookings() {
-        let slot = KvIndex::default().slot_at(0);
         let t0 = Instant::now();
         let mut bookings = Bookings::default();
         let mut open = |on: &str, secs: u64| {
-            let instance: InstanceId = on.parse().unwrap();
-            let until = t0 + Duration::from_secs(secs);
-            let owner = Some("frontend-1".parse().unwrap());
-            bookings.open(Booking {
-                slot,
-                instance,
-                tokens: 1,
-                pending: None,
-                until,
-                probe: false,
-                owner,
-            })
+            bookings.open(booking(on, Some("frontend-1"), t0 + Duration::from_secs(secs)))
         };
         let (a1, _a2, _a3) = (open("a", 10), open("a", 20), open("a", 30));
         let (b1, _b2, _c1) = (open("b", 5), open("b", 40), open("c", 50));
@@ -190,23 +185,11 @@ mod tests {
     /// soon (none later than they would have).
     #[test]
     fn a_frontend_leaving_cuts_its_own_bookings_short() {
-        let slot = KvIndex::default().slot_at(0);
         let t0 = Instant::now();
         let at = |secs: u64| t0 + Duration::from_secs(secs);
         let mut bookings = Bookings::default();
-        let mut open = |on: &str, by: Option<&str>, secs: u64| {
-            let (instance, owner) = (on.parse().unwrap(), by.map(|b| b.parse().unwrap()));
-            let until = at(secs);
-            bookings.open(Booking {
-                slot,
-                instance,
-                tokens: 1,
-                pending: None,
-                until,
-                probe: false,
-                owner,
-            })
-        };
+        let mut open =
+            |on: &str, by: Option<&str>, secs: u64| bookings.open(booking(on, by, at(secs)));
         let _ = (open("a", Some("f1"), 60), open("b", Some("f1"), 5), open("a", Some("f2"), 60));
         let _anonymous = open("b", None, 60);
         assert_eq!(bookings.cut_short_owned_by(&"f1".parse().unwrap(), at(10)), 2);

@@ -104,6 +104,22 @@ fn replicas_price_each_others_load_and_forget_silent_ones() {
     assert_eq!(c.select(&Ask::new(&h, 256)).unwrap().instance.id, first, "a's load forgotten");
 }
 
+/// 1,000 s of prefill queued on `id` (at 1 us a token) by 1,000 requests.
+fn busy(id: &str) -> WorkerLoad {
+    WorkerLoad {
+        instance: id.parse().unwrap(),
+        dp_rank: 0,
+        in_flight: 1000,
+        queued_tokens: 1 << 30,
+    }
+}
+
+/// Whether `s` admits a selection (the booking then ended at once).
+fn admits(s: &SchedulerState) -> bool {
+    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
+    s.select(&Ask::new(&h, 256)).map(|sel| s.report(sel.booking, Outcome::Cancelled)).is_ok()
+}
+
 /// The other replicas' load reports ride the bus: while nobody is heard (the bus is down)
 /// their load is kept, as their requests are still queued at the prefills; once beats are
 /// heard again, each replica has a full timeout from then to be heard too. (Seen through
@@ -112,20 +128,10 @@ fn replicas_price_each_others_load_and_forget_silent_ones() {
 #[test]
 fn a_quiet_bus_keeps_the_other_replicas_load() {
     let c = beating(&["x", "y"]);
-    let busy = |id: &str| WorkerLoad {
-        instance: id.parse().unwrap(),
-        dp_rank: 0,
-        in_flight: 1000,
-        queued_tokens: 1_000_000_000,
-    };
     let report =
         LoadReport { replica: "ra".into(), loads: vec![busy("x"), busy("y")], routed: vec![] };
     c.apply_load_report(report, "rc");
-    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
-    let admitted = || {
-        let s = c.select(&Ask::new(&h, 256));
-        s.map(|s| c.report(s.booking, Outcome::Cancelled)).is_ok()
-    };
+    let admitted = || admits(&c);
     assert!(!admitted(), "the other replica's queue is full");
     // The bus stops: nothing from anyone.
     for ms in [4000, 10_000, 30_000] {
@@ -148,20 +154,10 @@ fn a_quiet_bus_keeps_the_other_replicas_load() {
 #[test]
 fn a_silent_replica_is_forgotten_when_only_reports_are_heard() {
     let c = beating(&["x", "y"]);
-    let busy = |id: &str| WorkerLoad {
-        instance: id.parse().unwrap(),
-        dp_rank: 0,
-        in_flight: 1000,
-        queued_tokens: 1_000_000_000,
-    };
     let report =
         |replica: &str, loads| LoadReport { replica: replica.into(), loads, routed: vec![] };
     c.apply_load_report_at(report("ra", vec![busy("x"), busy("y")]), "rc", at(0));
-    let h = block_hashes(&(0..256).collect::<Vec<_>>(), 16);
-    let admitted = || {
-        let s = c.select(&Ask::new(&h, 256));
-        s.map(|s| c.report(s.booking, Outcome::Cancelled)).is_ok()
-    };
+    let admitted = || admits(&c);
     assert!(!admitted(), "the other replica's queue is full");
     // No heartbeat from here on; this replica's own reports come back every second.
     for ms in [1000, 2000, 3000, 4000] {
