@@ -70,7 +70,8 @@ pub fn check_exposure(args: &DiscoveryArgs, binds: &[(&str, SocketAddr)]) -> any
 /// dial (0.0.0.0), a warning for an IP that is not this host's (peers dialing it reach this
 /// process only if something forwards it). Host names are not checked.
 pub fn check_advertised(flag: &str, host: &str) -> anyhow::Result<()> {
-    let Ok(ip) = host.parse::<std::net::IpAddr>() else { return Ok(()) };
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let Ok(ip) = bare.parse::<std::net::IpAddr>() else { return Ok(()) };
     if ip.is_unspecified() {
         anyhow::bail!("{flag} {host}: peers cannot dial an unspecified address; give this host's");
     }

@@ -31,14 +31,20 @@ use reports::{ReportQueue, ReportTo};
 /// How long a replica that failed a call is tried only after the others.
 const SUSPECT_FOR: Duration = Duration::from_secs(5);
 
+/// Failed calls in a row after which a replica kept unlisted is dropped (one is a blip: a
+/// slow answer, a connection being made again).
+const UNLISTED_FAILURES: u32 = 3;
+
 #[derive(Debug, Clone)]
 struct Replica {
     client: SchedulerClient<ReplicaChannel>,
     /// Runs in this process ([`Schedulers::add_in_process`]): discovery does not list it.
     in_process: bool,
     /// Kept though discovery's list no longer names it (see [`Schedulers::reset`]): dropped
-    /// at its first failed call.
+    /// after [`UNLISTED_FAILURES`] failed calls in a row.
     unlisted: bool,
+    /// Calls failed in a row.
+    failures: u32,
     /// Failed a call recently: tried after the others until then.
     suspect_until: Option<Instant>,
     /// Outcome reports waiting to go to it.
@@ -63,6 +69,7 @@ impl Replica {
             client,
             in_process,
             unlisted: false,
+            failures: 0,
             suspect_until: None,
             reports: Arc::default(),
         }
@@ -81,8 +88,8 @@ pub struct Schedulers {
     tasks: handoff_core::Tasks,
     /// How long a report waits for a selection to take it along.
     report_linger: Duration,
-    /// This frontend's id in discovery, named in each selection: its bookings end when its
-    /// registration does.
+    /// This frontend's id in discovery, named in each selection: its bookings expire soon
+    /// after its registration ends.
     owner: std::sync::OnceLock<String>,
 }
 
@@ -132,7 +139,8 @@ impl Schedulers {
     }
 
     /// Names this frontend's registration `id` in every selection from now on (the first
-    /// name given stays): the replicas end its open bookings when the registration ends.
+    /// name given stays): the replicas have its open bookings expire soon after the
+    /// registration ends.
     pub fn set_owner(&self, id: &str) {
         let _ = self.owner.set(id.to_owned());
     }
@@ -189,9 +197,9 @@ impl Schedulers {
 
     /// Keeps exactly `addrs`, and the replicas in this process; an address it cannot dial is
     /// left out (the first such is the error), the others kept. A list naming none keeps the
-    /// replicas known until each fails a call: discovery losing every replica at once is
-    /// more likely the replicas losing etcd (their leases lapse while they still answer)
-    /// than all of them gone, and one really gone is dropped at its first failed call.
+    /// replicas known until each fails [`UNLISTED_FAILURES`] calls in a row: discovery losing
+    /// every replica at once is more likely the replicas losing etcd (their leases lapse
+    /// while they still answer) than all of them gone, and one really gone fails every call.
     pub fn reset(&self, addrs: &[String]) -> Result<(), FrontendError> {
         let mut map = self.lock();
         if addrs.is_empty() {
@@ -249,17 +257,23 @@ impl Schedulers {
         all.into_iter().map(|(a, r)| (a.clone(), r.clone())).collect()
     }
 
-    /// `addr` failed a call at `now`: tried after the others for a while, or, kept unlisted
-    /// ([`Schedulers::reset`]), dropped.
+    /// `addr` failed a call at `now`: tried after the others for a while; kept unlisted
+    /// ([`Schedulers::reset`]) and failing [`UNLISTED_FAILURES`] in a row, dropped.
     fn suspect(&self, addr: &str, now: Instant) {
         let mut map = self.lock();
-        match map.get_mut(addr) {
-            Some(r) if r.unlisted => {
-                map.remove(addr);
-                info!(scheduler = addr, "unlisted scheduler replica failed a call; removed");
-            }
-            Some(r) => r.suspect_until = Some(now + SUSPECT_FOR),
-            None => {}
+        let Some(r) = map.get_mut(addr) else { return };
+        r.suspect_until = Some(now + SUSPECT_FOR);
+        r.failures = r.failures.saturating_add(1);
+        if r.unlisted && r.failures >= UNLISTED_FAILURES {
+            map.remove(addr);
+            info!(scheduler = addr, "unlisted scheduler replica kept failing; removed");
+        }
+    }
+
+    /// `addr` answered: its failures in a row are over.
+    fn answered(&self, addr: &str) {
+        if let Some(r) = self.lock().get_mut(addr) {
+            r.failures = 0;
         }
     }
 
@@ -312,6 +326,9 @@ impl Schedulers {
             }
             match answer {
                 Ok(Ok(r)) => {
+                    if replica.failures > 0 {
+                        self.answered(&addr);
+                    }
                     let selection = r.into_inner();
                     return Ok(Selected { replica: addr, selection, report_to });
                 }

@@ -85,8 +85,9 @@ impl Scheduler {
                 }
             }
         });
-        // A frontend leaving discovery (stopped, or killed and its lease lapsed) ends the
-        // bookings it asked for: killed, it reports none of them.
+        // A frontend leaving discovery (stopped, or killed and its lease lapsed) has the
+        // bookings it asked for expire soon (killed, it reports none of them); registering
+        // again, it has them back.
         let (s, t) = (state.clone(), tasks.clone());
         tasks.spawn(async move {
             let mut listed = HashSet::new();
@@ -98,8 +99,12 @@ impl Scheduler {
                         None => break,
                     },
                 };
-                for gone in frontends_left(&mut listed, u) {
+                let (left, back) = frontends_changed(&mut listed, u);
+                for gone in left {
                     s.frontend_left_at(&gone, std::time::Instant::now());
+                }
+                for again in back {
+                    s.frontend_back(&again);
                 }
             }
         });
@@ -189,23 +194,28 @@ impl Scheduler {
     }
 }
 
-/// The frontends an update of their registrations says left (`listed` kept current): each
-/// one removed, and those a fresh list leaves out.
-fn frontends_left(listed: &mut HashSet<InstanceId>, u: Update) -> Vec<InstanceId> {
+/// The frontends an update of their registrations says left, and those it says are
+/// (back) in (`listed` kept current): each one removed or added, and those a fresh list
+/// leaves out or names anew.
+fn frontends_changed(
+    listed: &mut HashSet<InstanceId>,
+    u: Update,
+) -> (Vec<InstanceId>, Vec<InstanceId>) {
     match u {
         Update::Reset(all) => {
             let now: HashSet<InstanceId> = all.into_iter().map(|i| i.id).collect();
             let left = listed.difference(&now).cloned().collect();
+            let back = now.difference(listed).cloned().collect();
             *listed = now;
-            left
+            (left, back)
         }
-        Update::Add(i) => {
-            listed.insert(i.id);
-            Vec::new()
-        }
+        Update::Add(i) => match listed.insert(i.id.clone()) {
+            true => (Vec::new(), vec![i.id]),
+            false => (Vec::new(), Vec::new()),
+        },
         Update::Remove(id) => {
             listed.remove(&id);
-            vec![id]
+            (vec![id], Vec::new())
         }
     }
 }
@@ -292,19 +302,22 @@ mod tests {
 
     use super::*;
 
-    /// A fresh list (a watch connected again) says which frontends left meanwhile; a
-    /// removal says one did; additions say none did.
+    /// A fresh list (a watch connected again) says which frontends left meanwhile and which
+    /// are in anew; a removal says one left, an addition that one is (back) in.
     #[test]
-    fn frontends_left_by_removal_or_absence_from_a_fresh_list() {
+    fn frontends_left_or_back_by_update_or_a_fresh_list() {
         let f = |id: &str| Instance::fixture(id.parse().unwrap(), Role::Frontend);
+        let id = |id: &str| id.parse::<InstanceId>().unwrap();
         let mut listed = HashSet::new();
-        assert!(frontends_left(&mut listed, Update::Reset(vec![f("a"), f("b")])).is_empty());
-        assert!(frontends_left(&mut listed, Update::Add(f("c"))).is_empty());
-        let gone = frontends_left(&mut listed, Update::Remove("b".parse().unwrap()));
-        assert_eq!(gone, ["b".parse::<InstanceId>().unwrap()]);
-        let mut gone = frontends_left(&mut listed, Update::Reset(vec![f("c"), f("d")]));
-        gone.sort();
-        assert_eq!(gone, ["a".parse::<InstanceId>().unwrap()]);
+        let (left, back) = frontends_changed(&mut listed, Update::Reset(vec![f("a"), f("b")]));
+        assert_eq!((left.len(), back.len()), (0, 2));
+        assert_eq!(frontends_changed(&mut listed, Update::Add(f("c"))), (vec![], vec![id("c")]));
+        let again = frontends_changed(&mut listed, Update::Add(f("c")));
+        assert_eq!(again, (vec![], vec![]), "a repeated addition says nothing");
+        let removed = frontends_changed(&mut listed, Update::Remove(id("b")));
+        assert_eq!(removed, (vec![id("b")], vec![]));
+        let fresh = frontends_changed(&mut listed, Update::Reset(vec![f("c"), f("b")]));
+        assert_eq!(fresh, (vec![id("a")], vec![id("b")]));
         assert_eq!(listed.len(), 2);
     }
 }

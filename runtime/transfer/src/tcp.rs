@@ -214,9 +214,18 @@ impl TcpTransfer {
 
     /// A new connection to `peer`, authenticated when the agent has a token.
     async fn dial(&self, peer: &AgentAddr) -> Result<Box<dyn ClientIo>, TransferError> {
-        let dial = TcpStream::connect((peer.ip.as_str(), peer.port));
         let unreachable =
             |reason: String| TransferError::Unreachable { peer: peer.clone(), reason };
+        // A name that does not resolve (yet: a new pod's DNS) is the peer's side, as a
+        // refused connect is.
+        let lookup = tokio::net::lookup_host((peer.ip.as_str(), peer.port));
+        let addrs: Vec<std::net::SocketAddr> =
+            tokio::time::timeout(self.cfg.connect_timeout, lookup)
+                .await
+                .map_err(|_| unreachable("name lookup timed out".into()))?
+                .map_err(|e| unreachable(format!("name lookup: {e}")))?
+                .collect();
+        let dial = TcpStream::connect(&addrs[..]);
         let s = tokio::time::timeout(self.cfg.connect_timeout, dial)
             .await
             .map_err(|_| unreachable("connect timed out".into()))?

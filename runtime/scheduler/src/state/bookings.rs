@@ -32,6 +32,9 @@ pub(super) struct Booking {
     pub(super) probe: bool,
     /// The frontend that asked for it, if it said.
     pub(super) owner: Option<InstanceId>,
+    /// Its expiry before its frontend left and it was cut short (given back if the frontend
+    /// registers again).
+    pub(super) cut_from: Option<Instant>,
 }
 
 /// The open bookings (see the module docs).
@@ -124,11 +127,30 @@ impl Bookings {
                 && b.until > until
             {
                 self.by_expiry.remove(&(b.until, *id));
+                b.cut_from = b.cut_from.or(Some(b.until));
                 b.until = until;
                 self.by_expiry.insert((until, *id));
             }
         }
         ids.len()
+    }
+
+    /// Gives `owner`'s bookings still open the expiry they had before it left (it registered
+    /// again: alive, its lease had lapsed); returns how many.
+    pub(super) fn restore_owned_by(&mut self, owner: &InstanceId) -> usize {
+        let Some(ids) = self.by_owner.get(owner) else { return 0 };
+        let mut restored = 0;
+        for id in ids {
+            if let Some(b) = self.open.get_mut(id)
+                && let Some(from) = b.cut_from.take()
+            {
+                self.by_expiry.remove(&(b.until, *id));
+                b.until = from;
+                self.by_expiry.insert((from, *id));
+                restored += 1;
+            }
+        }
+        restored
     }
 }
 
@@ -154,7 +176,16 @@ mod tests {
     fn booking(on: &str, by: Option<&str>, until: Instant) -> Booking {
         let slot = KvIndex::default().slot_at(0);
         let (instance, owner) = (on.parse().unwrap(), by.map(|b| b.parse().unwrap()));
-        Booking { slot, instance, tokens: 1, pending: None, until, probe: false, owner }
+        Booking {
+            slot,
+            instance,
+            tokens: 1,
+            pending: None,
+            until,
+            probe: false,
+            owner,
+            cut_from: None,
+        }
     }
 
     /// Bookings of several instances ending every way: each instance's set holds exactly its
@@ -182,7 +213,8 @@ mod tests {
     }
 
     /// A frontend leaving has exactly the bookings it asked for, on every instance, expire
-    /// soon (none later than they would have).
+    /// soon (none later than they would have); registering again, it gives them their time
+    /// back.
     #[test]
     fn a_frontend_leaving_cuts_its_own_bookings_short() {
         let t0 = Instant::now();
@@ -192,14 +224,20 @@ mod tests {
             |on: &str, by: Option<&str>, secs: u64| bookings.open(booking(on, by, at(secs)));
         let _ = (open("a", Some("f1"), 60), open("b", Some("f1"), 5), open("a", Some("f2"), 60));
         let _anonymous = open("b", None, 60);
-        assert_eq!(bookings.cut_short_owned_by(&"f1".parse().unwrap(), at(10)), 2);
-        assert_eq!(bookings.cut_short_owned_by(&"f3".parse().unwrap(), at(10)), 0);
+        let (f1, f3) = ("f1".parse().unwrap(), "f3".parse().unwrap());
+        assert_eq!(bookings.cut_short_owned_by(&f1, at(10)), 2);
+        assert_eq!(bookings.cut_short_owned_by(&f3, at(10)), 0);
+        // f1 registers again (alive): its 60 s booking is given its time back.
+        assert_eq!(bookings.restore_owned_by(&f1), 1, "the one cut");
         assert_eq!(bookings.expire(at(9)).len(), 1, "the one due at 5 s, not made later");
+        assert!(bookings.expire(at(10)).is_empty(), "restored");
+        // f1 leaves again.
+        assert_eq!(bookings.cut_short_owned_by(&f1, at(10)), 1);
         let gone = bookings.expire(at(10));
         assert_eq!(gone.len(), 1);
         assert!(gone[0].owner.as_ref().is_some_and(|o| o.as_str() == "f1"));
         assert_eq!(bookings.len(), 2, "f2's and the anonymous one");
         assert_eq!(bookings.by_expiry.len(), 2);
-        assert!(!bookings.by_owner.contains_key(&"f1".parse().unwrap()));
+        assert!(!bookings.by_owner.contains_key(&f1));
     }
 }

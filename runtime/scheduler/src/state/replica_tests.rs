@@ -149,20 +149,25 @@ fn a_quiet_bus_keeps_the_other_replicas_load() {
     assert!(admitted(), "its load forgotten");
 }
 
-/// A fleet whose instances send no heartbeat (engines): the bus is heard by the replicas'
-/// own reports coming back, and a replica silent past the timeout is forgotten all the same.
+/// With heartbeats stopped, this replica's own reports coming back say only that its own
+/// server is up (a partial partition can cut it from the others): a silent replica's load is
+/// kept. Another replica's reports say the bus is up: then the silent one is forgotten.
 #[test]
-fn a_silent_replica_is_forgotten_when_only_reports_are_heard() {
+fn a_silent_replica_is_forgotten_when_other_replicas_are_heard() {
     let c = beating(&["x", "y"]);
     let report =
         |replica: &str, loads| LoadReport { replica: replica.into(), loads, routed: vec![] };
     c.apply_load_report_at(report("ra", vec![busy("x"), busy("y")]), "rc", at(0));
     let admitted = || admits(&c);
     assert!(!admitted(), "the other replica's queue is full");
-    // No heartbeat from here on; this replica's own reports come back every second.
     for ms in [1000, 2000, 3000, 4000] {
         c.apply_load_report_at(report("rc", vec![]), "rc", at(ms));
     }
     c.sweep_at(at(4100));
+    assert!(!admitted(), "its own reports alone do not say the bus is up");
+    for ms in [5000, 6000, 7000, 8000] {
+        c.apply_load_report_at(report("rb", vec![]), "rc", at(ms));
+    }
+    c.sweep_at(at(8100));
     assert!(admitted(), "the silent replica's load forgotten");
 }

@@ -5,8 +5,8 @@
 //! reports to its own when it prices candidates. Each report also carries the prompts the
 //! replica routed since its last one, which the others note as pending where they went, so
 //! two replicas do not send the same new prefix to two cold instances. A replica not heard
-//! from within the liveness timeout, while the bus is heard (a heartbeat, or any replica's
-//! report: this one's own comes back to it), is forgotten; while nothing is heard on the bus
+//! from within the liveness timeout, while the bus is heard (a heartbeat, another replica's
+//! report, or, in a fleet that sends no heartbeat, this one's own coming back), is forgotten; while nothing is heard on the bus
 //! (it is down) the others' load is kept, as their requests are still queued at the
 //! prefills. At most [`MAX_REPLICAS`] are tracked.
 
@@ -174,7 +174,15 @@ impl SchedulerState {
 
     /// [`SchedulerState::apply_load_report`] as of `now`.
     pub fn apply_load_report_at(&self, report: LoadReport, me: &str, now: Instant) {
-        self.lock().bus_heard(now, self.cfg.liveness_timeout);
+        {
+            // Its own report coming back says only that this replica's server is up (a
+            // partial partition can leave it cut from the others): it counts when no instance
+            // beats (a fleet of engines); otherwise heartbeats and the others' reports do.
+            let mut inner = self.lock();
+            if report.replica != me || inner.last_beat.is_none() {
+                inner.bus_heard(now, self.cfg.liveness_timeout);
+            }
+        }
         if report.replica == me {
             return;
         }

@@ -65,7 +65,8 @@ pub struct Ask<'a> {
     pub deadline: Option<Duration>,
     /// The protocols the caller can drive: instances speaking others are not chosen.
     pub protocols: Protocols,
-    /// The asking frontend (as registered): its bookings end when it leaves discovery.
+    /// The asking frontend (as registered): its bookings expire soon after it leaves
+    /// discovery ([`SchedulerState::frontend_left_at`]).
     pub owner: Option<&'a InstanceId>,
 }
 
@@ -239,6 +240,7 @@ impl SchedulerState {
             until: now + ttl.min(self.cfg.booking_ttl_max),
             probe,
             owner: ask.owner.cloned(),
+            cut_from: None,
         });
         let selection = Selection {
             instance: m.instance.clone(),
@@ -325,14 +327,27 @@ impl SchedulerState {
     /// `frontend` left discovery at `now`: stopped, or killed and its lease lapsed (then none
     /// of its bookings will be reported). Its open bookings expire within the booking grace
     /// from now, not up to their requests' deadlines later: a frontend killed leaves its
-    /// load counted seconds, not a minute, and one alive after all (its lease lapsed while
-    /// it was cut off from etcd) still ends them by its reports, as their prefills finish.
-    /// Returns how many it holds.
+    /// load counted seconds, not a minute; one alive after all (its lease lapsed while it
+    /// was cut off from etcd) ends them by its reports, and registering again within the
+    /// grace has them back ([`SchedulerState::frontend_back`]).
+    /// Returns how many it holds. (Registered again, see
+    /// [`SchedulerState::frontend_back`].)
     pub fn frontend_left_at(&self, frontend: &InstanceId, now: Instant) -> usize {
         let until = now + self.cfg.booking_grace;
         let n = self.lock().bookings.cut_short_owned_by(frontend, until);
         if n > 0 {
             info!(%frontend, bookings = n, "frontend left; its open bookings expire soon");
+        }
+        n
+    }
+
+    /// `frontend` registered again (alive: its lease had lapsed while it was cut off from
+    /// etcd): its bookings still open get back the expiry they had before it left. Returns
+    /// how many.
+    pub fn frontend_back(&self, frontend: &InstanceId) -> usize {
+        let n = self.lock().bookings.restore_owned_by(frontend);
+        if n > 0 {
+            info!(%frontend, bookings = n, "frontend back; its open bookings kept");
         }
         n
     }
