@@ -342,12 +342,18 @@ fn a_handshake_asks_about_regions_without_holding_the_table() {
     staging.lend(RegionId(1), 4096, now, |_| true).unwrap();
     let (done, finished) = std::sync::mpsc::channel();
     let s = staging.clone();
-    std::thread::spawn(move || {
+    let asking = std::thread::spawn(move || {
         let lent = s.lend(RegionId(2), 4096, now, |id| id == RegionId(2) || s.regions() > 5);
         let _ = done.send(lent.map(|_| s.regions()));
     });
     let lent = finished.recv_timeout(Duration::from_secs(10)).expect("the handshake returned");
     assert_eq!(lent.unwrap(), 1, "the closed region's slot taken back, the new one lent");
+    // The thread's clone of the staging (and its NIXL registration) goes before the engine,
+    // on this thread: let go on the other while the process exits, NIXL's teardown crashed
+    // it once (SIGSEGV after the test had passed).
+    asking.join().unwrap();
+    drop(staging);
+    drop(engine);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
