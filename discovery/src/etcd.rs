@@ -4,7 +4,8 @@
 //! lease lapsed, the instance registers again. A watch starts from a snapshot (`Reset`), then
 //! follows changes from the snapshot's revision; after a compaction, a cancelled watch or a
 //! lost connection it takes a new snapshot and says `Reset` again. While etcd is away,
-//! watchers keep their last state and the log says so once per outage, not per retry.
+//! watchers keep their last state and the log says so once per outage, not per retry. An
+//! etcd not reachable yet when a process starts is waited for ([`patience`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -23,6 +24,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::{DiscoveryError, Instance, Registry, Role, ServerAccess, Update};
+
+mod patience;
 
 /// Where instances live in etcd.
 pub const KEY_PREFIX: &str = "/handoff/v1/instances/";
@@ -114,7 +117,13 @@ impl EtcdRegistry {
             }
             opts = opts.with_tls(tls);
         }
-        let client = Client::connect(eps, Some(opts)).await.map_err(unavailable)?;
+        // With credentials the client authenticates at once: an etcd not up yet is waited
+        // for (without, nothing is sent until the first call).
+        let stop = tasks.shutdown_token();
+        let client =
+            patience::until_reached("connected", &stop, || Client::connect(&eps, Some(opts.clone())))
+                .await
+                .map_err(unavailable)?;
         Ok(EtcdRegistry {
             client,
             ttl: ttl.max(Duration::from_secs(2)),
@@ -128,12 +137,9 @@ impl EtcdRegistry {
         key: &str,
         value: &[u8],
         ttl: Duration,
-    ) -> Result<i64, DiscoveryError> {
-        let lease = client.lease_grant(ttl.as_secs() as i64, None).await.map_err(unavailable)?.id();
-        client
-            .put(key, value, Some(PutOptions::new().with_lease(lease)))
-            .await
-            .map_err(unavailable)?;
+    ) -> Result<i64, etcd_client::Error> {
+        let lease = client.lease_grant(ttl.as_secs() as i64, None).await?.id();
+        client.put(key, value, Some(PutOptions::new().with_lease(lease))).await?;
         Ok(lease)
     }
 }
@@ -222,8 +228,16 @@ impl Registry for EtcdRegistry {
                 limit: MAX_REGISTRATION_BYTES,
             });
         }
-        let mut client = self.client.clone();
-        let lease = Self::put_with_lease(&mut client, &key, &value, self.ttl).await?;
+        // An etcd not reachable yet (the process started first) is waited for.
+        let what = format!("{key} registered");
+        let client = self.client.clone();
+        let lease = patience::until_reached(&what, &self.tasks.shutdown_token(), || {
+            let mut client = client.clone();
+            let (key, value, ttl) = (key.clone(), value.clone(), self.ttl);
+            async move { Self::put_with_lease(&mut client, &key, &value, ttl).await }
+        })
+        .await
+        .map_err(unavailable)?;
         let stop = self.tasks.shutdown_token().child_token();
         if let Some(old) = self
             .leases

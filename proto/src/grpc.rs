@@ -25,6 +25,11 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a public server pings a client connection it has heard nothing on.
 pub const PUBLIC_KEEPALIVE_EVERY: Duration = Duration::from_secs(30);
 
+/// Streams one client's connection to a public service may have open at once (hyper's own
+/// default, which tonic replaces by none): each holds its response's messages until the
+/// client reads them, and one connection must not hold without bound.
+pub const PUBLIC_MAX_STREAMS: u32 = 200;
+
 /// How long a TLS handshake may take, on either side.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -86,7 +91,8 @@ pub fn public_server(tls: Option<&ServerTls>) -> Result<Counted, GrpcError> {
     // within 40 s.
     let base = Server::builder()
         .http2_keepalive_interval(Some(PUBLIC_KEEPALIVE_EVERY))
-        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .max_concurrent_streams(PUBLIC_MAX_STREAMS);
     let Some(tls) = tls else { return Ok(counted(base)) };
     let mut cfg = ServerTlsConfig::new()
         .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))

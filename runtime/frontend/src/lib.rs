@@ -33,6 +33,7 @@ pub mod http;
 pub mod input;
 mod lease;
 mod metrics;
+mod outbox;
 pub mod path;
 pub mod reach;
 pub mod schedulers;

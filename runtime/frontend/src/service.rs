@@ -20,11 +20,13 @@ use tonic::{Request, Response, Status};
 use crate::decoding::Ticket;
 use crate::input::{self, Plan};
 use crate::metrics::{Ending, Metrics};
+use crate::outbox::Outbox;
 use crate::path::Ready;
 use crate::text::TextAssembler;
 use crate::{Frontend, FrontendError};
 
-/// How long an open-ended chat ended by its deadline has to hand on its held-back text.
+/// How long an open-ended chat ended by its deadline has to hand on what its client has not
+/// taken yet.
 const TAIL_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The Generate service over a [`Frontend`].
@@ -85,8 +87,8 @@ fn undelivered(m: &Metrics, last: Last, sent: Sent, generated: u32) {
 }
 
 /// Sends `msg` unless the client stops reading until the deadline or the frontend stops:
-/// a client that neither reads nor leaves must not hold the request's permit, decoder and
-/// task past its deadline, nor the frontend's shutdown. A send that can go goes at once,
+/// a client that neither reads nor leaves must not hold the request's permit and task past
+/// its deadline, nor the frontend's shutdown. A send that can go goes at once,
 /// with no timer made (the common case, once per token); only a full channel waits.
 async fn deliver(
     fe: &Frontend,
@@ -112,8 +114,8 @@ fn chunk(token: u32, text: String) -> Result<GenerateResponse, Status> {
 }
 
 /// Streams `ready`'s tokens into `tx` until a finish condition, the deadline, the client
-/// leaving, or shutdown; decode steps wait for `ticket`'s slot, if it has one. The last
-/// message is a `Complete`.
+/// leaving, or shutdown; decode steps wait for `ticket`'s slot, if it has one, and not for
+/// the client to read (see [`crate::outbox`]). The last message is a `Complete`.
 pub(crate) async fn stream(
     fe: Arc<Frontend>,
     plan: Plan,
@@ -141,16 +143,19 @@ pub(crate) async fn stream(
     let mut generated = 0u32;
     let mut token = ready.first_token;
     let mut last_sent = arrived;
+    // The decode does not wait for the client to read: what it does not take yet waits in
+    // `outbox` (text, not KV) and follows once the slot and the decoder are given back.
+    let mut outbox = Outbox::new();
     let finish = loop {
         if Some(token) == eos {
             break FinishReason::Eos;
         }
         generated += 1;
         let released = text.push(&*fe.engine, token);
-        let sent = deliver(&fe, &tx, chunk(token, released.text), plan.deadline).await;
-        if sent != Sent::Delivered {
-            return undelivered(m, last, sent, generated);
+        if outbox.push(&tx, chunk(token, released.text)).is_err() {
+            return undelivered(m, last, Sent::Gone, generated);
         }
+        // Token times are the decode's, whether or not the client took them yet.
         let now = Instant::now();
         if generated == 1 {
             m.first_token(now - arrived);
@@ -199,16 +204,27 @@ pub(crate) async fn stream(
         if !rest.is_empty() {
             let chunk = TokenChunk { token_ids: vec![], text: rest };
             let msg = Ok(GenerateResponse { event: Some(Event::Chunk(chunk)) });
-            // An open-ended chat ended by its deadline still hands on its held-back text.
-            let by = if plan.open_ended {
-                plan.deadline.max(Instant::now() + TAIL_GRACE)
-            } else {
-                plan.deadline
-            };
-            let sent = deliver(&fe, &tx, msg, by).await;
-            if sent != Sent::Delivered {
-                return undelivered(m, last, sent, generated);
+            if outbox.push(&tx, msg).is_err() {
+                return undelivered(m, last, Sent::Gone, generated);
             }
+        }
+    }
+    // The decode is over: its slot and its KV go before the client has read it all, so a
+    // slow reader holds neither, and a client's next request finds the slot free.
+    if let Some(mut t) = ticket.take() {
+        t.ran_to_end(generated);
+    }
+    drop(ready.decoder);
+    // An open-ended chat ended by its deadline still hands on what it has.
+    let by = if plan.open_ended {
+        plan.deadline.max(Instant::now() + TAIL_GRACE)
+    } else {
+        plan.deadline
+    };
+    while let Some(msg) = outbox.next() {
+        let sent = deliver(&fe, &tx, msg, by).await;
+        if sent != Sent::Delivered {
+            return undelivered(m, last, sent, generated);
         }
     }
     m.tokens.add(u64::from(generated));
@@ -222,11 +238,6 @@ pub(crate) async fn stream(
         usage: Some(usage),
         evidence: Some(ready.evidence),
     };
-    // The decode is over: its slot goes before the last message does, so a client's next
-    // request finds it free.
-    if let Some(mut t) = ticket.take() {
-        t.ran_to_end(generated);
-    }
     if tx.is_closed() {
         return m.ended(Ending::Cancelled);
     }

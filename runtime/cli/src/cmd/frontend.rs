@@ -16,16 +16,20 @@ mod own_scheduler;
 
 use own_scheduler::OwnScheduler;
 
-/// Waits until at least one scheduler replica is registered in discovery.
-async fn await_scheduler(fe: &Frontend) -> anyhow::Result<()> {
-    let found = async {
-        while fe.schedulers().addrs().is_empty() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+/// Waits until at least one scheduler replica is registered in discovery, for as long as it
+/// takes (a cluster started at once: the scheduler may come up last), saying so every 30 s.
+async fn await_scheduler(fe: &Frontend) {
+    let since = tokio::time::Instant::now();
+    let mut said = since;
+    while fe.schedulers().addrs().is_empty() {
+        if said.elapsed() >= Duration::from_secs(30) {
+            tracing::warn!(
+                waited_secs = since.elapsed().as_secs(),
+                "no scheduler registered in discovery yet; waiting (or pass --scheduler)"
+            );
+            said = tokio::time::Instant::now();
         }
-    };
-    match tokio::time::timeout(Duration::from_secs(30), found).await {
-        Ok(()) => Ok(()),
-        Err(_) => bail!("no scheduler registered in discovery within 30 s (or pass --scheduler)"),
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -62,7 +66,7 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         own_scheduler = Some(own);
     } else if args.scheduler.is_empty() {
         frontend.follow_schedulers(registry.clone()).await?;
-        await_scheduler(&frontend).await?;
+        await_scheduler(&frontend).await;
     }
     frontend.follow(registry.clone()).await?;
     let scheduler = frontend.schedulers().addrs().join(",");

@@ -96,6 +96,49 @@ async fn an_authenticated_registry_outlives_its_token() {
     tasks.shutdown().await;
 }
 
+/// A process started before its etcd waits for it: connecting with credentials and
+/// registering both go through once etcd is up (before, each failed at once, and the process
+/// exited: a cluster rebooted with etcd a little late stayed down under systemd's restart
+/// limits, and Kubernetes backed its restarts off for minutes). Credentials etcd refuses are
+/// an error at once.
+#[tokio::test]
+async fn a_process_started_before_its_etcd_waits_for_it() {
+    let pem = super::servers::PemFiles::write(
+        &handoff_core::tls::test_certs::TestCa::new().issue(),
+        "late",
+    );
+    let mut etcd = Server::etcd_jwt(&pem, 60);
+    let mut admin = etcd_client::Client::connect([etcd.url.as_str()], None).await.unwrap();
+    admin.user_add("root", "s3cret", None).await.unwrap();
+    admin.user_grant_role("root", "root").await.unwrap();
+    admin.auth_enable().await.unwrap();
+    let access = |pass: &str| handoff_discovery::ServerAccess {
+        user: Some(("root".into(), pass.into())),
+        ..Default::default()
+    };
+    let wrong = EtcdRegistry::connect_with(&etcd.url, &access("wrong"), Duration::from_secs(2), &Tasks::new()).await;
+    assert!(wrong.is_err(), "refused credentials are an error at once");
+    etcd.stop();
+    let tasks = Tasks::new();
+    let (url, t) = (etcd.url.clone(), tasks.clone());
+    let started = tokio::spawn(async move {
+        let reg = EtcdRegistry::connect_with(&url, &access("s3cret"), Duration::from_secs(2), &t).await?;
+        reg.register(inst("early")).await?;
+        Ok::<_, handoff_discovery::DiscoveryError>(reg)
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!started.is_finished(), "waiting for etcd, not given up");
+    etcd.start();
+    let reg = tokio::time::timeout(Duration::from_secs(30), started)
+        .await
+        .expect("registered once etcd is up")
+        .unwrap()
+        .expect("connected and registered");
+    let mut w = reg.watch(Role::Prefill).await.unwrap();
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Reset(vec![inst("early")]));
+    tasks.shutdown().await;
+}
+
 /// Waits until `w` shows instance `id` (an `Add`, or a `Reset` holding it) before `deadline`.
 async fn seen_again(
     w: &mut futures::stream::BoxStream<'static, Update>,

@@ -1,5 +1,5 @@
 //! A request's token stream and its deadline: a client that stops reading holds its request
-//! only until the deadline, and the frontend's shutdown only for its grace; a `max_tokens` whose decode would outlast the deadline is served
+//! only until the deadline, and its decode slot only until its decode ends, and the frontend's shutdown only for its grace; a `max_tokens` whose decode would outlast the deadline is served
 //! until the deadline, not refused; a chat with no `max_tokens` ends there as long enough.
 
 use std::sync::Arc;
@@ -59,6 +59,52 @@ async fn a_client_that_stops_reading_holds_its_request_only_until_the_deadline()
         }
     };
     assert_eq!(end.code(), tonic::Code::DeadlineExceeded, "{end:?}");
+}
+
+/// A client that stops reading does not hold its decode slot: the decode runs ahead of it,
+/// the slot (and the KV) are given back at the decode's end, far before the deadline, and
+/// the next request decodes meanwhile; read at last, the stream is whole. Before, each token
+/// waited for the client to take the one before, and a stalled stream held its slot until
+/// its deadline: one per slot kept every other request waiting, then refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_gives_its_decode_slot_up_at_the_decodes_end() {
+    let engine = MockEngine::new(MockConfig {
+        max_context: 20_000,
+        decode_per_token: Duration::from_millis(1),
+        ..MockConfig::default()
+    });
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.max_decoding = Some(1);
+    cfg.frontend.request_timeout = Duration::from_secs(120);
+    let c = Cluster::start_shared(cfg, Arc::new(engine)).await.unwrap();
+    let slots = c.frontend.decode_slots().expect("bounded");
+    let mut slow = small_windowed_client(&c).await;
+    // 4,000 tokens: far more than the stream's windows, buffers and channel hold.
+    let mut unread = slow.generate(request(4000, 120_000)).await.unwrap().into_inner();
+    let since = Instant::now();
+    while slots.decoding() == 0 {
+        assert!(since.elapsed() < Duration::from_secs(10), "the decode started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    while (slots.admitted(), slots.decoding()) != (0, 0) {
+        let held = since.elapsed();
+        assert!(held < Duration::from_secs(60), "the slot held for the unread stream: {held:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut cl = client(&c).await;
+    let (next, _) = generate(&mut cl, &prompt(7, 32), 20).await.expect("the next one decodes");
+    assert_eq!(next.len(), 20);
+    let mut tokens = 0;
+    let done = loop {
+        match unread.message().await.expect("the stream goes on").expect("and ends in Complete").event {
+            Some(Event::Chunk(ch)) => tokens += ch.token_ids.len(),
+            Some(Event::Complete(done)) => break done,
+            None => {}
+        }
+    };
+    assert_eq!(tokens, 4000, "every token, in the end");
+    assert_eq!(done.usage.unwrap().completion_tokens, 4000);
+    c.shutdown().await;
 }
 
 /// A client that stops reading does not hold the frontend's shutdown either: its connection
