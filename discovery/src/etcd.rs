@@ -120,10 +120,11 @@ impl EtcdRegistry {
         // With credentials the client authenticates at once: an etcd not up yet is waited
         // for (without, nothing is sent until the first call).
         let stop = tasks.shutdown_token();
-        let client =
-            patience::until_reached("connected", &stop, || Client::connect(&eps, Some(opts.clone())))
-                .await
-                .map_err(unavailable)?;
+        let client = patience::until_reached("connected", &stop, || {
+            Client::connect(&eps, Some(opts.clone()))
+        })
+        .await
+        .map_err(unavailable)?;
         Ok(EtcdRegistry {
             client,
             ttl: ttl.max(Duration::from_secs(2)),

@@ -275,6 +275,12 @@ impl PrefillInstance {
 /// The answer to a snapshot request: the page asked for, or an empty reply when the
 /// snapshot is gone (the scheduler starts again); `None` for a request that is not one.
 fn snapshot_reply(svc: &PrefillService, payload: &[u8]) -> Option<Vec<u8>> {
+    // Draining, it is no longer this id's cache: a replacement started under the same id
+    // before this process stops would have the schedulers resync from this one's cache (a
+    // higher sequence number, which would also hide the new one's first events as old).
+    if svc.draining() {
+        return None;
+    }
     let ask = if payload.is_empty() {
         SnapshotAsk::default()
     } else {

@@ -37,6 +37,12 @@ use crate::{PrefillError, PrefixCache};
 #[derive(Debug)]
 pub(crate) struct DpState {
     pub(crate) cache: Mutex<PrefixCache>,
+    /// Held from a change of `cache` until its events are numbered: two stores' events go
+    /// out in the order of their changes (released between, a store evicting a block
+    /// another then stored again could be numbered after it, and the schedulers' index
+    /// would lose the block the cache holds). Not the cache's lock: a snapshot numbers
+    /// first, then reads the caches.
+    publishing: Mutex<()>,
     slot: Semaphore,
     queued: AtomicUsize,
     /// cp-0 ranks of this dp group: the ones that send.
@@ -47,6 +53,7 @@ impl DpState {
     pub(crate) fn new(cache: PrefixCache, senders: Vec<Rank>) -> Self {
         DpState {
             cache: Mutex::new(cache),
+            publishing: Mutex::new(()),
             slot: Semaphore::new(1),
             queued: AtomicUsize::new(0),
             senders,
@@ -153,6 +160,7 @@ impl PrefillService {
             let _storing = storing;
             let store = move || {
                 let dp = &svc.inner.dps[dp_rank as usize];
+                let _in_order = lock(&dp.publishing);
                 let delta = lock(&dp.cache).store(&hashes, kv);
                 svc.publish(dp_rank, delta);
             };

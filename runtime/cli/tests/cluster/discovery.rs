@@ -116,13 +116,20 @@ async fn a_process_started_before_its_etcd_waits_for_it() {
         user: Some(("root".into(), pass.into())),
         ..Default::default()
     };
-    let wrong = EtcdRegistry::connect_with(&etcd.url, &access("wrong"), Duration::from_secs(2), &Tasks::new()).await;
+    let wrong = EtcdRegistry::connect_with(
+        &etcd.url,
+        &access("wrong"),
+        Duration::from_secs(2),
+        &Tasks::new(),
+    )
+    .await;
     assert!(wrong.is_err(), "refused credentials are an error at once");
     etcd.stop();
     let tasks = Tasks::new();
     let (url, t) = (etcd.url.clone(), tasks.clone());
     let started = tokio::spawn(async move {
-        let reg = EtcdRegistry::connect_with(&url, &access("s3cret"), Duration::from_secs(2), &t).await?;
+        let reg =
+            EtcdRegistry::connect_with(&url, &access("s3cret"), Duration::from_secs(2), &t).await?;
         reg.register(inst("early")).await?;
         Ok::<_, handoff_discovery::DiscoveryError>(reg)
     });

@@ -192,6 +192,21 @@ async fn a_drain_waits_for_its_requests_when_discovery_is_out_of_reach() {
     request.await.unwrap().expect("the request in flight is served");
 }
 
+/// A draining instance answers no KV snapshot request: a replacement registered under its
+/// id before it stops (a ctl drain leaves the process running) would otherwise have the
+/// schedulers resync the new one's index from the old one's cache, and take the new one's
+/// events, numbered from 1, for old ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_instance_answers_no_snapshot_request() {
+    let c = cluster(ClusterConfig { prefills: 1, ..ClusterConfig::ephemeral() }).await;
+    let subject = handoff_discovery::events::snapshot_subject(&"prefill-0".parse().unwrap());
+    let ask = |within| c.bus.request(subject.clone(), bytes::Bytes::new(), within);
+    ask(Duration::from_secs(5)).await.expect("answered while serving");
+    c.prefills[0].drain(Duration::ZERO).await.expect("drained");
+    assert!(ask(Duration::from_millis(500)).await.is_err(), "answered while draining");
+    c.shutdown().await;
+}
+
 /// A draining instance takes no new request even when discovery could not be told (etcd
 /// away, so a scheduler still routes to it): each one routed there is refused and served by
 /// the other instance. Before, the draining instance served them, past its grace.

@@ -96,7 +96,13 @@ async fn a_client_that_stops_reading_gives_its_decode_slot_up_at_the_decodes_end
     assert_eq!(next.len(), 20);
     let mut tokens = 0;
     let done = loop {
-        match unread.message().await.expect("the stream goes on").expect("and ends in Complete").event {
+        match unread
+            .message()
+            .await
+            .expect("the stream goes on")
+            .expect("and ends in Complete")
+            .event
+        {
             Some(Event::Chunk(ch)) => tokens += ch.token_ids.len(),
             Some(Event::Complete(done)) => break done,
             None => {}
