@@ -110,6 +110,19 @@ pub struct Instance {
 }
 
 impl Instance {
+    /// The name of the protocol it is driven by: `handoff` (a handoff prefill); `sglang`
+    /// or `vllm` for such an engine registered with its bootstrap directory (SGLang's) or
+    /// NIXL side channel (vLLM's, kept where SGLang's directory is), which a frontend can
+    /// drive; `engine` for any other engine, which routers drive over its own API.
+    pub fn protocol_name(&self) -> &'static str {
+        match &self.engine {
+            None => "handoff",
+            Some(e) if e.kind == "sglang" && !self.bootstrap_addr.is_empty() => "sglang",
+            Some(e) if e.kind == "vllm" && !self.bootstrap_addr.is_empty() => "vllm",
+            Some(_) => "engine",
+        }
+    }
+
     /// A fixture for tests and benches: `id` in `role`, serving the model `mock` at loopback
     /// addresses nothing listens on (bootstrap port 1, gRPC port 2), one rank of each kind,
     /// pages of 16 tokens, version 1. Change fields with struct update syntax.

@@ -81,6 +81,7 @@ impl std::fmt::Debug for Frontend {
 const MAX_PREFILL_CLIENTS: usize = 4096;
 
 mod first_token;
+mod follow;
 mod select;
 mod target;
 
@@ -163,47 +164,6 @@ impl Frontend {
     /// The decode's slots, if it has a bound ([`crate::decoding`]).
     pub fn decode_slots(&self) -> Option<&crate::decoding::DecodeSlots> {
         self.decoding.as_deref()
-    }
-
-    /// Follows the prefill instances in `registry` on the frontend's tasks: an instance that
-    /// leaves or registers again loses its cached topology and rank addresses.
-    pub async fn follow(
-        self: &Arc<Self>,
-        registry: Arc<dyn Registry>,
-    ) -> Result<(), FrontendError> {
-        let mut updates = registry
-            .watch(Role::Prefill)
-            .await
-            .map_err(|e| FrontendError::Unavailable(e.to_string()))?;
-        let (me, t) = (self.clone(), self.tasks.clone());
-        self.tasks.spawn(async move {
-            let mut known = std::collections::HashSet::new();
-            loop {
-                let u = tokio::select! {
-                    _ = t.shutdown_requested() => break,
-                    u = updates.next() => match u { Some(u) => u, None => break },
-                };
-                match u {
-                    Update::Reset(all) => {
-                        me.directory.clear();
-                        known = all.into_iter().map(|i| i.id.to_string()).collect();
-                    }
-                    Update::Add(i) => {
-                        me.directory.invalidate(i.id.as_str());
-                        // A registration is a process started: what the last one failed
-                        // to reach says nothing of it.
-                        me.reach.reached(i.id.as_str());
-                        known.insert(i.id.to_string());
-                    }
-                    Update::Remove(id) => {
-                        me.directory.invalidate(id.as_str());
-                        known.remove(id.as_str());
-                    }
-                }
-                me.prefills_known.store(known.len(), std::sync::atomic::Ordering::Relaxed);
-            }
-        });
-        Ok(())
     }
 
     /// Follows the scheduler replicas in `registry` on the frontend's tasks: selections go

@@ -27,17 +27,15 @@ impl Protocol {
     pub const ALL: [Protocol; 4] =
         [Protocol::Handoff, Protocol::Sglang, Protocol::Vllm, Protocol::Engine];
 
-    /// How `instance` is driven: engines by their registered kind; only SGLang servers with a
-    /// bootstrap directory speak SGLang's PD protocol, and only vLLM servers with a NIXL side
-    /// channel (kept where SGLang's directory is) vLLM's.
+    /// How `instance` is driven ([`Instance::protocol_name`]): engines by their registered
+    /// kind; only SGLang servers with a bootstrap directory speak SGLang's PD protocol, and
+    /// only vLLM servers with a NIXL side channel vLLM's.
     pub fn of(instance: &Instance) -> Protocol {
-        match &instance.engine {
-            None => Protocol::Handoff,
-            Some(e) if e.kind == "sglang" && !instance.bootstrap_addr.is_empty() => {
-                Protocol::Sglang
-            }
-            Some(e) if e.kind == "vllm" && !instance.bootstrap_addr.is_empty() => Protocol::Vllm,
-            Some(_) => Protocol::Engine,
+        match instance.protocol_name() {
+            "handoff" => Protocol::Handoff,
+            "sglang" => Protocol::Sglang,
+            "vllm" => Protocol::Vllm,
+            _ => Protocol::Engine,
         }
     }
 

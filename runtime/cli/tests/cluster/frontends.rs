@@ -1,4 +1,6 @@
-//! A frontend killed with SIGKILL while its requests wait in a prefill's queue: it reports
+//! Frontends as processes. Readiness in front of engines alone: an SGLang engine it drives
+//! counts as a prefill instance. And a frontend killed with SIGKILL while its requests wait
+//! in a prefill's queue: it reports
 //! none of their bookings, and the scheduler counted their load until the requests'
 //! deadlines (a minute), refusing or steering away the other frontends' requests. Now its
 //! registration's lease lapsing ends them: their load is gone within the lease's TTL and
@@ -11,8 +13,8 @@ use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::scheduler_client::SchedulerClient;
 use handoff_proto::v1::{GenerateRequest, ListInstancesRequest, SamplingParams, TokenIds};
 
-use super::processes::{frontend, scheduler};
-use super::servers::Server;
+use super::processes::{addr_after, frontend, scheduler};
+use super::servers::{Handoff, Server};
 
 /// The bookings the scheduler at `sched` holds on every instance.
 async fn booked(sched: &mut SchedulerClient<tonic::transport::Channel>) -> u32 {
@@ -62,4 +64,41 @@ async fn a_killed_frontends_load_is_forgotten_within_its_lease_and_the_grace() {
     for a in asked {
         a.abort();
     }
+}
+
+/// A frontend in front of engines alone (no handoff prefill), following etcd, is ready once
+/// an engine it drives registers: an SGLang server with its bootstrap directory. Before, its
+/// readiness waited for a handoff prefill forever (a Kubernetes Service sent it no client).
+/// A vLLM engine counts only for a frontend that drives vLLM (`--drive-vllm`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frontend_in_front_of_engines_alone_is_ready_once_one_it_drives_registers() {
+    use handoff_discovery::{EngineEndpoints, EtcdRegistry, Instance, Registry, Role};
+    let etcd = Server::etcd();
+    let nats = Server::nats();
+    let d = ["--etcd", etcd.url.as_str(), "--nats", nats.url.as_str()];
+    let (_sched, _) = Handoff::spawn(&[&["scheduler", "--listen", "127.0.0.1:0"][..], &d].concat());
+    let (_fe, line) = super::operations::spawn_frontend(&d);
+    let fe_http = addr_after(&line, "http://");
+    let not_ready = (503, "not ready: no prefill instance registered".to_owned());
+    assert_eq!(super::operations::http_get(&fe_http, "/readyz").await, not_ready);
+    let tasks = handoff_core::Tasks::new();
+    let reg = EtcdRegistry::connect(&etcd.url, Duration::from_secs(10), &tasks).await.unwrap();
+    let engine = |id: &str, kind: &str| Instance {
+        engine: Some(Box::new(EngineEndpoints {
+            kind: kind.into(),
+            events: vec!["tcp://127.0.0.1:1".into()],
+            ..Default::default()
+        })),
+        ..Instance::fixture(id.parse().unwrap(), Role::Engine)
+    };
+    reg.register(engine("vllm-1", "vllm")).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        super::operations::http_get(&fe_http, "/readyz").await,
+        not_ready,
+        "a vLLM engine, and this frontend does not drive vLLM"
+    );
+    reg.register(engine("sglang-1", "sglang")).await.unwrap();
+    super::operations::wait_ready(&fe_http, Duration::from_secs(10)).await;
+    tasks.shutdown().await;
 }

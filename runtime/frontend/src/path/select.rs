@@ -15,7 +15,7 @@ use crate::schedulers::{SelectFailure, Selected};
 
 /// The protocols every frontend drives prefills with (see [`super::target`]); `vllm` too
 /// when configured ([`crate::FrontendConfig::drive_vllm`]).
-const PROTOCOLS: [&str; 2] = ["handoff", "sglang"];
+pub(super) const PROTOCOLS: [&str; 2] = ["handoff", "sglang"];
 
 /// How long a selection waits for a scheduler replica to answer when none does.
 const NO_REPLICA_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
