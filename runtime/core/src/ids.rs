@@ -32,6 +32,21 @@ impl Room {
         Room(NonZeroU64::new(v).expect("range excludes 0"))
     }
 
+    /// Mints a fresh room that an SGLang prefill of `ranks` data-parallel ranks serves on
+    /// rank `rank` (it serves room `r` on rank `r % ranks`): uniform among those rooms.
+    /// Any room when `ranks` is 0 or 1, or `rank` is not one of them.
+    pub fn mint_on(rank: u32, ranks: u32) -> Self {
+        let (rank, ranks) = (u64::from(rank), u64::from(ranks));
+        if ranks <= 1 || rank >= ranks {
+            return Self::mint();
+        }
+        // Multiples of `ranks` from 0 to MAX - rank, plus `rank`, never 0 (rank 0 starts at
+        // the first multiple past 0).
+        let first = u64::from(rank == 0);
+        let k = rand::random_range(first..=(Self::MAX - rank) / ranks);
+        Room(NonZeroU64::new(k * ranks + rank).expect("k or rank is not 0"))
+    }
+
     /// The room as the integer on the wire.
     pub fn get(self) -> u64 {
         self.0.get()

@@ -85,7 +85,7 @@ mod follow;
 mod select;
 mod target;
 
-use target::{all_failed, handoff_prefill_sampling, summary};
+use target::{all_failed, handoff_prefill_sampling, room_for, summary};
 
 impl Frontend {
     /// A frontend that asks the scheduler replicas at `scheduler_addrs` (host:port; more
@@ -318,7 +318,7 @@ impl Frontend {
                     Err(e) => return Err(e),
                 };
             self.metrics.selected(asked.elapsed());
-            let room = Room::mint();
+            let room = room_for(&sel);
             let mut stages = Stages::start();
             let wait = std::time::Duration::from_millis(u64::from(sel.expected_wait_ms))
                 + std::time::Duration::from_millis(u64::from(sel.expected_prefill_ms));

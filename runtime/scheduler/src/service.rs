@@ -142,6 +142,7 @@ impl SchedulerService {
             bootstrap_addr: sel.instance.bootstrap_addr,
             prefill_addr: sel.instance.grpc_addr,
             reports_taken: 0,
+            dp_size: sel.instance.topology.dp,
         })
     }
 

@@ -101,6 +101,16 @@ pub(super) fn all_failed(last: Option<Cause>, failed: &[Attempt]) -> FrontendErr
     }
 }
 
+/// A fresh room for an attempt on `sel`. An SGLang prefill serves room `r` on dp rank
+/// `r % dp`: minted on the rank chosen for the cache it holds (any room, and the rank would
+/// be chance's, the cache credited on another).
+pub(super) fn room_for(sel: &SelectPrefillResponse) -> Room {
+    match sel.protocol.as_str() {
+        "sglang" => Room::mint_on(sel.dp_rank, sel.dp_size),
+        _ => Room::mint(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,5 +129,23 @@ mod tests {
             let e = all_failed(last, &[]);
             assert_eq!(matches!(e, FrontendError::Overloaded { .. }), overloaded, "{last:?}: {e}");
         }
+    }
+
+    /// An SGLang prefill's room is on the chosen dp rank; others' are any room.
+    #[test]
+    fn an_sglang_room_is_on_the_chosen_rank() {
+        let sel = |protocol: &str, dp_rank, dp_size| SelectPrefillResponse {
+            protocol: protocol.into(),
+            dp_rank,
+            dp_size,
+            ..Default::default()
+        };
+        for _ in 0..100 {
+            assert_eq!(room_for(&sel("sglang", 3, 8)).get() % 8, 3);
+            assert_eq!(room_for(&sel("sglang", 0, 2)).get() % 2, 0);
+        }
+        let any: std::collections::HashSet<u64> =
+            (0..64).map(|_| room_for(&sel("handoff", 3, 8)).get() % 8).collect();
+        assert!(any.len() > 1, "a handoff prefill's room is any room");
     }
 }

@@ -108,3 +108,16 @@ async fn a_frontend_id_that_is_no_id_is_refused() {
     let now = std::time::Instant::now();
     assert_eq!(svc.state.frontend_left_at(&"frontend-1".parse().unwrap(), now), 1);
 }
+
+/// A selection says how many dp ranks the chosen instance has, for the frontend to mint an
+/// SGLang room on the chosen one.
+#[tokio::test]
+async fn a_selection_says_the_instances_dp_ranks() {
+    let state = Arc::new(SchedulerState::new(SchedulerConfig::default()));
+    let mut p = Instance::fixture("p0".parse().unwrap(), Role::Prefill);
+    p.topology.dp = 4;
+    state.apply_update(Update::Reset(vec![p]));
+    let svc = SchedulerService::new(state);
+    let sel = svc.select_prefill(Request::new(ask(vec![]))).await.unwrap().into_inner();
+    assert_eq!((sel.dp_size, sel.dp_rank < 4), (4, true));
+}
