@@ -10,6 +10,15 @@
 //! Blocks we cannot match exactly are not stored at all: LoRA adapters, extra keys
 //! (multimodal, cache salts), tiers other than the device, secondary KV groups. Never a false
 //! match.
+//!
+//! The index can lose a worker's entries while the engine keeps its cache (a gap in the
+//! events with no replay, a worker silenced for a while): [`WorkerChains::forget_index`]
+//! keeps the map and marks every block as not in the index. An engine stores only blocks new
+//! to its cache, never a hit again, so a hot prefix would otherwise stay out of the index
+//! for as long as the engine holds it: a store continuing a block not in the index first
+//! stores the chain it continues (the engine naming a parent holds it). A block the engine
+//! holds twice (vLLM does not de-duplicate identical blocks) leaves at its last copy's
+//! removal.
 
 use std::collections::HashMap;
 
@@ -72,6 +81,17 @@ struct Point {
     /// this block goes, its pages leave their lists too, so a hot prefix's last block does
     /// not collect a page for every continuation ever stored after it.
     co_owners: Vec<EngineHash>,
+    /// The first `own` of `pages` end in this block (the rest are later blocks' pages this
+    /// one's tokens began).
+    own: usize,
+    /// Our hash of the last full page before this block's own pages.
+    before: Option<BlockHash>,
+    /// The engine block it continues.
+    parent: Option<EngineHash>,
+    /// The index epoch its pages were last stored in (see [`WorkerChains::forget_index`]).
+    indexed: u64,
+    /// How many copies of it the engine holds (stored again without a removal between).
+    copies: u32,
 }
 
 /// One worker's engine blocks (see the module docs). Bounded: past `max_blocks` the map is
@@ -81,6 +101,9 @@ pub struct WorkerChains {
     page_size: usize,
     max_blocks: usize,
     points: HashMap<EngineHash, Point>,
+    /// Bumped when the index loses the worker's entries: points stored in an earlier epoch
+    /// are not in the index.
+    epoch: u64,
     /// Events skipped because we cannot match them exactly.
     pub skipped: u64,
 }
@@ -90,7 +113,7 @@ impl WorkerChains {
     /// most `max_blocks` engine blocks.
     pub fn new(page_size: usize, max_blocks: usize) -> Self {
         assert!(page_size > 0, "page_size must be positive");
-        WorkerChains { page_size, max_blocks, points: HashMap::new(), skipped: 0 }
+        WorkerChains { page_size, max_blocks, points: HashMap::new(), epoch: 0, skipped: 0 }
     }
 
     /// Engine blocks known.
@@ -106,6 +129,16 @@ impl WorkerChains {
     /// Forgets every block (the worker's index entries must be cleared with it).
     pub fn reset(&mut self) {
         self.points.clear();
+    }
+
+    /// The index lost the worker's entries (cleared) while the engine kept its cache: every
+    /// block known stays, marked as not in the index, stored there again when a store
+    /// continues it. Copies are counted afresh (removals may have been missed).
+    pub fn forget_index(&mut self) {
+        self.epoch += 1;
+        for p in self.points.values_mut() {
+            p.copies = 1;
+        }
     }
 
     /// What `event` means for the index.
@@ -144,6 +177,10 @@ impl WorkerChains {
                 }
                 let mut blocks = Vec::new();
                 for h in hashes {
+                    if let Some(p) = self.points.get_mut(h).filter(|p| p.copies > 1) {
+                        p.copies -= 1;
+                        continue;
+                    }
                     let Some(gone) = self.points.remove(h) else { continue };
                     for co in &gone.co_owners {
                         if let Some(p) = self.points.get_mut(co) {
@@ -196,11 +233,16 @@ impl WorkerChains {
                 return Ok(ops);
             }
         }
+        if let Some(p) = parent {
+            ops.extend(self.reindex(p));
+        }
         let first_parent = start.last;
         let mut at = start;
         let mut new_pages = Vec::new();
+        let mut block_parent = parent;
         for (h, block) in hashes.iter().zip(tokens.chunks_exact(bs)) {
             let (mut pages, mut co_owners) = (Vec::new(), Vec::new());
+            let before = at.last;
             at.tail_owners.push(*h);
             for &t in block {
                 at.tail.push(t);
@@ -212,7 +254,9 @@ impl WorkerChains {
                     pages.push(page);
                     // The blocks before this one that had tokens in the page hold it too.
                     for owner in at.tail_owners.drain(..).filter(|o| o != h) {
-                        if let Some(p) = self.points.get_mut(&owner) {
+                        if let Some(p) = self.points.get_mut(&owner)
+                            && !p.pages.contains(&page)
+                        {
                             p.pages.push(page);
                             co_owners.push(owner);
                         }
@@ -223,12 +267,61 @@ impl WorkerChains {
             if at.tail.is_empty() {
                 at.tail_owners.clear();
             }
-            self.points.insert(*h, Point { pages, co_owners, ..at.clone() });
+            let point = Point {
+                own: pages.len(),
+                pages,
+                co_owners,
+                before,
+                parent: block_parent,
+                indexed: self.epoch,
+                copies: 1,
+                ..at.clone()
+            };
+            match self.points.get_mut(h) {
+                // The same block again (its tokens after the same parent): another copy.
+                Some(p) if p.parent == block_parent && p.before == before => {
+                    p.copies = p.copies.saturating_add(1);
+                    p.indexed = self.epoch;
+                }
+                _ => {
+                    self.points.insert(*h, point);
+                }
+            }
+            block_parent = Some(*h);
         }
         if !new_pages.is_empty() {
             ops.push(IndexOp::Store { parent: first_parent, blocks: new_pages });
         }
         Ok(ops)
+    }
+}
+
+impl WorkerChains {
+    /// Stores `from` and the blocks it continues that are not in the index (this epoch),
+    /// up to one that is, or the start of the prompt, or one no longer known: their own
+    /// pages, in order, after the page before the first of them. Nothing when `from` is in.
+    fn reindex(&mut self, from: EngineHash) -> Option<IndexOp> {
+        let mut chain = Vec::new();
+        let mut at = Some(from);
+        // At most every block once: a parent cycle (a hostile engine's) ends the walk.
+        while let Some(h) = at.filter(|_| chain.len() < self.points.len()) {
+            match self.points.get(&h) {
+                Some(p) if p.indexed != self.epoch => {
+                    chain.push(h);
+                    at = p.parent;
+                }
+                _ => break,
+            }
+        }
+        let top = self.points.get(chain.last()?)?.before;
+        let mut blocks = Vec::new();
+        for h in chain.iter().rev() {
+            if let Some(p) = self.points.get_mut(h) {
+                blocks.extend_from_slice(&p.pages[..p.own]);
+                p.indexed = self.epoch;
+            }
+        }
+        (!blocks.is_empty()).then_some(IndexOp::Store { parent: top, blocks })
     }
 }
 

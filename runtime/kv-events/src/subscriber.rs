@@ -239,14 +239,14 @@ impl EngineStream {
         };
         let Some(batches) = replayed else {
             if self.last.is_some() {
-                self.rebuild(sink);
+                self.lost(sink);
             }
             return;
         };
         let first = batches.first().map(|(s, _)| *s);
         if self.last.is_some() && first.is_none_or(|f| f > start) {
             // The replay buffer no longer holds the gap.
-            self.rebuild(sink);
+            self.lost(sink);
         }
         for (seq, payload) in batches {
             if self.last.is_none_or(|l| seq > l) {
@@ -267,9 +267,20 @@ impl EngineStream {
         }
     }
 
+    /// The engine started over (its cache empty): its blocks are forgotten, and its entries
+    /// cleared.
     fn rebuild(&mut self, sink: &mut impl FnMut(Vec<IndexOp>) -> bool) {
         self.stats.rebuilds += 1;
         self.chains.reset();
+        sink(vec![IndexOp::Clear]);
+    }
+
+    /// Events were lost (a gap no replay fills): the worker's entries are cleared, and its
+    /// blocks known kept, stored again as stores continue them
+    /// ([`WorkerChains::forget_index`]).
+    fn lost(&mut self, sink: &mut impl FnMut(Vec<IndexOp>) -> bool) {
+        self.stats.rebuilds += 1;
+        self.chains.forget_index();
         sink(vec![IndexOp::Clear]);
     }
 
@@ -297,9 +308,10 @@ impl EngineStream {
             }
         }
         if !ops.is_empty() && !sink(ops) {
-            // The index lost this worker's entries: its blocks must be stored afresh.
+            // The index lost this worker's entries (silenced meanwhile): its blocks are
+            // stored again as stores continue them.
             self.stats.rebuilds += 1;
-            self.chains.reset();
+            self.chains.forget_index();
         }
     }
 }

@@ -126,16 +126,23 @@ async fn the_stream_applies_in_order_replays_gaps_and_rebuilds() {
     assert_eq!(got[3], pages[3], "seq 3 recovered by replay");
     assert_eq!(got[4], block_hashes(&other, 16)[0]);
 
-    // A gap the replay no longer holds: cleared, then rebuilt from what comes.
+    // A gap the replay no longer holds: cleared, then rebuilt from what comes. What comes
+    // continues the first prompt, which the engine still holds (it never stores a block it
+    // holds again): that prompt is stored again first, then the continuation.
     buffer.lock().unwrap().retain(|(s, _)| *s >= 8);
-    let p9 = stored(60, None, &(1000..1016).collect::<Vec<u32>>());
+    let more: Vec<u32> = (1000..1016).collect();
+    let p9 = stored(60, Some(13), &more);
     buffer.lock().unwrap().push((9, p9.clone()));
     publisher.send(frame("kv", 9, &p9)).await.unwrap();
-    wait_for(6).await;
+    wait_for(10).await;
     {
         let ops = ops.lock().unwrap();
         let clear = ops.iter().position(|o| *o == IndexOp::Clear).expect("cleared");
-        assert!(matches!(&ops[clear + 1], IndexOp::Store { .. }), "then rebuilt: {ops:?}");
+        let whole: Vec<u32> = tokens.iter().chain(&more).copied().collect();
+        let again = IndexOp::Store { parent: None, blocks: pages.clone() };
+        let next =
+            IndexOp::Store { parent: Some(pages[3]), blocks: vec![block_hashes(&whole, 16)[4]] };
+        assert_eq!(ops[clear + 1..], [again, next], "the prompt held, then its continuation");
     }
 
     // A replay that runs past the live message: the live ones queued behind it are
@@ -158,16 +165,16 @@ async fn the_stream_applies_in_order_replays_gaps_and_rebuilds() {
     for (seq, p) in &later[2..] {
         publisher.send(frame("kv", *seq, p)).await.unwrap();
     }
-    wait_for(11).await;
+    wait_for(15).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(clears(&ops.lock().unwrap()), before, "no restart seen in replayed duplicates");
-    assert_eq!(stored_pages(&ops.lock().unwrap()).len(), 11, "10..=14 each stored once");
+    assert_eq!(stored_pages(&ops.lock().unwrap()).len(), 15, "10..=14 each stored once");
 
     // A restart: the sequence goes back to 0.
     let before = ops.lock().unwrap().iter().filter(|o| **o == IndexOp::Clear).count();
     let p0 = stored(70, None, &(2000..2016).collect::<Vec<u32>>());
     publisher.send(frame("kv", 0, &p0)).await.unwrap();
-    wait_for(12).await;
+    wait_for(16).await;
     let after = ops.lock().unwrap().iter().filter(|o| **o == IndexOp::Clear).count();
     assert_eq!(after, before + 1, "a restart clears the worker");
     // And follows the new engine from its start: its seq 0 and 1 are applied, not dropped
@@ -176,7 +183,7 @@ async fn the_stream_applies_in_order_replays_gaps_and_rebuilds() {
     assert_eq!(stored_pages(&ops.lock().unwrap()).last(), Some(&restarted));
     let p1 = stored(71, None, &(2100..2116).collect::<Vec<u32>>());
     publisher.send(frame("kv", 1, &p1)).await.unwrap();
-    wait_for(13).await;
+    wait_for(17).await;
     let next = block_hashes(&(2100..2116).collect::<Vec<u32>>(), 16)[0];
     assert_eq!(stored_pages(&ops.lock().unwrap()).last(), Some(&next));
     assert_eq!(ops.lock().unwrap().iter().filter(|o| **o == IndexOp::Clear).count(), after);

@@ -180,3 +180,82 @@ fn stores_removed(ops: &[IndexOp]) -> usize {
         })
         .sum()
 }
+
+/// The index lost the worker's entries (a gap no replay fills) while the engine kept its
+/// cache: the next store continuing a hot prefix stores that prefix first, so it matches
+/// again (an engine never stores a block it already holds; before, every continuation was
+/// refused as unknown and the prefix stayed out of the index while the engine held it).
+#[test]
+fn a_prefix_the_index_lost_comes_back_with_its_next_continuation() {
+    // Engine blocks of 2 tokens, our pages of 4: pages span blocks.
+    let tokens: Vec<u32> = (500..520).collect();
+    let want = block_hashes(&tokens, 4);
+    let mut w = WorkerChains::new(4, 1000);
+    // The prefix: 10 tokens in 5 blocks (two full pages, two tokens pending).
+    let prefix = w.apply(&stored(vec![1, 2, 3, 4, 5], None, tokens[..10].to_vec(), 2)).unwrap();
+    assert_eq!(stores(&prefix), want[..2]);
+    w.forget_index();
+    // A continuation after block 5 (the engine holds 1..5): the prefix first, then its pages.
+    let ops = w.apply(&stored(vec![6, 7], Some(5), tokens[10..14].to_vec(), 2)).unwrap();
+    assert_eq!(
+        ops,
+        vec![
+            IndexOp::Store { parent: None, blocks: want[..2].to_vec() },
+            IndexOp::Store { parent: Some(want[1]), blocks: want[2..3].to_vec() },
+        ]
+    );
+    // Back in the index: the next continuation stores only its own pages.
+    let ops = w.apply(&stored(vec![8, 9], Some(7), tokens[14..18].to_vec(), 2)).unwrap();
+    assert_eq!(ops, vec![IndexOp::Store { parent: Some(want[2]), blocks: want[3..4].to_vec() }]);
+    // Lost again, then a continuation after block 7: blocks 1..7 again, in order.
+    w.forget_index();
+    let ops = w.apply(&stored(vec![10], Some(7), tokens[14..16].to_vec(), 2)).unwrap();
+    assert_eq!(ops[0], IndexOp::Store { parent: None, blocks: want[..3].to_vec() });
+    // Its continuation, its parent in the index now, stores no prefix.
+    assert_eq!(ops[1], IndexOp::Store { parent: Some(want[2]), blocks: want[3..4].to_vec() });
+    let ops = w.apply(&stored(vec![11, 12], Some(10), tokens[16..20].to_vec(), 2)).unwrap();
+    assert_eq!(ops, vec![IndexOp::Store { parent: Some(want[3]), blocks: want[4..5].to_vec() }]);
+}
+
+/// A block whose parent went (removed) is stored again from there: after the page before it.
+#[test]
+fn a_lost_chain_whose_start_went_is_stored_from_where_it_is_known() {
+    let tokens: Vec<u32> = (1..=12).collect();
+    let want = block_hashes(&tokens, 4);
+    let mut w = WorkerChains::new(4, 1000);
+    w.apply(&stored(vec![1, 2, 3], None, tokens.clone(), 4)).unwrap();
+    w.apply(&Event::Removed { hashes: vec![1], medium: None, group_idx: None }).unwrap();
+    w.forget_index();
+    let more: Vec<u32> = (13..=16).collect();
+    let ops = w.apply(&stored(vec![4], Some(3), more, 4)).unwrap();
+    assert_eq!(ops[0], IndexOp::Store { parent: Some(want[0]), blocks: want[1..3].to_vec() });
+}
+
+/// vLLM holds identical blocks twice (two requests filled the same tokens, no
+/// de-duplication): each copy is stored and removed; the block leaves at its last copy.
+#[test]
+fn a_block_held_twice_leaves_at_its_last_copy() {
+    let tokens: Vec<u32> = (1..=8).collect();
+    let want = block_hashes(&tokens, 4);
+    let mut w = WorkerChains::new(4, 1000);
+    w.apply(&stored(vec![1], None, tokens[..4].to_vec(), 4)).unwrap();
+    for _ in 0..2 {
+        w.apply(&stored(vec![2], Some(1), tokens[4..].to_vec(), 4)).unwrap();
+    }
+    let gone = || Event::Removed { hashes: vec![2], medium: None, group_idx: None };
+    assert_eq!(w.apply(&gone()).unwrap(), vec![], "one copy left");
+    assert_eq!(w.apply(&gone()).unwrap(), vec![IndexOp::Remove { blocks: vec![want[1]] }]);
+    assert_eq!(w.apply(&gone()).unwrap(), vec![], "already gone");
+}
+
+/// Parents in a cycle (a hostile or broken engine) end the walk back through them.
+#[test]
+fn a_parent_cycle_ends_the_walk() {
+    let mut w = WorkerChains::new(1, 1000);
+    w.apply(&stored(vec![1], None, vec![1], 1)).unwrap();
+    w.apply(&stored(vec![2], Some(1), vec![2], 1)).unwrap();
+    w.apply(&stored(vec![1], Some(2), vec![3], 1)).unwrap();
+    w.forget_index();
+    let ops = w.apply(&stored(vec![3], Some(1), vec![4], 1)).unwrap();
+    assert!(!ops.is_empty());
+}
