@@ -80,6 +80,13 @@ pub struct Heartbeat {
     /// here. Optional on the wire.
     #[serde(default)]
     pub send_ns_per_token: u64,
+    /// Uncached prompt tokens waiting for or in compute, per dp rank (the work ahead of a
+    /// request routed there, as the instance counts it; empty: not said). A scheduler prices
+    /// a rank's queue at no less, so work it did not book (another replica's, forgotten
+    /// when that replica died; every replica's, when this one started) is still counted.
+    /// Optional on the wire.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dp_queued_tokens: Vec<u64>,
 }
 
 /// One page of everything an instance's prefix caches hold, as of KV event `seq`. A

@@ -125,6 +125,14 @@ impl PrefixCache {
         }
     }
 
+    /// Tokens of the longest cached prefix [`PrefixCache::lookup`] would find now (nothing
+    /// is touched).
+    pub fn cached_tokens(&self, hashes: &[BlockHash], prompt_len: usize) -> usize {
+        let max_pages = prompt_len.saturating_sub(1) / self.page_size;
+        let hit = hashes.iter().take(max_pages).take_while(|h| self.pages.contains_key(h));
+        hit.count() * self.page_size
+    }
+
     /// The KV of the longest cached prefix of a prompt of `prompt_len` tokens with block
     /// hashes `hashes`, leaving at least one token to compute.
     pub fn lookup(&mut self, hashes: &[BlockHash], prompt_len: usize) -> Option<Kv> {

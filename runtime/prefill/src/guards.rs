@@ -1,7 +1,7 @@
 //! Guards a prefill request holds while it is served: each undoes its count when dropped,
 //! however the request ends (answered, failed, or cancelled midway by its caller).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crate::service::Inner;
 
@@ -62,5 +62,25 @@ impl Drop for RoomClosing<'_> {
         for r in self.ranks {
             r.agent.inbox().close_room(self.room);
         }
+    }
+}
+
+/// Counts a request's uncached tokens as work ahead of the next ones on its dp rank (what
+/// heartbeats say of its queue) until dropped: when its compute ends, or it does not start.
+pub(crate) struct Ahead<'a> {
+    work: &'a AtomicU64,
+    tokens: u64,
+}
+
+impl<'a> Ahead<'a> {
+    pub(crate) fn new(work: &'a AtomicU64, tokens: u64) -> Self {
+        work.fetch_add(tokens, Ordering::Relaxed);
+        Ahead { work, tokens }
+    }
+}
+
+impl Drop for Ahead<'_> {
+    fn drop(&mut self) {
+        self.work.fetch_sub(self.tokens, Ordering::Relaxed);
     }
 }

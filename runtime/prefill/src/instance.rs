@@ -245,6 +245,11 @@ impl PrefillInstance {
         self.ops.clone()
     }
 
+    /// What its next heartbeat says.
+    pub fn heartbeat(&self) -> handoff_discovery::Heartbeat {
+        self.service.heartbeat()
+    }
+
     /// Requests being served (queued or computing or sending).
     pub fn running(&self) -> usize {
         self.service.running()

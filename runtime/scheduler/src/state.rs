@@ -249,6 +249,7 @@ impl Inner {
         m.silent = true;
         m.seq = None;
         m.cleared += 1;
+        m.ahead.clear();
         // Its bookings are forgotten below, a probe among them: given back.
         m.breaker.release_probe();
         // A resync in flight is over: its pages would land on a cleared instance.

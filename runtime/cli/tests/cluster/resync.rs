@@ -77,6 +77,7 @@ async fn a_200k_block_instance_resyncs_through_stock_nats_while_events_flow() {
 
     // A heartbeat makes the scheduler resync; events go on meanwhile, and after.
     let beat = Heartbeat {
+        dp_queued_tokens: Vec::new(),
         instance: id.clone(),
         queued_tokens: 0,
         running: 0,

@@ -411,3 +411,47 @@ async fn a_request_needing_no_decode_or_left_by_its_client_holds_no_place() {
     first.await.unwrap().expect("the long one is served");
     c.shutdown().await;
 }
+
+/// A prefill's heartbeat says the uncached work ahead on each dp rank: a request's tokens
+/// while it waits or computes, the part its cache holds not counted, none once computed.
+/// Scheduler replicas price the rank at no less (work no booking of theirs holds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_says_the_work_ahead_on_each_dp_rank() {
+    let c = timed_cluster(
+        ClusterConfig { prefills: 1, ..ClusterConfig::ephemeral() },
+        Duration::from_millis(10),
+    )
+    .await;
+    let ahead = || c.prefills[0].heartbeat().dp_queued_tokens;
+    assert_eq!(ahead(), [0]);
+    let mut cl = client(&c).await;
+    // 100 tokens at 10 ms: a second of compute.
+    let mut other = cl.clone();
+    let first = tokio::spawn(async move { generate(&mut other, &prompt(1, 100), 2).await });
+    let since = Instant::now();
+    while ahead() == [0] {
+        assert!(since.elapsed() < Duration::from_secs(5), "the request is counted");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(ahead(), [100]);
+    first.await.unwrap().expect("served");
+    assert_eq!(ahead(), [0], "computed: nothing ahead");
+    // Cached (its prompt stored after the first), only what it adds counts.
+    let since = Instant::now();
+    while !c.prefills[0].idle() {
+        assert!(since.elapsed() < Duration::from_secs(5), "the prompt stored");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut longer = prompt(1, 100);
+    longer.extend(prompt(2, 40));
+    let second = tokio::spawn(async move { generate(&mut cl, &longer, 2).await });
+    let since = Instant::now();
+    while ahead() == [0] {
+        assert!(since.elapsed() < Duration::from_secs(5), "the request is counted");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let cached = ahead()[0];
+    assert!(cached < 100, "the cached prefix is not ahead: {cached}");
+    second.await.unwrap().expect("served");
+    c.shutdown().await;
+}

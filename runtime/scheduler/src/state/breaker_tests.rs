@@ -89,6 +89,7 @@ fn a_probe_forgotten_with_a_silent_instance_is_given_back() {
     let _probe = open_and_probe(&s);
     s.lock().silence(&"a".parse().unwrap());
     let hb = handoff_discovery::Heartbeat {
+        dp_queued_tokens: Vec::new(),
         instance: "a".parse().unwrap(),
         queued_tokens: 0,
         running: 0,

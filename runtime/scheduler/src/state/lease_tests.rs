@@ -13,6 +13,7 @@ use crate::SchedulerError;
 
 fn beat(id: &str, ns_per_token: u64) -> Heartbeat {
     Heartbeat {
+        dp_queued_tokens: Vec::new(),
         instance: id.parse().unwrap(),
         queued_tokens: 0,
         running: 0,
@@ -206,4 +207,29 @@ fn overload_is_refused_at_once_with_when_to_retry() {
         s.report(a.booking, Outcome::Success);
     }
     assert!(s.select(&short).is_ok());
+}
+
+/// Work an instance says is ahead in its queue counts though no booking of this replica's
+/// holds it (a replica that died or restarted, its requests still queued there): a rank is
+/// priced at no less than its heartbeats last said. Before, a restarted replica priced
+/// every queue as empty and admitted another whole bound of work behind it.
+#[test]
+fn work_an_instance_says_is_queued_counts_without_a_booking() {
+    let cfg = SchedulerConfig { max_queue_wait: Duration::from_secs(1), ..Default::default() };
+    let s = SchedulerState::new(cfg);
+    s.apply_update(Update::Reset(vec![inst("a", 1)]));
+    // 1 ms per token, 1,100 tokens ahead: 1.1 s of work no booking here holds, past the
+    // bound: refused at once.
+    let said = |ahead: u64| Heartbeat { dp_queued_tokens: vec![ahead], ..beat("a", 1_000_000) };
+    s.heartbeat(&said(1100));
+    let p = prompt(1);
+    assert!(matches!(s.select(&Ask::new(&p, 16)), Err(SchedulerError::Overloaded { .. })));
+    // 900 ms: admitted, and told the wait.
+    s.heartbeat(&said(900));
+    let sel = s.select(&Ask::new(&p, 16)).expect("within the bound");
+    assert_eq!(sel.expected_wait, Duration::from_millis(900));
+    s.report(sel.booking, Outcome::Success);
+    // Drained, as it says: no wait.
+    s.heartbeat(&said(0));
+    assert_eq!(s.select(&Ask::new(&p, 16)).unwrap().expected_wait, Duration::ZERO);
 }

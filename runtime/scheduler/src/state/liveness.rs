@@ -45,6 +45,14 @@ impl SchedulerState {
             m.token_cost_us = cost;
             m.send_cost_us = send;
         }
+        // One figure per dp rank, or none (an instance from before they were said).
+        let ahead = &hb.dp_queued_tokens[..hb.dp_queued_tokens.len().min(m.slots.len())];
+        let ahead_changed = ahead != m.ahead.as_slice();
+        if ahead_changed {
+            m.ahead.clear();
+            m.ahead.extend_from_slice(ahead);
+        }
+        let cost_changed = cost_changed || ahead_changed;
         if resumed {
             info!(instance = %hb.instance, "heartbeats resumed; back in routing");
         }

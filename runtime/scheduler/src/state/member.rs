@@ -31,6 +31,8 @@ pub(super) struct Route {
     pub(super) send_cost_us: f32,
     /// How its instance is driven.
     pub(super) protocol: Protocol,
+    /// Uncached tokens ahead in its queue, as its instance last said (0: not said).
+    pub(super) ahead: u64,
 }
 
 /// A breaker as selection sees it.
@@ -169,6 +171,9 @@ pub(super) struct Member {
     /// The KV's time after the compute per prompt token, in microseconds, as its heartbeats
     /// last said.
     pub(super) send_cost_us: f32,
+    /// Uncached tokens ahead in each dp rank's queue, as its heartbeats last said (work this
+    /// replica may not have booked: a rank is priced at no less).
+    pub(super) ahead: Vec<u64>,
 }
 
 impl Member {
@@ -189,6 +194,7 @@ impl Member {
             breaker: Breaker::Closed { failures: 0 },
             token_cost_us: 0.0,
             send_cost_us: 0.0,
+            ahead: Vec::new(),
         }
     }
 
@@ -202,8 +208,9 @@ impl Member {
         let (live, gate, page_size, token_cost_us) =
             (self.routable(), self.breaker.gate(), self.instance.page_size, self.token_cost_us);
         let (protocol, send_cost_us) = (Protocol::of(&self.instance), self.send_cost_us);
-        self.slots.iter().zip(&self.ring).map(move |(&s, &ring)| {
-            (s, Route { live, gate, ring, page_size, token_cost_us, send_cost_us, protocol })
+        self.slots.iter().zip(&self.ring).enumerate().map(move |(dp, (&s, &ring))| {
+            let ahead = self.ahead.get(dp).copied().unwrap_or(0);
+            (s, Route { live, gate, ring, page_size, token_cost_us, send_cost_us, protocol, ahead })
         })
     }
 }

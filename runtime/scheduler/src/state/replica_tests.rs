@@ -18,6 +18,7 @@ fn at(ms: u64) -> Instant {
 fn beat(s: &SchedulerState, ids: &[&str], now: Instant) {
     for id in ids {
         let hb = Heartbeat {
+            dp_queued_tokens: Vec::new(),
             instance: id.parse().unwrap(),
             queued_tokens: 0,
             running: 0,

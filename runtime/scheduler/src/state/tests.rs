@@ -161,6 +161,7 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
     let s = SchedulerState::new(cfg);
     s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
     let hb = |id: &str| handoff_discovery::Heartbeat {
+        dp_queued_tokens: Vec::new(),
         instance: id.parse().unwrap(),
         queued_tokens: 0,
         running: 0,
@@ -319,6 +320,7 @@ fn engine_instances_survive_resets_take_their_own_ops_and_go_silent_like_others(
     // A heartbeat never comes: silent past the liveness timeout (someone else is heard).
     let later = t0 + s.config().liveness_timeout * 2;
     let hb = Heartbeat {
+        dp_queued_tokens: Vec::new(),
         instance: "p".parse().unwrap(),
         queued_tokens: 0,
         running: 0,
@@ -389,6 +391,7 @@ fn a_slow_link_heard_in_heartbeats_moves_requests_away() {
     let s = SchedulerState::new(SchedulerConfig::default());
     s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
     let beat = |id: &str, send_ns: u64| handoff_discovery::Heartbeat {
+        dp_queued_tokens: Vec::new(),
         instance: id.parse().unwrap(),
         queued_tokens: 0,
         running: 0,

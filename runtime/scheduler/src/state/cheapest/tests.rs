@@ -63,6 +63,7 @@ impl Fleet {
                     _ => 0.0,
                 },
                 protocol: Protocol::ALL[rng.random_range(0..4)],
+                ahead: [0, 0, 300][rng.random_range(0..3)],
             });
             // Busy fleets: counts near the top, so the sums saturate.
             let load = |rng: &mut StdRng| match busy {
