@@ -18,6 +18,11 @@
 //! together once their prefills are done, and a sequence cut by its deadline held its slot
 //! less than it needed. Until one has run to its end, only the capacity is admitted: a wait
 //! that cannot be estimated is not promised.
+//!
+//! The requests admitted hold their KV from their transfer to their decode's end, waiting
+//! for a slot included: their prompts' KV together is kept within a budget (by default the
+//! transfer inbox's, 8 GiB), beyond which a request is refused at once as well (a burst of
+//! long prompts admitted on time alone could hold more than the host has).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,6 +33,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 #[derive(Debug)]
 pub struct DecodeSlots {
     capacity: usize,
+    /// Most bytes of KV the requests admitted hold together.
+    kv_budget: u64,
     slots: Arc<Semaphore>,
     counts: Mutex<Counts>,
 }
@@ -36,6 +43,8 @@ pub struct DecodeSlots {
 struct Counts {
     /// Requests admitted and not ended: prefilling, waiting for a slot or decoding.
     admitted: usize,
+    /// Bytes of KV their prompts hold (or will, once transferred).
+    kv_bytes: u64,
     /// Moving average of how long a sequence that ran to its end held its slot (0: none
     /// has yet).
     hold_ns: u64,
@@ -46,43 +55,85 @@ struct Counts {
     lead_ns: u64,
 }
 
-/// Why a request was not admitted: the wait for a slot, and its share of the time.
+/// Why a request was not admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DecodeFull {
-    /// The expected wait for a slot (`None`: no sequence has run to its end yet).
-    pub wait: Option<Duration>,
-    /// What the request's deadline leaves for that wait.
-    pub allowed: Duration,
+pub enum DecodeFull {
+    /// The wait for a slot, and its share of the time.
+    Slots {
+        /// The expected wait for a slot (`None`: no sequence has run to its end yet).
+        wait: Option<Duration>,
+        /// What the request's deadline leaves for that wait.
+        allowed: Duration,
+    },
+    /// Its KV would pass the budget of the requests admitted.
+    Memory {
+        /// Bytes the requests admitted hold.
+        held: u64,
+        /// Bytes its prompt's KV takes.
+        asked: u64,
+        /// The budget.
+        budget: u64,
+    },
 }
 
 impl DecodeFull {
     /// When to try again: once the wait would fit, at least a second from now.
     pub fn retry_after(&self) -> Duration {
-        let over = self.wait.map_or(Duration::ZERO, |w| w.saturating_sub(self.allowed));
+        let over = match *self {
+            DecodeFull::Slots { wait, allowed } => {
+                wait.map_or(Duration::ZERO, |w| w.saturating_sub(allowed))
+            }
+            DecodeFull::Memory { .. } => Duration::ZERO,
+        };
         over.max(Duration::from_secs(1))
+    }
+
+    /// The expected wait for a slot, when that is why.
+    pub fn wait(&self) -> Option<Duration> {
+        match *self {
+            DecodeFull::Slots { wait, .. } => wait,
+            DecodeFull::Memory { .. } => None,
+        }
     }
 }
 
 impl std::fmt::Display for DecodeFull {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let allowed = self.allowed.as_millis();
-        match self.wait {
-            Some(w) => write!(
+        match *self {
+            DecodeFull::Slots { wait: Some(w), allowed } => write!(
                 f,
-                "decode slots full: a slot expected in {} ms, {allowed} ms allowed by the deadline",
-                w.as_millis()
+                "decode slots full: a slot expected in {} ms, {} ms allowed by the deadline",
+                w.as_millis(),
+                allowed.as_millis()
             ),
-            None => write!(f, "decode slots full: no slot's hold measured yet to promise a wait"),
+            DecodeFull::Slots { wait: None, .. } => {
+                write!(f, "decode slots full: no slot's hold measured yet to promise a wait")
+            }
+            DecodeFull::Memory { held, asked, budget } => write!(
+                f,
+                "decode KV budget full: the requests admitted hold {} MiB, this one's prompt \
+                 needs {} MiB more, {} MiB at most",
+                held >> 20,
+                asked.div_ceil(1 << 20),
+                budget >> 20
+            ),
         }
     }
 }
 
 impl DecodeSlots {
-    /// At most `capacity` (at least 1) sequences decoding at once.
+    /// At most `capacity` (at least 1) sequences decoding at once, and no KV budget.
     pub fn new(capacity: usize) -> Arc<Self> {
+        Self::with_kv_budget(capacity, u64::MAX)
+    }
+
+    /// At most `capacity` (at least 1) sequences decoding at once, and the requests
+    /// admitted holding at most `kv_budget` bytes of KV.
+    pub fn with_kv_budget(capacity: usize, kv_budget: u64) -> Arc<Self> {
         let capacity = capacity.max(1);
         Arc::new(DecodeSlots {
             capacity,
+            kv_budget,
             slots: Arc::new(Semaphore::new(capacity)),
             counts: Mutex::default(),
         })
@@ -103,27 +154,46 @@ impl DecodeSlots {
     }
 
     /// Admits a request whose decode is expected to take `decode` and whose deadline is
-    /// `left` away, or refuses it: its expected wait for a slot must leave it `decode`, or
-    /// half of `left` if that is less (a decode may end early, at its end token or a stop
-    /// string).
-    pub fn admit(self: &Arc<Self>, decode: Duration, left: Duration) -> Result<Ticket, DecodeFull> {
+    /// `left` away, its prompt's KV taking `kv_bytes`, or refuses it: its expected wait for
+    /// a slot must leave it `decode`, or half of `left` if that is less (a decode may end
+    /// early, at its end token or a stop string), and its KV must fit the budget beside the
+    /// others' (or be alone: one request is never refused for its size here).
+    pub fn admit(
+        self: &Arc<Self>,
+        decode: Duration,
+        left: Duration,
+        kv_bytes: u64,
+    ) -> Result<Ticket, DecodeFull> {
         let mut c = self.counts();
+        if c.kv_bytes > 0 && c.kv_bytes.saturating_add(kv_bytes) > self.kv_budget {
+            return Err(DecodeFull::Memory {
+                held: c.kv_bytes,
+                asked: kv_bytes,
+                budget: self.kv_budget,
+            });
+        }
         let ahead = (c.admitted + 1).saturating_sub(self.capacity);
         if ahead > 0 {
             let allowed = left - decode.min(left / 2);
             if c.hold_ns == 0 {
-                return Err(DecodeFull { wait: None, allowed });
+                return Err(DecodeFull::Slots { wait: None, allowed });
             }
             let rounds = ahead.div_ceil(self.capacity) as u64;
             let wait = rounds.saturating_mul(c.hold_ns).saturating_add(c.lead_ns);
             let wait = Duration::from_nanos(wait);
             if wait > allowed {
-                return Err(DecodeFull { wait: Some(wait), allowed });
+                return Err(DecodeFull::Slots { wait: Some(wait), allowed });
             }
         }
         c.admitted += 1;
+        c.kv_bytes = c.kv_bytes.saturating_add(kv_bytes);
         let admitted_at = Instant::now();
-        Ok(Ticket { slots: self.clone(), admitted_at, slot: None, ran_to_end: 0 })
+        Ok(Ticket { slots: self.clone(), admitted_at, slot: None, ran_to_end: 0, kv_bytes })
+    }
+
+    /// Bytes of KV the requests admitted hold.
+    pub fn kv_bytes(&self) -> u64 {
+        self.counts().kv_bytes
     }
 
     /// How long decoding `tokens` held a slot lately (zero until a sequence ran to its end):
@@ -170,6 +240,8 @@ pub struct Ticket {
     /// Tokens its sequence decoded, once it ended on its own terms (see
     /// [`Ticket::ran_to_end`]); 0 before.
     ran_to_end: u32,
+    /// Its prompt's KV, counted against the budget.
+    kv_bytes: u64,
 }
 
 impl Ticket {
@@ -205,6 +277,7 @@ impl Drop for Ticket {
             c.note_hold(since.elapsed(), self.ran_to_end);
         }
         c.admitted = c.admitted.saturating_sub(1);
+        c.kv_bytes = c.kv_bytes.saturating_sub(self.kv_bytes);
         // The slot goes back with the ticket's fields, after the count.
     }
 }

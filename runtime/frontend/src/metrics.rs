@@ -237,6 +237,10 @@ pub(crate) fn ops(fe: &Arc<crate::Frontend>) -> Ops {
         "handoff_frontend_decode_admitted",
         "Requests admitted to the decode's slots, not ended (prefilling, waiting or decoding).",
     );
+    let kv = r.gauge(
+        "handoff_frontend_decode_kv_bytes",
+        "Bytes of prompt KV the requests admitted to the decode's slots hold (or will).",
+    );
     let (a, b) = (Arc::downgrade(fe), Arc::downgrade(fe));
     Ops::new(r)
         .on_scrape(move || {
@@ -248,6 +252,7 @@ pub(crate) fn ops(fe: &Arc<crate::Frontend>) -> Ops {
                 if let Some(slots) = &fe.decoding {
                     decoding.set(slots.decoding() as f64);
                     admitted.set(slots.admitted() as f64);
+                    kv.set(slots.kv_bytes() as f64);
                 }
             }
         })

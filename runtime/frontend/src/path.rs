@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
 use handoff_bootstrap::{DirectoryCache, DirectoryClient};
-use handoff_core::{Room, Tasks, block_hashes};
+use handoff_core::{Tasks, block_hashes};
 use handoff_discovery::{Registry, Role, Update};
 use handoff_engine::{Decoder, Engine};
 use handoff_proto::grpc::cluster_channel;
@@ -136,10 +136,9 @@ impl Frontend {
         let vllm = crate::vllm::VllmPrefills::new(engine.clone(), &cfg.inbox);
         Ok(Arc::new(Frontend {
             limit: Arc::new(Semaphore::new(cfg.max_concurrent)),
-            decoding: cfg
-                .max_decoding
-                .or_else(|| engine.decode_batch())
-                .map(crate::decoding::DecodeSlots::new),
+            decoding: cfg.max_decoding.or_else(|| engine.decode_batch()).map(|n| {
+                crate::decoding::DecodeSlots::with_kv_budget(n, cfg.inbox.max_total_bytes)
+            }),
             tokenizing: Arc::new(Semaphore::new(
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
             )),

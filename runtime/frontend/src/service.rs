@@ -297,7 +297,9 @@ fn admitted(fe: &Frontend, plan: &Plan) -> Result<Option<Ticket>, FrontendError>
     };
     let decode = fe.expected_decode(plan.max_tokens);
     let left = plan.deadline.saturating_duration_since(Instant::now());
-    match slots.admit(decode, left) {
+    let kv_bytes =
+        (plan.tokens.len() as u64).saturating_mul(fe.engine.info().shape.token_bytes() as u64);
+    match slots.admit(decode, left, kv_bytes) {
         Ok(ticket) => Ok(Some(ticket)),
         Err(full) => Err(FrontendError::Overloaded {
             retry_after: full.retry_after(),

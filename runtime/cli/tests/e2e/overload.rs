@@ -455,3 +455,29 @@ async fn a_heartbeat_says_the_work_ahead_on_each_dp_rank() {
     second.await.unwrap().expect("served");
     c.shutdown().await;
 }
+
+/// The requests admitted to the decode hold their prompts' KV while they wait for a slot:
+/// past the budget (the transfer inbox's) the next one is refused at once (429) rather than
+/// parked (before, time alone bounded them: a burst of long prompts could hold more KV than
+/// the host has).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_held_for_the_decode_stays_within_its_budget() {
+    let engine = Arc::new(MockEngine::new(MockConfig {
+        decode_per_token: Duration::from_millis(20),
+        ..MockConfig::default()
+    }));
+    let token_bytes = handoff_engine::Engine::info(&*engine).shape.token_bytes() as u64;
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.max_decoding = Some(1);
+    // One prompt of 32 tokens fits, two do not.
+    cfg.frontend.inbox.max_total_bytes = 48 * token_bytes;
+    let c = Cluster::start_shared(cfg, engine).await.expect("cluster starts");
+    let mut cl = client(&c).await;
+    let first = holding_the_slot(&c, &cl, 1, 100).await;
+    let e = generate(&mut cl, &prompt(2, 32), 10).await.expect_err("refused");
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("decode KV budget full"), "{e:?}");
+    first.await.unwrap().expect("the first is served");
+    generate(&mut cl, &prompt(3, 32), 10).await.expect("served once the first ended");
+    c.shutdown().await;
+}
