@@ -223,3 +223,40 @@ async fn an_open_ended_chat_ends_at_its_deadline_as_long_enough() {
     assert!(tokens > 0 && tokens < 8000, "{tokens} tokens, cut by the deadline");
     assert_eq!(done.usage.unwrap().completion_tokens as usize, tokens);
 }
+
+/// One client connection has at most 200 streams open at once: a client that opens them and
+/// reads none holds what their answers wait in (each ends on the server's side, its messages
+/// left in the connection) only for those 200; its next request waits in the client until
+/// one ends. Before, one connection could hold any number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connection_holds_at_most_200_streams_open() {
+    let c = cluster(ClusterConfig::ephemeral()).await;
+    // Small stream windows; the connection's large, so one stream read is not held up by
+    // the others' unread messages.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", c.frontend_addr))
+        .unwrap()
+        .initial_stream_window_size(Some(1024))
+        .initial_connection_window_size(Some(64 << 20))
+        .connect()
+        .await
+        .unwrap();
+    let cl = GenerateClient::new(channel);
+    let mut unread = Vec::new();
+    for _ in 0..handoff_proto::grpc::PUBLIC_MAX_STREAMS {
+        let mut cl = cl.clone();
+        unread.push(cl.generate(request(300, 60_000)).await.unwrap().into_inner());
+    }
+    let mut next = cl.clone();
+    let one_more = tokio::spawn(async move { next.generate(request(2, 60_000)).await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!one_more.is_finished(), "a stream past the 200 went through");
+    // Another connection is served meanwhile.
+    let mut other = client(&c).await;
+    generate(&mut other, &prompt(9, 32), 2).await.expect("another connection is served");
+    // One of the 200 read to its end: the next one goes.
+    let mut first = unread.swap_remove(0);
+    while first.message().await.unwrap().is_some() {}
+    let answered = tokio::time::timeout(Duration::from_secs(10), one_more).await;
+    answered.expect("went once a stream ended").unwrap().expect("answered");
+    c.shutdown().await;
+}
