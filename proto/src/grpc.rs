@@ -25,11 +25,6 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a public server pings a client connection it has heard nothing on.
 pub const PUBLIC_KEEPALIVE_EVERY: Duration = Duration::from_secs(30);
 
-/// Streams one client's connection to a public service may have open at once (hyper's own
-/// default, which tonic replaces by none): each holds its response's messages until the
-/// client reads them, and one connection must not hold without bound.
-pub const PUBLIC_MAX_STREAMS: u32 = 200;
-
 /// How long a TLS handshake may take, on either side.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -85,14 +80,16 @@ fn counted(s: Server) -> Counted {
 }
 
 /// A server builder for a public service: its certificate when given (and its client CA,
-/// when clients must present a certificate).
-pub fn public_server(tls: Option<&ServerTls>) -> Result<Counted, GrpcError> {
+/// when clients must present a certificate), and at most `max_streams` streams open at once
+/// on one client connection (tonic's default is no bound: each stream holds its answer's
+/// messages until the client reads them, after the request's own end too).
+pub fn public_server(tls: Option<&ServerTls>, max_streams: u32) -> Result<Counted, GrpcError> {
     // A client gone without a word (a crashed host, a partition) gives its connection back
     // within 40 s.
     let base = Server::builder()
         .http2_keepalive_interval(Some(PUBLIC_KEEPALIVE_EVERY))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
-        .max_concurrent_streams(PUBLIC_MAX_STREAMS);
+        .max_concurrent_streams(max_streams);
     let Some(tls) = tls else { return Ok(counted(base)) };
     let mut cfg = ServerTlsConfig::new()
         .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))

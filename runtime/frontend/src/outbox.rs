@@ -1,9 +1,10 @@
 //! A stream's messages the client has not taken yet: the decode runs ahead of a slow reader
 //! rather than at its pace. A client that reads slowly, or not at all, would otherwise hold
 //! its decode slot and its KV until the request's deadline (one stalled stream per slot
-//! keeps every other request waiting, then refused). What waits here is the text of at most
-//! `max_tokens` tokens, not the KV; the slot and the decoder go at the decode's end, and the
-//! messages follow as the client takes them, until the deadline.
+//! keeps every other request waiting, then refused). What waits here is the text of tokens,
+//! not their KV, and a bounded number of them (the stream's decode waits for its client
+//! beyond); the slot and the decoder go at the decode's end, and the messages follow as the
+//! client takes them, until the deadline.
 
 use std::collections::VecDeque;
 
@@ -25,8 +26,7 @@ impl<T> Outbox<T> {
     }
 
     /// Messages waiting for room in the client's stream.
-    #[cfg(test)]
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.waiting.len()
     }
 

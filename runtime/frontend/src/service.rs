@@ -25,6 +25,11 @@ use crate::path::Ready;
 use crate::text::TextAssembler;
 use crate::{Frontend, FrontendError};
 
+/// Messages a stream's decode runs ahead of its client by, at most: past them it waits for
+/// the client (a stalled client of a request this long holds its slot until its deadline,
+/// as every one did before; what waits for each client stays bounded).
+const MAX_WAITING: usize = 1024;
+
 /// How long an open-ended chat ended by its deadline has to hand on what its client has not
 /// taken yet.
 const TAIL_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
@@ -155,6 +160,14 @@ pub(crate) async fn stream(
         if outbox.push(&tx, chunk(token, released.text)).is_err() {
             return undelivered(m, last, Sent::Gone, generated);
         }
+        // So far behind, the decode waits for the client (what waits stays bounded).
+        while outbox.len() >= MAX_WAITING {
+            let Some(msg) = outbox.next() else { break };
+            let sent = deliver(&fe, &tx, msg, plan.deadline).await;
+            if sent != Sent::Delivered {
+                return undelivered(m, last, sent, generated);
+            }
+        }
         // Token times are the decode's, whether or not the client took them yet.
         let now = Instant::now();
         if generated == 1 {
@@ -195,6 +208,14 @@ pub(crate) async fn stream(
         token = match step {
             Ok(t) => t,
             Err(e) => {
+                // The tokens decoded before go first (until the deadline), then the error;
+                // the slot is not held meanwhile.
+                drop(ticket.take());
+                while let Some(msg) = outbox.next() {
+                    if deliver(&fe, &tx, msg, plan.deadline).await != Sent::Delivered {
+                        break;
+                    }
+                }
                 return fail(m, last, Ending::Failed, FrontendError::Decode(e.to_string()).into());
             }
         };
@@ -391,7 +412,9 @@ pub async fn serve(
             _ = stopping.wait_for(|s| *s) => {}
         }
     };
-    let serving = handoff_proto::grpc::public_server(tls.as_ref())?
+    // One connection may carry as many streams as the frontend serves at once, no more.
+    let max_streams = u32::try_from(frontend.cfg.max_concurrent).unwrap_or(u32::MAX);
+    let serving = handoff_proto::grpc::public_server(tls.as_ref(), max_streams)?
         .add_service(GenerateService::new(frontend).into_server())
         .serve_with_incoming_shutdown(incoming, goaway);
     tokio::pin!(serving, shutdown);
