@@ -2,7 +2,10 @@
 //! started at once, a host rebooted, a Kubernetes Service not resolvable yet) waits for it,
 //! with backoff, rather than exiting (a supervisor restarting it quickly gives up on it after
 //! a few tries, and Kubernetes backs its restarts off to 5 minutes). Errors etcd answers
-//! (credentials refused, a request it will not take) are returned at once.
+//! (a user or password refused, a request it will not take) are returned at once. A
+//! connection that fails (refused, no route, a name that does not resolve, a TLS handshake
+//! either side refuses) cannot be told from an etcd not up yet: it is waited on, with a
+//! warning naming the error every minute.
 
 use std::future::Future;
 use std::time::Duration;
@@ -13,6 +16,8 @@ use tracing::{info, warn};
 /// The first wait after a failed try; each next one is twice as long, up to [`LONGEST`].
 const FIRST: Duration = Duration::from_millis(500);
 const LONGEST: Duration = Duration::from_secs(10);
+/// How often the wait is said again.
+const SAY_EVERY: Duration = Duration::from_secs(60);
 
 /// Whether `e` says etcd was not reached (or could not answer), rather than refused.
 pub(super) fn transient(e: &etcd_client::Error) -> bool {
@@ -44,11 +49,11 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, etcd_client::Error>>,
 {
-    let (mut wait, mut waited) = (FIRST, false);
+    let (mut wait, mut said) = (FIRST, None::<tokio::time::Instant>);
     loop {
         let e = match attempt().await {
             Ok(v) => {
-                if waited {
+                if said.is_some() {
                     info!("etcd reached: {what}");
                 }
                 return Ok(v);
@@ -56,9 +61,9 @@ where
             Err(e) if transient(&e) => e,
             Err(e) => return Err(e),
         };
-        if !waited {
-            warn!(error = %e, "etcd not reached; waiting for it: {what}");
-            waited = true;
+        if said.is_none_or(|at| at.elapsed() >= SAY_EVERY) {
+            warn!(error = %causes(&e), "etcd not reached; waiting for it: {what}");
+            said = Some(tokio::time::Instant::now());
         }
         tokio::select! {
             _ = stop.cancelled() => return Err(e),
@@ -66,6 +71,18 @@ where
         }
         wait = next_wait(wait);
     }
+}
+
+/// `e` and the errors under it (a transport error's own text hides its cause).
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut at = e.source();
+    while let Some(c) = at {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        at = c.source();
+    }
+    out
 }
 
 #[cfg(test)]

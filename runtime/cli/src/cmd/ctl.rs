@@ -97,7 +97,14 @@ impl<'a> Ctl<'a> {
     async fn new(args: &'a CtlArgs, tasks: &Tasks) -> anyhow::Result<Ctl<'a>> {
         let tls = args.discovery.cluster_tls()?;
         let registry = match &args.discovery.etcd {
-            Some(_) => Some(crate::cmd::discovery(&args.discovery, tasks).await?.0),
+            // A process waits for an etcd not up yet; a command does not.
+            Some(etcd) => {
+                let found = crate::cmd::discovery(&args.discovery, tasks);
+                match tokio::time::timeout(std::time::Duration::from_secs(10), found).await {
+                    Ok(found) => Some(found?.0),
+                    Err(_) => bail!("etcd at {etcd} not reached within 10 s"),
+                }
+            }
             None if args.scheduler.is_some() => None,
             None => bail!("give --scheduler HOST:PORT, or --etcd and --nats to find the replicas"),
         };

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use handoff_core::net::host_port;
 use handoff_core::{InstanceId, Tasks};
 use handoff_discovery::{Instance, Role, Topology};
@@ -25,7 +25,7 @@ async fn await_scheduler(fe: &Frontend) {
         if said.elapsed() >= Duration::from_secs(30) {
             tracing::warn!(
                 waited_secs = since.elapsed().as_secs(),
-                "no scheduler registered in discovery yet; waiting (or pass --scheduler)"
+                "no scheduler registered in etcd yet (or etcd not reached); waiting (or pass --scheduler)"
             );
             said = tokio::time::Instant::now();
         }
