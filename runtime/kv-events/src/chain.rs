@@ -90,7 +90,8 @@ struct Point {
     parent: Option<EngineHash>,
     /// The index epoch its pages were last stored in (see [`WorkerChains::forget_index`]).
     indexed: u64,
-    /// How many copies of it the engine holds (stored again without a removal between).
+    /// How many copies of it the engine holds (stored again without a removal between); 0
+    /// after events were lost: held once or not at all, not known (a removal missed).
     copies: u32,
 }
 
@@ -133,11 +134,15 @@ impl WorkerChains {
 
     /// The index lost the worker's entries (cleared) while the engine kept its cache: every
     /// block known stays, marked as not in the index, stored there again when a store
-    /// continues it. Copies are counted afresh (removals may have been missed).
-    pub fn forget_index(&mut self) {
+    /// continues it. When `events_lost`, removals may have been missed: how many copies of
+    /// each block the engine holds is not known (a store of one again is its one copy, a
+    /// removal of it its last).
+    pub fn forget_index(&mut self, events_lost: bool) {
         self.epoch += 1;
-        for p in self.points.values_mut() {
-            p.copies = 1;
+        if events_lost {
+            for p in self.points.values_mut() {
+                p.copies = 0;
+            }
         }
     }
 
@@ -319,6 +324,8 @@ impl WorkerChains {
             if let Some(p) = self.points.get_mut(h) {
                 blocks.extend_from_slice(&p.pages[..p.own]);
                 p.indexed = self.epoch;
+                // Continued, so held.
+                p.copies = p.copies.max(1);
             }
         }
         (!blocks.is_empty()).then_some(IndexOp::Store { parent: top, blocks })

@@ -280,7 +280,7 @@ impl EngineStream {
     /// ([`WorkerChains::forget_index`]).
     fn lost(&mut self, sink: &mut impl FnMut(Vec<IndexOp>) -> bool) {
         self.stats.rebuilds += 1;
-        self.chains.forget_index();
+        self.chains.forget_index(true);
         sink(vec![IndexOp::Clear]);
     }
 
@@ -311,7 +311,7 @@ impl EngineStream {
             // The index lost this worker's entries (silenced meanwhile): its blocks are
             // stored again as stores continue them.
             self.stats.rebuilds += 1;
-            self.chains.forget_index();
+            self.chains.forget_index(false);
         }
     }
 }

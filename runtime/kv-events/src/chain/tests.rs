@@ -194,7 +194,7 @@ fn a_prefix_the_index_lost_comes_back_with_its_next_continuation() {
     // The prefix: 10 tokens in 5 blocks (two full pages, two tokens pending).
     let prefix = w.apply(&stored(vec![1, 2, 3, 4, 5], None, tokens[..10].to_vec(), 2)).unwrap();
     assert_eq!(stores(&prefix), want[..2]);
-    w.forget_index();
+    w.forget_index(true);
     // A continuation after block 5 (the engine holds 1..5): the prefix first, then its pages.
     let ops = w.apply(&stored(vec![6, 7], Some(5), tokens[10..14].to_vec(), 2)).unwrap();
     assert_eq!(
@@ -208,7 +208,7 @@ fn a_prefix_the_index_lost_comes_back_with_its_next_continuation() {
     let ops = w.apply(&stored(vec![8, 9], Some(7), tokens[14..18].to_vec(), 2)).unwrap();
     assert_eq!(ops, vec![IndexOp::Store { parent: Some(want[2]), blocks: want[3..4].to_vec() }]);
     // Lost again, then a continuation after block 7: blocks 1..7 again, in order.
-    w.forget_index();
+    w.forget_index(true);
     let ops = w.apply(&stored(vec![10], Some(7), tokens[14..16].to_vec(), 2)).unwrap();
     assert_eq!(ops[0], IndexOp::Store { parent: None, blocks: want[..3].to_vec() });
     // Its continuation, its parent in the index now, stores no prefix.
@@ -225,7 +225,7 @@ fn a_lost_chain_whose_start_went_is_stored_from_where_it_is_known() {
     let mut w = WorkerChains::new(4, 1000);
     w.apply(&stored(vec![1, 2, 3], None, tokens.clone(), 4)).unwrap();
     w.apply(&Event::Removed { hashes: vec![1], medium: None, group_idx: None }).unwrap();
-    w.forget_index();
+    w.forget_index(true);
     let more: Vec<u32> = (13..=16).collect();
     let ops = w.apply(&stored(vec![4], Some(3), more, 4)).unwrap();
     assert_eq!(ops[0], IndexOp::Store { parent: Some(want[0]), blocks: want[1..3].to_vec() });
@@ -255,7 +255,32 @@ fn a_parent_cycle_ends_the_walk() {
     w.apply(&stored(vec![1], None, vec![1], 1)).unwrap();
     w.apply(&stored(vec![2], Some(1), vec![2], 1)).unwrap();
     w.apply(&stored(vec![1], Some(2), vec![3], 1)).unwrap();
-    w.forget_index();
+    w.forget_index(true);
     let ops = w.apply(&stored(vec![3], Some(1), vec![4], 1)).unwrap();
     assert!(!ops.is_empty());
+}
+
+/// Events lost, a removal among them: the engine evicted a block, then stored it again. That
+/// store is its one copy, not a second: its next removal takes it out of the index (counted
+/// as a second copy, the block would have stayed there, a match the engine does not hold).
+#[test]
+fn a_block_stored_again_after_lost_events_is_one_copy() {
+    let tokens: Vec<u32> = (1..=8).collect();
+    let want = block_hashes(&tokens, 4);
+    let mut w = WorkerChains::new(4, 1000);
+    w.apply(&stored(vec![1], None, tokens[..4].to_vec(), 4)).unwrap();
+    w.apply(&stored(vec![2], Some(1), tokens[4..].to_vec(), 4)).unwrap();
+    // Lost: "removed 2". Then 2 stored again.
+    w.forget_index(true);
+    w.apply(&stored(vec![2], Some(1), tokens[4..].to_vec(), 4)).unwrap();
+    let gone = Event::Removed { hashes: vec![2], medium: None, group_idx: None };
+    assert_eq!(w.apply(&gone).unwrap(), vec![IndexOp::Remove { blocks: vec![want[1]] }]);
+    // The index cleared for silence (no event lost): copies are still known.
+    let mut w = WorkerChains::new(4, 1000);
+    w.apply(&stored(vec![1], None, tokens[..4].to_vec(), 4)).unwrap();
+    for _ in 0..2 {
+        w.apply(&stored(vec![2], Some(1), tokens[4..].to_vec(), 4)).unwrap();
+    }
+    w.forget_index(false);
+    assert_eq!(w.apply(&gone).unwrap(), vec![], "one of two copies left");
 }
