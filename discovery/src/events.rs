@@ -65,7 +65,8 @@ pub fn snapshot_subject(id: &InstanceId) -> String {
 pub struct Heartbeat {
     /// The instance.
     pub instance: InstanceId,
-    /// Prompt tokens waiting for or in prefill.
+    /// Prompt tokens (cached or not) of the requests it serves: waiting, computing or
+    /// sending their KV.
     pub queued_tokens: u64,
     /// Requests being served.
     pub running: u32,
@@ -81,9 +82,9 @@ pub struct Heartbeat {
     #[serde(default)]
     pub send_ns_per_token: u64,
     /// Uncached prompt tokens waiting for or in compute, per dp rank (the work ahead of a
-    /// request routed there, as the instance counts it; empty: not said). A scheduler prices
-    /// a rank's queue at no less, so work it did not book (another replica's, forgotten
-    /// when that replica died; every replica's, when this one started) is still counted.
+    /// request routed there; a prefix pending in an earlier request counted once; empty: not
+    /// said). A scheduler adds what of it no replica booked to the bookings, so work it did
+    /// not book (a replica's that died, every replica's when this one started) is priced.
     /// Optional on the wire.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dp_queued_tokens: Vec<u64>,

@@ -231,7 +231,10 @@ pub(crate) fn ops(fe: &Arc<crate::Frontend>) -> Ops {
     let replicas = r.gauge("handoff_frontend_schedulers", "Scheduler replicas known.");
     let suspect =
         r.gauge("handoff_frontend_schedulers_suspect", "Scheduler replicas passed over for now.");
-    let prefills = r.gauge("handoff_frontend_prefills", "Prefill instances registered.");
+    let prefills = r.gauge(
+        "handoff_frontend_prefills",
+        "Prefill instances registered, and engines this frontend drives.",
+    );
     let decoding = r.gauge("handoff_frontend_decoding", "Sequences holding a decode slot.");
     let admitted = r.gauge(
         "handoff_frontend_decode_admitted",

@@ -125,12 +125,9 @@ impl PrefixCache {
         }
     }
 
-    /// Tokens of the longest cached prefix [`PrefixCache::lookup`] would find now (nothing
-    /// is touched).
-    pub fn cached_tokens(&self, hashes: &[BlockHash], prompt_len: usize) -> usize {
-        let max_pages = prompt_len.saturating_sub(1) / self.page_size;
-        let hit = hashes.iter().take(max_pages).take_while(|h| self.pages.contains_key(h));
-        hit.count() * self.page_size
+    /// Whether the page hashed `h` is cached (nothing is touched).
+    pub fn holds(&self, h: &BlockHash) -> bool {
+        self.pages.contains_key(h)
     }
 
     /// The KV of the longest cached prefix of a prompt of `prompt_len` tokens with block

@@ -1,7 +1,11 @@
 //! Guards a prefill request holds while it is served: each undoes its count when dropped,
 //! however the request ends (answered, failed, or cancelled midway by its caller).
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use handoff_core::BlockHash;
 
 use crate::service::Inner;
 
@@ -65,22 +69,91 @@ impl Drop for RoomClosing<'_> {
     }
 }
 
-/// Counts a request's uncached tokens as work ahead of the next ones on its dp rank (what
-/// heartbeats say of its queue) until dropped: when its compute ends, or it does not start.
-pub(crate) struct Ahead<'a> {
-    work: &'a AtomicU64,
-    tokens: u64,
+/// The work ahead on one dp rank, as its heartbeats say it: the uncached tokens of the
+/// requests waiting for or in compute there, a prefix pending in an earlier one counted once
+/// (cached by the time a later one computes, as the schedulers book it, so the figure is not
+/// above what they would have booked for the same requests).
+#[derive(Debug, Default)]
+pub(crate) struct WorkAhead {
+    tokens: AtomicU64,
+    /// Page hashes of the requests counted, with how many of them hold each.
+    pending: Mutex<HashMap<BlockHash, u32>>,
 }
 
-impl<'a> Ahead<'a> {
-    pub(crate) fn new(work: &'a AtomicU64, tokens: u64) -> Self {
-        work.fetch_add(tokens, Ordering::Relaxed);
-        Ahead { work, tokens }
+impl WorkAhead {
+    /// The uncached tokens counted now.
+    pub(crate) fn tokens(&self) -> u64 {
+        self.tokens.load(Ordering::Relaxed)
     }
+
+    /// Counts a prompt of `prompt_len` tokens whose full pages hash to `hashes` (pages of
+    /// `page_size`), the leading ones `cached` or pending in a request counted before not
+    /// counted, until the returned guard drops.
+    pub(crate) fn enter(
+        &self,
+        hashes: &[BlockHash],
+        prompt_len: usize,
+        page_size: usize,
+        cached: impl Fn(&BlockHash) -> bool,
+    ) -> Ahead<'_> {
+        // At least one token is computed, as the cache's lookup leaves it.
+        let pages = &hashes[..hashes.len().min(prompt_len.saturating_sub(1) / page_size.max(1))];
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let covered = pages.iter().take_while(|h| cached(h) || pending.contains_key(h)).count();
+        for h in pages {
+            *pending.entry(*h).or_default() += 1;
+        }
+        let tokens = prompt_len.saturating_sub(covered * page_size) as u64;
+        self.tokens.fetch_add(tokens, Ordering::Relaxed);
+        Ahead { work: self, tokens, pages: pages.to_vec() }
+    }
+}
+
+/// A request counted in its dp rank's [`WorkAhead`] until dropped: when its compute ends, or
+/// it does not start.
+pub(crate) struct Ahead<'a> {
+    work: &'a WorkAhead,
+    tokens: u64,
+    pages: Vec<BlockHash>,
 }
 
 impl Drop for Ahead<'_> {
     fn drop(&mut self) {
-        self.work.fetch_sub(self.tokens, Ordering::Relaxed);
+        self.work.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        let mut pending = self.work.pending.lock().unwrap_or_else(|e| e.into_inner());
+        for h in &self.pages {
+            if let Some(n) = pending.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    pending.remove(h);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A prefix pending in a request counted before is counted once: the later one is priced
+    /// as the schedulers book it (cached by the time it computes).
+    #[test]
+    fn a_prefix_pending_in_an_earlier_request_is_counted_once() {
+        let work = WorkAhead::default();
+        let hashes: Vec<BlockHash> = (1..=6).map(BlockHash).collect();
+        let first = work.enter(&hashes, 100, 16, |_| false);
+        assert_eq!(work.tokens(), 100);
+        // The same prompt: its 6 pages (96 tokens) pending, 4 tokens its own.
+        let second = work.enter(&hashes, 100, 16, |_| false);
+        assert_eq!(work.tokens(), 104);
+        // Cached pages are not counted either; the last token is always computed.
+        let third = work.enter(&hashes[..2], 32, 16, |h| *h == BlockHash(1));
+        assert_eq!(work.tokens(), 104 + 16);
+        drop((first, third));
+        assert_eq!(work.tokens(), 4);
+        drop(second);
+        assert_eq!(work.tokens(), 0);
+        assert!(work.pending.lock().unwrap().is_empty(), "every page let go");
     }
 }

@@ -1,6 +1,6 @@
 //! The `handoff.v1.Prefill` gRPC service.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,7 +29,7 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::cache::CacheDelta;
 use crate::cost::{SendCost, TokenCost};
-use crate::guards::{Ahead, Queued, RoomClosing, Running, Unanswered};
+use crate::guards::{Queued, RoomClosing, Running, Unanswered, WorkAhead};
 use crate::rank::{Destination, Rank, SendMeta};
 use crate::{PrefillError, PrefixCache};
 
@@ -45,8 +45,8 @@ pub(crate) struct DpState {
     publishing: Mutex<()>,
     slot: Semaphore,
     queued: AtomicUsize,
-    /// Uncached tokens of the requests waiting for or in compute here ([`Ahead`]).
-    ahead: AtomicU64,
+    /// The work waiting for or in compute here, as heartbeats say it.
+    ahead: WorkAhead,
     /// cp-0 ranks of this dp group: the ones that send.
     pub(crate) senders: Vec<Rank>,
 }
@@ -58,7 +58,7 @@ impl DpState {
             publishing: Mutex::new(()),
             slot: Semaphore::new(1),
             queued: AtomicUsize::new(0),
-            ahead: AtomicU64::new(0),
+            ahead: WorkAhead::default(),
             senders,
         }
     }
@@ -242,7 +242,7 @@ impl PrefillService {
             kv_bytes: me.dps.iter().map(|d| lock(&d.cache).used_bytes() as u64).sum(),
             prefill_ns_per_token: (lock(&me.cost).per_token_us(me.engine.compute_shared_by()) * 1e3)
                 as u64,
-            dp_queued_tokens: me.dps.iter().map(|d| d.ahead.load(Ordering::Relaxed)).collect(),
+            dp_queued_tokens: me.dps.iter().map(|d| d.ahead.tokens()).collect(),
             send_ns_per_token: (lock(&me.send_cost).per_token_us_at(std::time::Instant::now())
                 * 1e3) as u64,
         }
@@ -376,10 +376,6 @@ impl PrefillService {
         let deadline = Instant::now() + budget;
         me.directory.register_dp_rank(room.get(), req.dp_rank);
 
-        let hashes = block_hashes(&tokens, info.page_size);
-        // As cached now: what it leaves to compute is work ahead of the next ones.
-        let uncached = tokens.len() - lock(&dp.cache).cached_tokens(&hashes, tokens.len());
-        let ahead = Ahead::new(&dp.ahead, uncached as u64);
         let queued = Queued(&dp.queued);
         if dp.queued.fetch_add(1, Ordering::AcqRel) >= me.max_queue {
             return Err(PrefillError::Overloaded(format!(
@@ -387,6 +383,12 @@ impl PrefillService {
                 req.dp_rank, me.max_queue
             )));
         }
+        let hashes = block_hashes(&tokens, info.page_size);
+        // What it leaves to compute is work ahead of the next ones.
+        let ahead = {
+            let cache = lock(&dp.cache);
+            dp.ahead.enter(&hashes, tokens.len(), info.page_size, |h| cache.holds(h))
+        };
         // Dropped while waiting here (the decode went away): the place is given up and
         // nothing is computed.
         let waited = Instant::now();

@@ -144,15 +144,15 @@ pub(super) struct Gathered {
 }
 
 /// The slot in `slot` as a candidate: its route, this replica's load `l` and the others' `r`
-/// summed (its queue priced at no less than its instance last said: work no replica booked
-/// still waits there), its run of `overlap` blocks, no send charged.
+/// summed, with the work its instance last said is queued there that no replica booked, its
+/// run of `overlap` blocks, no send charged.
 #[inline]
 pub(super) fn candidate(slot: Slot, route: &Route, l: &Load, r: &Load, overlap: u32) -> Candidate {
     Candidate {
         slot,
         ring: route.ring,
         overlap_blocks: overlap,
-        queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens).max(route.ahead),
+        queued_tokens: l.queued_tokens.saturating_add(r.queued_tokens).saturating_add(route.ahead),
         in_flight: l.in_flight.saturating_add(r.in_flight),
         send_tokens: 0,
     }

@@ -209,10 +209,10 @@ fn overload_is_refused_at_once_with_when_to_retry() {
     assert!(s.select(&short).is_ok());
 }
 
-/// Work an instance says is ahead in its queue counts though no booking of this replica's
-/// holds it (a replica that died or restarted, its requests still queued there): a rank is
-/// priced at no less than its heartbeats last said. Before, a restarted replica priced
-/// every queue as empty and admitted another whole bound of work behind it.
+/// Work an instance says is ahead in its queue that no booking holds (a replica that died or
+/// restarted, its requests still queued there) is priced with the bookings: added to them,
+/// as of its last heartbeat, what the bookings then held not counted twice. Before, a
+/// restarted replica priced every queue as empty and admitted another whole bound behind it.
 #[test]
 fn work_an_instance_says_is_queued_counts_without_a_booking() {
     let cfg = SchedulerConfig { max_queue_wait: Duration::from_secs(1), ..Default::default() };
@@ -224,12 +224,35 @@ fn work_an_instance_says_is_queued_counts_without_a_booking() {
     s.heartbeat(&said(1100));
     let p = prompt(1);
     assert!(matches!(s.select(&Ask::new(&p, 16)), Err(SchedulerError::Overloaded { .. })));
-    // 900 ms: admitted, and told the wait.
+    // 900 ms: admitted, and told the wait; what it books adds to it.
     s.heartbeat(&said(900));
-    let sel = s.select(&Ask::new(&p, 16)).expect("within the bound");
-    assert_eq!(sel.expected_wait, Duration::from_millis(900));
+    let first = s.select(&Ask::new(&p, 16)).expect("within the bound");
+    assert_eq!(first.expected_wait, Duration::from_millis(900));
+    let q = prompt(2);
+    let second = s.select(&Ask::new(&q, 16)).expect("within the bound");
+    assert_eq!(second.expected_wait, Duration::from_millis(916));
+    // The next heartbeat counts the 32 booked tokens among the 932 it says: not twice.
+    s.heartbeat(&said(932));
+    assert_eq!(
+        s.select(&Ask::new(&prompt(3), 16)).unwrap().expected_wait,
+        Duration::from_millis(932)
+    );
+}
+
+/// What an instance said is ahead is no floor once half the liveness timeout old (the bus
+/// down: its bookings still drain through the reports, its heartbeats do not come).
+#[test]
+fn what_an_instance_said_is_ahead_lapses_with_its_heartbeats() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("a", 1)]));
+    let t0 = std::time::Instant::now();
+    let said = Heartbeat { dp_queued_tokens: vec![500], ..beat("a", 1_000_000) };
+    s.heartbeat_at(&said, t0);
+    let p = prompt(1);
+    let sel = s.select(&Ask::new(&p, 16)).unwrap();
+    assert_eq!(sel.expected_wait, Duration::from_millis(500));
     s.report(sel.booking, Outcome::Success);
-    // Drained, as it says: no wait.
-    s.heartbeat(&said(0));
+    let half = SchedulerConfig::default().liveness_timeout / 2;
+    s.sweep_at(t0 + half + Duration::from_millis(1));
     assert_eq!(s.select(&Ask::new(&p, 16)).unwrap().expected_wait, Duration::ZERO);
 }

@@ -33,6 +33,7 @@ impl SchedulerState {
             }
         }
         inner.bus_heard(now, self.cfg.liveness_timeout);
+        let unbooked = inner.unbooked(&hb.instance, &hb.dp_queued_tokens);
         let Some(m) = inner.members.get_mut(&hb.instance) else { return false };
         m.seen = now;
         let resumed = std::mem::replace(&mut m.silent, false);
@@ -45,12 +46,9 @@ impl SchedulerState {
             m.token_cost_us = cost;
             m.send_cost_us = send;
         }
-        // One figure per dp rank, or none (an instance from before they were said).
-        let ahead = &hb.dp_queued_tokens[..hb.dp_queued_tokens.len().min(m.slots.len())];
-        let ahead_changed = ahead != m.ahead.as_slice();
+        let ahead_changed = unbooked != m.ahead;
         if ahead_changed {
-            m.ahead.clear();
-            m.ahead.extend_from_slice(ahead);
+            m.ahead = unbooked;
         }
         let cost_changed = cost_changed || ahead_changed;
         if resumed {
@@ -102,6 +100,20 @@ impl SchedulerState {
         if let Some(before) = now.checked_sub(timeout).filter(|_| !bus_quiet) {
             inner.expire_replicas(before);
         }
+        // What an instance said is ahead of its queue is no floor once half the timeout old
+        // (the bus down, or the instance silent): its own bookings price it alone.
+        let old: Vec<InstanceId> = inner
+            .members
+            .values()
+            .filter(|m| !m.ahead.is_empty() && now.saturating_duration_since(m.seen) > timeout / 2)
+            .map(|m| m.instance.id.clone())
+            .collect();
+        for id in &old {
+            if let Some(m) = inner.members.get_mut(id) {
+                m.ahead.clear();
+            }
+            inner.sync(id);
+        }
         let stale: Vec<InstanceId> = inner
             .members
             .values()
@@ -116,5 +128,19 @@ impl SchedulerState {
         drop(inner);
         self.settle_index();
         stale
+    }
+}
+
+impl Inner {
+    /// Of the work `ahead` an instance says is queued on each dp rank, what no booking here
+    /// or of another replica holds (a replica that died or restarted left its requests
+    /// there): one figure per rank it has, none when it said none.
+    fn unbooked(&self, id: &InstanceId, ahead: &[u64]) -> Vec<u64> {
+        let Some(m) = self.members.get(id) else { return Vec::new() };
+        let booked = |slot: &handoff_kv_index::Slot| {
+            let (l, r) = (self.load[slot.index()], self.remote_load[slot.index()]);
+            l.queued_tokens.saturating_add(r.queued_tokens)
+        };
+        ahead.iter().zip(&m.slots).map(|(a, s)| a.saturating_sub(booked(s))).collect()
     }
 }

@@ -31,7 +31,8 @@ pub(super) struct Route {
     pub(super) send_cost_us: f32,
     /// How its instance is driven.
     pub(super) protocol: Protocol,
-    /// Uncached tokens ahead in its queue, as its instance last said (0: not said).
+    /// Uncached tokens ahead in its queue that no replica booked, as of its instance's last
+    /// heartbeat (0: none, or not said).
     pub(super) ahead: u64,
 }
 
@@ -171,8 +172,9 @@ pub(super) struct Member {
     /// The KV's time after the compute per prompt token, in microseconds, as its heartbeats
     /// last said.
     pub(super) send_cost_us: f32,
-    /// Uncached tokens ahead in each dp rank's queue, as its heartbeats last said (work this
-    /// replica may not have booked: a rank is priced at no less).
+    /// Uncached tokens ahead in each dp rank's queue that no replica booked, as of its last
+    /// heartbeat (a replica that died or restarted left its requests there), priced with
+    /// the bookings.
     pub(super) ahead: Vec<u64>,
 }
 
