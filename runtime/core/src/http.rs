@@ -11,7 +11,9 @@
 //! - at most [`HttpLimits::max_connections`] connections are open at once; the next ones
 //!   wait in the listen backlog until one closes (rather than the process running out of
 //!   file descriptors, when no listener can accept at all);
-//! - an HTTP/2 connection is pinged every 30 s and dropped after 10 s without an answer.
+//! - an HTTP/2 connection is pinged every 30 s and dropped after 10 s without an answer;
+//! - a connection none of whose writes has gone through for [`HttpLimits::write_timeout`] is
+//!   closed (a client that stopped reading a response, [`stalled`]).
 //!
 //! On shutdown it stops accepting, lets each connection finish the request it is serving
 //! (an idle one closes at once) and returns when all have closed.
@@ -31,6 +33,7 @@ use tokio::task::JoinSet;
 use tracing::debug;
 
 mod sniff;
+mod stalled;
 mod timed_body;
 
 use sniff::Spoken;
@@ -45,6 +48,9 @@ pub struct HttpLimits {
     pub body_timeout: Duration,
     /// Connections open at once.
     pub max_connections: usize,
+    /// Time a connection's writes may make no progress (its client not reading) before it
+    /// is closed.
+    pub write_timeout: Duration,
     /// Once the server stops, how long a connection may take to finish what it serves
     /// (a response to a client that no longer reads, a request whose head or body is still
     /// coming) before it is cut.
@@ -57,6 +63,7 @@ impl Default for HttpLimits {
             head_timeout: Duration::from_secs(90),
             body_timeout: Duration::from_secs(60),
             max_connections: 16_384,
+            write_timeout: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(10),
         }
     }
@@ -99,6 +106,7 @@ where
         debug!(?peer, "HTTP connection accepted");
         let service = TowerToHyperService::new(timed.clone());
         let mut stopped = stopped.clone();
+        let io = stalled::StallBounded::new(io, limits.write_timeout);
         conns.spawn(async move {
             let _place = place;
             // A shutdown while its first bytes are awaited: nothing to finish.

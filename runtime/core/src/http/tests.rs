@@ -192,3 +192,64 @@ async fn http2_with_prior_knowledge_is_served() {
     drop(s);
     served.await.unwrap().unwrap();
 }
+
+/// A client that asks for an endless response and never reads it is cut off once the
+/// server's writes have gone nowhere for the write timeout: the response (and what it holds)
+/// is dropped. Before, it stayed as long as the client's kernel kept the window shut.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_off_at_the_write_timeout() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct Flag(Arc<AtomicBool>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let dropped = Arc::new(AtomicBool::new(false));
+    let d = dropped.clone();
+    let endless = get(move || {
+        let flag = Flag(d.clone());
+        async move {
+            let chunks = futures::stream::repeat_with(move || {
+                let _held = &flag;
+                Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'x'; 64 << 10]))
+            });
+            axum::body::Body::from_stream(chunks)
+        }
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = HttpLimits { write_timeout: Duration::from_millis(300), ..HttpLimits::default() };
+    let stop = CancellationToken::new();
+    let served = tokio::spawn(serve(
+        listener,
+        Router::new().route("/", endless),
+        stop.clone().cancelled_owned(),
+        limits,
+    ));
+    let mut unread = TcpStream::connect(addr).await.unwrap();
+    unread.write_all(GET).await.unwrap();
+    let since = std::time::Instant::now();
+    while !dropped.load(Ordering::SeqCst) {
+        assert!(
+            since.elapsed() < Duration::from_secs(10),
+            "the response outlived the write timeout"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A reader that keeps up is not cut.
+    let mut reading = TcpStream::connect(addr).await.unwrap();
+    reading.write_all(GET).await.unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut got = 0usize;
+    let began = std::time::Instant::now();
+    while began.elapsed() < Duration::from_secs(1) {
+        got += reading.read(&mut buf).await.expect("not cut");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(got > 1 << 20, "{got} bytes read");
+    stop.cancel();
+    drop((unread, reading));
+    let _ = served.await;
+}
