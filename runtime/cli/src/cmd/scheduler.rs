@@ -70,6 +70,14 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     if let Some(a) = crate::cmd::serve_ops(args.ops_listen, ops, &tasks).await? {
         ready.push_str(&format!(" ops http://{a}"));
     }
+    // Listed once it knows the prefills registered now: a frontend asking it sooner would be
+    // told none is there.
+    if let Err(e) =
+        crate::cmd::learn_registered(&scheduler, &*registry, std::time::Duration::from_secs(30))
+            .await
+    {
+        tracing::warn!(error = %e, "registering all the same");
+    }
     // Registered once every listener is bound: one that fails (its port taken) ends this
     // process before discovery lists it, not leaving a dead address listed for a lease.
     registry.register(me).await?;

@@ -1,20 +1,19 @@
 //! `handoff frontend --scheduler-in-frontend`: a scheduler replica in the frontend's process,
 //! the only one it asks (see `docs/architecture.md`).
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
-use futures::StreamExt;
-use handoff_core::{InstanceId, Tasks};
-use handoff_discovery::{EventBus, Registry, Role, Update};
+use anyhow::Context;
+use handoff_core::Tasks;
+use handoff_discovery::{EventBus, Registry};
 use handoff_frontend::Frontend;
 use handoff_scheduler::{Scheduler, SchedulerConfig, metrics};
 use tokio::net::TcpListener;
 
 use crate::args::FrontendArgs;
+use crate::cmd::learn_registered;
 
 /// How long the replica gets to learn the prefill instances registered at start.
 const LEARN_WITHIN: Duration = Duration::from_secs(30);
@@ -83,53 +82,6 @@ async fn serve_grpc(
         }
     });
     Ok(addr)
-}
-
-/// Waits (at most `within`) until `scheduler` knows every prefill instance `registry` lists
-/// now, or that instance has left the registry meanwhile.
-async fn learn_registered(
-    scheduler: &Scheduler,
-    registry: &dyn Registry,
-    within: Duration,
-) -> anyhow::Result<()> {
-    let mut watch = registry.watch(Role::Prefill).await?;
-    let mut waiting: HashSet<InstanceId> = match watch.next().await {
-        Some(Update::Reset(all)) => all.into_iter().map(|i| i.id).collect(),
-        _ => HashSet::new(),
-    };
-    let learned = async {
-        let mut look = tokio::time::interval(Duration::from_millis(20));
-        let mut watching = true;
-        loop {
-            let known: HashSet<InstanceId> =
-                scheduler.state().instances().into_iter().map(|s| s.instance.id).collect();
-            waiting.retain(|id| !known.contains(id));
-            if waiting.is_empty() {
-                return;
-            }
-            tokio::select! {
-                _ = look.tick() => {}
-                u = watch.next(), if watching => match u {
-                    Some(Update::Remove(id)) => {
-                        waiting.remove(&id);
-                    }
-                    Some(Update::Reset(all)) => {
-                        let now: HashSet<InstanceId> = all.into_iter().map(|i| i.id).collect();
-                        waiting.retain(|id| now.contains(id));
-                    }
-                    Some(Update::Add(_)) => {}
-                    // The watch ended: what it listed is what is waited for.
-                    None => watching = false,
-                },
-            }
-        }
-    };
-    if tokio::time::timeout(within, learned).await.is_err() {
-        bail!(
-            "the scheduler in this frontend did not learn the registered prefill instances within {within:?}"
-        );
-    }
-    Ok(())
 }
 
 #[cfg(test)]

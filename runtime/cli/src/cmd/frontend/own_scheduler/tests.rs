@@ -1,4 +1,4 @@
-use handoff_discovery::{Instance, MemoryBus, MemoryRegistry};
+use handoff_discovery::{Instance, MemoryBus, MemoryRegistry, Role};
 
 use super::*;
 
