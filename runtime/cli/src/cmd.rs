@@ -123,6 +123,53 @@ pub fn announce(line: &str) -> std::io::Result<()> {
     out.flush()
 }
 
+/// Waits (at most `within`) until `scheduler` knows every prefill instance `registry` lists
+/// now, or that instance has left the registry meanwhile.
+pub(crate) async fn learn_registered(
+    scheduler: &Scheduler,
+    registry: &dyn Registry,
+    within: Duration,
+) -> anyhow::Result<()> {
+    let mut watch = registry.watch(Role::Prefill).await?;
+    let mut waiting: HashSet<InstanceId> = match watch.next().await {
+        Some(Update::Reset(all)) => all.into_iter().map(|i| i.id).collect(),
+        _ => HashSet::new(),
+    };
+    let learned = async {
+        let mut look = tokio::time::interval(Duration::from_millis(20));
+        let mut watching = true;
+        loop {
+            let known: HashSet<InstanceId> =
+                scheduler.state().instances().into_iter().map(|s| s.instance.id).collect();
+            waiting.retain(|id| !known.contains(id));
+            if waiting.is_empty() {
+                return;
+            }
+            tokio::select! {
+                _ = look.tick() => {}
+                u = watch.next(), if watching => match u {
+                    Some(Update::Remove(id)) => {
+                        waiting.remove(&id);
+                    }
+                    Some(Update::Reset(all)) => {
+                        let now: HashSet<InstanceId> = all.into_iter().map(|i| i.id).collect();
+                        waiting.retain(|id| now.contains(id));
+                    }
+                    Some(Update::Add(_)) => {}
+                    // The watch ended: what it listed is what is waited for.
+                    None => watching = false,
+                },
+            }
+        }
+    };
+    if tokio::time::timeout(within, learned).await.is_err() {
+        bail!(
+            "the scheduler replica did not learn the registered prefill instances within {within:?}"
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,51 +225,4 @@ mod tests {
         assert_eq!(a.len(), 64);
         assert_ne!(a, b);
     }
-}
-
-/// Waits (at most `within`) until `scheduler` knows every prefill instance `registry` lists
-/// now, or that instance has left the registry meanwhile.
-pub(crate) async fn learn_registered(
-    scheduler: &Scheduler,
-    registry: &dyn Registry,
-    within: Duration,
-) -> anyhow::Result<()> {
-    let mut watch = registry.watch(Role::Prefill).await?;
-    let mut waiting: HashSet<InstanceId> = match watch.next().await {
-        Some(Update::Reset(all)) => all.into_iter().map(|i| i.id).collect(),
-        _ => HashSet::new(),
-    };
-    let learned = async {
-        let mut look = tokio::time::interval(Duration::from_millis(20));
-        let mut watching = true;
-        loop {
-            let known: HashSet<InstanceId> =
-                scheduler.state().instances().into_iter().map(|s| s.instance.id).collect();
-            waiting.retain(|id| !known.contains(id));
-            if waiting.is_empty() {
-                return;
-            }
-            tokio::select! {
-                _ = look.tick() => {}
-                u = watch.next(), if watching => match u {
-                    Some(Update::Remove(id)) => {
-                        waiting.remove(&id);
-                    }
-                    Some(Update::Reset(all)) => {
-                        let now: HashSet<InstanceId> = all.into_iter().map(|i| i.id).collect();
-                        waiting.retain(|id| now.contains(id));
-                    }
-                    Some(Update::Add(_)) => {}
-                    // The watch ended: what it listed is what is waited for.
-                    None => watching = false,
-                },
-            }
-        }
-    };
-    if tokio::time::timeout(within, learned).await.is_err() {
-        bail!(
-            "the scheduler replica did not learn the registered prefill instances within {within:?}"
-        );
-    }
-    Ok(())
 }
