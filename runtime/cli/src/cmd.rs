@@ -131,11 +131,12 @@ pub(crate) async fn learn_registered(
     within: Duration,
 ) -> anyhow::Result<()> {
     let mut watch = registry.watch(Role::Prefill).await?;
-    let mut waiting: HashSet<InstanceId> = match watch.next().await {
-        Some(Update::Reset(all)) => all.into_iter().map(|i| i.id).collect(),
-        _ => HashSet::new(),
-    };
     let learned = async {
+        // The registry's list first (etcd not reached yet: as long as that takes, within).
+        let mut waiting: HashSet<InstanceId> = match watch.next().await {
+            Some(Update::Reset(all)) => all.into_iter().map(|i| i.id).collect(),
+            _ => HashSet::new(),
+        };
         let mut look = tokio::time::interval(Duration::from_millis(20));
         let mut watching = true;
         loop {

@@ -209,8 +209,9 @@ pub(crate) async fn stream(
             Ok(t) => t,
             Err(e) => {
                 // The tokens decoded before go first (until the deadline), then the error;
-                // the slot is not held meanwhile.
+                // neither the slot nor the KV is held meanwhile.
                 drop(ticket.take());
+                drop(ready.decoder);
                 while let Some(msg) = outbox.next() {
                     if deliver(&fe, &tx, msg, plan.deadline).await != Sent::Delivered {
                         break;
@@ -412,8 +413,10 @@ pub async fn serve(
             _ = stopping.wait_for(|s| *s) => {}
         }
     };
-    // One connection may carry as many streams as the frontend serves at once, no more.
-    let max_streams = u32::try_from(frontend.cfg.max_concurrent).unwrap_or(u32::MAX);
+    // One connection may carry twice as many streams as the frontend serves at once: past
+    // its bound a request is still refused at once (429), not held in the client.
+    let max_streams =
+        u32::try_from(frontend.cfg.max_concurrent.saturating_mul(2)).unwrap_or(u32::MAX);
     let serving = handoff_proto::grpc::public_server(tls.as_ref(), max_streams)?
         .add_service(GenerateService::new(frontend).into_server())
         .serve_with_incoming_shutdown(incoming, goaway);

@@ -70,9 +70,11 @@ impl Drop for RoomClosing<'_> {
 }
 
 /// The work ahead on one dp rank, as its heartbeats say it: the uncached tokens of the
-/// requests waiting for or in compute there, a prefix pending in an earlier one counted once
-/// (cached by the time a later one computes, as the schedulers book it, so the figure is not
-/// above what they would have booked for the same requests).
+/// requests waiting for or in compute there, a prefix pending in an earlier one counted once,
+/// as the schedulers book it (so the figure is not above what they would have booked for the
+/// same requests). Neither is exact: a prompt is stored once its KV is sent, so the request
+/// that gets the slot right after the one computing a shared prefix computes it again (one
+/// prefix per burst short); those after it find it stored.
 #[derive(Debug, Default)]
 pub(crate) struct WorkAhead {
     tokens: AtomicU64,

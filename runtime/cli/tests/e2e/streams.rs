@@ -224,15 +224,15 @@ async fn an_open_ended_chat_ends_at_its_deadline_as_long_enough() {
     assert_eq!(done.usage.unwrap().completion_tokens as usize, tokens);
 }
 
-/// One client connection has at most as many streams open at once as the frontend serves
-/// requests (`max_concurrent`): a client that opens them and reads none holds what their
-/// answers wait in (their tasks end at the deadline, the messages stay in the connection)
-/// only for those; its next request waits in the client until one ends. Before, one
-/// connection could hold any number.
+/// One client connection has at most twice as many streams open at once as the frontend
+/// serves requests (`max_concurrent`): a client that reads none of its answers holds what
+/// they wait in, after their requests ended too (at their deadlines), only for those; its
+/// next request waits in the client until one ends. Before, one connection could hold any
+/// number of ended, unread answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_connection_holds_at_most_max_concurrent_streams_open() {
+async fn one_connection_holds_at_most_twice_max_concurrent_streams_open() {
     let mut cfg = ClusterConfig::ephemeral();
-    cfg.frontend.max_concurrent = 40;
+    cfg.frontend.max_concurrent = 10;
     let c = cluster(cfg).await;
     // Small stream windows; the connection's large, so one stream read is not held up by
     // the others' unread messages.
@@ -245,9 +245,17 @@ async fn one_connection_holds_at_most_max_concurrent_streams_open() {
         .unwrap();
     let cl = GenerateClient::new(channel);
     let mut unread = Vec::new();
-    for _ in 0..40 {
-        let mut cl = cl.clone();
-        unread.push(cl.generate(request(300, 60_000)).await.unwrap().into_inner());
+    // Two rounds of ten, each ended at its 1 s deadline, its answer unread.
+    for _ in 0..2 {
+        for _ in 0..10 {
+            let mut cl = cl.clone();
+            unread.push(cl.generate(request(300, 1000)).await.unwrap().into_inner());
+        }
+        let since = Instant::now();
+        while c.frontend.in_flight() > 0 {
+            assert!(since.elapsed() < Duration::from_secs(10), "ended at their deadline");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     let mut next = cl.clone();
     let one_more = tokio::spawn(async move { next.generate(request(2, 60_000)).await });
@@ -255,7 +263,7 @@ async fn one_connection_holds_at_most_max_concurrent_streams_open() {
     assert!(!one_more.is_finished(), "a stream past the bound went through");
     // One of them read to its end: the next one goes.
     let mut first = unread.swap_remove(0);
-    while first.message().await.unwrap().is_some() {}
+    while let Ok(Some(_)) = first.message().await {}
     let answered = tokio::time::timeout(Duration::from_secs(10), one_more).await;
     answered.expect("went once a stream ended").unwrap().expect("answered");
     c.shutdown().await;

@@ -87,6 +87,8 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for StallBounded<I> {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
+        // Closing may write too (TLS's close_notify).
+        let polled = Pin::new(&mut self.io).poll_shutdown(cx);
+        self.watch(cx, polled)
     }
 }
