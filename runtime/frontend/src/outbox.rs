@@ -31,10 +31,21 @@ impl<T> Outbox<T> {
     }
 
     /// Hands `msg` to `tx` behind whatever waits, at once: what finds no room waits here.
-    /// Never waits for the client; `Err` only once it left.
+    /// Never waits for the client; `Err` only once it left. With nothing waiting (a client
+    /// that keeps up: every token) the message goes straight to `tx`.
     pub(crate) fn push(&mut self, tx: &mpsc::Sender<T>, msg: T) -> Result<(), Gone> {
-        self.waiting.push_back(msg);
-        self.flush(tx)
+        if !self.waiting.is_empty() {
+            self.waiting.push_back(msg);
+            return self.flush(tx);
+        }
+        match tx.try_send(msg) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(Gone),
+            Err(mpsc::error::TrySendError::Full(msg)) => {
+                self.waiting.push_back(msg);
+                Ok(())
+            }
+        }
     }
 
     /// Moves what fits into `tx`, oldest first.

@@ -114,6 +114,25 @@ async fn deliver(
     }
 }
 
+/// Delivers `outbox`'s oldest messages, each as [`deliver`] does, until at most `keep` wait;
+/// how the last one went.
+async fn deliver_waiting(
+    fe: &Frontend,
+    tx: &Tx,
+    outbox: &mut Outbox<Result<GenerateResponse, Status>>,
+    by: Instant,
+    keep: usize,
+) -> Sent {
+    while outbox.len() > keep {
+        let Some(msg) = outbox.next() else { break };
+        let sent = deliver(fe, tx, msg, by).await;
+        if sent != Sent::Delivered {
+            return sent;
+        }
+    }
+    Sent::Delivered
+}
+
 fn chunk(token: u32, text: String) -> Result<GenerateResponse, Status> {
     Ok(GenerateResponse { event: Some(Event::Chunk(TokenChunk { token_ids: vec![token], text })) })
 }
@@ -161,12 +180,9 @@ pub(crate) async fn stream(
             return undelivered(m, last, Sent::Gone, generated);
         }
         // So far behind, the decode waits for the client (what waits stays bounded).
-        while outbox.len() >= MAX_WAITING {
-            let Some(msg) = outbox.next() else { break };
-            let sent = deliver(&fe, &tx, msg, plan.deadline).await;
-            if sent != Sent::Delivered {
-                return undelivered(m, last, sent, generated);
-            }
+        let sent = deliver_waiting(&fe, &tx, &mut outbox, plan.deadline, MAX_WAITING - 1).await;
+        if sent != Sent::Delivered {
+            return undelivered(m, last, sent, generated);
         }
         // Token times are the decode's, whether or not the client took them yet.
         let now = Instant::now();
@@ -212,11 +228,7 @@ pub(crate) async fn stream(
                 // neither the slot nor the KV is held meanwhile.
                 drop(ticket.take());
                 drop(ready.decoder);
-                while let Some(msg) = outbox.next() {
-                    if deliver(&fe, &tx, msg, plan.deadline).await != Sent::Delivered {
-                        break;
-                    }
-                }
+                deliver_waiting(&fe, &tx, &mut outbox, plan.deadline, 0).await;
                 return fail(m, last, Ending::Failed, FrontendError::Decode(e.to_string()).into());
             }
         };
@@ -243,11 +255,9 @@ pub(crate) async fn stream(
     } else {
         plan.deadline
     };
-    while let Some(msg) = outbox.next() {
-        let sent = deliver(&fe, &tx, msg, by).await;
-        if sent != Sent::Delivered {
-            return undelivered(m, last, sent, generated);
-        }
+    let sent = deliver_waiting(&fe, &tx, &mut outbox, by, 0).await;
+    if sent != Sent::Delivered {
+        return undelivered(m, last, sent, generated);
     }
     m.tokens.add(u64::from(generated));
     let usage = Usage {
