@@ -25,6 +25,25 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a public server pings a client connection it has heard nothing on.
 pub const PUBLIC_KEEPALIVE_EVERY: Duration = Duration::from_secs(30);
 
+/// Connections an internal service's listener holds open at once (one or a few per frontend,
+/// replica or prefill of the cluster).
+pub const CLUSTER_MAX_CONNECTIONS: usize = 4_096;
+
+/// How long an internal service's connection may go without a byte read before it is
+/// closed: both ends ping every 5 s, so only a dead peer, or a socket opened and left
+/// silent, is that quiet.
+pub const CLUSTER_QUIET: Duration = Duration::from_secs(90);
+
+/// The connections an internal service's `listener` accepts: at most
+/// [`CLUSTER_MAX_CONNECTIONS`] at once, each closed after [`CLUSTER_QUIET`] without a word
+/// (before, an unbounded accept loop took whatever connections came, and once the process
+/// was out of descriptors spun on its failing accepts).
+pub fn cluster_incoming(
+    listener: tokio::net::TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<Placed>> + Send + 'static {
+    placed_incoming(listener, CLUSTER_MAX_CONNECTIONS, CLUSTER_QUIET)
+}
+
 /// How long a TLS handshake may take, on either side.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 

@@ -321,9 +321,11 @@ pub struct RequestArgs {
     /// Generate); past it, new ones wait in the listen backlog until one closes.
     #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_connections: u32,
-    /// Seconds an HTTP connection may wait for a request's head, an idle kept-alive one too
-    /// (then it is closed): keep it above the idle timeout of a load balancer in front (AWS's
-    /// is 60 s), which would otherwise reuse a connection being closed.
+    /// Seconds an HTTP connection may wait for a request's head, an idle kept-alive one too,
+    /// and a gRPC connection may go without a byte from its client (which answers the
+    /// server's pings every 30 s): then it is closed. Keep it above the idle timeout of a
+    /// load balancer in front (AWS's is 60 s), which would otherwise reuse a connection
+    /// being closed.
     #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub http_idle_secs: u64,
     /// Sequences the frontend decodes at once (by default the engine's batch: SmolLM2

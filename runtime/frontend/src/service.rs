@@ -413,7 +413,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
     let (limits, tls) = (frontend.cfg.http, frontend.cfg.public_tls.clone());
-    let incoming = handoff_proto::grpc::placed_incoming(listener, limits.max_connections);
+    let incoming =
+        handoff_proto::grpc::placed_incoming(listener, limits.max_connections, limits.head_timeout);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut stopping = stopped.clone();
     let fe = frontend.clone();

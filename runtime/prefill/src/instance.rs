@@ -156,7 +156,7 @@ impl PrefillInstance {
             let res = grpc
                 .add_service(svc.into_server())
                 .serve_with_incoming_shutdown(
-                    handoff_core::net::nodelay_incoming(gl),
+                    handoff_proto::grpc::cluster_incoming(gl),
                     t.shutdown_requested(),
                 )
                 .await;

@@ -254,7 +254,7 @@ pub async fn serve(
 ) -> Result<(), GrpcError> {
     handoff_proto::grpc::cluster_server(state.config().tls.as_ref())?
         .add_service(SchedulerService::new(state).into_server())
-        .serve_with_incoming_shutdown(handoff_core::net::nodelay_incoming(listener), shutdown)
+        .serve_with_incoming_shutdown(handoff_proto::grpc::cluster_incoming(listener), shutdown)
         .await
         .map_err(GrpcError::Serve)
 }

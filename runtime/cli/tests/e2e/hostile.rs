@@ -189,3 +189,28 @@ async fn a_room_claimed_by_more_receivers_than_its_decode_has_is_refused() {
     }
     c.tasks.shutdown().await;
 }
+
+/// A client that connects to the public gRPC listener and says nothing (not even HTTP/2's
+/// preface, so it is never pinged) loses its connection at the listener's idle time; a
+/// client that talks is served.
+#[tokio::test]
+async fn a_silent_connection_to_the_public_grpc_listener_is_closed() {
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.http.head_timeout = std::time::Duration::from_millis(500);
+    let c = cluster(cfg).await;
+    let mut silent = TcpStream::connect(c.frontend_addr).await.unwrap();
+    let closed = async {
+        let mut buf = [0u8; 256];
+        // The server's own preface may come first; then the end.
+        while let Ok(n) = silent.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    };
+    let within = std::time::Duration::from_secs(20);
+    assert!(tokio::time::timeout(within, closed).await.is_ok(), "still open after {within:?}");
+    let mut cl = client(&c).await;
+    assert!(generate(&mut cl, &prompt(2, 40), 4).await.is_ok());
+    c.tasks.shutdown().await;
+}
