@@ -14,7 +14,9 @@ use tonic::transport::{
 };
 use tower::layer::util::Stack;
 
+mod bounded;
 mod placed;
+pub use bounded::{BoundBodies, Bounded};
 pub use placed::{Placed, placed_incoming};
 
 /// How often an internal channel pings its server when it has heard nothing ...
@@ -99,25 +101,38 @@ fn counted(s: Server) -> Counted {
 }
 
 /// A server builder for a public service: its certificate when given (and its client CA,
-/// when clients must present a certificate), and at most `max_streams` streams open at once
-/// on one client connection (tonic's default is no bound: each stream holds its answer's
-/// messages until the client reads them, after the request's own end too).
-pub fn public_server(tls: Option<&ServerTls>, max_streams: u32) -> Result<Counted, GrpcError> {
+/// when clients must present a certificate), at most `max_streams` streams open at once on
+/// one client connection (tonic's default is no bound: each stream holds its answer's
+/// messages until the client reads them, after the request's own end too), and its request
+/// bodies within `bodies`.
+pub fn public_server(
+    tls: Option<&ServerTls>,
+    max_streams: u32,
+    bodies: BoundBodies,
+) -> Result<Public, GrpcError> {
     // A client gone without a word (a crashed host, a partition) gives its connection back
     // within 40 s.
     let base = Server::builder()
         .http2_keepalive_interval(Some(PUBLIC_KEEPALIVE_EVERY))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .max_concurrent_streams(max_streams);
-    let Some(tls) = tls else { return Ok(counted(base)) };
-    let mut cfg = ServerTlsConfig::new()
-        .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
-        .timeout(TLS_HANDSHAKE_TIMEOUT);
-    if let Some(ca) = tls.client_ca_pem() {
-        cfg = cfg.client_ca_root(Certificate::from_pem(ca));
-    }
-    base.tls_config(cfg).map(counted).map_err(GrpcError::Tls)
+    let base = match tls {
+        None => base,
+        Some(tls) => {
+            let mut cfg = ServerTlsConfig::new()
+                .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
+                .timeout(TLS_HANDSHAKE_TIMEOUT);
+            if let Some(ca) = tls.client_ca_pem() {
+                cfg = cfg.client_ca_root(Certificate::from_pem(ca));
+            }
+            base.tls_config(cfg).map_err(GrpcError::Tls)?
+        }
+    };
+    Ok(counted(base).layer(bodies))
 }
+
+/// A public server builder: counted, its request bodies bounded.
+pub type Public = Server<Stack<BoundBodies, Stack<TrafficLayer, tower::layer::util::Identity>>>;
 
 /// A lazily connecting channel to an internal service at `addr` (`host:port`): `https://`
 /// with the cluster's mutual TLS when given, else `http://`.

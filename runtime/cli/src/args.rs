@@ -328,6 +328,11 @@ pub struct RequestArgs {
     /// being closed.
     #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub http_idle_secs: u64,
+    /// MiB the request bodies being received may hold at once on each public listener
+    /// (bodies are buffered whole before they are read); a body whose next bytes would pass
+    /// it is refused (429 / `RESOURCE_EXHAUSTED`).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    pub max_receiving_mib: u32,
     /// Sequences the frontend decodes at once (by default the engine's batch: SmolLM2
     /// advances 32 a pass); more wait for a slot in turn, and a request whose wait
     /// would leave it too little of its deadline is refused at once (429 /
@@ -352,6 +357,7 @@ impl RequestArgs {
         handoff_core::http::HttpLimits {
             max_connections: self.max_connections as usize,
             head_timeout: std::time::Duration::from_secs(self.http_idle_secs),
+            receiving_bytes: (self.max_receiving_mib as usize) << 20,
             ..Default::default()
         }
     }

@@ -7,7 +7,9 @@
 //!   head, or leaves a kept-alive connection idle is cut off then (90 s: longer than the idle
 //!   time of the usual load balancers, which would otherwise reuse a connection being
 //!   closed);
-//! - a request's body must arrive whole within [`HttpLimits::body_timeout`] of its head;
+//! - a request's body must arrive whole within [`HttpLimits::body_timeout`] of its head, and
+//!   the bodies being received hold at most [`HttpLimits::receiving_bytes`] between them
+//!   ([`crate::body`]);
 //! - at most [`HttpLimits::max_connections`] connections are open at once; the next ones
 //!   wait in the listen backlog until one closes (rather than the process running out of
 //!   file descriptors, when no listener can accept at all);
@@ -32,9 +34,10 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tracing::debug;
 
+use crate::body::{BodyBudget, BoundedBody};
+
 mod sniff;
 mod stalled;
-mod timed_body;
 
 use sniff::Spoken;
 
@@ -46,6 +49,9 @@ pub struct HttpLimits {
     pub head_timeout: Duration,
     /// Time a request's body has to arrive whole, from its head.
     pub body_timeout: Duration,
+    /// Bytes the request bodies being received may hold at once, across the listener's
+    /// connections; a body whose next bytes would pass it is refused.
+    pub receiving_bytes: usize,
     /// Connections open at once.
     pub max_connections: usize,
     /// Time a connection's writes may make no progress (its client not reading) before it
@@ -62,6 +68,7 @@ impl Default for HttpLimits {
         HttpLimits {
             head_timeout: Duration::from_secs(90),
             body_timeout: Duration::from_secs(60),
+            receiving_bytes: 256 << 20,
             max_connections: 16_384,
             write_timeout: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(10),
@@ -86,8 +93,11 @@ where
     L::Addr: std::fmt::Debug,
 {
     // Layered once: each connection gets a clone of the same router.
-    let within = limits.body_timeout;
-    let timed = router.layer(axum::middleware::map_request(move |r| timed_body::timed(within, r)));
+    let (within, budget) = (limits.body_timeout, BodyBudget::new(limits.receiving_bytes));
+    let timed = router.layer(axum::middleware::map_request(move |r: axum::extract::Request| {
+        let budget = budget.clone();
+        async move { r.map(|b| axum::body::Body::new(BoundedBody::new(b, within, budget))) }
+    }));
     let places = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let (stop, stopped) = watch::channel(false);
     let mut conns = JoinSet::new();

@@ -13,6 +13,7 @@
 //! - [`traffic`] — gRPC and HTTP requests served, counted and timed by route and status.
 //! - [`zmtp`] — ZMTP 3 (ZMQ's wire) with every length a peer declares bounded.
 
+pub mod body;
 pub mod hash;
 pub mod http;
 pub mod ids;

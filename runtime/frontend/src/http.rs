@@ -17,6 +17,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
+use handoff_core::body::BodyRefused;
 use handoff_core::traffic::{Protocol, TrafficLayer};
 use handoff_proto::trace::{TRACEPARENT, TraceContext};
 use handoff_proto::v1::generate_request::Input;
@@ -89,7 +90,20 @@ pub async fn serve(
 
 /// The body, or why it could not be read (too large: 413) as an OpenAI error.
 fn read(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|r| ApiError { status: r.status(), ..ApiError::invalid(r.body_text(), None) })
+    body.map_err(|r| match handoff_core::body::refusal_in(&r) {
+        Some(full @ BodyRefused::Full { .. }) => ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            kind: "rate_limit_error",
+            code: Some("overloaded"),
+            retry_after: Some(1),
+            ..ApiError::server(StatusCode::TOO_MANY_REQUESTS, full.to_string())
+        },
+        Some(slow @ BodyRefused::TooSlow(_)) => ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            ..ApiError::invalid(slow.to_string(), None)
+        },
+        None => ApiError { status: r.status(), ..ApiError::invalid(r.body_text(), None) },
+    })
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {

@@ -428,7 +428,8 @@ pub async fn serve(
     // its bound a request is still refused at once (429), not held in the client.
     let max_streams =
         u32::try_from(frontend.cfg.max_concurrent.saturating_mul(2)).unwrap_or(u32::MAX);
-    let serving = handoff_proto::grpc::public_server(tls.as_ref(), max_streams)?
+    let bodies = handoff_proto::grpc::BoundBodies::new(limits.body_timeout, limits.receiving_bytes);
+    let serving = handoff_proto::grpc::public_server(tls.as_ref(), max_streams, bodies)?
         .add_service(GenerateService::new(frontend).into_server())
         .serve_with_incoming_shutdown(incoming, goaway);
     tokio::pin!(serving, shutdown);

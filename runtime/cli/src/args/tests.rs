@@ -151,6 +151,10 @@ fn the_request_timeout_and_http_connections_are_flags_within_bounds() {
     let a = frontend(&["--max-connections=20000"]).unwrap();
     assert_eq!(a.requests.http().max_connections, 20_000);
     assert!(frontend(&["--max-connections=0"]).is_err());
+    assert_eq!(frontend(&[]).unwrap().requests.http().receiving_bytes, 256 << 20);
+    let a = frontend(&["--max-receiving-mib=1024"]).unwrap();
+    assert_eq!(a.requests.http().receiving_bytes, 1 << 30);
+    assert!(frontend(&["--max-receiving-mib=0"]).is_err());
     for bad in ["0", "86401"] {
         let e = frontend(&[&format!("--request-timeout-secs={bad}")]).unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad}");

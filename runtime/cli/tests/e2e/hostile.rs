@@ -214,3 +214,91 @@ async fn a_silent_connection_to_the_public_grpc_listener_is_closed() {
     assert!(generate(&mut cl, &prompt(2, 40), 4).await.is_ok());
     c.tasks.shutdown().await;
 }
+
+/// One frame of a request body the test sends by hand.
+type SentFrame = Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>;
+/// An HTTP/2 connection sending bodies by hand.
+type Conn = hyper::client::conn::http2::SendRequest<
+    http_body_util::StreamBody<futures::channel::mpsc::Receiver<SentFrame>>,
+>;
+
+/// A Generate request over its own HTTP/2 stream of `conn` whose message declares 1 MiB and
+/// brings only `sent` bytes of it; the returned sender keeps the body open. Its answer's
+/// `grpc-status`, when one comes.
+async fn unfinished_generate(
+    conn: &mut Conn,
+    sent: usize,
+) -> (futures::channel::mpsc::Sender<SentFrame>, tokio::task::JoinHandle<Option<String>>) {
+    let (mut tx, rx) = futures::channel::mpsc::channel(4);
+    let req = hyper::Request::post("http://frontend/handoff.v1.Generate/Generate")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(http_body_util::StreamBody::new(rx))
+        .unwrap();
+    let mut msg = vec![0u8];
+    msg.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    msg.resize(5 + sent, 0x0a);
+    use futures::SinkExt;
+    tx.send(Ok(hyper::body::Frame::data(msg.into()))).await.unwrap();
+    let answer = conn.send_request(req);
+    let status = tokio::spawn(async move {
+        let r = answer.await.ok()?;
+        Some(r.headers().get("grpc-status")?.to_str().ok()?.to_owned())
+    });
+    (tx, status)
+}
+
+/// Unfinished Generate messages hold at most the listener's budget: past it, the next is
+/// refused (`RESOURCE_EXHAUSTED`) while small requests are still served; one that does not
+/// come whole within the body time is cut off (`DEADLINE_EXCEEDED`), giving its bytes back.
+#[tokio::test]
+async fn unfinished_grpc_messages_hold_at_most_the_budget() {
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.http.receiving_bytes = 256 << 10;
+    cfg.frontend.http.body_timeout = std::time::Duration::from_secs(3);
+    let c = cluster(cfg).await;
+    let io = hyper_util::rt::TokioIo::new(TcpStream::connect(c.frontend_addr).await.unwrap());
+    let (mut conn, driver) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+            .await
+            .unwrap();
+    let _driving = tokio::spawn(driver);
+    let (_held, first) = unfinished_generate(&mut conn, 200 << 10).await;
+    let mut cl = client(&c).await;
+    assert!(generate(&mut cl, &prompt(3, 40), 4).await.is_ok(), "a small request refused");
+    let (_second_body, second) = unfinished_generate(&mut conn, 100 << 10).await;
+    let within = std::time::Duration::from_secs(20);
+    let second = tokio::time::timeout(within, second).await.expect("no answer").unwrap();
+    assert_eq!(second.as_deref(), Some("8"), "past the budget: RESOURCE_EXHAUSTED");
+    let first = tokio::time::timeout(within, first).await.expect("no answer").unwrap();
+    assert_eq!(first.as_deref(), Some("4"), "past its time: DEADLINE_EXCEEDED");
+    let (_third_body, third) = unfinished_generate(&mut conn, 200 << 10).await;
+    let third = tokio::time::timeout(within, third).await.expect("no answer").unwrap();
+    assert_eq!(third.as_deref(), Some("4"), "the first's bytes were given back");
+    c.tasks.shutdown().await;
+}
+
+/// The HTTP API's request bodies share the same kind of budget: a body whose bytes would
+/// pass it is refused with 429 and `Retry-After`, not buffered.
+#[tokio::test]
+async fn an_http_body_past_the_receiving_budget_is_refused() {
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.http.receiving_bytes = 64 << 10;
+    let c = cluster(cfg).await;
+    let mut s = TcpStream::connect(c.http_addr).await.unwrap();
+    let len = 200 << 10;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {len}\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    // The server may answer, and stop reading, before all of it is sent.
+    let _ = s.write_all(&vec![b' '; len]).await;
+    let mut answer = Vec::new();
+    let within = std::time::Duration::from_secs(20);
+    let _ = tokio::time::timeout(within, s.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+    assert!(answer.to_ascii_lowercase().contains("retry-after: 1"), "{answer}");
+    c.tasks.shutdown().await;
+}
