@@ -1,12 +1,20 @@
 //! [`Engine`]: this process's NIXL agent with its UCX backend, and the few calls the backend
 //! makes on it. NIXL's calls return at once; a transfer is waited for by polling its status
 //! on a blocking thread, sleeping between polls.
+//!
+//! A transfer that fails once posted (its deadline passed, its peer gone) may still read or
+//! write its buffer until NIXL says it ended, so the buffer is kept, with the request, until
+//! then: each later transfer first frees those that ended. Before, such a buffer was leaked
+//! for good (a whole read's KV at each failed read, hundreds of MiB for a long prompt on a
+//! large model) and the process's memory only grew. While [`MAX_KEPT_BYTES`] are kept, new
+//! transfers are refused.
 
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, OptArgs, RegDescList, ThreadSync, XferDescList, XferOp,
-    XferStatus,
+    XferRequest, XferStatus,
 };
 
 use super::memory::{Pinned, Registered};
@@ -21,6 +29,14 @@ pub(crate) struct Segment {
     pub(crate) len: usize,
 }
 
+/// Bytes of failed transfers' buffers kept until NIXL says they ended; while as many are
+/// kept, new transfers are refused.
+pub(crate) const MAX_KEPT_BYTES: usize = 1 << 30;
+
+/// Time a transfer must have left to be posted at all: one posted with less fails while in
+/// progress, and its buffer must then be kept.
+const MIN_TIME_TO_POST: Duration = Duration::from_millis(1);
+
 /// This process's agent (see the module docs).
 pub(crate) struct Engine {
     agent: Agent,
@@ -28,6 +44,23 @@ pub(crate) struct Engine {
     name: String,
     /// The agent's metadata before anything was registered: its address, no memory.
     introduction: Vec<u8>,
+    kept: Mutex<Kept>,
+}
+
+/// Transfers that failed once posted, each with its buffer (the request is released
+/// first: its fields drop in order), and their buffers' bytes.
+#[derive(Default)]
+struct Kept {
+    failed: Vec<(XferRequest, Registered)>,
+    bytes: usize,
+}
+
+/// How a transfer failed.
+enum Failure {
+    /// Before NIXL took it: its buffer is the caller's again.
+    Unposted(TransferError),
+    /// Once posted: its buffer must be kept until NIXL says it ended.
+    Posted(TransferError),
 }
 
 impl std::fmt::Debug for Engine {
@@ -63,7 +96,8 @@ impl Engine {
             agent.get_plugin_params("UCX").map_err(|e| failed("UCX plugin", e))?;
         let ucx = agent.create_backend("UCX", &params).map_err(|e| failed("UCX backend", e))?;
         let introduction = agent.get_local_md().map_err(|e| failed("metadata", e))?;
-        Ok(Engine { agent, ucx, name: name.to_owned(), introduction })
+        let kept = Mutex::default();
+        Ok(Engine { agent, ucx, name: name.to_owned(), introduction, kept })
     }
 
     /// The agent's name, as peers' notifications and metadata name it.
@@ -140,7 +174,7 @@ impl Engine {
     /// there (NIXL flushes the endpoint before it reports success), or `deadline`; returns the
     /// source. Blocks the calling thread: run it on a blocking thread. A write that fails or
     /// passes its deadline once posted may still read its source, so the source is then
-    /// leaked, never freed.
+    /// kept until NIXL says the write ended (see the module docs).
     pub(crate) fn write(
         &self,
         src: Registered,
@@ -177,20 +211,47 @@ impl Engine {
             local.add_desc(src.addr() + s.src, s.len, 0);
             far.add_desc(s.dst as usize, s.len, 0);
         }
+        let kept = self.kept_bytes();
+        if kept >= MAX_KEPT_BYTES {
+            return Err(TransferError::Failed(format!(
+                "nixl: {kept} bytes of failed transfers are still in NIXL's hands"
+            )));
+        }
+        if deadline.saturating_duration_since(Instant::now()) < MIN_TIME_TO_POST {
+            return Err(TransferError::Timeout(format!("nixl {what}: no time left to post it")));
+        }
         let req = self
             .agent
             .create_xfer_req(op, &local, &far, remote, opts)
             .map_err(|e| failed(&format!("{what} request"), e))?;
         match self.run(&req, what, deadline) {
             Ok(()) => Ok(src),
-            Err(e) => {
-                // Posted and not known complete: some of its operations may still read or
-                // write the buffer, so it is never freed (nor deregistered).
-                tracing::warn!(len = src.len(), %remote, error = %e, "nixl {what} failed: buffer kept");
-                std::mem::forget(src);
+            Err(Failure::Unposted(e)) => Err(e),
+            Err(Failure::Posted(e)) => {
+                tracing::warn!(len = src.len(), %remote, error = %e, "nixl {what} failed: buffer kept until NIXL ends it");
+                let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+                kept.bytes += src.len();
+                kept.failed.push((req, src));
                 Err(e)
             }
         }
+    }
+
+    /// Frees the kept buffers of failed transfers NIXL has ended; the bytes still kept.
+    pub(crate) fn kept_bytes(&self) -> usize {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        if kept.failed.is_empty() {
+            return 0;
+        }
+        let agent = &self.agent;
+        let mut freed = 0;
+        kept.failed.retain(|(req, buf)| {
+            let ended = !matches!(agent.get_xfer_status(req), Ok(XferStatus::InProgress));
+            freed += if ended { buf.len() } else { 0 };
+            !ended
+        });
+        kept.bytes -= freed;
+        kept.bytes
     }
 
     /// Posts `req` and polls it until it succeeds, fails or passes `deadline`.
@@ -199,14 +260,18 @@ impl Engine {
         req: &nixl_sys::XferRequest,
         what: &str,
         deadline: Instant,
-    ) -> Result<(), TransferError> {
-        let mut in_progress = self.agent.post_xfer_req(req, None).map_err(|e| failed("post", e))?;
+    ) -> Result<(), Failure> {
+        let mut in_progress = self
+            .agent
+            .post_xfer_req(req, None)
+            .map_err(|e| Failure::Unposted(failed("post", e)))?;
         let mut pause = Duration::from_micros(20);
         while in_progress {
-            match self.agent.get_xfer_status(req).map_err(|e| failed(what, e))? {
+            match self.agent.get_xfer_status(req).map_err(|e| Failure::Posted(failed(what, e)))? {
                 XferStatus::Success => in_progress = false,
                 XferStatus::InProgress if Instant::now() >= deadline => {
-                    return Err(TransferError::Timeout(format!("nixl {what} in progress")));
+                    let e = TransferError::Timeout(format!("nixl {what} in progress"));
+                    return Err(Failure::Posted(e));
                 }
                 XferStatus::InProgress => {
                     std::thread::sleep(pause);

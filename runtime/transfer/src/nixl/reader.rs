@@ -54,8 +54,8 @@ impl NixlReader {
     /// other, into a fresh buffer, and has NIXL send `peer` the notification `notify` once
     /// they are here (vLLM's prefill frees its blocks on it). The buffer is registered only
     /// for the read, and its key never leaves this agent. Fails after `timeout`; a read that
-    /// fails after it was posted leaks its buffer rather than free memory UCX may still
-    /// write.
+    /// fails after it was posted keeps its buffer until NIXL says it ended, rather than free
+    /// memory UCX may still write (at most 1 GiB kept; past it, reads are refused).
     pub async fn read_from(
         &self,
         peer: &str,

@@ -421,3 +421,31 @@ async fn shake(p: &Pair, r: Room) -> Result<(), TransferError> {
     let req = connect_request(p, r, id.unwrap(), 64, None);
     p.rx.connect(&p.tx.addr(), req).await
 }
+
+/// A write with no time left is not posted; one whose deadline passes while it is in
+/// progress keeps its source (UCX may still read it) until NIXL says it ended, then frees it.
+#[test]
+fn a_failed_write_keeps_its_source_until_nixl_ends_it() {
+    let engine = Engine::start("kept-dst", Duration::from_millis(10)).unwrap();
+    let len = 256 << 20;
+    let arena = engine.arena(len).unwrap();
+    let peer = Engine::start("kept-src", Duration::from_millis(10)).unwrap();
+    let name = peer.load(engine.introduction()).unwrap();
+    peer.load(&engine.metadata_of(arena.registered()).unwrap()).unwrap();
+    let seg = [Segment { src: 0, dst: arena.registered().addr() as u64, len }];
+    let src = peer.register(memory::Pinned::from_vec(vec![7u8; len])).unwrap();
+    let e = peer.write(src, &seg, &name, std::time::Instant::now()).unwrap_err();
+    assert!(matches!(e, TransferError::Timeout(_)), "{e}");
+    assert_eq!(peer.kept_bytes(), 0, "not posted, nothing kept");
+    // 256 MiB in 2 ms: still in progress at its deadline.
+    let src = peer.register(memory::Pinned::from_vec(vec![7u8; len])).unwrap();
+    let by = std::time::Instant::now() + Duration::from_millis(2);
+    let e = peer.write(src, &seg, &name, by).unwrap_err();
+    assert!(matches!(e, TransferError::Timeout(_)), "{e}");
+    assert_eq!(peer.kept_bytes(), len, "kept while NIXL has it");
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    while peer.kept_bytes() > 0 {
+        assert!(std::time::Instant::now() < until, "never freed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
