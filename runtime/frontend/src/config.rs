@@ -35,6 +35,11 @@ pub struct FrontendConfig {
     /// `RESOURCE_EXHAUSTED`; see [`crate::decoding`]). `None`: the engine's decode batch, or
     /// no bound if it names none.
     pub max_decoding: Option<usize>,
+    /// How long a stream's decode, as far ahead of its client as it may run, waits for the
+    /// client to take a message: then the decode stops (its slot and KV given back), what it
+    /// decoded waits for the client until the deadline, and the stream ends in
+    /// `RESOURCE_EXHAUSTED` (a client with a shut window held a slot until its deadline).
+    pub client_stall: Duration,
     /// The public listeners' connections: open at once (on the HTTP API and on gRPC
     /// Generate, each), and how long an HTTP request's head may take.
     pub http: handoff_core::http::HttpLimits,
@@ -73,6 +78,7 @@ impl Default for FrontendConfig {
             default_max_tokens: 16,
             max_concurrent: 4096,
             max_decoding: None,
+            client_stall: Duration::from_secs(10),
             http: handoff_core::http::HttpLimits::default(),
             transfer: TransferKind::loopback(),
             inbox: InboxConfig::default(),

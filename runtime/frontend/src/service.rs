@@ -26,8 +26,8 @@ use crate::text::TextAssembler;
 use crate::{Frontend, FrontendError};
 
 /// Messages a stream's decode runs ahead of its client by, at most: past them it waits for
-/// the client (a stalled client of a request this long holds its slot until its deadline,
-/// as every one did before; what waits for each client stays bounded).
+/// the client, for `client_stall` at most (see [`crate::config::FrontendConfig`]); what
+/// waits for each client stays bounded.
 const MAX_WAITING: usize = 1024;
 
 /// How long an open-ended chat ended by its deadline has to hand on what its client has not
@@ -91,31 +91,38 @@ fn undelivered(m: &Metrics, last: Last, sent: Sent, generated: u32) {
     }
 }
 
-/// Sends `msg` unless the client stops reading until the deadline or the frontend stops:
-/// a client that neither reads nor leaves must not hold the request's permit and task past
-/// its deadline, nor the frontend's shutdown. A send that can go goes at once,
-/// with no timer made (the common case, once per token); only a full channel waits.
-async fn deliver(
+/// Hands `outbox`'s oldest message to the client's stream once it has room, unless the
+/// client reads nothing until `by`, leaves, or the frontend stops: a client that neither
+/// reads nor leaves must not hold the request's permit and task past its deadline, nor the
+/// frontend's shutdown. The message stays in `outbox` unless it went. Room at once takes no
+/// timer.
+async fn deliver_next(
     fe: &Frontend,
     tx: &Tx,
-    msg: Result<GenerateResponse, Status>,
-    deadline: Instant,
+    outbox: &mut Outbox<Result<GenerateResponse, Status>>,
+    by: Instant,
 ) -> Sent {
-    let msg = match tx.try_send(msg) {
-        Ok(()) => return Sent::Delivered,
-        Err(mpsc::error::TrySendError::Closed(_)) => return Sent::Gone,
-        Err(mpsc::error::TrySendError::Full(msg)) => msg,
+    let room = match tx.try_reserve() {
+        Ok(room) => room,
+        Err(mpsc::error::TrySendError::Closed(())) => return Sent::Gone,
+        Err(mpsc::error::TrySendError::Full(())) => tokio::select! {
+            biased;
+            room = tx.reserve() => match room {
+                Ok(room) => room,
+                Err(_) => return Sent::Gone,
+            },
+            _ = tokio::time::sleep_until(by) => return Sent::Expired,
+            _ = fe.tasks.shutdown_requested() => return Sent::Stopping,
+        },
     };
-    tokio::select! {
-        biased;
-        r = tx.send(msg) => if r.is_ok() { Sent::Delivered } else { Sent::Gone },
-        _ = tokio::time::sleep_until(deadline) => Sent::Expired,
-        _ = fe.tasks.shutdown_requested() => Sent::Stopping,
+    if let Some(msg) = outbox.next() {
+        room.send(msg);
     }
+    Sent::Delivered
 }
 
-/// Delivers `outbox`'s oldest messages, each as [`deliver`] does, until at most `keep` wait;
-/// how the last one went.
+/// Delivers `outbox`'s oldest messages, each as [`deliver_next`] does, until at most `keep`
+/// wait; how the last one went.
 async fn deliver_waiting(
     fe: &Frontend,
     tx: &Tx,
@@ -124,8 +131,7 @@ async fn deliver_waiting(
     keep: usize,
 ) -> Sent {
     while outbox.len() > keep {
-        let Some(msg) = outbox.next() else { break };
-        let sent = deliver(fe, tx, msg, by).await;
+        let sent = deliver_next(fe, tx, outbox, by).await;
         if sent != Sent::Delivered {
             return sent;
         }
@@ -179,10 +185,26 @@ pub(crate) async fn stream(
         if outbox.push(&tx, chunk(token, released.text)).is_err() {
             return undelivered(m, last, Sent::Gone, generated);
         }
-        // So far behind, the decode waits for the client (what waits stays bounded).
-        let sent = deliver_waiting(&fe, &tx, &mut outbox, plan.deadline, MAX_WAITING - 1).await;
-        if sent != Sent::Delivered {
-            return undelivered(m, last, sent, generated);
+        // So far behind, the decode waits for the client (what waits stays bounded), and
+        // gives its slot and KV up if the client takes nothing for a while.
+        let stall_by = (Instant::now() + fe.cfg.client_stall).min(plan.deadline);
+        match deliver_waiting(&fe, &tx, &mut outbox, stall_by, MAX_WAITING - 1).await {
+            Sent::Delivered => {}
+            Sent::Expired if Instant::now() < plan.deadline => {
+                drop(ticket.take());
+                drop(ready.decoder);
+                let sent = deliver_waiting(&fe, &tx, &mut outbox, plan.deadline, 0).await;
+                if sent != Sent::Delivered {
+                    return undelivered(m, last, sent, generated);
+                }
+                let why = format!(
+                    "the client took nothing for {:?} with {MAX_WAITING} tokens waiting: the \
+                     decode stopped after {generated} tokens",
+                    fe.cfg.client_stall
+                );
+                return fail(m, last, Ending::Cancelled, Status::resource_exhausted(why));
+            }
+            sent => return undelivered(m, last, sent, generated),
         }
         // Token times are the decode's, whether or not the client took them yet.
         let now = Instant::now();

@@ -10,7 +10,7 @@ use handoff_engine::{MockConfig, MockEngine};
 use handoff_proto::v1::generate_client::GenerateClient;
 use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::generate_response::Event;
-use handoff_proto::v1::{GenerateRequest, SamplingParams, TokenIds};
+use handoff_proto::v1::{GenerateRequest, GenerateResponse, SamplingParams, TokenIds};
 
 use super::support::*;
 
@@ -110,6 +110,55 @@ async fn a_client_that_stops_reading_gives_its_decode_slot_up_at_the_decodes_end
     };
     assert_eq!(tokens, 1000, "every token, in the end");
     assert_eq!(done.usage.unwrap().completion_tokens, 1000);
+    c.shutdown().await;
+}
+
+/// A client that takes nothing while its decode is as far ahead as it may run holds its slot
+/// for `client_stall`, not until its deadline: the decode stops there, the next request
+/// decodes, and the stream, read at last, has what was decoded, then says why it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_takes_nothing_loses_its_decode_not_just_its_lead() {
+    let engine = MockEngine::new(MockConfig {
+        max_context: 60_000,
+        decode_per_token: Duration::from_millis(1),
+        ..MockConfig::default()
+    });
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.max_decoding = Some(1);
+    cfg.frontend.request_timeout = Duration::from_secs(120);
+    cfg.frontend.client_stall = Duration::from_millis(500);
+    let c = Cluster::start_shared(cfg, Arc::new(engine)).await.unwrap();
+    let slots = c.frontend.decode_slots().expect("bounded");
+    let mut slow = small_windowed_client(&c).await;
+    // 50,000 tokens: a decode of a minute, the deadline two.
+    let mut unread = slow.generate(request(50_000, 120_000)).await.unwrap().into_inner();
+    let since = Instant::now();
+    while slots.decoding() == 0 {
+        assert!(since.elapsed() < Duration::from_secs(10), "the decode started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    while (slots.admitted(), slots.decoding()) != (0, 0) {
+        let held = since.elapsed();
+        assert!(held < Duration::from_secs(30), "the slot held for the stalled stream: {held:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut cl = client(&c).await;
+    let (next, _) = generate(&mut cl, &prompt(7, 32), 20).await.expect("the next one decodes");
+    assert_eq!(next.len(), 20);
+    let mut tokens = 0;
+    let end = loop {
+        match unread.message().await {
+            Ok(Some(GenerateResponse { event: Some(Event::Chunk(ch)) })) => {
+                tokens += ch.token_ids.len()
+            }
+            Ok(Some(other)) => panic!("{other:?}"),
+            Ok(None) => panic!("the stream ended without a word"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(end.code(), tonic::Code::ResourceExhausted, "{end:?}");
+    assert!(end.message().contains(&format!("after {tokens} tokens")), "{tokens}: {end:?}");
+    assert!((1024..50_000).contains(&tokens), "{tokens} tokens");
     c.shutdown().await;
 }
 
