@@ -171,6 +171,9 @@ struct Inner {
     /// replica's own, echoed, included: a fleet of engines sends no heartbeat).
     last_bus: Option<Instant>,
     bus_quiet: bool,
+    /// When the last sweep ran: a gap of half the liveness timeout is this process stopped
+    /// (see `sweep_at`).
+    last_sweep: Option<Instant>,
     /// Reused by every selection: overlap per slot, the candidate list, and the ties.
     run: handoff_kv_index::Run,
     candidates: Vec<Candidate>,
@@ -295,6 +298,7 @@ impl SchedulerState {
             resyncing: Default::default(),
             last_beat: None,
             last_bus: None,
+            last_sweep: None,
             bus_quiet: false,
             run: handoff_kv_index::Run::new(),
             candidates: Vec::new(),

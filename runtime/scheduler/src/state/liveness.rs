@@ -75,6 +75,18 @@ impl SchedulerState {
     pub fn sweep_at(&self, now: Instant) -> Vec<InstanceId> {
         let mut inner = self.lock();
         let timeout = self.cfg.liveness_timeout;
+        // Sweeps run twelve times a timeout: a gap of half of one is this process stopped (a
+        // paused VM, SIGSTOP, a frozen cgroup), when nothing could be heard, not everyone
+        // silent. Each instance and replica gets a full timeout from now, engines too (the
+        // bus's rule spares only those heard on the bus): before, every engine was silenced
+        // at once on resume, its bookings and index entries forgotten.
+        let last_sweep = inner.last_sweep.replace(now);
+        if let Some(gap) = last_sweep.map(|t| now.saturating_duration_since(t)) {
+            if gap > timeout / 2 {
+                warn!(?gap, "this scheduler did not run for {gap:?}; liveness counts from now");
+                inner.heard_all(now);
+            }
+        }
         inner.expire_bookings(now);
         inner.pending.expire(now);
         // Silence from everyone at once is the bus, not the fleet: keep routing on the last
@@ -132,6 +144,14 @@ impl SchedulerState {
 }
 
 impl Inner {
+    /// Counts everyone as heard at `now`: instances (engines too) and replicas.
+    fn heard_all(&mut self, now: Instant) {
+        for m in self.members.values_mut() {
+            m.seen = m.seen.max(now);
+        }
+        self.heard_replicas(now);
+    }
+
     /// Of the work `ahead` an instance says is queued on each dp rank, what no booking here
     /// or of another replica holds (a replica that died or restarted left its requests
     /// there): one figure per rank it has, none when it said none.

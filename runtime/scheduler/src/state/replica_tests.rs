@@ -41,6 +41,16 @@ fn beat(s: &SchedulerState, ids: &[&str], now: Instant) {
 }
 
 /// A replica knowing `ids` (one dp rank each), each heard at 0 ms.
+/// Sweeps as the scheduler does (every 250 ms: a twelfth of the default 3 s timeout) after
+/// `from_ms`, up to `to_ms`: a longer gap would be this process stopped.
+fn sweeps(s: &SchedulerState, from_ms: u64, to_ms: u64) {
+    let mut ms = from_ms;
+    while ms < to_ms {
+        ms = (ms + 250).min(to_ms);
+        s.sweep_at(at(ms));
+    }
+}
+
 fn beating(ids: &[&str]) -> SchedulerState {
     let s = SchedulerState::new(SchedulerConfig::default());
     s.apply_update(Update::Reset(ids.iter().map(|id| inst(id, 1)).collect()));
@@ -135,18 +145,23 @@ fn a_quiet_bus_keeps_the_other_replicas_load() {
     let admitted = || admits(&c);
     assert!(!admitted(), "the other replica's queue is full");
     // The bus stops: nothing from anyone.
+    let mut t = 0;
     for ms in [4000, 10_000, 30_000] {
-        c.sweep_at(at(ms));
+        sweeps(&c, t, ms);
+        t = ms;
         assert!(!admitted(), "its load kept at {ms} ms");
     }
     // Beats resume; its reports would too, but it died meanwhile.
+    sweeps(&c, 30_000, 31_000);
     beat(&c, &["x", "y"], at(31_000));
-    c.sweep_at(at(32_000));
+    sweeps(&c, 31_000, 32_000);
     assert!(!admitted(), "it has a full timeout from the bus's return");
-    for sec in 32..=34 {
-        beat(&c, &["x", "y"], at(sec * 1000));
+    for sec in 33..=34 {
+        beat(&c, &["x", "y"], at((sec - 1) * 1000));
+        sweeps(&c, (sec - 1) * 1000, sec * 1000);
     }
-    c.sweep_at(at(34_100));
+    beat(&c, &["x", "y"], at(34_000));
+    sweeps(&c, 34_000, 34_100);
     assert!(admitted(), "its load forgotten");
 }
 
@@ -162,13 +177,15 @@ fn a_silent_replica_is_forgotten_when_other_replicas_are_heard() {
     let admitted = || admits(&c);
     assert!(!admitted(), "the other replica's queue is full");
     for ms in [1000, 2000, 3000, 4000] {
+        sweeps(&c, ms - 1000, ms);
         c.apply_load_report_at(report("rc", vec![]), "rc", at(ms));
     }
-    c.sweep_at(at(4100));
+    sweeps(&c, 4000, 4100);
     assert!(!admitted(), "its own reports alone do not say the bus is up");
     for ms in [5000, 6000, 7000, 8000] {
+        sweeps(&c, ms - 1000, ms);
         c.apply_load_report_at(report("rb", vec![]), "rc", at(ms));
     }
-    c.sweep_at(at(8100));
+    sweeps(&c, 8000, 8100);
     assert!(admitted(), "the silent replica's load forgotten");
 }

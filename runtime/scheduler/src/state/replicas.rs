@@ -117,11 +117,16 @@ impl Inner {
     /// each is given a full timeout from now.
     pub(super) fn bus_heard(&mut self, now: Instant, timeout: std::time::Duration) {
         if self.last_bus.is_none_or(|t| now.saturating_duration_since(t) > timeout / 2) {
-            for r in self.remote.values_mut() {
-                r.seen = r.seen.max(now);
-            }
+            self.heard_replicas(now);
         }
         self.last_bus = Some(self.last_bus.map_or(now, |t| t.max(now)));
+    }
+
+    /// Counts every other replica as heard at `now`.
+    pub(super) fn heard_replicas(&mut self, now: Instant) {
+        for r in self.remote.values_mut() {
+            r.seen = r.seen.max(now);
+        }
     }
 
     /// Forgets replicas not heard from since `before`.

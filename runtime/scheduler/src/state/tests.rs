@@ -205,18 +205,31 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
         pages: 1,
     });
     s.heartbeat_at(&hb("b"), at(5900));
-    for ms in [8100, 8500, 9000, 12_000, 30_000] {
-        assert!(s.sweep_at(at(ms)).is_empty(), "nobody swept while everyone is quiet ({ms} ms)");
+    // Sweeps every 250 ms, as the scheduler's (a longer gap is this process stopped).
+    let sweeps = |from: u64, to: u64| {
+        let (mut ms, mut swept) = (from, Vec::new());
+        while ms < to {
+            ms = (ms + 250).min(to);
+            swept.extend(s.sweep_at(at(ms)));
+        }
+        swept
+    };
+    for (from, to) in [(4100, 8100), (8100, 12_000), (12_000, 30_000)] {
+        assert!(sweeps(from, to).is_empty(), "nobody swept while everyone is quiet ({to} ms)");
     }
     assert_eq!(s.instances().iter().filter(|i| i.routable).count(), 2, "both still routed");
     // Beats resume, b's first: a (whose connection to the bus may come back seconds later)
     // has a full timeout from then; it died meanwhile, so it is swept after that.
+    assert!(sweeps(30_000, 31_000).is_empty());
     s.heartbeat_at(&hb("b"), at(31_000));
+    assert!(sweeps(31_000, 32_000).is_empty());
     s.heartbeat_at(&hb("b"), at(32_000));
-    assert!(s.sweep_at(at(32_100)).is_empty(), "a swept before its beats could resume");
+    assert!(sweeps(32_000, 32_100).is_empty(), "a swept before its beats could resume");
+    assert!(sweeps(32_100, 33_000).is_empty());
     s.heartbeat_at(&hb("b"), at(33_000));
+    assert!(sweeps(33_000, 34_000).is_empty());
     s.heartbeat_at(&hb("b"), at(34_000));
-    assert_eq!(s.sweep_at(at(34_100)), vec!["a".parse::<InstanceId>().unwrap()]);
+    assert_eq!(sweeps(34_000, 34_100), vec!["a".parse::<InstanceId>().unwrap()]);
     assert!(s.heartbeat_at(&hb("a"), at(34_200)), "a back: routed again after a resync");
 }
 
@@ -425,4 +438,30 @@ fn a_slow_link_heard_in_heartbeats_moves_requests_away() {
     s.heartbeat(&beat("a", 700)); // the link recovered
     s.heartbeat(&beat("b", 500));
     assert_eq!(picks(1000).len(), 2, "both chosen again");
+}
+
+/// A scheduler that did not run for longer than the liveness timeout (a paused VM) counts
+/// liveness from when it runs again: its engines are not silenced at once on resume, only
+/// if they stay silent a whole timeout after it.
+#[test]
+fn a_scheduler_stopped_past_the_timeout_silences_no_engine_on_resume() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    let t0 = Instant::now();
+    let timeout = s.config().liveness_timeout;
+    let id: InstanceId = "vllm-a".parse().unwrap();
+    s.add_engine_at(inst("vllm-a", 1), t0);
+    let every = timeout / 12;
+    for i in 0..6 {
+        assert!(s.sweep_at(t0 + every * i).is_empty());
+    }
+    let resumed = t0 + every * 5 + timeout * 4;
+    assert!(s.sweep_at(resumed).is_empty(), "silenced on resume");
+    assert!(s.instances().iter().any(|i| i.instance.id == id && i.routable));
+    let mut at = resumed;
+    while at < resumed + timeout {
+        at += every;
+        assert!(s.sweep_at(at).is_empty(), "silenced before a whole timeout from the resume");
+    }
+    at += every;
+    assert_eq!(s.sweep_at(at), vec![id], "silent a whole timeout after it");
 }
