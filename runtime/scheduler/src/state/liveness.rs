@@ -81,11 +81,10 @@ impl SchedulerState {
         // bus's rule spares only those heard on the bus): before, every engine was silenced
         // at once on resume, its bookings and index entries forgotten.
         let last_sweep = inner.last_sweep.replace(now);
-        if let Some(gap) = last_sweep.map(|t| now.saturating_duration_since(t)) {
-            if gap > timeout / 2 {
-                warn!(?gap, "this scheduler did not run for {gap:?}; liveness counts from now");
-                inner.heard_all(now);
-            }
+        let gap = last_sweep.map(|t| now.saturating_duration_since(t));
+        if let Some(gap) = gap.filter(|&gap| gap > timeout / 2) {
+            warn!("this scheduler did not run for {gap:?}; liveness counts from now");
+            inner.heard_all(now);
         }
         inner.expire_bookings(now);
         inner.pending.expire(now);
