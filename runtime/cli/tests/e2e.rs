@@ -5,6 +5,7 @@ mod e2e {
     pub(crate) mod handshakes;
     pub(crate) mod hostile;
     pub(crate) mod load;
+    pub(crate) mod memory;
     pub(crate) mod model;
     pub(crate) mod overload;
     pub(crate) mod path;

@@ -129,6 +129,12 @@ impl FrontendError {
             _ => None,
         }
     }
+
+    /// Whether this is the decode's own memory found full, before the prefill was asked
+    /// (receive regions, a read's KV budget): no other instance would find it otherwise.
+    pub(crate) fn decode_memory_full(&self) -> bool {
+        matches!(self, FrontendError::Attempt { stage: "register", cause: Cause::Overloaded, .. })
+    }
 }
 
 pub use handoff_proto::metadata::RETRY_AFTER_MS;

@@ -407,6 +407,13 @@ impl Frontend {
                         stages: Some(stages.timings),
                         error: e.to_string(),
                     });
+                    if e.decode_memory_full() {
+                        let retry_after = std::time::Duration::from_secs(1);
+                        return Err(FrontendError::Overloaded {
+                            retry_after,
+                            reason: e.to_string(),
+                        });
+                    }
                     match e.cause() {
                         Some(Cause::Invalid) => return Err(FrontendError::Invalid(e.to_string())),
                         Some(Cause::Deadline) if Instant::now() >= plan.deadline => {

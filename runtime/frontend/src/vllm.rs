@@ -210,7 +210,7 @@ impl VllmPrefills {
         let _budget = self.budget.clone().try_acquire_many_owned(kib).map_err(|_| {
             FrontendError::because(
                 "register",
-                Cause::Decode,
+                Cause::Overloaded,
                 "the decode's KV budget for vLLM reads is in use (inbox max_total_bytes)",
             )
         })?;
