@@ -277,6 +277,14 @@ impl Frontend {
         Ok(c)
     }
 
+    /// Forgets what the prefill service at `addr` said it takes, if it was called.
+    pub(crate) fn forget_prefill_features(&self, addr: &str) {
+        let map = self.prefills.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(peer) = map.get(addr) {
+            peer.forget();
+        }
+    }
+
     /// [`Frontend::prefill`]'s attempts; failed ones are pushed on `failed`.
     pub(crate) async fn attempts(
         &self,

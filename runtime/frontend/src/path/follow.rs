@@ -91,6 +91,9 @@ impl Frontend {
                 // A registration is a process started: what the last one failed to reach
                 // says nothing of it.
                 self.reach.reached(i.id.as_str());
+                // Nor what the last one said it takes (a rollback to a build that drops
+                // the handshakes sent in the call failed each attempt after 10 s).
+                self.forget_prefill_features(&i.grpc_addr);
                 known.remove(i.id.as_str());
                 if drivable(&i, drive_vllm) {
                     known.insert(i.id.to_string());

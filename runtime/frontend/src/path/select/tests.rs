@@ -68,3 +68,26 @@ async fn an_instance_registering_again_is_no_longer_avoided() {
     }
     tasks.shutdown().await;
 }
+
+/// A registration is a process started: what the last one at its address said it takes
+/// (the decode's handshakes in the call) is forgotten, so a rollback to a build that does
+/// not is asked the old way.
+#[tokio::test]
+async fn an_instance_registering_again_is_asked_again_what_it_takes() {
+    let tasks = Tasks::new();
+    let engine = Arc::new(MockEngine::new(MockConfig::default()));
+    let fe = super::Frontend::new(FrontendConfig::default(), engine, &[], &tasks).await.unwrap();
+    let registry = Arc::new(handoff_discovery::MemoryRegistry::new());
+    fe.follow(registry.clone()).await.unwrap();
+    let p0 = Instance::fixture("p0".parse().unwrap(), Role::Prefill);
+    let peer = fe.prefill_client(&p0.grpc_addr).unwrap();
+    peer.learn("p0", true);
+    assert!(peer.takes_handshakes("p0"));
+    handoff_discovery::Registry::register(&*registry, p0).await.unwrap();
+    let since = std::time::Instant::now();
+    while peer.takes_handshakes("p0") {
+        assert!(since.elapsed() < std::time::Duration::from_secs(5), "still remembered");
+        tokio::task::yield_now().await;
+    }
+    tasks.shutdown().await;
+}
