@@ -54,7 +54,10 @@ pub fn policy_from_wire(p: i32) -> Result<Option<PolicyKind>, Status> {
     }
 }
 
-/// Maps the wire's outcome to ours.
+/// Maps the wire's outcome to ours. One this build does not know (a newer frontend's, in a
+/// rolling upgrade) ends its booking as cancelled, blaming no one: refused, it failed the
+/// whole batch of reports it came in, and every booking in it held its load until it
+/// expired.
 pub fn outcome_from_wire(o: i32) -> Result<Outcome, Status> {
     match WireOutcome::try_from(o) {
         Ok(WireOutcome::Success) => Ok(Outcome::Success),
@@ -64,9 +67,8 @@ pub fn outcome_from_wire(o: i32) -> Result<Outcome, Status> {
         Ok(WireOutcome::Cancelled) => Ok(Outcome::Cancelled),
         Ok(WireOutcome::Invalid) => Ok(Outcome::Invalid),
         Ok(WireOutcome::DecodeFault) => Ok(Outcome::DecodeFault),
-        Ok(WireOutcome::Unspecified) | Err(_) => {
-            Err(Status::invalid_argument(format!("unknown outcome {o}")))
-        }
+        Ok(WireOutcome::Unspecified) => Err(Status::invalid_argument("outcome is required")),
+        Err(_) => Ok(Outcome::Cancelled),
     }
 }
 

@@ -121,3 +121,16 @@ async fn a_selection_says_the_instances_dp_ranks() {
     let sel = svc.select_prefill(Request::new(ask(vec![]))).await.unwrap().into_inner();
     assert_eq!((sel.dp_size, sel.dp_rank < 4), (4, true));
 }
+
+/// An outcome this build does not know (a newer frontend's, during a rolling upgrade) ends
+/// its booking as cancelled, and the rest of its batch is applied: refused, the whole batch
+/// held its bookings' load until they expired.
+#[tokio::test]
+async fn an_outcome_from_a_newer_build_ends_its_booking_blaming_no_one() {
+    let (svc, b) = booked(2);
+    let newer = ReportOutcomeRequest { booking_id: b[0], outcome: 99, error: String::new() };
+    let got = batch(&svc, vec![newer, report(b[1], WireOutcome::Success)]).await;
+    assert_eq!(got, [true, true]);
+    assert_eq!(svc.state.open_bookings(), 0);
+    assert_eq!(outcome_from_wire(99).unwrap(), Outcome::Cancelled);
+}
