@@ -322,16 +322,16 @@ pub struct RequestArgs {
     #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_connections: u32,
     /// Seconds an HTTP connection may wait for a request's head, an idle kept-alive one too,
-    /// and a gRPC connection may go without a byte from its client (which answers the
-    /// server's pings every 30 s): then it is closed. Keep it above the idle timeout of a
+    /// and a gRPC connection may go without a byte from its client (45 s at least: a client
+    /// answers the server's pings, sent after 30 s without a word): then it is closed. Keep it above the idle timeout of a
     /// load balancer in front (AWS's is 60 s), which would otherwise reuse a connection
     /// being closed.
     #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub http_idle_secs: u64,
     /// MiB the request bodies being received may hold at once on each public listener
     /// (bodies are buffered whole before they are read); a body whose next bytes would pass
-    /// it is refused (429 / `RESOURCE_EXHAUSTED`).
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    /// it is refused (429 / `RESOURCE_EXHAUSTED`). At least 32: room for the largest body.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(32..=1_048_576))]
     pub max_receiving_mib: u32,
     /// Sequences the frontend decodes at once (by default the engine's batch: SmolLM2
     /// advances 32 a pass); more wait for a slot in turn, and a request whose wait
@@ -357,6 +357,8 @@ impl RequestArgs {
         handoff_core::http::HttpLimits {
             max_connections: self.max_connections as usize,
             head_timeout: std::time::Duration::from_secs(self.http_idle_secs),
+            // Never below a ping's round (see the field's docs).
+            grpc_quiet: std::time::Duration::from_secs(self.http_idle_secs.max(45)),
             receiving_bytes: (self.max_receiving_mib as usize) << 20,
             ..Default::default()
         }

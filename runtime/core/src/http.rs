@@ -57,6 +57,10 @@ pub struct HttpLimits {
     /// Time a connection's writes may make no progress (its client not reading) before it
     /// is closed.
     pub write_timeout: Duration,
+    /// Time a gRPC connection on the same port bounds may go without a byte read before it
+    /// is closed (not HTTP's: a gRPC client that only receives answers the server's pings,
+    /// sent after 30 s without a word; keep it at 45 s or more).
+    pub grpc_quiet: Duration,
     /// Once the server stops, how long a connection may take to finish what it serves
     /// (a response to a client that no longer reads, a request whose head or body is still
     /// coming) before it is cut.
@@ -71,6 +75,7 @@ impl Default for HttpLimits {
             receiving_bytes: 256 << 20,
             max_connections: 16_384,
             write_timeout: Duration::from_secs(30),
+            grpc_quiet: Duration::from_secs(90),
             shutdown_grace: Duration::from_secs(10),
         }
     }

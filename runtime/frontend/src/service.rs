@@ -436,7 +436,7 @@ pub async fn serve(
 ) -> Result<(), GrpcError> {
     let (limits, tls) = (frontend.cfg.http, frontend.cfg.public_tls.clone());
     let incoming =
-        handoff_proto::grpc::placed_incoming(listener, limits.max_connections, limits.head_timeout);
+        handoff_proto::grpc::placed_incoming(listener, limits.max_connections, limits.grpc_quiet);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut stopping = stopped.clone();
     let fe = frontend.clone();

@@ -148,13 +148,16 @@ fn the_request_timeout_and_http_connections_are_flags_within_bounds() {
     assert_eq!(frontend(&[]).unwrap().requests.http().head_timeout.as_secs(), 90);
     let a = frontend(&["--http-idle-secs=700"]).unwrap();
     assert_eq!(a.requests.http().head_timeout.as_secs(), 700);
+    assert_eq!(a.requests.http().grpc_quiet.as_secs(), 700);
+    let a = frontend(&["--http-idle-secs=5"]).unwrap();
+    assert_eq!(a.requests.http().grpc_quiet.as_secs(), 45, "never below a ping's round");
     let a = frontend(&["--max-connections=20000"]).unwrap();
     assert_eq!(a.requests.http().max_connections, 20_000);
     assert!(frontend(&["--max-connections=0"]).is_err());
     assert_eq!(frontend(&[]).unwrap().requests.http().receiving_bytes, 256 << 20);
     let a = frontend(&["--max-receiving-mib=1024"]).unwrap();
     assert_eq!(a.requests.http().receiving_bytes, 1 << 30);
-    assert!(frontend(&["--max-receiving-mib=0"]).is_err());
+    assert!(frontend(&["--max-receiving-mib=31"]).is_err(), "room for a 16 MiB gRPC message");
     for bad in ["0", "86401"] {
         let e = frontend(&[&format!("--request-timeout-secs={bad}")]).unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad}");

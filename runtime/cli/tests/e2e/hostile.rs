@@ -196,7 +196,7 @@ async fn a_room_claimed_by_more_receivers_than_its_decode_has_is_refused() {
 #[tokio::test]
 async fn a_silent_connection_to_the_public_grpc_listener_is_closed() {
     let mut cfg = ClusterConfig::ephemeral();
-    cfg.frontend.http.head_timeout = std::time::Duration::from_millis(500);
+    cfg.frontend.http.grpc_quiet = std::time::Duration::from_millis(500);
     let c = cluster(cfg).await;
     let mut silent = TcpStream::connect(c.frontend_addr).await.unwrap();
     let closed = async {

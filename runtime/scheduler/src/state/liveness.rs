@@ -9,6 +9,10 @@ use tracing::{info, warn};
 
 use super::{Inner, SchedulerState, sync};
 
+/// The shortest gap between sweeps taken for this process stopped (sweeps run at least 50 ms
+/// apart: under a short liveness timeout, half of it is a gap any busy moment makes).
+const STOPPED_AT_LEAST: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl SchedulerState {
     /// Applies a heartbeat. Returns whether the instance's index must be resynced from a
     /// snapshot (first heartbeat heard, or heartbeats resumed after silence).
@@ -75,14 +79,14 @@ impl SchedulerState {
     pub fn sweep_at(&self, now: Instant) -> Vec<InstanceId> {
         let mut inner = self.lock();
         let timeout = self.cfg.liveness_timeout;
-        // Sweeps run twelve times a timeout: a gap of half of one is this process stopped (a
-        // paused VM, SIGSTOP, a frozen cgroup), when nothing could be heard, not everyone
-        // silent. Each instance and replica gets a full timeout from now, engines too (the
-        // bus's rule spares only those heard on the bus): before, every engine was silenced
-        // at once on resume, its bookings and index entries forgotten.
+        // Sweeps run twelve times a timeout: a gap of half of one (a second at least) is this
+        // process stopped (a paused VM, SIGSTOP, a frozen cgroup), when nothing could be
+        // heard, not everyone silent. Each instance and replica gets a full timeout from now,
+        // engines too (the bus's rule spares only those heard on the bus): before, every
+        // engine was silenced at once on resume, its bookings and index entries forgotten.
         let last_sweep = inner.last_sweep.replace(now);
         let gap = last_sweep.map(|t| now.saturating_duration_since(t));
-        if let Some(gap) = gap.filter(|&gap| gap > timeout / 2) {
+        if let Some(gap) = gap.filter(|&gap| gap > (timeout / 2).max(STOPPED_AT_LEAST)) {
             warn!("this scheduler did not run for {gap:?}; liveness counts from now");
             inner.heard_all(now);
         }
@@ -143,12 +147,15 @@ impl SchedulerState {
 }
 
 impl Inner {
-    /// Counts everyone as heard at `now`: instances (engines too) and replicas.
+    /// Counts everyone as heard at `now`: instances (engines too), replicas, and the bus.
     fn heard_all(&mut self, now: Instant) {
         for m in self.members.values_mut() {
             m.seen = m.seen.max(now);
         }
         self.heard_replicas(now);
+        for t in [&mut self.last_beat, &mut self.last_bus].into_iter().flatten() {
+            *t = (*t).max(now);
+        }
     }
 
     /// Of the work `ahead` an instance says is queued on each dp rank, what no booking here

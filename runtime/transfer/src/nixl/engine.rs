@@ -2,12 +2,14 @@
 //! makes on it. NIXL's calls return at once; a transfer is waited for by polling its status
 //! on a blocking thread, sleeping between polls.
 //!
-//! A transfer that fails once posted (its deadline passed, its peer gone) may still read or
-//! write its buffer until NIXL says it ended, so the buffer is kept, with the request, until
-//! then: each later transfer first frees those that ended. Before, such a buffer was leaked
-//! for good (a whole read's KV at each failed read, hundreds of MiB for a long prompt on a
-//! large model) and the process's memory only grew. While [`MAX_KEPT_BYTES`] are kept, new
-//! transfers are refused.
+//! A transfer that fails once NIXL took it (its deadline passed, its peer gone) may still
+//! read or write its buffer, so the buffer is kept, with the request, and each later
+//! transfer first frees those NIXL says completed. Before, every such buffer was leaked for
+//! good (a whole read's KV at each failed read, hundreds of MiB for a long prompt on a large
+//! model) and the process's memory only grew. One whose status NIXL no longer knows (an
+//! error: its peer forgotten, say) or still running after [`KEPT_FOR`] is leaked as before,
+//! the only safe end when UCX may still write it. While [`MAX_KEPT_BYTES`] are kept, new
+//! transfers are refused (as the decode's memory full, not the peer's fault).
 
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -33,6 +35,10 @@ pub(crate) struct Segment {
 /// kept, new transfers are refused.
 pub(crate) const MAX_KEPT_BYTES: usize = 1 << 30;
 
+/// How long a failed transfer's buffer is kept, waiting for NIXL to complete it, before it
+/// is leaked (and no longer counted).
+pub(crate) const KEPT_FOR: Duration = Duration::from_secs(600);
+
 /// Time a transfer must have left to be posted at all: one posted with less fails while in
 /// progress, and its buffer must then be kept.
 const MIN_TIME_TO_POST: Duration = Duration::from_millis(1);
@@ -47,20 +53,19 @@ pub(crate) struct Engine {
     kept: Mutex<Kept>,
 }
 
-/// Transfers that failed once posted, each with its buffer (the request is released
-/// first: its fields drop in order), and their buffers' bytes.
+/// Transfers that failed once NIXL took them, and their buffers' bytes.
 #[derive(Default)]
 struct Kept {
-    failed: Vec<(XferRequest, Registered)>,
+    failed: Vec<KeptTransfer>,
     bytes: usize,
 }
 
-/// How a transfer failed.
-enum Failure {
-    /// Before NIXL took it: its buffer is the caller's again.
-    Unposted(TransferError),
-    /// Once posted: its buffer must be kept until NIXL says it ended.
-    Posted(TransferError),
+/// A failed transfer's request and buffer (the request is released first: fields drop in
+/// order), and when it failed.
+struct KeptTransfer {
+    req: XferRequest,
+    buf: Registered,
+    since: Instant,
 }
 
 impl std::fmt::Debug for Engine {
@@ -211,11 +216,8 @@ impl Engine {
             local.add_desc(src.addr() + s.src, s.len, 0);
             far.add_desc(s.dst as usize, s.len, 0);
         }
-        let kept = self.kept_bytes();
-        if kept >= MAX_KEPT_BYTES {
-            return Err(TransferError::Failed(format!(
-                "nixl: {kept} bytes of failed transfers are still in NIXL's hands"
-            )));
+        if self.kept_bytes() >= MAX_KEPT_BYTES {
+            return Err(TransferError::Full("memory of failed nixl transfers"));
         }
         if deadline.saturating_duration_since(Instant::now()) < MIN_TIME_TO_POST {
             return Err(TransferError::Timeout(format!("nixl {what}: no time left to post it")));
@@ -226,31 +228,47 @@ impl Engine {
             .map_err(|e| failed(&format!("{what} request"), e))?;
         match self.run(&req, what, deadline) {
             Ok(()) => Ok(src),
-            Err(Failure::Unposted(e)) => Err(e),
-            Err(Failure::Posted(e)) => {
-                tracing::warn!(len = src.len(), %remote, error = %e, "nixl {what} failed: buffer kept until NIXL ends it");
+            Err(e) => {
+                // A post refused may have gone out in part: kept as well.
+                tracing::warn!(len = src.len(), %remote, error = %e, "nixl {what} failed: buffer kept until NIXL completes it");
                 let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
                 kept.bytes += src.len();
-                kept.failed.push((req, src));
+                kept.failed.push(KeptTransfer { req, buf: src, since: Instant::now() });
                 Err(e)
             }
         }
     }
 
-    /// Frees the kept buffers of failed transfers NIXL has ended; the bytes still kept.
+    /// Frees the kept buffers of failed transfers NIXL has since completed, and leaks those
+    /// it no longer knows or that ran past [`KEPT_FOR`]; the bytes still kept.
     pub(crate) fn kept_bytes(&self) -> usize {
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
         if kept.failed.is_empty() {
             return 0;
         }
-        let agent = &self.agent;
-        let mut freed = 0;
-        kept.failed.retain(|(req, buf)| {
-            let ended = !matches!(agent.get_xfer_status(req), Ok(XferStatus::InProgress));
-            freed += if ended { buf.len() } else { 0 };
-            !ended
-        });
-        kept.bytes -= freed;
+        let (agent, now) = (&self.agent, Instant::now());
+        let mut gone = 0;
+        let failed = std::mem::take(&mut kept.failed);
+        for t in failed {
+            match agent.get_xfer_status(&t.req) {
+                Ok(XferStatus::InProgress) if now.duration_since(t.since) < KEPT_FOR => {
+                    kept.failed.push(t);
+                    continue;
+                }
+                Ok(XferStatus::Success) => gone += t.buf.len(),
+                status => {
+                    let why =
+                        if status.is_err() { "NIXL no longer knows it" } else { "still running" };
+                    tracing::warn!(
+                        len = t.buf.len(),
+                        "a failed nixl transfer's buffer leaked: {why}"
+                    );
+                    gone += t.buf.len();
+                    std::mem::forget(t);
+                }
+            }
+        }
+        kept.bytes -= gone;
         kept.bytes
     }
 
@@ -260,18 +278,14 @@ impl Engine {
         req: &nixl_sys::XferRequest,
         what: &str,
         deadline: Instant,
-    ) -> Result<(), Failure> {
-        let mut in_progress = self
-            .agent
-            .post_xfer_req(req, None)
-            .map_err(|e| Failure::Unposted(failed("post", e)))?;
+    ) -> Result<(), TransferError> {
+        let mut in_progress = self.agent.post_xfer_req(req, None).map_err(|e| failed("post", e))?;
         let mut pause = Duration::from_micros(20);
         while in_progress {
-            match self.agent.get_xfer_status(req).map_err(|e| Failure::Posted(failed(what, e)))? {
+            match self.agent.get_xfer_status(req).map_err(|e| failed(what, e))? {
                 XferStatus::Success => in_progress = false,
                 XferStatus::InProgress if Instant::now() >= deadline => {
-                    let e = TransferError::Timeout(format!("nixl {what} in progress"));
-                    return Err(Failure::Posted(e));
+                    return Err(TransferError::Timeout(format!("nixl {what} in progress")));
                 }
                 XferStatus::InProgress => {
                     std::thread::sleep(pause);

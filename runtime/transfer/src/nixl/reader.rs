@@ -55,7 +55,7 @@ impl NixlReader {
     /// they are here (vLLM's prefill frees its blocks on it). The buffer is registered only
     /// for the read, and its key never leaves this agent. Fails after `timeout`; a read that
     /// fails after it was posted keeps its buffer until NIXL says it ended, rather than free
-    /// memory UCX may still write (at most 1 GiB kept; past it, reads are refused).
+    /// memory UCX may still write (see the engine's module docs).
     pub async fn read_from(
         &self,
         peer: &str,
