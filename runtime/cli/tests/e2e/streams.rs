@@ -36,6 +36,44 @@ async fn small_windowed_client(c: &Cluster) -> GenerateClient<tonic::transport::
     GenerateClient::new(channel)
 }
 
+/// A cluster whose frontend decodes one sequence at once, 1 ms a token, up to `context`
+/// tokens, with requests of up to 120 s; `tune` sets the rest.
+async fn one_slot(context: usize, tune: impl FnOnce(&mut ClusterConfig)) -> Cluster {
+    let engine = MockEngine::new(MockConfig {
+        max_context: context,
+        decode_per_token: Duration::from_millis(1),
+        ..MockConfig::default()
+    });
+    let mut cfg = ClusterConfig::ephemeral();
+    cfg.frontend.max_decoding = Some(1);
+    cfg.frontend.request_timeout = Duration::from_secs(120);
+    tune(&mut cfg);
+    Cluster::start_shared(cfg, Arc::new(engine)).await.unwrap()
+}
+
+/// A stream of `tokens` (deadline 120 s) a small-windowed client does not read, once its
+/// decode has taken the slot and given it up again, within `within`.
+async fn unread_until_the_slot_is_free(
+    c: &Cluster,
+    tokens: u32,
+    within: Duration,
+) -> tonic::Streaming<GenerateResponse> {
+    let slots = c.frontend.decode_slots().expect("bounded");
+    let mut slow = small_windowed_client(c).await;
+    let unread = slow.generate(request(tokens, 120_000)).await.unwrap().into_inner();
+    let since = Instant::now();
+    while slots.decoding() == 0 {
+        assert!(since.elapsed() < Duration::from_secs(10), "the decode started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    while (slots.admitted(), slots.decoding()) != (0, 0) {
+        let held = since.elapsed();
+        assert!(held < within, "the slot held for the unread stream: {held:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    unread
+}
+
 /// The client's HTTP/2 windows are small and it never reads: the frontend's sends block once
 /// the server's buffers fill. The request must end at its deadline all the same (before,
 /// its task waited on the send for as long as the client held the stream).
@@ -68,29 +106,9 @@ async fn a_client_that_stops_reading_holds_its_request_only_until_the_deadline()
 /// its deadline: one per slot kept every other request waiting, then refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_gives_its_decode_slot_up_at_the_decodes_end() {
-    let engine = MockEngine::new(MockConfig {
-        max_context: 20_000,
-        decode_per_token: Duration::from_millis(1),
-        ..MockConfig::default()
-    });
-    let mut cfg = ClusterConfig::ephemeral();
-    cfg.frontend.max_decoding = Some(1);
-    cfg.frontend.request_timeout = Duration::from_secs(120);
-    let c = Cluster::start_shared(cfg, Arc::new(engine)).await.unwrap();
-    let slots = c.frontend.decode_slots().expect("bounded");
-    let mut slow = small_windowed_client(&c).await;
+    let c = one_slot(20_000, |_| {}).await;
     // 1,000 tokens: more than the stream's windows, buffers and channel hold.
-    let mut unread = slow.generate(request(1000, 120_000)).await.unwrap().into_inner();
-    let since = Instant::now();
-    while slots.decoding() == 0 {
-        assert!(since.elapsed() < Duration::from_secs(10), "the decode started");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    while (slots.admitted(), slots.decoding()) != (0, 0) {
-        let held = since.elapsed();
-        assert!(held < Duration::from_secs(60), "the slot held for the unread stream: {held:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let mut unread = unread_until_the_slot_is_free(&c, 1000, Duration::from_secs(60)).await;
     let mut cl = client(&c).await;
     let (next, _) = generate(&mut cl, &prompt(7, 32), 20).await.expect("the next one decodes");
     assert_eq!(next.len(), 20);
@@ -118,30 +136,9 @@ async fn a_client_that_stops_reading_gives_its_decode_slot_up_at_the_decodes_end
 /// decodes, and the stream, read at last, has what was decoded, then says why it ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_takes_nothing_loses_its_decode_not_just_its_lead() {
-    let engine = MockEngine::new(MockConfig {
-        max_context: 60_000,
-        decode_per_token: Duration::from_millis(1),
-        ..MockConfig::default()
-    });
-    let mut cfg = ClusterConfig::ephemeral();
-    cfg.frontend.max_decoding = Some(1);
-    cfg.frontend.request_timeout = Duration::from_secs(120);
-    cfg.frontend.client_stall = Duration::from_millis(500);
-    let c = Cluster::start_shared(cfg, Arc::new(engine)).await.unwrap();
-    let slots = c.frontend.decode_slots().expect("bounded");
-    let mut slow = small_windowed_client(&c).await;
+    let c = one_slot(60_000, |cfg| cfg.frontend.client_stall = Duration::from_millis(500)).await;
     // 50,000 tokens: a decode of a minute, the deadline two.
-    let mut unread = slow.generate(request(50_000, 120_000)).await.unwrap().into_inner();
-    let since = Instant::now();
-    while slots.decoding() == 0 {
-        assert!(since.elapsed() < Duration::from_secs(10), "the decode started");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    while (slots.admitted(), slots.decoding()) != (0, 0) {
-        let held = since.elapsed();
-        assert!(held < Duration::from_secs(30), "the slot held for the stalled stream: {held:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let mut unread = unread_until_the_slot_is_free(&c, 50_000, Duration::from_secs(30)).await;
     let mut cl = client(&c).await;
     let (next, _) = generate(&mut cl, &prompt(7, 32), 20).await.expect("the next one decodes");
     assert_eq!(next.len(), 20);
