@@ -205,13 +205,13 @@ mod quiet_tests {
     /// A client heard from more often than the quiet time stays, for several times it.
     #[tokio::test]
     async fn a_client_that_talks_stays() {
-        let (mut conn, mut client) = accepted(Duration::from_millis(300)).await;
+        let (mut conn, mut client) = accepted(Duration::from_secs(1)).await;
         let mut buf = [0u8; 16];
-        for _ in 0..20 {
+        for _ in 0..30 {
             client.write_all(b"ping").await.unwrap();
             let n = conn.read(&mut buf).await.expect("a talking client was cut off");
             assert!(n > 0);
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 }

@@ -16,7 +16,7 @@ use hyper::{Method, Request, StatusCode, header};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::{ClientError, RankAddr, Registration, ServerInfo};
 
@@ -86,8 +86,13 @@ impl DirectoryClient {
             .https_or_http()
             .enable_http1()
             .wrap_connector(conn);
-        let http =
-            Client::builder(TokioExecutor::new()).pool_max_idle_per_host(64).build(conn.clone());
+        // With a timer, idle connections are closed after 90 s: without one, hyper-util never
+        // sweeps its pool, and a departed prefill's host kept its entry (and sockets whose
+        // peer vanished without a FIN) for good.
+        let http = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_max_idle_per_host(64)
+            .build(conn.clone());
         let fresh = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(conn);
         let scheme = if tls.is_some() { "https" } else { "http" };
         let (pooled_timeout, fresh_timeout) = (POOLED_CALL_TIMEOUT, FRESH_CALL_TIMEOUT);

@@ -57,9 +57,10 @@ pub struct HttpLimits {
     /// Time a connection's writes may make no progress (its client not reading) before it
     /// is closed.
     pub write_timeout: Duration,
-    /// Time a gRPC connection on the same port bounds may go without a byte read before it
-    /// is closed (not HTTP's: a gRPC client that only receives answers the server's pings,
-    /// sent after 30 s without a word; keep it at 45 s or more).
+    /// Time a gRPC connection under these limits (the frontend's Generate listener) may go
+    /// without a byte read before it is closed. Not an HTTP bound: a gRPC client that only
+    /// receives is heard when it answers the server's pings, sent after 30 s without a
+    /// word, so keep it at 45 s or more.
     pub grpc_quiet: Duration,
     /// Once the server stops, how long a connection may take to finish what it serves
     /// (a response to a client that no longer reads, a request whose head or body is still

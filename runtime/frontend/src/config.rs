@@ -36,9 +36,11 @@ pub struct FrontendConfig {
     /// no bound if it names none.
     pub max_decoding: Option<usize>,
     /// How long a stream's decode, as far ahead of its client as it may run, waits for the
-    /// client to take a message: then the decode stops (its slot and KV given back), what it
-    /// decoded waits for the client until the deadline, and the stream ends in
-    /// `RESOURCE_EXHAUSTED` (a client with a shut window held a slot until its deadline).
+    /// client to take its next message (each message taken starts the wait again): then the
+    /// decode stops (its slot and KV given back), what it decoded waits for the client until
+    /// the deadline, and the stream ends in `RESOURCE_EXHAUSTED` if the client took it all by
+    /// then, else `DEADLINE_EXCEEDED` (a client with a shut window held a slot until its
+    /// deadline).
     pub client_stall: Duration,
     /// The public listeners' connections: open at once (on the HTTP API and on gRPC
     /// Generate, each), and how long an HTTP request's head may take.

@@ -5,7 +5,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde_json::Value;
 
 use crate::{Cause, FrontendError};
@@ -16,9 +16,10 @@ const MAX_ANSWER: usize = 1 << 20;
 /// The client prefill servers are called with.
 pub(crate) type EngineHttp = Client<HttpConnector, Full<Bytes>>;
 
-/// A fresh client.
+/// A fresh client: its idle connections closed after 90 s (without a timer hyper-util never
+/// sweeps its pool, and an engine gone kept its entry for good).
 pub(crate) fn client() -> EngineHttp {
-    Client::builder(TokioExecutor::new()).build_http()
+    Client::builder(TokioExecutor::new()).pool_timer(TokioTimer::new()).build_http()
 }
 
 /// POSTs `body` to `http://{url}{path}` with `headers`: its JSON answer, or why not.

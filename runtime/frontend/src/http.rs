@@ -88,7 +88,8 @@ pub async fn serve(
     handoff_core::http::serve_tcp(listener, tls, router(fe), shutdown, limits).await
 }
 
-/// The body, or why it could not be read (too large: 413) as an OpenAI error.
+/// The body, or why it could not be read as an OpenAI error: too large, 413; the listener's
+/// receiving budget full, 429; not come whole in time, 408.
 fn read(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|r| match handoff_core::body::refusal_in(&r) {
         Some(full @ BodyRefused::Full { .. }) => ApiError {

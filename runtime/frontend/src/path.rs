@@ -398,7 +398,18 @@ impl Frontend {
                         true => e.overran(),
                         false => e,
                     };
-                    warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed");
+                    // A fault is worth a line each; a refusal, a deadline or bad input is
+                    // counted (`handoff_frontend_attempt_failures_total`), not logged above
+                    // debug: under a partial outage or a client's short deadlines, a line per
+                    // attempt filled disks.
+                    match e.cause() {
+                        Some(Cause::Instance | Cause::Decode) | None => {
+                            warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed")
+                        }
+                        Some(Cause::Overloaded | Cause::Deadline | Cause::Invalid) => {
+                            debug!(%room, instance = %sel.instance_id, error = %e, "attempt failed")
+                        }
+                    }
                     if unreachable(&e) && self.reach.failed_at(&sel.instance_id, Instant::now()) {
                         warn!(
                             instance = %sel.instance_id,

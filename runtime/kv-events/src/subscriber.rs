@@ -148,6 +148,7 @@ impl EngineStream {
         tokio::pin!(shutdown);
         let mut lost = false;
         loop {
+            let tried = tokio::time::Instant::now();
             let connected = tokio::select! {
                 _ = &mut shutdown => return self.stats,
                 r = subscribe(&self.endpoint.events, &self.endpoint.topic) => r,
@@ -175,6 +176,12 @@ impl EngineStream {
                     Ok(frames) => self.on_message(&frames, &mut sink).await,
                     Err(e) => {
                         debug!(endpoint = %self.endpoint.events, error = %e, "KV event stream lost; connecting again");
+                        // At most one connection a second: a publisher that closes each
+                        // stream after its handshake was connected to in a tight loop.
+                        tokio::select! {
+                            _ = &mut shutdown => return self.stats,
+                            _ = tokio::time::sleep_until(tried + Duration::from_secs(1)) => {}
+                        }
                         break;
                     }
                 }

@@ -261,3 +261,29 @@ async fn an_oversized_frame_costs_the_connection_and_the_stream_connects_again()
     let stats = follower.await.unwrap();
     assert_eq!(stats.batches, 1, "{stats:?}");
 }
+
+/// A publisher that closes each stream right after its handshake is connected to at most
+/// once a second, not in a tight loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_that_closes_each_stream_is_connected_to_once_a_second() {
+    use handoff_core::zmtp::{Limits, handshake, read_message};
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let events = format!("tcp://{}", listener.local_addr().unwrap());
+    let endpoint = EngineEndpoint { events, replay: None, topic: String::new() };
+    let Following { stop_tx, follower, .. } = follow(endpoint);
+    let watched = std::time::Instant::now();
+    let mut streams = 0;
+    while watched.elapsed() < Duration::from_millis(2500) {
+        let left = Duration::from_millis(2500).saturating_sub(watched.elapsed());
+        let Ok(accepted) = tokio::time::timeout(left, listener.accept()).await else { break };
+        let (mut s, _) = accepted.unwrap();
+        handshake(&mut s, b"PUB", b"SUB").await.unwrap();
+        read_message(&mut s, Limits::default()).await.unwrap();
+        streams += 1;
+    }
+    // At 0, 1 and 2 s (and a fourth if a second is measured short).
+    assert!((2..=4).contains(&streams), "{streams} streams in 2.5 s");
+    let _ = stop_tx.send(());
+    follower.await.unwrap();
+}

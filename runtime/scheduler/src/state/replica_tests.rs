@@ -40,7 +40,6 @@ fn beat(s: &SchedulerState, ids: &[&str], now: Instant) {
     }
 }
 
-/// A replica knowing `ids` (one dp rank each), each heard at 0 ms.
 /// Sweeps as the scheduler does (every 250 ms: a twelfth of the default 3 s timeout) after
 /// `from_ms`, up to `to_ms`: a longer gap would be this process stopped.
 fn sweeps(s: &SchedulerState, from_ms: u64, to_ms: u64) {
@@ -51,6 +50,7 @@ fn sweeps(s: &SchedulerState, from_ms: u64, to_ms: u64) {
     }
 }
 
+/// A replica knowing `ids` (one dp rank each), each heard at 0 ms.
 fn beating(ids: &[&str]) -> SchedulerState {
     let s = SchedulerState::new(SchedulerConfig::default());
     s.apply_update(Update::Reset(ids.iter().map(|id| inst(id, 1)).collect()));

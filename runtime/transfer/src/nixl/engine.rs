@@ -58,7 +58,15 @@ pub(crate) struct Engine {
 struct Kept {
     failed: Vec<KeptTransfer>,
     bytes: usize,
+    /// Bytes leaked so far, in the process's life.
+    leaked: usize,
+    /// When NIXL was last asked about them: at most every [`ASK_EVERY`], so a transfer
+    /// does not pay a status call per kept one (each takes the agent's lock).
+    asked: Option<Instant>,
 }
+
+/// How often the kept transfers' statuses are asked, at most.
+const ASK_EVERY: Duration = Duration::from_millis(100);
 
 /// A failed transfer's request and buffer (the request is released first: fields drop in
 /// order), and when it failed.
@@ -230,7 +238,8 @@ impl Engine {
             Ok(()) => Ok(src),
             Err(e) => {
                 // A post refused may have gone out in part: kept as well.
-                tracing::warn!(len = src.len(), %remote, error = %e, "nixl {what} failed: buffer kept until NIXL completes it");
+                let len = src.len();
+                tracing::warn!(len, %remote, error = %e, "nixl {what} failed: buffer kept");
                 let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
                 kept.bytes += src.len();
                 kept.failed.push(KeptTransfer { req, buf: src, since: Instant::now() });
@@ -247,6 +256,10 @@ impl Engine {
             return 0;
         }
         let (agent, now) = (&self.agent, Instant::now());
+        if kept.asked.is_some_and(|t| now.duration_since(t) < ASK_EVERY) {
+            return kept.bytes;
+        }
+        kept.asked = Some(now);
         let mut gone = 0;
         let failed = std::mem::take(&mut kept.failed);
         for t in failed {
@@ -257,19 +270,27 @@ impl Engine {
                 }
                 Ok(XferStatus::Success) => gone += t.buf.len(),
                 status => {
-                    let why =
-                        if status.is_err() { "NIXL no longer knows it" } else { "still running" };
-                    tracing::warn!(
-                        len = t.buf.len(),
-                        "a failed nixl transfer's buffer leaked: {why}"
-                    );
-                    gone += t.buf.len();
+                    let why = match status {
+                        Err(_) => "NIXL says no more of it",
+                        Ok(_) => "still running",
+                    };
+                    let len = t.buf.len();
+                    gone += len;
+                    kept.leaked += len;
+                    let leaked = kept.leaked;
+                    tracing::warn!(len, leaked, "a failed nixl transfer's buffer leaked: {why}");
                     std::mem::forget(t);
                 }
             }
         }
         kept.bytes -= gone;
         kept.bytes
+    }
+
+    /// Bytes of failed transfers' buffers leaked so far.
+    #[cfg(test)]
+    pub(crate) fn leaked_bytes(&self) -> usize {
+        self.kept.lock().unwrap_or_else(PoisonError::into_inner).leaked
     }
 
     /// Posts `req` and polls it until it succeeds, fails or passes `deadline`.
