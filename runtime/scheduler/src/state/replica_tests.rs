@@ -40,14 +40,9 @@ fn beat(s: &SchedulerState, ids: &[&str], now: Instant) {
     }
 }
 
-/// Sweeps as the scheduler does (every 250 ms: a twelfth of the default 3 s timeout) after
-/// `from_ms`, up to `to_ms`: a longer gap would be this process stopped.
+/// Sweeps as the scheduler does, from `from_ms` to `to_ms` (see `tests::sweeps_from`).
 fn sweeps(s: &SchedulerState, from_ms: u64, to_ms: u64) {
-    let mut ms = from_ms;
-    while ms < to_ms {
-        ms = (ms + 250).min(to_ms);
-        s.sweep_at(at(ms));
-    }
+    super::tests::sweeps_from(s, at(0), from_ms, to_ms);
 }
 
 /// A replica knowing `ids` (one dp rank each), each heard at 0 ms.

@@ -153,6 +153,23 @@ pub(super) fn book(s: &SchedulerState, on: &str, others: &[InstanceId]) -> Selec
     sel
 }
 
+/// Sweeps `s` as the scheduler does, every 250 ms (a twelfth of the default 3 s timeout:
+/// a longer gap is this process stopped), after `from_ms` from `t0` up to `to_ms`; the
+/// instances they took out.
+pub(super) fn sweeps_from(
+    s: &SchedulerState,
+    t0: Instant,
+    from_ms: u64,
+    to_ms: u64,
+) -> Vec<InstanceId> {
+    let (mut ms, mut swept) = (from_ms, Vec::new());
+    while ms < to_ms {
+        ms = (ms + 250).min(to_ms);
+        swept.extend(s.sweep_at(t0 + std::time::Duration::from_millis(ms)));
+    }
+    swept
+}
+
 #[test]
 fn silence_from_everyone_is_the_bus_not_the_fleet() {
     use std::time::{Duration, Instant};
@@ -205,15 +222,7 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
         pages: 1,
     });
     s.heartbeat_at(&hb("b"), at(5900));
-    // Sweeps every 250 ms, as the scheduler's (a longer gap is this process stopped).
-    let sweeps = |from: u64, to: u64| {
-        let (mut ms, mut swept) = (from, Vec::new());
-        while ms < to {
-            ms = (ms + 250).min(to);
-            swept.extend(s.sweep_at(at(ms)));
-        }
-        swept
-    };
+    let sweeps = |from: u64, to: u64| sweeps_from(&s, t0, from, to);
     for (from, to) in [(4100, 8100), (8100, 12_000), (12_000, 30_000)] {
         assert!(sweeps(from, to).is_empty(), "nobody swept while everyone is quiet ({to} ms)");
     }
