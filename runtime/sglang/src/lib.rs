@@ -5,6 +5,7 @@
 //! - [`pool`] — the virtual page pool whose addresses SGLang writes to.
 //! - [`pull`] — the PULL socket the prefill ranks push statuses and rows to, in
 //!   [`handoff_core::zmtp`] (every length a peer declares bounded).
+//! - [`topology`] — what a prefill's directory says of its KV, checked against ours.
 //! - [`receiver`] — [`SglangReceiver`]: one request at a time or many, end to end.
 //!
 //! Pages travel over Mooncake's TCP wire into handoff's own receive regions
@@ -17,8 +18,10 @@ pub mod pool;
 pub mod pull;
 pub mod receiver;
 mod sockets;
+pub mod topology;
 pub mod wire;
 
 pub use error::SglangError;
 pub use layout::{RequestLayout, SglangLayout};
 pub use receiver::{SglangKv, SglangReceiver};
+pub use topology::MAX_PREFILL_TP;

@@ -32,10 +32,8 @@ use crate::SglangError;
 use crate::layout::{self, RequestLayout, SglangLayout};
 use crate::pool::{Lease, POOL_PAGES, POOL_ROWS, PagePool};
 use crate::sockets::RankSockets;
+use crate::topology::{self, MAX_PREFILL_TP};
 use crate::wire::{Inbound, Registration, STATUS_FAILED, STATUS_SUCCESS, TransferInfo};
-
-/// The largest prefill attention TP served.
-pub const MAX_PREFILL_TP: usize = 16;
 
 /// The senders of an SGLang region, two per prefill rank: its pages come over its Mooncake
 /// connections, its metadata rows over Mooncake or over ZMQ.
@@ -242,34 +240,15 @@ impl SglangReceiver {
     }
 
     /// The prefill's attention-TP ranks serving `room` (its dp rank follows the room), after
-    /// checking the directory's topology and page size fit.
+    /// checking the directory's KV and topology fit ours ([`topology::dp_rank`]).
     async fn ranks(
         &self,
         bootstrap: &str,
         info: &ServerInfo,
         room: Room,
     ) -> Result<Vec<Rank>, SglangError> {
-        if info.page_size as usize != self.layout.page_size {
-            return Err(SglangError::Unsupported(format!(
-                "the prefill's page size is {}, ours {}",
-                info.page_size, self.layout.page_size
-            )));
-        }
+        let dp = topology::dp_rank(info, self.layout.page_size, room)?;
         let tp = info.attn_tp_size;
-        if (info.attn_cp_size, info.pp_size) != (1, 1) || !(1..=MAX_PREFILL_TP as i64).contains(&tp)
-        {
-            return Err(SglangError::Unsupported(format!(
-                "prefill attn tp {tp} / cp {} / pp {}: tp 1..={MAX_PREFILL_TP} with cp 1 and pp 1 is served",
-                info.attn_cp_size, info.pp_size
-            )));
-        }
-        let dp = if info.follow_bootstrap_room {
-            (room.get() % info.dp_size.max(1) as u64) as u32
-        } else if info.dp_size == 1 {
-            0
-        } else {
-            return Err(SglangError::Unsupported("dp ranks not following the room".into()));
-        };
         let mut ranks = Vec::with_capacity(tp as usize);
         for t in 0..tp as u32 {
             let rank = self.directory.rank(bootstrap, dp, 0, t, 0).await?;
