@@ -188,9 +188,17 @@ impl FrontendArgs {
         binds
     }
 
-    /// Refuses a scheduler in the frontend without etcd and NATS (it could learn of no
-    /// prefill instance), and selection flags without one (nothing would read them).
+    /// Refuses a frontend with no scheduler to ask (neither `--scheduler` nor etcd to find
+    /// one: it would wait for ever), a scheduler in the frontend without etcd and NATS (it
+    /// could learn of no prefill instance), and selection flags without one (nothing would
+    /// read them).
     pub fn check_own_scheduler(&self) -> anyhow::Result<()> {
+        if !self.scheduler_in_frontend && self.scheduler.is_empty() && self.discovery.etcd.is_none()
+        {
+            anyhow::bail!(
+                "no scheduler to ask: give --scheduler ADDR, or --etcd and --nats (or HANDOFF_ETCD and HANDOFF_NATS) to find the replicas registered there"
+            );
+        }
         if self.scheduler_in_frontend && self.discovery.etcd.is_none() {
             anyhow::bail!(
                 "--scheduler-in-frontend needs --etcd and --nats (or HANDOFF_ETCD and HANDOFF_NATS): its scheduler learns the prefill instances and their KV events there"

@@ -8,6 +8,7 @@ mod cluster {
     pub(crate) mod fleet;
     pub(crate) mod frontends;
     pub(crate) mod links;
+    pub(crate) mod misconfigured;
     pub(crate) mod netbed;
     pub(crate) mod nixl;
     pub(crate) mod operations;

@@ -17,8 +17,9 @@ pub struct DiscoveryArgs {
     /// NATS server URL for heartbeats and KV events; with --etcd.
     #[arg(long, env = "HANDOFF_NATS", requires = "etcd")]
     pub nats: Option<String>,
-    /// Lease TTL of registrations, in seconds (kept alive every TTL/3).
-    #[arg(long, default_value_t = 10)]
+    /// Lease TTL of registrations, in seconds (kept alive every TTL/3): 2 to 300 (etcd grants
+    /// no less than about 2, and a dead instance stays listed for up to a TTL).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..=300))]
     pub lease_ttl_secs: u64,
     /// The cluster's shared secret: required as a bearer token on bootstrap directory writes,
     /// on the scheduler and prefill gRPC services, and on every KV transfer connection and

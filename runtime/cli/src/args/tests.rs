@@ -46,9 +46,14 @@ fn frontend(args: &[&str]) -> Result<FrontendArgs, clap::Error> {
 #[test]
 fn a_frontend_runs_its_own_scheduler_only_when_asked_and_then_takes_the_selection_flags() {
     use clap::error::ErrorKind;
-    let a = frontend(&[]).unwrap();
+    let a = frontend(&["--scheduler", "127.0.0.1:1"]).unwrap();
     assert!(!a.scheduler_in_frontend);
     a.check_own_scheduler().unwrap();
+    // Nowhere to find a scheduler: refused, not waited for for ever.
+    let mut lost = frontend(&[]).unwrap();
+    (lost.discovery.etcd, lost.discovery.nats) = (None, None);
+    let refused = lost.check_own_scheduler().unwrap_err().to_string();
+    assert!(refused.contains("no scheduler to ask"), "{refused}");
     let discovery = ["--etcd", "http://127.0.0.1:1", "--nats", "nats://127.0.0.1:1"];
     let own = ["--scheduler-in-frontend", "--policy", "round-robin"];
     let a = frontend(&[&discovery[..], &own].concat()).unwrap();
@@ -68,7 +73,9 @@ fn a_frontend_runs_its_own_scheduler_only_when_asked_and_then_takes_the_selectio
     let refused = no_bus.check_own_scheduler().unwrap_err().to_string();
     assert!(refused.contains("needs --etcd and --nats"), "{refused}");
     for flags in [&["--policy", "random"], &["--kv-load-weight", "0.25"]] {
-        let unread = frontend(flags).unwrap().check_own_scheduler();
+        let unread = frontend(&[&flags[..], &["--scheduler", "127.0.0.1:1"]].concat())
+            .unwrap()
+            .check_own_scheduler();
         assert!(unread.unwrap_err().to_string().contains("selection flags"), "{flags:?}");
     }
 }
@@ -181,4 +188,16 @@ fn up_refuses_zero_prefills() {
     let e = Cli::try_parse_from(["handoff", "up", "--prefills", "0"]).unwrap_err();
     assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation);
     assert!(Cli::try_parse_from(["handoff", "up", "--prefills", "1"]).is_ok());
+}
+
+/// A lease shorter than etcd grants, or so long a dead instance stays listed for hours (or
+/// whose seconds overflow etcd's signed TTL), is refused at the flag.
+#[test]
+fn lease_ttls_are_bounded() {
+    for (ttl, ok) in [("1", false), ("2", true), ("300", true), ("301", false)] {
+        let got = scheduler(&["--lease-ttl-secs", ttl]);
+        assert_eq!(got.is_ok(), ok, "{ttl}: {got:?}");
+    }
+    let e = scheduler(&["--lease-ttl-secs", "18446744073709551615"]).unwrap_err().to_string();
+    assert!(e.contains("--lease-ttl-secs"), "{e}");
 }

@@ -11,6 +11,11 @@ use crate::cmd::{discovery, up::engines, up::shutdown_signal};
 
 /// Runs until Ctrl-C or SIGTERM, then drains.
 pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
+    if args.discovery.etcd.is_none() {
+        anyhow::bail!(
+            "a prefill without --etcd and --nats (or HANDOFF_ETCD and HANDOFF_NATS) is found by no scheduler or frontend: give them (`handoff up` runs one cluster in a process)"
+        );
+    }
     crate::cmd::check_exposure(
         &args.discovery,
         &[("the bootstrap directory", args.bootstrap_listen), ("the prefill", args.grpc_listen)]
