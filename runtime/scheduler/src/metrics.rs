@@ -134,6 +134,7 @@ struct Gauges {
     in_flight: Arc<Family<Gauge>>,
     cached_blocks: Arc<Family<Gauge>>,
     breaker_open: Arc<Family<Gauge>>,
+    endings: Arc<Family<Tally>>,
     token_cost: Arc<Family<Gauge>>,
     send_cost: Arc<Family<Gauge>>,
     bookings: Arc<Gauge>,
@@ -165,6 +166,12 @@ impl Gauges {
                 "handoff_scheduler_instance_breaker_open",
                 "1 while an instance's circuit breaker is open or half-open.",
                 &["prefill"],
+            ),
+            endings: r.tallies(
+                "handoff_scheduler_instance_bookings_ended_total",
+                "An instance's bookings since it registered, by the outcome its frontends \
+                 reported (expired: never reported).",
+                &["prefill", "outcome"],
             ),
             token_cost: r.gauges(
                 "handoff_scheduler_instance_token_cost_seconds",
@@ -205,6 +212,7 @@ impl Gauges {
         for f in [&self.instances, &self.in_flight, &self.cached_blocks, &self.breaker_open] {
             f.clear();
         }
+        self.endings.clear();
         self.token_cost.clear();
         self.send_cost.clear();
         let routable = all.iter().filter(|s| s.routable).count();
@@ -217,6 +225,11 @@ impl Gauges {
             self.breaker_open.with(&id).set(if s.breaker_closed { 0.0 } else { 1.0 });
             self.token_cost.with(&id).set(f64::from(s.token_cost_us) / 1e6);
             self.send_cost.with(&id).set(f64::from(s.send_cost_us) / 1e6);
+            let prefill = s.instance.id.as_str();
+            for (outcome, n) in Outcome::ALL.iter().zip(s.endings.reported) {
+                self.endings.with(&[prefill, outcome_label(*outcome)]).set(n);
+            }
+            self.endings.with(&[prefill, "expired"]).set(s.endings.expired);
         }
         self.bookings.set(state.open_bookings() as f64);
         self.index_blocks.set(all.iter().map(|s| s.cached_blocks as f64).sum());

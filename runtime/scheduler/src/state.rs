@@ -17,7 +17,7 @@ pub use bookings::BookingId;
 pub use pending::MAX_PENDING_BLOCKS;
 pub use replicas::MAX_REPLICAS;
 pub use select::{Ask, Outcome, Work};
-pub use status::InstanceStatus;
+pub use status::{Endings, InstanceStatus};
 pub use sync::{MAX_BUFFERED_EVENTS, MAX_SNAPSHOT_PAGES, Resynced};
 
 /// Most dp ranks a prefill registration may have (as an engine's,

@@ -16,3 +16,38 @@ fn each_host_has_its_own_readiness_reason() {
     let alone = Arc::new(SchedulerState::new(SchedulerConfig::default()));
     assert_eq!(ops(&alone).readiness(), Err("not registered in discovery yet".to_owned()));
 }
+
+/// An operator finds the failing prefill by name: each instance's bookings are counted by
+/// the outcome reported, and those that expired unreported (a frontend died, or its reports
+/// were lost) apart.
+#[test]
+fn each_instances_bookings_are_counted_by_how_they_ended() {
+    use std::time::Instant;
+
+    use handoff_discovery::{Instance, Role, Topology, Update};
+
+    use crate::state::{Ask, Outcome};
+
+    let cfg = SchedulerConfig { booking_grace: Duration::from_secs(5), ..Default::default() };
+    let s = Arc::new(SchedulerState::new(cfg));
+    let a = Instance {
+        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+        ..Instance::fixture("a".parse().unwrap(), Role::Prefill)
+    };
+    s.apply_update(Update::Reset(vec![a]));
+    let (t0, hashes) = (Instant::now(), handoff_core::block_hashes(&[1; 32], 16));
+    for outcome in [Outcome::InstanceFault, Outcome::InstanceFault, Outcome::Success] {
+        let sel = s.select_at(&Ask::new(&hashes, 32), t0).unwrap();
+        assert!(s.report(sel.booking, outcome));
+    }
+    let lost = Ask { deadline: Some(Duration::from_secs(1)), ..Ask::new(&hashes, 32) };
+    s.select_at(&lost, t0).unwrap();
+    s.sweep_at(t0 + Duration::from_secs(10));
+    let text = ops(&s).scrape();
+    for (outcome, n) in [("instance_fault", 2), ("success", 1), ("expired", 1), ("deadline", 0)] {
+        let line = format!(
+            "handoff_scheduler_instance_bookings_ended_total{{prefill=\"a\",outcome=\"{outcome}\"}} {n}\n"
+        );
+        assert!(text.contains(&line), "{line} in {text}");
+    }
+}

@@ -167,6 +167,8 @@ pub(super) struct Member {
     /// Times its index entries were cleared for silence (an engine's stream starts over).
     pub(super) cleared: u64,
     pub(super) breaker: Breaker,
+    /// How its bookings ended since it registered.
+    pub(super) endings: super::Endings,
     /// Prefill cost per computed token, in microseconds, as its heartbeats last said.
     pub(super) token_cost_us: f32,
     /// The KV's time after the compute per prompt token, in microseconds, as its heartbeats
@@ -193,6 +195,7 @@ impl Member {
             silent: false,
             seq: None,
             cleared: 0,
+            endings: super::Endings::default(),
             breaker: Breaker::Closed { failures: 0 },
             token_cost_us: 0.0,
             send_cost_us: 0.0,

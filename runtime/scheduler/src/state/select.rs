@@ -40,6 +40,17 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in the order of [`Endings::reported`](super::Endings).
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Success,
+        Outcome::InstanceFault,
+        Outcome::Overloaded,
+        Outcome::Deadline,
+        Outcome::Cancelled,
+        Outcome::Invalid,
+        Outcome::DecodeFault,
+    ];
+
     /// What the breaker hears: success, a fault, or nothing.
     fn breaker(self) -> Option<bool> {
         match self {
@@ -311,6 +322,7 @@ impl SchedulerState {
         self.metrics.reported(outcome);
         inner.release(&b);
         if let Some(m) = inner.members.get_mut(&b.instance) {
+            m.endings.reported[outcome as usize] += 1;
             // Half-open, only the probe speaks for the instance: a booking made before the
             // breaker opened neither closes it nor frees the probe's place.
             if b.probe || !m.breaker.half_open() {
@@ -386,9 +398,9 @@ impl Inner {
     /// nothing of its instance: given back, the next request probes again.
     fn end_unreported(&mut self, b: &Booking) {
         self.release(b);
-        if b.probe
-            && let Some(m) = self.members.get_mut(&b.instance)
-        {
+        let Some(m) = self.members.get_mut(&b.instance) else { return };
+        m.endings.expired += 1;
+        if b.probe {
             m.breaker.release_probe();
             self.sync(&b.instance);
         }

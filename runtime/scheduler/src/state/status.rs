@@ -7,7 +7,7 @@ use handoff_core::{BlockHash, InstanceId};
 use handoff_discovery::Instance;
 use handoff_kv_index::WorkerKey;
 
-use super::SchedulerState;
+use super::{Outcome, SchedulerState};
 
 /// Status of one instance, for `ListInstances` and operators.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,6 +28,19 @@ pub struct InstanceStatus {
     pub breaker_closed: bool,
     /// Time since it was last heard from.
     pub silent_for: Duration,
+    /// How its bookings ended since it registered.
+    pub endings: Endings,
+}
+
+/// How one instance's bookings ended: each outcome its frontends reported (indexed as
+/// [`Outcome::ALL`]), and those never reported (expired: their frontend died, or its
+/// reports were lost).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Endings {
+    /// Bookings ended by a report, by outcome.
+    pub reported: [u64; Outcome::ALL.len()],
+    /// Bookings that expired unreported.
+    pub expired: u64,
 }
 
 impl SchedulerState {
@@ -62,6 +75,7 @@ impl SchedulerState {
                     send_cost_us: m.send_cost_us,
                     breaker_closed: m.breaker.is_closed(),
                     silent_for: now.saturating_duration_since(m.seen),
+                    endings: m.endings,
                 }
             })
             .collect()
