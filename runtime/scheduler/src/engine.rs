@@ -170,6 +170,14 @@ impl Scheduler {
     }
 }
 
+/// How many of an engine's health probes may be out at once: a probe may take this many
+/// periods (a lost SYN is sent again after 1 s; a busy engine's API answers late), while the
+/// next ones start on time.
+const PROBES_OUT: usize = 2;
+
+/// Probes `addr` every `every` until `tasks` stop, each probe given [`PROBES_OUT`] periods;
+/// each healthy answer hears the engine. Before, a probe had one period: under 1 s of loss
+/// or delay three in a row failed and an idle engine was swept, its index entries with it.
 async fn probe(
     state: Arc<SchedulerState>,
     id: handoff_core::InstanceId,
@@ -178,13 +186,20 @@ async fn probe(
     tasks: Tasks,
 ) {
     let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut out = futures::stream::FuturesUnordered::new();
+    let patience = every * PROBES_OUT as u32;
     loop {
         tokio::select! {
             _ = tasks.shutdown_requested() => break,
-            _ = tick.tick() => {}
-        }
-        if tokio::time::timeout(every, healthy(&addr)).await.unwrap_or(false) {
-            state.engine_heard_at(&id, Instant::now());
+            _ = tick.tick(), if out.len() < PROBES_OUT => {
+                out.push(tokio::time::timeout(patience, healthy(&addr)));
+            }
+            Some(answer) = out.next() => {
+                if answer.unwrap_or(false) {
+                    state.engine_heard_at(&id, Instant::now());
+                }
+            }
         }
     }
 }
@@ -205,4 +220,52 @@ async fn healthy(addr: &str) -> bool {
         }
     }
     head[..got].starts_with(b"HTTP/1.") && head[..got].get(9..12) == Some(b"200")
+}
+
+#[cfg(test)]
+mod tests {
+    use handoff_discovery::Role;
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::SchedulerConfig;
+
+    /// A health endpoint answering 200 after `delay`, each connection.
+    async fn late_health(delay: Duration) -> String {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = l.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let mut ask = [0u8; 512];
+                    let _ = s.read(&mut ask).await;
+                    tokio::time::sleep(delay).await;
+                    let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+                });
+            }
+        });
+        addr
+    }
+
+    /// An engine whose health answers come later than one probe period (a lost SYN, a busy
+    /// API server) is still heard: probes overlap. Before, each timed out at one period and
+    /// an idle engine was swept, its index entries with it.
+    #[tokio::test]
+    async fn health_answered_later_than_a_period_still_hears_the_engine() {
+        let state = Arc::new(SchedulerState::new(SchedulerConfig::default()));
+        let now = Instant::now();
+        let long_ago = now.checked_sub(Duration::from_secs(30)).unwrap_or(now);
+        let instance = Instance::fixture("vllm-0".parse().unwrap(), Role::Engine);
+        assert!(state.add_engine_at(instance, long_ago));
+        let every = Duration::from_millis(100);
+        let addr = late_health(every * 13 / 10).await;
+        let tasks = Tasks::new();
+        let id: InstanceId = "vllm-0".parse().unwrap();
+        let probing = probe(state.clone(), id.clone(), addr, every, tasks.clone());
+        let _ = tokio::time::timeout(Duration::from_secs(1), probing).await;
+        let silent =
+            state.instances().into_iter().find(|s| s.instance.id == id).unwrap().silent_for;
+        assert!(silent < Duration::from_secs(5), "heard {silent:?} ago");
+    }
 }
