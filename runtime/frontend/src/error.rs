@@ -75,9 +75,14 @@ impl FrontendError {
 
     /// A transfer failure at `stage`: a timeout is the deadline's, one of the decode's own
     /// tables full (NIXL staging memory, Mooncake's exposed ranges) an overload, anything
-    /// else the instance's.
+    /// else the instance's. Time that ran out with the KV still arriving is the deadline's
+    /// at stage `transfer`, which the instance is never blamed for ([`FrontendError::overran`]):
+    /// it was sending; the link or this decode was slow.
     pub(crate) fn transfer(stage: &'static str, e: handoff_transfer::TransferError) -> Self {
         let cause = match e {
+            handoff_transfer::TransferError::Late(_) => {
+                return Self::because("transfer", Cause::Deadline, e);
+            }
             handoff_transfer::TransferError::Timeout(_) => Cause::Deadline,
             handoff_transfer::TransferError::Full(_) => Cause::Overloaded,
             _ => Cause::Instance,
@@ -108,9 +113,10 @@ impl FrontendError {
     /// An attempt that ran out of its own time (the wait its instance was expected to have
     /// plus the attempt timeout), with the request's still left: the instance went silent
     /// (an engine hung behind live heartbeats), its fault. Other errors are kept as they are,
-    /// and so is a deadline at a stage that reaches the instance (slow is not unreachable).
+    /// and so is a deadline at a stage that reaches the instance (slow is not unreachable),
+    /// or while its KV was still arriving (`transfer`: slow is not silent).
     pub(crate) fn overran(self) -> Self {
-        let reaching = ["resolve-topology", "resolve-rank", "connect"];
+        let reaching = ["resolve-topology", "resolve-rank", "connect", "transfer"];
         match self {
             FrontendError::Attempt { stage, reason, cause: Cause::Deadline }
                 if !reaching.contains(&stage) =>
@@ -203,5 +209,17 @@ mod tests {
         }
         let busy = FrontendError::because("prefill", Cause::Overloaded, "queue full");
         assert_eq!(busy.overran().cause(), Some(Cause::Overloaded));
+    }
+
+    /// Time run out with the KV still arriving (a slow link, a busy decode) is the deadline's
+    /// and stays so past the attempt's own time: the instance was sending. Run out with
+    /// nothing arriving, it is the instance's (silent).
+    #[test]
+    fn a_transfer_still_arriving_at_the_deadline_never_blames_the_instance() {
+        let late = FrontendError::transfer("verify", TransferError::Late("1s".into()));
+        assert!(matches!(late, FrontendError::Attempt { stage: "transfer", .. }), "{late:?}");
+        assert_eq!(late.overran().cause(), Some(Cause::Deadline));
+        let silent = FrontendError::transfer("verify", TransferError::Timeout("x".into()));
+        assert_eq!(silent.overran().cause(), Some(Cause::Instance));
     }
 }

@@ -48,6 +48,11 @@ pub enum TransferError {
     /// A wait ran past its deadline.
     #[error("timed out {0}")]
     Timeout(String),
+    /// A wait for KV ran past its deadline while its bytes were still arriving: the sender
+    /// was sending, the link or this receiver too slow for the time given (see
+    /// [`crate::inbox::ARRIVING`]).
+    #[error("timed out while the KV was still arriving: {0}")]
+    Late(String),
 }
 
 impl TransferError {
@@ -64,6 +69,7 @@ impl TransferError {
             TransferError::UnknownRegion(_) => "unknown_region",
             TransferError::Failed(_) => "failed",
             TransferError::Timeout(_) => "timeout",
+            TransferError::Late(_) => "late",
         }
     }
 }

@@ -42,6 +42,11 @@ use placement::Placement;
 use region::Region;
 use region_buf::RegionBuf;
 
+/// How recently bytes must have arrived, at a wait's deadline, for the wait to end
+/// [`TransferError::Late`] (the sender sending, the link or the receiver slow) rather than
+/// [`TransferError::Timeout`] (nothing moving: the sender silent).
+pub const ARRIVING: Duration = Duration::from_secs(1);
+
 /// The most bytes one read into a region asks for (and the size of the buffer a refused
 /// write's bytes are drained through): well inside a core's L2, so what a read landed is
 /// hashed from cache.
@@ -239,6 +244,7 @@ impl Inbox {
             notices: Vec::new(),
             state: watch::Sender::new(KvPoll::Bootstrapping),
             error: None,
+            last_arrival: None,
         };
         let id = loop {
             let id = RegionId(rand::random());
@@ -306,7 +312,8 @@ impl Inbox {
     }
 
     /// Waits until the region succeeds or fails, or `deadline`; the region is removed
-    /// either way.
+    /// either way. Past the deadline with bytes arriving in its last [`ARRIVING`], the error
+    /// is [`TransferError::Late`] (the sender is sending), else [`TransferError::Timeout`].
     pub async fn wait(&self, id: RegionId, deadline: Instant) -> Result<Received, TransferError> {
         let mut rx = lock(&*self.region(id)?).state.subscribe();
         let done = rx.wait_for(|s| matches!(s, KvPoll::Success | KvPoll::Failed));
@@ -324,6 +331,9 @@ impl Inbox {
                 notices: std::mem::take(&mut region.notices),
             }),
             KvPoll::Failed => Err(TransferError::Failed(region.error.take().unwrap_or_default())),
+            _ if timed_out && region.arrived_within(ARRIVING, deadline) => {
+                Err(TransferError::Late(format!("bytes came within {ARRIVING:?} of the deadline")))
+            }
             s if timed_out => Err(TransferError::Timeout(format!("waiting for KV in state {s:?}"))),
             s => Err(TransferError::Failed(format!("region closed in state {s:?}"))),
         }

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::task::Poll;
+use std::time::Duration;
 
 use handoff_core::Room;
 use tokio::io::ReadBuf;
@@ -27,6 +28,8 @@ pub(super) struct Region {
     pub(super) notices: Vec<Notice>,
     pub(super) state: watch::Sender<KvPoll>,
     pub(super) error: Option<String>,
+    /// When its last bytes arrived (none yet: `None`).
+    pub(super) last_arrival: Option<tokio::time::Instant>,
 }
 
 impl Region {
@@ -108,7 +111,7 @@ impl Region {
         if let Poll::Ready(Ok(got @ 1..)) = read {
             p.record_range(off, got as u64);
             hasher.update(place.filled());
-            self.advance(KvPoll::Transferring);
+            self.arrived();
         }
         Ok(read)
     }
@@ -158,7 +161,7 @@ impl Region {
         };
         if let Poll::Ready(Ok(1..)) = read {
             hasher.update(place.filled());
-            self.advance(KvPoll::Transferring);
+            self.arrived();
         }
         Ok(read)
     }
@@ -226,7 +229,7 @@ impl Region {
         checked: Result<(), String>,
     ) -> Result<(), TransferError> {
         checked.map_err(|e| self.refuse(sender, e))?;
-        self.advance(KvPoll::Transferring);
+        self.arrived();
         Ok(())
     }
 
@@ -250,6 +253,17 @@ impl Region {
                 "{sender:?} of region {id:?} is bound to another connection"
             ))),
         }
+    }
+
+    /// Bytes arrived: the region is transferring, as of now.
+    fn arrived(&mut self) {
+        self.last_arrival = Some(tokio::time::Instant::now());
+        self.advance(KvPoll::Transferring);
+    }
+
+    /// Whether bytes arrived within `window` before `at` (or after it).
+    pub(super) fn arrived_within(&self, window: Duration, at: tokio::time::Instant) -> bool {
+        self.last_arrival.is_some_and(|t| at.saturating_duration_since(t) <= window)
     }
 
     pub(super) fn advance(&mut self, to: KvPoll) {

@@ -368,3 +368,26 @@ fn whether_a_region_is_open_is_answered_without_waiting_for_it() {
     assert!(!inbox.open_now(id));
     assert!(!inbox.open_now(RegionId(u64::MAX)));
 }
+
+/// A wait past its deadline with the KV still arriving is late (the link or this receiver
+/// slow, the sender sending), not a timeout (the sender silent): bytes that stopped arriving
+/// more than [`ARRIVING`] before it, or never came, are a timeout.
+#[tokio::test]
+async fn a_wait_past_its_deadline_is_late_only_while_bytes_arrive() {
+    let inbox = Inbox::new(InboxConfig::default());
+    let sender = [(SenderId::new(0, 0), span(0..8))];
+    let moving = inbox.register_region(room(1), 8, sender.clone()).unwrap();
+    let stopped = inbox.register_region(room(2), 8, sender.clone()).unwrap();
+    let silent = inbox.register_region(room(3), 8, sender).unwrap();
+    let half = |id| inbox.on_write(id, SenderId::new(0, 0), ConnId(0), &[(0, &b"abcd"[..])]);
+    half(stopped).unwrap();
+    tokio::time::sleep(ARRIVING * 3 / 2).await;
+    half(moving).unwrap();
+    let deadline = Instant::now() + ARRIVING / 2;
+    let late = inbox.wait(moving, deadline).await.unwrap_err();
+    assert!(matches!(late, TransferError::Late(_)), "{late}");
+    for (id, what) in [(stopped, "stopped"), (silent, "silent")] {
+        let e = inbox.wait(id, deadline).await.unwrap_err();
+        assert!(matches!(e, TransferError::Timeout(_)), "{what}: {e}");
+    }
+}
