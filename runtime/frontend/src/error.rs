@@ -19,6 +19,37 @@ pub enum Cause {
     Decode,
 }
 
+/// Which limit refused a request (429 / `RESOURCE_EXHAUSTED`), as a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// The frontend's requests in progress (`max_concurrent`).
+    Requests,
+    /// Its tokenizer: long inputs ahead took the request's time.
+    Tokenizer,
+    /// The decode's slots (`--max-decoding`): no slot within the request's time.
+    DecodeSlots,
+    /// The decode's memory: its KV budget, or its receive memory.
+    DecodeMemory,
+    /// The scheduler: every instance's queue too long for the request.
+    Scheduler,
+    /// Every prefill tried refused it.
+    Prefills,
+}
+
+impl Limit {
+    /// Its metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Limit::Requests => "requests",
+            Limit::Tokenizer => "tokenizer",
+            Limit::DecodeSlots => "decode_slots",
+            Limit::DecodeMemory => "decode_memory",
+            Limit::Scheduler => "scheduler",
+            Limit::Prefills => "prefills",
+        }
+    }
+}
+
 /// Errors of the frontend, mapped to gRPC status and HTTP codes at the edge.
 #[derive(Debug, Clone, Error)]
 pub enum FrontendError {
@@ -33,6 +64,8 @@ pub enum FrontendError {
     Overloaded {
         /// When trying again could succeed.
         retry_after: Duration,
+        /// Which limit refused it.
+        limit: Limit,
         /// Why.
         reason: String,
     },

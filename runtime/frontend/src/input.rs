@@ -65,6 +65,7 @@ pub(crate) async fn checked(
     });
     let turn = turn.await.map_err(|_| FrontendError::Overloaded {
         retry_after: Duration::from_secs(1),
+        limit: crate::Limit::Tokenizer,
         reason: "long inputs ahead of it took the time it had to be tokenized".into(),
     })?;
     let fe = fe.clone();

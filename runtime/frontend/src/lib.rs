@@ -44,7 +44,7 @@ pub mod traces;
 pub mod vllm;
 
 pub use config::FrontendConfig;
-pub use error::{Cause, FrontendError, RETRY_AFTER_MS};
+pub use error::{Cause, FrontendError, Limit, RETRY_AFTER_MS};
 pub use path::Frontend;
 pub use schedulers::Schedulers;
 pub use service::GenerateService;

@@ -18,6 +18,7 @@ use crate::{Cause, FrontendError};
 pub(crate) struct Metrics {
     pub(crate) registry: Arc<Registry>,
     requests: Arc<Family<Counter>>,
+    refusals: Arc<Family<Counter>>,
     pub(crate) tokens: Arc<Counter>,
     in_flight: Arc<Level>,
     ttft: Arc<Histogram>,
@@ -91,6 +92,12 @@ impl Metrics {
                 "Requests by how they ended (ok, refused, expired, invalid, failed, cancelled).",
                 &["outcome"],
             ),
+            refusals: r.counters(
+                "handoff_frontend_refusals_total",
+                "Requests refused (429), by the limit that refused them (requests, tokenizer, \
+                 decode_slots, decode_memory, scheduler, prefills).",
+                &["limit"],
+            ),
             tokens: r.counter("handoff_frontend_generated_tokens_total", "Tokens streamed."),
             in_flight: r.level("handoff_frontend_requests_in_flight", "Requests being served."),
             ttft: r.histogram(
@@ -148,6 +155,15 @@ impl Metrics {
     /// A request ended.
     pub(crate) fn ended(&self, how: Ending) {
         self.requests.with(&[how.label()]).inc();
+    }
+
+    /// A request failed with `e` before its first token: [`Metrics::ended`], and a refusal
+    /// counted by the limit that refused it.
+    pub(crate) fn failed(&self, e: &FrontendError) {
+        self.ended(Ending::of(e));
+        if let FrontendError::Overloaded { limit, .. } = e {
+            self.refusals.with(&[limit.label()]).inc();
+        }
     }
 
     pub(crate) fn first_token(&self, took: Duration) {

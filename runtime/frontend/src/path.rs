@@ -430,6 +430,7 @@ impl Frontend {
                         let retry_after = std::time::Duration::from_secs(1);
                         return Err(FrontendError::Overloaded {
                             retry_after,
+                            limit: crate::Limit::DecodeMemory,
                             reason: e.to_string(),
                         });
                     }

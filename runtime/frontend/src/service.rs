@@ -17,13 +17,13 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::decoding::Ticket;
+use crate::decoding::{DecodeFull, Ticket};
 use crate::input::{self, Plan};
 use crate::metrics::{Ending, Metrics};
 use crate::outbox::Outbox;
 use crate::path::Ready;
 use crate::text::TextAssembler;
-use crate::{Frontend, FrontendError};
+use crate::{Frontend, FrontendError, Limit};
 
 /// Messages a stream's decode runs ahead of its client by, at most: past them it waits for
 /// the client, for `client_stall` at most (see [`crate::config::FrontendConfig`]); what
@@ -249,6 +249,9 @@ pub(crate) async fn stream(
         token = match step {
             Ok(t) => t,
             Err(e) => {
+                // The decode engine's own fault (the prefill and the KV were good): worth a
+                // line, as an instance's fault is.
+                tracing::warn!(error = %e, generated, "decode failed after the first token");
                 // The tokens decoded before go first (until the deadline), then the error;
                 // neither the slot nor the KV is held meanwhile.
                 drop(ticket.take());
@@ -360,6 +363,10 @@ fn admitted(fe: &Frontend, plan: &Plan) -> Result<Option<Ticket>, FrontendError>
         Ok(ticket) => Ok(Some(ticket)),
         Err(full) => Err(FrontendError::Overloaded {
             retry_after: full.retry_after(),
+            limit: match full {
+                DecodeFull::Slots { .. } => Limit::DecodeSlots,
+                DecodeFull::Memory { .. } => Limit::DecodeMemory,
+            },
             reason: full.to_string(),
         }),
     }
@@ -390,6 +397,7 @@ pub(crate) async fn start(
         let permit =
             fe.limit.clone().try_acquire_owned().map_err(|_| FrontendError::Overloaded {
                 retry_after: std::time::Duration::from_secs(1),
+                limit: Limit::Requests,
                 reason: format!("{} requests in progress", fe.cfg.max_concurrent),
             })?;
         let plan = Plan { trace, ..input::checked(fe, req).await? };
@@ -406,7 +414,7 @@ pub(crate) async fn start(
     .await;
     unanswered.0 = None;
     if let Err(e) = &result {
-        fe.metrics.ended(Ending::of(e));
+        fe.metrics.failed(e);
     }
     result
 }

@@ -302,6 +302,10 @@ async fn a_burst_over_the_decodes_slots_is_served_or_refused_at_once_never_timed
     eprintln!("decode burst of 48: {served} served, {refused} refused");
     assert!(served >= 8, "what the slots serve in time is served: {served}");
     assert!(refused > 0, "what they cannot is refused");
+    let scrape = c.frontend.ops().scrape();
+    let by_limit =
+        format!("handoff_frontend_refusals_total{{limit=\"decode_slots\"}} {}\n", 8 + refused);
+    assert!(scrape.contains(&by_limit), "{by_limit} in {scrape}");
     let mut cl = client(&c).await;
     generate(&mut cl, &prompt(999, 32), 40).await.expect("served right after the burst");
     let slots = c.frontend.decode_slots().expect("the mock's batch bounds the decode");
@@ -477,6 +481,8 @@ async fn the_kv_held_for_the_decode_stays_within_its_budget() {
     let e = generate(&mut cl, &prompt(2, 32), 10).await.expect_err("refused");
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("decode KV budget full"), "{e:?}");
+    let scrape = c.frontend.ops().scrape();
+    assert!(scrape.contains("refusals_total{limit=\"decode_memory\"} 1\n"), "{scrape}");
     first.await.unwrap().expect("the first is served");
     generate(&mut cl, &prompt(3, 32), 10).await.expect("served once the first ended");
     c.shutdown().await;

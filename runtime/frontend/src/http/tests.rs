@@ -184,6 +184,7 @@ fn each_failure_has_its_status_and_overload_says_when_to_retry() {
     let status = |e: FrontendError| openai::ApiError::from(e).into_response();
     let r = status(FrontendError::Overloaded {
         retry_after: Duration::from_millis(1500),
+        limit: crate::Limit::Requests,
         reason: "busy".into(),
     });
     assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
@@ -206,6 +207,7 @@ fn each_failure_has_its_status_and_overload_says_when_to_retry() {
     // gRPC says the same.
     let s = tonic::Status::from(FrontendError::Overloaded {
         retry_after: Duration::from_millis(1500),
+        limit: crate::Limit::Requests,
         reason: "busy".into(),
     });
     assert_eq!(s.code(), tonic::Code::ResourceExhausted);

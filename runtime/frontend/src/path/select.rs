@@ -160,6 +160,7 @@ fn selected(
             tonic::Code::InvalidArgument => FrontendError::Invalid(s.message().to_owned()),
             tonic::Code::ResourceExhausted => FrontendError::Overloaded {
                 retry_after: retry_after(&s),
+                limit: crate::Limit::Scheduler,
                 // Said once: the error's own display says it is overload.
                 reason: s.message().trim_start_matches("overloaded: ").to_owned(),
             },

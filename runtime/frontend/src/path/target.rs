@@ -95,6 +95,7 @@ pub(super) fn all_failed(last: Option<Cause>, failed: &[Attempt]) -> FrontendErr
     match last {
         Some(Cause::Overloaded) => FrontendError::Overloaded {
             retry_after: std::time::Duration::from_secs(1),
+            limit: crate::Limit::Prefills,
             reason: summary(failed),
         },
         _ => FrontendError::Unavailable(summary(failed)),
