@@ -18,9 +18,11 @@ pub enum PrefillError {
     /// Too many requests queued.
     #[error("overloaded: {0}")]
     Overloaded(String),
-    /// The request's deadline passed.
-    #[error("deadline exceeded: {0}")]
-    Deadline(String),
+    /// The request's deadline passed while it waited in the engine's queue: alive, but too
+    /// busy to start it in time, an overload to the caller (`RESOURCE_EXHAUSTED`), counted
+    /// apart from a full queue's refusal (a queue that moves slowly or not at all).
+    #[error("overloaded: the deadline passed in the engine's queue after {0:?}")]
+    QueuedPastDeadline(std::time::Duration),
     /// The engine failed.
     #[error(transparent)]
     Engine(#[from] handoff_engine::EngineError),
@@ -50,8 +52,9 @@ impl From<PrefillError> for tonic::Status {
                 tonic::Status::invalid_argument(msg)
             }
             PrefillError::Mismatch(_) => tonic::Status::failed_precondition(msg),
-            PrefillError::Overloaded(_) => tonic::Status::resource_exhausted(msg),
-            PrefillError::Deadline(_) => tonic::Status::deadline_exceeded(msg),
+            PrefillError::Overloaded(_) | PrefillError::QueuedPastDeadline(_) => {
+                tonic::Status::resource_exhausted(msg)
+            }
             PrefillError::Draining => {
                 let mut s = tonic::Status::unavailable(msg);
                 let draining = tonic::metadata::MetadataValue::from_static("1");

@@ -81,7 +81,7 @@ impl PrefillMetrics {
             Err(PrefillError::Mismatch(_)) => "mismatch",
             Err(PrefillError::Overloaded(_)) => "overloaded",
             Err(PrefillError::Draining) => "draining",
-            Err(PrefillError::Deadline(_)) => "deadline",
+            Err(PrefillError::QueuedPastDeadline(_)) => "queue_deadline",
             Err(PrefillError::Engine(_)) => "engine",
             Err(PrefillError::Transfer(t) | PrefillError::ReceiverUnreachable(t)) => {
                 self.transfer_failures.with(&[t.kind()]).inc();

@@ -398,9 +398,7 @@ impl PrefillService {
         let permit = permit
             // Alive, but too busy to start it in time: an overload, not a silent instance
             // (the frontend refuses with 429 once every instance says so).
-            .map_err(|_| {
-                PrefillError::Overloaded("the deadline passed in the engine's queue".into())
-            })?
+            .map_err(|_| PrefillError::QueuedPastDeadline(waited.elapsed()))?
             .map_err(|_| PrefillError::Startup("engine slot closed".into()))?;
         let prefix = lock(&dp.cache).lookup(&hashes, tokens.len());
         let cached = prefix.as_ref().map_or(0, |p| p.tokens());

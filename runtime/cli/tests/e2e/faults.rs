@@ -428,6 +428,10 @@ async fn a_deadline_passed_in_a_prefills_queue_is_an_overload() {
     };
     let e = prefill.prefill(late).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
+    assert!(e.message().contains("deadline passed in the engine's queue"), "{e}");
+    // Counted apart from a full queue's refusals: a queue that does not move shows.
+    let scrape = c.prefills[0].ops().scrape();
+    assert!(scrape.contains("requests_total{result=\"queue_deadline\"} 1\n"), "{scrape}");
     busy.await.unwrap().expect("the request holding the engine is served");
 }
 
