@@ -157,7 +157,15 @@ impl MooncakeTransfer {
         shared.descriptor = target::descriptor(&shared).to_json();
         let shared = Arc::new(shared);
         target::serve(rpc, data, shared.clone(), tasks);
-        let client = initiator::Initiator::new(shared.session.clone(), cfg);
+        // Connections leave from the advertised address when it is one of this host's, so a
+        // peer's target (which takes data only from the address a handshake named) finds
+        // them from it on a host with several.
+        let source = shared
+            .data_host
+            .parse::<IpAddr>()
+            .ok()
+            .filter(|ip| !ip.is_unspecified() && std::net::UdpSocket::bind((*ip, 0)).is_ok());
+        let client = initiator::Initiator::new(shared.session.clone(), source, cfg);
         Ok(MooncakeTransfer { addr, shared, client })
     }
 

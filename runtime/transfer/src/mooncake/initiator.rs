@@ -2,6 +2,7 @@
 //! notifications, and v2 writes over a few pooled lanes per peer.
 
 use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -9,7 +10,7 @@ use bytes::Bytes;
 use futures::future::try_join_all;
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::Semaphore;
 
 use super::wire::{self, FrameType, Header, NotifyMsg, OP_V2, OP_WRITE, SegmentDesc, Status};
@@ -25,6 +26,8 @@ type Endpoint = (String, u16);
 /// A client of Mooncake targets (see the module docs).
 pub struct Initiator {
     session: String,
+    /// The address its connections leave from, when this host's own (see [`connect_from`]).
+    source: Option<IpAddr>,
     cfg: MooncakeConfig,
     descriptors: Mutex<HashMap<AgentAddr, Arc<SegmentDesc>>>,
     idle: Mutex<HashMap<Endpoint, Vec<TcpStream>>>,
@@ -47,10 +50,12 @@ fn io_err(peer: &AgentAddr, e: impl std::fmt::Display) -> TransferError {
 }
 
 impl Initiator {
-    /// A client that names itself `session` in its requests.
-    pub(super) fn new(session: String, cfg: MooncakeConfig) -> Self {
+    /// A client that names itself `session` in its requests, its connections leaving from
+    /// `source` (see [`connect_from`]).
+    pub(super) fn new(session: String, source: Option<IpAddr>, cfg: MooncakeConfig) -> Self {
         Initiator {
             session,
+            source,
             cfg,
             descriptors: Mutex::default(),
             idle: Mutex::default(),
@@ -72,7 +77,7 @@ impl Initiator {
         json: &[u8],
     ) -> Result<Vec<u8>, TransferError> {
         let run = async {
-            let mut s = TcpStream::connect((peer.ip.as_str(), peer.port))
+            let mut s = connect_from(self.source, &peer.ip, peer.port)
                 .await
                 .map_err(|e| io_err(peer, e))?;
             wire::write_frame(&mut s, t, json).await.map_err(|e| io_err(peer, e))?;
@@ -276,7 +281,7 @@ impl Initiator {
         endpoint: &Endpoint,
     ) -> Result<TcpStream, TransferError> {
         self.dials.fetch_add(1, Ordering::Relaxed);
-        let dial = TcpStream::connect((endpoint.0.as_str(), endpoint.1));
+        let dial = connect_from(self.source, &endpoint.0, endpoint.1);
         let s = tokio::time::timeout(self.cfg.connect_timeout, dial)
             .await
             .map_err(|_| io_err(peer, "mooncake data connect timed out"))?
@@ -295,4 +300,30 @@ impl Initiator {
             v.push(s);
         }
     }
+}
+
+/// A connection to `host:port` leaving from `source` when given and of the same family and
+/// scope (loopback to loopback, else beyond): a peer's target takes data and notices only from
+/// the address its handshake named, so on a host with several addresses (or routes) the
+/// kernel's choice of source would be refused. Unbound otherwise.
+pub(super) async fn connect_from(
+    source: Option<IpAddr>,
+    host: &str,
+    port: u16,
+) -> std::io::Result<TcpStream> {
+    let mut last = None;
+    for to in tokio::net::lookup_host((host, port)).await? {
+        let from = source.filter(|s| {
+            s.is_ipv4() == to.is_ipv4() && s.is_loopback() == to.ip().to_canonical().is_loopback()
+        });
+        let socket = if to.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        if let Some(ip) = from {
+            socket.bind(SocketAddr::new(ip, 0))?;
+        }
+        match socket.connect(to).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other(format!("{host} resolves to no address"))))
 }

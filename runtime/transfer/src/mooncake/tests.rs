@@ -25,10 +25,15 @@ async fn agent(tasks: &Tasks, token: Option<&str>) -> (Agent, Arc<MooncakeTransf
 }
 
 async fn agent_with(tasks: &Tasks, mc: MooncakeConfig) -> (Agent, Arc<MooncakeTransfer>) {
+    agent_on(tasks, mc, "127.0.0.1").await
+}
+
+/// An agent listening (and advertised) on `ip`.
+async fn agent_on(tasks: &Tasks, mc: MooncakeConfig, ip: &str) -> (Agent, Arc<MooncakeTransfer>) {
     let cfg = InboxConfig { token: mc.token.clone(), ..InboxConfig::default() };
     let inbox = Arc::new(Inbox::new(cfg));
-    let rpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let data = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let rpc = TcpListener::bind((ip, 0)).await.unwrap();
+    let data = TcpListener::bind((ip, 0)).await.unwrap();
     let t = Arc::new(MooncakeTransfer::serve(rpc, data, None, inbox.clone(), mc, tasks).unwrap());
     (Agent::new(t.clone(), inbox), t)
 }
@@ -98,6 +103,25 @@ async fn kv_moves_between_handoff_agents_and_is_verified() {
         chunks(1, 0).into_iter().chain(chunks(90, half)).flat_map(|(b, _)| b.to_vec()).collect();
     assert_eq!(got.buf, want);
     assert_eq!(got.notices.len(), 2);
+    p.tasks.shutdown().await;
+}
+
+/// A sender on a host with several addresses (here 127.0.0.2 beside 127.0.0.1) reaches a
+/// receiver that takes data only from the address its handshake named: its connections leave
+/// from its advertised address, not the one the kernel would pick (127.0.0.1, the route's).
+#[tokio::test]
+async fn a_sender_with_several_addresses_sends_from_the_one_it_advertised() {
+    let tasks = Tasks::new();
+    let (tx, _) = agent_on(&tasks, MooncakeConfig::default(), "127.0.0.2").await;
+    let (rx, rx_backend) = agent(&tasks, None).await;
+    let p = Pair { tasks, tx, rx, rx_backend };
+    assert_eq!(p.tx.addr().ip, "127.0.0.2");
+    let (r, s) = (Room::mint(), SenderId::new(0, 0));
+    let id = region(&p, r, 20_000, &[s], None).await;
+    let w = WriteRequest::new(id, vec![(pattern(20_000, 3), 0)], r, s, 7, 10, 0);
+    p.tx.post_write(&p.rx.addr(), w).await.unwrap();
+    let got = p.rx.inbox().wait(id, deadline()).await.unwrap();
+    assert_eq!(got.buf, pattern(20_000, 3).to_vec());
     p.tasks.shutdown().await;
 }
 
