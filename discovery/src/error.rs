@@ -21,6 +21,16 @@ pub enum DiscoveryError {
         /// The bound.
         limit: usize,
     },
+    /// The instance id is registered by another live process.
+    #[error(
+        "instance id {id} is registered by another live process (at {holder}): give each instance its own --id"
+    )]
+    Taken {
+        /// The id.
+        id: String,
+        /// Where its holder is.
+        holder: String,
+    },
     /// A payload that does not decode.
     #[error("malformed discovery payload: {0}")]
     Malformed(#[from] serde_json::Error),

@@ -25,6 +25,7 @@ use tracing::{info, warn};
 
 use crate::{DiscoveryError, Instance, Registry, Role, ServerAccess, Update};
 
+mod claim;
 mod patience;
 
 /// Where instances live in etcd.
@@ -228,6 +229,12 @@ impl Registry for EtcdRegistry {
                 bytes: value.len(),
                 limit: MAX_REGISTRATION_BYTES,
             });
+        }
+        // Another live process's id is refused; this process's own (registering again) and a
+        // predecessor's whose lease runs out are not.
+        let own = self.leases.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&instance.id);
+        if !own {
+            claim::await_free(&mut self.client.clone(), &key, &instance, self.ttl).await?;
         }
         // An etcd not reachable yet (the process started first) is waited for.
         let what = format!("{key} registered");

@@ -244,7 +244,6 @@ impl Inbox {
             notices: Vec::new(),
             state: watch::Sender::new(KvPoll::Bootstrapping),
             error: None,
-            last_arrival: None,
         };
         let id = loop {
             let id = RegionId(rand::random());
@@ -312,8 +311,9 @@ impl Inbox {
     }
 
     /// Waits until the region succeeds or fails, or `deadline`; the region is removed
-    /// either way. Past the deadline with bytes arriving in its last [`ARRIVING`], the error
-    /// is [`TransferError::Late`] (the sender is sending), else [`TransferError::Timeout`].
+    /// either way. Past the deadline with its KV still arriving (every sender missing bytes
+    /// sent some in its last [`ARRIVING`], at a rate that moves a KV), the error is
+    /// [`TransferError::Late`] (the senders are sending), else [`TransferError::Timeout`].
     pub async fn wait(&self, id: RegionId, deadline: Instant) -> Result<Received, TransferError> {
         let mut rx = lock(&*self.region(id)?).state.subscribe();
         let done = rx.wait_for(|s| matches!(s, KvPoll::Success | KvPoll::Failed));
@@ -331,9 +331,9 @@ impl Inbox {
                 notices: std::mem::take(&mut region.notices),
             }),
             KvPoll::Failed => Err(TransferError::Failed(region.error.take().unwrap_or_default())),
-            _ if timed_out && region.arrived_within(ARRIVING, deadline) => {
-                Err(TransferError::Late(format!("bytes came within {ARRIVING:?} of the deadline")))
-            }
+            _ if timed_out && region.arriving(ARRIVING, deadline) => Err(TransferError::Late(
+                format!("every sender missing bytes sent some in the last {ARRIVING:?}"),
+            )),
             s if timed_out => Err(TransferError::Timeout(format!("waiting for KV in state {s:?}"))),
             s => Err(TransferError::Failed(format!("region closed in state {s:?}"))),
         }

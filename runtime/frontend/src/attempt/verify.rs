@@ -2,11 +2,11 @@
 
 use futures::future::try_join_all;
 use handoff_core::Room;
-use handoff_transfer::{Inbox, Received};
+use handoff_transfer::{Inbox, Received, TransferError};
 use tokio::time::Instant;
 
 use super::{RegionGuard, call};
-use crate::FrontendError;
+use crate::{Cause, FrontendError};
 
 /// The regions' KV, when the handshakes were done, and what the notices agree on.
 pub(super) struct Verified {
@@ -37,8 +37,18 @@ pub(super) async fn receive(
     deadline: Instant,
 ) -> Result<Verified, FrontendError> {
     let waits = async {
-        let w = regions.iter().map(|g| inbox.wait(g.id, deadline));
-        try_join_all(w).await.map_err(|e| FrontendError::transfer("verify", e))
+        // A region still arriving at the deadline waits for the others' word (they end at the
+        // same deadline): one silent or failed is the answer, not the one still arriving.
+        let w = regions.iter().map(|g| async {
+            match inbox.wait(g.id, deadline).await {
+                Err(late @ TransferError::Late(_)) => Ok(Err(late)),
+                r => r.map(Ok),
+            }
+        });
+        let all = try_join_all(w).await.map_err(|e| FrontendError::transfer("verify", e))?;
+        all.into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| FrontendError::transfer("verify", e))
     };
     tokio::pin!(connected, waits);
     let mut connected_at = None;
@@ -46,14 +56,18 @@ pub(super) async fn receive(
         tokio::select! {
             c = &mut connected, if connected_at.is_none() => connected_at = Some(c?),
             w = &mut waits => break w?,
-            a = call.answer(), if call.is_out() => {
-                if let Err(e) = a {
+            a = call.answer(), if call.is_out() => match a {
+                // The call ran out of the attempt's time with the waits, which end now too:
+                // theirs says whether the KV was still arriving (slow, not silent).
+                Err(e) if e.cause() == Some(Cause::Deadline) && Instant::now() >= deadline => {}
+                Err(e) => {
                     if connected_at.is_none() {
                         (&mut connected).await?;
                     }
                     return Err(e);
                 }
-            }
+                Ok(()) => {}
+            },
         }
     };
     let connected_at = match connected_at {

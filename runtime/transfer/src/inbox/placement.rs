@@ -10,6 +10,9 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use xxhash_rust::xxh3::Xxh3;
 
@@ -54,7 +57,21 @@ pub(super) struct Placement {
     holds: u64,
     pub(super) bytes: u64,
     pub(super) checksum: u64,
+    /// How its bytes have been arriving (none yet: `None`).
+    pub(super) arrival: Option<Arrival>,
 }
+
+/// How one sender's bytes have been arriving: when the first and the last came, and how many.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Arrival {
+    first: Instant,
+    last: Instant,
+    bytes: u64,
+}
+
+/// The least rate, since its first byte, at which a sender's bytes count as arriving (see
+/// [`Placement::arriving`]): a byte a second does not, any link worth the name does.
+pub(super) const ARRIVING_RATE: u64 = 1 << 20;
 
 /// Sorts and merges `ranges` (empty ones dropped); `None` if two overlap.
 pub(super) fn normalize(mut ranges: Vec<Range<u64>>) -> Option<Vec<Range<u64>>> {
@@ -84,7 +101,30 @@ impl Placement {
             holds: 0,
             bytes: 0,
             checksum: 0,
+            arrival: None,
         }
+    }
+
+    /// `n` of its bytes (at least one) arrived at `now`.
+    pub(super) fn arrive(&mut self, n: u64, now: Instant) {
+        let a = self.arrival.get_or_insert(Arrival { first: now, last: now, bytes: 0 });
+        a.last = now;
+        a.bytes = a.bytes.saturating_add(n);
+    }
+
+    /// Whether its bytes were still arriving at `at`: its last within `window` before it,
+    /// at [`ARRIVING_RATE`] at least since its first.
+    pub(super) fn arriving(&self, window: Duration, at: Instant) -> bool {
+        self.arrival.is_some_and(|a| {
+            let over = at.saturating_duration_since(a.first).max(Duration::from_millis(1));
+            at.saturating_duration_since(a.last) <= window
+                && a.bytes as f64 / over.as_secs_f64() >= ARRIVING_RATE as f64
+        })
+    }
+
+    /// Whether every byte of its ranges is written.
+    pub(super) fn complete(&self) -> bool {
+        self.bytes >= self.total()
     }
 
     /// Whether `offset` lies in one of its ranges.

@@ -6,6 +6,8 @@ use std::io;
 use std::task::Poll;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use handoff_core::Room;
 use tokio::io::ReadBuf;
 use tokio::sync::watch;
@@ -28,8 +30,6 @@ pub(super) struct Region {
     pub(super) notices: Vec<Notice>,
     pub(super) state: watch::Sender<KvPoll>,
     pub(super) error: Option<String>,
-    /// When its last bytes arrived (none yet: `None`).
-    pub(super) last_arrival: Option<tokio::time::Instant>,
 }
 
 impl Region {
@@ -51,6 +51,10 @@ impl Region {
             p.record(off, b);
             Ok::<(), String>(())
         });
+        let landed: u64 = segments.iter().map(|(_, b)| b.len() as u64).sum();
+        if checked.is_ok() && landed > 0 {
+            p.arrive(landed, Instant::now());
+        }
         self.landed(sender, checked)
     }
 
@@ -110,8 +114,9 @@ impl Region {
         };
         if let Poll::Ready(Ok(got @ 1..)) = read {
             p.record_range(off, got as u64);
+            p.arrive(got as u64, Instant::now());
             hasher.update(place.filled());
-            self.arrived();
+            self.advance(KvPoll::Transferring);
         }
         Ok(read)
     }
@@ -159,9 +164,12 @@ impl Region {
         let Some(read) = fill_in(&mut place, fill) else {
             return Err(self.refuse(sender, "a read put its bytes elsewhere".into()));
         };
-        if let Poll::Ready(Ok(1..)) = read {
+        if let Poll::Ready(Ok(got @ 1..)) = read {
             hasher.update(place.filled());
-            self.arrived();
+            if let Some(p) = self.expected.get_mut(&sender) {
+                p.arrive(got as u64, Instant::now());
+            }
+            self.advance(KvPoll::Transferring);
         }
         Ok(read)
     }
@@ -229,7 +237,7 @@ impl Region {
         checked: Result<(), String>,
     ) -> Result<(), TransferError> {
         checked.map_err(|e| self.refuse(sender, e))?;
-        self.arrived();
+        self.advance(KvPoll::Transferring);
         Ok(())
     }
 
@@ -255,15 +263,13 @@ impl Region {
         }
     }
 
-    /// Bytes arrived: the region is transferring, as of now.
-    fn arrived(&mut self) {
-        self.last_arrival = Some(tokio::time::Instant::now());
-        self.advance(KvPoll::Transferring);
-    }
-
-    /// Whether bytes arrived within `window` before `at` (or after it).
-    pub(super) fn arrived_within(&self, window: Duration, at: tokio::time::Instant) -> bool {
-        self.last_arrival.is_some_and(|t| at.saturating_duration_since(t) <= window)
+    /// Whether its KV was still arriving at `at` (a wait's deadline): some sender's bytes
+    /// are missing, and every sender missing some was sending within `window` before it, at
+    /// a rate that moves a KV ([`Placement::arriving`]). A sender silent (or trickling), or
+    /// every byte in with a notice missing, is not arriving: the sender went quiet.
+    pub(super) fn arriving(&self, window: Duration, at: Instant) -> bool {
+        let mut missing = self.expected.values().filter(|p| !p.complete()).peekable();
+        missing.peek().is_some() && missing.all(|p| p.arriving(window, at))
     }
 
     pub(super) fn advance(&mut self, to: KvPoll) {

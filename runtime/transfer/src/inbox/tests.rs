@@ -370,24 +370,33 @@ fn whether_a_region_is_open_is_answered_without_waiting_for_it() {
 }
 
 /// A wait past its deadline with the KV still arriving is late (the link or this receiver
-/// slow, the sender sending), not a timeout (the sender silent): bytes that stopped arriving
-/// more than [`ARRIVING`] before it, or never came, are a timeout.
+/// slow, the senders sending), not a timeout (a sender silent): bytes that stopped arriving
+/// more than [`ARRIVING`] before it, never came, came at a trickle, or came from one sender
+/// while another said nothing, are a timeout.
 #[tokio::test]
-async fn a_wait_past_its_deadline_is_late_only_while_bytes_arrive() {
+async fn a_wait_past_its_deadline_is_late_only_while_every_sender_sends() {
+    const MIB: u64 = 1 << 20;
     let inbox = Inbox::new(InboxConfig::default());
-    let sender = [(SenderId::new(0, 0), span(0..8))];
-    let moving = inbox.register_region(room(1), 8, sender.clone()).unwrap();
-    let stopped = inbox.register_region(room(2), 8, sender.clone()).unwrap();
-    let silent = inbox.register_region(room(3), 8, sender).unwrap();
-    let half = |id| inbox.on_write(id, SenderId::new(0, 0), ConnId(0), &[(0, &b"abcd"[..])]);
-    half(stopped).unwrap();
+    let (a, b) = (SenderId::new(0, 0), SenderId::new(1, 0));
+    let one = |r: u64| inbox.register_region(room(r), 2 * MIB, [(a, span(0..2 * MIB))]).unwrap();
+    let (moving, stopped, silent, trickle) = (one(1), one(2), one(3), one(4));
+    let halves = [(a, span(0..MIB)), (b, span(MIB..2 * MIB))];
+    let one_quiet = inbox.register_region(room(5), 2 * MIB, halves).unwrap();
+    let mib = vec![7u8; MIB as usize];
+    let send = |id, s, off: u64, n: usize| inbox.on_write(id, s, ConnId(0), &[(off, &mib[..n])]);
+    send(stopped, a, 0, MIB as usize).unwrap();
     tokio::time::sleep(ARRIVING * 3 / 2).await;
-    half(moving).unwrap();
+    send(moving, a, 0, MIB as usize).unwrap();
+    send(trickle, a, 0, 4).unwrap();
+    send(one_quiet, a, 0, MIB as usize).unwrap();
     let deadline = Instant::now() + ARRIVING / 2;
     let late = inbox.wait(moving, deadline).await.unwrap_err();
     assert!(matches!(late, TransferError::Late(_)), "{late}");
-    for (id, what) in [(stopped, "stopped"), (silent, "silent")] {
+    for (id, what) in [(stopped, "stopped"), (silent, "silent"), (trickle, "trickle")] {
         let e = inbox.wait(id, deadline).await.unwrap_err();
         assert!(matches!(e, TransferError::Timeout(_)), "{what}: {e}");
     }
+    // Its first sender done, its second silent: the silent one speaks for the region.
+    let e = inbox.wait(one_quiet, deadline).await.unwrap_err();
+    assert!(matches!(e, TransferError::Timeout(_)), "one sender quiet: {e}");
 }
