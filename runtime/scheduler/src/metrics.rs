@@ -138,6 +138,7 @@ struct Gauges {
     token_cost: Arc<Family<Gauge>>,
     send_cost: Arc<Family<Gauge>>,
     bookings: Arc<Gauge>,
+    bus_silent: Arc<Gauge>,
     rejects: Arc<Family<Tally>>,
     index_blocks: Arc<Gauge>,
     engine_batches: Arc<Family<Tally>>,
@@ -184,6 +185,11 @@ impl Gauges {
                 &["prefill"],
             ),
             bookings: r.gauge("handoff_scheduler_open_bookings", "Bookings not yet reported."),
+            bus_silent: r.gauge(
+                "handoff_scheduler_bus_silent",
+                "1 while prefills are registered and none has been heard on NATS for the \
+                 liveness timeout (NATS down, or not theirs): routing on the last known state.",
+            ),
             rejects: r.tallies(
                 "handoff_scheduler_rejected_inputs_total",
                 "Bad input dropped since start, by kind (malformed events, sequence gaps, ...).",
@@ -232,6 +238,8 @@ impl Gauges {
             self.endings.with(&[prefill, "expired"]).set(s.endings.expired);
         }
         self.bookings.set(state.open_bookings() as f64);
+        let silent = state.bus_silent_at(std::time::Instant::now());
+        self.bus_silent.set(if silent { 1.0 } else { 0.0 });
         self.index_blocks.set(all.iter().map(|s| s.cached_blocks as f64).sum());
         self.engine_batches.clear();
         self.engine_lag.clear();

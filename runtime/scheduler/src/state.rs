@@ -171,6 +171,8 @@ struct Inner {
     /// replica's own, echoed, included: a fleet of engines sends no heartbeat).
     last_bus: Option<Instant>,
     bus_quiet: bool,
+    /// Whether the log said prefills were registered and none ever heard (once).
+    said_unheard: bool,
     /// When the last sweep ran: a gap of half the liveness timeout is this process stopped
     /// (see `sweep_at`).
     last_sweep: Option<Instant>,
@@ -300,6 +302,7 @@ impl SchedulerState {
             last_bus: None,
             last_sweep: None,
             bus_quiet: false,
+            said_unheard: false,
             run: handoff_kv_index::Run::new(),
             candidates: Vec::new(),
             ties: cheapest::Ties::default(),

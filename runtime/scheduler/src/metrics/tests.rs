@@ -1,5 +1,16 @@
+use std::time::Instant;
+
+use handoff_discovery::{Heartbeat, Instance, Role, Topology, Update};
+
 use super::*;
 use crate::SchedulerConfig;
+
+fn prefill(id: &str) -> Instance {
+    Instance {
+        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
+        ..Instance::fixture(id.parse().unwrap(), Role::Prefill)
+    }
+}
 
 /// A replica in a frontend is ready as its frontend is announced and not draining, and says
 /// so; one of its own says it is not registered yet.
@@ -22,19 +33,11 @@ fn each_host_has_its_own_readiness_reason() {
 /// were lost) apart.
 #[test]
 fn each_instances_bookings_are_counted_by_how_they_ended() {
-    use std::time::Instant;
-
-    use handoff_discovery::{Instance, Role, Topology, Update};
-
     use crate::state::{Ask, Outcome};
 
     let cfg = SchedulerConfig { booking_grace: Duration::from_secs(5), ..Default::default() };
     let s = Arc::new(SchedulerState::new(cfg));
-    let a = Instance {
-        topology: Topology { dp: 1, tp: 1, pp: 1, cp: 1 },
-        ..Instance::fixture("a".parse().unwrap(), Role::Prefill)
-    };
-    s.apply_update(Update::Reset(vec![a]));
+    s.apply_update(Update::Reset(vec![prefill("a")]));
     let (t0, hashes) = (Instant::now(), handoff_core::block_hashes(&[1; 32], 16));
     for outcome in [Outcome::InstanceFault, Outcome::InstanceFault, Outcome::Success] {
         let sel = s.select_at(&Ask::new(&hashes, 32), t0).unwrap();
@@ -50,4 +53,28 @@ fn each_instances_bookings_are_counted_by_how_they_ended() {
         );
         assert!(text.contains(&line), "{line} in {text}");
     }
+}
+
+/// Prefills registered and never heard (NATS down, or a `--nats` that is not theirs) show,
+/// rather than routing with no load or cache information unseen; the first heartbeat ends it.
+#[test]
+fn prefills_registered_and_never_heard_show_as_a_silent_bus() {
+    let s = Arc::new(SchedulerState::new(SchedulerConfig::default()));
+    let t0 = Instant::now();
+    s.apply_update(Update::Reset(vec![prefill("a")]));
+    let later = t0 + SchedulerConfig::default().liveness_timeout + Duration::from_secs(1);
+    assert!(!s.bus_silent_at(t0), "just registered");
+    assert!(s.bus_silent_at(later), "a timeout and not a word");
+    let beat = Heartbeat {
+        dp_queued_tokens: Vec::new(),
+        instance: "a".parse().unwrap(),
+        queued_tokens: 0,
+        running: 0,
+        kv_bytes: 0,
+        prefill_ns_per_token: 0,
+        send_ns_per_token: 0,
+    };
+    s.heartbeat_at(&beat, later);
+    assert!(!s.bus_silent_at(later + Duration::from_millis(100)), "heard");
+    assert!(ops(&s).scrape().contains("handoff_scheduler_bus_silent 0\n"));
 }

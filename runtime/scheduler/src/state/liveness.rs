@@ -69,6 +69,14 @@ impl SchedulerState {
         (resumed || unsynced) && sync::start(&mut inner.resyncing, &hb.instance)
     }
 
+    /// Whether a prefill registered for longer than the liveness timeout exists and no
+    /// heartbeat has been heard for as long: NATS down, or not the server the prefills
+    /// publish to (a wrong `--nats`). Routing then runs on the last known state, or with no
+    /// load or cache information at all when none was ever heard.
+    pub fn bus_silent_at(&self, now: Instant) -> bool {
+        self.lock().bus_silent(now, self.cfg.liveness_timeout)
+    }
+
     /// Takes instances not heard from within the liveness timeout out of routing and drops
     /// their index entries. Returns the ones taken out now.
     pub fn sweep(&self) -> Vec<InstanceId> {
@@ -107,6 +115,14 @@ impl SchedulerState {
                 );
                 inner.bus_quiet = true;
             }
+        }
+        // Prefills registered (in etcd) and never heard (on NATS): two servers that are not
+        // one cluster's, said once. (A bus heard and then gone is said above.)
+        if inner.last_beat.is_none() && !inner.said_unheard && inner.bus_silent(now, timeout) {
+            warn!(
+                "prefills registered for {timeout:?} and not one heartbeat heard from any: is --nats the NATS server they publish to? Routing has no load or cache information meanwhile"
+            );
+            inner.said_unheard = true;
         }
         // The other replicas' load reports ride the same bus: while nothing is heard on it
         // their load is kept (their requests are still queued at the prefills).
@@ -147,6 +163,13 @@ impl SchedulerState {
 }
 
 impl Inner {
+    /// See [`SchedulerState::bus_silent_at`].
+    fn bus_silent(&self, now: Instant, timeout: std::time::Duration) -> bool {
+        let old = |t: Instant| now.saturating_duration_since(t) > timeout;
+        self.last_beat.is_none_or(old)
+            && self.members.values().any(|m| !self.engines.contains(&m.instance.id) && old(m.seen))
+    }
+
     /// Counts everyone as heard at `now`: instances (engines too), replicas, and the bus.
     fn heard_all(&mut self, now: Instant) {
         for m in self.members.values_mut() {
