@@ -143,6 +143,7 @@ impl Breaker {
                 Breaker::HalfOpen { successes: successes + 1, probing: false }
             }
             (Breaker::HalfOpen { .. }, false) => {
+                warn!(%instance, "circuit breaker probe failed; open again");
                 Breaker::Open { until: Instant::now() + cfg.cooldown }
             }
             (open @ Breaker::Open { .. }, _) => open,
