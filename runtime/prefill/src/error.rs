@@ -43,6 +43,23 @@ pub enum PrefillError {
     Startup(String),
 }
 
+impl PrefillError {
+    /// A failed request in the log, in its request's span (room, trace id): a fault (the
+    /// engine, a transfer, named with its peer, this instance) at warn, as the frontend's
+    /// attempt faults are; refusals and bad input at debug (all counted in
+    /// `handoff_prefill_requests_total`).
+    pub(crate) fn log(&self) {
+        match self {
+            PrefillError::Engine(_)
+            | PrefillError::Transfer(_)
+            | PrefillError::ReceiverUnreachable(_)
+            | PrefillError::Discovery(_)
+            | PrefillError::Startup(_) => tracing::warn!(error = %self, "prefill failed"),
+            _ => tracing::debug!(error = %self, "prefill refused"),
+        }
+    }
+}
+
 impl From<PrefillError> for tonic::Status {
     fn from(e: PrefillError) -> Self {
         use handoff_engine::EngineError;

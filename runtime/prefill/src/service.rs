@@ -291,6 +291,9 @@ impl PrefillService {
         let served = self.serve(req).await;
         unanswered.0 = None;
         self.inner.metrics.ended(served.as_ref().map(|_| ()));
+        if let Err(e) = &served {
+            e.log();
+        }
         served
     }
 
