@@ -30,6 +30,10 @@ pub mod metadata {
     /// On a scheduler's refusal of `SelectPrefill`: how many of the reports sent along it
     /// took (as `SelectPrefillResponse.reports_taken` says on an answer).
     pub const REPORTS_TAKEN: &str = "handoff-reports-taken";
+    /// On a frontend's answer, success or error (gRPC metadata, HTTP header): the request's
+    /// trace id (the caller's `traceparent`'s, or one minted for it), which every process's
+    /// log lines of the request carry: what a client quotes to an operator.
+    pub const REQUEST_ID: &str = "x-request-id";
 }
 
 /// Bounds on `PrefillRequest.handshakes`: the prefill refuses more, and a frontend that would

@@ -29,6 +29,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::input::Plan;
+use crate::{Frontend, FrontendError, Limit};
+
 /// The decode's slots and the requests admitted to them (see the module docs).
 #[derive(Debug)]
 pub struct DecodeSlots {
@@ -279,6 +282,30 @@ impl Drop for Ticket {
         c.admitted = c.admitted.saturating_sub(1);
         c.kv_bytes = c.kv_bytes.saturating_sub(self.kv_bytes);
         // The slot goes back with the ticket's fields, after the count.
+    }
+}
+
+/// Admits `plan` to the decode's slots, if it has a bound (see [`crate::decoding`]): before
+/// its prefill, so a request the decode cannot take in time costs no prefill.
+pub(crate) fn admit_request(fe: &Frontend, plan: &Plan) -> Result<Option<Ticket>, FrontendError> {
+    // One token is the prefill's: no decode step, no slot.
+    let Some(slots) = fe.decoding.as_ref().filter(|_| plan.max_tokens > 1) else {
+        return Ok(None);
+    };
+    let decode = fe.expected_decode(plan.max_tokens);
+    let left = plan.deadline.saturating_duration_since(tokio::time::Instant::now());
+    let kv_bytes =
+        (plan.tokens.len() as u64).saturating_mul(fe.engine.info().shape.token_bytes() as u64);
+    match slots.admit(decode, left, kv_bytes) {
+        Ok(ticket) => Ok(Some(ticket)),
+        Err(full) => Err(FrontendError::Overloaded {
+            retry_after: full.retry_after(),
+            limit: match full {
+                DecodeFull::Slots { .. } => Limit::DecodeSlots,
+                DecodeFull::Memory { .. } => Limit::DecodeMemory,
+            },
+            reason: full.to_string(),
+        }),
     }
 }
 

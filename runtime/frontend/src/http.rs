@@ -19,6 +19,7 @@ use axum::routing::{get, post};
 use futures::StreamExt;
 use handoff_core::body::BodyRefused;
 use handoff_core::traffic::{Protocol, TrafficLayer};
+use handoff_proto::metadata::REQUEST_ID;
 use handoff_proto::trace::{TRACEPARENT, TraceContext};
 use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::generate_response::Event;
@@ -171,6 +172,8 @@ async fn chat(
     headers: axum::http::HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let trace = trace_of(&headers);
+    let request_id = trace.trace_id();
     let run = async {
         let body = read(body)?;
         let req: ChatRequest = parse(&body)?;
@@ -190,9 +193,9 @@ async fn chat(
             sampling: Some(sampling(&sampled)?),
             ..Default::default()
         };
-        respond(&fe, g, trace_of(&headers), &req.model, &sampled, true).await
+        respond(&fe, g, trace, &req.model, &sampled, true).await
     };
-    run.await.unwrap_or_else(IntoResponse::into_response)
+    with_request_id(run.await.unwrap_or_else(IntoResponse::into_response), &request_id)
 }
 
 async fn completions(
@@ -200,6 +203,8 @@ async fn completions(
     headers: axum::http::HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let trace = trace_of(&headers);
+    let request_id = trace.trace_id();
     let run = async {
         let body = read(body)?;
         let req: CompletionRequest = parse(&body)?;
@@ -215,9 +220,17 @@ async fn completions(
             sampling: Some(sampling(&sampled)?),
             ..Default::default()
         };
-        respond(&fe, g, trace_of(&headers), &req.model, &sampled, false).await
+        respond(&fe, g, trace, &req.model, &sampled, false).await
     };
-    run.await.unwrap_or_else(IntoResponse::into_response)
+    with_request_id(run.await.unwrap_or_else(IntoResponse::into_response), &request_id)
+}
+
+/// `r` with the request's id (its trace id: see [`REQUEST_ID`]).
+fn with_request_id(mut r: Response, id: &str) -> Response {
+    if let Ok(v) = axum::http::HeaderValue::from_str(id) {
+        r.headers_mut().insert(REQUEST_ID, v);
+    }
+    r
 }
 
 fn finish_reason(r: i32) -> &'static str {
@@ -245,8 +258,8 @@ async fn respond(
     s: &openai::Sampling,
     chat: bool,
 ) -> Result<Response, ApiError> {
+    let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, trace.trace_id());
     let rx = crate::service::start(fe, g, trace).await?;
-    let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_id());
     if s.stream == Some(true) {
         let include_usage =
             s.stream_options.as_ref().is_some_and(|o| o.include_usage == Some(true));
@@ -261,10 +274,6 @@ async fn respond(
     };
     let body = json!({"id": id, "object": object, "created": now(), "model": model, "choices": [choice], "usage": usage(done.usage)});
     Ok(Json(body).into_response())
-}
-
-fn rand_id() -> u64 {
-    handoff_core::Room::mint().get()
 }
 
 async fn collect(

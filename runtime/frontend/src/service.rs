@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::decoding::{DecodeFull, Ticket};
+use crate::decoding::Ticket;
 use crate::input::{self, Plan};
 use crate::metrics::{Ending, Metrics};
 use crate::outbox::Outbox;
@@ -348,30 +348,6 @@ async fn decode_turn(
     Ok(())
 }
 
-/// Admits `plan` to the decode's slots, if it has a bound (see [`crate::decoding`]): before
-/// its prefill, so a request the decode cannot take in time costs no prefill.
-fn admitted(fe: &Frontend, plan: &Plan) -> Result<Option<Ticket>, FrontendError> {
-    // One token is the prefill's: no decode step, no slot.
-    let Some(slots) = fe.decoding.as_ref().filter(|_| plan.max_tokens > 1) else {
-        return Ok(None);
-    };
-    let decode = fe.expected_decode(plan.max_tokens);
-    let left = plan.deadline.saturating_duration_since(Instant::now());
-    let kv_bytes =
-        (plan.tokens.len() as u64).saturating_mul(fe.engine.info().shape.token_bytes() as u64);
-    match slots.admit(decode, left, kv_bytes) {
-        Ok(ticket) => Ok(Some(ticket)),
-        Err(full) => Err(FrontendError::Overloaded {
-            retry_after: full.retry_after(),
-            limit: match full {
-                DecodeFull::Slots { .. } => Limit::DecodeSlots,
-                DecodeFull::Memory { .. } => Limit::DecodeMemory,
-            },
-            reason: full.to_string(),
-        }),
-    }
-}
-
 /// Counts a request that was dropped before it was answered (its client went away).
 struct Unanswered<'a>(Option<&'a Frontend>);
 
@@ -401,7 +377,7 @@ pub(crate) async fn start(
                 reason: format!("{} requests in progress", fe.cfg.max_concurrent),
             })?;
         let plan = Plan { trace, ..input::checked(fe, req).await? };
-        let ticket = admitted(fe, &plan)?;
+        let ticket = crate::decoding::admit_request(fe, &plan)?;
         let ready = fe.prefill(&plan).await?;
         let (tx, rx) = mpsc::channel(64);
         let f = fe.clone();
@@ -428,8 +404,25 @@ impl Generate for GenerateService {
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let trace = TraceContext::from_metadata(req.metadata());
-        let rx = start(&self.frontend, req.into_inner(), trace).await?;
-        Ok(Response::new(ReceiverStream::new(rx)))
+        // The request's id on its answer, success or error (see `REQUEST_ID`).
+        let id = trace.trace_id().parse::<tonic::metadata::MetadataValue<_>>().ok();
+        let tag = |m: &mut tonic::metadata::MetadataMap| {
+            if let Some(v) = id.clone() {
+                m.insert(handoff_proto::metadata::REQUEST_ID, v);
+            }
+        };
+        match start(&self.frontend, req.into_inner(), trace).await {
+            Ok(rx) => {
+                let mut answer = Response::new(ReceiverStream::new(rx));
+                tag(answer.metadata_mut());
+                Ok(answer)
+            }
+            Err(e) => {
+                let mut refused = Status::from(e);
+                tag(refused.metadata_mut());
+                Err(refused)
+            }
+        }
     }
 }
 

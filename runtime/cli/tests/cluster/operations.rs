@@ -319,8 +319,8 @@ async fn sigterm_lets_a_frontends_streams_finish() {
 }
 
 /// Posts a small completion with `traceparent` to the frontend's HTTP API until it is served
-/// (the scheduler hears of the prefill a moment after the frontend does).
-pub(crate) async fn post_completion(addr: &str, traceparent: &str) {
+/// (the scheduler hears of the prefill a moment after the frontend does): the answer.
+pub(crate) async fn post_completion(addr: &str, traceparent: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let body = r#"{"model": "", "prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], "max_tokens": 2}"#;
     let start = Instant::now();
@@ -335,7 +335,7 @@ pub(crate) async fn post_completion(addr: &str, traceparent: &str) {
         let mut out = String::new();
         s.read_to_string(&mut out).await.unwrap();
         if out.starts_with("HTTP/1.1 200") {
-            return;
+            return out;
         }
         assert!(start.elapsed() < Duration::from_secs(10), "{out}");
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -399,7 +399,10 @@ async fn a_callers_traceparent_reaches_the_scheduler_and_the_prefill_logs() {
     wait_routable(&sched_ops, 1).await;
 
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    post_completion(&fe_http, &format!("00-{trace_id}-00f067aa0ba902b7-01")).await;
+    let answer = post_completion(&fe_http, &format!("00-{trace_id}-00f067aa0ba902b7-01")).await;
+    // The client is told the id every log line of its request carries.
+    assert!(answer.contains(&format!("x-request-id: {trace_id}\r\n")), "{answer}");
+    assert!(answer.contains(&format!("\"id\":\"cmpl-{trace_id}\"")), "{answer}");
     let seen = |log: &LogFile, message: &str| {
         let start = Instant::now();
         loop {
