@@ -195,6 +195,12 @@ pub trait EventBus: Send + Sync + 'static {
         payload: Bytes,
         timeout: std::time::Duration,
     ) -> Result<Bytes, DiscoveryError>;
+
+    /// Whether it is connected to its server now (an in-memory bus always is): what is
+    /// published while not may never arrive.
+    fn connected(&self) -> bool {
+        true
+    }
 }
 
 /// Whether `subject` is covered by a subscription to `prefix`.

@@ -70,6 +70,10 @@ impl EventBus for NatsBus {
         self.client.publish(subject, payload).await.map_err(unavailable)
     }
 
+    fn connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
     async fn subscribe(&self, prefix: &str) -> Result<BoxStream<'static, Message>, DiscoveryError> {
         let subject = if prefix.ends_with('.') { format!("{prefix}>") } else { prefix.to_owned() };
         let sub = self.client.subscribe(subject).await.map_err(unavailable)?;

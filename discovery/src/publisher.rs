@@ -1,11 +1,12 @@
 //! [`Publisher`]: keeps the bus off the request path. Messages go into a bounded queue that
 //! one owned task drains, each publish bounded by a timeout; a caller never waits on the bus.
-//! When the queue is full the message is dropped and counted: KV events carry sequence
+//! When the queue is full the message is dropped and counted (as is one the bus did not
+//! take: [`Publisher::unsent`]): KV events carry sequence
 //! numbers, so a dropped one shows up as a gap and schedulers resync from a snapshot, and a
 //! dropped heartbeat is followed by the next one.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -16,10 +17,21 @@ use tracing::{info, warn};
 use crate::EventBus;
 
 /// A bounded, non-blocking publishing queue (see the module docs).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Publisher {
     tx: mpsc::Sender<(String, Bytes)>,
+    bus: Arc<dyn EventBus>,
     dropped: Arc<AtomicU64>,
+    /// Messages the bus did not take (an error, or no answer in time).
+    unsent: Arc<AtomicU64>,
+    /// The last publish failed.
+    failing: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher").field("dropped", &self.dropped()).finish_non_exhaustive()
+    }
 }
 
 impl Publisher {
@@ -33,6 +45,8 @@ impl Publisher {
     ) -> Self {
         let (tx, mut rx) = mpsc::channel::<(String, Bytes)>(capacity.max(1));
         let t = tasks.clone();
+        let (unsent, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
+        let (unsent_here, failed_here, bus_here) = (unsent.clone(), failed.clone(), bus.clone());
         tasks.spawn(async move {
             let mut failing = false;
             loop {
@@ -40,7 +54,12 @@ impl Publisher {
                     _ = t.shutdown_requested() => break,
                     m = rx.recv() => match m { Some(m) => m, None => break },
                 };
-                let sent = tokio::time::timeout(timeout, bus.publish(subject, payload)).await;
+                let sent = tokio::time::timeout(timeout, bus_here.publish(subject, payload)).await;
+                let ok = matches!(sent, Ok(Ok(())));
+                if !ok {
+                    unsent_here.fetch_add(1, Ordering::Relaxed);
+                }
+                failed_here.store(!ok, Ordering::Relaxed);
                 match sent {
                     Ok(Ok(())) if failing => {
                         info!("bus publishing works again");
@@ -59,7 +78,7 @@ impl Publisher {
                 }
             }
         });
-        Publisher { tx, dropped: Arc::default() }
+        Publisher { tx, bus, dropped: Arc::default(), unsent, failing: failed }
     }
 
     /// Queues `payload` on `subject`; `false` (and the message dropped) when the queue is
@@ -78,5 +97,16 @@ impl Publisher {
     /// Messages dropped so far because the queue was full.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Messages the bus did not take so far (a publish failed or timed out).
+    pub fn unsent(&self) -> u64 {
+        self.unsent.load(Ordering::Relaxed)
+    }
+
+    /// Whether the bus is connected and the last publish went through (or none was tried
+    /// yet).
+    pub fn publishing(&self) -> bool {
+        self.bus.connected() && !self.failing.load(Ordering::Relaxed)
     }
 }

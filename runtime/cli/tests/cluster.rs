@@ -3,6 +3,7 @@
 //! (scripts/test installs them); fails, never skips, without them.
 
 mod cluster {
+    pub(crate) mod bus;
     pub(crate) mod discovery;
     pub(crate) mod engines;
     pub(crate) mod fleet;

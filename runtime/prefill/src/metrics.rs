@@ -138,6 +138,17 @@ pub(crate) fn ops(svc: &PrefillService) -> Ops {
         "Measured prefill time per computed token (what the scheduler prices it by).",
     );
     let cache = r.gauge("handoff_prefill_cache_bytes", "KV bytes held in the prefix cache.");
+    let bus_lost = r.tallies(
+        "handoff_prefill_bus_lost_total",
+        "Heartbeats and KV events not sent on NATS: the queue full, or the bus not taking them \
+         (down, or too slow).",
+        &["reason"],
+    );
+    let publishing = r.gauge(
+        "handoff_prefill_bus_publishing",
+        "1 while NATS takes this instance's heartbeats and KV events; 0 after a publish failed \
+         (the schedulers then stop hearing it).",
+    );
     let (a, b) = (svc.clone(), svc.clone());
     Ops::new(r)
         .on_scrape(move || {
@@ -149,6 +160,10 @@ pub(crate) fn ops(svc: &PrefillService) -> Ops {
             for (rank, n) in a.queued().into_iter().enumerate() {
                 queued.with(&[&rank.to_string()]).set(n as f64);
             }
+            let bus = &a.inner.publisher;
+            bus_lost.with(&["queue_full"]).set(bus.dropped());
+            bus_lost.with(&["unsent"]).set(bus.unsent());
+            publishing.set(if bus.publishing() { 1.0 } else { 0.0 });
         })
         .ready_when(move || {
             if b.metrics().registered.load(Ordering::Relaxed) {

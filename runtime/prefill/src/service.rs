@@ -67,7 +67,7 @@ impl DpState {
 /// The Prefill service of one instance.
 #[derive(Clone)]
 pub struct PrefillService {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 pub(crate) struct Inner {
