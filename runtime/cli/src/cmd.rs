@@ -89,6 +89,31 @@ pub fn check_advertised(flag: &str, host: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What to warn of a role in a cluster (`--etcd`) that advertises loopback while `dialed` (the
+/// listeners its peers dial) listen beyond it: peers on other hosts would dial their own
+/// loopback (and a frontend take the role for one on its own host). Only a warning: every
+/// role on one host, listening widely, works.
+pub fn loopback_advertised(
+    args: &DiscoveryArgs,
+    host: &str,
+    dialed: &[(&str, SocketAddr)],
+) -> Option<String> {
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let loopback =
+        bare == "localhost" || bare.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    let wide: Vec<String> = dialed
+        .iter()
+        .filter(|(_, a)| !a.ip().is_loopback())
+        .map(|(what, a)| format!("{what} on {a}"))
+        .collect();
+    (args.etcd.is_some() && loopback && !wide.is_empty()).then(|| {
+        format!(
+            "--advertise-host {host} is registered in etcd for {}: peers on other hosts will dial their own loopback; give this host's address",
+            wide.join(", ")
+        )
+    })
+}
+
 /// Serves `ops` on `bind` on `tasks` (when given): returns the bound address.
 pub async fn serve_ops(
     bind: Option<SocketAddr>,
@@ -201,6 +226,23 @@ mod tests {
         assert!(check_advertised("--advertise-host", "192.0.2.7").is_ok());
         let e = check_advertised("--advertise-host", "0.0.0.0").unwrap_err().to_string();
         assert!(e.contains("unspecified"), "{e}");
+    }
+
+    /// In a cluster, loopback advertised for listeners bound beyond it is warned of (peers on
+    /// other hosts would dial their own loopback); bound on loopback, or with no etcd, not.
+    #[test]
+    fn loopback_advertised_for_wide_listeners_is_warned_of() {
+        let open: SocketAddr = "0.0.0.0:50060".parse().unwrap();
+        let local: SocketAddr = "127.0.0.1:50060".parse().unwrap();
+        let mut cluster = args(None, false);
+        cluster.etcd = Some("http://etcd:2379".into());
+        let w = loopback_advertised(&cluster, "127.0.0.1", &[("the prefill", open)]).unwrap();
+        assert!(w.contains("the prefill on 0.0.0.0:50060"), "{w}");
+        assert!(loopback_advertised(&cluster, "localhost", &[("p", open)]).is_some());
+        assert!(loopback_advertised(&cluster, "[::1]", &[("p", open)]).is_some());
+        assert!(loopback_advertised(&cluster, "10.0.0.7", &[("p", open)]).is_none());
+        assert!(loopback_advertised(&cluster, "127.0.0.1", &[("p", local)]).is_none());
+        assert!(loopback_advertised(&args(None, false), "127.0.0.1", &[("p", open)]).is_none());
     }
 
     #[test]

@@ -24,6 +24,12 @@ pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>(),
     )?;
     crate::cmd::check_advertised("--advertise-host", &args.advertise_host)?;
+    let dialed =
+        [("the bootstrap directory", args.bootstrap_listen), ("the prefill", args.grpc_listen)];
+    if let Some(w) = crate::cmd::loopback_advertised(&args.discovery, &args.advertise_host, &dialed)
+    {
+        tracing::warn!("{w}");
+    }
     if let Some(t) = &args.discovery.transfer_advertise {
         crate::cmd::check_advertised("--transfer-advertise", t)?;
     }

@@ -17,6 +17,11 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     binds.extend(args.ops_listen.map(|a| ("the scheduler's metrics", a)));
     crate::cmd::check_exposure(&args.discovery, &binds)?;
     crate::cmd::check_advertised("--advertise-host", &args.advertise_host)?;
+    let dialed = [("the scheduler", args.listen)];
+    if let Some(w) = crate::cmd::loopback_advertised(&args.discovery, &args.advertise_host, &dialed)
+    {
+        tracing::warn!("{w}");
+    }
     let tasks = Tasks::new();
     let (registry, bus) = discovery(&args.discovery, &tasks).await?;
     let cfg = SchedulerConfig {
