@@ -32,8 +32,13 @@ use crate::decode::decode_batch;
 
 /// The replay end marker's sequence number (-1).
 const END: u64 = u64::MAX;
-/// How long a replay may take before the worker is rebuilt instead.
-const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a replay may go without a word (its connect, its first answer, each next one)
+/// before the worker is rebuilt instead.
+const REPLAY_QUIET: Duration = Duration::from_secs(2);
+/// How long a whole replay may take (the live stream waits behind it). Before, the whole
+/// replay had [`REPLAY_QUIET`]: a large buffer over a long round trip never finished, and
+/// the worker's entries were cleared at each gap.
+const REPLAY_LONGEST: Duration = Duration::from_secs(15);
 
 /// The longest batch taken from an engine: a prompt of a few million tokens stored at once.
 pub const EVENT_LIMITS: Limits =
@@ -241,7 +246,7 @@ impl EngineStream {
     /// Fills a gap from `start` through the replay socket, or clears the worker.
     async fn fill(&mut self, start: u64, sink: &mut impl FnMut(Vec<IndexOp>) -> bool) {
         let replayed = match &self.endpoint.replay {
-            Some(r) => tokio::time::timeout(REPLAY_TIMEOUT, replay(r, start)).await.ok().flatten(),
+            Some(r) => tokio::time::timeout(REPLAY_LONGEST, replay(r, start)).await.ok().flatten(),
             None => None,
         };
         let Some(batches) = replayed else {
@@ -325,13 +330,16 @@ impl EngineStream {
 
 /// Asks the replay socket at `endpoint` for every batch from `start`; `None` if it fails.
 async fn replay(endpoint: &str, start: u64) -> Option<Vec<(u64, Bytes)>> {
-    let dealer = Connection::connect(tcp_addr(endpoint).ok()?, b"DEALER", b"ROUTER").await;
-    let mut dealer = dealer.ok()?.with_limits(EVENT_LIMITS);
+    use tokio::time::timeout as quiet;
+    let dealer =
+        quiet(REPLAY_QUIET, Connection::connect(tcp_addr(endpoint).ok()?, b"DEALER", b"ROUTER"))
+            .await;
+    let mut dealer = dealer.ok()?.ok()?.with_limits(EVENT_LIMITS);
     let ask = [Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())];
-    dealer.send(&ask).await.ok()?;
+    quiet(REPLAY_QUIET, dealer.send(&ask)).await.ok()?.ok()?;
     let (mut out, mut bytes) = (Vec::new(), 0usize);
     loop {
-        let frames = dealer.recv().await.ok()?;
+        let frames = quiet(REPLAY_QUIET, dealer.recv()).await.ok()?.ok()?;
         let (seq, payload) = seq_and_payload(&frames)?;
         if seq == END {
             return Some(out);

@@ -287,3 +287,60 @@ async fn a_publisher_that_closes_each_stream_is_connected_to_once_a_second() {
     let _ = stop_tx.send(());
     follower.await.unwrap();
 }
+
+/// A replay that takes longer than a second or two in all (a large buffer over a long round
+/// trip), each batch coming well within the quiet time, fills the gap: before, the whole
+/// replay had 2 s, and the worker's entries were cleared at each gap instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_replay_that_keeps_coming_fills_the_gap() {
+    use handoff_core::zmtp::{Limits, handshake, read_message, write_message};
+
+    let events = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let replays = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = EngineEndpoint {
+        events: format!("tcp://{}", events.local_addr().unwrap()),
+        replay: Some(format!("tcp://{}", replays.local_addr().unwrap())),
+        topic: String::new(),
+    };
+    let tokens = |seq: u32| (seq * 16..seq * 16 + 16).collect::<Vec<u32>>();
+    let batch =
+        |seq: u64| stored(100 + seq, seq.checked_sub(1).map(|p| 100 + p), &tokens(seq as u32));
+    let Following { ops, stop_tx, follower } = follow(endpoint);
+    // Live: seq 4 first, so seq 0 to 3 are asked of the replay.
+    let (mut live, _) = events.accept().await.unwrap();
+    handshake(&mut live, b"PUB", b"SUB").await.unwrap();
+    read_message(&mut live, Limits::default()).await.unwrap();
+    let seq4 = [Bytes::new(), Bytes::copy_from_slice(&4u64.to_be_bytes()), batch(4)];
+    write_message(&mut live, &seq4).await.unwrap();
+    // The replay: four batches 900 ms apart, 3.6 s in all.
+    let (mut r, _) = replays.accept().await.unwrap();
+    handshake(&mut r, b"ROUTER", b"DEALER").await.unwrap();
+    let ask = read_message(&mut r, Limits::default()).await.unwrap();
+    assert_eq!(ask[1].as_ref(), 0u64.to_be_bytes(), "asked from seq 0");
+    for seq in 0..4u64 {
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        let reply = [
+            Bytes::new(),
+            Bytes::from("kv"),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            batch(seq),
+        ];
+        write_message(&mut r, &reply).await.unwrap();
+    }
+    let end =
+        [Bytes::new(), Bytes::new(), Bytes::copy_from_slice(&u64::MAX.to_be_bytes()), Bytes::new()];
+    write_message(&mut r, &end).await.unwrap();
+    let since = std::time::Instant::now();
+    let stored_blocks = |ops: &[IndexOp]| -> usize {
+        ops.iter()
+            .map(|op| if let IndexOp::Store { blocks, .. } = op { blocks.len() } else { 0 })
+            .sum()
+    };
+    while stored_blocks(&ops.lock().unwrap()) < 5 {
+        assert!(since.elapsed() < Duration::from_secs(10), "{:?}", ops.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop_tx.send(());
+    let stats = follower.await.unwrap();
+    assert_eq!((stats.replayed, stats.rebuilds), (4, 0), "{stats:?}");
+}
