@@ -17,6 +17,11 @@ pub enum Cause {
     Invalid,
     /// The decode's own step failed (registering receive memory, loading the KV).
     Decode,
+    /// The decode and the instance do not fit each other (another model, tp, transfer or
+    /// version: the prefill answered `FAILED_PRECONDITION`): tried elsewhere, and no
+    /// breaker counts it. Before, it counted as the instance's fault: one misconfigured
+    /// frontend opened every healthy prefill's breaker, for every frontend.
+    Mismatch,
 }
 
 /// Which limit refused a request (429 / `RESOURCE_EXHAUSTED`), as a metric label.
@@ -138,6 +143,7 @@ impl FrontendError {
             tonic::Code::Unavailable if draining => Cause::Overloaded,
             tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => Cause::Deadline,
             tonic::Code::InvalidArgument => Cause::Invalid,
+            tonic::Code::FailedPrecondition => Cause::Mismatch,
             _ => Cause::Instance,
         };
         Self::because("prefill", cause, format!("{}: {}", s.code(), s.message()))
@@ -196,7 +202,9 @@ impl From<FrontendError> for tonic::Status {
                 Cause::Overloaded => tonic::Status::resource_exhausted(msg),
                 Cause::Deadline => tonic::Status::deadline_exceeded(msg),
                 Cause::Invalid => tonic::Status::invalid_argument(msg),
-                Cause::Instance | Cause::Decode => tonic::Status::unavailable(msg),
+                Cause::Instance | Cause::Decode | Cause::Mismatch => {
+                    tonic::Status::unavailable(msg)
+                }
             },
             FrontendError::Deadline(_) => tonic::Status::deadline_exceeded(msg),
             FrontendError::Decode(_) => tonic::Status::internal(msg),
@@ -242,6 +250,20 @@ mod tests {
         }
         let busy = FrontendError::because("prefill", Cause::Overloaded, "queue full");
         assert_eq!(busy.overran().cause(), Some(Cause::Overloaded));
+    }
+
+    /// A prefill that does not fit this decode (`FAILED_PRECONDITION`: another model, tp or
+    /// transfer) is a mismatch, told to the scheduler as no fault of the instance: one
+    /// misconfigured frontend must not open every healthy prefill's breaker.
+    #[test]
+    fn a_prefill_that_does_not_fit_this_decode_is_no_fault_of_the_instance() {
+        let s = tonic::Status::failed_precondition("mismatch: decode region of 4 bytes");
+        let e = FrontendError::prefill_status(&s);
+        assert_eq!(e.cause(), Some(Cause::Mismatch));
+        let outcome = crate::lease::outcome_of(&e);
+        assert_eq!(outcome, handoff_proto::v1::Outcome::DecodeFault, "no breaker counts it");
+        let refused = FrontendError::prefill_status(&tonic::Status::internal("engine"));
+        assert_eq!(crate::lease::outcome_of(&refused), handoff_proto::v1::Outcome::InstanceFault);
     }
 
     /// Time run out with the KV still arriving (a slow link, a busy decode) is the deadline's

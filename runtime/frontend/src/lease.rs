@@ -55,6 +55,7 @@ pub(crate) fn outcome_of(e: &FrontendError) -> Outcome {
         Some(Cause::Overloaded) => Outcome::Overloaded,
         Some(Cause::Deadline) => Outcome::Deadline,
         Some(Cause::Invalid) => Outcome::Invalid,
-        Some(Cause::Decode) => Outcome::DecodeFault,
+        // No wire outcome of its own: neither counts against the instance's breaker.
+        Some(Cause::Decode | Cause::Mismatch) => Outcome::DecodeFault,
     }
 }

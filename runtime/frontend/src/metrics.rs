@@ -79,6 +79,7 @@ fn cause_label(c: Cause) -> &'static str {
         Cause::Deadline => "deadline",
         Cause::Invalid => "invalid",
         Cause::Decode => "decode",
+        Cause::Mismatch => "mismatch",
     }
 }
 

@@ -403,7 +403,7 @@ impl Frontend {
                     // debug: under a partial outage or a client's short deadlines, a line per
                     // attempt filled disks.
                     match e.cause() {
-                        Some(Cause::Instance | Cause::Decode) | None => {
+                        Some(Cause::Instance | Cause::Decode | Cause::Mismatch) | None => {
                             warn!(%room, instance = %sel.instance_id, error = %e, "attempt failed")
                         }
                         Some(Cause::Overloaded | Cause::Deadline | Cause::Invalid) => {

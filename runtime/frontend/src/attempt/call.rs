@@ -141,5 +141,9 @@ mod tests {
             &FrontendError::because("prefill", Cause::Invalid, "malformed handshakes"),
         );
         assert!(!peer.takes_handshakes("a"), "handshakes the instance found malformed forget");
+        peer.learn("a", true);
+        let s = tonic::Status::failed_precondition("mismatch: handshakes: decode tp 3");
+        forget_on(&peer, &FrontendError::prefill_status(&s));
+        assert!(!peer.takes_handshakes("a"), "handshakes the instance cannot take forget");
     }
 }
