@@ -117,10 +117,22 @@ pub struct Selected {
 const LATE_ANSWER_FOR: Duration = Duration::from_secs(60);
 
 /// Whether a failed call says the replica is unreachable or broken (try another one), as
-/// opposed to an answer from a working replica.
+/// opposed to an answer from a working replica. One refusing this frontend's credentials is
+/// of no use to it either: passed over, and with every replica so this frontend is not ready
+/// (a rollout with a wrong token stops at its first pod), where before it answered every
+/// request 503 while ready.
 fn replica_failed(s: &tonic::Status) -> bool {
     use tonic::Code::*;
-    matches!(s.code(), Unavailable | Unknown | Cancelled | Internal | DeadlineExceeded)
+    matches!(
+        s.code(),
+        Unavailable
+            | Unknown
+            | Cancelled
+            | Internal
+            | DeadlineExceeded
+            | Unauthenticated
+            | PermissionDenied
+    )
 }
 
 impl Schedulers {

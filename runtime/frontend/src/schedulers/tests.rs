@@ -117,3 +117,20 @@ async fn selections_name_their_frontend() {
     assert_eq!(state.open_bookings(), 0);
     tasks.shutdown().await;
 }
+
+/// A replica that refuses this frontend's token is passed over as one that failed: with
+/// every replica so, the frontend is not ready (its readiness says every replica failed).
+#[tokio::test]
+async fn a_replica_refusing_our_token_is_passed_over() {
+    let cfg = SchedulerConfig { token: Some("theirs".into()), ..SchedulerConfig::default() };
+    let state = Arc::new(SchedulerState::new(cfg));
+    let tasks = handoff_core::Tasks::new();
+    let pool = Schedulers::new(Duration::from_secs(1), &tasks);
+    let service = SchedulerService::new(state).into_server();
+    pool.add_in_process("in-process", channel::in_process(service));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    let refused = pool.select(ask(), deadline, &Default::default()).await;
+    assert!(refused.is_err());
+    assert_eq!(pool.suspects(), vec!["in-process".to_owned()], "passed over");
+    tasks.shutdown().await;
+}
