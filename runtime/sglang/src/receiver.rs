@@ -427,12 +427,19 @@ struct Held<'a> {
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
-        self.r.mooncake.withdraw(self.id);
+        let now = Instant::now();
+        if self.done {
+            self.r.mooncake.withdraw(self.id);
+        } else {
+            // Its writes may still come: dropped while its pages rest, not refused (a refusal
+            // fails the prefill's whole session with this decode).
+            self.r.mooncake.retire(self.id, now + crate::pool::QUARANTINE);
+        }
         self.r.mooncake.inbox().release(self.id);
         if self.done {
             self.r.pool.give_back(self.lease);
         } else {
-            self.r.pool.quarantine_at(self.lease, Instant::now());
+            self.r.pool.quarantine_at(self.lease, now);
         }
         let mut waiters = lock(&self.r.waiters);
         if waiters.get(&self.room).is_some_and(|w| w.same_channel(&self.waiter)) {

@@ -174,6 +174,12 @@ impl MooncakeTransfer {
         &self.shared.session
     }
 
+    /// Stops exposing region `id`, given up before its writes came: until `until` they are
+    /// taken and dropped, not refused (see [`exposure::Exposed::retire`]).
+    pub fn retire(&self, id: RegionId, until: tokio::time::Instant) {
+        self.shared.exposed.retire(id, until);
+    }
+
     /// Exposes open region `id` to writes from `peers`, and returns its base address (for
     /// protocols that hand the address over themselves, as SGLang's does).
     pub fn expose(&self, id: RegionId, peers: &[IpAddr]) -> Result<u64, TransferError> {

@@ -13,6 +13,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::Mutex;
 
+use tokio::time::Instant;
+
 use crate::{Inbox, RegionId, TransferError};
 
 /// Most ranges exposed at once (those of closed regions are swept when it fills).
@@ -47,6 +49,9 @@ struct Table {
     bases: HashMap<RegionId, u64>,
     /// Hosts allowed to write, oldest first.
     peers: VecDeque<IpAddr>,
+    /// Ranges of regions given up before their writes came (see [`Exposed::retire`]): start
+    /// -> (length, until when); at most [`MAX_EXPOSED`].
+    retired: BTreeMap<u64, (u64, Instant)>,
 }
 
 impl Table {
@@ -158,6 +163,41 @@ impl Exposed {
     /// Stops exposing `id` (every range mapped to it).
     pub fn withdraw(&self, id: RegionId) {
         lock(&self.table).forget(id);
+    }
+
+    /// Stops exposing `id`, whose writes may still come (its request was given up), but
+    /// until `until` takes them and drops their bytes rather than refusing them: a Mooncake
+    /// sender (SGLang's) marks a whole session failed on one refused write, and every later
+    /// room over it with it. Its memory must stay unused as long (SGLang's page pool keeps
+    /// it in quarantine), and a range mapped again meanwhile takes its writes first.
+    pub fn retire(&self, id: RegionId, until: Instant) {
+        let mut t = lock(&self.table);
+        let ranges: Vec<(u64, u64)> = t
+            .by_region
+            .get(&id)
+            .into_iter()
+            .flatten()
+            .filter_map(|s| t.by_start.get(s).map(|m| (*s, m.len)))
+            .collect();
+        t.forget(id);
+        let now = Instant::now();
+        t.retired.retain(|_, (_, end)| *end > now);
+        for (start, len) in ranges {
+            if t.retired.len() >= MAX_EXPOSED {
+                break;
+            }
+            t.retired.insert(start, (len, until));
+        }
+    }
+
+    /// Whether `[addr, addr + size)` lies wholly inside a range retired until after `now`
+    /// (see [`Exposed::retire`]).
+    pub fn retired(&self, addr: u64, size: u64, now: Instant) -> bool {
+        let Some(end) = addr.checked_add(size) else { return false };
+        let t = lock(&self.table);
+        t.retired.range(..=addr).next_back().is_some_and(|(&start, &(len, until))| {
+            until > now && start.checked_add(len).is_some_and(|stop| end <= stop)
+        })
     }
 
     /// The region and offset that `[addr, addr + size)` falls in, if it lies wholly inside

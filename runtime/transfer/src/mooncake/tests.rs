@@ -258,6 +258,30 @@ async fn the_target_answers_probes_lists_no_regions_and_refuses_strangers() {
     p.tasks.shutdown().await;
 }
 
+/// A region given up before its writes came (an SGLang request its client left) takes them
+/// and drops their bytes while it is retired: a Mooncake sender marks its whole session
+/// failed on one refused write, and every later room over it. Once its retirement is over,
+/// they are refused again.
+#[tokio::test]
+async fn a_retired_regions_late_writes_are_taken_and_dropped() {
+    let p = pair(None).await;
+    let s = SenderId::new(0, 0);
+    let client = p.rx_backend.initiator();
+    let resting = region(&p, Room::mint(), 4096, &[s], None).await;
+    let ended = region(&p, Room::mint(), 4096, &[s], None).await;
+    let (base, ended_base) = (p.tx_base(resting), p.tx_base(ended));
+    p.rx_backend.retire(resting, Instant::now() + Duration::from_secs(30));
+    p.rx_backend.retire(ended, Instant::now());
+    for id in [resting, ended] {
+        p.rx.inbox().release(id);
+    }
+    client.write(&p.rx.addr(), base, &[(pattern(4096, 1), 0)]).await.expect("taken");
+    client.write(&p.rx.addr(), base + 100, &[(pattern(8, 2), 0)]).await.expect("taken again");
+    let e = client.write(&p.rx.addr(), ended_base, &[(pattern(8, 1), 0)]).await.unwrap_err();
+    assert!(matches!(e, TransferError::Rejected(_) | TransferError::Io { .. }), "{e}");
+    p.tasks.shutdown().await;
+}
+
 /// Waits (10 s at most) until `n` bodies are landing in the region.
 async fn bodies_landing(inbox: &Inbox, id: RegionId, n: usize) {
     let reached = async {
