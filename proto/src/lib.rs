@@ -31,9 +31,10 @@ pub mod metadata {
     /// took (as `SelectPrefillResponse.reports_taken` says on an answer).
     pub const REPORTS_TAKEN: &str = "handoff-reports-taken";
     /// On a frontend's answer, success or error (gRPC metadata, HTTP header): the request's
-    /// trace id (the caller's `traceparent`'s, or one minted for it), which every process's
-    /// log lines of the request carry: what a client quotes to an operator.
-    pub const REQUEST_ID: &str = "x-request-id";
+    /// trace id (the caller's `traceparent`'s, shared by the calls of its trace, or one minted
+    /// for the request), which every process's log lines of the request carry: what a client
+    /// quotes to an operator.
+    pub const TRACE_ID: &str = "x-trace-id";
 }
 
 /// Bounds on `PrefillRequest.handshakes`: the prefill refuses more, and a frontend that would

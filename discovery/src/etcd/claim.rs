@@ -14,17 +14,18 @@ const LOOK_EVERY: Duration = Duration::from_millis(250);
 
 /// Returns once `key` may be registered as `instance`: it is free, or held by a
 /// registration at the same addresses (this id's earlier process on this host, or this
-/// process), or its holder's lease ran out within `ttl` and a second (a predecessor that
-/// died without deregistering). Refused ([`DiscoveryError::Taken`]) while another live
-/// process holds it past that. An etcd that does not answer is left to the registration's
-/// own wait.
+/// process), or its holder's lease ran out (a predecessor that died without deregistering),
+/// waited for as long as that lease had left when first seen (this process's `ttl` at
+/// least), and a second. Refused ([`DiscoveryError::Taken`]) while another
+/// live process holds it past that. An etcd that does not answer is left to the
+/// registration's own wait. Not atomic: two processes starting at once may both pass.
 pub(super) async fn await_free(
     client: &mut Client,
     key: &str,
     instance: &Instance,
     ttl: Duration,
 ) -> Result<(), DiscoveryError> {
-    let until = Instant::now() + ttl + Duration::from_secs(1);
+    let mut until = None;
     loop {
         let Ok(held) = client.get(key, None).await else { return Ok(()) };
         let Some(kv) = held.kvs().first() else { return Ok(()) };
@@ -32,6 +33,13 @@ pub(super) async fn await_free(
         if same_place(&holder, instance) {
             return Ok(());
         }
+        // At least this process's TTL: etcd says whole seconds, and deletes the keys of an
+        // expired lease a moment after.
+        let left = match client.lease_time_to_live(kv.lease(), None).await {
+            Ok(l) => Duration::from_secs(u64::try_from(l.ttl()).unwrap_or(0)).max(ttl),
+            Err(_) => ttl,
+        };
+        let until = *until.get_or_insert_with(|| Instant::now() + left + Duration::from_secs(1));
         if Instant::now() >= until {
             return Err(DiscoveryError::Taken {
                 id: instance.id.to_string(),

@@ -11,9 +11,9 @@ mod e2e {
     pub(crate) mod path;
     pub(crate) mod reassembly;
     pub(crate) mod replicas;
-    pub(crate) mod request_ids;
     pub(crate) mod resync;
     pub(crate) mod streams;
     pub(crate) mod support;
     pub(crate) mod tls;
+    pub(crate) mod trace_ids;
 }

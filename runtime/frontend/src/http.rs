@@ -19,7 +19,7 @@ use axum::routing::{get, post};
 use futures::StreamExt;
 use handoff_core::body::BodyRefused;
 use handoff_core::traffic::{Protocol, TrafficLayer};
-use handoff_proto::metadata::REQUEST_ID;
+use handoff_proto::metadata::TRACE_ID;
 use handoff_proto::trace::{TRACEPARENT, TraceContext};
 use handoff_proto::v1::generate_request::Input;
 use handoff_proto::v1::generate_response::Event;
@@ -173,7 +173,7 @@ async fn chat(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let trace = trace_of(&headers);
-    let request_id = trace.trace_id();
+    let trace_id = trace.trace_id();
     let run = async {
         let body = read(body)?;
         let req: ChatRequest = parse(&body)?;
@@ -195,7 +195,7 @@ async fn chat(
         };
         respond(&fe, g, trace, &req.model, &sampled, true).await
     };
-    with_request_id(run.await.unwrap_or_else(IntoResponse::into_response), &request_id)
+    with_trace_id(run.await.unwrap_or_else(IntoResponse::into_response), &trace_id)
 }
 
 async fn completions(
@@ -204,7 +204,7 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let trace = trace_of(&headers);
-    let request_id = trace.trace_id();
+    let trace_id = trace.trace_id();
     let run = async {
         let body = read(body)?;
         let req: CompletionRequest = parse(&body)?;
@@ -222,13 +222,13 @@ async fn completions(
         };
         respond(&fe, g, trace, &req.model, &sampled, false).await
     };
-    with_request_id(run.await.unwrap_or_else(IntoResponse::into_response), &request_id)
+    with_trace_id(run.await.unwrap_or_else(IntoResponse::into_response), &trace_id)
 }
 
-/// `r` with the request's id (its trace id: see [`REQUEST_ID`]).
-fn with_request_id(mut r: Response, id: &str) -> Response {
+/// `r` with the request's trace id (see [`TRACE_ID`]).
+fn with_trace_id(mut r: Response, id: &str) -> Response {
     if let Ok(v) = axum::http::HeaderValue::from_str(id) {
-        r.headers_mut().insert(REQUEST_ID, v);
+        r.headers_mut().insert(TRACE_ID, v);
     }
     r
 }
@@ -258,8 +258,8 @@ async fn respond(
     s: &openai::Sampling,
     chat: bool,
 ) -> Result<Response, ApiError> {
-    let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, trace.trace_id());
     let rx = crate::service::start(fe, g, trace).await?;
+    let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_id());
     if s.stream == Some(true) {
         let include_usage =
             s.stream_options.as_ref().is_some_and(|o| o.include_usage == Some(true));
@@ -274,6 +274,10 @@ async fn respond(
     };
     let body = json!({"id": id, "object": object, "created": now(), "model": model, "choices": [choice], "usage": usage(done.usage)});
     Ok(Json(body).into_response())
+}
+
+fn rand_id() -> u64 {
+    handoff_core::Room::mint().get()
 }
 
 async fn collect(

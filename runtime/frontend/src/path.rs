@@ -439,7 +439,11 @@ impl Frontend {
                         Some(Cause::Deadline) if Instant::now() >= plan.deadline => {
                             return Err(FrontendError::Deadline(summary(failed)));
                         }
-                        Some(Cause::Instance) => self.directory.invalidate(&sel.instance_id),
+                        // A mismatch may be a directory read before the instance restarted
+                        // with another topology: read again next time.
+                        Some(Cause::Instance | Cause::Mismatch) => {
+                            self.directory.invalidate(&sel.instance_id)
+                        }
                         _ => {}
                     }
                     exclude.push(sel.instance_id);

@@ -404,11 +404,11 @@ impl Generate for GenerateService {
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let trace = TraceContext::from_metadata(req.metadata());
-        // The request's id on its answer, success or error (see `REQUEST_ID`).
+        // The request's trace id on its answer, success or error (see `TRACE_ID`).
         let id = trace.trace_id().parse::<tonic::metadata::MetadataValue<_>>().ok();
         let tag = |m: &mut tonic::metadata::MetadataMap| {
             if let Some(v) = id.clone() {
-                m.insert(handoff_proto::metadata::REQUEST_ID, v);
+                m.insert(handoff_proto::metadata::TRACE_ID, v);
             }
         };
         match start(&self.frontend, req.into_inner(), trace).await {

@@ -178,7 +178,11 @@ impl EngineStream {
                     m = sub.recv() => m,
                 };
                 match msg {
-                    Ok(frames) => self.on_message(&frames, &mut sink).await,
+                    // A replay may take seconds: the stop does not wait for it.
+                    Ok(frames) => tokio::select! {
+                        _ = &mut shutdown => return self.stats,
+                        _ = self.on_message(&frames, &mut sink) => {}
+                    },
                     Err(e) => {
                         debug!(endpoint = %self.endpoint.events, error = %e, "KV event stream lost; connecting again");
                         // At most one connection a second: a publisher that closes each

@@ -176,7 +176,12 @@ impl PrefillInstance {
             version: rand_version(),
             engine: None,
         };
-        // Snapshot requests first, so a scheduler that hears of us can resync at once.
+        // The id first (refused while another live process holds it, waited for while a dead
+        // one's lease runs out): nothing goes on the bus under it before, neither heartbeats
+        // (they would bring the old holder back into routing, or mix with a live one's) nor
+        // snapshot answers (a live holder's resync would get this empty cache). Then snapshot
+        // requests, so a scheduler that hears our first heartbeat can resync at once.
+        registry.register(registration.clone()).await.map_err(startup)?;
         let mut asks = bus.subscribe(&snapshot_subject(&cfg.id)).await.map_err(startup)?;
         let (t, svc, b) = (tasks.clone(), service.clone(), bus.clone());
         tasks.spawn(async move {
@@ -214,7 +219,6 @@ impl PrefillInstance {
                 publisher.try_publish(subject.clone(), body.into());
             }
         });
-        registry.register(registration.clone()).await.map_err(startup)?;
         service.metrics().set_registered(true);
         let (t, id, reg) = (tasks.clone(), cfg.id.clone(), registry.clone());
         tasks.spawn(async move {

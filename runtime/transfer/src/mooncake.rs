@@ -157,14 +157,12 @@ impl MooncakeTransfer {
         shared.descriptor = target::descriptor(&shared).to_json();
         let shared = Arc::new(shared);
         target::serve(rpc, data, shared.clone(), tasks);
-        // Connections leave from the advertised address when it is one of this host's, so a
-        // peer's target (which takes data only from the address a handshake named) finds
-        // them from it on a host with several.
-        let source = shared
-            .data_host
-            .parse::<IpAddr>()
-            .ok()
-            .filter(|ip| !ip.is_unspecified() && std::net::UdpSocket::bind((*ip, 0)).is_ok());
+        // Connections leave from the advertised address when it is an IP on one of this
+        // host's interfaces, so a peer's target (which takes data only from the address a
+        // handshake named) finds them from it on a host with several.
+        let bare = shared.data_host.trim_start_matches('[').trim_end_matches(']');
+        let source =
+            bare.parse::<IpAddr>().ok().filter(|ip| !ip.is_unspecified() && on_this_host(*ip));
         let client = initiator::Initiator::new(shared.session.clone(), source, cfg);
         Ok(MooncakeTransfer { addr, shared, client })
     }
@@ -215,6 +213,24 @@ impl MooncakeTransfer {
     pub fn initiator(&self) -> &initiator::Initiator {
         &self.client
     }
+}
+
+/// Whether `ip` is an address of one of this host's interfaces (not merely bindable: with
+/// `ip_nonlocal_bind` any address binds, and packets from one not the host's never return),
+/// or a loopback address (all of them are the host's).
+fn on_this_host(ip: IpAddr) -> bool {
+    if ip.to_canonical().is_loopback() {
+        return true;
+    }
+    let Ok(all) = nix::ifaddrs::getifaddrs() else { return false };
+    all.filter_map(|i| i.address).any(|a| {
+        let found = match (a.as_sockaddr_in(), a.as_sockaddr_in6()) {
+            (Some(v4), _) => IpAddr::V4(v4.ip()),
+            (_, Some(v6)) => IpAddr::V6(v6.ip()),
+            _ => return false,
+        };
+        found.to_canonical() == ip.to_canonical()
+    })
 }
 
 /// The addresses `host` stands for (an IP, or a name resolved now).

@@ -19,6 +19,9 @@ use crate::{Inbox, RegionId, TransferError};
 
 /// Most ranges exposed at once (those of closed regions are swept when it fills).
 const MAX_EXPOSED: usize = 1 << 16;
+/// Most ranges retired at once (see [`Exposed::retire`]): a given-up SGLang request retires
+/// twice its layers and its rows, about 160 for 80 layers, for 30 s; 40 bytes each.
+const MAX_RETIRED: usize = 1 << 20;
 /// Most peer hosts remembered (the oldest go first).
 const MAX_PEERS: usize = 4096;
 /// Most handshakes an initiator remembers (the oldest go first).
@@ -50,7 +53,7 @@ struct Table {
     /// Hosts allowed to write, oldest first.
     peers: VecDeque<IpAddr>,
     /// Ranges of regions given up before their writes came (see [`Exposed::retire`]): start
-    /// -> (length, until when); at most [`MAX_EXPOSED`].
+    /// -> (length, until when); at most [`MAX_RETIRED`].
     retired: BTreeMap<u64, (u64, Instant)>,
 }
 
@@ -183,7 +186,7 @@ impl Exposed {
         let now = Instant::now();
         t.retired.retain(|_, (_, end)| *end > now);
         for (start, len) in ranges {
-            if t.retired.len() >= MAX_EXPOSED {
+            if t.retired.len() >= MAX_RETIRED {
                 break;
             }
             t.retired.insert(start, (len, until));

@@ -316,11 +316,17 @@ pub(super) async fn connect_from(
         let from = source.filter(|s| {
             s.is_ipv4() == to.is_ipv4() && s.is_loopback() == to.ip().to_canonical().is_loopback()
         });
-        let socket = if to.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        let socket = || if to.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() };
         if let Some(ip) = from {
-            socket.bind(SocketAddr::new(ip, 0))?;
+            // Bound, then (the address gone, no route from it) as the kernel chooses.
+            let bound = socket()?;
+            if bound.bind(SocketAddr::new(ip, 0)).is_ok()
+                && let Ok(s) = bound.connect(to).await
+            {
+                return Ok(s);
+            }
         }
-        match socket.connect(to).await {
+        match socket()?.connect(to).await {
             Ok(s) => return Ok(s),
             Err(e) => last = Some(e),
         }

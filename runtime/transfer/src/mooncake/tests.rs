@@ -106,6 +106,20 @@ async fn kv_moves_between_handoff_agents_and_is_verified() {
     p.tasks.shutdown().await;
 }
 
+/// Only this host's own addresses are sent from: one that merely binds (`ip_nonlocal_bind`,
+/// a NAT's public address) is not.
+#[test]
+fn only_this_hosts_addresses_are_sent_from() {
+    assert!(on_this_host("127.0.0.1".parse().unwrap()) && on_this_host("::1".parse().unwrap()));
+    assert!(!on_this_host("192.0.2.7".parse().unwrap()), "a documentation address");
+    let own = nix::ifaddrs::getifaddrs()
+        .unwrap()
+        .filter_map(|i| i.address?.as_sockaddr_in().map(|a| a.ip()));
+    for ip in own {
+        assert!(on_this_host(IpAddr::V4(ip)), "{ip}");
+    }
+}
+
 /// A sender on a host with several addresses (here 127.0.0.2 beside 127.0.0.1) reaches a
 /// receiver that takes data only from the address its handshake named: its connections leave
 /// from its advertised address, not the one the kernel would pick (127.0.0.1, the route's).
