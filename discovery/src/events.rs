@@ -90,6 +90,22 @@ pub struct Heartbeat {
     pub dp_queued_tokens: Vec<u64>,
 }
 
+impl Heartbeat {
+    /// A fixture for tests and benches: `id` idle (nothing queued or running, nothing
+    /// cached, costs not measured). Change fields with struct update syntax.
+    pub fn fixture(id: InstanceId) -> Heartbeat {
+        Heartbeat {
+            instance: id,
+            queued_tokens: 0,
+            running: 0,
+            kv_bytes: 0,
+            prefill_ns_per_token: 0,
+            send_ns_per_token: 0,
+            dp_queued_tokens: Vec::new(),
+        }
+    }
+}
+
 /// One page of everything an instance's prefix caches hold, as of KV event `seq`. A
 /// snapshot is cut into pages of at most [`crate::snapshot::PAGE_BLOCKS`] blocks, so one
 /// holding 10^5..10^6 blocks still travels through a stock nats-server (1 MiB payloads);

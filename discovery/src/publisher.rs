@@ -48,7 +48,6 @@ impl Publisher {
         let (unsent, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
         let (unsent_here, failed_here, bus_here) = (unsent.clone(), failed.clone(), bus.clone());
         tasks.spawn(async move {
-            let mut failing = false;
             loop {
                 let (subject, payload) = tokio::select! {
                     _ = t.shutdown_requested() => break,
@@ -59,20 +58,19 @@ impl Publisher {
                 if !ok {
                     unsent_here.fetch_add(1, Ordering::Relaxed);
                 }
-                failed_here.store(!ok, Ordering::Relaxed);
+                // Said once per change.
+                let failing = failed_here.swap(!ok, Ordering::Relaxed);
                 match sent {
-                    Ok(Ok(())) if failing => {
-                        info!("bus publishing works again");
-                        failing = false;
-                    }
+                    Ok(Ok(())) if failing => info!("bus publishing works again"),
                     Ok(Ok(())) => {}
                     Ok(Err(e)) if !failing => {
-                        warn!(error = %e, "bus publish failed; messages are dropped until it works");
-                        failing = true;
+                        warn!(error = %e, "bus publish failed; messages are dropped until it works")
                     }
                     Err(_) if !failing => {
-                        warn!(?timeout, "bus publish timed out; messages are dropped until it works");
-                        failing = true;
+                        warn!(
+                            ?timeout,
+                            "bus publish timed out; messages are dropped until it works"
+                        )
                     }
                     _ => {}
                 }

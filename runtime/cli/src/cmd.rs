@@ -75,7 +75,7 @@ pub fn check_exposure(args: &DiscoveryArgs, binds: &[(&str, SocketAddr)]) -> any
 /// dial (0.0.0.0), a warning for an IP that is not this host's (peers dialing it reach this
 /// process only if something forwards it). Host names are not checked.
 pub fn check_advertised(flag: &str, host: &str) -> anyhow::Result<()> {
-    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let bare = bare_host(host);
     let Ok(ip) = bare.parse::<std::net::IpAddr>() else { return Ok(()) };
     if ip.is_unspecified() {
         anyhow::bail!("{flag} {host}: peers cannot dial an unspecified address; give this host's");
@@ -89,6 +89,11 @@ pub fn check_advertised(flag: &str, host: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `host` without the brackets of an IPv6 literal.
+fn bare_host(host: &str) -> &str {
+    host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host)
+}
+
 /// What to warn of a role in a cluster (`--etcd`) that advertises loopback while `dialed` (the
 /// listeners its peers dial) listen beyond it: peers on other hosts would dial their own
 /// loopback (and a frontend take the role for one on its own host). Only a warning: every
@@ -98,7 +103,7 @@ pub fn loopback_advertised(
     host: &str,
     dialed: &[(&str, SocketAddr)],
 ) -> Option<String> {
-    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let bare = bare_host(host);
     let loopback =
         bare == "localhost" || bare.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
     let wide: Vec<String> = dialed

@@ -65,16 +65,7 @@ fn prefills_registered_and_never_heard_show_as_a_silent_bus() {
     let later = t0 + SchedulerConfig::default().liveness_timeout + Duration::from_secs(1);
     assert!(!s.bus_silent_at(t0), "just registered");
     assert!(s.bus_silent_at(later), "a timeout and not a word");
-    let beat = Heartbeat {
-        dp_queued_tokens: Vec::new(),
-        instance: "a".parse().unwrap(),
-        queued_tokens: 0,
-        running: 0,
-        kv_bytes: 0,
-        prefill_ns_per_token: 0,
-        send_ns_per_token: 0,
-    };
-    s.heartbeat_at(&beat, later);
+    s.heartbeat_at(&Heartbeat::fixture("a".parse().unwrap()), later);
     assert!(!s.bus_silent_at(later + Duration::from_millis(100)), "heard");
     assert!(ops(&s).scrape().contains("handoff_scheduler_bus_silent 0\n"));
 }

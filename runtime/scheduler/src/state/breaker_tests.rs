@@ -88,15 +88,7 @@ fn a_probe_forgotten_with_a_silent_instance_is_given_back() {
     let others = not_a();
     let _probe = open_and_probe(&s);
     s.lock().silence(&"a".parse().unwrap());
-    let hb = handoff_discovery::Heartbeat {
-        dp_queued_tokens: Vec::new(),
-        instance: "a".parse().unwrap(),
-        queued_tokens: 0,
-        running: 0,
-        kv_bytes: 0,
-        prefill_ns_per_token: 0,
-        send_ns_per_token: 0,
-    };
+    let hb = handoff_discovery::Heartbeat::fixture("a".parse().unwrap());
     s.heartbeat(&hb);
     book(&s, "a", &others);
 }

@@ -12,15 +12,7 @@ use super::*;
 use crate::SchedulerError;
 
 fn beat(id: &str, ns_per_token: u64) -> Heartbeat {
-    Heartbeat {
-        dp_queued_tokens: Vec::new(),
-        instance: id.parse().unwrap(),
-        queued_tokens: 0,
-        running: 0,
-        kv_bytes: 0,
-        prefill_ns_per_token: ns_per_token,
-        send_ns_per_token: 0,
-    }
+    Heartbeat { prefill_ns_per_token: ns_per_token, ..Heartbeat::fixture(id.parse().unwrap()) }
 }
 
 fn prompt(i: u32) -> Vec<BlockHash> {

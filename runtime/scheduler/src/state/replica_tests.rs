@@ -17,15 +17,8 @@ fn at(ms: u64) -> Instant {
 /// A heartbeat from each of `ids` at `now`.
 fn beat(s: &SchedulerState, ids: &[&str], now: Instant) {
     for id in ids {
-        let hb = Heartbeat {
-            dp_queued_tokens: Vec::new(),
-            instance: id.parse().unwrap(),
-            queued_tokens: 0,
-            running: 0,
-            kv_bytes: 0,
-            prefill_ns_per_token: 1_000,
-            send_ns_per_token: 0,
-        };
+        let hb =
+            Heartbeat { prefill_ns_per_token: 1_000, ..Heartbeat::fixture(id.parse().unwrap()) };
         if s.heartbeat_at(&hb, now) {
             s.apply_snapshot(KvSnapshot {
                 instance: id.parse().unwrap(),

@@ -177,15 +177,7 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
         SchedulerConfig { liveness_timeout: Duration::from_secs(3), ..SchedulerConfig::default() };
     let s = SchedulerState::new(cfg);
     s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
-    let hb = |id: &str| handoff_discovery::Heartbeat {
-        dp_queued_tokens: Vec::new(),
-        instance: id.parse().unwrap(),
-        queued_tokens: 0,
-        running: 0,
-        kv_bytes: 0,
-        prefill_ns_per_token: 0,
-        send_ns_per_token: 0,
-    };
+    let hb = |id: &str| Heartbeat::fixture(id.parse().unwrap());
     let t0 = Instant::now();
     let at = |ms: u64| t0 + Duration::from_millis(ms);
     for id in ["a", "b"] {
@@ -341,15 +333,7 @@ fn engine_instances_survive_resets_take_their_own_ops_and_go_silent_like_others(
     s.report(sel.booking, Outcome::Success);
     // A heartbeat never comes: silent past the liveness timeout (someone else is heard).
     let later = t0 + s.config().liveness_timeout * 2;
-    let hb = Heartbeat {
-        dp_queued_tokens: Vec::new(),
-        instance: "p".parse().unwrap(),
-        queued_tokens: 0,
-        running: 0,
-        kv_bytes: 0,
-        prefill_ns_per_token: 0,
-        send_ns_per_token: 0,
-    };
+    let hb = Heartbeat::fixture("p".parse().unwrap());
     s.heartbeat_at(&hb, later);
     assert_eq!(s.sweep_at(later), vec![id.clone()]);
     assert!(s.indexed_blocks(&id, 1).is_empty(), "its entries go with it");
@@ -412,14 +396,10 @@ fn engine_and_prefill_ids_never_take_each_others_place() {
 fn a_slow_link_heard_in_heartbeats_moves_requests_away() {
     let s = SchedulerState::new(SchedulerConfig::default());
     s.apply_update(Update::Reset(vec![inst("a", 1), inst("b", 1)]));
-    let beat = |id: &str, send_ns: u64| handoff_discovery::Heartbeat {
-        dp_queued_tokens: Vec::new(),
-        instance: id.parse().unwrap(),
-        queued_tokens: 0,
-        running: 0,
-        kv_bytes: 0,
+    let beat = |id: &str, send_ns: u64| Heartbeat {
         prefill_ns_per_token: 1_000,
         send_ns_per_token: send_ns,
+        ..Heartbeat::fixture(id.parse().unwrap())
     };
     // Who six selections of a `tokens`-token prompt go to, each reported at once.
     let picks = |tokens: u32| -> std::collections::BTreeSet<String> {
