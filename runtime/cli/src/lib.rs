@@ -13,6 +13,7 @@ pub mod args;
 pub mod cluster;
 pub mod cmd;
 pub mod fds;
+pub mod stop;
 pub mod telemetry;
 
 pub use cluster::{Cluster, ClusterConfig};

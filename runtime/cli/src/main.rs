@@ -10,6 +10,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run() -> anyhow::Result<()> {
+    // First: a stop told during startup is kept, not dropped (see `stop`).
+    let stop = handoff::stop::Stop::listen();
     let cli = Cli::parse();
     let role = match &cli.command {
         Command::Up(_) => "handoff",
@@ -25,11 +27,11 @@ async fn run() -> anyhow::Result<()> {
         Err(e) => tracing::warn!(error = %e, "could not raise the open files limit"),
     }
     match cli.command {
-        Command::Up(args) => handoff::cmd::up::run(args).await,
-        Command::Scheduler(args) => handoff::cmd::scheduler::run(args).await,
-        Command::Prefill(args) => handoff::cmd::prefill::run(args).await,
-        Command::Frontend(args) => handoff::cmd::frontend::run(args).await,
+        Command::Up(args) => handoff::cmd::up::run(args, stop).await,
+        Command::Scheduler(args) => handoff::cmd::scheduler::run(args, stop).await,
+        Command::Prefill(args) => handoff::cmd::prefill::run(args, stop).await,
+        Command::Frontend(args) => handoff::cmd::frontend::run(args, stop).await,
         Command::Ctl(args) => handoff::cmd::ctl::run(args).await,
-        Command::RegisterEngine(args) => handoff::cmd::register_engine::run(args).await,
+        Command::RegisterEngine(args) => handoff::cmd::register_engine::run(args, stop).await,
     }
 }

@@ -20,6 +20,7 @@ mod cluster {
     pub(crate) mod resync;
     pub(crate) mod servers;
     pub(crate) mod sglang;
+    pub(crate) mod stopping;
     pub(crate) mod tls;
     pub(crate) mod vllm;
 }

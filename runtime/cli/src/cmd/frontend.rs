@@ -10,7 +10,8 @@ use handoff_frontend::{Frontend, FrontendConfig};
 use tokio::net::TcpListener;
 
 use crate::args::FrontendArgs;
-use crate::cmd::{discovery, up::engines, up::shutdown_signal};
+use crate::cmd::{discovery, up::engines};
+use crate::stop::Stop;
 
 mod own_scheduler;
 
@@ -33,8 +34,9 @@ async fn await_scheduler(fe: &Frontend) {
     }
 }
 
-/// Runs until Ctrl-C or SIGTERM.
-pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
+/// Runs until Ctrl-C or SIGTERM, then drains (a second one ends the drain). Told to stop
+/// while starting, stops there.
+pub async fn run(args: FrontendArgs, mut stop: Stop) -> anyhow::Result<()> {
     args.check_own_scheduler()?;
     crate::cmd::check_exposure(&args.discovery, &args.listeners())?;
     crate::cmd::check_advertised("--advertise-host", &args.advertise_host)?;
@@ -45,7 +47,99 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         crate::args::nixl_environment("--drive-vllm")?;
     }
     let tasks = Tasks::new();
-    let (registry, bus) = discovery(&args.discovery, &tasks).await?;
+    let started = match stop.unless(start(&args, &tasks)).await {
+        Some(Ok(s)) => s,
+        Some(Err(e)) => {
+            tasks.shutdown().await;
+            return Err(e);
+        }
+        None => {
+            tasks.shutdown().await;
+            return Ok(());
+        }
+    };
+    let Started { frontend, registry, own_scheduler, grpc, http, id } = started;
+    let (t1, t2) = (tasks.clone(), tasks.clone());
+    let fe = frontend.clone();
+    tasks.spawn(async move {
+        if let Err(e) =
+            handoff_frontend::http::serve(http, fe, async move { t1.shutdown_requested().await })
+                .await
+        {
+            tracing::warn!(error = %e, "HTTP stopped");
+        }
+    });
+    // A drain tells gRPC clients to go (GOAWAY) at once; their streams go on until shutdown.
+    let serving = handoff_frontend::service::serve(grpc, frontend.clone(), async move {
+        t2.shutdown_requested().await
+    });
+    tokio::pin!(serving);
+    let stopped = tokio::select! {
+        r = &mut serving => Some(r),
+        _ = stop.wait() => None,
+    };
+    if let Some(r) = stopped {
+        let _ = registry.deregister(&id).await;
+        tasks.shutdown().await;
+        return Ok(r?);
+    }
+    // Drain: not ready at once; clients told to go (gRPC's GOAWAY, an HTTP/1 connection
+    // closed after its answer); streams in flight finish, for at most --drain-secs. Out of
+    // discovery at its end: the scheduler replicas cut short the bookings of a frontend
+    // that leaves, and those in flight are still being prefilled.
+    frontend.start_draining();
+    if let Some(own) = &own_scheduler {
+        own.set_ready(false);
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.drain_secs);
+    let drained = async {
+        while frontend.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    // The gRPC server ends once its connections have (told to go, they close): the HTTP
+    // API's streams may still be in flight.
+    tokio::pin!(drained);
+    let mut served = None;
+    loop {
+        tokio::select! {
+            r = &mut serving, if served.is_none() => served = Some(r),
+            _ = &mut drained => break,
+            _ = stop.wait() => {
+                tracing::warn!("told to stop again: ending the drain");
+                break;
+            }
+        }
+    }
+    tracing::info!(left = frontend.in_flight(), "frontend drained");
+    let _ = registry.deregister(&id).await;
+    // The listeners stop and hand out what their streams still hold (cut after their grace).
+    match served {
+        Some(r) => {
+            tasks.shutdown().await;
+            r?;
+        }
+        None => {
+            let (_, r) = tokio::join!(tasks.shutdown(), &mut serving);
+            r?;
+        }
+    }
+    Ok(())
+}
+
+/// A frontend started: registered, its listeners bound.
+struct Started {
+    frontend: std::sync::Arc<Frontend>,
+    registry: std::sync::Arc<dyn handoff_discovery::Registry>,
+    own_scheduler: Option<OwnScheduler>,
+    grpc: TcpListener,
+    http: TcpListener,
+    id: InstanceId,
+}
+
+/// Starts the frontend (a scheduler to ask found), binds its listeners and registers it.
+async fn start(args: &FrontendArgs, tasks: &Tasks) -> anyhow::Result<Started> {
+    let (registry, bus) = discovery(&args.discovery, tasks).await?;
     let cfg = FrontendConfig {
         decode_tp: args.decode_tp,
         transfer_token: args.discovery.token.clone(),
@@ -59,10 +153,10 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         http: args.requests.http(),
         ..FrontendConfig::default()
     };
-    let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, &tasks).await?;
+    let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, tasks).await?;
     let mut own_scheduler = None;
     if args.scheduler_in_frontend {
-        let own = OwnScheduler::start(&args, &frontend, registry.clone(), bus, &tasks).await?;
+        let own = OwnScheduler::start(args, &frontend, registry.clone(), bus, tasks).await?;
         own_scheduler = Some(own);
     } else if args.scheduler.is_empty() {
         frontend.follow_schedulers(registry.clone()).await?;
@@ -110,66 +204,5 @@ pub async fn run(args: FrontendArgs) -> anyhow::Result<()> {
         }
     }
     crate::cmd::announce(&ready)?;
-    let (t1, t2) = (tasks.clone(), tasks.clone());
-    let fe = frontend.clone();
-    tasks.spawn(async move {
-        if let Err(e) =
-            handoff_frontend::http::serve(http, fe, async move { t1.shutdown_requested().await })
-                .await
-        {
-            tracing::warn!(error = %e, "HTTP stopped");
-        }
-    });
-    // A drain tells gRPC clients to go (GOAWAY) at once; their streams go on until shutdown.
-    let serving = handoff_frontend::service::serve(grpc, frontend.clone(), async move {
-        t2.shutdown_requested().await
-    });
-    tokio::pin!(serving);
-    let stopped = tokio::select! {
-        r = &mut serving => Some(r),
-        _ = shutdown_signal() => None,
-    };
-    if let Some(r) = stopped {
-        let _ = registry.deregister(&id).await;
-        tasks.shutdown().await;
-        return Ok(r?);
-    }
-    // Drain: not ready at once; clients told to go (gRPC's GOAWAY, an HTTP/1 connection
-    // closed after its answer); streams in flight finish, for at most --drain-secs. Out of
-    // discovery at its end: the scheduler replicas cut short the bookings of a frontend
-    // that leaves, and those in flight are still being prefilled.
-    frontend.start_draining();
-    if let Some(own) = &own_scheduler {
-        own.set_ready(false);
-    }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.drain_secs);
-    let drained = async {
-        while frontend.in_flight() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    // The gRPC server ends once its connections have (told to go, they close): the HTTP
-    // API's streams may still be in flight.
-    tokio::pin!(drained);
-    let mut served = None;
-    loop {
-        tokio::select! {
-            r = &mut serving, if served.is_none() => served = Some(r),
-            _ = &mut drained => break,
-        }
-    }
-    tracing::info!(left = frontend.in_flight(), "frontend drained");
-    let _ = registry.deregister(&id).await;
-    // The listeners stop and hand out what their streams still hold (cut after their grace).
-    match served {
-        Some(r) => {
-            tasks.shutdown().await;
-            r?;
-        }
-        None => {
-            let (_, r) = tokio::join!(tasks.shutdown(), &mut serving);
-            r?;
-        }
-    }
-    Ok(())
+    Ok(Started { frontend, registry, own_scheduler, grpc, http, id })
 }

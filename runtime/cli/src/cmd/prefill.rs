@@ -7,10 +7,12 @@ use handoff_core::{InstanceId, Tasks};
 use handoff_prefill::{PrefillConfig, PrefillInstance};
 
 use crate::args::PrefillArgs;
-use crate::cmd::{discovery, up::engines, up::shutdown_signal};
+use crate::cmd::{discovery, up::engines};
+use crate::stop::Stop;
 
-/// Runs until Ctrl-C or SIGTERM, then drains.
-pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
+/// Runs until Ctrl-C or SIGTERM, then drains (a second one ends the drain). Told to stop
+/// while starting, stops there.
+pub async fn run(args: PrefillArgs, mut stop: Stop) -> anyhow::Result<()> {
     if args.discovery.etcd.is_none() {
         anyhow::bail!(
             "a prefill without --etcd and --nats (or HANDOFF_ETCD and HANDOFF_NATS) is found by no scheduler or frontend: give them (`handoff up` runs one cluster in a process)"
@@ -34,7 +36,43 @@ pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
         crate::cmd::check_advertised("--transfer-advertise", t)?;
     }
     let tasks = Tasks::new();
-    let (registry, bus) = discovery(&args.discovery, &tasks).await?;
+    let Some(started) = stop.unless(start(&args, &tasks)).await else {
+        tasks.shutdown().await;
+        return Ok(());
+    };
+    let (p, ops) = match started {
+        Ok(s) => s,
+        Err(e) => {
+            // Registered perhaps: taken out of discovery before this process ends, not left
+            // listed (a dead address) until its lease lapses.
+            tasks.shutdown().await;
+            return Err(e);
+        }
+    };
+    let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
+    let mut ready = format!(
+        "prefill {} ready: bootstrap http{s}://{} grpc{s}://{}",
+        p.id, p.bootstrap_addr, p.grpc_addr
+    );
+    if let Some(a) = ops {
+        ready.push_str(&format!(" ops http://{a}"));
+    }
+    crate::cmd::announce(&ready)?;
+    stop.wait().await;
+    tokio::select! {
+        r = p.drain(Duration::from_secs(args.drain_secs)) => r?,
+        _ = stop.wait() => tracing::warn!("told to stop again: ending the drain"),
+    }
+    tasks.shutdown().await;
+    Ok(())
+}
+
+/// Starts the instance (registered, serving) and its ops listener.
+async fn start(
+    args: &PrefillArgs,
+    tasks: &Tasks,
+) -> anyhow::Result<(PrefillInstance, Option<std::net::SocketAddr>)> {
+    let (registry, bus) = discovery(&args.discovery, tasks).await?;
     let engine = engines(&args.engine)?()?;
     let id = match &args.id {
         Some(s) => s.parse::<InstanceId>()?,
@@ -53,27 +91,7 @@ pub async fn run(args: PrefillArgs) -> anyhow::Result<()> {
         ..PrefillConfig::default()
     }
     .with_token(args.discovery.token.clone());
-    let p = PrefillInstance::start(cfg, engine, registry, bus, &tasks, None).await?;
-    let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
-    let mut ready = format!(
-        "prefill {} ready: bootstrap http{s}://{} grpc{s}://{}",
-        p.id, p.bootstrap_addr, p.grpc_addr
-    );
-    let ops = match crate::cmd::serve_ops(args.ops_listen, p.ops(), &tasks).await {
-        Ok(ops) => ops,
-        Err(e) => {
-            // Registered already: taken out of discovery before this process ends, not left
-            // listed (a dead address) until its lease lapses.
-            tasks.shutdown().await;
-            return Err(e);
-        }
-    };
-    if let Some(a) = ops {
-        ready.push_str(&format!(" ops http://{a}"));
-    }
-    crate::cmd::announce(&ready)?;
-    shutdown_signal().await;
-    p.drain(Duration::from_secs(args.drain_secs)).await?;
-    tasks.shutdown().await;
-    Ok(())
+    let p = PrefillInstance::start(cfg, engine, registry, bus, tasks, None).await?;
+    let ops = crate::cmd::serve_ops(args.ops_listen, p.ops(), tasks).await?;
+    Ok((p, ops))
 }

@@ -5,20 +5,35 @@ use anyhow::bail;
 use handoff_core::Tasks;
 
 use crate::args::RegisterEngineArgs;
-use crate::cmd::{discovery, up::shutdown_signal};
+use crate::cmd::discovery;
+use crate::stop::Stop;
 
 /// Registers the engine, runs until Ctrl-C or SIGTERM, then deregisters it.
-pub async fn run(args: RegisterEngineArgs) -> anyhow::Result<()> {
+pub async fn run(args: RegisterEngineArgs, mut stop: Stop) -> anyhow::Result<()> {
     if args.discovery.etcd.is_none() {
         bail!("register-engine needs --etcd and --nats (or HANDOFF_ETCD and HANDOFF_NATS)");
     }
     let tasks = Tasks::new();
-    let (registry, _bus) = discovery(&args.discovery, &tasks).await?;
     let me = args.engine.registration(args.page_size);
     let id = me.id.clone();
-    registry.register(me).await?;
+    let registering = async {
+        let (registry, _bus) = discovery(&args.discovery, &tasks).await?;
+        registry.register(me).await?;
+        anyhow::Ok(registry)
+    };
+    let registry = match stop.unless(registering).await {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => {
+            tasks.shutdown().await;
+            return Err(e);
+        }
+        None => {
+            tasks.shutdown().await;
+            return Ok(());
+        }
+    };
     crate::cmd::announce(&format!("engine {id} registered"))?;
-    shutdown_signal().await;
+    stop.wait().await;
     let _ = registry.deregister(&id).await;
     tasks.shutdown().await;
     Ok(())

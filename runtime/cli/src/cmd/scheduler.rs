@@ -8,10 +8,11 @@ use handoff_scheduler::{Scheduler, SchedulerConfig, service};
 use tokio::net::TcpListener;
 
 use crate::args::SchedulerArgs;
-use crate::cmd::{discovery, up::shutdown_signal};
+use crate::cmd::discovery;
+use crate::stop::Stop;
 
-/// Runs until Ctrl-C or SIGTERM.
-pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
+/// Runs until Ctrl-C or SIGTERM (told while starting, stops there).
+pub async fn run(args: SchedulerArgs, mut stop: Stop) -> anyhow::Result<()> {
     let mut binds = vec![("the scheduler", args.listen)];
     binds.extend(args.http_listen.map(|a| ("the scheduler's JSON API", a)));
     binds.extend(args.ops_listen.map(|a| ("the scheduler's metrics", a)));
@@ -23,25 +24,63 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
         tracing::warn!("{w}");
     }
     let tasks = Tasks::new();
-    let (registry, bus) = discovery(&args.discovery, &tasks).await?;
+    let started = match stop.unless(start(&args, &tasks)).await {
+        Some(Ok(s)) => s,
+        Some(Err(e)) => {
+            tasks.shutdown().await;
+            return Err(e);
+        }
+        None => {
+            tasks.shutdown().await;
+            return Ok(());
+        }
+    };
+    let Started { scheduler, registry, listener, id } = started;
+    let t = tasks.clone();
+    let serving =
+        service::serve(
+            listener,
+            scheduler.state().clone(),
+            async move { t.shutdown_requested().await },
+        );
+    tokio::select! {
+        r = serving => r?,
+        _ = stop.wait() => {}
+    }
+    let _ = registry.deregister(&id).await;
+    tasks.shutdown().await;
+    Ok(())
+}
+
+/// A scheduler started: registered, and listening.
+struct Started {
+    scheduler: Scheduler,
+    registry: std::sync::Arc<dyn handoff_discovery::Registry>,
+    listener: TcpListener,
+    id: InstanceId,
+}
+
+/// Starts the scheduler, its listeners and its registration.
+async fn start(args: &SchedulerArgs, tasks: &Tasks) -> anyhow::Result<Started> {
+    let (registry, bus) = discovery(&args.discovery, tasks).await?;
     let cfg = SchedulerConfig {
         token: args.discovery.token.clone(),
         tls: args.discovery.cluster_tls()?,
         ..args.policy.config()
     };
-    let scheduler = Scheduler::start(cfg, registry.clone(), bus, &tasks).await?;
+    let scheduler = Scheduler::start(cfg, registry.clone(), bus, tasks).await?;
     let mut ids = std::collections::HashSet::new();
     for e in &args.engines {
         let spec = e.spec(args.page_size);
         if !ids.insert(spec.instance.id.clone()) {
             anyhow::bail!("--engine id={} given twice", spec.instance.id);
         }
-        if !scheduler.follow_engine(spec, &tasks) {
+        if !scheduler.follow_engine(spec, tasks) {
             anyhow::bail!("--engine id={}: the id is taken", e.id());
         }
     }
     // And the engines registered in discovery (`handoff register-engine`).
-    scheduler.follow_registered_engines(registry.clone(), &tasks).await?;
+    scheduler.follow_registered_engines(registry.clone(), tasks).await?;
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
@@ -72,7 +111,7 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
         });
     }
     let ops = handoff_scheduler::metrics::ops(scheduler.state());
-    if let Some(a) = crate::cmd::serve_ops(args.ops_listen, ops, &tasks).await? {
+    if let Some(a) = crate::cmd::serve_ops(args.ops_listen, ops, tasks).await? {
         ready.push_str(&format!(" ops http://{a}"));
     }
     // Listed once it knows the prefills registered now: a frontend asking it sooner would be
@@ -88,18 +127,5 @@ pub async fn run(args: SchedulerArgs) -> anyhow::Result<()> {
     registry.register(me).await?;
     scheduler.state().metrics().set_registered(true);
     crate::cmd::announce(&ready)?;
-    let t = tasks.clone();
-    let serving =
-        service::serve(
-            listener,
-            scheduler.state().clone(),
-            async move { t.shutdown_requested().await },
-        );
-    tokio::select! {
-        r = serving => r?,
-        _ = shutdown_signal() => {}
-    }
-    let _ = registry.deregister(&id).await;
-    tasks.shutdown().await;
-    Ok(())
+    Ok(Started { scheduler, registry, listener, id })
 }

@@ -10,6 +10,7 @@ use handoff_frontend::FrontendConfig;
 use handoff_smollm::{SmolConfig, SmolLm};
 
 use crate::args::{EngineArg, EngineArgs, UpArgs};
+use crate::stop::Stop;
 use crate::{Cluster, ClusterConfig};
 
 /// A source of engine handles: every part of a cluster gets its own (for smollm: shared
@@ -45,7 +46,7 @@ pub fn engines(args: &EngineArgs) -> anyhow::Result<Engines> {
 }
 
 /// Runs until Ctrl-C or SIGTERM.
-pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+pub async fn run(args: UpArgs, mut stop: Stop) -> anyhow::Result<()> {
     // No exposure check (`check_exposure`): this process always has a token (given or
     // generated), so its directories, transfers and scheduler are never open, wherever they
     // listen; its public APIs are meant to be reached.
@@ -80,8 +81,15 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     };
     let engines = engines(&args.engine)?;
     let tasks = handoff_core::Tasks::new();
-    let (registry, bus) = crate::cmd::discovery(&args.discovery, &tasks).await?;
-    let cluster = Cluster::start_with(cfg, &*engines, registry, bus, tasks).await?;
+    let starting = async {
+        let (registry, bus) = crate::cmd::discovery(&args.discovery, &tasks).await?;
+        Cluster::start_with(cfg, &*engines, registry, bus, tasks.clone()).await
+    };
+    let Some(cluster) = stop.unless(starting).await else {
+        tasks.shutdown().await;
+        return Ok(());
+    };
+    let cluster = cluster?;
     let mut out = std::io::stdout().lock();
     // "s" where a listener speaks TLS.
     let inner = if args.discovery.tls_cert.is_some() { "s" } else { "" };
@@ -117,29 +125,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     )?;
     out.flush()?;
     drop(out);
-    shutdown_signal().await;
+    stop.wait().await;
     cluster.shutdown().await;
     Ok(())
-}
-
-/// Completes on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }
