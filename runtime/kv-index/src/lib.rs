@@ -55,7 +55,9 @@ pub struct KvIndex {
     slots: HashMap<WorkerKey, u32>,
     /// Slots being cleared a step at a time ([`KvIndex::clean_some`]), and whether each is
     /// retired (its worker left: the slot is reused once clear).
-    clearing: Vec<(u32, bool)>,
+    clearing: HashMap<u32, bool>,
+    /// What the last step of the clears did (kept for its allocation).
+    cleared: Vec<tree::Cleared>,
     entries: usize,
     max_entries: usize,
     /// Clears a store or removal finished at once.
@@ -80,7 +82,8 @@ impl KvIndex {
             held: Vec::new(),
             free: Vec::new(),
             slots: HashMap::new(),
-            clearing: Vec::new(),
+            clearing: HashMap::new(),
+            cleared: Vec::new(),
             entries: 0,
             max_entries,
             forced_clears: 0,
@@ -184,17 +187,17 @@ impl KvIndex {
     /// time (or at once by a store or removal for it). Meanwhile it still matches what is
     /// left of it.
     pub fn begin_clear_at(&mut self, slot: Slot) {
-        if self.held_at(slot) > 0 && !self.clearing.iter().any(|c| c.0 == slot.0) {
-            self.clearing.push((slot.0, false));
+        if self.held_at(slot) > 0 && !self.clearing.contains_key(&slot.0) {
+            self.clearing.insert(slot.0, false);
+            self.tree.begin_clear(slot.0);
         }
     }
 
     /// Finishes any clear of `slot` at once; whether there was one.
     fn finish_clear(&mut self, slot: Slot) -> bool {
-        let Some(at) = self.clearing.iter().position(|c| c.0 == slot.0) else { return false };
-        let (_, retired) = self.clearing.swap_remove(at);
-        let step = self.tree.clear_some(slot.0, usize::MAX);
-        self.cleared(slot.0, step.removed, retired);
+        let Some(retired) = self.clearing.remove(&slot.0) else { return false };
+        let removed = self.tree.finish_clear(slot.0).unwrap_or(0);
+        self.cleared(slot.0, removed, retired);
         true
     }
 
@@ -222,14 +225,22 @@ impl KvIndex {
     }
 
     /// Goes on with the clears begun, over at most `budget` tree nodes. Returns whether
-    /// none is left.
+    /// none is left. Clears begun together share their scans (see the tree's `clears`).
     pub fn clean_some(&mut self, budget: usize) -> bool {
-        let Some(&(slot, retired)) = self.clearing.last() else { return true };
-        let step = self.tree.clear_some(slot, budget.max(1));
-        if step.done {
-            self.clearing.pop();
+        if self.clearing.is_empty() {
+            return true;
         }
-        self.cleared(slot, step.removed, retired && step.done);
+        let mut cleared = std::mem::take(&mut self.cleared);
+        self.tree.clear_step(budget, &mut cleared);
+        for c in cleared.drain(..) {
+            let retired = if c.done {
+                self.clearing.remove(&c.slot).unwrap_or(false)
+            } else {
+                self.clearing.get(&c.slot).copied().unwrap_or(false)
+            };
+            self.cleared(c.slot, c.removed, retired && c.done);
+        }
+        self.cleared = cleared;
         self.clearing.is_empty()
     }
 
@@ -266,9 +277,12 @@ impl KvIndex {
                 self.slots.remove(&key);
             }
             let held = self.held_at(slot) > 0;
-            match self.clearing.iter_mut().find(|c| c.0 == slot.0) {
-                Some(c) => c.1 = true,
-                None if held => self.clearing.push((slot.0, true)),
+            match self.clearing.get_mut(&slot.0) {
+                Some(retired) => *retired = true,
+                None if held => {
+                    self.clearing.insert(slot.0, true);
+                    self.tree.begin_clear(slot.0);
+                }
                 None => self.free.push(slot.0),
             }
         }

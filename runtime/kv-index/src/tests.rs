@@ -301,3 +301,61 @@ fn blocks_stored_one_by_one_under_their_parents_compress() {
     }
     idx.tree.check();
 }
+
+/// An index of `workers` workers, each holding its own prompt of 8 blocks after a shared
+/// one: `workers + 1` nodes or so.
+fn fleet(workers: usize) -> (KvIndex, Vec<Vec<BlockHash>>) {
+    let mut idx = KvIndex::default();
+    let mut prompts = Vec::new();
+    for w in 0..workers {
+        let tokens: Vec<u32> =
+            (0..64).chain((0..64).map(|t| 1_000 + (w as u32) * 64 + t)).collect();
+        let h = block_hashes(&tokens, 8);
+        idx.store(&key(&format!("w{w}"), 0), None, &h);
+        prompts.push(h);
+    }
+    (idx, prompts)
+}
+
+/// Steps of `budget` nodes until every clear begun is done.
+fn steps_to_clean(idx: &mut KvIndex, budget: usize) -> usize {
+    let mut steps = 1;
+    while !idx.clean_some(budget) {
+        steps += 1;
+    }
+    steps
+}
+
+/// Clears begun together share their scans of the tree: a hundred cost what one does (and
+/// one begun while a pass runs, a second pass), not a hundred scans. Before, each clear was
+/// a scan of the whole tree of its own, one after another: at a thousand instances and
+/// millions of nodes, a fleet's resyncs held a scheduler's lock for tens of seconds.
+#[test]
+fn clears_begun_together_share_one_scan_of_the_tree() {
+    let (mut one, _) = fleet(100);
+    let slot = one.slot(&key("w0", 0)).unwrap();
+    one.begin_clear_at(slot);
+    let alone = steps_to_clean(&mut one, 4);
+    assert!(alone > 10, "{alone} steps");
+
+    let (mut idx, prompts) = fleet(100);
+    for w in 0..99 {
+        let slot = idx.slot(&key(&format!("w{w}"), 0)).unwrap();
+        idx.begin_clear_at(slot);
+    }
+    assert!(!idx.clean_some(4));
+    // Begun while the pass runs: it waits for the next.
+    idx.retire_instance(&"w98".parse().unwrap());
+    let late = idx.slot(&key("w99", 0)).unwrap();
+    idx.begin_clear_at(late);
+    let together = steps_to_clean(&mut idx, 4) + 1;
+    assert!(together <= 2 * alone + 2, "{together} steps for 100 clears, {alone} for one");
+    for (w, p) in prompts.iter().enumerate() {
+        assert_eq!(idx.overlaps(p).len(), 0, "w{w} still matched");
+        if w < 98 {
+            assert_eq!(idx.blocks_of(&key(&format!("w{w}"), 0)), 0);
+        }
+    }
+    assert_eq!(idx.len(), 0);
+    idx.tree.check();
+}

@@ -19,7 +19,12 @@
 //! chain can hide a prompt start inside it; such a start is found again once any worker
 //! stores it first.
 
+mod clears;
+
 use handoff_core::BlockHash;
+
+pub(crate) use clears::Cleared;
+use clears::Clears;
 
 use crate::block_map::BlockMap;
 use crate::run::Run;
@@ -53,19 +58,8 @@ pub(crate) struct Tree {
     /// The blocks in `map` ever stored first in a run with no parent (the possible starts
     /// of a prompt), each with the root whose edge begins with it, or [`NIL`].
     firsts: BlockMap<u32>,
-    /// Clears in progress, a bounded step at a time: (slot, next node to scan). While any
-    /// is, freed ids are not reused, so every node a clear has yet to reach lies at or past
-    /// its cursor: a split's head, which copies a holder set, is always a new id at the end.
-    clearing: Vec<(u32, u32)>,
-}
-
-/// What one step of a clear did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ClearStep {
-    /// (block, holder) pairs removed.
-    pub(crate) removed: usize,
-    /// Whether the slot is clear now.
-    pub(crate) done: bool,
+    /// Clears in progress ([`clears`]). While any is, freed ids are not reused.
+    clears: Clears,
 }
 
 /// How many leading hashes `a` and `b` share: eight at a time while whole chunks match (the
@@ -79,7 +73,7 @@ fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
 
 impl Tree {
     fn alloc(&mut self, node: Node) -> u32 {
-        let reuse = if self.clearing.is_empty() { self.free.pop() } else { None };
+        let reuse = if self.clears.is_empty() { self.free.pop() } else { None };
         match reuse {
             Some(id) => {
                 self.nodes[id as usize] = node;
@@ -359,39 +353,6 @@ impl Tree {
             i += n;
         }
         removed
-    }
-
-    /// Drops `slot` as a holder everywhere, going on (or starting) over at most `budget` more
-    /// nodes. Nothing may be stored for `slot` until it is done.
-    pub(crate) fn clear_some(&mut self, slot: u32, budget: usize) -> ClearStep {
-        let at = match self.clearing.iter().position(|c| c.0 == slot) {
-            Some(at) => at,
-            None => {
-                self.clearing.push((slot, 0));
-                self.clearing.len() - 1
-            }
-        };
-        let from = self.clearing[at].1 as usize;
-        let to = from.saturating_add(budget).min(self.nodes.len());
-        let (mut removed, mut emptied) = (0, Vec::new());
-        for (id, n) in self.nodes[from..to].iter_mut().enumerate() {
-            if n.holders.remove(slot) {
-                removed += n.blocks.len();
-                if n.holders.is_empty() {
-                    emptied.push((from + id) as u32);
-                }
-            }
-        }
-        for id in emptied {
-            self.prune(id);
-        }
-        let done = to >= self.nodes.len();
-        if done {
-            self.clearing.swap_remove(at);
-        } else {
-            self.clearing[at].1 = to as u32;
-        }
-        ClearStep { removed, done }
     }
 
     /// The blocks `slot` holds.
