@@ -193,7 +193,10 @@ async fn chat(
             sampling: Some(sampling(&sampled)?),
             ..Default::default()
         };
-        respond(&fe, g, trace, &req.model, &sampled, true).await
+        // Not held while the request is served: its text is in `g` (twice, else).
+        let model = req.model;
+        drop((req.messages, body));
+        respond(&fe, g, trace, &model, &sampled, true).await
     };
     with_trace_id(run.await.unwrap_or_else(IntoResponse::into_response), &trace_id)
 }
@@ -220,7 +223,9 @@ async fn completions(
             sampling: Some(sampling(&sampled)?),
             ..Default::default()
         };
-        respond(&fe, g, trace, &req.model, &sampled, false).await
+        let model = req.model;
+        drop(body);
+        respond(&fe, g, trace, &model, &sampled, false).await
     };
     with_trace_id(run.await.unwrap_or_else(IntoResponse::into_response), &trace_id)
 }

@@ -45,6 +45,13 @@ pub struct Plan {
 /// workers of a 2-core host).
 pub const TOKENIZE_APART_BYTES: usize = 4 << 10;
 
+/// Bytes of long inputs held waiting for a turn to be tokenized, or being tokenized, at most:
+/// past it a long input is refused at once (429). Each holds its text while it waits, and
+/// the request's message was counted only while it arrived: 4,096 requests in progress held
+/// up to 64 GiB of 16 MiB gRPC messages behind two busy turns. At about 1.6 us a byte on two
+/// cores, 64 MiB is some 50 s of tokenizing: more would not be done within a request's time.
+pub const TOKENIZE_HELD_BYTES: usize = 64 << 20;
+
 /// [`plan`], with a long input tokenized apart (see [`TOKENIZE_APART_BYTES`]).
 pub(crate) async fn checked(
     fe: &Arc<Frontend>,
@@ -58,6 +65,23 @@ pub(crate) async fn checked(
     if bytes <= TOKENIZE_APART_BYTES {
         return plan(req, &*fe.engine, &fe.cfg);
     }
+    // Refused before it is held: too long, or too much waiting already.
+    if bytes > MAX_INPUT_BYTES {
+        return Err(invalid(format!("the input exceeds {MAX_INPUT_BYTES} bytes")));
+    }
+    let held = u32::try_from(bytes)
+        .ok()
+        .and_then(|n| fe.tokenizing_bytes.clone().try_acquire_many_owned(n).ok());
+    let Some(held) = held else {
+        return Err(FrontendError::Overloaded {
+            retry_after: Duration::from_secs(1),
+            limit: crate::Limit::Tokenizer,
+            reason: format!(
+                "long inputs waiting to be tokenized hold {} MiB already",
+                TOKENIZE_HELD_BYTES >> 20
+            ),
+        });
+    };
     let arrived = Instant::now();
     // A turn within the request's time: past it, the frontend is too busy for it (429).
     let turn = tokio::time::timeout_at(arrived + budget(&req, &fe.cfg), async {
@@ -70,7 +94,7 @@ pub(crate) async fn checked(
     })?;
     let fe = fe.clone();
     let apart = tokio::task::spawn_blocking(move || {
-        let _turn = turn;
+        let _turn = (turn, held);
         plan(req, &*fe.engine, &fe.cfg)
     });
     let mut planned =

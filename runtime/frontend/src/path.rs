@@ -58,6 +58,9 @@ pub struct Frontend {
     pub(crate) decoding: Option<Arc<crate::decoding::DecodeSlots>>,
     /// Long inputs tokenized at once, on blocking threads (see `input::checked`).
     pub(crate) tokenizing: Arc<Semaphore>,
+    /// Bytes of long inputs waiting for a turn or tokenized, at most
+    /// [`crate::input::TOKENIZE_HELD_BYTES`].
+    pub(crate) tokenizing_bytes: Arc<Semaphore>,
     pub(crate) metrics: Arc<Metrics>,
     /// Prefill instances registered in discovery (while followed).
     prefills_known: std::sync::atomic::AtomicUsize,
@@ -142,6 +145,7 @@ impl Frontend {
             tokenizing: Arc::new(Semaphore::new(
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
             )),
+            tokenizing_bytes: Arc::new(Semaphore::new(crate::input::TOKENIZE_HELD_BYTES)),
             cfg,
             engine,
             agent,

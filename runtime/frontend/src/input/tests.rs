@@ -187,3 +187,44 @@ async fn a_long_input_waits_for_a_turn_only_within_its_deadline() {
     let e = answered.expect("waited past its deadline").unwrap_err();
     assert!(matches!(e, FrontendError::Overloaded { .. }), "{e}");
 }
+
+/// Long inputs waiting for a turn hold their text: past [`TOKENIZE_HELD_BYTES`] of them,
+/// another is refused at once (429) rather than held too, and one over the input limit is
+/// refused before it waits at all. Before, each waited (up to the request's time) whatever
+/// its size: 4,096 requests in progress held up to 64 GiB of gRPC messages.
+#[tokio::test]
+async fn long_inputs_waiting_to_be_tokenized_hold_a_bounded_number_of_bytes() {
+    let tasks = handoff_core::Tasks::new();
+    let engine = Arc::new(MockEngine::new(MockConfig::default()));
+    let fe = Frontend::new(FrontendConfig::default(), engine, &["127.0.0.1:9".into()], &tasks)
+        .await
+        .unwrap();
+    let turns = fe.tokenizing.available_permits() as u32;
+    let _held = fe.tokenizing.clone().acquire_many_owned(turns).await.unwrap();
+    let text = |n: usize| GenerateRequest {
+        input: Some(Input::Text("w".repeat(n))),
+        ..Default::default()
+    };
+    let e = checked(&fe, text(MAX_INPUT_BYTES + 1)).await.unwrap_err();
+    assert!(matches!(e, FrontendError::Invalid(_)), "{e}");
+    let mut waiting = tokio::task::JoinSet::new();
+    for _ in 0..TOKENIZE_HELD_BYTES / MAX_INPUT_BYTES {
+        let fe = fe.clone();
+        waiting.spawn(async move { checked(&fe, text(MAX_INPUT_BYTES)).await });
+    }
+    // All waiting (bounded, so a budget that never fills fails below rather than hangs).
+    let filled = Instant::now() + Duration::from_secs(5);
+    while fe.tokenizing_bytes.available_permits() > 0 && Instant::now() < filled {
+        tokio::task::yield_now().await;
+    }
+    let refused =
+        tokio::time::timeout(Duration::from_secs(5), checked(&fe, text(TOKENIZE_APART_BYTES + 1)))
+            .await
+            .expect("refused at once, not held");
+    match refused.unwrap_err() {
+        FrontendError::Overloaded { limit, .. } => assert_eq!(limit, crate::Limit::Tokenizer),
+        e => panic!("{e}"),
+    }
+    assert!(checked(&fe, text(10)).await.is_ok(), "a short input still served");
+    waiting.abort_all();
+}
