@@ -147,8 +147,9 @@ impl EtcdRegistry {
 }
 
 /// Keeps `lease` alive until `stop`; registers again if the lease lapses (etcd was away for
-/// longer than the TTL), and puts the key back if it went while the lease lived (an operator's
-/// `etcdctl del`, or an earlier process of the same id deregistering); revokes the lease on
+/// longer than the TTL), and puts the key back if it went or changed while the lease lived (an
+/// operator's `etcdctl del`, an earlier process of the same id deregistering, another
+/// writer's addresses); revokes the lease on
 /// `stop`.
 async fn keep(
     mut client: Client,
@@ -172,16 +173,27 @@ async fn keep(
                     Some(r) if r.ttl() > 0 => {}
                     _ => return Err::<(), _>(DiscoveryError::Unavailable("lease lapsed".into())),
                 }
-                // Once a TTL: the key itself is still there.
+                // Once a TTL: the key itself is still there, and still says what this
+                // process registered (a writer that changed its addresses would have had
+                // this instance's traffic for as long as it lived).
                 if beat.is_multiple_of(3) {
                     let held = client.get(key.as_str(), None).await.map_err(unavailable)?;
-                    if held.kvs().is_empty() {
+                    let stored = held.kvs().first().map(|kv| kv.value());
+                    if stored != Some(value.as_slice()) {
                         let put = PutOptions::new().with_lease(lease);
                         client
                             .put(key.as_str(), value.as_slice(), Some(put))
                             .await
                             .map_err(unavailable)?;
-                        info!(%key, "registration deleted under a live lease; put back");
+                        match stored {
+                            None => {
+                                info!(%key, "registration deleted under a live lease; put back")
+                            }
+                            Some(_) => warn!(
+                                %key,
+                                "registration changed by another writer under a live lease; put back (check who can write etcd)"
+                            ),
+                        }
                     }
                 }
                 if outage {

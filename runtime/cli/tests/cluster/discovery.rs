@@ -202,6 +202,26 @@ async fn a_registration_deleted_under_a_live_lease_comes_back() {
     tasks.shutdown().await;
 }
 
+/// A registration another writer changes while its lease lives (its addresses pointed at
+/// another host) is put back within a TTL. Before, only a deleted key was: the changed one
+/// kept the instance's traffic, while the real process beat on, looking healthy.
+#[tokio::test]
+async fn a_registration_changed_under_a_live_lease_is_put_back() {
+    let etcd = Server::etcd();
+    let tasks = Tasks::new();
+    let reg = EtcdRegistry::connect(&etcd.url, Duration::from_secs(2), &tasks).await.unwrap();
+    reg.register(inst("p1")).await.unwrap();
+    let mut w = reg.watch(Role::Prefill).await.unwrap();
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Reset(vec![inst("p1")]));
+    let mut admin = etcd_client::Client::connect([etcd.url.as_str()], None).await.unwrap();
+    let key = format!("{}prefill/p1", handoff_discovery::etcd::KEY_PREFIX);
+    let forged = Instance { grpc_addr: "10.9.9.9:50060".into(), ..inst("p1") };
+    admin.put(key, serde_json::to_vec(&forged).unwrap(), None).await.unwrap();
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Add(forged));
+    assert_eq!(next(&mut w, Duration::from_secs(5)).await, Update::Add(inst("p1")));
+    tasks.shutdown().await;
+}
+
 #[tokio::test]
 async fn nats_publish_subscribe_and_request_reply() {
     let nats = Server::nats();
