@@ -10,6 +10,13 @@ use crate::args::PrefillArgs;
 use crate::cmd::{discovery, up::engines};
 use crate::stop::Stop;
 
+/// How long a stopping prefill answers at least, refusing new requests as draining, before
+/// its listeners close: a scheduler replica that has not seen it leave etcd yet (lagging, or
+/// cut off) routes to it until its heartbeats have been missing for the liveness timeout
+/// (3 s). A refusal as draining sends the frontend elsewhere; a closed port was counted as
+/// the instance's fault, an idle prefill's drain being over at once.
+const DRAIN_NOTICE: Duration = Duration::from_secs(4);
+
 /// Runs until Ctrl-C or SIGTERM, then drains (a second one ends the drain). Told to stop
 /// while starting, stops there.
 pub async fn run(args: PrefillArgs, mut stop: Stop) -> anyhow::Result<()> {
@@ -59,8 +66,14 @@ pub async fn run(args: PrefillArgs, mut stop: Stop) -> anyhow::Result<()> {
     }
     crate::cmd::announce(&ready)?;
     stop.wait().await;
+    let (began, grace) = (tokio::time::Instant::now(), Duration::from_secs(args.drain_secs));
+    let draining = async {
+        p.drain(grace).await?;
+        tokio::time::sleep_until(began + DRAIN_NOTICE.min(grace)).await;
+        anyhow::Ok(())
+    };
     tokio::select! {
-        r = p.drain(Duration::from_secs(args.drain_secs)) => r?,
+        r = draining => r?,
         _ = stop.wait() => tracing::warn!("told to stop again: ending the drain"),
     }
     tasks.shutdown().await;

@@ -78,3 +78,39 @@ fn every_role_told_to_stop_while_it_waits_for_etcd_stops_cleanly() {
         assert!(ok && logged.contains("told to stop while starting"), "{args:?}: {logged}");
     }
 }
+
+/// An idle prefill told to stop still answers (as draining) for a few seconds before its
+/// listeners close, so a scheduler replica that has not seen it leave yet sends frontends to
+/// a refusal they pass over, not to a closed port they count as its fault. Before, its drain
+/// was over at once, and its ports closed with it.
+#[test]
+fn an_idle_prefill_told_to_stop_answers_a_while_before_closing() {
+    let (etcd, nats) = (super::servers::Server::etcd(), super::servers::Server::nats());
+    let args = [
+        "prefill",
+        "--engine",
+        "mock",
+        "--bootstrap-listen",
+        "127.0.0.1:0",
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--etcd",
+        &etcd.url,
+        "--nats",
+        &nats.url,
+    ];
+    let (mut p, ready) = super::servers::Handoff::spawn(&args);
+    let grpc = ready.split("grpc://").nth(1).unwrap().split_whitespace().next().unwrap().to_owned();
+    let told = Instant::now();
+    assert!(
+        Command::new("kill").args(["-TERM", &p.child.id().to_string()]).status().unwrap().success()
+    );
+    while told.elapsed() < Duration::from_millis(2_500) {
+        let reached =
+            std::net::TcpStream::connect_timeout(&grpc.parse().unwrap(), Duration::from_secs(1));
+        assert!(reached.is_ok(), "{grpc} closed {:?} after SIGTERM", told.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let status = p.child.wait().unwrap();
+    assert!(status.success(), "{status}");
+}
