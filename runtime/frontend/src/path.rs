@@ -314,6 +314,11 @@ impl Frontend {
                 let wake = (Instant::now() + self.backoff(failed.len())).min(plan.deadline);
                 tokio::time::sleep_until(wake).await;
             }
+            // Stopping, another attempt would be cut the same way (booked, and its call
+            // reset): the client is told so now.
+            if self.tasks.is_shutting_down() {
+                return Err(FrontendError::Unavailable("the frontend is stopping".into()));
+            }
             if Instant::now() >= plan.deadline {
                 return Err(FrontendError::Deadline(summary(failed)));
             }
