@@ -17,8 +17,9 @@ pub enum Cause {
     Invalid,
     /// The decode's own step failed (registering receive memory, loading the KV).
     Decode,
-    /// The decode and the instance do not fit each other (another model, tp, transfer or
-    /// version: the prefill answered `FAILED_PRECONDITION`): tried elsewhere, and no
+    /// The decode and the instance do not fit each other (another model, tp, transfer,
+    /// version or token: the prefill answered `FAILED_PRECONDITION` or `UNAUTHENTICATED`,
+    /// or a transfer was refused as unauthorized): tried elsewhere, and no
     /// breaker counts it. Before, it counted as the instance's fault: one misconfigured
     /// frontend opened every healthy prefill's breaker, for every frontend.
     Mismatch,
@@ -123,6 +124,7 @@ impl FrontendError {
             }
             handoff_transfer::TransferError::Timeout(_) => Cause::Deadline,
             handoff_transfer::TransferError::Full(_) => Cause::Overloaded,
+            handoff_transfer::TransferError::Unauthorized => Cause::Mismatch,
             _ => Cause::Instance,
         };
         Self::because(stage, cause, e)
@@ -144,6 +146,10 @@ impl FrontendError {
             tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => Cause::Deadline,
             tonic::Code::InvalidArgument => Cause::Invalid,
             tonic::Code::FailedPrecondition => Cause::Mismatch,
+            // This frontend's token is not the instance's (a token being changed, a frontend
+            // misconfigured): the instance is healthy, and a breaker opened by one
+            // frontend's token would keep it from every frontend.
+            tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => Cause::Mismatch,
             _ => Cause::Instance,
         };
         Self::because("prefill", cause, format!("{}: {}", s.code(), s.message()))
@@ -262,6 +268,15 @@ mod tests {
         assert_eq!(e.cause(), Some(Cause::Mismatch));
         let outcome = crate::lease::outcome_of(&e);
         assert_eq!(outcome, handoff_proto::v1::Outcome::DecodeFault, "no breaker counts it");
+        for s in [
+            tonic::Status::unauthenticated("wrong bearer token"),
+            tonic::Status::permission_denied("no"),
+        ] {
+            let e = FrontendError::prefill_status(&s);
+            assert_eq!(e.cause(), Some(Cause::Mismatch), "another token is no fault either");
+        }
+        let e = FrontendError::transfer("handshake", TransferError::Unauthorized);
+        assert_eq!(e.cause(), Some(Cause::Mismatch));
         let refused = FrontendError::prefill_status(&tonic::Status::internal("engine"));
         assert_eq!(crate::lease::outcome_of(&refused), handoff_proto::v1::Outcome::InstanceFault);
     }
