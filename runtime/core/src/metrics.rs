@@ -25,8 +25,10 @@ pub fn enabled() -> bool {
     ENABLED.load(Relaxed)
 }
 
-/// Series a labelled family holds before new label values share `"_other"`.
-pub const MAX_SERIES: usize = 1024;
+/// Series a labelled family holds before new label values share `"_other"`: a fleet of a
+/// thousand instances, each with eight outcomes, fits (at 1,024, the scheduler's per-instance
+/// outcomes covered 128 instances).
+pub const MAX_SERIES: usize = 16_384;
 
 /// Bucket bounds in seconds for request-path latencies: 100 µs to 60 s.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -80,6 +82,13 @@ impl Tally {
         self.0.store(n, Relaxed);
     }
 
+    /// Adds `n` to the count: a family set afresh at each scrape (cleared first) adds
+    /// rather than sets, so label values sharing `"_other"` are summed there, not each
+    /// overwriting the last.
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Relaxed);
+    }
+
     /// The count.
     pub fn get(&self) -> u64 {
         self.0.load(Relaxed)
@@ -94,6 +103,11 @@ impl Gauge {
     /// Sets the value.
     pub fn set(&self, v: f64) {
         self.0.store(v.to_bits(), Relaxed);
+    }
+
+    /// Adds `v` (see [`Tally::add`]).
+    pub fn add(&self, v: f64) {
+        let _ = self.0.fetch_update(Relaxed, Relaxed, |b| Some((f64::from_bits(b) + v).to_bits()));
     }
 
     /// The value.

@@ -224,18 +224,19 @@ impl Gauges {
         let routable = all.iter().filter(|s| s.routable).count();
         self.instances.with(&["true"]).set(routable as f64);
         self.instances.with(&["false"]).set((all.len() - routable) as f64);
+        // Added, not set: ids past the series' bound share `_other`, summed there.
         for s in &all {
             let id = [s.instance.id.as_str()];
-            self.in_flight.with(&id).set(f64::from(s.in_flight));
-            self.cached_blocks.with(&id).set(s.cached_blocks as f64);
-            self.breaker_open.with(&id).set(if s.breaker_closed { 0.0 } else { 1.0 });
-            self.token_cost.with(&id).set(f64::from(s.token_cost_us) / 1e6);
-            self.send_cost.with(&id).set(f64::from(s.send_cost_us) / 1e6);
+            self.in_flight.with(&id).add(f64::from(s.in_flight));
+            self.cached_blocks.with(&id).add(s.cached_blocks as f64);
+            self.breaker_open.with(&id).add(if s.breaker_closed { 0.0 } else { 1.0 });
+            self.token_cost.with(&id).add(f64::from(s.token_cost_us) / 1e6);
+            self.send_cost.with(&id).add(f64::from(s.send_cost_us) / 1e6);
             let prefill = s.instance.id.as_str();
             for (outcome, n) in Outcome::ALL.iter().zip(s.endings.reported) {
-                self.endings.with(&[prefill, outcome_label(*outcome)]).set(n);
+                self.endings.with(&[prefill, outcome_label(*outcome)]).add(n);
             }
-            self.endings.with(&[prefill, "expired"]).set(s.endings.expired);
+            self.endings.with(&[prefill, "expired"]).add(s.endings.expired);
         }
         self.bookings.set(state.open_bookings() as f64);
         let silent = state.bus_silent_at(std::time::Instant::now());
@@ -253,9 +254,9 @@ impl Gauges {
                 ("refused", st.refused),
                 ("rebuilds", st.rebuilds),
             ] {
-                self.engine_batches.with(&[id, &dp, kind]).set(n);
+                self.engine_batches.with(&[id, &dp, kind]).add(n);
             }
-            self.engine_lag.with(&[id, &dp]).set(st.lag_secs);
+            self.engine_lag.with(&[id, &dp]).add(st.lag_secs);
         }
         for (kind, n) in state.rejects().totals() {
             self.rejects.with(&[kind]).set(n);

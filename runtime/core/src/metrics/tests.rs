@@ -58,6 +58,17 @@ fn families_are_bounded_and_forget_what_they_are_told_to() {
     assert!(!r.render().contains("g{instance=\"0\"}"));
     f.clear();
     assert!(!r.render().contains("g{"));
+    // Counts set afresh at each scrape add: what shares `_other` is summed there, not the
+    // last one written (at a thousand instances, their outcome counts jumped up and down).
+    let t = r.tallies("t_total", "per instance", &["instance"]);
+    for i in 0..MAX_SERIES + 10 {
+        t.with(&[&i.to_string()]).add(i as u64);
+    }
+    let other: u64 = (MAX_SERIES..MAX_SERIES + 10).map(|i| i as u64).sum();
+    assert!(r.render().contains(&format!("t_total{{instance=\"_other\"}} {other}\n")));
+    f.with(&["a"]).add(2.5);
+    f.with(&["a"]).add(1.0);
+    assert_eq!(f.with(&["a"]).get(), 3.5);
 }
 
 #[test]
