@@ -240,14 +240,14 @@ async fn resync_from_snapshot(state: &SchedulerState, bus: &dyn EventBus, id: In
     let (mut ask, mut restarts) = (SnapshotAsk::default(), 0);
     loop {
         let Some(page) = snapshot_page(state, bus, &id, ask).await else {
-            state.resync_failed_as(&id, generation);
+            state.resync_failed_as(&id, generation, std::time::Instant::now());
             return;
         };
         match state.apply_snapshot_as(generation, page) {
             Resynced::Next(next) => ask = next,
             Resynced::Done => return,
             Resynced::Dropped => {
-                state.resync_failed_as(&id, generation);
+                state.resync_failed_as(&id, generation, std::time::Instant::now());
                 return;
             }
             Resynced::Again if restarts < RESYNC_RESTARTS => {
@@ -256,7 +256,7 @@ async fn resync_from_snapshot(state: &SchedulerState, bus: &dyn EventBus, id: In
             }
             Resynced::Again => {
                 warn!(instance = %id, "KV resync keeps losing events; left to the next trigger");
-                state.resync_failed_as(&id, generation);
+                state.resync_failed_as(&id, generation, std::time::Instant::now());
                 return;
             }
         }

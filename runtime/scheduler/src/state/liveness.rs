@@ -66,7 +66,7 @@ impl SchedulerState {
             info!("heartbeats heard again; liveness checks resume");
             inner.bus_quiet = false;
         }
-        (resumed || unsynced) && sync::start(&mut inner.resyncing, &hb.instance)
+        (resumed || unsynced) && sync::start(&mut inner.resyncing, &hb.instance, now)
     }
 
     /// Whether a prefill registered for longer than the liveness timeout exists and no

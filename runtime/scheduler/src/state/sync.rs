@@ -6,6 +6,7 @@
 //! lock, so selections never wait behind a whole page.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use handoff_core::InstanceId;
 use handoff_discovery::{KvEvent, KvEventKind, KvSnapshot, SnapshotAsk};
@@ -44,12 +45,30 @@ pub(super) struct Resync {
 pub(super) struct Resyncs {
     map: HashMap<InstanceId, Resync>,
     next: u64,
+    /// Instances whose last resyncs failed: how many in a row, and when the next may start.
+    backoff: HashMap<InstanceId, (u32, Instant)>,
 }
 
+/// The wait after the first failed resync of an instance, doubled at each failure after it,
+/// up to [`RESYNC_BACKOFF_MAX`]. Before, a failed resync was asked again at the next
+/// heartbeat (a second): a scheduler starting beside a thousand prefills, its snapshot pages
+/// late on a busy bus, asked all of them again every second, never catching up.
+const RESYNC_BACKOFF: Duration = Duration::from_secs(1);
+const RESYNC_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// Resyncs in progress at once, at most; an instance's next heartbeat asks again. A
+/// scheduler starting beside a thousand prefills asked all their snapshots in its first
+/// second (up to 700 MB of pages on one connection, most late, all asked again).
+pub(crate) const MAX_RESYNCS: usize = 64;
+
 impl Resyncs {
-    /// Starts a resync of `id` unless one is in progress; says whether it started.
-    pub(super) fn start(&mut self, id: &InstanceId) -> bool {
-        if self.map.contains_key(id) {
+    /// Starts a resync of `id` unless one is in progress, or its last failed too recently (as
+    /// of `now`); says whether it started.
+    pub(super) fn start(&mut self, id: &InstanceId, now: Instant) -> bool {
+        if self.map.contains_key(id)
+            || self.map.len() >= MAX_RESYNCS
+            || self.backoff.get(id).is_some_and(|b| now < b.1)
+        {
             return false;
         }
         self.next += 1;
@@ -57,9 +76,23 @@ impl Resyncs {
         true
     }
 
-    /// Forgets `id`'s resync, whoever runs it.
+    /// Forgets `id`'s resync, whoever runs it, and its failures.
     pub(super) fn remove(&mut self, id: &InstanceId) {
         self.map.remove(id);
+        self.backoff.remove(id);
+    }
+
+    /// Notes that `id`'s resync failed at `now`: the next waits (doubling, up to 30 s; each
+    /// instance's wait stretched by its own factor of 0.75 to 1.25, so a fleet that failed
+    /// together does not ask again together).
+    fn failed(&mut self, id: &InstanceId, now: Instant) {
+        let failures = self.backoff.get(id).map_or(0, |b| b.0).saturating_add(1);
+        let wait =
+            RESYNC_BACKOFF.saturating_mul(1 << (failures - 1).min(5)).min(RESYNC_BACKOFF_MAX);
+        let mut h = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(id.as_str(), &mut h);
+        let spread = 0.75 + (std::hash::Hasher::finish(&h) % 512) as f64 / 1024.0;
+        self.backoff.insert(id.clone(), (failures, now + wait.mul_f64(spread)));
     }
 
     /// `id`'s resync if it is generation `generation`.
@@ -75,9 +108,10 @@ impl Resyncs {
     }
 }
 
-/// Starts a resync of `id` unless one is in progress; says whether it started.
-pub(super) fn start(resyncs: &mut Resyncs, id: &InstanceId) -> bool {
-    resyncs.start(id)
+/// Starts a resync of `id` unless one is in progress (or its last failed too recently); says
+/// whether it started.
+pub(super) fn start(resyncs: &mut Resyncs, id: &InstanceId, now: Instant) -> bool {
+    resyncs.start(id, now)
 }
 
 /// What to do after a snapshot page.
@@ -165,7 +199,7 @@ impl SchedulerState {
                     let gap = format_args!("{id}: event {seq} after {last}; resyncing");
                     self.rejects().note(Reject::SequenceGap, &gap);
                 }
-                start(resyncing, &id)
+                start(resyncing, &id, Instant::now())
             }
         }
     }
@@ -183,7 +217,7 @@ impl SchedulerState {
             let mut inner = self.lock();
             let id = &page.instance;
             if page.page == 0 && inner.members.contains_key(id) {
-                inner.resyncing.start(id);
+                inner.resyncing.start(id, Instant::now());
             }
             match inner.resyncing.map.get(id) {
                 Some(r) => r.generation,
@@ -343,19 +377,21 @@ impl SchedulerState {
                 return Resynced::Again;
             }
             resyncing.end(id, generation);
+            resyncing.backoff.remove(id);
             info!(instance = %id, seq = m.seq.unwrap_or(seq), "KV index resynced from snapshot");
             return Resynced::Done;
         }
     }
 
-    /// Forgets resync `generation` of `id` (it failed or was dropped), if it is still that
-    /// one, so the next trigger asks again.
-    pub fn resync_failed_as(&self, id: &InstanceId, generation: u64) {
+    /// Forgets resync `generation` of `id` (it failed or was dropped at `now`), if it is
+    /// still that one, so a trigger asks again once its backoff is over.
+    pub fn resync_failed_as(&self, id: &InstanceId, generation: u64, now: Instant) {
         let mut inner = self.lock();
         if inner.resyncing.owned(id, generation).is_none() {
             return;
         }
         inner.resyncing.end(id, generation);
+        inner.resyncing.failed(id, now);
         if let Some(m) = inner.members.get_mut(id) {
             m.seq = None;
         }

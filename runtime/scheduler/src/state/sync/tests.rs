@@ -217,7 +217,7 @@ fn a_stale_resync_neither_blocks_the_next_nor_writes_into_it() {
         assert_eq!(s.apply_snapshot_as(old, page), Resynced::Dropped);
     }
     assert_eq!(s.resync_generation(&caches.id), Some(new));
-    s.resync_failed_as(&caches.id, old);
+    s.resync_failed_as(&caches.id, old, std::time::Instant::now());
     assert_eq!(s.resync_generation(&caches.id), Some(new), "only the owner ends it");
 }
 
@@ -240,4 +240,46 @@ fn a_page_without_parents_matches_every_prompt_it_lists() {
         let sel = s.select(&crate::Ask::new(prompt, 48)).unwrap();
         assert_eq!(sel.cached_blocks, 3, "{prompt:?}");
     }
+}
+
+/// A failed resync is asked again only after a backoff (about 1 s, then 2 s, ...), not at
+/// the very next heartbeat; a success forgets the failures.
+#[test]
+fn a_failed_resync_is_asked_again_after_a_growing_wait() {
+    use handoff_discovery::Heartbeat;
+    use std::time::{Duration, Instant};
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("p", 1)]));
+    let id: InstanceId = "p".parse().unwrap();
+    let beat = |at| s.heartbeat_at(&Heartbeat::fixture(id.clone()), at);
+    let t0 = Instant::now();
+    assert!(beat(t0), "first heard: a resync");
+    let mut failed_at = t0;
+    for (failure, wait) in [(1, 1.0), (2, 2.0), (3, 4.0)] {
+        s.resync_failed_as(&id, s.resync_generation(&id).unwrap(), failed_at);
+        let early = failed_at + Duration::from_secs_f64(wait * 0.7);
+        assert!(!beat(early), "failure {failure}: not asked again at {:?}", early - failed_at);
+        let due = failed_at + Duration::from_secs_f64(wait * 1.3);
+        assert!(beat(due), "failure {failure}: asked again by {:?}", due - failed_at);
+        failed_at = due;
+    }
+}
+
+/// At most [`MAX_RESYNCS`] resyncs run at once: a scheduler starting beside a large fleet
+/// asks the others at their next heartbeats, as earlier ones end.
+#[test]
+fn resyncs_at_once_are_bounded() {
+    use handoff_discovery::Heartbeat;
+    let s = SchedulerState::new(SchedulerConfig::default());
+    let n = MAX_RESYNCS + 3;
+    s.apply_update(Update::Reset((0..n).map(|i| inst(&format!("p{i}"), 1)).collect()));
+    let now = std::time::Instant::now();
+    let started = (0..n)
+        .filter(|i| s.heartbeat_at(&Heartbeat::fixture(format!("p{i}").parse().unwrap()), now))
+        .count();
+    assert_eq!(started, MAX_RESYNCS);
+    let first: InstanceId = "p0".parse().unwrap();
+    s.resync_failed_as(&first, s.resync_generation(&first).unwrap(), now);
+    let late: InstanceId = format!("p{}", n - 1).parse().unwrap();
+    assert!(s.heartbeat_at(&Heartbeat::fixture(late), now), "a place freed: the next asks");
 }
