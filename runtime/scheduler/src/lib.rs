@@ -153,17 +153,23 @@ impl Scheduler {
             let mut tick = tokio::time::interval(share_every);
             let mut ticks = 0u64;
             let keepalive = (1000 / share_every.as_millis().max(1)).max(1) as u64;
+            let mut said_cut = false;
             loop {
                 tokio::select! {
                     _ = t.shutdown_requested() => break,
                     _ = tick.tick() => {
                         ticks += 1;
                         let Some(report) = s.load_report(&me, ticks.is_multiple_of(keepalive)) else { continue };
-                        match serde_json::to_vec(&report) {
+                        match state::replicas::encode_report(report) {
                             // Bounded: a bus client reconnecting can hold a publish without end,
                             // and with it this loop (and its shutdown).
-                            Ok(p) => match tokio::time::timeout(LOAD_PUBLISH_TIMEOUT, b.publish(load_subject(&me), p.into())).await {
-                                Ok(Ok(())) => {}
+                            Ok((p, cut)) => match tokio::time::timeout(LOAD_PUBLISH_TIMEOUT, b.publish(load_subject(&me), p.into())).await {
+                                Ok(Ok(())) => {
+                                    if cut && !said_cut {
+                                        warn!("load report over 900 KiB: its routed prompts and lightest loads left out");
+                                    }
+                                    said_cut |= cut;
+                                }
                                 Ok(Err(e)) => warn!(error = %e, "load report not published"),
                                 Err(_) => warn!("load report not published within its timeout"),
                             },

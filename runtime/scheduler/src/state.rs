@@ -8,7 +8,7 @@ mod gather;
 mod liveness;
 mod member;
 mod pending;
-mod replicas;
+pub(crate) mod replicas;
 mod select;
 mod status;
 mod sync;

@@ -177,3 +177,36 @@ fn a_silent_replica_is_forgotten_when_other_replicas_are_heard() {
     sweeps(&c, 8000, 8100);
     assert!(admitted(), "the silent replica's load forgotten");
 }
+
+/// A report too large for the bus (a thousand instances of dp 8, every rank loaded) is sent
+/// within its bound, its heaviest loads kept: before, the server refused it, and the other
+/// replicas forgot this one. One that fits is sent whole.
+#[test]
+fn a_report_too_large_for_the_bus_keeps_its_heaviest_loads() {
+    use super::replicas::{MAX_REPORT_BYTES, encode_report};
+    let loads: Vec<WorkerLoad> = (0..20_000u64)
+        .map(|i| WorkerLoad {
+            instance: format!("prefill-{:08}", i / 8).parse().unwrap(),
+            dp_rank: (i % 8) as u32,
+            in_flight: 1,
+            queued_tokens: i,
+        })
+        .collect();
+    let routed = vec![handoff_discovery::RoutedPrefix {
+        instance: "prefill-0".parse().unwrap(),
+        dp_rank: 0,
+        blocks: vec![handoff_core::BlockHash(7); 10],
+    }];
+    let small = LoadReport { replica: "r".into(), loads: loads[..10].to_vec(), routed };
+    let (bytes, cut) = encode_report(small.clone()).unwrap();
+    assert!(!cut);
+    assert_eq!(serde_json::from_slice::<LoadReport>(&bytes).unwrap(), small);
+    let big = LoadReport { replica: "r".into(), loads, routed: small.routed.clone() };
+    let (bytes, cut) = encode_report(big).unwrap();
+    assert!(cut && bytes.len() <= MAX_REPORT_BYTES, "{} bytes", bytes.len());
+    let sent: LoadReport = serde_json::from_slice(&bytes).unwrap();
+    assert!(sent.routed.is_empty());
+    assert!(sent.loads.len() > 5_000, "{} loads kept", sent.loads.len());
+    let lightest_kept = sent.loads.iter().map(|l| l.queued_tokens).min().unwrap();
+    assert_eq!(lightest_kept, 20_000 - sent.loads.len() as u64, "the heaviest kept");
+}
