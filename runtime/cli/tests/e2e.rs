@@ -12,6 +12,7 @@ mod e2e {
     pub(crate) mod reassembly;
     pub(crate) mod replicas;
     pub(crate) mod resync;
+    pub(crate) mod stalls;
     pub(crate) mod streams;
     pub(crate) mod support;
     pub(crate) mod tls;

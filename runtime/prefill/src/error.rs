@@ -23,6 +23,11 @@ pub enum PrefillError {
     /// apart from a full queue's refusal (a queue that moves slowly or not at all).
     #[error("overloaded: the deadline passed in the engine's queue after {0:?}")]
     QueuedPastDeadline(std::time::Duration),
+    /// The request's deadline passed while its KV was still being sent: the decode has given
+    /// up on it by then (`DEADLINE_EXCEEDED`). Before, a decode gone silent (partitioned,
+    /// its host dead) held each of its requests' KV here for a minute or more.
+    #[error("the deadline passed while the KV was being sent")]
+    SentPastDeadline,
     /// The engine failed.
     #[error(transparent)]
     Engine(#[from] handoff_engine::EngineError),
@@ -54,7 +59,8 @@ impl PrefillError {
             | PrefillError::Transfer(_)
             | PrefillError::ReceiverUnreachable(_)
             | PrefillError::Discovery(_)
-            | PrefillError::Startup(_) => tracing::warn!(error = %self, "prefill failed"),
+            | PrefillError::Startup(_)
+            | PrefillError::SentPastDeadline => tracing::warn!(error = %self, "prefill failed"),
             _ => tracing::debug!(error = %self, "prefill refused"),
         }
     }
@@ -69,6 +75,7 @@ impl From<PrefillError> for tonic::Status {
                 tonic::Status::invalid_argument(msg)
             }
             PrefillError::Mismatch(_) => tonic::Status::failed_precondition(msg),
+            PrefillError::SentPastDeadline => tonic::Status::deadline_exceeded(msg),
             PrefillError::Overloaded(_) | PrefillError::QueuedPastDeadline(_) => {
                 tonic::Status::resource_exhausted(msg)
             }

@@ -82,6 +82,7 @@ impl PrefillMetrics {
             Err(PrefillError::Overloaded(_)) => "overloaded",
             Err(PrefillError::Draining) => "draining",
             Err(PrefillError::QueuedPastDeadline(_)) => "queue_deadline",
+            Err(PrefillError::SentPastDeadline) => "send_deadline",
             Err(PrefillError::Engine(_)) => "engine",
             Err(PrefillError::Transfer(t) | PrefillError::ReceiverUnreachable(t)) => {
                 self.transfer_failures.with(&[t.kind()]).inc();

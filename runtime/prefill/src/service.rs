@@ -431,9 +431,15 @@ impl PrefillService {
             // A part is due at PART_BYTES, at the last layer but one and at the last (see
             // `layer_channel`), and takes every layer ready by the time it can go (more when
             // the engine computes faster than the KV travels).
-            while let Some(part) = parts.next_part().await {
-                try_join_all(dests.iter_mut().map(|d| d.post_layers(&part))).await?;
-            }
+            let posting = async {
+                while let Some(part) = parts.next_part().await {
+                    try_join_all(dests.iter_mut().map(|d| d.post_layers(&part))).await?;
+                }
+                Ok::<_, PrefillError>(())
+            };
+            tokio::time::timeout_at(deadline, posting)
+                .await
+                .map_err(|_| PrefillError::SentPastDeadline)??;
             Ok::<_, PrefillError>((ranks, dests))
         };
         // A compute that fails ends the request at once. A stream that fails still waits for
@@ -448,7 +454,10 @@ impl PrefillService {
         };
         // The notices: every byte already sent, each decode rank verifies its whole region.
         let meta = SendMeta { first_token: out.first_token, cached_tokens: cached as u32 };
-        try_join_all(dests.into_iter().map(|d| d.finish(room, meta))).await?;
+        let finishing = try_join_all(dests.into_iter().map(|d| d.finish(room, meta)));
+        tokio::time::timeout_at(deadline, finishing)
+            .await
+            .map_err(|_| PrefillError::SentPastDeadline)??;
         // The link's share: what the KV still took once the compute was done, per token.
         me.metrics.stage("send", computed.elapsed());
         lock(&me.send_cost).add_at(tokens.len(), computed.elapsed(), std::time::Instant::now());

@@ -20,6 +20,8 @@ pub enum Fault {
     Truncate,
     /// Half the payload is sent, then the sender vanishes: no notice, an error to its caller.
     SenderGone,
+    /// The write never completes: the decode's host gone silent (no reset, no answer).
+    Stalled,
 }
 
 /// The armed fault, shared by every [`FaultyTransfer`] made with it (e.g. all ranks of one
@@ -124,6 +126,7 @@ impl TransferBackend for FaultyTransfer {
                     *b = b.slice(..b.len() / 2);
                 }
             }
+            Some(Fault::Stalled) => std::future::pending::<()>().await,
             Some(Fault::SenderGone) => {
                 let half = req.pairs.len().div_ceil(2);
                 req.pairs.truncate(half);

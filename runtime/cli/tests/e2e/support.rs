@@ -95,6 +95,22 @@ pub(crate) async fn try_direct_attempt_over(
     tokens: &[u32],
     kind: handoff_transfer::TransferKind,
 ) -> Result<handoff_frontend::attempt::Prefilled, handoff_frontend::FrontendError> {
+    let p = &c.prefills[0];
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    try_direct_attempt_via(c, engine, decode_tp, tokens, kind, &p.grpc_addr, deadline).await
+}
+
+/// [`try_direct_attempt_over`] calling the prefill at `grpc_addr` (a proxy of it), within
+/// `deadline`.
+pub(crate) async fn try_direct_attempt_via(
+    c: &Cluster,
+    engine: &dyn Engine,
+    decode_tp: usize,
+    tokens: &[u32],
+    kind: handoff_transfer::TransferKind,
+    grpc_addr: &str,
+    deadline: tokio::time::Instant,
+) -> Result<handoff_frontend::attempt::Prefilled, handoff_frontend::FrontendError> {
     use handoff_bootstrap::{DirectoryCache, DirectoryClient};
     use handoff_frontend::attempt::{self, AttemptCtx, PrefillPeer, Stages, Target};
     use handoff_proto::v1::prefill_client::PrefillClient;
@@ -118,10 +134,9 @@ pub(crate) async fn try_direct_attempt_over(
         dp_rank: 0,
         bootstrap_addr: p.bootstrap_addr.clone(),
         prefill: PrefillPeer::new(
-            PrefillClient::connect(format!("http://{}", p.grpc_addr)).await.unwrap(),
+            PrefillClient::connect(format!("http://{grpc_addr}")).await.unwrap(),
         ),
     };
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
     let room = handoff_core::Room::mint();
     let got = attempt::run(
         &ctx,
