@@ -160,7 +160,7 @@ async fn keep(
     stop: CancellationToken,
 ) {
     let period = ttl / 3;
-    let mut outage = false;
+    let (mut outage, mut said_taken) = (false, false);
     loop {
         let alive = async {
             let (mut keeper, mut stream) =
@@ -175,24 +175,35 @@ async fn keep(
                 }
                 // Once a TTL: the key itself is still there, and still says what this
                 // process registered (a writer that changed its addresses would have had
-                // this instance's traffic for as long as it lived).
+                // this instance's traffic for as long as it lived). Held under another live
+                // lease, it is another process's registration under this id (they would
+                // put theirs back in turn, flipping routing every TTL): said, not fought.
                 if beat.is_multiple_of(3) {
                     let held = client.get(key.as_str(), None).await.map_err(unavailable)?;
-                    let stored = held.kvs().first().map(|kv| kv.value());
-                    if stored != Some(value.as_slice()) {
-                        let put = PutOptions::new().with_lease(lease);
-                        client
-                            .put(key.as_str(), value.as_slice(), Some(put))
-                            .await
-                            .map_err(unavailable)?;
-                        match stored {
-                            None => {
-                                info!(%key, "registration deleted under a live lease; put back")
+                    let stored = held.kvs().first().map(|kv| (kv.value(), kv.lease()));
+                    match stored {
+                        Some((v, l)) if v == value.as_slice() && l == lease => {}
+                        Some((_, l)) if l != 0 && l != lease => {
+                            if !said_taken {
+                                warn!(%key, "registration held by another process's lease: left to it (give each instance its own --id)");
+                                said_taken = true;
                             }
-                            Some(_) => warn!(
-                                %key,
-                                "registration changed by another writer under a live lease; put back (check who can write etcd)"
-                            ),
+                        }
+                        _ => {
+                            let put = PutOptions::new().with_lease(lease);
+                            client
+                                .put(key.as_str(), value.as_slice(), Some(put))
+                                .await
+                                .map_err(unavailable)?;
+                            match stored {
+                                None => {
+                                    info!(%key, "registration deleted under a live lease; put back")
+                                }
+                                Some(_) => warn!(
+                                    %key,
+                                    "registration changed by another writer; put back (check who can write etcd)"
+                                ),
+                            }
                         }
                     }
                 }

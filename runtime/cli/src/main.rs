@@ -10,9 +10,10 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run() -> anyhow::Result<()> {
-    // First: a stop told during startup is kept, not dropped (see `stop`).
-    let stop = handoff::stop::Stop::listen();
     let cli = Cli::parse();
+    // Before a role starts: a stop told during startup is kept, not dropped (see `stop`).
+    // Not for `ctl`, which a signal ends at once.
+    let listen = || handoff::stop::Stop::listen();
     let role = match &cli.command {
         Command::Up(_) => "handoff",
         Command::Scheduler(_) => "handoff-scheduler",
@@ -27,11 +28,11 @@ async fn run() -> anyhow::Result<()> {
         Err(e) => tracing::warn!(error = %e, "could not raise the open files limit"),
     }
     match cli.command {
-        Command::Up(args) => handoff::cmd::up::run(args, stop).await,
-        Command::Scheduler(args) => handoff::cmd::scheduler::run(args, stop).await,
-        Command::Prefill(args) => handoff::cmd::prefill::run(args, stop).await,
-        Command::Frontend(args) => handoff::cmd::frontend::run(args, stop).await,
+        Command::Up(args) => handoff::cmd::up::run(args, listen()).await,
+        Command::Scheduler(args) => handoff::cmd::scheduler::run(args, listen()).await,
+        Command::Prefill(args) => handoff::cmd::prefill::run(args, listen()).await,
+        Command::Frontend(args) => handoff::cmd::frontend::run(args, listen()).await,
         Command::Ctl(args) => handoff::cmd::ctl::run(args).await,
-        Command::RegisterEngine(args) => handoff::cmd::register_engine::run(args, stop).await,
+        Command::RegisterEngine(args) => handoff::cmd::register_engine::run(args, listen()).await,
     }
 }

@@ -1,55 +1,86 @@
-//! Ctrl-C and SIGTERM, listened for from the process's first moment.
+//! Ctrl-C and SIGTERM, listened for from a role's first moment.
 //!
 //! A process is told to stop at any time, starting included: a pod deleted while its prefill
 //! warms up or its frontend waits for a scheduler. In a container the binary is PID 1, and
 //! the kernel drops a signal PID 1 has no handler for (not queued: a handler installed later
 //! never sees it), so a stop during startup was lost and the pod killed at its grace's end,
-//! by then registered and serving. The handlers are installed here, before anything else
-//! runs, and a signal that comes before anyone waits is kept for the first wait.
+//! by then registered and serving. The handlers are installed before the role starts, and a
+//! signal that comes before anyone waits is kept for the first wait. (`handoff ctl` installs
+//! none: a signal ends it at once.)
 
 use std::future::Future;
+
+#[cfg(unix)]
+use tokio::signal::unix::{Signal, SignalKind, signal};
+
+/// Which signal told the process to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Told {
+    /// SIGTERM.
+    Terminate,
+    /// Ctrl-C (SIGINT).
+    Interrupt,
+}
 
 /// The stop signals, listened for since [`Stop::listen`].
 pub struct Stop {
     #[cfg(unix)]
-    signals: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+    term: Option<Signal>,
+    #[cfg(unix)]
+    int: Option<Signal>,
 }
 
 impl Stop {
-    /// Installs the handlers now. Needs the runtime. Where they cannot be installed, waits
-    /// for Ctrl-C alone (registered on the first wait).
+    /// Installs the handlers now (needs the runtime). One that cannot be installed is
+    /// warned of; with neither, Ctrl-C is registered at the first wait.
     pub fn listen() -> Self {
         #[cfg(unix)]
         {
-            use tokio::signal::unix::{SignalKind, signal};
-            let signals = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-                (Ok(term), Ok(int)) => Some((term, int)),
-                (Err(e), _) | (_, Err(e)) => {
-                    tracing::warn!(error = %e, "SIGTERM not listened for: Ctrl-C alone stops");
-                    None
-                }
+            let install = |kind: SignalKind, name: &str| {
+                signal(kind)
+                    .inspect_err(|e| tracing::warn!(error = %e, "{name} not listened for"))
+                    .ok()
             };
-            Self { signals }
+            Self {
+                term: install(SignalKind::terminate(), "SIGTERM"),
+                int: install(SignalKind::interrupt(), "SIGINT"),
+            }
         }
         #[cfg(not(unix))]
         Self {}
     }
 
-    /// Completes on the next Ctrl-C or SIGTERM (one that came before this call included).
-    pub async fn wait(&mut self) {
+    /// Completes on the next Ctrl-C or SIGTERM (one that came before this call included),
+    /// saying which.
+    pub async fn wait(&mut self) -> Told {
         #[cfg(unix)]
-        if let Some((term, int)) = &mut self.signals {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
+        if self.term.is_some() || self.int.is_some() {
+            async fn next(s: &mut Option<Signal>) {
+                match s {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending().await,
+                }
             }
-            return;
+            return tokio::select! {
+                _ = next(&mut self.term) => Told::Terminate,
+                _ = next(&mut self.int) => Told::Interrupt,
+            };
         }
         let _ = tokio::signal::ctrl_c().await;
+        Told::Interrupt
+    }
+
+    /// Completes when told to stop again as `first` said: a second Ctrl-C, or a second
+    /// SIGTERM. The other signal is not "again": Ctrl-C in a terminal reaches a whole process
+    /// group, and a supervisor forwarding it as SIGTERM would have cut every drain short.
+    pub async fn again(&mut self, first: Told) {
+        while self.wait().await != first {}
     }
 
     /// Runs `starting` unless a stop comes first: then `None`, `starting` dropped, and the
-    /// stop said.
+    /// stop said. (A step that blocks its thread, such as loading a model, ends first.)
     pub async fn unless<T>(&mut self, starting: impl Future<Output = T>) -> Option<T> {
         tokio::select! {
             r = starting => Some(r),

@@ -55,7 +55,21 @@ pub enum TransferError {
     Late(String),
 }
 
+/// What a handoff listener answers a connection whose token is not its own.
+pub(crate) const WRONG_TOKEN: &str = "wrong token";
+
 impl TransferError {
+    /// A peer's refusal, by its reason: a token refused (a tcp listener's [`WRONG_TOKEN`], a
+    /// NIXL control port's [`TransferError::Unauthorized`]) is `Unauthorized`, another
+    /// cluster token rather than the peer's fault; anything else `Rejected`.
+    pub(crate) fn refused(reason: String) -> Self {
+        if reason == WRONG_TOKEN || reason == TransferError::Unauthorized.to_string() {
+            TransferError::Unauthorized
+        } else {
+            TransferError::Rejected(reason)
+        }
+    }
+
     /// The kind, as a metric label.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -74,15 +74,14 @@ pub async fn run(args: FrontendArgs, mut stop: Stop) -> anyhow::Result<()> {
         t2.shutdown_requested().await
     });
     tokio::pin!(serving);
-    let stopped = tokio::select! {
-        r = &mut serving => Some(r),
-        _ = stop.wait() => None,
+    let told = tokio::select! {
+        r = &mut serving => {
+            let _ = registry.deregister(&id).await;
+            tasks.shutdown().await;
+            return Ok(r?);
+        }
+        told = stop.wait() => told,
     };
-    if let Some(r) = stopped {
-        let _ = registry.deregister(&id).await;
-        tasks.shutdown().await;
-        return Ok(r?);
-    }
     // Drain: not ready at once; clients told to go (gRPC's GOAWAY, an HTTP/1 connection
     // closed after its answer); streams in flight finish, for at most --drain-secs. Out of
     // discovery at its end: the scheduler replicas cut short the bookings of a frontend
@@ -105,7 +104,7 @@ pub async fn run(args: FrontendArgs, mut stop: Stop) -> anyhow::Result<()> {
         tokio::select! {
             r = &mut serving, if served.is_none() => served = Some(r),
             _ = &mut drained => break,
-            _ = stop.wait() => {
+            _ = stop.again(told) => {
                 tracing::warn!("told to stop again: ending the drain");
                 break;
             }

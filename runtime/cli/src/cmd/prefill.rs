@@ -65,7 +65,7 @@ pub async fn run(args: PrefillArgs, mut stop: Stop) -> anyhow::Result<()> {
         ready.push_str(&format!(" ops http://{a}"));
     }
     crate::cmd::announce(&ready)?;
-    stop.wait().await;
+    let told = stop.wait().await;
     let (began, grace) = (tokio::time::Instant::now(), Duration::from_secs(args.drain_secs));
     let draining = async {
         p.drain(grace).await?;
@@ -74,7 +74,7 @@ pub async fn run(args: PrefillArgs, mut stop: Stop) -> anyhow::Result<()> {
     };
     tokio::select! {
         r = draining => r?,
-        _ = stop.wait() => tracing::warn!("told to stop again: ending the drain"),
+        _ = stop.again(told) => tracing::warn!("told to stop again: ending the drain"),
     }
     tasks.shutdown().await;
     Ok(())

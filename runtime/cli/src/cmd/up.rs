@@ -85,11 +85,18 @@ pub async fn run(args: UpArgs, mut stop: Stop) -> anyhow::Result<()> {
         let (registry, bus) = crate::cmd::discovery(&args.discovery, &tasks).await?;
         Cluster::start_with(cfg, &*engines, registry, bus, tasks.clone()).await
     };
-    let Some(cluster) = stop.unless(starting).await else {
-        tasks.shutdown().await;
-        return Ok(());
+    let cluster = match stop.unless(starting).await {
+        Some(Ok(c)) => c,
+        Some(Err(e)) => {
+            // What started is taken out of discovery, not left listed until its lease lapses.
+            tasks.shutdown().await;
+            return Err(e);
+        }
+        None => {
+            tasks.shutdown().await;
+            return Ok(());
+        }
     };
-    let cluster = cluster?;
     let mut out = std::io::stdout().lock();
     // "s" where a listener speaks TLS.
     let inner = if args.discovery.tls_cert.is_some() { "s" } else { "" };

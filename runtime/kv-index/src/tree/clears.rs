@@ -14,6 +14,10 @@
 
 use super::Tree;
 
+/// Up to this many slots in a pass, each is tested on every node; more, a node's holders
+/// are looked up among them (a step then costs what the nodes' holder sets do).
+const FEW_RIDING: usize = 8;
+
 /// The clears in progress.
 #[derive(Debug, Default)]
 pub(super) struct Clears {
@@ -69,11 +73,16 @@ impl Tree {
         let (mut emptied, mut hit) = (Vec::new(), Vec::new());
         for (id, n) in self.nodes[from..to].iter_mut().enumerate() {
             hit.clear();
-            n.holders.for_each(|s| {
-                if let Ok(at) = riding.binary_search(&(s as u32)) {
-                    hit.push(at);
-                }
-            });
+            if riding.len() <= FEW_RIDING {
+                // Each riding slot tested: a node held by a thousand workers is not walked.
+                hit.extend((0..riding.len()).filter(|&at| n.holders.contains(riding[at])));
+            } else {
+                n.holders.for_each(|s| {
+                    if let Ok(at) = riding.binary_search(&(s as u32)) {
+                        hit.push(at);
+                    }
+                });
+            }
             for &at in &hit {
                 n.holders.remove(riding[at]);
                 removed[at] += n.blocks.len();

@@ -111,7 +111,7 @@ pub(super) async fn call(
         Err(_) => Err(TransferError::Timeout(format!("nixl control exchange with {peer}"))),
         Ok(Err(e)) => Err(e),
         Ok(Ok(Reply::Done)) => Ok(()),
-        Ok(Ok(Reply::Refused { reason })) => Err(TransferError::Rejected(reason)),
+        Ok(Ok(Reply::Refused { reason })) => Err(TransferError::refused(reason)),
     }
 }
 

@@ -174,7 +174,7 @@ pub(super) async fn read_ack<S: AsyncRead + Unpin>(
 ) -> Result<(), TransferError> {
     match wire::read_ack(s, peer, max_frame).await? {
         Some(Ok(())) => Ok(()),
-        Some(Err(reason)) => Err(TransferError::Rejected(reason)),
+        Some(Err(reason)) => Err(TransferError::refused(reason)),
         None => Err(io_err(peer, "connection closed before the ack")),
     }
 }

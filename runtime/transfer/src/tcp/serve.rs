@@ -157,7 +157,8 @@ pub(super) async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(
             Frame::Hello(token) => {
                 authed = crate::token_accepted(cfg.token.as_deref(), Some(&token));
                 if !authed {
-                    refuse(&mut w, &Err("wrong token".into()), cfg.frame_timeout).await;
+                    let wrong = Err(crate::error::WRONG_TOKEN.into());
+                    refuse(&mut w, &wrong, cfg.frame_timeout).await;
                     debug!(%peer, "transfer connection with a wrong token; closing");
                     break "wrong token".to_owned();
                 }

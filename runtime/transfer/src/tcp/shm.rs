@@ -192,7 +192,7 @@ async fn accept(mut s: UnixStream, cfg: &ConnCfg) -> Option<(UnixStream, SharedW
             other => return Err(std::io::Error::other(format!("not a hello: {other:?}"))),
         };
         let answer = match crate::token_accepted(cfg.token.as_deref(), Some(&token)) {
-            false => Err("wrong token".to_owned()),
+            false => Err(crate::error::WRONG_TOKEN.to_owned()),
             true => SharedWindow::adopt(fd).map_err(|e| e.to_string()),
         };
         wire::write_ack(&mut s, &answer.as_ref().map(|_| ()).map_err(Clone::clone)).await?;

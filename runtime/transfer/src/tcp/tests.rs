@@ -245,6 +245,30 @@ async fn with_a_token_nothing_is_read_before_the_hello() {
     stranger.tasks.shutdown().await;
 }
 
+/// A handshake refused for another token fails as `Unauthorized` (another cluster token, no
+/// fault of the peer), not as a refusal the frontend blamed the prefill for.
+#[tokio::test]
+async fn a_handshake_with_another_token_is_unauthorized() {
+    let p = pair(TcpConfig { token: Some("s3cret".into()), ..Default::default() }).await;
+    let other = pair(TcpConfig { token: Some("other".into()), ..Default::default() }).await;
+    let r = room();
+    let id = other.rx.inbox().register_region(r, 8, [(SenderId::new(0, 0), span(0..8))]).unwrap();
+    let req = ConnectRequest {
+        room: r,
+        receiver: other.rx.addr(),
+        region: id,
+        region_len: 8,
+        dst_tp_size: 1,
+        dst_tp_rank: 0,
+        tokens: 1,
+        token: None,
+    };
+    let e = other.rx.connect(&p.tx.addr(), req).await.unwrap_err();
+    assert!(matches!(e, TransferError::Unauthorized), "{e:?}");
+    p.tasks.shutdown().await;
+    other.tasks.shutdown().await;
+}
+
 #[tokio::test]
 async fn forged_writes_never_touch_a_region_and_the_forger_loses_its_connection() {
     let p = pair(TcpConfig { max_unknown_writes: 16, ..Default::default() }).await;
