@@ -302,7 +302,7 @@ impl Schedulers {
         if let Some(owner) = self.owner.get() {
             req.frontend_id = owner.clone();
         }
-        let (mut last, mut no_instance) = (None, None);
+        let (mut last, mut no_instance, mut refused) = (None, None, None);
         for (addr, replica) in self.order(Instant::now()) {
             if tokio::time::Instant::now() >= deadline {
                 break;
@@ -350,6 +350,13 @@ impl Schedulers {
                     no_instance = Some(s);
                     continue;
                 }
+                // Every instance too busy, says this replica: one more is asked when there is
+                // one, as its view may be stale (cut off from the bus, it kept the load it
+                // last heard: a burst's, long drained); two agreeing is the answer.
+                Ok(Err(s)) if s.code() == tonic::Code::ResourceExhausted && refused.is_none() => {
+                    refused = Some(s);
+                    continue;
+                }
                 Ok(Err(s)) if !replica_failed(&s) => return Err(SelectFailure::Answer(s)),
                 Ok(Err(s)) => {
                     warn!(scheduler = %addr, error = %s.message(), "scheduler replica failed; trying another");
@@ -372,8 +379,9 @@ impl Schedulers {
             }
             self.suspect(&addr, Instant::now());
         }
-        // A replica that answered "no instance" is the answer, whatever the others did.
-        match no_instance {
+        // A replica that refused as too busy, or answered "no instance", is the answer,
+        // whatever the others did.
+        match refused.or(no_instance) {
             Some(s) => Err(SelectFailure::Answer(s)),
             None => Err(SelectFailure::NoReplica(last)),
         }

@@ -134,3 +134,28 @@ async fn a_replica_refusing_our_token_is_passed_over() {
     assert_eq!(pool.suspects(), vec!["in-process".to_owned()], "passed over");
     tasks.shutdown().await;
 }
+
+/// A replica refusing every selection as too busy (here a fake one, named as such: as a
+/// replica cut off from the bus refuses, on the load it last heard) is not the answer while
+/// another replica serves: it is asked next. Before, the refusal was final, and the share of
+/// requests sent to that replica failed with 429 for as long as it was cut off.
+#[tokio::test]
+async fn a_replica_refusing_as_too_busy_is_checked_with_another() {
+    let tasks = handoff_core::Tasks::new();
+    let pool = Schedulers::new(Duration::from_secs(1), &tasks);
+    let stale = tower::service_fn(|_req: tonic::codegen::http::Request<tonic::body::Body>| async {
+        let busy = tonic::Status::resource_exhausted("every prefill instance has 30 s queued");
+        Ok::<_, std::convert::Infallible>(busy.into_http::<tonic::body::Body>())
+    });
+    pool.add_in_process("stale", channel::in_process(stale));
+    let state = state_knowing("p0");
+    pool.add_in_process("live", channel::in_process(SchedulerService::new(state).into_server()));
+    for _ in 0..20 {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        let got = pool.select(ask(), deadline, &Default::default()).await;
+        let selected = got.unwrap_or_else(|_| panic!("the live replica was not asked"));
+        assert_eq!(selected.selection.instance_id, "p0");
+    }
+    assert!(pool.suspects().is_empty(), "a refusal is no failure");
+    tasks.shutdown().await;
+}
