@@ -2,7 +2,8 @@
 //! rack gone): the same clears one after another (each a scan of the whole tree, as before
 //! the twenty-ninth session) and begun together (sharing their scans), over one index
 //! built afresh for each, stepping 512 nodes at a time as the scheduler does. Prints the
-//! time of each, their ratio, and the steps taken.
+//! time of each, their ratio, the steps taken and the longest step (the scheduler's
+//! longest hold of its lock for them).
 //!
 //! ```text
 //! cargo run --release -p handoff-benches --bin clears
@@ -29,34 +30,44 @@ fn index(workers: u64, per_worker: u64) -> KvIndex {
     idx
 }
 
+/// What clearing took: seconds in all, steps, and the longest step (the lock's longest hold
+/// in the scheduler) in µs.
+struct Took {
+    seconds: f64,
+    steps: u64,
+    longest_us: f64,
+}
+
+/// Steps `idx`'s clears until none is left, into `took`.
+fn settle(idx: &mut KvIndex, took: &mut Took) {
+    loop {
+        let step = Instant::now();
+        let done = idx.clean_some(STEP);
+        took.longest_us = took.longest_us.max(step.elapsed().as_secs_f64() * 1e6);
+        took.steps += 1;
+        if done {
+            return;
+        }
+    }
+}
+
 /// Clears the first `cleared` workers of `idx`: one after another, or begun together.
-/// Returns the seconds taken and the steps.
-fn clear(mut idx: KvIndex, cleared: u64, together: bool) -> (f64, u64) {
+fn clear(mut idx: KvIndex, cleared: u64, together: bool) -> Took {
     let slots: Vec<_> = (0..cleared).filter_map(|w| idx.slot(&worker(w))).collect();
     let started = Instant::now();
-    let mut steps = 0u64;
+    let mut took = Took { seconds: 0.0, steps: 0, longest_us: 0.0 };
     if together {
         slots.iter().for_each(|s| idx.begin_clear_at(*s));
-        loop {
-            steps += 1;
-            if idx.clean_some(STEP) {
-                break;
-            }
-        }
+        settle(&mut idx, &mut took);
     } else {
         for s in &slots {
             idx.begin_clear_at(*s);
-            loop {
-                steps += 1;
-                if idx.clean_some(STEP) {
-                    break;
-                }
-            }
+            settle(&mut idx, &mut took);
         }
     }
-    let took = started.elapsed().as_secs_f64();
+    took.seconds = started.elapsed().as_secs_f64();
     assert!(slots.iter().all(|s| idx.held_at(*s) == 0), "every cleared worker holds nothing");
-    (took, steps)
+    took
 }
 
 fn main() -> anyhow::Result<()> {
@@ -67,20 +78,24 @@ fn main() -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "| workers | sequences each | cleared | one after another ms | together ms | ratio | steps one by one | steps together |"
+        "| workers | sequences each | cleared | one after another ms | together ms | ratio | steps one by one | steps together | longest step one by one µs | longest step together µs |"
     )?;
-    writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     for (workers, per_worker, cleared) in
         [(1024, 64, 1), (1024, 64, 16), (1024, 64, 1024), (4096, 16, 64), (4096, 16, 4096)]
     {
-        let (apart, steps_apart) = clear(index(workers, per_worker), cleared, false);
-        let (shared, steps_shared) = clear(index(workers, per_worker), cleared, true);
+        let apart = clear(index(workers, per_worker), cleared, false);
+        let shared = clear(index(workers, per_worker), cleared, true);
         writeln!(
             out,
-            "| {workers} | {per_worker} | {cleared} | {:.2} | {:.2} | {:.3} | {steps_apart} | {steps_shared} |",
-            apart * 1e3,
-            shared * 1e3,
-            shared / apart,
+            "| {workers} | {per_worker} | {cleared} | {:.2} | {:.2} | {:.3} | {} | {} | {:.0} | {:.0} |",
+            apart.seconds * 1e3,
+            shared.seconds * 1e3,
+            shared.seconds / apart.seconds,
+            apart.steps,
+            shared.steps,
+            apart.longest_us,
+            shared.longest_us,
         )?;
     }
     out.finish()?;

@@ -18,6 +18,10 @@ use super::Tree;
 /// are looked up among them (a step then costs what the nodes' holder sets do).
 const FEW_RIDING: usize = 8;
 
+/// A step's work, per node of its budget: a node scanned is one; a (block, holder) pair
+/// removed, and a block leaving the tree, one each.
+const WORK_PER_NODE: usize = 4;
+
 /// The clears in progress.
 #[derive(Debug, Default)]
 pub(super) struct Clears {
@@ -67,11 +71,16 @@ impl Tree {
             return;
         }
         let from = self.clears.cursor as usize;
-        let to = from.saturating_add(budget.max(1)).min(self.nodes.len());
+        let end = from.saturating_add(budget.max(1)).min(self.nodes.len());
         let riding = &self.clears.riding;
         let mut removed = vec![0usize; riding.len()];
         let (mut emptied, mut hit) = (Vec::new(), Vec::new());
-        for (id, n) in self.nodes[from..to].iter_mut().enumerate() {
+        // The work of a step is its nodes and the pairs it removes (each emptied node's blocks
+        // leave the maps too): a dense stretch, where every node holds riding slots, ends the
+        // step sooner, so its lock is held about as long as a sparse one's.
+        let (mut to, mut work) = (from, 0usize);
+        while to < end && work < budget.max(1) * WORK_PER_NODE {
+            let n = &mut self.nodes[to];
             hit.clear();
             if riding.len() <= FEW_RIDING {
                 // Each riding slot tested: a node held by a thousand workers is not walked.
@@ -86,10 +95,14 @@ impl Tree {
             for &at in &hit {
                 n.holders.remove(riding[at]);
                 removed[at] += n.blocks.len();
+                work += n.blocks.len();
             }
             if !hit.is_empty() && n.holders.is_empty() {
-                emptied.push((from + id) as u32);
+                emptied.push(to as u32);
+                work += n.blocks.len();
             }
+            work += 1;
+            to += 1;
         }
         for id in emptied {
             self.prune(id);
