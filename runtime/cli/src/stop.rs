@@ -79,6 +79,27 @@ impl Stop {
         while self.wait().await != first {}
     }
 
+    /// A role's start, `starting` (spawning into `tasks`), unless a stop comes first: then
+    /// `Ok(None)`. Stopped or failed, `tasks` are shut down first, so what had started is
+    /// taken back (out of discovery at once, not listed until its lease lapses).
+    pub async fn starting<T>(
+        &mut self,
+        tasks: &handoff_core::Tasks,
+        starting: impl Future<Output = anyhow::Result<T>>,
+    ) -> anyhow::Result<Option<T>> {
+        match self.unless(starting).await {
+            Some(Ok(started)) => Ok(Some(started)),
+            Some(Err(e)) => {
+                tasks.shutdown().await;
+                Err(e)
+            }
+            None => {
+                tasks.shutdown().await;
+                Ok(None)
+            }
+        }
+    }
+
     /// Runs `starting` unless a stop comes first: then `None`, `starting` dropped, and the
     /// stop said. (A step that blocks its thread, such as loading a model, ends first.)
     pub async fn unless<T>(&mut self, starting: impl Future<Output = T>) -> Option<T> {

@@ -47,16 +47,8 @@ pub async fn run(args: FrontendArgs, mut stop: Stop) -> anyhow::Result<()> {
         crate::args::nixl_environment("--drive-vllm")?;
     }
     let tasks = Tasks::new();
-    let started = match stop.unless(start(&args, &tasks)).await {
-        Some(Ok(s)) => s,
-        Some(Err(e)) => {
-            tasks.shutdown().await;
-            return Err(e);
-        }
-        None => {
-            tasks.shutdown().await;
-            return Ok(());
-        }
+    let Some(started) = stop.starting(&tasks, start(&args, &tasks)).await? else {
+        return Ok(());
     };
     let Started { frontend, registry, own_scheduler, grpc, http, id } = started;
     let (t1, t2) = (tasks.clone(), tasks.clone());

@@ -43,18 +43,8 @@ pub async fn run(args: PrefillArgs, mut stop: Stop) -> anyhow::Result<()> {
         crate::cmd::check_advertised("--transfer-advertise", t)?;
     }
     let tasks = Tasks::new();
-    let Some(started) = stop.unless(start(&args, &tasks)).await else {
-        tasks.shutdown().await;
+    let Some((p, ops)) = stop.starting(&tasks, start(&args, &tasks)).await? else {
         return Ok(());
-    };
-    let (p, ops) = match started {
-        Ok(s) => s,
-        Err(e) => {
-            // Registered perhaps: taken out of discovery before this process ends, not left
-            // listed (a dead address) until its lease lapses.
-            tasks.shutdown().await;
-            return Err(e);
-        }
     };
     let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
     let mut ready = format!(

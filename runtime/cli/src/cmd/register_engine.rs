@@ -21,16 +21,8 @@ pub async fn run(args: RegisterEngineArgs, mut stop: Stop) -> anyhow::Result<()>
         registry.register(me).await?;
         anyhow::Ok(registry)
     };
-    let registry = match stop.unless(registering).await {
-        Some(Ok(r)) => r,
-        Some(Err(e)) => {
-            tasks.shutdown().await;
-            return Err(e);
-        }
-        None => {
-            tasks.shutdown().await;
-            return Ok(());
-        }
+    let Some(registry) = stop.starting(&tasks, registering).await? else {
+        return Ok(());
     };
     crate::cmd::announce(&format!("engine {id} registered"))?;
     stop.wait().await;

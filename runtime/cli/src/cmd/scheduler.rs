@@ -24,16 +24,8 @@ pub async fn run(args: SchedulerArgs, mut stop: Stop) -> anyhow::Result<()> {
         tracing::warn!("{w}");
     }
     let tasks = Tasks::new();
-    let started = match stop.unless(start(&args, &tasks)).await {
-        Some(Ok(s)) => s,
-        Some(Err(e)) => {
-            tasks.shutdown().await;
-            return Err(e);
-        }
-        None => {
-            tasks.shutdown().await;
-            return Ok(());
-        }
+    let Some(started) = stop.starting(&tasks, start(&args, &tasks)).await? else {
+        return Ok(());
     };
     let Started { scheduler, registry, listener, id } = started;
     let t = tasks.clone();

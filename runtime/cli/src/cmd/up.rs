@@ -85,17 +85,8 @@ pub async fn run(args: UpArgs, mut stop: Stop) -> anyhow::Result<()> {
         let (registry, bus) = crate::cmd::discovery(&args.discovery, &tasks).await?;
         Cluster::start_with(cfg, &*engines, registry, bus, tasks.clone()).await
     };
-    let cluster = match stop.unless(starting).await {
-        Some(Ok(c)) => c,
-        Some(Err(e)) => {
-            // What started is taken out of discovery, not left listed until its lease lapses.
-            tasks.shutdown().await;
-            return Err(e);
-        }
-        None => {
-            tasks.shutdown().await;
-            return Ok(());
-        }
+    let Some(cluster) = stop.starting(&tasks, starting).await? else {
+        return Ok(());
     };
     let mut out = std::io::stdout().lock();
     // "s" where a listener speaks TLS.

@@ -330,6 +330,16 @@ impl Drop for Handoff {
 
 /// A `handoff prefill` (mock engine, ephemeral ports) on `etcd` and `nats`, with `extra` flags.
 pub(crate) fn prefill(etcd: &Server, nats: &Server, id: &str, extra: &[&str]) -> Handoff {
+    prefill_ready(etcd, nats, id, extra).0
+}
+
+/// [`prefill`], and its ready line.
+pub(crate) fn prefill_ready(
+    etcd: &Server,
+    nats: &Server,
+    id: &str,
+    extra: &[&str],
+) -> (Handoff, String) {
     let mut args = vec![
         "prefill",
         "--engine",
@@ -346,5 +356,5 @@ pub(crate) fn prefill(etcd: &Server, nats: &Server, id: &str, extra: &[&str]) ->
         &nats.url,
     ];
     args.extend_from_slice(extra);
-    Handoff::spawn(&args).0
+    Handoff::spawn(&args)
 }

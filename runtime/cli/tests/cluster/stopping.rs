@@ -86,20 +86,7 @@ fn every_role_told_to_stop_while_it_waits_for_etcd_stops_cleanly() {
 #[test]
 fn an_idle_prefill_told_to_stop_answers_a_while_before_closing() {
     let (etcd, nats) = (super::servers::Server::etcd(), super::servers::Server::nats());
-    let args = [
-        "prefill",
-        "--engine",
-        "mock",
-        "--bootstrap-listen",
-        "127.0.0.1:0",
-        "--grpc-listen",
-        "127.0.0.1:0",
-        "--etcd",
-        &etcd.url,
-        "--nats",
-        &nats.url,
-    ];
-    let (mut p, ready) = super::servers::Handoff::spawn(&args);
+    let (mut p, ready) = super::servers::prefill_ready(&etcd, &nats, "quiet", &[]);
     let grpc = ready.split("grpc://").nth(1).unwrap().split_whitespace().next().unwrap().to_owned();
     let told = Instant::now();
     assert!(

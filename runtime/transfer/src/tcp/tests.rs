@@ -77,21 +77,26 @@ async fn bytes_arrive_exact_across_split_frames_and_senders() {
     p.tasks.shutdown().await;
 }
 
-#[tokio::test]
-async fn handshake_reaches_the_sender_and_marks_the_region_connected() {
-    let p = pair(TcpConfig::default()).await;
-    let r = room();
-    let id = p.rx.inbox().register_region(r, 8, [(SenderId::new(0, 0), span(0..8))]).unwrap();
-    let req = ConnectRequest {
+/// A one-rank handshake for 8 bytes of region `id`, from `receiver`.
+fn handshake(r: Room, receiver: AgentAddr, id: crate::RegionId) -> ConnectRequest {
+    ConnectRequest {
         room: r,
-        receiver: p.rx.addr(),
+        receiver,
         region: id,
         region_len: 8,
         dst_tp_size: 1,
         dst_tp_rank: 0,
         tokens: 1,
         token: None,
-    };
+    }
+}
+
+#[tokio::test]
+async fn handshake_reaches_the_sender_and_marks_the_region_connected() {
+    let p = pair(TcpConfig::default()).await;
+    let r = room();
+    let id = p.rx.inbox().register_region(r, 8, [(SenderId::new(0, 0), span(0..8))]).unwrap();
+    let req = handshake(r, p.rx.addr(), id);
     p.rx.connect(&p.tx.addr(), req.clone()).await.unwrap();
     assert_eq!(p.rx.inbox().poll(id), KvPoll::WaitingForInput);
     assert_eq!(p.tx.inbox().accept(r, 1, deadline()).await.unwrap(), vec![req]);
@@ -253,17 +258,7 @@ async fn a_handshake_with_another_token_is_unauthorized() {
     let other = pair(TcpConfig { token: Some("other".into()), ..Default::default() }).await;
     let r = room();
     let id = other.rx.inbox().register_region(r, 8, [(SenderId::new(0, 0), span(0..8))]).unwrap();
-    let req = ConnectRequest {
-        room: r,
-        receiver: other.rx.addr(),
-        region: id,
-        region_len: 8,
-        dst_tp_size: 1,
-        dst_tp_rank: 0,
-        tokens: 1,
-        token: None,
-    };
-    let e = other.rx.connect(&p.tx.addr(), req).await.unwrap_err();
+    let e = other.rx.connect(&p.tx.addr(), handshake(r, other.rx.addr(), id)).await.unwrap_err();
     assert!(matches!(e, TransferError::Unauthorized), "{e:?}");
     p.tasks.shutdown().await;
     other.tasks.shutdown().await;
