@@ -4,16 +4,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures::future::try_join_all;
 use handoff_bootstrap::Directory;
 use handoff_bootstrap::mapping::Parallel;
 use handoff_core::{InstanceId, Room, block_hashes};
-use handoff_discovery::snapshot::{PageError, Taken};
-use handoff_discovery::{
-    Heartbeat, KvEvent, KvEventKind, KvSnapshot, Publisher, SnapshotAsk, Snapshots,
-    events::kv_subject,
-};
+use handoff_discovery::{Heartbeat, Publisher, Snapshots};
 use handoff_engine::{Engine, Sampling};
 use handoff_proto::auth::Bearer;
 use handoff_proto::trace::TraceContext;
@@ -27,11 +22,12 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, debug, info, warn};
 
-use crate::cache::CacheDelta;
 use crate::cost::{SendCost, TokenCost};
 use crate::guards::{Queued, RoomClosing, Running, Unanswered, WorkAhead};
 use crate::rank::{Destination, Rank, SendMeta};
 use crate::{PrefillError, PrefixCache};
+
+mod caches;
 
 /// One dp rank's engine slot, queue and prefix cache.
 #[derive(Debug)]
@@ -141,95 +137,6 @@ impl PrefillService {
             PrefillServer::new(self).max_decoding_message_size(64 << 20),
             bearer,
         )
-    }
-
-    /// Stores a prompt's pages in dp rank `dp_rank`'s prefix cache and publishes the change,
-    /// on the instance's tasks: a store may copy pages (a mostly cached prompt's new ones, or
-    /// the survivors of a buffer eviction left half full or less), which for a long prompt takes
-    /// milliseconds that the request's answer does not wait for.
-    fn cache_later(
-        &self,
-        dp_rank: u32,
-        hashes: Vec<handoff_core::BlockHash>,
-        kv: handoff_engine::Kv,
-    ) {
-        // A few stores at a time (`MAX_STORES`).
-        let Ok(storing) = self.inner.storing.clone().try_acquire_owned() else {
-            debug!(dp_rank, "prompt not cached: stores in flight");
-            return;
-        };
-        let svc = self.clone();
-        self.inner.tasks.spawn(async move {
-            let _storing = storing;
-            let store = move || {
-                let dp = &svc.inner.dps[dp_rank as usize];
-                let _in_order = lock(&dp.publishing);
-                let delta = lock(&dp.cache).store(&hashes, kv);
-                svc.publish(dp_rank, delta);
-            };
-            if let Err(e) = tokio::task::spawn_blocking(store).await {
-                warn!(error = %e, "caching a prompt failed");
-            }
-        });
-    }
-
-    fn publish(&self, dp_rank: u32, delta: CacheDelta) {
-        let me = &self.inner;
-        let mut kinds = Vec::new();
-        if !delta.stored.is_empty() {
-            kinds.push(KvEventKind::Stored { parent: delta.parent, blocks: delta.stored });
-        }
-        if !delta.removed.is_empty() {
-            kinds.push(KvEventKind::Removed { blocks: delta.removed });
-        }
-        // One lock across numbering and queueing keeps events in sequence order. A full queue
-        // drops the event: its number is used, so schedulers see the gap and resync.
-        let mut seq = lock(&me.seq);
-        for kind in kinds {
-            *seq += 1;
-            let ev = KvEvent { instance: me.id.clone(), dp_rank, seq: *seq, kind };
-            let payload = match serde_json::to_vec(&ev) {
-                Ok(p) => Bytes::from(p),
-                Err(e) => {
-                    warn!(error = %e, "KV event not encodable");
-                    continue;
-                }
-            };
-            me.publisher.try_publish(kv_subject(&me.id), payload);
-        }
-    }
-
-    /// Everything the prefix caches hold, numbered with the last published KV event.
-    pub fn snapshot(&self) -> KvSnapshot {
-        let me = &self.inner;
-        let seq = lock(&me.seq);
-        let taken = self.take(*seq);
-        KvSnapshot {
-            instance: me.id.clone(),
-            seq: taken.seq,
-            dp_blocks: taken.dp_blocks,
-            dp_parents: taken.dp_parents,
-            snapshot: 0,
-            page: 0,
-            pages: 1,
-        }
-    }
-
-    /// One page of a snapshot of the prefix caches (see [`Snapshots`]).
-    pub fn snapshot_page(&self, ask: SnapshotAsk) -> Result<KvSnapshot, PageError> {
-        // Numbering waits while the caches are read, so the snapshot is of one moment.
-        let seq = lock(&self.inner.seq);
-        self.inner.snapshots.page(ask, *seq, || self.take(*seq))
-    }
-
-    fn take(&self, seq: u64) -> Taken {
-        let (mut dp_blocks, mut dp_parents) = (Vec::new(), Vec::new());
-        for d in &self.inner.dps {
-            let (parents, blocks) = lock(&d.cache).blocks().into_iter().unzip();
-            dp_blocks.push(blocks);
-            dp_parents.push(parents);
-        }
-        Taken { seq, dp_blocks, dp_parents }
     }
 
     /// The current load, for heartbeats.
