@@ -179,7 +179,8 @@ pub async fn run(
         token_ids: tokens.to_vec(),
         dp_rank: target.dp_rank,
         sampling: Some(sampling.clone()),
-        deadline_ms: left.as_millis().min(u128::from(u32::MAX)) as u32,
+        // At least 1: 0 says "none given" (30 s).
+        deadline_ms: left.as_millis().clamp(1, u128::from(u32::MAX)) as u32,
         handshakes,
     };
     let request = handoff_proto::trace::traced(

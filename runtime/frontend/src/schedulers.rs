@@ -307,6 +307,11 @@ impl Schedulers {
             if tokio::time::Instant::now() >= deadline {
                 break;
             }
+            // A refusal is checked only with a replica not suspect: one that failed lately
+            // would hold the 429 up to its timeout.
+            if refused.is_some() && replica.suspect_until.is_some_and(|t| t > Instant::now()) {
+                break;
+            }
             let own_timeout = tokio::time::Instant::now() + self.select_timeout;
             // When the request's deadline comes first, a replica not answering by then is
             // not at fault: it is not passed over for it.

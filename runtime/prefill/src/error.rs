@@ -23,9 +23,10 @@ pub enum PrefillError {
     /// apart from a full queue's refusal (a queue that moves slowly or not at all).
     #[error("overloaded: the deadline passed in the engine's queue after {0:?}")]
     QueuedPastDeadline(std::time::Duration),
-    /// The request's deadline passed while its KV was still being sent: the decode has given
-    /// up on it by then (`DEADLINE_EXCEEDED`). Before, a decode gone silent (partitioned,
-    /// its host dead) held each of its requests' KV here for a minute or more.
+    /// The request's deadline (and a grace) passed while its KV was still being sent: the
+    /// decode has given up on it by then, and its cancellation did not come
+    /// (`DEADLINE_EXCEEDED`). Before, a decode gone silent (partitioned, its host dead) held
+    /// each of its requests' KV here for a minute or more.
     #[error("the deadline passed while the KV was being sent")]
     SentPastDeadline,
     /// The engine failed.

@@ -29,6 +29,12 @@ use crate::{PrefillError, PrefixCache};
 
 mod caches;
 
+/// How long past a request's deadline its KV may still be sent: the frontend's own timers end
+/// the attempt up to half a second after the deadline it gives, and cancel the call, which
+/// is how a request ends while the decode is reachable. This bound is for a decode that is
+/// not (its host gone, or cut off): its requests' KV is let go here then.
+const SEND_GRACE: Duration = Duration::from_secs(2);
+
 /// One dp rank's engine slot, queue and prefix cache.
 #[derive(Debug)]
 pub(crate) struct DpState {
@@ -344,7 +350,7 @@ impl PrefillService {
                 }
                 Ok::<_, PrefillError>(())
             };
-            tokio::time::timeout_at(deadline, posting)
+            tokio::time::timeout_at(deadline + SEND_GRACE, posting)
                 .await
                 .map_err(|_| PrefillError::SentPastDeadline)??;
             Ok::<_, PrefillError>((ranks, dests))
@@ -362,7 +368,7 @@ impl PrefillService {
         // The notices: every byte already sent, each decode rank verifies its whole region.
         let meta = SendMeta { first_token: out.first_token, cached_tokens: cached as u32 };
         let finishing = try_join_all(dests.into_iter().map(|d| d.finish(room, meta)));
-        tokio::time::timeout_at(deadline, finishing)
+        tokio::time::timeout_at(deadline + SEND_GRACE, finishing)
             .await
             .map_err(|_| PrefillError::SentPastDeadline)??;
         // The link's share: what the KV still took once the compute was done, per token.

@@ -199,7 +199,13 @@ impl SchedulerState {
                     let gap = format_args!("{id}: event {seq} after {last}; resyncing");
                     self.rejects().note(Reject::SequenceGap, &gap);
                 }
-                start(resyncing, &id, Instant::now())
+                let started = start(resyncing, &id, Instant::now());
+                if !started && !resyncing.map.contains_key(&id) {
+                    // Not now (too many at once, or its last failed lately): its heartbeats
+                    // ask again, as for an instance never synced; its next events are gaps.
+                    m.seq = None;
+                }
+                started
             }
         }
     }

@@ -283,3 +283,31 @@ fn resyncs_at_once_are_bounded() {
     let late: InstanceId = format!("p{}", n - 1).parse().unwrap();
     assert!(s.heartbeat_at(&Heartbeat::fixture(late), now), "a place freed: the next asks");
 }
+
+/// An instance in step whose gap comes while the resyncs are all taken is asked again at its
+/// next heartbeat, as one never synced: before, only its next event (another gap, refused
+/// the same way while busy) could, and an instance gone quiet kept a stale index.
+#[test]
+fn a_gap_refused_while_resyncs_are_taken_is_asked_again_by_heartbeats() {
+    use handoff_discovery::Heartbeat;
+    let s = SchedulerState::new(SchedulerConfig::default());
+    let mut all: Vec<_> = (0..MAX_RESYNCS).map(|i| inst(&format!("p{i}"), 1)).collect();
+    all.push(inst("late", 1));
+    s.apply_update(Update::Reset(all));
+    let late: InstanceId = "late".parse().unwrap();
+    let event = |seq| KvEvent {
+        instance: late.clone(),
+        dp_rank: 0,
+        seq,
+        kind: KvEventKind::Stored { parent: None, blocks: vec![BlockHash(seq)] },
+    };
+    assert!(!s.apply_event(event(1)), "in step from its first event");
+    let now = std::time::Instant::now();
+    for i in 0..MAX_RESYNCS {
+        assert!(s.heartbeat_at(&Heartbeat::fixture(format!("p{i}").parse().unwrap()), now));
+    }
+    assert!(!s.apply_event(event(3)), "a gap, every resync taken");
+    let first: InstanceId = "p0".parse().unwrap();
+    s.resync_failed_as(&first, s.resync_generation(&first).unwrap(), now);
+    assert!(s.heartbeat_at(&Heartbeat::fixture(late), now), "its heartbeat asks again");
+}
