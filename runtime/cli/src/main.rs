@@ -11,9 +11,13 @@ fn main() -> anyhow::Result<()> {
 
 async fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    // Before a role starts: a stop told during startup is kept, not dropped (see `stop`).
-    // Not for `ctl`, which a signal ends at once.
-    let listen = || handoff::stop::Stop::listen();
+    // First, before a role does anything: a stop told during startup is kept, not dropped
+    // (see `stop`). Not for `ctl`, which a signal ends at once.
+    let mut stop = match cli.command {
+        Command::Ctl(_) => None,
+        _ => Some(handoff::stop::Stop::listen()),
+    };
+    let mut listen = || stop.take().unwrap_or_else(handoff::stop::Stop::listen);
     let role = match &cli.command {
         Command::Up(_) => "handoff",
         Command::Scheduler(_) => "handoff-scheduler",
