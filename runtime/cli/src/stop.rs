@@ -28,31 +28,37 @@ pub struct Stop {
     term: Option<Signal>,
     #[cfg(unix)]
     int: Option<Signal>,
+    /// Handlers that could not be installed, said at the first wait (logging is set up after
+    /// the handlers, so as not to drop a signal meanwhile).
+    unheard: Vec<String>,
 }
 
 impl Stop {
     /// Installs the handlers now (needs the runtime). One that cannot be installed is
-    /// warned of; with neither, Ctrl-C is registered at the first wait.
+    /// warned of at the first wait; with neither, Ctrl-C is registered then.
     pub fn listen() -> Self {
+        let mut unheard = Vec::new();
         #[cfg(unix)]
         {
-            let install = |kind: SignalKind, name: &str| {
-                signal(kind)
-                    .inspect_err(|e| tracing::warn!(error = %e, "{name} not listened for"))
-                    .ok()
+            let mut install = |kind: SignalKind, name: &str| {
+                signal(kind).map_err(|e| unheard.push(format!("{name} not listened for: {e}"))).ok()
             };
-            Self {
-                term: install(SignalKind::terminate(), "SIGTERM"),
-                int: install(SignalKind::interrupt(), "SIGINT"),
-            }
+            let (term, int) = (
+                install(SignalKind::terminate(), "SIGTERM"),
+                install(SignalKind::interrupt(), "SIGINT"),
+            );
+            Self { term, int, unheard }
         }
         #[cfg(not(unix))]
-        Self {}
+        Self { unheard }
     }
 
     /// Completes on the next Ctrl-C or SIGTERM (one that came before this call included),
     /// saying which.
     pub async fn wait(&mut self) -> Told {
+        for said in self.unheard.drain(..) {
+            tracing::warn!("{said}");
+        }
         #[cfg(unix)]
         if self.term.is_some() || self.int.is_some() {
             async fn next(s: &mut Option<Signal>) {

@@ -163,7 +163,8 @@ pub(super) struct Member {
     pub(super) seen: Instant,
     /// Out of routing: its heartbeats stopped.
     pub(super) silent: bool,
-    /// Last KV event applied; `None` until a snapshot or first event syncs it.
+    /// Last KV event applied; `None` until a snapshot or first event syncs it (or again when
+    /// a gap's resync could not start: its heartbeats then ask).
     pub(super) seq: Option<u64>,
     /// Times its index entries were cleared for silence (an engine's stream starts over).
     pub(super) cleared: u64,

@@ -200,7 +200,7 @@ impl SchedulerState {
                     self.rejects().note(Reject::SequenceGap, &gap);
                 }
                 let started = start(resyncing, &id, Instant::now());
-                if !started && !resyncing.map.contains_key(&id) {
+                if !started {
                     // Not now (too many at once, or its last failed lately): its heartbeats
                     // ask again, as for an instance never synced; its next events are gaps.
                     m.seq = None;
