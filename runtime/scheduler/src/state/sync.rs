@@ -49,11 +49,14 @@ pub(super) struct Resyncs {
     backoff: HashMap<InstanceId, (u32, Instant)>,
 }
 
-/// The wait after the first failed resync of an instance, doubled at each failure after it,
-/// up to [`RESYNC_BACKOFF_MAX`]. Before, a failed resync was asked again at the next
-/// heartbeat (a second): a scheduler starting beside a thousand prefills, its snapshot pages
-/// late on a busy bus, asked all of them again every second, never catching up.
-const RESYNC_BACKOFF: Duration = Duration::from_secs(1);
+/// Failed resyncs in a row asked again at the next heartbeat, as before (an instance's bus
+/// connection coming back a few seconds after the scheduler's); past them, a wait of
+/// [`RESYNC_BACKOFF`], doubled at each failure, up to [`RESYNC_BACKOFF_MAX`]. Before, every
+/// failure was asked again at the next heartbeat (a second): a scheduler starting beside a
+/// thousand prefills, its snapshot pages late on a busy bus, asked all of them again every
+/// second, never catching up.
+const RESYNC_FREE_FAILURES: u32 = 3;
+const RESYNC_BACKOFF: Duration = Duration::from_secs(2);
 const RESYNC_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// Resyncs in progress at once, at most; an instance's next heartbeat asks again. A
@@ -82,13 +85,16 @@ impl Resyncs {
         self.backoff.remove(id);
     }
 
-    /// Notes that `id`'s resync failed at `now`: the next waits (doubling, up to 30 s; each
-    /// instance's wait stretched by its own factor of 0.75 to 1.25, so a fleet that failed
-    /// together does not ask again together).
+    /// Notes that `id`'s resync failed at `now`: past three in a row, the next waits (2 s,
+    /// doubling, up to 30 s; each instance's wait stretched by its own factor of 0.75 to
+    /// 1.25, so a fleet that failed together does not ask again together).
     fn failed(&mut self, id: &InstanceId, now: Instant) {
         let failures = self.backoff.get(id).map_or(0, |b| b.0).saturating_add(1);
-        let wait =
-            RESYNC_BACKOFF.saturating_mul(1 << (failures - 1).min(5)).min(RESYNC_BACKOFF_MAX);
+        let Some(over) = failures.checked_sub(RESYNC_FREE_FAILURES + 1) else {
+            self.backoff.insert(id.clone(), (failures, now));
+            return;
+        };
+        let wait = RESYNC_BACKOFF.saturating_mul(1 << over.min(5)).min(RESYNC_BACKOFF_MAX);
         let mut h = std::hash::DefaultHasher::new();
         std::hash::Hash::hash(id.as_str(), &mut h);
         let spread = 0.75 + (std::hash::Hasher::finish(&h) % 512) as f64 / 1024.0;

@@ -242,8 +242,8 @@ fn a_page_without_parents_matches_every_prompt_it_lists() {
     }
 }
 
-/// A failed resync is asked again only after a backoff (about 1 s, then 2 s, ...), not at
-/// the very next heartbeat; a success forgets the failures.
+/// A failed resync is asked again at the next heartbeat three times in a row, then only
+/// after a backoff (about 2 s, then 4 s, ...).
 #[test]
 fn a_failed_resync_is_asked_again_after_a_growing_wait() {
     use handoff_discovery::Heartbeat;
@@ -255,7 +255,11 @@ fn a_failed_resync_is_asked_again_after_a_growing_wait() {
     let t0 = Instant::now();
     assert!(beat(t0), "first heard: a resync");
     let mut failed_at = t0;
-    for (failure, wait) in [(1, 1.0), (2, 2.0), (3, 4.0)] {
+    for failure in 1..=3 {
+        s.resync_failed_as(&id, s.resync_generation(&id).unwrap(), failed_at);
+        assert!(beat(failed_at), "failure {failure}: asked again at once");
+    }
+    for (failure, wait) in [(4, 2.0), (5, 4.0), (6, 8.0)] {
         s.resync_failed_as(&id, s.resync_generation(&id).unwrap(), failed_at);
         let early = failed_at + Duration::from_secs_f64(wait * 0.7);
         assert!(!beat(early), "failure {failure}: not asked again at {:?}", early - failed_at);
