@@ -117,6 +117,9 @@ fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+/// The temperature of a request that names none.
+const DEFAULT_TEMPERATURE: f32 = 1.0;
+
 fn sampling(s: &openai::Sampling) -> Result<SamplingParams, ApiError> {
     if s.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
@@ -131,7 +134,8 @@ fn sampling(s: &openai::Sampling) -> Result<SamplingParams, ApiError> {
     }
     Ok(SamplingParams {
         max_tokens,
-        temperature: s.temperature.unwrap_or(0.0),
+        // OpenAI's default (and vLLM's and SGLang's): sampled, not greedy.
+        temperature: s.temperature.unwrap_or(DEFAULT_TEMPERATURE),
         top_p: s.top_p.unwrap_or(1.0),
         top_k: s.top_k.unwrap_or(0),
         // No seed: a fresh one per request (see `input::plan`).
@@ -139,6 +143,12 @@ fn sampling(s: &openai::Sampling) -> Result<SamplingParams, ApiError> {
         stop: s.stop.clone().map(|s| s.0).unwrap_or_default(),
         ignore_eos: false,
     })
+}
+
+/// A message's role as the chat template knows it: OpenAI's `developer` (its newer name
+/// for instructions) is the template's `system`.
+fn role(r: &str) -> String {
+    if r == "developer" { "system" } else { r }.to_owned()
 }
 
 fn text_content(c: &Content) -> Result<String, ApiError> {
@@ -185,7 +195,7 @@ async fn chat(
         let messages = req
             .messages
             .iter()
-            .map(|m| Ok(ChatMessage { role: m.role.clone(), content: text_content(&m.content)? }))
+            .map(|m| Ok(ChatMessage { role: role(&m.role), content: text_content(&m.content)? }))
             .collect::<Result<Vec<_>, ApiError>>()?;
         let g = GenerateRequest {
             model: req.model.clone(),

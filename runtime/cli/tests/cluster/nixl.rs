@@ -67,14 +67,14 @@ async fn post(addr: &str, path: &str, body: Value) -> (u16, Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_over_nixl_serves_the_real_model_and_exits_cleanly() {
     let (mut child, http) = up(&["--transfer", "nixl", "--prefills", "1", "--prefill-tp", "3"]);
-    let ask = json!({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24});
+    let ask = json!({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0});
     for _ in 0..3 {
         let (status, v) = post(&http, "/v1/chat/completions", ask.clone()).await;
         assert_eq!(status, 200, "{v}");
         let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
         assert!(answer.contains("Paris"), "{answer:?}");
     }
-    let (status, v) = post(&http, "/v1/completions", json!({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 5})).await;
+    let (status, v) = post(&http, "/v1/completions", json!({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 5, "temperature": 0})).await;
     assert_eq!(status, 200, "{v}");
     assert!(v["choices"][0]["text"].as_str().unwrap().contains("Paris"), "{v}");
     let pid = child.id().to_string();

@@ -98,7 +98,7 @@ async fn post(addr: std::net::SocketAddr, path: &str, body: Value) -> (u16, Stri
 async fn openai_chat_answers_paris_streamed_and_not() {
     let c =
         cluster(ClusterConfig { prefills: 1, prefill_tp: 1, ..ClusterConfig::ephemeral() }).await;
-    let ask = json!({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24});
+    let ask = json!({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0});
     let (status, body) = post(c.http_addr, "/v1/chat/completions", ask.clone()).await;
     assert_eq!(status, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
@@ -126,7 +126,7 @@ async fn openai_chat_answers_paris_streamed_and_not() {
     }
     assert_eq!(text, answer, "streamed text equals the non-streamed answer (greedy)");
 
-    let (status, body) = post(c.http_addr, "/v1/completions", json!({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 5})).await;
+    let (status, body) = post(c.http_addr, "/v1/completions", json!({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 5, "temperature": 0})).await;
     assert_eq!(status, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["object"], "text_completion");

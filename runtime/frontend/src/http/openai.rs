@@ -53,12 +53,39 @@ pub(crate) struct Sampling {
     pub(crate) temperature: Option<f32>,
     pub(crate) top_p: Option<f32>,
     pub(crate) top_k: Option<u32>,
+    /// Any 64-bit integer: a negative one (OpenAI's type is a signed integer; `-1` is
+    /// common) is taken by its bits.
+    #[serde(default, deserialize_with = "signed_or_not")]
     pub(crate) seed: Option<u64>,
     pub(crate) stop: Option<Stop>,
     pub(crate) n: Option<u32>,
     /// `null` as absent, as OpenAI takes it.
     pub(crate) stream: Option<bool>,
     pub(crate) stream_options: Option<StreamOptions>,
+}
+
+fn signed_or_not<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    struct Seed;
+    impl Visitor<'_> for Seed {
+        type Value = Option<u64>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a 64-bit integer")
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+            Ok(Some(v))
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+            Ok(Some(v as u64))
+        }
+
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    }
+    d.deserialize_any(Seed)
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -128,6 +155,11 @@ impl<'de, T: Deserialize<'de>> Visitor<'de> for StringOrList<T> {
 
     fn visit_string<E: de::Error>(self, s: String) -> Result<Self::Value, E> {
         Ok(Ok(s))
+    }
+
+    /// `null` as empty (an assistant message's `content` may be null in OpenAI's API).
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Ok(String::new()))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {

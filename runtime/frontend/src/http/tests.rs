@@ -161,6 +161,27 @@ async fn parameters_not_served_are_refused_by_name_when_asked_for() {
     tasks.shutdown().await;
 }
 
+/// What OpenAI's clients send is read as OpenAI reads it: no temperature samples at 1 (not
+/// greedy), a negative seed is a seed, an assistant's `content: null` is empty and the
+/// `developer` role is the template's system.
+#[test]
+fn openai_defaults_and_shapes_are_read_as_openai_reads_them() {
+    let none: openai::Sampling = serde_json::from_str("{}").unwrap();
+    let p = sampling(&none).unwrap();
+    assert_eq!((p.temperature, p.top_p, p.seed), (1.0, 1.0, None));
+    let s: openai::Sampling = serde_json::from_str(r#"{"seed": -1, "temperature": 0}"#).unwrap();
+    assert_eq!((s.seed, sampling(&s).unwrap().temperature), (Some(u64::MAX), 0.0));
+    let s: openai::Sampling = serde_json::from_str(r#"{"seed": null}"#).unwrap();
+    assert_eq!(s.seed, None);
+    let chat: ChatRequest = serde_json::from_str(
+        r#"{"model": "m", "messages": [{"role": "developer", "content": "be brief"},
+            {"role": "assistant", "content": null}]}"#,
+    )
+    .unwrap();
+    assert_eq!(role(&chat.messages[0].role), "system");
+    assert_eq!(text_content(&chat.messages[1].content).unwrap(), "");
+}
+
 /// While the frontend drains, an HTTP/1.1 answer closes its connection (a client's pool
 /// opens the next one elsewhere); before, it is kept alive.
 #[tokio::test]
