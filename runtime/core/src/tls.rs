@@ -174,6 +174,16 @@ pub fn server_name(host: &str) -> Result<ServerName<'static>, TlsError> {
     ServerName::try_from(host.to_owned()).map_err(|e| invalid("peer name", e))
 }
 
+/// Whether a TLS handshake failed with `e` because this side refused the peer's certificate
+/// (not valid for the name dialled, expired, of another CA): the peer's certificate is at
+/// fault, not this side's. A refusal of this side's own certificate arrives as an alert and
+/// is not this.
+pub fn refused_peer_certificate(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|e| matches!(e, rustls::Error::InvalidCertificate(_)))
+}
+
 /// A public endpoint's certificate and key; clients need no certificate of their own unless
 /// a client CA is given.
 #[derive(Clone)]

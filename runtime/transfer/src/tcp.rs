@@ -252,7 +252,17 @@ impl TcpTransfer {
                     shake
                         .await
                         .map_err(|_| Self::io_err(peer, "TLS handshake timed out"))?
-                        .map_err(|e| Self::io_err(peer, format!("TLS: {e}")))?,
+                        .map_err(|e| {
+                            // The peer's certificate refused here (renewed without the
+                            // name it advertises, expired, another CA's) is the peer's side,
+                            // as a refused connect is: a receiver's bad certificate must not
+                            // count against the prefill sending to it.
+                            if handoff_core::tls::refused_peer_certificate(&e) {
+                                unreachable(format!("TLS: its certificate was refused: {e}"))
+                            } else {
+                                Self::io_err(peer, format!("TLS: {e}"))
+                            }
+                        })?,
                 )
             }
         };

@@ -57,9 +57,14 @@ impl TestCa {
 
     /// A certificate for `127.0.0.1` and `localhost`, signed by this CA.
     pub fn issue(&self) -> TestCert {
+        self.issue_for(&["127.0.0.1", "localhost"])
+    }
+
+    /// A certificate for `names` only, signed by this CA.
+    pub fn issue_for(&self, names: &[&str]) -> TestCert {
         let issuer = rcgen::Issuer::from_params(&self.params, &self.key);
         let key = rcgen::KeyPair::generate().expect("key");
-        let names = vec!["127.0.0.1".to_owned(), "localhost".to_owned()];
+        let names = names.iter().map(|&n| n.to_owned()).collect::<Vec<_>>();
         let cert = rcgen::CertificateParams::new(names)
             .expect("params")
             .signed_by(&key, &issuer)

@@ -10,6 +10,8 @@ use super::*;
 use crate::{Agent, Fault, FaultSwitch, FaultyTransfer, InboxConfig, KvPoll, SenderId};
 use handoff_core::tls::test_certs::TestCa;
 
+mod tls;
+
 struct Pair {
     tasks: Tasks,
     tx: Agent,
@@ -411,65 +413,5 @@ async fn with_a_token_strangers_holding_every_place_give_them_up_to_the_token_ho
         strangers.push(TcpStream::connect((addr.ip.as_str(), addr.port)).await.unwrap());
     }
     assert!(closed(&mut strangers[1]).await && closed(&mut strangers[2]).await);
-    p.tasks.shutdown().await;
-}
-
-fn tls_config(ca: &TestCa) -> TcpConfig {
-    TcpConfig { tls: Some(ca.issue().cluster()), ..Default::default() }
-}
-
-#[tokio::test]
-async fn mutual_tls_carries_transfers_and_refuses_strangers() {
-    let cluster = TestCa::new();
-    let p = pair(tls_config(&cluster)).await;
-    let (r, s) = (room(), SenderId::new(0, 0));
-    let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
-    let w = WriteRequest::new(id, vec![(Bytes::from_static(b"okok"), 0)], r, s, 1, 1, 0);
-    p.tx.post_write(&p.rx.addr(), w).await.unwrap();
-    assert_eq!(p.rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
-
-    // A plain peer, and one with a certificate from another CA: refused, region untouched.
-    let plain = pair(TcpConfig::default()).await;
-    let other = pair(tls_config(&TestCa::new())).await;
-    for (label, stranger) in [("plain", &plain), ("another CA", &other)] {
-        let id = p.rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
-        let w = WriteRequest::new(id, vec![(Bytes::from_static(b"nope"), 0)], r, s, 1, 1, 0);
-        assert!(stranger.tx.post_write(&p.rx.addr(), w).await.is_err(), "{label} refused");
-        assert_eq!(p.rx.inbox().poll(id), KvPoll::Bootstrapping, "{label}: untouched");
-    }
-    for t in [p.tasks, plain.tasks, other.tasks] {
-        t.shutdown().await;
-    }
-}
-
-#[tokio::test]
-async fn mutual_tls_carries_concurrent_transfers() {
-    let cluster = TestCa::new();
-    let cfg = TcpConfig {
-        io_timeout: Duration::from_secs(5),
-        token: Some("t".into()),
-        ..tls_config(&cluster)
-    };
-    let p = pair(cfg).await;
-    let s = SenderId::new(0, 0);
-    // As KV: 64 runs of 192 KiB, 12 MB.
-    let run = 192 << 10;
-    let len = 64 * run;
-    let data = Bytes::from(vec![5u8; run]);
-    let one = |r: Room| {
-        let (p, data) = (&p, data.clone());
-        async move {
-            let id =
-                p.rx.inbox().register_region(r, len as u64, [(s, span(0..len as u64))]).unwrap();
-            let pairs = (0..64).map(|i| (data.clone(), (i * run) as u64)).collect();
-            let w = WriteRequest::new(id, pairs, r, s, 1, 1, 0);
-            p.tx.post_write(&p.rx.addr(), w).await.unwrap();
-            p.rx.inbox().wait(id, deadline()).await.unwrap().buf.len()
-        }
-    };
-    for _ in 0..3 {
-        let got = futures::future::join_all((0..4).map(|_| one(room()))).await;
-        assert!(got.iter().all(|&n| n == len));
-    }
     p.tasks.shutdown().await;
 }
