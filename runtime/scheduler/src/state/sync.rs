@@ -323,8 +323,10 @@ impl SchedulerState {
         let at = (page.snapshot, page.page);
         let expected = page.page == 0 || r.applying == Some(at);
         if !valid || !expected {
+            // Left to its task, which ends it as failed (`resync_failed_as`): ended here, it
+            // was no failure, and an instance whose pages never fit (an engine of more dp
+            // ranks than it registered) was asked again at every heartbeat, for good.
             debug!(instance = %id, snapshot = page.snapshot, page = page.page, pages = page.pages, "snapshot page not expected; resync abandoned");
-            resyncing.end(id, generation);
             m.seq = None;
             return None;
         }

@@ -177,7 +177,9 @@ fn pages_that_do_not_fit_the_resync_change_nothing_and_end_it() {
         if wrong {
             assert_eq!(indexed(&s, &caches.id, 0), before, "nothing stored from a wrong page");
         }
-        // The resync is over: the next event asks for a new one.
+        // Its task ends it as failed; the next event asks for a new one.
+        let generation = s.resync_generation(&caches.id).unwrap();
+        s.resync_failed_as(&caches.id, generation, std::time::Instant::now());
         assert!(s.apply_event(caches.change(&mut rng)), "resync asked again");
         s.resync_failed(&caches.id);
     }
@@ -267,6 +269,30 @@ fn a_failed_resync_is_asked_again_after_a_growing_wait() {
         assert!(beat(due), "failure {failure}: asked again by {:?}", due - failed_at);
         failed_at = due;
     }
+}
+
+/// Found in review: a resync abandoned for a page that does not fit (an engine of more dp
+/// ranks than its registration) is a failure, and backs off as others do: before, it was
+/// asked again at every heartbeat, for good.
+#[test]
+fn a_resync_abandoned_for_a_bad_page_backs_off() {
+    use handoff_discovery::Heartbeat;
+    use std::time::{Duration, Instant};
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("p", 1)]));
+    let caches = FakeCaches::new(2, 100);
+    let id = caches.id.clone();
+    let mut at = Instant::now();
+    for failure in 1..=4 {
+        assert!(s.heartbeat_at(&Heartbeat::fixture(id.clone()), at), "failure {failure}: asked");
+        let generation = s.resync_generation(&id).unwrap();
+        let page = caches.page(SnapshotAsk::default());
+        assert_eq!(s.apply_snapshot_as(generation, page), Resynced::Dropped);
+        // As the resync's task does on `Dropped`.
+        s.resync_failed_as(&id, generation, at);
+        at += Duration::from_millis(100);
+    }
+    assert!(!s.heartbeat_at(&Heartbeat::fixture(id), at), "the fifth waits");
 }
 
 /// At most [`MAX_RESYNCS`] resyncs run at once: a scheduler starting beside a large fleet
