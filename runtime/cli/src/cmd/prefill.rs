@@ -54,7 +54,10 @@ pub async fn run(args: PrefillArgs, mut stop: Stop) -> anyhow::Result<()> {
     if let Some(a) = ops {
         ready.push_str(&format!(" ops http://{a}"));
     }
-    crate::cmd::announce(&ready)?;
+    if let Err(e) = crate::cmd::announce(&ready) {
+        tasks.shutdown().await;
+        return Err(e.into());
+    }
     let told = stop.wait().await;
     let (began, grace) = (tokio::time::Instant::now(), Duration::from_secs(args.drain_secs));
     let draining = async {
@@ -62,12 +65,15 @@ pub async fn run(args: PrefillArgs, mut stop: Stop) -> anyhow::Result<()> {
         tokio::time::sleep_until(began + DRAIN_NOTICE.min(grace)).await;
         anyhow::Ok(())
     };
-    tokio::select! {
-        r = draining => r?,
-        _ = stop.again(told) => tracing::warn!("told to stop again: ending the drain"),
-    }
+    let drained = tokio::select! {
+        r = draining => r,
+        _ = stop.again(told) => {
+            tracing::warn!("told to stop again: ending the drain");
+            Ok(())
+        }
+    };
     tasks.shutdown().await;
-    Ok(())
+    drained
 }
 
 /// Starts the instance (registered, serving) and its ops listener.

@@ -19,12 +19,13 @@ pub async fn run(args: RegisterEngineArgs, mut stop: Stop) -> anyhow::Result<()>
     let registering = async {
         let (registry, _bus) = discovery(&args.discovery, &tasks).await?;
         registry.register(me).await?;
+        // Said within the start: a failure to say it takes the registration back.
+        crate::cmd::announce(&format!("engine {id} registered"))?;
         anyhow::Ok(registry)
     };
     let Some(registry) = stop.starting(&tasks, registering).await? else {
         return Ok(());
     };
-    crate::cmd::announce(&format!("engine {id} registered"))?;
     stop.wait().await;
     let _ = registry.deregister(&id).await;
     tasks.shutdown().await;

@@ -35,13 +35,15 @@ pub async fn run(args: SchedulerArgs, mut stop: Stop) -> anyhow::Result<()> {
             scheduler.state().clone(),
             async move { t.shutdown_requested().await },
         );
-    tokio::select! {
-        r = serving => r?,
-        _ = stop.wait() => {}
-    }
+    // A server that fails still takes its registration back (frontends would go on asking
+    // a dead address for a lease) and its tasks down.
+    let served = tokio::select! {
+        r = serving => r,
+        _ = stop.wait() => Ok(()),
+    };
     let _ = registry.deregister(&id).await;
     tasks.shutdown().await;
-    Ok(())
+    Ok(served?)
 }
 
 /// A scheduler started: registered, and listening.
