@@ -303,14 +303,18 @@ impl Schedulers {
             req.frontend_id = owner.clone();
         }
         let (mut last, mut no_instance, mut refused) = (None, None, None);
+        let mut checked = false;
         for (addr, replica) in self.order(Instant::now()) {
             if tokio::time::Instant::now() >= deadline {
                 break;
             }
-            // A refusal is checked only with a replica not suspect: one that failed lately
-            // would hold the 429 up to its timeout.
-            if refused.is_some() && replica.suspect_until.is_some_and(|t| t > Instant::now()) {
-                break;
+            // A refusal is checked with one more replica, and only one not suspect: one that
+            // failed lately (or each of several hanging) would hold the 429 up to its timeout.
+            if refused.is_some() {
+                if checked || replica.suspect_until.is_some_and(|t| t > Instant::now()) {
+                    break;
+                }
+                checked = true;
             }
             let own_timeout = tokio::time::Instant::now() + self.select_timeout;
             // When the request's deadline comes first, a replica not answering by then is

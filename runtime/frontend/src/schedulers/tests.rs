@@ -159,3 +159,40 @@ async fn a_replica_refusing_as_too_busy_is_checked_with_another() {
     assert!(pool.suspects().is_empty(), "a refusal is no failure");
     tasks.shutdown().await;
 }
+
+/// Found in review: a refusal is checked with one more replica, not with every one not yet
+/// suspect: replicas hanging (not yet known to) each held the 429 up to their timeout.
+#[tokio::test]
+async fn a_refusal_is_checked_with_one_more_replica_only() {
+    let asked = Arc::new(std::sync::Mutex::new(Vec::<&'static str>::new()));
+    for _ in 0..8 {
+        asked.lock().unwrap().clear();
+        let tasks = handoff_core::Tasks::new();
+        let pool = Schedulers::new(Duration::from_millis(50), &tasks);
+        for name in ["stale", "hung-a", "hung-b", "hung-c"] {
+            let asked = asked.clone();
+            let fake =
+                tower::service_fn(move |_req: tonic::codegen::http::Request<tonic::body::Body>| {
+                    asked.lock().unwrap().push(name);
+                    async move {
+                        if name != "stale" {
+                            tokio::time::sleep(Duration::from_millis(300)).await;
+                        }
+                        let busy =
+                            tonic::Status::resource_exhausted("every prefill instance is busy");
+                        Ok::<_, std::convert::Infallible>(busy.into_http::<tonic::body::Body>())
+                    }
+                });
+            pool.add_in_process(name, channel::in_process(fake));
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let got = pool.select(ask(), deadline, &Default::default()).await;
+        assert!(
+            matches!(got, Err(SelectFailure::Answer(ref s)) if s.code() == tonic::Code::ResourceExhausted)
+        );
+        let order = asked.lock().unwrap().clone();
+        let after = order.iter().skip_while(|&&n| n != "stale").count() - 1;
+        assert!(after <= 1, "asked after the refusal: {order:?}");
+        tasks.shutdown().await;
+    }
+}
