@@ -327,7 +327,7 @@ pub struct RequestArgs {
     pub request_timeout_secs: u64,
     /// Client connections open at once on each public listener (the HTTP API, gRPC
     /// Generate); past it, new ones wait in the listen backlog until one closes.
-    #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, alias = "http-max-connections", default_value_t = 16_384, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_connections: u32,
     /// Seconds an HTTP connection may wait for a request's head, an idle kept-alive one too,
     /// and a gRPC connection may go without a byte from its client (45 s at least: a client

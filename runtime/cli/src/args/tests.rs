@@ -43,6 +43,13 @@ fn frontend(args: &[&str]) -> Result<FrontendArgs, clap::Error> {
     }
 }
 
+/// A renamed flag keeps its old name (an old unit file must not crash-loop on it).
+#[test]
+fn renamed_flags_keep_their_old_names() {
+    let a = frontend(&["--scheduler", "127.0.0.1:1", "--http-max-connections", "77"]).unwrap();
+    assert_eq!(a.requests.max_connections, 77);
+}
+
 #[test]
 fn a_frontend_runs_its_own_scheduler_only_when_asked_and_then_takes_the_selection_flags() {
     use clap::error::ErrorKind;
