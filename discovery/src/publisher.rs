@@ -7,10 +7,11 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use handoff_core::Tasks;
+use handoff_core::log_every::LogEvery;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
@@ -26,7 +27,12 @@ pub struct Publisher {
     unsent: Arc<AtomicU64>,
     /// The last publish failed.
     failing: Arc<AtomicBool>,
+    /// Drops said in the log at most once a minute.
+    dropped_log: Arc<std::sync::Mutex<LogEvery>>,
 }
+
+/// A full queue's drops are logged at most this often.
+const DROPS_LOGGED_EVERY: Duration = Duration::from_secs(60);
 
 impl std::fmt::Debug for Publisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -76,7 +82,8 @@ impl Publisher {
                 }
             }
         });
-        Publisher { tx, bus, dropped: Arc::default(), unsent, failing: failed }
+        let dropped_log = Arc::new(std::sync::Mutex::new(LogEvery::new(DROPS_LOGGED_EVERY)));
+        Publisher { tx, bus, dropped: Arc::default(), unsent, failing: failed, dropped_log }
     }
 
     /// Queues `payload` on `subject`; `false` (and the message dropped) when the queue is
@@ -84,9 +91,14 @@ impl Publisher {
     pub fn try_publish(&self, subject: String, payload: Bytes) -> bool {
         let queued = self.tx.try_send((subject, payload)).is_ok();
         if !queued {
-            let n = self.dropped.fetch_add(1, Ordering::Relaxed);
-            if n.is_power_of_two() {
-                warn!(dropped = n + 1, "bus queue full; message dropped");
+            let total = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            let due =
+                self.dropped_log.lock().unwrap_or_else(|e| e.into_inner()).note(Instant::now());
+            if let Some(since) = due {
+                warn!(
+                    since,
+                    total, "bus queue full; messages dropped (logged at most once a minute)"
+                );
             }
         }
         queued

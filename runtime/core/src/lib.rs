@@ -4,6 +4,7 @@
 //!   [`BlockHash`]).
 //! - [`hash`] — the chained block hashes of a prompt, the same function on every side.
 //! - [`http`] — an axum router served with a head timeout and a bound on connections.
+//! - [`log_every`] — something frequent logged at most once a while, with its count.
 //! - [`metrics`] — Prometheus counters, gauges and histograms, and their text format.
 //! - [`net`] — listeners whose connections set `TCP_NODELAY`.
 //! - [`otel`] — spans linked into OpenTelemetry traces across processes.
@@ -17,6 +18,7 @@ pub mod body;
 pub mod hash;
 pub mod http;
 pub mod ids;
+pub mod log_every;
 pub mod metrics;
 pub mod net;
 pub mod ops;

@@ -14,6 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
+use handoff_core::log_every::LogEvery;
 use handoff_core::zmtp::{Connection, ZmtpError};
 
 /// Connections served at once (one per prefill rank that pushes to this decode); beyond,
@@ -47,7 +48,7 @@ pub async fn serve(
     // Each connection's address by its task, so that one which ended in any way (a panic
     // included) gives its place back.
     let mut from_of: HashMap<tokio::task::Id, IpAddr> = HashMap::new();
-    let mut refused = 0u64;
+    let mut refused = LogEvery::new(Duration::from_secs(60));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -64,9 +65,8 @@ pub async fn serve(
                     // At most `MAX_CONNECTIONS` to count through, once per accept.
                     let held = from_of.values().filter(|&&ip| ip == from.ip()).count();
                     if held >= MAX_PER_PEER {
-                        refused += 1;
-                        if refused.is_power_of_two() {
-                            warn!(%from, refused, "SGLang PULL connections refused: {MAX_PER_PEER} from one address at most");
+                        if let Some(refused) = refused.note(std::time::Instant::now()) {
+                            warn!(%from, refused, "SGLang PULL connections refused: {MAX_PER_PEER} from one address at most (logged at most once a minute)");
                         }
                         continue;
                     }
