@@ -88,6 +88,13 @@ pub trait Engine: Send + Sync + 'static {
     /// Renders chat messages with the model's chat template, ready to tokenize.
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, EngineError>;
 
+    /// Chat messages to token ids. By default the rendered template's: an engine whose
+    /// tokenizer has control tokens reads messages' contents as plain text instead, so that
+    /// a user writing `<|im_end|>` cannot end a turn or open a system one.
+    fn tokenize_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        self.tokenize(&self.chat_prompt(messages)?)
+    }
+
     /// Computes the KV of `tokens`, reusing `prefix` (the KV of `tokens[..prefix.tokens()]`)
     /// and computing only the rest, and samples the first generated token.
     async fn prefill(

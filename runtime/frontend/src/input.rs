@@ -158,8 +158,7 @@ pub fn plan(
                 .into_iter()
                 .map(|m| ChatMessage { role: m.role, content: m.content })
                 .collect();
-            let text = engine.chat_prompt(&msgs).map_err(|e| invalid(e.to_string()))?;
-            engine.tokenize(&text).map_err(|e| invalid(e.to_string()))?
+            engine.tokenize_chat(&msgs).map_err(|e| invalid(e.to_string()))?
         }
         Some(Input::TokenIds(t)) => {
             if let Some(bad) = t.ids.iter().find(|&&i| i >= info.vocab) {

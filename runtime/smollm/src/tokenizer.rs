@@ -67,16 +67,74 @@ pub(crate) fn build(c: &gguf_file::Content) -> Result<Tokenizer, SmolError> {
     Ok(tok)
 }
 
-/// Renders a conversation in ChatML, with SmolLM2's default system prompt when the first
-/// message is not a system message, and opens the assistant's turn.
-pub(crate) fn chatml(messages: &[ChatMessage]) -> String {
-    let mut s = String::new();
+/// The same tokenizer, reading control tokens written out as plain text (a chat message's
+/// content).
+pub(crate) fn plain(tokenizer: &Tokenizer) -> Tokenizer {
+    let mut t = tokenizer.clone();
+    t.set_encode_special_tokens(true);
+    t
+}
+
+/// A piece of a rendered conversation: one of the template's control tokens, or text
+/// between them (read as plain text, a message's content with it).
+enum Piece {
+    Control(&'static str),
+    Text(String),
+}
+
+const START: &str = "<|im_start|>";
+const END: &str = "<|im_end|>";
+
+/// A conversation in ChatML, with SmolLM2's default system prompt when the first message is
+/// not a system message, the assistant's turn opened.
+fn chatml_pieces(messages: &[ChatMessage]) -> Vec<Piece> {
+    let mut pieces = Vec::with_capacity(4 * messages.len() + 6);
+    let mut turn = |role: &str, content: &str| {
+        pieces.push(Piece::Control(START));
+        pieces.push(Piece::Text(format!("{role}\n{content}")));
+        pieces.push(Piece::Control(END));
+        pieces.push(Piece::Text("\n".into()));
+    };
     if messages.first().is_none_or(|m| m.role != "system") {
-        s.push_str(&format!("<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"));
+        turn("system", DEFAULT_SYSTEM);
     }
     for m in messages {
-        s.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
+        turn(&m.role, &m.content);
     }
-    s.push_str("<|im_start|>assistant\n");
+    pieces.push(Piece::Control(START));
+    pieces.push(Piece::Text("assistant\n".into()));
+    pieces
+}
+
+/// Renders a conversation in ChatML (see [`chatml_pieces`]).
+pub(crate) fn chatml(messages: &[ChatMessage]) -> String {
+    let mut s = String::new();
+    for p in chatml_pieces(messages) {
+        match p {
+            Piece::Control(t) => s.push_str(t),
+            Piece::Text(t) => s.push_str(&t),
+        }
+    }
     s
+}
+
+/// A conversation's tokens: the template's control tokens as such, the text between them
+/// by `plain` (see [`plain`]). The same tokens as the rendered text's (`tokenizer` splits it
+/// at control tokens and encodes each piece between alone), but for control tokens written
+/// in a message: text.
+pub(crate) fn encode_chat(
+    tokenizer: &Tokenizer,
+    plain: &Tokenizer,
+    messages: &[ChatMessage],
+) -> Result<Vec<u32>, tokenizers::Error> {
+    let mut ids = Vec::new();
+    for p in chatml_pieces(messages) {
+        match p {
+            Piece::Control(t) => {
+                ids.push(tokenizer.token_to_id(t).ok_or_else(|| format!("no token {t}"))?)
+            }
+            Piece::Text(t) => ids.extend_from_slice(plain.encode(t, false)?.get_ids()),
+        }
+    }
+    Ok(ids)
 }
