@@ -36,6 +36,9 @@ pub struct ModelInfo {
     pub max_context: usize,
     /// End-of-sequence token, if the model has one.
     pub eos: Option<u32>,
+    /// The weights', 0 when not known: a prefill of other weights (a fine-tune, another
+    /// quantization, of the same shape) makes KV the decode would continue from silently.
+    pub fingerprint: u64,
 }
 
 /// Temperatures at or below this sample greedily: dividing logits by less would overflow

@@ -39,6 +39,8 @@ pub struct MockConfig {
     pub decode_per_token: Duration,
     /// Decode steps charged at once, at most (`None`: any number).
     pub decode_batch: Option<usize>,
+    /// The weights it stands for, by number ([`ModelInfo::fingerprint`]; 0: not said).
+    pub fingerprint: u64,
 }
 
 impl Default for MockConfig {
@@ -52,9 +54,14 @@ impl Default for MockConfig {
             prefill_per_token: Duration::ZERO,
             decode_per_token: Duration::ZERO,
             decode_batch: None,
+            fingerprint: MOCK_FINGERPRINT,
         }
     }
 }
+
+/// The default mock's weights, by fingerprint: its KV is the same function of the tokens
+/// in every instance.
+pub const MOCK_FINGERPRINT: u64 = 0x6d6f_636b;
 
 /// The end-of-sequence token of the mock vocabulary.
 pub const MOCK_EOS: u32 = 1;
@@ -78,6 +85,7 @@ impl MockEngine {
             vocab: cfg.vocab,
             max_context: cfg.max_context,
             eos: Some(MOCK_EOS),
+            fingerprint: cfg.fingerprint,
         };
         let batch = cfg.decode_batch.map(|n| Arc::new(Semaphore::new(n.max(1))));
         MockEngine { cfg, info, batch }

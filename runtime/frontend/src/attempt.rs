@@ -182,6 +182,7 @@ pub async fn run(
         // At least 1: 0 says "none given" (30 s).
         deadline_ms: left.as_millis().clamp(1, u128::from(u32::MAX)) as u32,
         handshakes,
+        model_fingerprint: ctx.engine.info().fingerprint,
     };
     let request = handoff_proto::trace::traced(
         handoff_proto::auth::request(req, ctx.transfer_token.as_deref()),

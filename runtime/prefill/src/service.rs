@@ -275,6 +275,15 @@ impl PrefillService {
                 info.max_context
             )));
         }
+        if req.model_fingerprint != 0
+            && info.fingerprint != 0
+            && req.model_fingerprint != info.fingerprint
+        {
+            return Err(PrefillError::Mismatch(format!(
+                "model weights {:016x} asked, this instance serves {:016x}",
+                req.model_fingerprint, info.fingerprint
+            )));
+        }
         if let Some(t) = tokens.iter().find(|&&t| t >= info.vocab) {
             return Err(PrefillError::Mismatch(format!(
                 "token id {t} outside the vocabulary of {}",

@@ -116,6 +116,22 @@ impl Reader<'_> {
 }
 
 /// Reads the model at `path`, with context capped at `max_context`.
+/// The fingerprint of the model file's bytes (xxh3-64 of all of them, read once more at
+/// load): two files of the same shape but other weights differ.
+pub(crate) fn fingerprint(path: &Path) -> Result<u64, SmolError> {
+    use std::io::Read;
+    let io = |e: std::io::Error| SmolError::Io(format!("{}: {e}", path.display()));
+    let mut file = File::open(path).map_err(io)?;
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; 4 << 20];
+    loop {
+        match file.read(&mut buf).map_err(io)? {
+            0 => return Ok(h.digest().max(1)),
+            n => h.update(&buf[..n]),
+        }
+    }
+}
+
 pub(crate) fn load(
     path: &Path,
     max_context: usize,

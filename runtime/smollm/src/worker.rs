@@ -324,6 +324,7 @@ impl SmolLm {
             vocab: hp.vocab as u32,
             max_context: hp.context,
             eos,
+            fingerprint: weights::fingerprint(&cfg.path)?,
         };
         info!(path = %cfg.path.display(), layers = hp.layers, context = hp.context, ms = started.elapsed().as_millis() as u64, "model loaded");
         let longest_token = tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1);

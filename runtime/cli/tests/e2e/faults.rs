@@ -299,9 +299,9 @@ async fn a_first_token_outside_the_vocabulary_is_refused_and_retried_elsewhere()
     served_past_the_other_model(&c, "outside the vocabulary of 32000").await;
 }
 
-/// A prefill of another model (KV of another size, or a smaller vocabulary) refuses the
-/// request as a mismatch, not as the client's bad input: the frontend tries the other
-/// instance. Before, the client got INVALID_ARGUMENT (400) and the scheduler, told the
+/// A prefill of another model (KV of another size, a smaller vocabulary, or other weights of
+/// the same shape) refuses the request as a mismatch, not as the client's bad input: the
+/// frontend tries the other instance. Before, the client got INVALID_ARGUMENT (400) and the scheduler, told the
 /// client erred, kept sending a share of all requests there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_of_another_model_is_a_mismatch_retried_elsewhere() {
@@ -314,6 +314,11 @@ async fn a_prefill_of_another_model_is_a_mismatch_retried_elsewhere() {
     let smaller = handoff_engine::MockConfig { vocab: 2_000, ..Default::default() };
     served_past_the_other_model(&cluster_with_first_prefill(smaller).await, "vocabulary of 2000")
         .await;
+    // Found in review: other weights of the same shape (a fine-tune, another quantization)
+    // sent KV the decode continued from into fluent, wrong text.
+    let retrained = handoff_engine::MockConfig { fingerprint: 7, ..Default::default() };
+    let serves = "this instance serves 0000000000000007";
+    served_past_the_other_model(&cluster_with_first_prefill(retrained).await, serves).await;
 }
 
 /// A test engine: the mock, whose prefills after the instance's two warm-up ones never

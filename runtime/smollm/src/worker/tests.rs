@@ -225,3 +225,23 @@ async fn a_prefill_cancelled_midway_stops_computing() {
     }
     assert!(handed_on < layers / 2, "{handed_on} of {layers} layers computed after the cancel");
 }
+
+/// The model's fingerprint is its file's bytes: the same file the same, one byte of its
+/// weights changed another (a decode refuses a prefill of other weights by it).
+#[test]
+fn the_fingerprint_is_the_files_bytes() {
+    let path = model_path();
+    let info = engine().info();
+    assert_ne!(info.fingerprint, 0);
+    assert_eq!(weights::fingerprint(&path).unwrap(), info.fingerprint);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    let dir = std::env::temp_dir().join(format!("handoff-fingerprint-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let changed = dir.join("changed.gguf");
+    std::fs::write(&changed, &bytes).unwrap();
+    let other = weights::fingerprint(&changed).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_ne!(other, info.fingerprint);
+}
