@@ -25,6 +25,7 @@ pub mod agent;
 mod error;
 pub mod fake;
 pub mod faulty;
+pub(crate) mod idle;
 pub mod inbox;
 mod listen;
 pub mod mooncake;

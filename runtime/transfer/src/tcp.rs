@@ -30,7 +30,8 @@ use crate::listen::Places;
 use crate::{AgentAddr, ConnectRequest, Inbox, TransferBackend, TransferError, WriteRequest};
 pub use serve::apply_frames;
 
-use pool::{ClientIo, Idle, io_err, read_ack, reusable};
+use crate::idle::Idle;
+use pool::{ClientIo, io_err, read_ack, reusable};
 use serve::{ConnCfg, Inbound, serve_conn};
 use shm::ShmPool;
 

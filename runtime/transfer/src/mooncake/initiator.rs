@@ -15,6 +15,7 @@ use tokio::sync::Semaphore;
 
 use super::wire::{self, FrameType, Header, NotifyMsg, OP_V2, OP_WRITE, SegmentDesc, Status};
 use super::{MooncakeConfig, SUCCESS};
+use crate::idle::Idle;
 use crate::{AgentAddr, TransferError};
 
 /// Most peers whose descriptors are cached (the cache is cleared when it fills).
@@ -30,7 +31,10 @@ pub struct Initiator {
     source: Option<IpAddr>,
     cfg: MooncakeConfig,
     descriptors: Mutex<HashMap<AgentAddr, Arc<SegmentDesc>>>,
-    idle: Mutex<HashMap<Endpoint, Vec<TcpStream>>>,
+    /// Idle data connections, each kept half the idle timeout (a target closes one idle for
+    /// all of it). Before, kept until the same endpoint was asked again: a decode that
+    /// restarted (each start a new port) left its lanes open in CLOSE_WAIT for good.
+    idle: Idle<TcpStream, Endpoint>,
     gates: Mutex<HashMap<Endpoint, Arc<Semaphore>>>,
     dials: AtomicU64,
 }
@@ -56,11 +60,11 @@ impl Initiator {
         Initiator {
             session,
             source,
-            cfg,
             descriptors: Mutex::default(),
-            idle: Mutex::default(),
+            idle: Idle::new(cfg.lanes.clamp(1, 16), cfg.idle_timeout / 2),
             gates: Mutex::default(),
             dials: AtomicU64::new(0),
+            cfg,
         }
     }
 
@@ -264,15 +268,11 @@ impl Initiator {
 
     /// An idle connection to `endpoint` that still looks alive.
     fn pooled(&self, endpoint: &Endpoint) -> Option<TcpStream> {
-        loop {
-            let s = lock(&self.idle).get_mut(endpoint).and_then(Vec::pop)?;
+        self.idle.take(endpoint, |s| {
             // An idle connection must have nothing to read: data or EOF means it is stale.
             let mut probe = [0u8; 1];
-            if matches!(s.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
-            {
-                return Some(s);
-            }
-        }
+            matches!(s.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        })
     }
 
     async fn dial(
@@ -291,14 +291,7 @@ impl Initiator {
     }
 
     fn checkin(&self, endpoint: &Endpoint, s: TcpStream) {
-        let mut idle = lock(&self.idle);
-        if !idle.contains_key(endpoint) && idle.len() >= MAX_PEERS {
-            idle.clear();
-        }
-        let v = idle.entry(endpoint.clone()).or_default();
-        if v.len() < self.cfg.lanes.clamp(1, 16) {
-            v.push(s);
-        }
+        self.idle.put(endpoint, s);
     }
 }
 

@@ -37,9 +37,9 @@ use tracing::{debug, warn};
 pub(crate) use conn::{ShmConn, ShmStream};
 pub(crate) use window::SharedWindow;
 
-use super::pool::Idle;
 use super::serve::{ConnCfg, Inbound, serve_conn};
 use super::wire::{self, Frame};
+use crate::idle::Idle;
 use crate::listen::Places;
 use crate::{AgentAddr, ConnId, Inbox};
 

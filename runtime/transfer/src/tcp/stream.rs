@@ -10,8 +10,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::io::{AsyncWriteExt, BufWriter};
 
-use super::pool::{ClientIo, Idle, broke_earlier, io_err, read_ack, reusable};
+use super::pool::{ClientIo, broke_earlier, io_err, read_ack, reusable};
 use super::{TcpTransfer, wire};
+use crate::idle::Idle;
 use crate::{AgentAddr, Notice, NoticeSums, RegionId, SenderId, StreamConn, TransferError};
 
 /// One streamed write's connection.
