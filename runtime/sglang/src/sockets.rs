@@ -49,8 +49,14 @@ impl RankSockets {
         let key = (addr.to_owned(), rank);
         let slot = {
             let mut pushes = lock(&self.pushes);
-            if pushes.len() >= MAX_RANKS && !pushes.contains_key(&key) {
-                pushes.retain(|_, p| Arc::strong_count(p) > 1);
+            if !pushes.contains_key(&key) {
+                // A rank met for the first time (one restarted comes back on a new port):
+                // those whose rank closed their connection go, else each restart left one
+                // socket in CLOSE_WAIT until the table filled.
+                pushes.retain(|_, p| Arc::strong_count(p) > 1 || open(p));
+                if pushes.len() >= MAX_RANKS {
+                    pushes.retain(|_, p| Arc::strong_count(p) > 1);
+                }
             }
             pushes.entry(key).or_default().clone()
         };
@@ -64,6 +70,19 @@ impl RankSockets {
         send_on(&mut push, addr, frames).await?;
         *slot = Some(push);
         Ok(())
+    }
+}
+
+/// Whether `slot`, not in use, holds a connection its rank has not closed.
+fn open(slot: &Slot) -> bool {
+    slot.try_lock().is_ok_and(|c| c.as_ref().is_some_and(|c| !c.peer_closed()))
+}
+
+/// Sockets cached.
+#[cfg(test)]
+impl RankSockets {
+    fn cached(&self) -> usize {
+        lock(&self.pushes).len()
     }
 }
 
@@ -81,4 +100,60 @@ async fn send_on(push: &mut Connection, addr: &str, frames: Vec<Bytes>) -> Resul
         .await
         .map_err(|_| zmq(format!("sending to {addr} timed out")))?
         .map_err(|e| zmq(format!("sending to {addr}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn registration() -> Registration {
+        Registration {
+            decode_ip: "127.0.0.1".into(),
+            decode_port: 1,
+            session: "127.0.0.1:1".into(),
+            kv_ptrs: vec![0],
+            aux_ptrs: vec![0],
+            dst_tp_rank: 0,
+            dst_attn_tp_size: 1,
+            kv_item_len: 1,
+        }
+    }
+
+    /// A rank's PULL listener (ours, as SGLang's): its connections kept until `stop`.
+    async fn rank() -> (String, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let serving = tokio::spawn(crate::pull::serve(l, |_| {}, async {
+            let _ = stopped.await;
+        }));
+        (addr, stop, serving)
+    }
+
+    /// Found in the soak review: a rank gone (restarted on a new port) left its socket
+    /// cached, in CLOSE_WAIT, until 4,096 were; now the next new rank drops it.
+    #[tokio::test]
+    async fn a_rank_gone_leaves_no_socket_behind_once_another_comes() {
+        let sockets = RankSockets::default();
+        let (old, stop, serving) = rank().await;
+        sockets.send(&old, 0, registration, vec![Bytes::from_static(b"x")]).await.unwrap();
+        assert_eq!(sockets.cached(), 1);
+        stop.send(()).unwrap();
+        serving.await.unwrap();
+        // Until the close has reached the cached socket.
+        let key = (old.clone(), 0);
+        let slot = lock(&sockets.pushes).get(&key).unwrap().clone();
+        for _ in 0..500 {
+            if !open(&slot) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drop(slot);
+        let (new, stop, serving) = rank().await;
+        sockets.send(&new, 0, registration, vec![Bytes::from_static(b"y")]).await.unwrap();
+        assert_eq!(sockets.cached(), 1, "the gone rank's socket was dropped");
+        stop.send(()).unwrap();
+        serving.await.unwrap();
+    }
 }
