@@ -175,13 +175,23 @@ pub fn server_name(host: &str) -> Result<ServerName<'static>, TlsError> {
 }
 
 /// Whether a TLS handshake failed with `e` because this side refused the peer's certificate
-/// (not valid for the name dialled, expired, of another CA): the peer's certificate is at
-/// fault, not this side's. A refusal of this side's own certificate arrives as an alert and
-/// is not this.
+/// for what is the peer's alone: not valid for the name dialled (renewed without it),
+/// expired or revoked. An unknown issuer or a bad signature is not this (this side's CA
+/// bundle may be the stale one, mid-way through a CA change), nor is a refusal of this
+/// side's own certificate (an alert).
 pub fn refused_peer_certificate(e: &std::io::Error) -> bool {
-    e.get_ref()
-        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        .is_some_and(|e| matches!(e, rustls::Error::InvalidCertificate(_)))
+    use rustls::CertificateError as C;
+    let refused = e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>());
+    matches!(
+        refused,
+        Some(rustls::Error::InvalidCertificate(
+            C::NotValidForName
+                | C::NotValidForNameContext { .. }
+                | C::Expired
+                | C::ExpiredContext { .. }
+                | C::Revoked
+        ))
+    )
 }
 
 /// A public endpoint's certificate and key; clients need no certificate of their own unless

@@ -36,9 +36,10 @@ pub enum PrefillError {
     #[error("KV transfer: {0}")]
     Transfer(#[from] handoff_transfer::TransferError),
     /// The decode's receiver could not be reached: a connection to it refused, with no
-    /// route, or its connect unanswered (the path back to the decode failed, or the decode
-    /// did, not this instance; a failed TLS handshake or hello, or this host's own error,
-    /// is a transfer failure).
+    /// route, or its connect unanswered, or its certificate refused as the receiver's own
+    /// fault (not valid for its name, expired: the path back to the decode failed, or the
+    /// decode did, not this instance; another TLS failure or a failed hello, or this host's
+    /// own error, is a transfer failure).
     #[error("KV transfer: cannot reach the decode's receiver: {0}")]
     ReceiverUnreachable(handoff_transfer::TransferError),
     /// Discovery failed (e.g. deregistering while draining).

@@ -262,6 +262,16 @@ impl PrefillService {
         })?;
         let _closing = RoomClosing { ranks: &dp.senders, room };
         let info = me.engine.info();
+        // First: another model's limits below would answer as the client's error.
+        if req.model_fingerprint != 0
+            && info.fingerprint != 0
+            && req.model_fingerprint != info.fingerprint
+        {
+            return Err(PrefillError::Mismatch(format!(
+                "model weights {:016x} asked, this instance serves {:016x}",
+                req.model_fingerprint, info.fingerprint
+            )));
+        }
         let tokens = req.token_ids;
         if tokens.is_empty() {
             return Err(PrefillError::Invalid("token_ids is empty".into()));
@@ -273,15 +283,6 @@ impl PrefillService {
                 "{} tokens exceed the context of {}",
                 tokens.len(),
                 info.max_context
-            )));
-        }
-        if req.model_fingerprint != 0
-            && info.fingerprint != 0
-            && req.model_fingerprint != info.fingerprint
-        {
-            return Err(PrefillError::Mismatch(format!(
-                "model weights {:016x} asked, this instance serves {:016x}",
-                req.model_fingerprint, info.fingerprint
             )));
         }
         if let Some(t) = tokens.iter().find(|&&t| t >= info.vocab) {

@@ -78,21 +78,40 @@ pub(crate) fn plain(tokenizer: &Tokenizer) -> Tokenizer {
 /// A piece of a rendered conversation: one of the template's control tokens, or text
 /// between them (read as plain text, a message's content with it).
 enum Piece {
-    Control(&'static str),
+    Start,
+    End,
     Text(String),
 }
 
 const START: &str = "<|im_start|>";
 const END: &str = "<|im_end|>";
 
+/// The template's control tokens' ids.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChatIds {
+    start: u32,
+    end: u32,
+}
+
+/// The ids of the template's control tokens in `tokenizer`; a model without them cannot be
+/// served chats (a load error, not each chat's).
+pub(crate) fn chat_ids(tokenizer: &Tokenizer) -> Result<ChatIds, SmolError> {
+    let id = |t: &str| {
+        tokenizer
+            .token_to_id(t)
+            .ok_or_else(|| SmolError::Format(format!("no {t} token for the chat template")))
+    };
+    Ok(ChatIds { start: id(START)?, end: id(END)? })
+}
+
 /// A conversation in ChatML, with SmolLM2's default system prompt when the first message is
 /// not a system message, the assistant's turn opened.
 fn chatml_pieces(messages: &[ChatMessage]) -> Vec<Piece> {
     let mut pieces = Vec::with_capacity(4 * messages.len() + 6);
     let mut turn = |role: &str, content: &str| {
-        pieces.push(Piece::Control(START));
+        pieces.push(Piece::Start);
         pieces.push(Piece::Text(format!("{role}\n{content}")));
-        pieces.push(Piece::Control(END));
+        pieces.push(Piece::End);
         pieces.push(Piece::Text("\n".into()));
     };
     if messages.first().is_none_or(|m| m.role != "system") {
@@ -101,7 +120,7 @@ fn chatml_pieces(messages: &[ChatMessage]) -> Vec<Piece> {
     for m in messages {
         turn(&m.role, &m.content);
     }
-    pieces.push(Piece::Control(START));
+    pieces.push(Piece::Start);
     pieces.push(Piece::Text("assistant\n".into()));
     pieces
 }
@@ -111,28 +130,28 @@ pub(crate) fn chatml(messages: &[ChatMessage]) -> String {
     let mut s = String::new();
     for p in chatml_pieces(messages) {
         match p {
-            Piece::Control(t) => s.push_str(t),
+            Piece::Start => s.push_str(START),
+            Piece::End => s.push_str(END),
             Piece::Text(t) => s.push_str(&t),
         }
     }
     s
 }
 
-/// A conversation's tokens: the template's control tokens as such, the text between them
-/// by `plain` (see [`plain`]). The same tokens as the rendered text's (`tokenizer` splits it
-/// at control tokens and encodes each piece between alone), but for control tokens written
-/// in a message: text.
+/// A conversation's tokens: the template's control tokens as such (`chat`), the text
+/// between them by `plain` (see [`plain`]). The same tokens as the rendered text's (the
+/// tokenizer splits it at control tokens and encodes each piece between alone), but for
+/// control tokens written in a message: text.
 pub(crate) fn encode_chat(
-    tokenizer: &Tokenizer,
     plain: &Tokenizer,
+    chat: ChatIds,
     messages: &[ChatMessage],
 ) -> Result<Vec<u32>, tokenizers::Error> {
     let mut ids = Vec::new();
     for p in chatml_pieces(messages) {
         match p {
-            Piece::Control(t) => {
-                ids.push(tokenizer.token_to_id(t).ok_or_else(|| format!("no token {t}"))?)
-            }
+            Piece::Start => ids.push(chat.start),
+            Piece::End => ids.push(chat.end),
             Piece::Text(t) => ids.extend_from_slice(plain.encode(t, false)?.get_ids()),
         }
     }

@@ -115,7 +115,6 @@ impl Reader<'_> {
     }
 }
 
-/// Reads the model at `path`, with context capped at `max_context`.
 /// The fingerprint of the model file's bytes (xxh3-64 of all of them, read once more at
 /// load): two files of the same shape but other weights differ.
 pub(crate) fn fingerprint(path: &Path) -> Result<u64, SmolError> {
@@ -132,6 +131,7 @@ pub(crate) fn fingerprint(path: &Path) -> Result<u64, SmolError> {
     }
 }
 
+/// Reads the model at `path`, with context capped at `max_context`.
 pub(crate) fn load(
     path: &Path,
     max_context: usize,

@@ -63,6 +63,8 @@ struct Shared {
     tokenizer: Tokenizer,
     /// `tokenizer` reading control tokens as plain text (chat messages' contents).
     plain: Tokenizer,
+    /// The chat template's control tokens.
+    chat: tokenizer::ChatIds,
     /// Bytes of the vocabulary's longest token: a text longer than the context's tokens of
     /// it cannot fit, and is refused before it is encoded.
     longest_token: usize,
@@ -329,8 +331,9 @@ impl SmolLm {
         info!(path = %cfg.path.display(), layers = hp.layers, context = hp.context, ms = started.elapsed().as_millis() as u64, "model loaded");
         let longest_token = tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1);
         let max_batch = cfg.max_batch.max(1);
-        let plain = tokenizer::plain(&tokenizer);
-        let shared = Arc::new(Shared { weights, tokenizer, plain, longest_token, info, max_batch });
+        let (plain, chat) = (tokenizer::plain(&tokenizer), tokenizer::chat_ids(&tokenizer)?);
+        let shared =
+            Arc::new(Shared { weights, tokenizer, plain, chat, longest_token, info, max_batch });
         start_compute_pool();
         let worker = Worker::start(shared.clone())?;
         Ok(SmolLm { shared, worker })
@@ -413,7 +416,7 @@ impl Engine for SmolLm {
             return Err(EngineError::InvalidInput("no chat messages".into()));
         }
         self.fits(messages.iter().map(|m| m.content.len() + m.role.len()).sum())?;
-        tokenizer::encode_chat(&self.shared.tokenizer, &self.shared.plain, messages)
+        tokenizer::encode_chat(&self.shared.plain, self.shared.chat, messages)
             .map_err(|e| EngineError::InvalidInput(e.to_string()))
     }
 

@@ -13,8 +13,9 @@ pub enum TransferError {
         /// What went wrong.
         reason: String,
     },
-    /// A connection to the peer could not be made: refused, no route to it, or no answer
-    /// to the connect within its time (the network or the peer; nothing was sent).
+    /// A connection to the peer could not be made: refused, no route to it, no answer to
+    /// the connect within its time, or its certificate refused for what is its own (not
+    /// valid for the name dialled, expired): the network or the peer; nothing was sent.
     #[error("peer {peer} unreachable: {reason}")]
     Unreachable {
         /// The peer.

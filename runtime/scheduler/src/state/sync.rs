@@ -130,7 +130,9 @@ pub enum Resynced {
     /// Events were lost while the snapshot was fetched: ask for a new one.
     Again,
     /// Not applied: the instance left or went silent meanwhile, or the page is not the one
-    /// expected.
+    /// expected. Its resync's owner ends it as failed
+    /// ([`SchedulerState::resync_failed_as`]): a page that does not fit is a failure that
+    /// backs off.
     Dropped,
 }
 
@@ -223,7 +225,7 @@ impl SchedulerState {
     }
 
     /// Applies one page of an instance's snapshot as the resync in progress (page 0 starts
-    /// one if none is).
+    /// one if none is), ending it as failed when the page is dropped (no task owns it).
     pub fn apply_snapshot(&self, page: KvSnapshot) -> Resynced {
         let generation = {
             let mut inner = self.lock();
@@ -236,7 +238,12 @@ impl SchedulerState {
                 None => return Resynced::Dropped,
             }
         };
-        self.apply_snapshot_as(generation, page)
+        let id = page.instance.clone();
+        let r = self.apply_snapshot_as(generation, page);
+        if r == Resynced::Dropped {
+            self.resync_failed_as(&id, generation, Instant::now());
+        }
+        r
     }
 
     /// Applies one page of an instance's snapshot, for its resync `generation`. Page 0
