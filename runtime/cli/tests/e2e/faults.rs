@@ -301,8 +301,8 @@ async fn a_first_token_outside_the_vocabulary_is_refused_and_retried_elsewhere()
 
 /// A prefill of another model (KV of another size, a smaller vocabulary, or other weights of
 /// the same shape) refuses the request as a mismatch, not as the client's bad input: the
-/// frontend tries the other instance. Before, the client got INVALID_ARGUMENT (400) and the scheduler, told the
-/// client erred, kept sending a share of all requests there.
+/// frontend tries the other instance. Before, the client got INVALID_ARGUMENT (400) and the
+/// scheduler, told the client erred, kept sending a share of all requests there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_of_another_model_is_a_mismatch_retried_elsewhere() {
     let deeper = handoff_engine::MockConfig {
