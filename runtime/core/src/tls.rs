@@ -194,6 +194,36 @@ pub fn refused_peer_certificate(e: &std::io::Error) -> bool {
     )
 }
 
+/// Whether `e` (or an error under it) says the peer refused this side's certificate (an
+/// alert: bad, expired, revoked, of an unknown CA, none shown, or its signature not
+/// verified, as when another CA of the same name signed it): this side's certificate is at
+/// fault, not the peer.
+pub fn own_certificate_refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    use rustls::AlertDescription as A;
+    const REFUSED: [A; 8] = [
+        A::BadCertificate,
+        A::UnsupportedCertificate,
+        A::CertificateRevoked,
+        A::CertificateExpired,
+        A::CertificateUnknown,
+        A::UnknownCA,
+        A::CertificateRequired,
+        A::DecryptError,
+    ];
+    let mut at = Some(e);
+    while let Some(e) = at {
+        if let Some(rustls::Error::AlertReceived(a)) = e.downcast_ref::<rustls::Error>() {
+            return REFUSED.contains(a);
+        }
+        // Through tonic's transport the alert arrives as its text only, in an I/O error.
+        if let Some(name) = e.to_string().strip_prefix("received fatal alert: ") {
+            return REFUSED.iter().any(|a| format!("{a:?}") == name);
+        }
+        at = e.source();
+    }
+    false
+}
+
 /// A public endpoint's certificate and key; clients need no certificate of their own unless
 /// a client CA is given.
 #[derive(Clone)]

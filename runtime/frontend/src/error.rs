@@ -140,6 +140,13 @@ impl FrontendError {
             // decode) failed, not the instance (see `crate::reach`).
             return Self::because("connect-back", Cause::Decode, s.message());
         }
+        // The instance refused this frontend's certificate (expired, renewed wrong, of a CA
+        // the cluster dropped): this frontend's fault, and counted against the instance it
+        // would open healthy prefills' breakers for every frontend, as another token would.
+        if handoff_core::tls::own_certificate_refused(s) {
+            let why = format!("this frontend's certificate was refused: {}", s.message());
+            return Self::because("prefill", Cause::Mismatch, why);
+        }
         let cause = match s.code() {
             tonic::Code::ResourceExhausted => Cause::Overloaded,
             tonic::Code::Unavailable if draining => Cause::Overloaded,
@@ -291,5 +298,49 @@ mod tests {
         assert_eq!(late.overran().cause(), Some(Cause::Deadline));
         let silent = FrontendError::transfer("verify", TransferError::Timeout("x".into()));
         assert_eq!(silent.overran().cause(), Some(Cause::Instance));
+    }
+
+    /// Found in review: an instance refusing this frontend's certificate (here a real
+    /// TLS server of the cluster's CA, and a frontend whose certificate another CA signed)
+    /// is this frontend's fault, a mismatch: counted against the instance, it opened
+    /// healthy prefills' breakers for every frontend.
+    #[tokio::test]
+    async fn a_refused_certificate_of_this_frontend_is_a_mismatch() {
+        use handoff_core::tls::ClusterTls;
+        use handoff_core::tls::test_certs::TestCa;
+        use handoff_proto::v1::scheduler_client::SchedulerClient;
+        use handoff_scheduler::{SchedulerConfig, SchedulerState};
+        let cluster = TestCa::new();
+        let cfg = SchedulerConfig { tls: Some(cluster.issue().cluster()), ..Default::default() };
+        let state = std::sync::Arc::new(SchedulerState::new(cfg));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(handoff_scheduler::service::serve(listener, state, async {
+            let _ = stopped.await;
+        }));
+        let foreign = TestCa::new().issue();
+        let ours = ClusterTls::from_pem(
+            foreign.cert.as_bytes(),
+            foreign.key.as_bytes(),
+            cluster.pem().as_bytes(),
+        )
+        .unwrap();
+        let timeout = std::time::Duration::from_secs(5);
+        for (tls, refused) in [(&ours, true), (&cluster.issue().cluster(), false)] {
+            let ch = handoff_proto::grpc::cluster_channel(&addr, Some(tls), timeout).unwrap();
+            let ask = handoff_proto::v1::ListInstancesRequest::default();
+            let got = SchedulerClient::new(ch).list_instances(ask).await;
+            match (got, refused) {
+                (Err(s), true) => {
+                    let e = FrontendError::prefill_status(&s);
+                    assert_eq!(e.cause(), Some(Cause::Mismatch), "{s:?}");
+                }
+                (Ok(_), false) => {}
+                (got, _) => panic!("refused: {refused}, got {got:?}"),
+            }
+        }
+        stop.send(()).unwrap();
+        serving.await.unwrap().unwrap();
     }
 }
