@@ -41,6 +41,13 @@ impl PrefillService {
     }
 
     fn publish(&self, dp_rank: u32, delta: CacheDelta) {
+        // Draining, it is no longer this id's cache (nor does it answer snapshots): a
+        // replacement under the same id numbers its events afresh, which schedulers take as
+        // a restart and resync from; this one's, in another numbering, would make them
+        // resync again at each.
+        if self.draining() {
+            return;
+        }
         let me = &self.inner;
         let mut kinds = Vec::new();
         if !delta.stored.is_empty() {

@@ -195,7 +195,12 @@ impl SchedulerState {
             return false;
         }
         let (id, seq, last) = (ev.instance.clone(), ev.seq, m.seq);
-        match apply_in_sequence(m, index, ev) {
+        // A first event after others: another process under the instance's id (restarted
+        // while this scheduler's view of etcd was stale, so never seen to leave). Taken as
+        // old, its events were dropped and the index kept its predecessor's cache.
+        let restarted = seq == 1 && last.is_some_and(|l| l >= 1);
+        let step = if restarted { Step::Gap } else { apply_in_sequence(m, index, ev) };
+        match step {
             Step::Applied if index.is_cleaning() => {
                 drop(inner);
                 self.settle_index();
@@ -204,7 +209,8 @@ impl SchedulerState {
             Step::Applied | Step::Old => false,
             Step::Gap => {
                 if let Some(last) = last {
-                    let gap = format_args!("{id}: event {seq} after {last}; resyncing");
+                    let again = if restarted { " (numbered afresh: restarted)" } else { "" };
+                    let gap = format_args!("{id}: event {seq} after {last}{again}; resyncing");
                     self.rejects().note(Reject::SequenceGap, &gap);
                 }
                 let started = start(resyncing, &id, Instant::now());

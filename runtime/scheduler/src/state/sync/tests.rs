@@ -339,3 +339,24 @@ fn a_gap_refused_while_resyncs_are_taken_is_asked_again_by_heartbeats() {
     s.resync_failed_as(&first, s.resync_generation(&first).unwrap(), now);
     assert!(s.heartbeat_at(&Heartbeat::fixture(late), now), "its heartbeat asks again");
 }
+
+/// Found in review: an instance restarted under its id while this scheduler never saw it
+/// leave numbers its events from 1 again; they were taken as old and dropped, the index
+/// keeping its predecessor's cache. A first event after others asks for a resync.
+#[test]
+fn events_numbered_afresh_ask_for_a_resync() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("p", 1)]));
+    let id: InstanceId = "p".parse().unwrap();
+    let event = |seq| KvEvent {
+        instance: id.clone(),
+        dp_rank: 0,
+        seq,
+        kind: KvEventKind::Stored { parent: None, blocks: vec![BlockHash(seq)] },
+    };
+    for seq in 1..=5 {
+        assert!(!s.apply_event(event(seq)), "in step");
+    }
+    assert!(!s.apply_event(event(4)), "an old one is dropped");
+    assert!(s.apply_event(event(1)), "numbered afresh: a resync");
+}
