@@ -194,21 +194,19 @@ pub fn refused_peer_certificate(e: &std::io::Error) -> bool {
     )
 }
 
-/// Whether `e` (or an error under it) says the peer refused this side's certificate (an
-/// alert: bad, expired, revoked, of an unknown CA, none shown, or its signature not
-/// verified, as when another CA of the same name signed it): this side's certificate is at
-/// fault, not the peer.
+/// Whether `e` (or an error under it) says the peer refused this side's certificate for
+/// what is this side's alone (an alert: bad, expired or not yet valid, revoked, none
+/// shown): this side's certificate is at fault, not the peer. An unknown CA or a signature
+/// not verified is not this (mid-way through a CA change the peer's bundle may be the stale
+/// one), as [`refused_peer_certificate`] rules the other way.
 pub fn own_certificate_refused(e: &(dyn std::error::Error + 'static)) -> bool {
     use rustls::AlertDescription as A;
-    const REFUSED: [A; 8] = [
+    const REFUSED: [A; 5] = [
         A::BadCertificate,
         A::UnsupportedCertificate,
         A::CertificateRevoked,
         A::CertificateExpired,
-        A::CertificateUnknown,
-        A::UnknownCA,
         A::CertificateRequired,
-        A::DecryptError,
     ];
     let mut at = Some(e);
     while let Some(e) = at {

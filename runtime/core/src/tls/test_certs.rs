@@ -62,13 +62,24 @@ impl TestCa {
 
     /// A certificate for `names` only, signed by this CA.
     pub fn issue_for(&self, names: &[&str]) -> TestCert {
+        self.sign(names, |_| {})
+    }
+
+    /// A certificate for `127.0.0.1` and `localhost` that expired in 2001.
+    pub fn issue_expired(&self) -> TestCert {
+        self.sign(&["127.0.0.1", "localhost"], |p| {
+            p.not_before = rcgen::date_time_ymd(2000, 1, 1);
+            p.not_after = rcgen::date_time_ymd(2001, 1, 1);
+        })
+    }
+
+    fn sign(&self, names: &[&str], adjust: impl FnOnce(&mut rcgen::CertificateParams)) -> TestCert {
         let issuer = rcgen::Issuer::from_params(&self.params, &self.key);
         let key = rcgen::KeyPair::generate().expect("key");
         let names = names.iter().map(|&n| n.to_owned()).collect::<Vec<_>>();
-        let cert = rcgen::CertificateParams::new(names)
-            .expect("params")
-            .signed_by(&key, &issuer)
-            .expect("signed");
+        let mut params = rcgen::CertificateParams::new(names).expect("params");
+        adjust(&mut params);
+        let cert = params.signed_by(&key, &issuer).expect("signed");
         TestCert { cert: cert.pem(), key: key.serialize_pem(), ca: self.pem.clone() }
     }
 }

@@ -72,6 +72,12 @@ impl FakeCaches {
     }
 }
 
+/// Event `seq` of `id`: block `seq` stored on dp rank 0.
+fn stored(id: &InstanceId, seq: u64) -> KvEvent {
+    let kind = KvEventKind::Stored { parent: None, blocks: vec![BlockHash(seq)] };
+    KvEvent { instance: id.clone(), dp_rank: 0, seq, kind }
+}
+
 fn indexed(s: &SchedulerState, id: &InstanceId, dp: usize) -> BTreeSet<BlockHash> {
     s.indexed_blocks(id, dp as u32).into_iter().collect()
 }
@@ -323,12 +329,7 @@ fn a_gap_refused_while_resyncs_are_taken_is_asked_again_by_heartbeats() {
     all.push(inst("late", 1));
     s.apply_update(Update::Reset(all));
     let late: InstanceId = "late".parse().unwrap();
-    let event = |seq| KvEvent {
-        instance: late.clone(),
-        dp_rank: 0,
-        seq,
-        kind: KvEventKind::Stored { parent: None, blocks: vec![BlockHash(seq)] },
-    };
+    let event = |seq| stored(&late, seq);
     assert!(!s.apply_event(event(1)), "in step from its first event");
     let now = std::time::Instant::now();
     for i in 0..MAX_RESYNCS {
@@ -348,12 +349,7 @@ fn events_numbered_afresh_ask_for_a_resync() {
     let s = SchedulerState::new(SchedulerConfig::default());
     s.apply_update(Update::Reset(vec![inst("p", 1)]));
     let id: InstanceId = "p".parse().unwrap();
-    let event = |seq| KvEvent {
-        instance: id.clone(),
-        dp_rank: 0,
-        seq,
-        kind: KvEventKind::Stored { parent: None, blocks: vec![BlockHash(seq)] },
-    };
+    let event = |seq| stored(&id, seq);
     for seq in 1..=5 {
         assert!(!s.apply_event(event(seq)), "in step");
     }
