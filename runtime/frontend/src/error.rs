@@ -140,9 +140,10 @@ impl FrontendError {
             // decode) failed, not the instance (see `crate::reach`).
             return Self::because("connect-back", Cause::Decode, s.message());
         }
-        // The instance refused this frontend's certificate (expired, renewed wrong, of a CA
-        // the cluster dropped): this frontend's fault, and counted against the instance it
-        // would open healthy prefills' breakers for every frontend, as another token would.
+        // The instance refused this frontend's certificate for what is its own (expired,
+        // revoked, bad): this frontend's fault, and counted against the instance it would
+        // open healthy prefills' breakers for every frontend, as another token would. An
+        // unknown CA is not this (the instance's bundle may be the stale one).
         if handoff_core::tls::own_certificate_refused(s) {
             let why = format!("this frontend's certificate was refused: {}", s.message());
             return Self::because("prefill", Cause::Mismatch, why);
