@@ -174,48 +174,60 @@ pub fn server_name(host: &str) -> Result<ServerName<'static>, TlsError> {
     ServerName::try_from(host.to_owned()).map_err(|e| invalid("peer name", e))
 }
 
-/// Whether a TLS handshake failed with `e` because this side refused the peer's certificate
-/// for what is the peer's alone: not valid for the name dialled (renewed without it),
-/// expired or revoked. An unknown issuer or a bad signature is not this (this side's CA
-/// bundle may be the stale one, mid-way through a CA change), nor is a refusal of this
-/// side's own certificate (an alert).
-pub fn refused_peer_certificate(e: &std::io::Error) -> bool {
+/// Whether a certificate refused for `c` is at fault itself, whoever holds it: not valid
+/// for the name dialled (renewed without it), expired or not yet valid, revoked, badly
+/// encoded or for another purpose. An unknown issuer or an unverified signature is not
+/// (mid-way through a CA change the refusing side's bundle may be the stale one).
+fn holders_fault(c: &rustls::CertificateError) -> bool {
     use rustls::CertificateError as C;
-    let refused = e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>());
     matches!(
-        refused,
-        Some(rustls::Error::InvalidCertificate(
-            C::NotValidForName
-                | C::NotValidForNameContext { .. }
-                | C::Expired
-                | C::ExpiredContext { .. }
-                | C::Revoked
-        ))
+        c,
+        C::NotValidForName
+            | C::NotValidForNameContext { .. }
+            | C::Expired
+            | C::ExpiredContext { .. }
+            | C::NotValidYet
+            | C::NotValidYetContext { .. }
+            | C::Revoked
+            | C::BadEncoding
+            | C::UnhandledCriticalExtension
+            | C::InvalidPurpose
+            | C::InvalidPurposeContext { .. }
     )
 }
 
+/// The alerts a peer sends for a certificate refused for [`holders_fault`] (as rustls maps
+/// them), and for none shown.
+const HOLDERS_FAULT_ALERTS: [rustls::AlertDescription; 5] = [
+    rustls::AlertDescription::BadCertificate,
+    rustls::AlertDescription::CertificateExpired,
+    rustls::AlertDescription::CertificateRevoked,
+    rustls::AlertDescription::UnsupportedCertificate,
+    rustls::AlertDescription::CertificateRequired,
+];
+
+/// Whether a TLS handshake failed with `e` because this side refused the peer's certificate
+/// for what is the peer's own ([`holders_fault`]), not this side's; a refusal of this side's
+/// own certificate (an alert) is not this.
+pub fn refused_peer_certificate(e: &std::io::Error) -> bool {
+    let refused = e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>());
+    matches!(refused, Some(rustls::Error::InvalidCertificate(c)) if holders_fault(c))
+}
+
 /// Whether `e` (or an error under it) says the peer refused this side's certificate for
-/// what is this side's alone (an alert: bad, expired or not yet valid, revoked, none
-/// shown): this side's certificate is at fault, not the peer. An unknown CA or a signature
-/// not verified is not this (mid-way through a CA change the peer's bundle may be the stale
-/// one), as [`refused_peer_certificate`] rules the other way.
+/// what is this side's own ([`holders_fault`], by the alert it sent back): this side is at
+/// fault, not the peer. The same rule as [`refused_peer_certificate`], from the other end.
 pub fn own_certificate_refused(e: &(dyn std::error::Error + 'static)) -> bool {
-    use rustls::AlertDescription as A;
-    const REFUSED: [A; 5] = [
-        A::BadCertificate,
-        A::UnsupportedCertificate,
-        A::CertificateRevoked,
-        A::CertificateExpired,
-        A::CertificateRequired,
-    ];
     let mut at = Some(e);
     while let Some(e) = at {
         if let Some(rustls::Error::AlertReceived(a)) = e.downcast_ref::<rustls::Error>() {
-            return REFUSED.contains(a);
+            return HOLDERS_FAULT_ALERTS.contains(a);
         }
         // Through tonic's transport the alert arrives as its text only, in an I/O error.
-        if let Some(name) = e.to_string().strip_prefix("received fatal alert: ") {
-            return REFUSED.iter().any(|a| format!("{a:?}") == name);
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && let Some(name) = io.to_string().strip_prefix("received fatal alert: ")
+        {
+            return HOLDERS_FAULT_ALERTS.iter().any(|a| a.as_str() == Some(name));
         }
         at = e.source();
     }

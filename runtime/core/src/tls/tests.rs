@@ -120,3 +120,32 @@ async fn handshakes_beyond_the_limit_wait_for_a_place() {
     assert!(waited >= Duration::from_millis(200), "waited for a place: {waited:?}");
     server.abort();
 }
+
+/// The two ends' rules are one: a certificate refused for what is its holder's own, and the
+/// alert rustls sends back for it, agree for every reason (they were two lists, apart on a
+/// certificate not yet valid and one for another purpose).
+#[test]
+fn both_ends_blame_a_refused_certificate_alike() {
+    use rustls::CertificateError as C;
+    for c in [
+        C::BadEncoding,
+        C::Expired,
+        C::NotValidYet,
+        C::Revoked,
+        C::UnhandledCriticalExtension,
+        C::UnknownIssuer,
+        C::UnknownRevocationStatus,
+        C::ExpiredRevocationList,
+        C::BadSignature,
+        C::NotValidForName,
+        C::InvalidPurpose,
+        C::ApplicationVerificationFailure,
+    ] {
+        let alert = rustls::AlertDescription::from(c.clone());
+        assert_eq!(
+            super::holders_fault(&c),
+            super::HOLDERS_FAULT_ALERTS.contains(&alert),
+            "{c:?} (alert {alert:?})"
+        );
+    }
+}

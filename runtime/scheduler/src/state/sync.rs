@@ -197,7 +197,9 @@ impl SchedulerState {
         let (id, seq, last) = (ev.instance.clone(), ev.seq, m.seq);
         // A first event after others: another process under the instance's id (restarted
         // while this scheduler's view of etcd was stale, so never seen to leave). Taken as
-        // old, its events were dropped and the index kept its predecessor's cache.
+        // old, its events were dropped and the index kept its predecessor's cache. Not on a
+        // resync's replay: there an event 1 at or below the snapshot is rightly old (a new
+        // instance's first events), so a restart's event 1 buffered meanwhile is missed.
         let restarted = seq == 1 && last.is_some_and(|l| l >= 1);
         let step = if restarted { Step::Gap } else { apply_in_sequence(m, index, ev) };
         match step {
