@@ -107,12 +107,12 @@ pub struct AttemptCtx<'a> {
 /// How much sooner than the attempt's deadline a prefill is told to answer by.
 const ANSWER_MARGIN: std::time::Duration = std::time::Duration::from_millis(500);
 
-async fn before<T, E: std::fmt::Display>(
+async fn before<T, E: std::error::Error + 'static>(
     deadline: Instant,
     stage: &'static str,
     f: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<T, FrontendError> {
-    within(deadline, stage, async { f.await.map_err(|e| FrontendError::at(stage, e)) }).await
+    within(deadline, stage, async { f.await.map_err(|e| FrontendError::reaching(stage, &e)) }).await
 }
 
 /// `f`'s answer, or the attempt's deadline passing at `stage`.

@@ -107,6 +107,23 @@ impl FrontendError {
         Self::because(stage, cause, e)
     }
 
+    /// A failed call to the instance at `stage` (its directory): as [`FrontendError::at`],
+    /// but for this frontend's own certificate refused ([`FrontendError::refused_own`]).
+    pub(crate) fn reaching(stage: &'static str, e: &(dyn std::error::Error + 'static)) -> Self {
+        Self::refused_own(stage, e).unwrap_or_else(|| Self::at(stage, e))
+    }
+
+    /// The instance refused this frontend's certificate for what is its own (expired,
+    /// revoked, bad): this frontend's fault, a mismatch; counted against the instance it
+    /// would open healthy prefills' breakers for every frontend, as another token would. An
+    /// unknown CA is not this (the instance's bundle may be the stale one).
+    fn refused_own(stage: &'static str, e: &(dyn std::error::Error + 'static)) -> Option<Self> {
+        handoff_core::tls::own_certificate_refused(e).then(|| {
+            let why = format!("this frontend's certificate was refused: {e}");
+            Self::because(stage, Cause::Mismatch, why)
+        })
+    }
+
     /// An attempt's failure at `stage` with its cause.
     pub(crate) fn because(stage: &'static str, cause: Cause, e: impl std::fmt::Display) -> Self {
         FrontendError::Attempt { stage, reason: e.to_string(), cause }
@@ -124,7 +141,10 @@ impl FrontendError {
             }
             handoff_transfer::TransferError::Timeout(_) => Cause::Deadline,
             handoff_transfer::TransferError::Full(_) => Cause::Overloaded,
-            handoff_transfer::TransferError::Unauthorized => Cause::Mismatch,
+            // This frontend's token or its own certificate refused: the instance is
+            // healthy, and counting it would open its breaker for every frontend.
+            handoff_transfer::TransferError::Unauthorized
+            | handoff_transfer::TransferError::CertificateRefused { .. } => Cause::Mismatch,
             _ => Cause::Instance,
         };
         Self::because(stage, cause, e)
@@ -140,13 +160,8 @@ impl FrontendError {
             // decode) failed, not the instance (see `crate::reach`).
             return Self::because("connect-back", Cause::Decode, s.message());
         }
-        // The instance refused this frontend's certificate for what is its own (expired,
-        // revoked, bad): this frontend's fault, and counted against the instance it would
-        // open healthy prefills' breakers for every frontend, as another token would. An
-        // unknown CA is not this (the instance's bundle may be the stale one).
-        if handoff_core::tls::own_certificate_refused(s) {
-            let why = format!("this frontend's certificate was refused: {}", s.message());
-            return Self::because("prefill", Cause::Mismatch, why);
+        if let Some(e) = Self::refused_own("prefill", s) {
+            return e;
         }
         let cause = match s.code() {
             tonic::Code::ResourceExhausted => Cause::Overloaded,
@@ -285,6 +300,12 @@ mod tests {
         }
         let e = FrontendError::transfer("handshake", TransferError::Unauthorized);
         assert_eq!(e.cause(), Some(Cause::Mismatch));
+        // This frontend's own certificate refused by the instance's transfer agent.
+        let (peer, reason) =
+            (handoff_transfer::AgentAddr { ip: "10.0.0.1".into(), port: 1 }, "expired".into());
+        let e =
+            FrontendError::transfer("connect", TransferError::CertificateRefused { peer, reason });
+        assert_eq!(e.cause(), Some(Cause::Mismatch));
         let refused = FrontendError::prefill_status(&tonic::Status::internal("engine"));
         assert_eq!(crate::lease::outcome_of(&refused), handoff_proto::v1::Outcome::InstanceFault);
     }
@@ -347,5 +368,40 @@ mod tests {
             stop.send(()).unwrap();
             serving.await.unwrap().unwrap();
         }
+    }
+
+    /// Found in review: the same rule where an attempt first reaches the instance, its
+    /// bootstrap directory (mutual TLS): a frontend with an expired certificate was counted
+    /// against every prefill it tried before any Prefill call was made.
+    #[tokio::test]
+    async fn a_directory_refusing_this_frontends_certificate_is_a_mismatch() {
+        use handoff_bootstrap::{Directory, DirectoryClient, DirectoryConfig};
+        use handoff_core::tls::ClusterTls;
+        use handoff_core::tls::test_certs::{TestCa, TestCert};
+        let cluster = TestCa::new();
+        let trusting_cluster = |c: TestCert| {
+            ClusterTls::from_pem(c.cert.as_bytes(), c.key.as_bytes(), cluster.pem().as_bytes())
+                .unwrap()
+        };
+        let tls = Some(trusting_cluster(cluster.issue()));
+        let dir =
+            std::sync::Arc::new(Directory::new(DirectoryConfig { tls, ..Default::default() }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(handoff_bootstrap::server::run(listener, dir, async {
+            let _ = stopped.await;
+        }));
+        let cases =
+            [(cluster.issue_expired(), Cause::Mismatch), (TestCa::new().issue(), Cause::Instance)];
+        for (client, cause) in cases {
+            let tls = trusting_cluster(client);
+            let e =
+                DirectoryClient::with_tls(None, Some(&tls)).server_info(&addr).await.unwrap_err();
+            let classed = FrontendError::reaching("resolve-topology", &e);
+            assert_eq!(classed.cause(), Some(cause), "{classed:?}");
+        }
+        stop.send(()).unwrap();
+        serving.await.unwrap().unwrap();
     }
 }

@@ -23,6 +23,16 @@ pub enum TransferError {
         /// What the connect said.
         reason: String,
     },
+    /// The peer refused this side's own certificate for what is this side's alone (expired
+    /// or not yet valid, revoked, bad, none shown: [`handoff_core::tls::own_certificate_refused`]):
+    /// this side's fault, not the peer's.
+    #[error("peer {peer} refused this side's certificate: {reason}")]
+    CertificateRefused {
+        /// The peer.
+        peer: AgentAddr,
+        /// The alert it sent.
+        reason: String,
+    },
     /// A frame or request that violates the protocol.
     #[error("malformed: {0}")]
     Malformed(String),
@@ -60,6 +70,18 @@ pub enum TransferError {
 pub(crate) const WRONG_TOKEN: &str = "wrong token";
 
 impl TransferError {
+    /// An I/O failure talking to `peer` (while `doing` something): the peer refusing this
+    /// side's certificate (with TLS 1.3 its alert arrives at the first read after the
+    /// handshake) is [`TransferError::CertificateRefused`], anything else `Io`.
+    pub(crate) fn io(peer: &AgentAddr, doing: &str, e: &std::io::Error) -> Self {
+        let (peer, reason) = (peer.clone(), format!("{doing}: {e}"));
+        if handoff_core::tls::own_certificate_refused(e) {
+            TransferError::CertificateRefused { peer, reason }
+        } else {
+            TransferError::Io { peer, reason }
+        }
+    }
+
     /// A peer's refusal, by its reason: a token refused (a tcp listener's [`WRONG_TOKEN`], a
     /// NIXL control port's [`TransferError::Unauthorized`]) is `Unauthorized`, another
     /// cluster token rather than the peer's fault; anything else `Rejected`.
@@ -76,6 +98,7 @@ impl TransferError {
         match self {
             TransferError::Io { .. } => "io",
             TransferError::Unreachable { .. } => "unreachable",
+            TransferError::CertificateRefused { .. } => "certificate_refused",
             TransferError::Malformed(_) => "malformed",
             TransferError::Rejected(_) => "rejected",
             TransferError::Unauthorized => "unauthorized",

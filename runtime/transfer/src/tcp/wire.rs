@@ -285,10 +285,10 @@ pub(super) async fn read_acks<R: AsyncRead + Unpin>(
         let at = buf.len();
         buf.resize(at + want, 0);
         // A connection reset or a TLS stream cut without its close: the peer is gone.
-        let got = r.read(&mut buf[at..]).await.map_err(|e| TransferError::Io {
-            peer: peer.clone(),
-            reason: format!("reading an ack: {e}"),
-        })?;
+        let got = r
+            .read(&mut buf[at..])
+            .await
+            .map_err(|e| TransferError::io(peer, "reading an ack", &e))?;
         buf.truncate(at + got);
         if got == 0 {
             if buf.is_empty() {
