@@ -21,6 +21,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use futures::future::{join_all, try_join_all};
 use handoff_core::Room;
 use handoff_engine::{Engine, Kv};
@@ -154,7 +155,13 @@ impl VllmPrefills {
         let notify = Notify::new(reader, &ranks, &source.request_id);
         let read = match failed.into_iter().find_map(Result::err) {
             Some(e) => Err(failure("connect", e)),
-            None => self.read_ranks(reader, &ranks, source, loaded, by).await,
+            None => {
+                let reading = self.read_ranks(reader, &ranks, source, loaded, by);
+                let mut every = tokio::time::interval(HEARTBEAT_EVERY);
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let ticks = tokio_stream::wrappers::IntervalStream::new(every);
+                leased(reading, ticks, || notify.heartbeat()).await
+            }
         };
         match read {
             Ok(kv) => {
@@ -164,7 +171,9 @@ impl VllmPrefills {
             Err(e) => {
                 // Told before forgotten: NIXL cannot notify an agent it no longer knows.
                 drop(notify);
-                self.peers.forget(reader, host, source.port);
+                if peer_suspect(&e) {
+                    self.peers.forget(reader, host, source.port);
+                }
                 Err(e)
             }
         }
@@ -207,13 +216,8 @@ impl VllmPrefills {
             return Err(failure("register", VllmError::TooLarge(e)));
         }
         let kib = u32::try_from(total.div_ceil(1024)).unwrap_or(u32::MAX);
-        let _budget = self.budget.clone().try_acquire_many_owned(kib).map_err(|_| {
-            FrontendError::because(
-                "register",
-                Cause::Overloaded,
-                "the decode's KV budget for vLLM reads is in use (inbox max_total_bytes)",
-            )
-        })?;
+        let _budget =
+            self.budget.clone().try_acquire_many_owned(kib).map_err(|_| budget_in_use())?;
         let timeout = by.saturating_duration_since(Instant::now());
         let per_rank = (total as usize).div_ceil(ranks.len());
         let reads: Vec<Blocks> = try_join_all(
@@ -237,6 +241,44 @@ impl VllmPrefills {
     }
 }
 
+/// How often a read still running tells the ranks its blocks are still wanted: vLLM's own
+/// decode's pace (its `kv_lease_duration`, 30 s by default, over 6).
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
+
+/// `read`'s outcome, calling `beat` at each of `ticks` while it runs.
+async fn leased<T>(
+    read: impl Future<Output = T>,
+    ticks: impl futures::Stream,
+    beat: impl Fn(),
+) -> T {
+    let (mut read, mut ticks) = (std::pin::pin!(read), std::pin::pin!(ticks));
+    loop {
+        tokio::select! {
+            biased;
+            out = &mut read => return out,
+            Some(_) = ticks.next() => beat(),
+        }
+    }
+}
+
+/// Whether a failed read puts the prefill's ranks in doubt (it may have restarted or changed
+/// its cache), so they are forgotten and asked again. A failure of this request alone (the
+/// decode's KV budget in use, a request too large, time run out) does not: forgetting
+/// disconnects the agent every other request reading from that prefill is using, failing
+/// their reads too.
+fn peer_suspect(e: &FrontendError) -> bool {
+    e.cause() == Some(Cause::Instance)
+}
+
+/// The decode's KV budget for reads has no room for a request's KV now.
+fn budget_in_use() -> FrontendError {
+    FrontendError::because(
+        "register",
+        Cause::Overloaded,
+        "the decode's KV budget for vLLM reads is in use (inbox max_total_bytes)",
+    )
+}
+
 /// A vLLM failure as the attempt's, at `stage` unless the error says where it belongs.
 fn failure(stage: &'static str, e: VllmError) -> FrontendError {
     match e {
@@ -248,3 +290,6 @@ fn failure(stage: &'static str, e: VllmError) -> FrontendError {
         VllmError::Malformed(_) | VllmError::Invalid(_) => FrontendError::at(stage, e),
     }
 }
+
+#[cfg(test)]
+mod tests;

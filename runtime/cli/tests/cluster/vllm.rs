@@ -164,6 +164,10 @@ async fn decodes_from_a_vllm_prefill(tp: usize, layout: &str) {
     for (freed, room) in stats["freed"].as_array().unwrap().iter().zip(&rooms) {
         let id = freed.as_str().unwrap();
         assert!(id.starts_with(&format!("cmpl-handoff-room-{room}-")), "{id} for room {room}");
+        // Each read told every rank its blocks were still wanted (vLLM's heartbeat, which
+        // its code parses): at once, then every 5 s while it runs.
+        let beats = stats["heartbeats"].as_array().unwrap().iter().filter(|b| *b == freed);
+        assert_eq!(beats.count(), tp, "{id}: a heartbeat per rank: {stats}");
     }
 
     // A prompt the server refuses fails its request with the server's reason; the next

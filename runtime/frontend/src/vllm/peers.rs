@@ -91,6 +91,7 @@ pub(super) struct Notify<'a> {
     reader: &'a NixlReader,
     agents: Vec<String>,
     msg: Vec<u8>,
+    heartbeat: Vec<u8>,
 }
 
 impl<'a> Notify<'a> {
@@ -99,6 +100,18 @@ impl<'a> Notify<'a> {
             reader,
             agents: ranks.iter().map(|p| p.agent.clone()).collect(),
             msg: format!("{request_id}:1").into_bytes(),
+            heartbeat: format!("HB:{request_id}").into_bytes(),
+        }
+    }
+
+    /// Tells every rank the request's blocks are still wanted (vLLM's `HB:<request id>`):
+    /// each extends its lease on them, which would otherwise run out (30 s by default) and
+    /// give the blocks to another request while this read is still running.
+    pub(super) fn heartbeat(&self) {
+        for agent in &self.agents {
+            if let Err(e) = self.reader.notify_peer(agent, &self.heartbeat) {
+                tracing::debug!(%agent, error = %e, "vLLM rank not sent a heartbeat");
+            }
         }
     }
 

@@ -23,7 +23,7 @@ Serves, as vLLM's OpenAI server does with its NixlConnector (kv_role kv_both):
   kv_transfer_params vLLM's request_finished gives (remote_request_id derived from the
   X-Request-Id header as vLLM's is: cmpl-<id>-0-<8 hex>); 503 when the cache is full;
 - GET /health; GET /stats: {"held": request ids whose blocks are held, "freed": ids freed so
-  far, "free_blocks": n}.
+  far, "free_blocks": n, "heartbeats": the ids of each decode heartbeat a rank handled}.
 Prints one JSON line when ready: {"http": port, "side": port}.
 """
 import json
@@ -66,7 +66,12 @@ class Rank:
         self.regions = [np.zeros(NUM_BLOCKS * BLOCK_LEN, dtype=np.uint8) for _ in range(LAYERS)]
         descs = self.agent.get_reg_descs([(r.ctypes.data, r.nbytes, 0, "") for r in self.regions], "DRAM")
         self.agent.register_memory(descs)
-        self.worker, self.poll = vllm_shim.worker(self.agent)
+        self.worker, self.poll = vllm_shim.worker(self.agent, self.heartbeat)
+
+    def heartbeat(self, ids):
+        """vLLM's _handle_heartbeat, as far as this mock goes: it never expires a request, so
+        the lease is not extended; the ids are kept for /stats."""
+        heartbeats.extend(ids.split(","))
 
     def write(self, rank, kv, blocks):
         """Writes rank `rank`'s heads of `kv` (canonical, one prompt) into `blocks`."""
@@ -100,6 +105,7 @@ rng = np.random.default_rng(11)
 free = [int(b) for b in rng.permutation(NUM_BLOCKS)]
 held = {}  # request id -> (blocks, ranks not yet done)
 freed = []
+heartbeats = []  # the ids of every decode heartbeat ("HB:ids") a rank's vLLM code handled
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -119,7 +125,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.answer(200, {})
         if self.path == "/stats":
             with lock:
-                return self.answer(200, {"held": sorted(held), "freed": freed, "free_blocks": len(free)})
+                stats = {"held": sorted(held), "freed": freed, "free_blocks": len(free)}
+                return self.answer(200, {**stats, "heartbeats": heartbeats})
         self.answer(404, {"error": "not found"})
 
     def do_POST(self):

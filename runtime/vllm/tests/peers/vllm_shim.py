@@ -149,10 +149,11 @@ def payload(agent, engine_id, regions, num_blocks, block_len, stride, block_size
     )
 
 
-def worker(agent):
+def worker(agent, on_heartbeat):
     """What NixlPullConnectorWorker._get_new_notifs reads of its worker, for `agent`; returns
     (state, poll): state._reqs_to_send/_reqs_to_process take requests waiting for their
-    reader, and poll() returns the ids vLLM's code frees."""
+    reader, and poll() returns the ids vLLM's code frees. A decode's heartbeat ("HB:ids"),
+    which vLLM's code hands its worker's _handle_heartbeat, goes to on_heartbeat(ids)."""
     state = types.SimpleNamespace(
         nixl_wrapper=agent,
         transfer_topo=object(),
@@ -161,7 +162,7 @@ def worker(agent):
         consumer_notification_counts_by_req=collections.defaultdict(int),
         _reqs_to_send={},
         _reqs_to_process=set(),
-        _handle_heartbeat=lambda payload: None,
+        _handle_heartbeat=on_heartbeat,
     )
     get_new_notifs = pull_worker.NixlPullConnectorWorker._get_new_notifs
     return state, lambda: get_new_notifs(state)
