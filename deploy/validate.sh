@@ -83,6 +83,8 @@ refused "the ctl listener again in frontend.extraArgs, with scheduler.inFrontend
     helm template ci "$chart" -f helm/broken/in-frontend-listen-twice.yaml --kube-version "$KUBE"
 refused "a scheduler address in frontend.extraArgs, with scheduler.inFrontend" \
     helm template ci "$chart" -f helm/broken/in-frontend-scheduler-elsewhere.yaml --kube-version "$KUBE"
+refused "the KV budget again in frontend.extraArgs" \
+    helm template ci "$chart" -f helm/broken/frontend-budget-twice.yaml --kube-version "$KUBE"
 refused "a release without a token" helm template ci "$chart" --kube-version "$KUBE"
 check "compose.yaml against the compose-spec schema" \
     check-jsonschema --builtin-schema vendor.compose-spec compose.yaml

@@ -180,9 +180,10 @@ impl PolicyArgs {
 
 impl FrontendArgs {
     /// What this frontend listens on, each named for the exposure check: its gRPC, its
-    /// OpenAI API, and its scheduler's operations listener and gRPC API when there are.
+    /// OpenAI API, its operations listener, and its scheduler's operations listener and gRPC API when there are.
     pub fn listeners(&self) -> Vec<(&'static str, SocketAddr)> {
         let mut binds = vec![("the frontend", self.listen), ("the OpenAI API", self.http_listen)];
+        binds.extend(self.ops_listen.map(|a| ("the frontend's metrics", a)));
         binds.extend(self.scheduler_ops_listen.map(|a| ("its scheduler's metrics", a)));
         binds.extend(self.scheduler_listen.map(|a| ("its scheduler's gRPC API", a)));
         binds
@@ -264,6 +265,11 @@ pub struct FrontendArgs {
     /// HTTP (OpenAI API) listener.
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub http_listen: SocketAddr,
+    /// Operations listener: `/metrics`, `/livez`, `/readyz` apart from the public API (which
+    /// serves them too): plain HTTP whatever its TLS, outside its connection limit, and up
+    /// while the frontend waits for a scheduler.
+    #[arg(long)]
+    pub ops_listen: Option<SocketAddr>,
     /// Host other processes (and `handoff ctl`) use to reach this one.
     #[arg(long, default_value = "127.0.0.1")]
     pub advertise_host: String,
@@ -314,63 +320,6 @@ pub struct FrontendArgs {
     /// The engine.
     #[command(flatten)]
     pub engine: EngineArgs,
-}
-
-/// What a client's request may take, at the frontend.
-#[derive(Debug, Clone, Args)]
-pub struct RequestArgs {
-    /// Seconds a request has when it names no deadline, and at most when it names one (gRPC
-    /// `deadline_ms`; the HTTP API's requests always take this): past it, a request fails
-    /// with 504 / `DEADLINE_EXCEEDED` (a chat without `max_tokens` ends with
-    /// `finish_reason: "length"`).
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
-    pub request_timeout_secs: u64,
-    /// Client connections open at once on each public listener (the HTTP API, gRPC
-    /// Generate); past it, new ones wait in the listen backlog until one closes.
-    #[arg(long, alias = "http-max-connections", default_value_t = 16_384, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-    pub max_connections: u32,
-    /// Seconds an HTTP connection may wait for a request's head, an idle kept-alive one too,
-    /// and a gRPC connection may go without a byte from its client (45 s at least: a client
-    /// answers the server's pings, sent after 30 s without a word): then it is closed. Keep it above the idle timeout of a
-    /// load balancer in front (AWS's is 60 s), which would otherwise reuse a connection
-    /// being closed.
-    #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u64).range(1..=86_400))]
-    pub http_idle_secs: u64,
-    /// MiB the request bodies being received may hold at once on each public listener
-    /// (bodies are buffered whole before they are read); a body whose next bytes would pass
-    /// it is refused (429 / `RESOURCE_EXHAUSTED`). At least 32: room for the largest body.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(32..=1_048_576))]
-    pub max_receiving_mib: u32,
-    /// Sequences the frontend decodes at once (by default the engine's batch: SmolLM2
-    /// advances 32 a pass); more wait for a slot in turn, and a request whose wait
-    /// would leave it too little of its deadline is refused at once (429 /
-    /// `RESOURCE_EXHAUSTED`).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-    pub max_decoding: Option<u32>,
-}
-
-impl RequestArgs {
-    /// The whole-request deadline of requests that name none.
-    pub fn request_timeout(&self) -> std::time::Duration {
-        std::time::Duration::from_secs(self.request_timeout_secs)
-    }
-
-    /// The bound on sequences decoded at once, if one is given.
-    pub fn max_decoding(&self) -> Option<usize> {
-        self.max_decoding.map(|n| n as usize)
-    }
-
-    /// The HTTP API's connection bounds.
-    pub fn http(&self) -> handoff_core::http::HttpLimits {
-        handoff_core::http::HttpLimits {
-            max_connections: self.max_connections as usize,
-            head_timeout: std::time::Duration::from_secs(self.http_idle_secs),
-            // Never below a ping's round (see the field's docs).
-            grpc_quiet: std::time::Duration::from_secs(self.http_idle_secs.max(45)),
-            receiving_bytes: (self.max_receiving_mib as usize) << 20,
-            ..Default::default()
-        }
-    }
 }
 
 /// Which engine serves.
@@ -481,10 +430,12 @@ pub struct UpArgs {
 mod ctl;
 mod discovery;
 pub mod engine;
+mod requests;
 
 pub use ctl::{CtlArgs, CtlCommand};
 pub use discovery::{
     BackendAccessArgs, DiscoveryArgs, PublicTlsArgs, TransferArg, nixl_environment,
 };
+pub use requests::RequestArgs;
 #[cfg(test)]
 mod tests;

@@ -65,6 +65,9 @@ pub struct FrontendConfig {
     /// Drive vLLM prefill servers (protocol `vllm`: their KV READ over NIXL, whose library
     /// and UCX settings the process must have): the frontend asks schedulers for them too.
     pub drive_vllm: bool,
+    /// Serve `/metrics`, `/livez` and `/readyz` on the public HTTP API too: off when they
+    /// have a listener of their own (`--ops-listen`), so clients cannot read them.
+    pub ops_on_public: bool,
 }
 
 impl Default for FrontendConfig {
@@ -89,6 +92,7 @@ impl Default for FrontendConfig {
             public_tls: None,
             require_registered_prefill: true,
             drive_vllm: false,
+            ops_on_public: true,
         }
     }
 }

@@ -39,8 +39,8 @@ const MAX_BODY: usize = 4 << 20;
 
 /// The HTTP routes, for serving or for testing without a socket.
 pub fn router(fe: Arc<Frontend>) -> Router {
-    let ops = handoff_core::ops::router(fe.ops());
-    Router::new()
+    let ops = fe.cfg.ops_on_public.then(|| handoff_core::ops::router(fe.ops()));
+    let api = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
@@ -56,8 +56,11 @@ pub fn router(fe: Arc<Frontend>) -> Router {
         })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(axum::middleware::from_fn_with_state(fe.clone(), close_when_draining))
-        .with_state(fe)
-        .merge(ops)
+        .with_state(fe);
+    match ops {
+        Some(ops) => api.merge(ops),
+        None => api,
+    }
 }
 
 /// While the frontend drains, an HTTP/1 answer closes its connection: a client keeping

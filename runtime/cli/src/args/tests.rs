@@ -171,6 +171,13 @@ fn the_request_timeout_and_http_connections_are_flags_within_bounds() {
     assert_eq!(frontend(&[]).unwrap().requests.http().receiving_bytes, 256 << 20);
     let a = frontend(&["--max-receiving-mib=1024"]).unwrap();
     assert_eq!(a.requests.http().receiving_bytes, 1 << 30);
+    // The KV held at once: 8 GiB by default, one request at most 4 GiB of it, never more
+    // than the whole.
+    let inbox = frontend(&[]).unwrap().requests.inbox();
+    assert_eq!((inbox.max_total_bytes, inbox.max_region_bytes), (8 << 30, 4 << 30));
+    let inbox = frontend(&["--max-kv-mib", "2048"]).unwrap().requests.inbox();
+    assert_eq!((inbox.max_total_bytes, inbox.max_region_bytes), (2 << 30, 2 << 30));
+    assert!(frontend(&["--max-kv-mib", "0"]).is_err());
     assert!(frontend(&["--max-receiving-mib=31"]).is_err(), "room for a 16 MiB gRPC message");
     for bad in ["0", "86401"] {
         let e = frontend(&[&format!("--request-timeout-secs={bad}")]).unwrap_err();

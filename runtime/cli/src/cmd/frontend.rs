@@ -142,9 +142,13 @@ async fn start(args: &FrontendArgs, tasks: &Tasks) -> anyhow::Result<Started> {
         request_timeout: args.requests.request_timeout(),
         max_decoding: args.requests.max_decoding(),
         http: args.requests.http(),
+        inbox: args.requests.inbox(),
+        ops_on_public: args.ops_listen.is_none(),
         ..FrontendConfig::default()
     };
     let frontend = Frontend::new(cfg, engines(&args.engine)?()?, &args.scheduler, tasks).await?;
+    // Up before the wait for a scheduler: alive, not ready, while it lasts.
+    let ops = crate::cmd::serve_ops(args.ops_listen, frontend.ops(), tasks).await?;
     let mut own_scheduler = None;
     if args.scheduler_in_frontend {
         let own = OwnScheduler::start(args, &frontend, registry.clone(), bus, tasks).await?;
@@ -184,6 +188,9 @@ async fn start(args: &FrontendArgs, tasks: &Tasks) -> anyhow::Result<Started> {
         grpc.local_addr()?,
         http.local_addr()?
     );
+    if let Some(addr) = ops {
+        ready.push_str(&format!(", ops http://{addr}"));
+    }
     if let Some(own) = &own_scheduler {
         own.set_ready(true);
         if let Some(addr) = own.ops {

@@ -74,6 +74,7 @@ pub async fn run(args: UpArgs, mut stop: Stop) -> anyhow::Result<()> {
             request_timeout: args.requests.request_timeout(),
             max_decoding: args.requests.max_decoding(),
             http: args.requests.http(),
+            inbox: args.requests.inbox(),
             ..FrontendConfig::default()
         },
         scheduler: args.policy.config(),

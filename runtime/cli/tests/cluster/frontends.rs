@@ -1,5 +1,5 @@
 //! Frontends as processes. Readiness in front of engines alone: an SGLang engine it drives
-//! counts as a prefill instance. And a frontend killed with SIGKILL while its requests wait
+//! counts as a prefill instance. Its operations listener, up while it waits. And a frontend killed with SIGKILL while its requests wait
 //! in a prefill's queue: it reports
 //! none of their bookings, and the scheduler counted their load until the requests'
 //! deadlines (a minute), refusing or steering away the other frontends' requests. Now its
@@ -101,4 +101,49 @@ async fn a_frontend_in_front_of_engines_alone_is_ready_once_one_it_drives_regist
     reg.register(engine("sglang-1", "sglang")).await.unwrap();
     super::operations::wait_ready(&fe_http, Duration::from_secs(10)).await;
     tasks.shutdown().await;
+}
+
+/// Found in review (the Helm chart): a frontend's `/livez` was only on its public listener,
+/// bound after the wait for a scheduler (a startup probe killed a frontend waiting out a
+/// scheduler outage), served over the public API's TLS (plain-HTTP probes failed) and behind
+/// its connection limit. `--ops-listen` is up from the start: alive, and not ready until
+/// a scheduler is known; and then they are not on the public API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frontends_ops_listener_answers_while_it_waits_for_a_scheduler() {
+    use super::operations::http_get;
+    let etcd = Server::etcd();
+    let nats = Server::nats();
+    let d = ["--etcd", etcd.url.as_str(), "--nats", nats.url.as_str()];
+    let ops = format!("127.0.0.1:{}", super::ports::free_port());
+    let args: Vec<String> = [
+        &["frontend", "--engine", "mock", "--listen", "127.0.0.1:0"][..],
+        &["--http-listen", "127.0.0.1:0", "--ops-listen", ops.as_str()],
+        &d,
+    ]
+    .concat()
+    .into_iter()
+    .map(String::from)
+    .collect();
+    let starting = std::thread::spawn(move || {
+        Handoff::spawn(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    });
+    let start = Instant::now();
+    while tokio::net::TcpStream::connect(&ops).await.is_err() {
+        assert!(start.elapsed() < Duration::from_secs(20), "no ops listener at {ops}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(http_get(&ops, "/livez").await, (200, "ok".to_owned()));
+    let waiting = (503, "not ready: no scheduler replica known".to_owned());
+    assert_eq!(http_get(&ops, "/readyz").await, waiting);
+    assert!(!starting.is_finished(), "still waiting for a scheduler");
+    let (_sched, _) = Handoff::spawn(&[&["scheduler", "--listen", "127.0.0.1:0"][..], &d].concat());
+    let (_fe, line) = starting.join().unwrap();
+    assert!(line.contains(&format!("ops http://{ops}")), "{line}");
+    let no_prefill = (503, "not ready: no prefill instance registered".to_owned());
+    assert_eq!(http_get(&ops, "/readyz").await, no_prefill);
+    // Given a listener of their own, they are not on the public API, for clients to read.
+    let public = addr_after(&line, "http://");
+    for path in ["/metrics", "/readyz", "/livez"] {
+        assert_eq!(http_get(&public, path).await.0, 404, "{path}");
+    }
 }
