@@ -107,6 +107,8 @@ fn the_charts_in_frontend_arguments_parse_and_their_ops_listener_needs_the_token
     let chart = [
         "--listen=0.0.0.0:50051",
         "--http-listen=0.0.0.0:8080",
+        "--ops-listen=0.0.0.0:9090",
+        "--max-kv-mib=2048",
         "--advertise-host=10.0.0.7",
         "--transfer-bind=10.0.0.7",
         "--drain-secs=30",
@@ -127,6 +129,7 @@ fn the_charts_in_frontend_arguments_parse_and_their_ops_listener_needs_the_token
     (a.discovery.token, a.discovery.tls_cert, a.discovery.insecure) = (None, None, false);
     let e = crate::cmd::check_exposure(&a.discovery, &a.listeners()).unwrap_err().to_string();
     assert!(e.contains("its scheduler's metrics on 0.0.0.0:9091"), "{e}");
+    assert!(e.contains("the frontend's metrics on 0.0.0.0:9090"), "{e}");
     // The chart's ctl listener is on the pod's loopback: not exposed.
     assert_eq!(a.scheduler_listen, Some("127.0.0.1:50052".parse().unwrap()));
     assert!(!e.contains("its scheduler's gRPC API"), "{e}");
