@@ -34,8 +34,9 @@ pub struct ModelInfo {
     pub vocab: u32,
     /// Longest sequence (prompt plus generated tokens).
     pub max_context: usize,
-    /// End-of-sequence token, if the model has one.
-    pub eos: Option<u32>,
+    /// The tokens that end a sequence (end of text, end of a chat turn): generated, one ends
+    /// the stream and is not counted.
+    pub end_tokens: Vec<u32>,
     /// The weights', 0 when not known: a prefill of other weights (a fine-tune, another
     /// quantization, of the same shape) makes KV the decode would continue from silently.
     pub fingerprint: u64,

@@ -84,7 +84,7 @@ impl MockEngine {
             page_size: cfg.page_size,
             vocab: cfg.vocab,
             max_context: cfg.max_context,
-            eos: Some(MOCK_EOS),
+            end_tokens: vec![MOCK_EOS],
             fingerprint: cfg.fingerprint,
         };
         let batch = cfg.decode_batch.map(|n| Arc::new(Semaphore::new(n.max(1))));

@@ -159,9 +159,9 @@ pub(crate) async fn stream(
         m.ended(Ending::Cancelled);
         return;
     };
-    let eos = fe.engine.info().eos.filter(|_| !plan.sampling.ignore_eos);
+    let ends = |t: u32| !plan.sampling.ignore_eos && fe.engine.info().end_tokens.contains(&t);
     // A first token that ends the sequence needs no decode step, nor a slot.
-    let decodes = plan.max_tokens > 1 && Some(ready.first_token) != eos;
+    let decodes = plan.max_tokens > 1 && !ends(ready.first_token);
     if let Some(t) = ticket.as_mut().filter(|_| decodes) {
         match decode_turn(&fe, t, &plan, arrived, &tx).await {
             Ok(()) => {}
@@ -177,7 +177,7 @@ pub(crate) async fn stream(
     // `outbox` (text, not KV) and follows once the slot and the decoder are given back.
     let mut outbox = Outbox::new();
     let finish = loop {
-        if Some(token) == eos {
+        if ends(token) {
             break FinishReason::Eos;
         }
         generated += 1;

@@ -67,6 +67,21 @@ pub(crate) fn build(c: &gguf_file::Content) -> Result<Tokenizer, SmolError> {
     Ok(tok)
 }
 
+/// The tokens that end a sequence: the file's end-of-sequence and end-of-turn tokens, and
+/// those of ChatML and GPT-2 when the vocabulary has them (SmolLM2's file names `<|im_end|>`
+/// alone; a completion that ends its text with `<|endoftext|>` ran on past it, its text
+/// hidden as a special token's).
+pub(crate) fn end_tokens(c: &gguf_file::Content, tokenizer: &Tokenizer) -> Vec<u32> {
+    let named = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
+        .into_iter()
+        .filter_map(|k| c.metadata.get(k).and_then(|v| v.to_u32().ok()));
+    let known = [END, "<|endoftext|>"].into_iter().filter_map(|t| tokenizer.token_to_id(t));
+    let mut ends: Vec<u32> = named.chain(known).collect();
+    ends.sort_unstable();
+    ends.dedup();
+    ends
+}
+
 /// The same tokenizer, reading control tokens written out as plain text (a chat message's
 /// content).
 pub(crate) fn plain(tokenizer: &Tokenizer) -> Tokenizer {

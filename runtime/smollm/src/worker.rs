@@ -318,14 +318,14 @@ impl SmolLm {
         let (weights, content) = weights::load(&cfg.path, cfg.max_context)?;
         let tokenizer = tokenizer::build(&content)?;
         let hp = weights.hp;
-        let eos = content.metadata.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok());
+        let end_tokens = tokenizer::end_tokens(&content, &tokenizer);
         let info = ModelInfo {
             name: cfg.name.clone(),
             shape: Seq::shape(&hp),
             page_size: cfg.page_size,
             vocab: hp.vocab as u32,
             max_context: hp.context,
-            eos,
+            end_tokens,
             fingerprint: weights::fingerprint(&cfg.path)?,
         };
         info!(path = %cfg.path.display(), layers = hp.layers, context = hp.context, ms = started.elapsed().as_millis() as u64, "model loaded");

@@ -245,3 +245,19 @@ fn the_fingerprint_is_the_files_bytes() {
     std::fs::remove_dir_all(&dir).unwrap();
     assert_ne!(other, info.fingerprint);
 }
+
+/// Found in review: only the file's end-of-sequence token (`<|im_end|>`) ended a stream: a
+/// completion whose text ended with `<|endoftext|>` ran on into another document, the token
+/// itself hidden from the text as a special one. Both end a sequence, and nothing else does.
+#[test]
+fn end_of_text_and_end_of_turn_both_end_a_sequence() {
+    let e = engine();
+    let id = |t: &str| e.shared.tokenizer.token_to_id(t).unwrap();
+    let ends = &e.info().end_tokens;
+    assert_eq!(
+        ends,
+        &[id("<|endoftext|>"), id("<|im_end|>")],
+        "<|im_start|> is {}",
+        id("<|im_start|>")
+    );
+}
