@@ -23,6 +23,11 @@ pub struct TextAssembler {
     hold: usize,
 }
 
+/// Tokens an unfinished character may wait for its rest through: no UTF-8 character takes
+/// more than 4 bytes. Past it the bytes never become one (a model's stray byte tokens); they
+/// are given out as U+FFFD, so a run of them is not decoded again at each token.
+const MAX_UNFINISHED: usize = 8;
+
 /// What one token released.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Released {
@@ -60,7 +65,8 @@ impl TextAssembler {
         // Past what the two have in common (all of `settled` but for decoders that tidy
         // spaces by the next token, whose change is already sent).
         let new = &now[common_prefix(&settled, &now)..];
-        let complete = new.trim_end_matches('\u{FFFD}');
+        let waiting = self.tokens.len() - self.read <= MAX_UNFINISHED;
+        let complete = if waiting { new.trim_end_matches('\u{FFFD}') } else { new };
         if let Some(more) = complete.get(self.shown..) {
             self.text.push_str(more);
             self.shown = complete.len();
@@ -98,7 +104,8 @@ impl TextAssembler {
         Released { text: out, stopped: false }
     }
 
-    /// Releases what was held back (generation ended without a stop string).
+    /// Releases what was held back (generation ended without a stop string); a character
+    /// left unfinished is not sent (as vLLM's streams leave it).
     pub fn finish(&mut self) -> String {
         let out = self.text.get(self.released..).unwrap_or_default().to_owned();
         self.released = self.text.len();

@@ -118,3 +118,22 @@ fn an_unfinished_last_character_is_not_sent() {
     sent.push_str(&a.finish());
     assert_eq!(sent, "ab");
 }
+
+/// Found in review: stray bytes that never make a character kept every later token waiting
+/// and decoding the whole run again (quadratic); past what a character can take they go
+/// out as U+FFFD, the text after them too, each token decoding a few.
+#[test]
+fn stray_bytes_are_given_out_and_not_decoded_again_and_again() {
+    let decoded = std::cell::Cell::new(0);
+    let counting = |t: &[u32]| {
+        decoded.set(decoded.get() + t.len());
+        bytes(t)
+    };
+    let mut a = TextAssembler::new(&[]);
+    let mut stray: Vec<u32> = vec![0x80; 1000];
+    stray.extend(b"ok".iter().map(|&b| u32::from(b)));
+    let mut sent: String = stray.iter().map(|&t| a.push_decoded(counting, t).text).collect();
+    sent.push_str(&a.finish());
+    assert_eq!(sent, bytes(&stray), "as decoding them all at once");
+    assert!(decoded.get() < 40 * stray.len(), "{} tokens decoded", decoded.get());
+}
