@@ -67,6 +67,7 @@ pub fn fleet(w_count: u64) -> SchedulerState {
                 instance: worker(w).instance,
                 dp_rank: 0,
                 seq: s + 1,
+                incarnation: 0,
                 kind: KvEventKind::Stored { parent: None, blocks: sequence(w, s) },
             });
         }

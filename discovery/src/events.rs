@@ -45,6 +45,20 @@ pub struct KvEvent {
     pub seq: u64,
     /// What changed.
     pub kind: KvEventKind,
+    /// Which process under the instance's id numbered it: random, fixed for the process's
+    /// life, never 0, so another process under the same id (a restart a scheduler never saw
+    /// leave) numbers its events apart. Optional on the wire (0: not said, an older version).
+    #[serde(default, skip_serializing_if = "is_unsaid")]
+    pub incarnation: u64,
+}
+
+/// A fresh [`KvEvent::incarnation`] for a process: random, never 0.
+pub fn new_incarnation() -> u64 {
+    rand::random::<u64>().max(1)
+}
+
+fn is_unsaid(incarnation: &u64) -> bool {
+    *incarnation == 0
 }
 
 /// Subject prefix of heartbeats; an instance publishes on `{prefix}{instance_id}`.
@@ -116,6 +130,10 @@ pub struct KvSnapshot {
     pub instance: InstanceId,
     /// The last KV event sequence number the snapshot includes.
     pub seq: u64,
+    /// The process that numbered those events ([`KvEvent::incarnation`]). Optional on the
+    /// wire.
+    #[serde(default, skip_serializing_if = "is_unsaid")]
+    pub incarnation: u64,
     /// This page's blocks per dp rank, parents before children (ranks with none on this
     /// page are empty; the pages concatenated per rank give the whole list).
     pub dp_blocks: Vec<Vec<BlockHash>>,

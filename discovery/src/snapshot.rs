@@ -26,6 +26,8 @@ const KEPT: usize = 8;
 pub struct Taken {
     /// The last KV event number it includes.
     pub seq: u64,
+    /// The process that numbered the events ([`KvEvent::incarnation`](crate::KvEvent)).
+    pub incarnation: u64,
     /// Blocks per dp rank, parents before children.
     pub dp_blocks: Vec<Vec<BlockHash>>,
     /// Each block's parent, parallel to `dp_blocks`.
@@ -85,6 +87,7 @@ impl Kept {
         Some(KvSnapshot {
             instance: instance.clone(),
             seq: self.taken.seq,
+            incarnation: self.taken.incarnation,
             dp_blocks,
             dp_parents,
             snapshot: self.id,

@@ -51,7 +51,7 @@ struct Churned {
 }
 
 fn event(w: u64, seq: u64, kind: KvEventKind) -> KvEvent {
-    KvEvent { instance: worker(w).instance, dp_rank: 0, seq, kind }
+    KvEvent { instance: worker(w).instance, dp_rank: 0, seq, incarnation: 0, kind }
 }
 
 fn stored(w: u64, s: u64) -> KvEventKind {
@@ -72,6 +72,7 @@ fn snapshot(w: u64, h: &Held) -> KvSnapshot {
     KvSnapshot {
         instance: worker(w).instance,
         seq: h.seq,
+        incarnation: 0,
         dp_blocks: vec![blocks],
         dp_parents: vec![parents],
         snapshot: 0,

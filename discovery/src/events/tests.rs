@@ -6,6 +6,7 @@ fn stored_events_carry_their_parent_and_accept_senders_without_it() {
         instance: "p0".parse().unwrap(),
         dp_rank: 1,
         seq: 7,
+        incarnation: 0,
         kind: KvEventKind::Stored { parent: Some(BlockHash(9)), blocks: vec![BlockHash(10)] },
     };
     let json = serde_json::to_string(&ev).unwrap();

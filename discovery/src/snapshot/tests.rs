@@ -65,7 +65,8 @@ fn pages_are_bounded_and_concatenate_to_the_whole_snapshot() {
 fn a_full_page_of_the_largest_hashes_fits_a_stock_nats_payload() {
     let blocks: Vec<BlockHash> = (0..PAGE_BLOCKS as u64).map(|i| BlockHash(u64::MAX - i)).collect();
     let parents = blocks.iter().map(|b| Some(BlockHash(b.0 - 1))).collect();
-    let t = Taken { seq: u64::MAX, dp_blocks: vec![blocks], dp_parents: vec![parents] };
+    let t =
+        Taken { seq: u64::MAX, incarnation: 0, dp_blocks: vec![blocks], dp_parents: vec![parents] };
     let s = Snapshots::new(id());
     let page = s.page(SnapshotAsk::default(), u64::MAX, || t).unwrap();
     let bytes = serde_json::to_vec(&page).unwrap().len();

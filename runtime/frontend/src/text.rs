@@ -105,7 +105,7 @@ impl TextAssembler {
     }
 
     /// Releases what was held back (generation ended without a stop string); a character
-    /// left unfinished is not sent (as vLLM's streams leave it).
+    /// left unfinished is not sent (its token ids are, in the stream).
     pub fn finish(&mut self) -> String {
         let out = self.text.get(self.released..).unwrap_or_default().to_owned();
         self.released = self.text.len();

@@ -129,6 +129,7 @@ impl PrefillInstance {
             directory: directory.clone(),
             publisher: publisher.clone(),
             seq: Default::default(),
+            incarnation: handoff_discovery::events::new_incarnation(),
             cost: Default::default(),
             send_cost: Default::default(),
             snapshots: handoff_discovery::Snapshots::new(cfg.id.clone()),

@@ -82,6 +82,8 @@ pub(crate) struct Inner {
     pub(crate) publisher: Publisher,
     /// Last KV event number given out.
     pub(crate) seq: Mutex<u64>,
+    /// This process's numbering of KV events (`KvEvent::incarnation`): random, never 0.
+    pub(crate) incarnation: u64,
     /// Measured prefill cost.
     pub(crate) cost: Mutex<TokenCost>,
     /// Measured time the KV takes after the compute, per prompt token.

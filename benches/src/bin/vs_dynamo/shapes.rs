@@ -67,6 +67,7 @@ impl Stored {
             instance: handoff_benches::worker(w).instance,
             dp_rank: 0,
             seq,
+            incarnation: 0,
             kind: KvEventKind::Stored { parent: None, blocks },
         }
     }

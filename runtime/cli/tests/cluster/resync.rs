@@ -62,6 +62,7 @@ async fn a_200k_block_instance_resyncs_through_stock_nats_while_events_flow() {
                 let c = c.lock().unwrap();
                 let take = || Taken {
                     seq: c.seq,
+                    incarnation: 0,
                     dp_blocks: vec![c.blocks.clone()],
                     dp_parents: vec![vec![None; c.blocks.len()]],
                 };
@@ -106,7 +107,7 @@ async fn a_200k_block_instance_resyncs_through_stock_nats_while_events_flow() {
                 c.blocks.push(BlockHash(next));
                 KvEventKind::Stored { parent: None, blocks: vec![BlockHash(next)] }
             };
-            KvEvent { instance: id.clone(), dp_rank: 0, seq: c.seq, kind }
+            KvEvent { instance: id.clone(), dp_rank: 0, seq: c.seq, incarnation: 0, kind }
         };
         bus.publish(kv_subject(&id), serde_json::to_vec(&ev).unwrap().into()).await.unwrap();
         tokio::time::sleep(Duration::from_micros(500)).await;

@@ -42,8 +42,8 @@ impl PrefillService {
 
     fn publish(&self, dp_rank: u32, delta: CacheDelta) {
         // Draining, it is no longer this id's cache (nor does it answer snapshots): a
-        // replacement under the same id numbers its events afresh, which schedulers take as
-        // a restart and resync from; this one's, in another numbering, would make them
+        // replacement under the same id numbers its events afresh (another incarnation),
+        // which schedulers take as a restart and resync from; this one's would make them
         // resync again at each.
         if self.draining() {
             return;
@@ -61,7 +61,8 @@ impl PrefillService {
         let mut seq = lock(&me.seq);
         for kind in kinds {
             *seq += 1;
-            let ev = KvEvent { instance: me.id.clone(), dp_rank, seq: *seq, kind };
+            let incarnation = me.incarnation;
+            let ev = KvEvent { instance: me.id.clone(), dp_rank, seq: *seq, kind, incarnation };
             let payload = match serde_json::to_vec(&ev) {
                 Ok(p) => Bytes::from(p),
                 Err(e) => {
@@ -81,6 +82,7 @@ impl PrefillService {
         KvSnapshot {
             instance: me.id.clone(),
             seq: taken.seq,
+            incarnation: taken.incarnation,
             dp_blocks: taken.dp_blocks,
             dp_parents: taken.dp_parents,
             snapshot: 0,
@@ -103,6 +105,6 @@ impl PrefillService {
             dp_blocks.push(blocks);
             dp_parents.push(parents);
         }
-        Taken { seq, dp_blocks, dp_parents }
+        Taken { seq, incarnation: self.inner.incarnation, dp_blocks, dp_parents }
     }
 }

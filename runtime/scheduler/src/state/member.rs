@@ -166,6 +166,9 @@ pub(super) struct Member {
     /// Last KV event applied; `None` until a snapshot or first event syncs it (or again when
     /// a gap's resync could not start: its heartbeats then ask).
     pub(super) seq: Option<u64>,
+    /// The process whose numbering `seq` is in (`KvEvent::incarnation`; 0: not known, or an
+    /// older version that does not say).
+    pub(super) incarnation: u64,
     /// Times its index entries were cleared for silence (an engine's stream starts over).
     pub(super) cleared: u64,
     pub(super) breaker: Breaker,
@@ -196,6 +199,7 @@ impl Member {
             seen: now,
             silent: false,
             seq: None,
+            incarnation: 0,
             cleared: 0,
             endings: super::Endings::default(),
             breaker: Breaker::Closed { failures: 0 },

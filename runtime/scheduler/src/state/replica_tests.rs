@@ -23,6 +23,7 @@ fn beat(s: &SchedulerState, ids: &[&str], now: Instant) {
             s.apply_snapshot(KvSnapshot {
                 instance: id.parse().unwrap(),
                 seq: 0,
+                incarnation: 0,
                 dp_blocks: vec![vec![]],
                 dp_parents: vec![],
                 snapshot: 0,

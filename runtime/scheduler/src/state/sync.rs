@@ -148,9 +148,14 @@ enum Step {
 /// the next event would look like a gap and cost a resync).
 fn apply_in_sequence(m: &mut Member, index: &mut KvIndex, ev: KvEvent) -> Step {
     let last = match m.seq {
+        // Another process's numbering: not comparable; a snapshot of that one is needed.
+        Some(_) if numbered_apart(m, &ev) => return Step::Gap,
         Some(l) => l,
         // Nothing known yet: a first event applies as is, anything later needs a snapshot.
-        None if ev.seq == 1 => 0,
+        None if ev.seq == 1 => {
+            m.incarnation = ev.incarnation;
+            0
+        }
         None => return Step::Gap,
     };
     if ev.seq <= last {
@@ -170,6 +175,24 @@ fn apply_in_sequence(m: &mut Member, index: &mut KvIndex, ev: KvEvent) -> Step {
         KvEventKind::Cleared => index.begin_clear_at(slot),
     }
     Step::Applied
+}
+
+/// Whether `ev` was numbered by another process under `m`'s id than the one `m` is synced
+/// with (restarted while this scheduler's view of etcd was stale, so never seen to leave),
+/// by its incarnation, when both say.
+fn numbered_apart(m: &Member, ev: &KvEvent) -> bool {
+    ev.incarnation != 0 && m.incarnation != 0 && ev.incarnation != m.incarnation
+}
+
+/// As [`numbered_apart`], also for an older version's events (no incarnation): a first event
+/// after others. Not on a resync's replay, which cannot tell that from a new instance's
+/// first events at or below its snapshot (a restart's first event buffered meanwhile is
+/// missed then).
+fn another_process(m: &Member, ev: &KvEvent) -> bool {
+    match (ev.incarnation, m.incarnation) {
+        (0, _) | (_, 0) => ev.seq == 1 && m.seq.is_some_and(|l| l >= 1),
+        _ => numbered_apart(m, ev),
+    }
 }
 
 impl SchedulerState {
@@ -195,12 +218,9 @@ impl SchedulerState {
             return false;
         }
         let (id, seq, last) = (ev.instance.clone(), ev.seq, m.seq);
-        // A first event after others: another process under the instance's id (restarted
-        // while this scheduler's view of etcd was stale, so never seen to leave). Taken as
-        // old, its events were dropped and the index kept its predecessor's cache. Not on a
-        // resync's replay: there an event 1 at or below the snapshot is rightly old (a new
-        // instance's first events), so a restart's event 1 buffered meanwhile is missed.
-        let restarted = seq == 1 && last.is_some_and(|l| l >= 1);
+        // Taken as old, another process's events were dropped and the index kept its
+        // predecessor's cache.
+        let restarted = another_process(m, &ev);
         let step = if restarted { Step::Gap } else { apply_in_sequence(m, index, ev) };
         match step {
             Step::Applied if index.is_cleaning() => {
@@ -348,6 +368,7 @@ impl SchedulerState {
         if page.page == 0 {
             r.applying = Some(at);
             m.seq = None;
+            m.incarnation = page.incarnation;
             for slot in &m.slots {
                 index.begin_clear_at(*slot);
             }

@@ -18,6 +18,7 @@ fn stored(id: &str, dp_rank: u32, seq: u64, blocks: Vec<BlockHash>) -> KvEvent {
         instance: id.parse().unwrap(),
         dp_rank,
         seq,
+        incarnation: 0,
         kind: KvEventKind::Stored { parent: None, blocks },
     }
 }
@@ -185,6 +186,7 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
         s.apply_snapshot(KvSnapshot {
             instance: id.parse().unwrap(),
             seq: 0,
+            incarnation: 0,
             dp_blocks: vec![vec![]],
             dp_parents: vec![],
             snapshot: 0,
@@ -207,6 +209,7 @@ fn silence_from_everyone_is_the_bus_not_the_fleet() {
     s.apply_snapshot(KvSnapshot {
         instance: "a".parse().unwrap(),
         seq: 0,
+        incarnation: 0,
         dp_blocks: vec![vec![]],
         dp_parents: vec![],
         snapshot: 0,
@@ -292,6 +295,7 @@ fn a_snapshot_with_parents_rebuilds_the_index() {
     s.apply_snapshot(KvSnapshot {
         instance: "b".parse().unwrap(),
         seq: 3,
+        incarnation: 0,
         dp_blocks: vec![h.clone()],
         dp_parents: vec![parents],
         snapshot: 0,
@@ -304,6 +308,7 @@ fn a_snapshot_with_parents_rebuilds_the_index() {
     s.apply_snapshot(KvSnapshot {
         instance: "a".parse().unwrap(),
         seq: 1,
+        incarnation: 0,
         dp_blocks: vec![h[..8].to_vec()],
         dp_parents: vec![],
         snapshot: 0,

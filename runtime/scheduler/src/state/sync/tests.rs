@@ -55,12 +55,19 @@ impl FakeCaches {
             }
         };
         self.seq += 1;
-        KvEvent { instance: self.id.clone(), dp_rank: dp as u32, seq: self.seq, kind }
+        KvEvent {
+            instance: self.id.clone(),
+            dp_rank: dp as u32,
+            seq: self.seq,
+            incarnation: 0,
+            kind,
+        }
     }
 
     fn page(&self, ask: SnapshotAsk) -> KvSnapshot {
         let take = || Taken {
             seq: self.seq,
+            incarnation: 0,
             dp_blocks: self.dps.iter().map(|d| d.iter().map(|&b| BlockHash(b)).collect()).collect(),
             dp_parents: self.dps.iter().map(|d| vec![None; d.len()]).collect(),
         };
@@ -75,7 +82,7 @@ impl FakeCaches {
 /// Event `seq` of `id`: block `seq` stored on dp rank 0.
 fn stored(id: &InstanceId, seq: u64) -> KvEvent {
     let kind = KvEventKind::Stored { parent: None, blocks: vec![BlockHash(seq)] };
-    KvEvent { instance: id.clone(), dp_rank: 0, seq, kind }
+    KvEvent { instance: id.clone(), dp_rank: 0, seq, incarnation: 0, kind }
 }
 
 fn indexed(s: &SchedulerState, id: &InstanceId, dp: usize) -> BTreeSet<BlockHash> {
@@ -355,4 +362,49 @@ fn events_numbered_afresh_ask_for_a_resync() {
     }
     assert!(!s.apply_event(event(4)), "an old one is dropped");
     assert!(s.apply_event(event(1)), "numbered afresh: a resync");
+}
+
+/// Event `seq` of `id` numbered by process `incarnation`.
+fn stored_by(id: &InstanceId, seq: u64, incarnation: u64) -> KvEvent {
+    KvEvent { incarnation, ..stored(id, seq) }
+}
+
+/// A one-page snapshot of `id` at `seq` by process `incarnation`, holding nothing.
+fn empty_snapshot(id: &InstanceId, seq: u64, incarnation: u64) -> KvSnapshot {
+    KvSnapshot {
+        instance: id.clone(),
+        seq,
+        incarnation,
+        dp_blocks: vec![vec![]],
+        dp_parents: vec![],
+        snapshot: 0,
+        page: 0,
+        pages: 1,
+    }
+}
+
+/// Found in review: a new instance's snapshot, answered as of its first event before that
+/// event (queued behind its heartbeats) arrived, made the event look numbered afresh: a
+/// second resync, and a restart warned of, for an instance starting under traffic. The
+/// process that numbered an event tells them apart: its own event at or below the snapshot
+/// is old; another process's is a restart, whatever its number (one numbered past this
+/// one's was applied as the next).
+#[test]
+fn the_process_that_numbered_an_event_tells_old_from_restarted() {
+    let s = SchedulerState::new(SchedulerConfig::default());
+    s.apply_update(Update::Reset(vec![inst("p", 1), inst("q", 1)]));
+    // In step from a first event, as from a snapshot.
+    let q: InstanceId = "q".parse().unwrap();
+    assert!(!s.apply_event(stored_by(&q, 1, 5)), "in step from its first event");
+    assert!(!s.apply_event(stored_by(&q, 2, 5)), "in step");
+    assert!(s.apply_event(stored_by(&q, 3, 6)), "another process's next number: a restart");
+    let id: InstanceId = "p".parse().unwrap();
+    assert!(s.apply_event(stored_by(&id, 2, 7)), "nothing known and not its first: a resync");
+    assert_eq!(s.apply_snapshot(empty_snapshot(&id, 1, 7)), Resynced::Done);
+    assert!(!s.apply_event(stored_by(&id, 1, 7)), "its own first event, behind the snapshot");
+    assert!(!s.apply_event(stored_by(&id, 2, 7)), "in step");
+    assert!(s.apply_event(stored_by(&id, 3, 9)), "another process's next number: a restart");
+    // Replayed after a snapshot: another process's event buffered meanwhile starts it again.
+    assert!(!s.apply_event(stored_by(&id, 4, 9)), "buffered while it resyncs");
+    assert_eq!(s.apply_snapshot(empty_snapshot(&id, 5, 11)), Resynced::Again);
 }
