@@ -10,6 +10,7 @@
 use std::ops::ControlFlow;
 
 use handoff_engine::{Kv, KvShape};
+use rayon::prelude::*;
 
 use crate::SmolError;
 use crate::weights::{Hyper, Weights};
@@ -152,6 +153,11 @@ fn rope(row: &mut [f32], head_dim: usize, pos: usize, table: &(Vec<f32>, Vec<f32
     }
 }
 
+/// Positions attended over, summed over a pass's rows, from which the rows are shared out
+/// on the compute pool: below it, handing them over costs more than it saves (a decode
+/// step's few rows of a short context).
+pub(crate) const PARALLEL_ATTENTION_FROM: usize = 4096;
+
 /// Runs `rows` (sequence index, token) through the model: rows of one sequence must be
 /// consecutive and in order, and are appended at its end. Returns the logits of the rows
 /// listed in `logits_for` (indices into `rows`), in that order. `layer_done(l, seqs[0])` runs
@@ -192,7 +198,6 @@ pub(crate) fn forward(
         x.extend_from_slice(&w.embed[tok as usize * dim..(tok as usize + 1) * dim]);
     }
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut scores = Vec::new();
     for (li, layer) in w.layers.iter().enumerate() {
         let h = rms_norm(&x, &layer.attn_norm, hp.eps);
         let mut q = layer.wq.apply(&h, n)?;
@@ -213,9 +218,13 @@ pub(crate) fn forward(
         {
             return Err(SmolError::Cancelled);
         }
+        // Rows on the compute pool when there are enough positions to attend over, each
+        // computed as alone (the same sums in the same order): the result does not depend on
+        // how rows are shared out.
         let mut attn = vec![0f32; n * dim];
-        for r in 0..n {
-            let seq = &seqs[rows[r].0];
+        let seqs_read: &[&mut Seq] = seqs;
+        let row = |scores: &mut Vec<f32>, (r, out): (usize, &mut [f32])| {
+            let seq = &seqs_read[rows[r].0];
             let upto = pos[r] + 1;
             for head in 0..hp.heads {
                 let [keys, vals] = seq.runs(li, head / group, hp.kv_heads);
@@ -228,7 +237,7 @@ pub(crate) fn forward(
                     *s = (*s - max).exp();
                     sum += *s;
                 }
-                let out = &mut attn[r * dim + head * hd..r * dim + (head + 1) * hd];
+                let out = &mut out[head * hd..(head + 1) * hd];
                 for (p, value) in scores.iter().zip(token_rows(vals, hd)) {
                     let p = p / sum;
                     for (o, vv) in out.iter_mut().zip(value) {
@@ -236,6 +245,12 @@ pub(crate) fn forward(
                     }
                 }
             }
+        };
+        if pos.iter().map(|p| p + 1).sum::<usize>() >= PARALLEL_ATTENTION_FROM {
+            attn.par_chunks_mut(dim).enumerate().for_each_init(Vec::new, row);
+        } else {
+            let mut scores = Vec::new();
+            attn.chunks_mut(dim).enumerate().for_each(|r| row(&mut scores, r));
         }
         let o = layer.wo.apply(&attn, n)?;
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);

@@ -4,8 +4,13 @@
 //!
 //! Nothing sorts the whole vocabulary: top-k selects its k candidates in linear time and
 //! sorts only those; top-p sorts a prefix of the most likely tokens, growing it until it
-//! holds the nucleus's mass; temperature alone draws over the vocabulary in token order
-//! (any fixed order draws each token with its probability).
+//! holds the nucleus's mass; temperature alone, and a top-k of the whole vocabulary or
+//! more, draw over the vocabulary in token order (any fixed order draws each token with its
+//! probability). The sampler before this one sorted the vocabulary: under top-k or top-p
+//! the same seed draws the same token where a few tokens hold most of the mass (the total is
+//! summed in another order, so a nucleus's edge or a draw in a long flat tail may fall a
+//! token over); temperature alone draws from the same distribution in another order, so the
+//! same seed may draw another token than it did.
 
 use std::cmp::Ordering;
 

@@ -86,12 +86,17 @@ fn control_tokens_written_in_a_message_are_text() {
 async fn cached_prefix_plus_suffix_equals_one_shot_prefill() {
     let e = engine();
     let prompt = e
-        .tokenize("The quick brown fox jumps over the lazy dog. Disaggregated serving moves the KV cache from prefill to decode, and every byte must match, whichever instance computed it and however the prompt was split into chunks along the way.")
+        .tokenize(&"The quick brown fox jumps over the lazy dog. Disaggregated serving moves the KV cache from prefill to decode, and every byte must match, whichever instance computed it and however the prompt was split into chunks along the way. ".repeat(3))
         .unwrap();
-    assert!(prompt.len() > 32);
+    // The one-shot pass attends on the compute pool, a pass of the last few rows does not:
+    // the two agree to the bit.
+    let positions = |rows: usize, from: usize| (from + 1..=from + rows).sum::<usize>();
+    assert!(positions(prompt.len(), 0) >= crate::forward::PARALLEL_ATTENTION_FROM);
+    let tail = 4;
+    assert!(positions(tail, prompt.len() - tail) < crate::forward::PARALLEL_ATTENTION_FROM);
     let s = Sampling::default();
     let (one_shot, kv) = generate(e, &prompt, None, 8, &s).await;
-    for cached in [16, 32] {
+    for cached in [16, 32, prompt.len() - tail] {
         let (again, kv2) = generate(e, &prompt, Some(kv.slice_tokens(0..cached)), 8, &s).await;
         assert!(kv2 == kv, "KV bytes differ with {cached} cached tokens");
         assert_eq!(again, one_shot, "tokens differ with {cached} cached tokens");
