@@ -23,10 +23,14 @@ pub struct TextAssembler {
     hold: usize,
 }
 
-/// Tokens an unfinished character may wait for its rest through: no UTF-8 character takes
-/// more than 4 bytes. Past it the bytes never become one (a model's stray byte tokens); they
-/// are given out as U+FFFD, so a run of them is not decoded again at each token.
-const MAX_UNFINISHED: usize = 8;
+/// The most bytes a UTF-8 character takes: with every token at least a byte, a character
+/// that is still unfinished, or finished by the newest token, began in the last this many.
+const MAX_CHAR_BYTES: usize = 4;
+
+/// Tokens the unsettled run may hold before those of it more than [`MAX_CHAR_BYTES`] back
+/// are given out as they decode, bytes that never became a character as U+FFFD (a model's
+/// stray byte tokens): a run of them is not decoded again at each token.
+const MAX_UNFINISHED: usize = 2 * MAX_CHAR_BYTES;
 
 /// What one token released.
 #[derive(Debug, PartialEq, Eq)]
@@ -60,13 +64,15 @@ impl TextAssembler {
         token: u32,
     ) -> Released {
         self.tokens.push(token);
+        if self.tokens.len() - self.read > MAX_UNFINISHED {
+            self.settle_stray(&decode);
+        }
         let settled = decode(&self.tokens[self.window..self.read]);
         let now = decode(&self.tokens[self.window..]);
         // Past what the two have in common (all of `settled` but for decoders that tidy
         // spaces by the next token, whose change is already sent).
         let new = &now[common_prefix(&settled, &now)..];
-        let waiting = self.tokens.len() - self.read <= MAX_UNFINISHED;
-        let complete = if waiting { new.trim_end_matches('\u{FFFD}') } else { new };
+        let complete = new.trim_end_matches('\u{FFFD}');
         if let Some(more) = complete.get(self.shown..) {
             self.text.push_str(more);
             self.shown = complete.len();
@@ -75,6 +81,26 @@ impl TextAssembler {
             (self.window, self.read, self.shown) = (self.read, self.tokens.len(), 0);
         }
         self.release()
+    }
+
+    /// Settles the unsettled run but for its last [`MAX_CHAR_BYTES`] tokens, which hold the
+    /// start of any character still to finish. What the tokens before the cut decode to is
+    /// taken as far as the whole run decodes alike (bytes that never made a character as
+    /// U+FFFD); a character the cut splits (its first bytes before it, the rest after) is not:
+    /// the next step decodes it whole from before the cut. Text already shown past what is
+    /// taken stays counted as shown.
+    fn settle_stray(&mut self, decode: &impl Fn(&[u32]) -> String) {
+        let cut = self.tokens.len() - MAX_CHAR_BYTES;
+        let settled = decode(&self.tokens[self.window..self.read]);
+        let upto = decode(&self.tokens[self.window..cut]);
+        let now = decode(&self.tokens[self.window..]);
+        let kept = &upto[..common_prefix(&upto, &now)];
+        let new = kept.get(common_prefix(&settled, kept)..).unwrap_or_default();
+        if let Some(more) = new.get(self.shown..) {
+            self.text.push_str(more);
+        }
+        let shown = self.shown.saturating_sub(new.len());
+        (self.window, self.read, self.shown) = (self.read, cut, shown);
     }
 
     /// Looks for stop strings in the text not yet released; returns the text it releases.

@@ -137,3 +137,93 @@ fn stray_bytes_are_given_out_and_not_decoded_again_and_again() {
     assert_eq!(sent, bytes(&stray), "as decoding them all at once");
     assert!(decoded.get() < 40 * stray.len(), "{} tokens decoded", decoded.get());
 }
+
+/// Tokens of up to four bytes, the first in the lowest byte (no zero bytes), decoded as
+/// a byte-level decoder does; `count` adds up the tokens decoded.
+fn packed_counting(count: &std::cell::Cell<usize>) -> impl Fn(&[u32]) -> String + '_ {
+    |t: &[u32]| {
+        count.set(count.get() + t.len());
+        let b: Vec<u8> = t.iter().flat_map(|t| t.to_le_bytes()).filter(|&b| b != 0).collect();
+        String::from_utf8_lossy(&b).into_owned()
+    }
+}
+
+/// Packs `bytes` into tokens of up to four bytes, each as long as `len` says.
+fn pack(bytes: &[u8], mut len: impl FnMut() -> usize) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        let (token, after) = rest.split_at(len().clamp(1, 4).min(rest.len()));
+        let mut b = [0u8; 4];
+        b[..token.len()].copy_from_slice(token);
+        tokens.push(u32::from_le_bytes(b));
+        rest = after;
+    }
+    tokens
+}
+
+/// Streams `tokens` through an assembler; the text sent and the tokens decoded.
+fn stream(tokens: &[u32]) -> (String, usize) {
+    let count = std::cell::Cell::new(0);
+    let decode = packed_counting(&count);
+    let mut a = TextAssembler::new(&[]);
+    let mut sent: String = tokens.iter().map(|&t| a.push_decoded(&decode, t).text).collect();
+    sent.push_str(&a.finish());
+    (sent, count.get())
+}
+
+/// Found in review: stray bytes followed by a character's bytes, one a token, gave the
+/// character out as U+FFFD too (the run was counted from the first stray byte); a token of
+/// text and a character's first byte after a run of them kept the run growing.
+#[test]
+fn a_character_after_stray_bytes_is_still_waited_for() {
+    let mut tokens: Vec<u32> = vec![0x80; 6];
+    tokens.extend("😀".bytes().map(u32::from));
+    assert_eq!(stream(&tokens).0, format!("{}😀", "\u{FFFD}".repeat(6)));
+
+    let space_and_lead = u32::from_le_bytes([b' ', 0xF0, 0, 0]);
+    let mut tokens = vec![space_and_lead; 500];
+    tokens.extend([0x9F_u8, 0x98, 0x80].map(u32::from));
+    let (sent, decoded) = stream(&tokens);
+    let count = std::cell::Cell::new(0);
+    assert_eq!(sent, packed_counting(&count)(&tokens), "as decoding them all at once");
+    assert!(sent.ends_with(" 😀"));
+    assert!(decoded < 40 * tokens.len(), "{decoded} tokens decoded");
+}
+
+/// Found in review: where every token ends one character and begins the next, the text is
+/// never complete at a token's end, and the run was cut inside a character: a character sent
+/// twice, or the rest of the text lost. Text cut into tokens anywhere, with stray bytes
+/// among it, streams as decoding it all at once does, each token decoding a few.
+#[test]
+fn text_cut_anywhere_streams_as_it_decodes_whole() {
+    let whole = "日本語の文章を書きます.";
+    let mut first = true;
+    let tokens = pack(whole.as_bytes(), || if std::mem::take(&mut first) { 1 } else { 3 });
+    assert_eq!(stream(&tokens).0, whole, "tokens each ending a character and beginning the next");
+
+    let pieces = ["日本語", "の", "😀", "é", " text ", "\u{80}", "ß"];
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for trial in 0..200 {
+        let mut bytes = Vec::new();
+        for _ in 0..60 {
+            match next() % 9 {
+                8 => bytes.push(0x80),
+                7 => bytes.push(0xF0),
+                k => bytes.extend_from_slice(pieces[k as usize].as_bytes()),
+            }
+        }
+        bytes.push(b'.');
+        let tokens = pack(&bytes, || (next() % 4 + 1) as usize);
+        let (sent, decoded) = stream(&tokens);
+        let count = std::cell::Cell::new(0);
+        assert_eq!(sent, packed_counting(&count)(&tokens), "trial {trial}: {bytes:x?}");
+        assert!(decoded < 40 * tokens.len(), "trial {trial}: {decoded} tokens decoded");
+    }
+}
