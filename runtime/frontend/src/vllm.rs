@@ -163,6 +163,8 @@ impl VllmPrefills {
                 leased(reading, ticks, || notify.heartbeat()).await
             }
         };
+        let timed_out = read.as_ref().is_err_and(|e| e.cause() == Some(Cause::Deadline));
+        let again = self.peers.timed_out_again(host, source.port, timed_out);
         match read {
             Ok(kv) => {
                 notify.done();
@@ -171,7 +173,7 @@ impl VllmPrefills {
             Err(e) => {
                 // Told before forgotten: NIXL cannot notify an agent it no longer knows.
                 drop(notify);
-                if peer_suspect(&e) {
+                if peer_suspect(&e) || again {
                     self.peers.forget(reader, host, source.port);
                 }
                 Err(e)
@@ -265,7 +267,7 @@ async fn leased<T>(
 /// its cache), so they are forgotten and asked again. A failure of this request alone (the
 /// decode's KV budget in use, a request too large, time run out) does not: forgetting
 /// disconnects the agent every other request reading from that prefill is using, failing
-/// their reads too.
+/// their reads too (but see [`Peers::timed_out_again`]).
 fn peer_suspect(e: &FrontendError) -> bool {
     e.cause() == Some(Cause::Instance)
 }

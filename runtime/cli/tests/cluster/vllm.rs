@@ -166,8 +166,11 @@ async fn decodes_from_a_vllm_prefill(tp: usize, layout: &str) {
         assert!(id.starts_with(&format!("cmpl-handoff-room-{room}-")), "{id} for room {room}");
         // Each read told every rank its blocks were still wanted (vLLM's heartbeat, which
         // its code parses): at once, then every 5 s while it runs.
-        let beats = stats["heartbeats"].as_array().unwrap().iter().filter(|b| *b == freed);
-        assert_eq!(beats.count(), tp, "{id}: a heartbeat per rank: {stats}");
+        for (rank, beats) in stats["heartbeats"].as_array().unwrap().iter().enumerate() {
+            let beats = beats.as_array().unwrap().iter().filter(|b| *b == freed).count();
+            assert!(beats >= 1, "{id}: no heartbeat to rank {rank}: {stats}");
+        }
+        assert_eq!(stats["heartbeats"].as_array().unwrap().len(), tp);
     }
 
     // A prompt the server refuses fails its request with the server's reason; the next

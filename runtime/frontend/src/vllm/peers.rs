@@ -1,7 +1,7 @@
 //! The vLLM prefill ranks this frontend has handshaken with, and the guard that tells a
 //! rank it may free a request's blocks however the attempt ends.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,6 +18,8 @@ type PeerKey = (String, u16, u32);
 #[derive(Default)]
 pub(super) struct Peers {
     map: Mutex<HashMap<PeerKey, Arc<Peer>>>,
+    /// Side channels (host, port) whose last read ran out of time.
+    timed_out: Mutex<HashSet<(String, u16)>>,
 }
 
 impl Peers {
@@ -69,6 +71,24 @@ impl Peers {
             reader.forget_peer(&old.agent);
         }
         Ok(p)
+    }
+
+    /// Notes how a read from side channel `host:port` ended; true if it ran out of time right
+    /// after another read from it did, no read between ending in time. A read's time running
+    /// out is its own failure, and forgetting the ranks fails every read from them in flight,
+    /// but a prefill that hangs, or restarted behind the same address under the same engine
+    /// id, times every read out: the second such read in a row forgets it.
+    pub(super) fn timed_out_again(&self, host: &str, port: u16, timed_out: bool) -> bool {
+        let mut last = self.timed_out.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (host.to_owned(), port);
+        if last.remove(&key) || !timed_out {
+            return timed_out;
+        }
+        if last.len() >= MAX_PEERS {
+            last.clear();
+        }
+        last.insert(key);
+        false
     }
 
     /// Forgets the ranks behind side channel `host:port` (NIXL's copy of their metadata too):

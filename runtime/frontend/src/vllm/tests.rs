@@ -49,3 +49,20 @@ async fn a_read_running_tells_the_ranks_its_blocks_are_still_wanted() {
     assert_eq!(run.await, Ok(7));
     assert_eq!(beats.get(), 2, "none once the read is done");
 }
+
+/// Found in review: a read that runs out of time never forgot the prefill, so one that hung,
+/// or restarted behind the same address under the same engine id, timed every read out for
+/// good. A second timeout in a row forgets it; a read ending in time between, or one from
+/// another side channel, does not count.
+#[test]
+fn a_second_read_in_a_row_running_out_of_time_forgets_the_prefill() {
+    let peers = peers::Peers::default();
+    assert!(!peers.timed_out_again("h", 1, true), "the first is the request's own");
+    assert!(!peers.timed_out_again("h", 2, true), "another side channel's");
+    assert!(peers.timed_out_again("h", 1, true), "the second in a row");
+    assert!(!peers.timed_out_again("h", 1, true), "counted afresh once forgotten");
+    assert!(!peers.timed_out_again("h", 1, false), "a read in time between");
+    assert!(!peers.timed_out_again("h", 1, true));
+    assert!(!peers.timed_out_again("h", 1, false));
+    assert!(!peers.timed_out_again("h", 1, false), "no failure, nothing forgotten");
+}

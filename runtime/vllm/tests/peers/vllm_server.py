@@ -23,7 +23,7 @@ Serves, as vLLM's OpenAI server does with its NixlConnector (kv_role kv_both):
   kv_transfer_params vLLM's request_finished gives (remote_request_id derived from the
   X-Request-Id header as vLLM's is: cmpl-<id>-0-<8 hex>); 503 when the cache is full;
 - GET /health; GET /stats: {"held": request ids whose blocks are held, "freed": ids freed so
-  far, "free_blocks": n, "heartbeats": the ids of each decode heartbeat a rank handled}.
+  far, "free_blocks": n, "heartbeats": per rank, the ids of each decode heartbeat it handled}.
 Prints one JSON line when ready: {"http": port, "side": port}.
 """
 import json
@@ -58,7 +58,8 @@ class Rank:
     """One tensor-parallel worker: its agent, its cache (a region per layer), vLLM's
     notification handling."""
 
-    def __init__(self):
+    def __init__(self, index):
+        self.index = index
         # vLLM's agent config, but without NIXL's progress thread, which spins a core per
         # agent: the reaper below drives UCX's progress as it polls notifications.
         config = nixl_agent_config(enable_prog_thread=False, num_threads=4, backends=["UCX"])
@@ -71,7 +72,7 @@ class Rank:
     def heartbeat(self, ids):
         """vLLM's _handle_heartbeat, as far as this mock goes: it never expires a request, so
         the lease is not extended; the ids are kept for /stats."""
-        heartbeats.extend(ids.split(","))
+        heartbeats[self.index].extend(ids.split(","))
 
     def write(self, rank, kv, blocks):
         """Writes rank `rank`'s heads of `kv` (canonical, one prompt) into `blocks`."""
@@ -89,7 +90,7 @@ class Rank:
                 self.regions[layer][b * BLOCK_LEN:(b + 1) * BLOCK_LEN] = part.reshape(-1)
 
 
-ranks = [Rank() for _ in range(TP)]
+ranks = [Rank(i) for i in range(TP)]
 ENGINE_ID = str(uuid.uuid4())  # one engine, its ranks' payloads all name it
 payloads = {
     (0, t): vllm_shim.payload(
@@ -105,7 +106,8 @@ rng = np.random.default_rng(11)
 free = [int(b) for b in rng.permutation(NUM_BLOCKS)]
 held = {}  # request id -> (blocks, ranks not yet done)
 freed = []
-heartbeats = []  # the ids of every decode heartbeat ("HB:ids") a rank's vLLM code handled
+# Per rank, the ids of each decode heartbeat ("HB:ids") its vLLM code handled.
+heartbeats = [[] for _ in range(TP)]
 
 
 class Handler(BaseHTTPRequestHandler):
