@@ -266,8 +266,8 @@ pub struct FrontendArgs {
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub http_listen: SocketAddr,
     /// Operations listener: `/metrics`, `/livez`, `/readyz` apart from the public API (which
-    /// serves them too): plain HTTP whatever its TLS, outside its connection limit, and up
-    /// while the frontend waits for a scheduler.
+    /// then no longer serves them; without it, it does): plain HTTP whatever its TLS,
+    /// outside its connection limit, and up while the frontend waits for a scheduler.
     #[arg(long)]
     pub ops_listen: Option<SocketAddr>,
     /// Host other processes (and `handoff ctl`) use to reach this one.

@@ -89,6 +89,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let tls = fe.cfg.public_tls.as_ref().map(|t| t.acceptor().clone());
     let limits = fe.cfg.http;
+    fe.mark_serving();
     handoff_core::http::serve_tcp(listener, tls, router(fe), shutdown, limits).await
 }
 

@@ -291,6 +291,9 @@ pub(crate) fn ops(fe: &Arc<crate::Frontend>) -> Ops {
             if fe.cfg.require_registered_prefill && fe.prefills_known() == 0 {
                 return Err("no prefill instance registered".into());
             }
+            if !fe.is_serving() {
+                return Err("its API is not served yet".into());
+            }
             Ok(())
         })
 }

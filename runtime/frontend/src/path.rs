@@ -70,6 +70,8 @@ pub struct Frontend {
     reach: Reach,
     /// Set when the frontend drains: readiness fails, requests in flight finish.
     draining: tokio::sync::watch::Sender<bool>,
+    /// Set once its public API serves (gRPC or HTTP): not ready before.
+    serving: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Frontend {
@@ -161,6 +163,7 @@ impl Frontend {
             recent: Recent::default(),
             reach: Reach::default(),
             draining: tokio::sync::watch::Sender::new(false),
+            serving: Default::default(),
         }))
     }
 
@@ -242,6 +245,17 @@ impl Frontend {
         let tokens = max_tokens.saturating_sub(1);
         let held = self.decoding.as_ref().map(|s| s.decode_time(tokens)).unwrap_or_default();
         self.metrics.decode_time(tokens).max(held)
+    }
+
+    /// Marks the public API served: from now on the frontend may be ready (an operations
+    /// listener is up before, while it waits for a scheduler and its registration).
+    pub(crate) fn mark_serving(&self) {
+        self.serving.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the public API serves ([`Frontend::mark_serving`]).
+    pub(crate) fn is_serving(&self) -> bool {
+        self.serving.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the frontend drains ([`Frontend::start_draining`]).

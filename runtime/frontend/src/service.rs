@@ -441,6 +441,7 @@ pub async fn serve(
     let (limits, tls) = (frontend.cfg.http, frontend.cfg.public_tls.clone());
     let incoming =
         handoff_proto::grpc::placed_incoming(listener, limits.max_connections, limits.grpc_quiet);
+    frontend.mark_serving();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut stopping = stopped.clone();
     let fe = frontend.clone();

@@ -234,3 +234,22 @@ fn each_failure_has_its_status_and_overload_says_when_to_retry() {
     assert_eq!(s.code(), tonic::Code::ResourceExhausted);
     assert_eq!(s.metadata().get(crate::RETRY_AFTER_MS).unwrap(), "1500");
 }
+
+/// Found in review: with an operations listener of its own, up from the start, a frontend
+/// was ready before its public API served (its listeners bound, its registration waiting on
+/// etcd): a balancer sent clients to a port nothing answered. Ready once the API serves.
+#[tokio::test]
+async fn a_frontend_is_not_ready_before_its_api_serves() {
+    let tasks = Tasks::new();
+    let engine = Arc::new(MockEngine::new(MockConfig::default()));
+    let cfg = FrontendConfig { require_registered_prefill: false, ..FrontendConfig::default() };
+    let fe = Frontend::new(cfg, engine, &["127.0.0.1:9".into()], &tasks).await.unwrap();
+    let not_yet = Err("its API is not served yet".to_owned());
+    assert_eq!(fe.ops().readiness(), not_yet);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let serving = serve(listener, fe.clone(), std::future::pending());
+    let mut serving = std::pin::pin!(serving);
+    assert!(futures::poll!(&mut serving).is_pending());
+    assert_eq!(fe.ops().readiness(), Ok(()));
+    tasks.shutdown().await;
+}
