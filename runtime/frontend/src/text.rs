@@ -83,14 +83,20 @@ impl TextAssembler {
         self.release()
     }
 
-    /// Settles the unsettled run but for its last [`MAX_CHAR_BYTES`] tokens, which hold the
-    /// start of any character still to finish. What the tokens before the cut decode to is
-    /// taken as far as the whole run decodes alike (bytes that never made a character as
-    /// U+FFFD); a character the cut splits (its first bytes before it, the rest after) is not:
-    /// the next step decodes it whole from before the cut. Text already shown past what is
-    /// taken stays counted as shown.
+    /// Settles the unsettled run but for its last [`MAX_CHAR_BYTES`] tokens that decode to
+    /// something (a special token decodes to nothing), which hold the start of any character
+    /// still to finish. What the tokens before the cut decode to is taken as far as the
+    /// whole run decodes alike (bytes that never made a character as U+FFFD); a character the
+    /// cut splits (its first bytes before it, the rest after) is not: the next step decodes it
+    /// whole from before the cut. Text already shown past what is taken stays counted as shown.
     fn settle_stray(&mut self, decode: &impl Fn(&[u32]) -> String) {
-        let cut = self.tokens.len() - MAX_CHAR_BYTES;
+        let mut with_bytes = 0;
+        let Some(cut) = (self.read + 1..self.tokens.len()).rev().find(|&i| {
+            with_bytes += usize::from(!decode(&self.tokens[i..=i]).is_empty());
+            with_bytes == MAX_CHAR_BYTES
+        }) else {
+            return;
+        };
         let settled = decode(&self.tokens[self.window..self.read]);
         let upto = decode(&self.tokens[self.window..cut]);
         let now = decode(&self.tokens[self.window..]);

@@ -163,7 +163,7 @@ impl VllmPrefills {
                 leased(reading, ticks, || notify.heartbeat()).await
             }
         };
-        let timed_out = read.as_ref().is_err_and(|e| e.cause() == Some(Cause::Deadline));
+        let timed_out = read.as_ref().is_err_and(|e| out_of_time_given_enough(timeout, e));
         let again = self.peers.timed_out_again(host, source.port, timed_out);
         match read {
             Ok(kv) => {
@@ -270,6 +270,17 @@ async fn leased<T>(
 /// their reads too (but see [`Peers::timed_out_again`]).
 fn peer_suspect(e: &FrontendError) -> bool {
     e.cause() == Some(Cause::Instance)
+}
+
+/// A read given this long that did not finish says something of the prefill, not only of
+/// the request: no working link takes that long for a prompt's KV.
+const READ_GIVEN_ENOUGH: Duration = Duration::from_secs(10);
+
+/// Whether a read `given` that long failed by running out of time, and was given enough
+/// ([`READ_GIVEN_ENOUGH`]) for that to count towards forgetting the prefill: a request with
+/// a short deadline of its own is no evidence.
+fn out_of_time_given_enough(given: Duration, e: &FrontendError) -> bool {
+    given >= READ_GIVEN_ENOUGH && e.cause() == Some(Cause::Deadline)
 }
 
 /// The decode's KV budget for reads has no room for a request's KV now.

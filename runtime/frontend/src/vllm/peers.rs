@@ -73,11 +73,12 @@ impl Peers {
         Ok(p)
     }
 
-    /// Notes how a read from side channel `host:port` ended; true if it ran out of time right
-    /// after another read from it did, no read between ending in time. A read's time running
-    /// out is its own failure, and forgetting the ranks fails every read from them in flight,
-    /// but a prefill that hangs, or restarted behind the same address under the same engine
-    /// id, times every read out: the second such read in a row forgets it.
+    /// Notes how a read from side channel `host:port` ended (`timed_out`: out of time, given
+    /// enough of it); true if it ran out of time right after another read from it did, no
+    /// read between ending in time. A read's time running out is its own failure, and
+    /// forgetting the ranks fails every read from them in flight, but a prefill that hangs,
+    /// or restarted behind the same address under the same engine id, times every read
+    /// out: the second such read in a row forgets it.
     pub(super) fn timed_out_again(&self, host: &str, port: u16, timed_out: bool) -> bool {
         let mut last = self.timed_out.lock().unwrap_or_else(|e| e.into_inner());
         let key = (host.to_owned(), port);

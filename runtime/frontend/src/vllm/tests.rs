@@ -65,4 +65,11 @@ fn a_second_read_in_a_row_running_out_of_time_forgets_the_prefill() {
     assert!(!peers.timed_out_again("h", 1, true));
     assert!(!peers.timed_out_again("h", 1, false));
     assert!(!peers.timed_out_again("h", 1, false), "no failure, nothing forgotten");
+
+    // Found in review: two requests with short deadlines of their own, timing out one after
+    // the other, forgot a healthy prefill and failed every read in flight from it.
+    let late = FrontendError::because("verify", Cause::Deadline, "attempt deadline passed");
+    assert!(!out_of_time_given_enough(Duration::from_millis(300), &late));
+    assert!(out_of_time_given_enough(READ_GIVEN_ENOUGH, &late));
+    assert!(!out_of_time_given_enough(READ_GIVEN_ENOUGH, &budget_in_use()));
 }
