@@ -7,7 +7,11 @@ use super::{ThreadsCpu, current_tid, thread_cpu};
 fn a_threads_own_work_is_counted_and_threads_are_skipped_by_name() {
     let tid = current_tid().unwrap();
     let name = std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).unwrap();
-    let (before, all) = (thread_cpu(tid).unwrap(), ThreadsCpu::read(&[]).unwrap());
+    // `before` read after `all`: once this thread's time passes `before` it has passed what
+    // `all` read of it too (read the other way round, a scheduler tick between the two reads
+    // left the thread's time in `all` where the loop below stops: nothing used).
+    let all = ThreadsCpu::read(&[]).unwrap();
+    let before = thread_cpu(tid).unwrap();
     let mut x = 0u64;
     let mut grew = false;
     for i in 0..20_000_000u64 {
