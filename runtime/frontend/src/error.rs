@@ -330,15 +330,10 @@ mod tests {
     /// stay the instance's.
     #[tokio::test]
     async fn a_refused_certificate_of_this_frontend_is_a_mismatch() {
-        use handoff_core::tls::ClusterTls;
-        use handoff_core::tls::test_certs::{TestCa, TestCert};
+        use handoff_core::tls::test_certs::TestCa;
         use handoff_proto::v1::scheduler_client::SchedulerClient;
         use handoff_scheduler::{SchedulerConfig, SchedulerState};
         let cluster = TestCa::new();
-        let trusting_cluster = |c: TestCert| {
-            ClusterTls::from_pem(c.cert.as_bytes(), c.key.as_bytes(), cluster.pem().as_bytes())
-                .unwrap()
-        };
         let foreign = TestCa::new().issue();
         let cases = [
             (cluster.issue(), cluster.issue_expired(), Some(Cause::Mismatch)),
@@ -347,7 +342,7 @@ mod tests {
             (cluster.issue(), cluster.issue(), None),
         ];
         for (server, client, cause) in cases {
-            let tls = Some(trusting_cluster(server));
+            let tls = Some(server.trusting(cluster.pem()));
             let state = std::sync::Arc::new(SchedulerState::new(SchedulerConfig {
                 tls,
                 ..Default::default()
@@ -359,7 +354,7 @@ mod tests {
                 let _ = stopped.await;
             }));
             let timeout = std::time::Duration::from_secs(5);
-            let tls = trusting_cluster(client);
+            let tls = client.trusting(cluster.pem());
             let ch = handoff_proto::grpc::cluster_channel(&addr, Some(&tls), timeout).unwrap();
             let ask = handoff_proto::v1::ListInstancesRequest::default();
             let got = SchedulerClient::new(ch).list_instances(ask).await;
@@ -376,14 +371,9 @@ mod tests {
     #[tokio::test]
     async fn a_directory_refusing_this_frontends_certificate_is_a_mismatch() {
         use handoff_bootstrap::{Directory, DirectoryClient, DirectoryConfig};
-        use handoff_core::tls::ClusterTls;
-        use handoff_core::tls::test_certs::{TestCa, TestCert};
+        use handoff_core::tls::test_certs::TestCa;
         let cluster = TestCa::new();
-        let trusting_cluster = |c: TestCert| {
-            ClusterTls::from_pem(c.cert.as_bytes(), c.key.as_bytes(), cluster.pem().as_bytes())
-                .unwrap()
-        };
-        let tls = Some(trusting_cluster(cluster.issue()));
+        let tls = Some(cluster.issue().trusting(cluster.pem()));
         let dir =
             std::sync::Arc::new(Directory::new(DirectoryConfig { tls, ..Default::default() }));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -395,7 +385,7 @@ mod tests {
         let cases =
             [(cluster.issue_expired(), Cause::Mismatch), (TestCa::new().issue(), Cause::Instance)];
         for (client, cause) in cases {
-            let tls = trusting_cluster(client);
+            let tls = client.trusting(cluster.pem());
             let e =
                 DirectoryClient::with_tls(None, Some(&tls)).server_info(&addr).await.unwrap_err();
             let classed = FrontendError::reaching("resolve-topology", &e);

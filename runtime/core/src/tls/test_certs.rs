@@ -29,7 +29,13 @@ pub struct TestCert {
 impl TestCert {
     /// As the cluster's TLS settings.
     pub fn cluster(&self) -> ClusterTls {
-        ClusterTls::from_pem(self.cert.as_bytes(), self.key.as_bytes(), self.ca.as_bytes())
+        self.trusting(&self.ca)
+    }
+
+    /// As the cluster's TLS settings of a peer that shows this certificate and trusts the
+    /// CA `ca_pem` (another than its signer: a stranger, or a cluster in a CA change).
+    pub fn trusting(&self, ca_pem: &str) -> ClusterTls {
+        ClusterTls::from_pem(self.cert.as_bytes(), self.key.as_bytes(), ca_pem.as_bytes())
             .expect("a test certificate is usable")
     }
 

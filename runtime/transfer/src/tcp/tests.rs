@@ -8,7 +8,7 @@ use tokio::time::Instant;
 use super::wire::Frame;
 use super::*;
 use crate::{Agent, Fault, FaultSwitch, FaultyTransfer, InboxConfig, KvPoll, SenderId};
-use handoff_core::tls::test_certs::{TestCa, TestCert};
+use handoff_core::tls::test_certs::TestCa;
 
 mod tls;
 

@@ -1,8 +1,6 @@
 //! Mutual TLS between tcp agents: transfers carried, strangers refused, and whose side a
 //! refused certificate is.
 
-use handoff_core::tls::ClusterTls;
-
 use super::*;
 
 fn tls_config(ca: &TestCa) -> TcpConfig {
@@ -55,20 +53,19 @@ async fn a_refused_receiver_certificate_is_the_receiver_side() {
     // refuses it, and the fault is not the receiver's (nor surely the sender's alone: the
     // receiver's bundle may be the stale one).
     let foreign = TestCa::new().issue();
-    let showing = |shown: &TestCert| {
-        ClusterTls::from_pem(shown.cert.as_bytes(), shown.key.as_bytes(), cluster.pem().as_bytes())
-            .unwrap()
-    };
-    let refused = pair(TcpConfig { tls: Some(showing(&foreign)), ..Default::default() }).await;
+    let refused =
+        pair(TcpConfig { tls: Some(foreign.trusting(cluster.pem())), ..Default::default() }).await;
     let w = write(&good);
     let e = refused.tx.post_write(&good.rx.addr(), w).await.unwrap_err();
     assert!(matches!(e, TransferError::Io { .. }), "{e}");
     // A sender showing the cluster's certificate, expired: its own fault alone, told apart
     // (the alert arrives at the first read after the handshake), so it counts against
     // neither side's peer.
-    let expired =
-        pair(TcpConfig { tls: Some(showing(&cluster.issue_expired())), ..Default::default() })
-            .await;
+    let expired = pair(TcpConfig {
+        tls: Some(cluster.issue_expired().trusting(cluster.pem())),
+        ..Default::default()
+    })
+    .await;
     let w = write(&good);
     let e = expired.tx.post_write(&good.rx.addr(), w).await.unwrap_err();
     assert!(matches!(e, TransferError::CertificateRefused { .. }), "{e}");
