@@ -91,7 +91,7 @@ fn run(shape: KvShape, mix: Mix, budget: usize, a: &Args, seed: u64) -> anyhow::
         let kv = Kv::from_bytes(shape, p.len(), bytes[..shape.token_bytes() * p.len()].to_vec())?;
         let same = kv.clone();
         let started = Instant::now();
-        let delta = cache.store(&hashes, kv);
+        let delta = cache.store(&p, &hashes, kv);
         t.store.push(started.elapsed());
         // What the store used to copy: each page it stored, into an allocation of its own.
         let stored: Vec<usize> =
@@ -103,11 +103,14 @@ fn run(shape: KvShape, mix: Mix, budget: usize, a: &Args, seed: u64) -> anyhow::
         drop(pages);
         // A hit on a prompt stored a few prompts ago, as a later request's would be: its KV
         // no longer in the CPU's cache (stores since have gone through more than its caches).
-        earlier.push_back(hashes);
+        // Its full pages and one token more.
+        let mut asked = p[..hashes.len() * PAGE].to_vec();
+        asked.push(0);
+        earlier.push_back((asked, hashes));
         if earlier.len() > HIT_BACK {
-            let hashes = earlier.pop_front().unwrap_or_default();
+            let (asked, hashes) = earlier.pop_front().unwrap_or_default();
             let started = Instant::now();
-            let hit = cache.lookup(&hashes, hashes.len() * PAGE + 1);
+            let hit = cache.lookup(&asked, &hashes);
             t.lookup.push(started.elapsed());
             anyhow::ensure!(hit.map(|k| k.tokens()) == Some(hashes.len() * PAGE), "a full hit");
         }

@@ -14,6 +14,15 @@
 //! a hot prefix never pins much more than itself, a distinct prompt is not copied when it
 //! goes, and a store may evict up to half a buffer more than it needed. Taking pages from a
 //! buffer still more than half full frees nothing yet; those pages are gone all the same.
+//!
+//! A hash only names a page; a hit is decided by the page's own tokens and by the page it was
+//! computed after. Block hashes are 64 bits of xxh3 with a public seed, so two prompts that
+//! hash alike can be made on purpose; a cache that trusted them would answer one prompt with
+//! another's KV. So each page keeps its tokens and the entry of the page stored before it,
+//! and a hit runs only while both match the prompt. A store that finds another prompt's page
+//! under one of its hashes (a collision, or a page whose predecessor went and was stored
+//! again) puts its own in that place; schedulers are not told, the hash being cached still.
+//! The tokens kept (4 bytes a token, against kilobytes of KV) are not counted in the budget.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
@@ -51,6 +60,19 @@ struct Page {
     /// The prompt page before it, and its index in the prompt.
     parent: Option<BlockHash>,
     depth: u32,
+    /// Its tokens.
+    tokens: Box<[u32]>,
+    /// Its entry, never reused, and the entry of the page its KV was computed after.
+    entry: u64,
+    after: Option<u64>,
+}
+
+impl Page {
+    /// Whether it is the page of `tokens` following the page entered as `after`: what a hit
+    /// and a store ask of a page under the prompt's hash.
+    fn continues(&self, after: Option<u64>, tokens: &[u32]) -> bool {
+        self.after == after && *self.tokens == *tokens
+    }
 }
 
 /// A buffer pages are views of: a stored prompt's KV, or a copy of some pages.
@@ -99,6 +121,7 @@ pub struct PrefixCache {
     lru: BTreeMap<u64, BlockHash>,
     sources: HashMap<SourceId, Source>,
     next_source: u64,
+    next_entry: u64,
 }
 
 impl PrefixCache {
@@ -113,6 +136,7 @@ impl PrefixCache {
             lru: BTreeMap::new(),
             sources: HashMap::new(),
             next_source: 0,
+            next_entry: 0,
         }
     }
 
@@ -125,21 +149,25 @@ impl PrefixCache {
         }
     }
 
-    /// Whether the page hashed `h` is cached (nothing is touched).
+    /// Whether a page hashed `h` is cached (nothing is touched): an estimate of a hit, which
+    /// takes the page's tokens too.
     pub fn holds(&self, h: &BlockHash) -> bool {
         self.pages.contains_key(h)
     }
 
-    /// The KV of the longest cached prefix of a prompt of `prompt_len` tokens with block
-    /// hashes `hashes`, leaving at least one token to compute.
-    pub fn lookup(&mut self, hashes: &[BlockHash], prompt_len: usize) -> Option<Kv> {
-        let max_pages = prompt_len.saturating_sub(1) / self.page_size;
-        let hit: Vec<BlockHash> = hashes
-            .iter()
-            .take(max_pages)
-            .take_while(|h| self.pages.contains_key(h))
-            .copied()
-            .collect();
+    /// The KV of the longest cached prefix of the prompt `tokens` with block hashes `hashes`
+    /// (of its full pages, or of fewer), leaving at least one token to compute.
+    pub fn lookup(&mut self, tokens: &[u32], hashes: &[BlockHash]) -> Option<Kv> {
+        let max_pages = tokens.len().saturating_sub(1) / self.page_size;
+        let mut hit = Vec::new();
+        let mut after = None;
+        for (h, own) in hashes.iter().zip(tokens.chunks_exact(self.page_size)).take(max_pages) {
+            match self.pages.get(h) {
+                Some(p) if p.continues(after, own) => after = Some(p.entry),
+                _ => break,
+            }
+            hit.push(*h);
+        }
         if hit.is_empty() {
             return None;
         }
@@ -154,13 +182,13 @@ impl PrefixCache {
         Kv::gather(parts[0].0.shape(), &parts).ok()
     }
 
-    /// Stores the full pages of `kv` (the KV of a prompt with hashes `hashes`), evicting the
-    /// least recently used pages beyond the budget.
-    pub fn store(&mut self, hashes: &[BlockHash], kv: Kv) -> CacheDelta {
+    /// Stores the full pages of `kv`, the KV of the prompt `tokens` with block hashes
+    /// `hashes`, evicting the least recently used pages beyond the budget.
+    pub fn store(&mut self, tokens: &[u32], hashes: &[BlockHash], kv: Kv) -> CacheDelta {
         let mut delta = CacheDelta::default();
-        let full = hashes.len().min(kv.tokens() / self.page_size);
+        let full = hashes.len().min(kv.tokens().min(tokens.len()) / self.page_size);
         if kv.shape().token_bytes() * self.page_size <= self.budget {
-            self.add_source(&hashes[..full], kv, &mut delta);
+            self.add_source(tokens, &hashes[..full], kv, &mut delta);
         }
         // Pages already present get younger; the head newest, so the prompt's own tail goes
         // before its prefix.
@@ -181,34 +209,71 @@ impl PrefixCache {
         delta
     }
 
-    /// Adds the pages of `hashes` not yet present as views of `kv`, then settles it (so a
-    /// prompt whose new pages are half its KV or less has just those copied out).
-    fn add_source(&mut self, hashes: &[BlockHash], kv: Kv, delta: &mut CacheDelta) {
+    /// Adds the pages of `hashes` not yet present as views of `kv`, in place of another
+    /// prompt's page under the same hash (see the module docs), then settles the buffers
+    /// touched (so a prompt whose new pages are half its KV or less has just those copied
+    /// out).
+    fn add_source(&mut self, tokens: &[u32], hashes: &[BlockHash], kv: Kv, delta: &mut CacheDelta) {
         let id = SourceId(self.next_source);
         let mut slots = vec![None; hashes.len()];
         let mut live = 0;
-        for (i, &h) in hashes.iter().enumerate() {
-            if self.pages.contains_key(&h) {
-                continue;
+        let mut after = None;
+        let mut replaced = Vec::new();
+        for ((i, &h), own) in hashes.iter().enumerate().zip(tokens.chunks_exact(self.page_size)) {
+            match self.pages.get(&h) {
+                Some(p) if p.continues(after, own) => {
+                    after = Some(p.entry);
+                    continue;
+                }
+                // The prompt's own hashes repeat (made so): it is stored up to there.
+                Some(p) if p.source == id => break,
+                Some(_) => replaced.extend(self.unlink(h)),
+                None => delta.stored.push(h),
             }
             slots[i] = Some(h);
             live += 1;
             self.tick += 1;
-            let parent = i.checked_sub(1).map(|j| hashes[j]);
-            let page = Page { source: id, at: i, tick: self.tick, parent, depth: i as u32 };
+            self.next_entry += 1;
+            let page = Page {
+                source: id,
+                at: i,
+                tick: self.tick,
+                parent: i.checked_sub(1).map(|j| hashes[j]),
+                depth: i as u32,
+                tokens: own.into(),
+                entry: self.next_entry,
+                after,
+            };
+            after = Some(page.entry);
             self.pages.insert(h, page);
             self.lru.insert(self.tick, h);
-            delta.stored.push(h);
         }
-        if live == 0 {
-            return;
+        if live > 0 {
+            self.next_source += 1;
+            let page_bytes = kv.shape().token_bytes() * self.page_size;
+            let source = Source { kv, slots, live, page_bytes };
+            self.used += source.charge();
+            self.sources.insert(id, source);
+            replaced.push(id);
         }
-        self.next_source += 1;
-        let page_bytes = kv.shape().token_bytes() * self.page_size;
-        let source = Source { kv, slots, live, page_bytes };
-        self.used += source.charge();
-        self.sources.insert(id, source);
-        self.settle(id);
+        replaced.sort_unstable();
+        replaced.dedup();
+        for id in replaced {
+            self.settle(id);
+        }
+    }
+
+    /// Takes page `h` out of its buffer and the LRU order, leaving that buffer to be settled:
+    /// its id.
+    fn unlink(&mut self, h: BlockHash) -> Option<SourceId> {
+        let page = self.pages.remove(&h)?;
+        self.lru.remove(&page.tick);
+        let source = self.sources.get_mut(&page.source)?;
+        let before = source.charge();
+        source.slots[page.at] = None;
+        source.live -= 1;
+        self.used = self.used - before + source.charge();
+        Some(page.source)
     }
 
     /// Evicts least recently used pages until the settled buffers fit the budget, and on
@@ -220,15 +285,11 @@ impl PrefixCache {
         let mut cut = None;
         while self.used > self.budget || cut.is_some_and(|id| self.goes_next(id)) {
             let Some((_, h)) = self.lru.pop_first() else { break };
-            let Some(page) = self.pages.remove(&h) else { continue };
-            let Some(source) = self.sources.get_mut(&page.source) else { continue };
-            let before = source.charge();
-            source.slots[page.at] = None;
-            source.live -= 1;
-            self.used = self.used - before + source.charge();
+            let Some(id) = self.unlink(h) else { continue };
+            let source = &self.sources[&id];
             let few = source.live_bytes() <= self.budget / FINISH_SHARE;
-            cut = (source.due() && few).then_some(page.source);
-            touched.push(page.source);
+            cut = (source.due() && few).then_some(id);
+            touched.push(id);
             delta.removed.push(h);
         }
         touched.sort_unstable();

@@ -328,7 +328,7 @@ impl PrefillService {
             // (the frontend refuses with 429 once every instance says so).
             .map_err(|_| PrefillError::QueuedPastDeadline(waited.elapsed()))?
             .map_err(|_| PrefillError::Startup("engine slot closed".into()))?;
-        let prefix = lock(&dp.cache).lookup(&hashes, tokens.len());
+        let prefix = lock(&dp.cache).lookup(&tokens, &hashes);
         let cached = prefix.as_ref().map_or(0, |p| p.tokens());
         let sampling = sampling_from_wire(req.sampling.as_ref());
         let (sink, mut parts) = handoff_engine::layer_channel(info.shape.layers, PART_BYTES);
@@ -387,7 +387,8 @@ impl PrefillService {
         me.metrics.stage("send", computed.elapsed());
         lock(&me.send_cost).add_at(tokens.len(), computed.elapsed(), std::time::Instant::now());
         me.metrics.sent(out.kv.byte_len() as u64);
-        self.cache_later(req.dp_rank, hashes, out.kv);
+        // The cache keeps each page's tokens to compare on a hit (a hash only names a page).
+        self.cache_later(req.dp_rank, tokens.clone(), hashes, out.kv);
         debug!(%room, dp_rank = req.dp_rank, cached, tokens = tokens.len(), "prefill sent");
         Ok(PrefillResponse {
             first_token: out.first_token,

@@ -17,6 +17,7 @@ impl PrefillService {
     pub(super) fn cache_later(
         &self,
         dp_rank: u32,
+        tokens: Vec<u32>,
         hashes: Vec<handoff_core::BlockHash>,
         kv: handoff_engine::Kv,
     ) {
@@ -31,7 +32,7 @@ impl PrefillService {
             let store = move || {
                 let dp = &svc.inner.dps[dp_rank as usize];
                 let _in_order = lock(&dp.publishing);
-                let delta = lock(&dp.cache).store(&hashes, kv);
+                let delta = lock(&dp.cache).store(&tokens, &hashes, kv);
                 svc.publish(dp_rank, delta);
             };
             if let Err(e) = tokio::task::spawn_blocking(store).await {
