@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Validates the deploy artifacts offline: helm lint --strict, every values file under
 # helm/handoff/ci rendered with helm template and checked by kubernetes-validate --strict
-# (and yamllint), the scheduler's placement (separate, or in each frontend), value files
+# (and yamllint), the scheduler's placement (separate, or in each frontend), the cluster's
+# TLS wiring (each pod dialed by its name under a headless Service), value files
 # the schema or the templates must refuse, the compose file against the
 # compose-spec schema, and the Grafana dashboard as JSON. Fails on any error.
 # Tools: scripts/fetch-deploy-tools (run here when they are not on PATH).
@@ -63,6 +64,33 @@ ctl_listener() { # values file: its frontends serve their replica's API on loopb
     grep -q -- '- --scheduler-listen=127.0.0.1:50052$' "$out/placed.yaml"
 }
 
+tls_wiring() { # values file with tls and publicTls: each role's pods dialed by their names
+    helm template ci "$chart" -f "$1" --kube-version "$KUBE" >"$out/tls.yaml"
+    local svc count
+    for svc in ci-handoff-prefill ci-handoff-frontend-pods ci-handoff-scheduler-pods; do
+        grep -q -- "- --advertise-host=\$(POD_NAME).$svc.default.svc.cluster.local$" \
+            "$out/tls.yaml" || { echo "$svc: its pods do not advertise their names"; return 1; }
+        grep -q "^      subdomain: $svc$" "$out/tls.yaml" || { echo "$svc: no pod under it"; return 1; }
+        grep -q "^  name: $svc$" "$out/tls.yaml" || { echo "$svc: no such Service"; return 1; }
+    done
+    for count in "3 - --tls-cert=/etc/handoff/tls/tls.crt" "3 - --tls-ca=/etc/handoff/tls/ca.crt" \
+        "3 {name: cluster-tls, mountPath: /etc/handoff/tls, readOnly: true}" \
+        "3 publishNotReadyAddresses: true" "3 fsGroup: 10001" \
+        "2 - --transfer-advertise=\$(POD_NAME)." \
+        "1 - --public-tls-client-ca=/etc/handoff/public-tls/ca.crt" \
+        "1 {name: public-tls, mountPath: /etc/handoff/public-tls, readOnly: true}" \
+        "3 checksum/token:" "3 secretName: etcd-client-tls" "3 mountPath: /etc/etcd-client"; do
+        local n="${count%% *}" text="${count#* }"
+        [ "$(grep -cF -- "$text" "$out/tls.yaml")" = "$n" ] || { echo "not $n times: $text"; return 1; }
+    done
+}
+
+plain_wiring() { # values file without tls: pods dialed by address, nothing mounted
+    helm template ci "$chart" -f "$1" --kube-version "$KUBE" >"$out/plain.yaml"
+    [ "$(grep -c -- '- --advertise-host=\$(POD_IP)$' "$out/plain.yaml")" = 3 ]
+    ! grep -qE -- '--tls-|subdomain:|volumes:|-pods$' "$out/plain.yaml"
+}
+
 for values in "$chart"/ci/*.yaml; do
     check "helm lint --strict ($values)" helm lint --strict "$chart" -f "$values"
     check "helm template + kubernetes-validate --strict ($values)" render "$values"
@@ -86,6 +114,15 @@ refused "a scheduler address in frontend.extraArgs, with scheduler.inFrontend" \
 refused "the KV budget again in frontend.extraArgs" \
     helm template ci "$chart" -f helm/broken/frontend-budget-twice.yaml --kube-version "$KUBE"
 refused "a release without a token" helm template ci "$chart" --kube-version "$KUBE"
+check "tls: every role on the cluster's certificate, dialed by its pod's name" \
+    tls_wiring "$chart/ci/tls-values.yaml"
+check "without tls: pods dialed by address, no TLS flags or volumes" \
+    plain_wiring "$chart/ci/default-values.yaml"
+refused "a TLS flag the chart sets, again in extraArgs" \
+    helm template ci "$chart" -f helm/broken/tls-flag-twice.yaml --kube-version "$KUBE"
+refused "tls with a release name too long for its pods' DNS names" \
+    helm template a-release-name-long-enough-to-push-pod-names-past-63 "$chart" \
+    -f "$chart/ci/tls-values.yaml" --kube-version "$KUBE"
 check "compose.yaml against the compose-spec schema" \
     check-jsonschema --builtin-schema vendor.compose-spec compose.yaml
 check "grafana/handoff.json is JSON" python3 -m json.tool grafana/handoff.json

@@ -78,3 +78,131 @@ runAsUser: 10001
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+
+{{/* The headless Service that gives a role's pods DNS names (`role` in the context). */}}
+{{- define "handoff.podService" -}}
+{{- if eq .role "prefill" -}}
+{{ include "handoff.fullname" .root }}-prefill
+{{- else -}}
+{{ include "handoff.fullname" .root }}-{{ .role }}-pods
+{{- end -}}
+{{- end -}}
+
+{{/* The host other processes dial a pod of a role by: with the cluster's TLS, the pod's DNS
+name under its role's headless Service, which its certificate must name (a wildcard
+`*.<service>.<namespace>.svc.<clusterDomain>`); else the pod's address. */}}
+{{- define "handoff.advertiseHost" -}}
+{{- if .root.Values.tls.existingSecret -}}
+$(POD_NAME).{{ include "handoff.podService" . }}.{{ .root.Release.Namespace }}.svc.{{ .root.Values.tls.clusterDomain }}
+{{- else -}}
+$(POD_IP)
+{{- end -}}
+{{- end -}}
+
+{{/* Refuses a role's extraArgs that repeat a flag the chart sets (`args`, `role`). */}}
+{{- define "handoff.refuseChartArgs" -}}
+{{- $root := .root -}}
+{{- $role := .role -}}
+{{- range .args -}}
+{{- if and $root.Values.tls.existingSecret (or (hasPrefix "--tls-" .) (hasPrefix "--advertise-host" .) (hasPrefix "--transfer-advertise" .)) -}}
+{{- fail (printf "%s.extraArgs: %s is set by the chart with tls.existingSecret" $role .) -}}
+{{- end -}}
+{{- if and $root.Values.publicTls.existingSecret (hasPrefix "--public-tls-" .) -}}
+{{- fail (printf "%s.extraArgs: %s is set by the chart with publicTls.existingSecret" $role .) -}}
+{{- end -}}
+{{- end -}}
+{{- if $root.Values.tls.existingSecret -}}
+{{- /* A Deployment's pod is named <fullname>-<role>-<10>-<5>, and its DNS label is at
+most 63 characters. */ -}}
+{{- $pod := add (len (printf "%s-%s" (include "handoff.fullname" $root) $role)) 17 -}}
+{{- if gt $pod 63 -}}
+{{- fail (printf "tls.existingSecret: %s pods' names would be %d characters, past a DNS label's 63: shorten the release name" $role $pod) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pod annotations every role gets: a scrape, a checksum of the token the chart stores
+(a new token rolls every pod: each reads it once), and podAnnotations. */}}
+{{- define "handoff.podAnnotations" -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: "9090"
+{{- if not .Values.token.existingSecret }}
+checksum/token: {{ .Values.token.value | sha256sum | quote }}
+{{- end }}
+{{- with .Values.podAnnotations }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level settings for the TLS files and extraVolumes (`role` in the context). */}}
+{{- define "handoff.podTls" -}}
+{{- if .root.Values.tls.existingSecret }}
+subdomain: {{ include "handoff.podService" . }}
+{{- end }}
+{{- if or .root.Values.tls.existingSecret .root.Values.publicTls.existingSecret }}
+# The secret files' group, so the non-root user reads them (mode 0440).
+securityContext:
+  fsGroup: 10001
+{{- end }}
+{{- $public := and (eq .role "frontend") .root.Values.publicTls.existingSecret }}
+{{- if or .root.Values.tls.existingSecret $public .root.Values.extraVolumes }}
+volumes:
+  {{- if .root.Values.tls.existingSecret }}
+  - name: cluster-tls
+    secret: {secretName: {{ .root.Values.tls.existingSecret | quote }}, defaultMode: 0440}
+  {{- end }}
+  {{- if $public }}
+  - name: public-tls
+    secret: {secretName: {{ .root.Values.publicTls.existingSecret | quote }}, defaultMode: 0440}
+  {{- end }}
+  {{- with .root.Values.extraVolumes }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The container's mounts of those volumes (`role` in the context). */}}
+{{- define "handoff.tlsMounts" -}}
+{{- $public := and (eq .role "frontend") .root.Values.publicTls.existingSecret }}
+{{- if or .root.Values.tls.existingSecret $public .root.Values.extraVolumeMounts }}
+volumeMounts:
+  {{- if .root.Values.tls.existingSecret }}
+  - {name: cluster-tls, mountPath: /etc/handoff/tls, readOnly: true}
+  {{- end }}
+  {{- if $public }}
+  - {name: public-tls, mountPath: /etc/handoff/public-tls, readOnly: true}
+  {{- end }}
+  {{- with .root.Values.extraVolumeMounts }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The cluster's TLS flags (with tls.existingSecret). */}}
+{{- define "handoff.tlsArgs" -}}
+{{- if .Values.tls.existingSecret }}
+- --tls-cert=/etc/handoff/tls/tls.crt
+- --tls-key=/etc/handoff/tls/tls.key
+- --tls-ca=/etc/handoff/tls/ca.crt
+{{- end }}
+{{- end -}}
+
+{{/* With the cluster's TLS, a headless Service naming a role's pods (`role` in the context;
+the prefills' own Service does it for them). */}}
+{{- define "handoff.podNames" -}}
+{{- if and .root.Values.tls.existingSecret (ne .role "prefill") }}
+---
+# Names each pod, for the cluster's TLS (see handoff.advertiseHost), ready or not.
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "handoff.podService" . }}
+  labels:
+    {{- include "handoff.labels" . | nindent 4 }}
+spec:
+  clusterIP: None
+  publishNotReadyAddresses: true
+  selector:
+    {{- include "handoff.selector" . | nindent 4 }}
+{{- end }}
+{{- end -}}

@@ -218,3 +218,37 @@ fn lease_ttls_are_bounded() {
     let e = scheduler(&["--lease-ttl-secs", "18446744073709551615"]).unwrap_err().to_string();
     assert!(e.contains("--lease-ttl-secs"), "{e}");
 }
+
+/// The arguments the Helm chart gives a prefill with `tls.existingSecret` (deploy/helm,
+/// `ci/tls-values.yaml`; the kubelet puts the pod's name for `$(POD_NAME)`) parse into the
+/// cluster's TLS, advertised and dialed for transfers by the pod's DNS name.
+#[test]
+fn the_charts_tls_arguments_parse() {
+    let pod = "ci-handoff-prefill-7d9f8c6b5-x2x9k.ci-handoff-prefill.default.svc.cluster.local";
+    let advertise = format!("--advertise-host={pod}");
+    let transfer = format!("--transfer-advertise={pod}");
+    let chart = [
+        "--id=ci-handoff-prefill-7d9f8c6b5-x2x9k",
+        "--bootstrap-listen=0.0.0.0:8998",
+        "--grpc-listen=0.0.0.0:50060",
+        "--ops-listen=0.0.0.0:9090",
+        &advertise,
+        "--transfer-bind=10.0.0.7",
+        &transfer,
+        "--tls-cert=/etc/handoff/tls/tls.crt",
+        "--tls-key=/etc/handoff/tls/tls.key",
+        "--tls-ca=/etc/handoff/tls/ca.crt",
+        "--transfer=tcp",
+        "--engine=mock",
+        "--drain-secs=30",
+        "--etcd-ca=/etc/etcd-client/ca.crt",
+    ];
+    let argv = ["handoff", "prefill"].iter().chain(&chart).copied();
+    let Command::Prefill(a) = Cli::try_parse_from(argv).unwrap().command else {
+        panic!("not a prefill")
+    };
+    assert_eq!(a.advertise_host, pod);
+    assert_eq!(a.discovery.transfer_advertise.as_deref(), Some(pod));
+    assert_eq!(a.discovery.tls_ca, Some("/etc/handoff/tls/ca.crt".into()));
+    assert_eq!(a.discovery.access.etcd_ca, Some("/etc/etcd-client/ca.crt".into()));
+}

@@ -20,9 +20,13 @@ async fn echo(mut l: TlsListener) {
 }
 
 async fn round_trip(tls: &ClusterTls, port: u16) -> std::io::Result<[u8; 4]> {
+    round_trip_to(tls, port, "127.0.0.1").await
+}
+
+/// A round trip to the listener on `port`, dialed as `host`.
+async fn round_trip_to(tls: &ClusterTls, port: u16, host: &str) -> std::io::Result<[u8; 4]> {
     let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
-    let name = server_name("127.0.0.1").unwrap();
-    let mut s = tls.connector().connect(name, tcp).await?;
+    let mut s = tls.connector().connect(server_name(host).unwrap(), tcp).await?;
     s.write_all(b"ping").await?;
     s.flush().await?;
     let mut b = [0u8; 4];
@@ -148,4 +152,26 @@ fn both_ends_blame_a_refused_certificate_alike() {
             "{c:?} (alert {alert:?})"
         );
     }
+}
+
+/// The Helm chart's shape: one certificate for every pod of a role, naming them all with a
+/// wildcard under the role's headless Service; a pod is dialed by its own name there.
+#[tokio::test]
+async fn a_wildcard_certificate_serves_each_pod_under_its_service() {
+    let ca = TestCa::new();
+    let prefills = ca.issue_for(&["*.ci-handoff-prefill.default.svc.cluster.local"]).cluster();
+    let (port, l) = listener(&prefills, Duration::from_secs(10), 256).await;
+    let server = tokio::spawn(echo(l));
+    let dialer = ca.issue().cluster();
+    let pod = "ci-handoff-prefill-7d9f8c6b5-x2x9k.ci-handoff-prefill.default.svc.cluster.local";
+    assert_eq!(round_trip_to(&dialer, port, pod).await.unwrap(), *b"ping");
+    for elsewhere in [
+        "ci-handoff-frontend-6c8d-ab12c.ci-handoff-frontend-pods.default.svc.cluster.local",
+        "a.b.ci-handoff-prefill.default.svc.cluster.local",
+        "ci-handoff-prefill.default.svc.cluster.local",
+    ] {
+        let e = round_trip_to(&dialer, port, elsewhere).await.unwrap_err();
+        assert!(refused_peer_certificate(&e), "{elsewhere}: {e}");
+    }
+    server.abort();
 }
