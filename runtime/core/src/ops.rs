@@ -83,6 +83,7 @@ impl Ops {
         let mut out = self.metrics.render();
         if self.with_traffic {
             out.push_str(&crate::traffic::traffic_registry().render());
+            out.push_str(&crate::tls::expiry::expiry_registry().render());
         }
         out
     }

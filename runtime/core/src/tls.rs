@@ -10,6 +10,7 @@
 //!   finished, running handshakes side by side with a deadline each, so a slow or silent
 //!   peer holds neither the accept loop nor a slot for long.
 
+pub mod expiry;
 #[cfg(any(test, feature = "test-certs"))]
 pub mod test_certs;
 
@@ -70,6 +71,14 @@ fn chain_of(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
         return Err(invalid("certificate", "no certificate in the PEM"));
     }
     Ok(chain)
+}
+
+/// Notes when the first certificate of `chain` (the one shown) expires, as of now.
+fn note_leaf(shown: expiry::Shown, chain: &[u8]) -> Result<(), TlsError> {
+    if let Some(leaf) = chain_of(chain)?.first() {
+        expiry::note(shown, leaf, std::time::SystemTime::now());
+    }
+    Ok(())
 }
 
 fn key_of(pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
@@ -133,9 +142,13 @@ impl ClusterTls {
         })
     }
 
-    /// From PEM files (see [`ClusterTls::from_pem`]).
+    /// From PEM files (see [`ClusterTls::from_pem`]), noting when the certificate expires
+    /// ([`expiry`]).
     pub fn from_files(chain: &Path, key: &Path, ca: &Path) -> Result<Self, TlsError> {
-        Self::from_pem(&read(chain)?, &read(key)?, &read(ca)?)
+        let chain = read(chain)?;
+        let tls = Self::from_pem(&chain, &read(key)?, &read(ca)?)?;
+        note_leaf(expiry::Shown::Cluster, &chain)?;
+        Ok(tls)
     }
 
     /// Accepts connections from holders of a certificate the CA signed.
@@ -285,7 +298,10 @@ impl ServerTls {
         client_ca: Option<&Path>,
     ) -> Result<Self, TlsError> {
         let ca = client_ca.map(read).transpose()?;
-        Self::from_pem(&read(chain)?, &read(key)?, ca.as_deref())
+        let chain = read(chain)?;
+        let tls = Self::from_pem(&chain, &read(key)?, ca.as_deref())?;
+        note_leaf(expiry::Shown::Public, &chain)?;
+        Ok(tls)
     }
 
     /// The CA clients' certificates must come from, PEM, when clients need one.

@@ -99,7 +99,8 @@ async fn etcd_and_nats_over_tls_with_credentials() {
 
 /// Separate processes with the cluster's mutual TLS and token, found through etcd and NATS,
 /// and a public certificate on the frontend: a request over `grpcs://` is served through a
-/// prefill (gRPC, directory and KV transfer all over mutual TLS).
+/// prefill (gRPC, directory and KV transfer all over mutual TLS), and the frontend's metrics
+/// say when both its certificates expire.
 #[tokio::test]
 async fn processes_with_mutual_tls_serve_over_a_public_certificate() {
     use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
@@ -137,6 +138,8 @@ async fn processes_with_mutual_tls_serve_over_a_public_certificate() {
         "127.0.0.1:0",
         "--http-listen",
         "127.0.0.1:0",
+        "--ops-listen",
+        "127.0.0.1:0",
     ]);
     fe.extend(
         [("--public-tls-cert", &public.cert), ("--public-tls-key", &public.key)]
@@ -145,6 +148,15 @@ async fn processes_with_mutual_tls_serve_over_a_public_certificate() {
     );
     let (_f, line) = spawn(fe);
     let addr = super::processes::addr_after(&line, "grpcs://");
+    let ops = super::processes::addr_after(&line, "ops http://");
+    let scrape = super::operations::http_get(&ops, "/metrics").await.1;
+    // Both test certificates are valid until rcgen's default end, 4096-01-01.
+    for shown in ["cluster", "public"] {
+        let line = format!(
+            "handoff_tls_certificate_expiry_timestamp_seconds{{certificate=\"{shown}\"}} 67090118400"
+        );
+        assert!(scrape.contains(&line), "{line} in\n{scrape}");
+    }
 
     let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(public_ca.pem()));
     let ep = Endpoint::from_shared(format!("https://{addr}")).unwrap().tls_config(tls).unwrap();

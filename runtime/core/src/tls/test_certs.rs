@@ -1,5 +1,7 @@
 //! Certificates made on the spot, for tests and benchmarks (feature `test-certs`).
 
+use std::time::Duration;
+
 use super::{ClusterTls, ServerTls};
 
 /// A throwaway CA that signs certificates for `127.0.0.1` and `localhost`.
@@ -76,6 +78,15 @@ impl TestCa {
         self.sign(&["127.0.0.1", "localhost"], |p| {
             p.not_before = rcgen::date_time_ymd(2000, 1, 1);
             p.not_after = rcgen::date_time_ymd(2001, 1, 1);
+        })
+    }
+
+    /// A certificate for `127.0.0.1` and `localhost` valid until `after` past midnight
+    /// (UTC) of the day `(year, month, day)`, and from a year before that.
+    pub fn issue_until(&self, (year, month, day): (i32, u8, u8), after: Duration) -> TestCert {
+        self.sign(&["127.0.0.1", "localhost"], |p| {
+            p.not_after = rcgen::date_time_ymd(year, month, day) + after;
+            p.not_before = p.not_after - Duration::from_secs(365 * 86_400);
         })
     }
 
