@@ -2,7 +2,7 @@
 # Validates the deploy artifacts offline: helm lint --strict, every values file under
 # helm/handoff/ci rendered with helm template and checked by kubernetes-validate --strict
 # (and yamllint), the scheduler's placement (separate, or in each frontend), the cluster's
-# TLS wiring (each pod dialed by its name under a headless Service), value files
+# TLS wiring (StatefulSets, each pod dialed by its name under a headless Service), value files
 # the schema or the templates must refuse, the compose file against the
 # compose-spec schema, and the Grafana dashboard as JSON. Fails on any error.
 # Tools: scripts/fetch-deploy-tools (run here when they are not on PATH).
@@ -70,12 +70,12 @@ tls_wiring() { # values file with tls and publicTls: each role's pods dialed by 
     for svc in ci-handoff-prefill ci-handoff-frontend-pods ci-handoff-scheduler-pods; do
         grep -q -- "- --advertise-host=\$(POD_NAME).$svc.default.svc.cluster.local$" \
             "$out/tls.yaml" || { echo "$svc: its pods do not advertise their names"; return 1; }
-        grep -q "^      subdomain: $svc$" "$out/tls.yaml" || { echo "$svc: no pod under it"; return 1; }
+        grep -q "^  serviceName: $svc$" "$out/tls.yaml" || { echo "$svc: no pods under it"; return 1; }
         grep -q "^  name: $svc$" "$out/tls.yaml" || { echo "$svc: no such Service"; return 1; }
     done
     for count in "3 - --tls-cert=/etc/handoff/tls/tls.crt" "3 - --tls-ca=/etc/handoff/tls/ca.crt" \
         "3 {name: cluster-tls, mountPath: /etc/handoff/tls, readOnly: true}" \
-        "3 publishNotReadyAddresses: true" "3 fsGroup: 10001" \
+        "3 publishNotReadyAddresses: true" "3 fsGroup: 10001" "3 kind: StatefulSet" \
         "2 - --transfer-advertise=\$(POD_NAME)." \
         "1 - --public-tls-client-ca=/etc/handoff/public-tls/ca.crt" \
         "1 {name: public-tls, mountPath: /etc/handoff/public-tls, readOnly: true}" \
@@ -88,7 +88,12 @@ tls_wiring() { # values file with tls and publicTls: each role's pods dialed by 
 plain_wiring() { # values file without tls: pods dialed by address, nothing mounted
     helm template ci "$chart" -f "$1" --kube-version "$KUBE" >"$out/plain.yaml"
     [ "$(grep -c -- '- --advertise-host=\$(POD_IP)$' "$out/plain.yaml")" = 3 ]
-    ! grep -qE -- '--tls-|subdomain:|volumes:|-pods$' "$out/plain.yaml"
+    local role
+    for role in prefill frontend scheduler; do
+        grep -A3 '^kind: Deployment$' "$out/plain.yaml" | grep -q "^  name: ci-handoff-$role$" ||
+            { echo "$role: not a Deployment"; return 1; }
+    done
+    ! grep -qE -- '--tls-|volumes:|-pods$' "$out/plain.yaml"
 }
 
 for values in "$chart"/ci/*.yaml; do
@@ -120,6 +125,8 @@ check "without tls: pods dialed by address, no TLS flags or volumes" \
     plain_wiring "$chart/ci/default-values.yaml"
 refused "a TLS flag the chart sets, again in extraArgs" \
     helm template ci "$chart" -f helm/broken/tls-flag-twice.yaml --kube-version "$KUBE"
+refused "tls with transfer mooncake (its wire has no TLS)" \
+    helm template ci "$chart" -f "$chart/ci/tls-values.yaml" --set transfer=mooncake --kube-version "$KUBE"
 refused "tls with a release name too long for its pods' DNS names" \
     helm template a-release-name-long-enough-to-push-pod-names-past-63 "$chart" \
     -f "$chart/ci/tls-values.yaml" --kube-version "$KUBE"

@@ -22,6 +22,9 @@
 //! and a hit runs only while both match the prompt. A store that finds another prompt's page
 //! under one of its hashes (a collision, or a page whose predecessor went and was stored
 //! again) puts its own in that place; schedulers are not told, the hash being cached still.
+//! The pages computed after the one replaced are then unreachable (their predecessor's entry
+//! is gone) until eviction takes them or their own prompt is stored again; meanwhile they
+//! count against the budget and schedulers count them as cached.
 //! The tokens kept (4 bytes a token, against kilobytes of KV) are not counted in the budget.
 
 use std::collections::{BTreeMap, HashMap, HashSet};

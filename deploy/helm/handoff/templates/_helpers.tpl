@@ -112,11 +112,15 @@ $(POD_IP)
 {{- end -}}
 {{- end -}}
 {{- if $root.Values.tls.existingSecret -}}
-{{- /* A Deployment's pod is named <fullname>-<role>-<10>-<5>, and its DNS label is at
-most 63 characters. */ -}}
-{{- $pod := add (len (printf "%s-%s" (include "handoff.fullname" $root) $role)) 17 -}}
-{{- if gt $pod 63 -}}
-{{- fail (printf "tls.existingSecret: %s pods' names would be %d characters, past a DNS label's 63: shorten the release name" $role $pod) -}}
+{{- /* The Service naming the role's pods, and each pod's name (<fullname>-<role>-<n>,
+up to 3 digits), are DNS labels: 63 characters at most. */ -}}
+{{- $service := len (include "handoff.podService" (dict "root" $root "role" $role)) -}}
+{{- $pod := add (len (printf "%s-%s" (include "handoff.fullname" $root) $role)) 4 -}}
+{{- if or (gt $service 63) (gt $pod 63) -}}
+{{- fail (printf "tls.existingSecret: the %s Service's name (%d characters) or its pods' (%d) would be past a DNS label's 63: shorten the release name" $role $service $pod) -}}
+{{- end -}}
+{{- if eq $root.Values.transfer "mooncake" -}}
+{{- fail "tls.existingSecret: transfer mooncake has no TLS (its wire has none): use transfer tcp" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -136,9 +140,6 @@ checksum/token: {{ .Values.token.value | sha256sum | quote }}
 
 {{/* Pod-level settings for the TLS files and extraVolumes (`role` in the context). */}}
 {{- define "handoff.podTls" -}}
-{{- if .root.Values.tls.existingSecret }}
-subdomain: {{ include "handoff.podService" . }}
-{{- end }}
 {{- if or .root.Values.tls.existingSecret .root.Values.publicTls.existingSecret }}
 # The secret files' group, so the non-root user reads them (mode 0440).
 securityContext:
@@ -205,4 +206,33 @@ spec:
   selector:
     {{- include "handoff.selector" . | nindent 4 }}
 {{- end }}
+{{- end -}}
+
+{{/* A role's workload up to its pod template (`role` and `replicas` in the context): a
+Deployment, or with the cluster's TLS a StatefulSet, whose pods alone get DNS names of their
+own (`<workload>-<n>.<serviceName>...`; a Deployment's pods have no hostname, so no record). */}}
+{{- define "handoff.workload" -}}
+apiVersion: apps/v1
+kind: {{ if .root.Values.tls.existingSecret }}StatefulSet{{ else }}Deployment{{ end }}
+metadata:
+  name: {{ include "handoff.fullname" .root }}-{{ .role }}
+  labels:
+    {{- include "handoff.labels" . | nindent 4 }}
+spec:
+  replicas: {{ .replicas }}
+  selector:
+    matchLabels:
+      {{- include "handoff.selector" . | nindent 6 }}
+  {{- if .root.Values.tls.existingSecret }}
+  serviceName: {{ include "handoff.podService" . }}
+  # Started and stopped side by side; an update replaces one pod at a time, stopping it
+  # before its successor starts (a StatefulSet does not surge).
+  podManagementPolicy: Parallel
+  updateStrategy:
+    type: RollingUpdate
+  {{- else }}
+  strategy:
+    type: RollingUpdate
+    rollingUpdate: {maxSurge: 1, maxUnavailable: 0}
+  {{- end }}
 {{- end -}}

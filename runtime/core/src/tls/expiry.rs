@@ -149,7 +149,15 @@ fn generalized_time(t: &[u8]) -> Option<u64> {
 fn seconds(year: u64, t: &[u8]) -> Option<u64> {
     let (month, day) = (digits(&t[..2])?, digits(&t[2..4])?);
     let (h, m, s) = (digits(&t[4..6])?, digits(&t[6..8])?, digits(&t[8..10])?);
-    let valid = (1..=12).contains(&month) && (1..=31).contains(&day) && h < 24 && m < 60 && s < 61;
+    let leap = year.is_multiple_of(4) && (!year.is_multiple_of(100) || year.is_multiple_of(400));
+    let month_days = match month {
+        2 if leap => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    };
+    let valid = (1..=12).contains(&month) && (1..=month_days).contains(&day);
+    let valid = valid && h < 24 && m < 60 && s < 61;
     if !valid || year < 1970 {
         return None;
     }

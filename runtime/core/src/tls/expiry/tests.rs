@@ -63,3 +63,14 @@ fn a_noted_certificate_is_on_the_metrics() {
         "handoff_tls_certificate_expiry_timestamp_seconds{certificate=\"public\"} 2853273600";
     assert!(text.contains(line), "{text}");
 }
+
+#[test]
+fn a_date_that_does_not_exist_is_not_read() {
+    assert_eq!(generalized_time(b"20240229000000Z"), Some(1_709_164_800));
+    for bad in [&b"20230229000000Z"[..], b"20240230000000Z", b"20240431000000Z", b"20241301000000Z"]
+    {
+        assert_eq!(generalized_time(bad), None, "{}", String::from_utf8_lossy(bad));
+    }
+    assert_eq!(utc_time(b"240229000000Z"), Some(1_709_164_800));
+    assert_eq!(utc_time(b"2402290000Z"), None, "too short");
+}
