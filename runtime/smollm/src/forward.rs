@@ -173,6 +173,7 @@ pub(crate) fn forward(
     let hp = &w.hp;
     let (n, dim, hd) = (rows.len(), hp.dim, hp.head_dim);
     let kv_dim = hp.kv_heads * hd;
+    let qkv_width = dim + 2 * kv_dim;
     let group = hp.heads / hp.kv_heads;
     // Positions: each sequence continues from its current length.
     let mut next: Vec<usize> = seqs.iter().map(|s| s.len).collect();
@@ -200,17 +201,18 @@ pub(crate) fn forward(
     let scale = 1.0 / (hd as f32).sqrt();
     for (li, layer) in w.layers.iter().enumerate() {
         let h = rms_norm(&x, &layer.attn_norm, hp.eps);
-        let mut q = layer.wq.apply(&h, n)?;
-        let mut k = layer.wk.apply(&h, n)?;
-        let v = layer.wv.apply(&h, n)?;
-        for r in 0..n {
-            rope(&mut q[r * dim..(r + 1) * dim], hd, pos[r], &w.rope);
-            rope(&mut k[r * kv_dim..(r + 1) * kv_dim], hd, pos[r], &w.rope);
+        // Each row: its query, then its key, then its value.
+        let mut qkv = layer.wqkv.apply(&h, n)?;
+        for (r, row) in qkv.chunks_exact_mut(qkv_width).enumerate() {
+            let (q, kv) = row.split_at_mut(dim);
+            let (k, v) = kv.split_at_mut(kv_dim);
+            rope(q, hd, pos[r], &w.rope);
+            rope(k, hd, pos[r], &w.rope);
             let seq = &mut seqs[rows[r].0];
             for kh in 0..hp.kv_heads {
                 let c = li * hp.kv_heads + kh;
-                seq.k[c].extend_from_slice(&k[r * kv_dim + kh * hd..r * kv_dim + (kh + 1) * hd]);
-                seq.v[c].extend_from_slice(&v[r * kv_dim + kh * hd..r * kv_dim + (kh + 1) * hd]);
+                seq.k[c].extend_from_slice(&k[kh * hd..(kh + 1) * hd]);
+                seq.v[c].extend_from_slice(&v[kh * hd..(kh + 1) * hd]);
             }
         }
         if let Some(first) = seqs.first()
@@ -228,7 +230,7 @@ pub(crate) fn forward(
             let upto = pos[r] + 1;
             for head in 0..hp.heads {
                 let [keys, vals] = seq.runs(li, head / group, hp.kv_heads);
-                let qh = &q[r * dim + head * hd..r * dim + (head + 1) * hd];
+                let qh = &qkv[r * qkv_width + head * hd..r * qkv_width + (head + 1) * hd];
                 scores.clear();
                 scores.extend(token_rows(keys, hd).take(upto).map(|key| dot(qh, key) * scale));
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -255,9 +257,14 @@ pub(crate) fn forward(
         let o = layer.wo.apply(&attn, n)?;
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         let h2 = rms_norm(&x, &layer.ffn_norm, hp.eps);
-        let g = layer.w_gate.apply(&h2, n)?;
-        let u = layer.w_up.apply(&h2, n)?;
-        let a: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+        // Each row: its gate, then its up projection.
+        let gate_up = layer.w_gate_up.apply(&h2, n)?;
+        let ffn = gate_up.len() / n / 2;
+        let mut a = Vec::with_capacity(n * ffn);
+        for row in gate_up.chunks_exact(2 * ffn) {
+            let (g, u) = row.split_at(ffn);
+            a.extend(g.iter().zip(u).map(|(g, u)| g / (1.0 + (-g).exp()) * u));
+        }
         let d = layer.w_down.apply(&a, n)?;
         x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
     }

@@ -6,7 +6,7 @@ use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor, gguf_file};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor, gguf_file};
 use candle_core::{Device, Module, Tensor};
 
 use crate::SmolError;
@@ -37,15 +37,16 @@ impl Matrix {
     }
 }
 
+/// One layer's weights. The projections that read the same input are one matrix, their
+/// rows one after another (a row of the output is the query's, then the key's, then the
+/// value's; the gate's, then the up projection's): one pass over the input instead of
+/// three or two, each output the same as its own matrix's, Q8_0 blocks lying within rows.
 pub(crate) struct Layer {
     pub(crate) attn_norm: Vec<f32>,
-    pub(crate) wq: Matrix,
-    pub(crate) wk: Matrix,
-    pub(crate) wv: Matrix,
+    pub(crate) wqkv: Matrix,
     pub(crate) wo: Matrix,
     pub(crate) ffn_norm: Vec<f32>,
-    pub(crate) w_gate: Matrix,
-    pub(crate) w_up: Matrix,
+    pub(crate) w_gate_up: Matrix,
     pub(crate) w_down: Matrix,
 }
 
@@ -106,11 +107,34 @@ impl Reader<'_> {
     }
 
     fn matrix(&mut self, name: &str) -> Result<Matrix, SmolError> {
+        Ok(Matrix(QMatMul::from_qtensor(self.q8(name)?)?))
+    }
+
+    /// Tensor `name` as Q8_0.
+    fn q8(&mut self, name: &str) -> Result<QTensor, SmolError> {
         let t = self.tensor(name)?;
-        let q = match t.dtype() {
+        Ok(match t.dtype() {
             GgmlDType::Q8_0 => t,
             _ => QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?,
-        };
+        })
+    }
+
+    /// The matrices `names` (as wide as one another) as one, their rows one after another:
+    /// each one's Q8_0 blocks as [`Reader::matrix`] makes them.
+    fn stacked(&mut self, names: &[String]) -> Result<Matrix, SmolError> {
+        let (mut rows, mut width, mut blocks) = (0, None, Vec::new());
+        for name in names {
+            let q = self.q8(name)?;
+            let (r, k) = q.shape().dims2()?;
+            if width.is_some_and(|w| w != k) {
+                return Err(SmolError::Format(format!("{name} is {k} wide, not {width:?}")));
+            }
+            width = Some(k);
+            rows += r;
+            blocks.extend_from_slice(&q.data()?);
+        }
+        let storage = QStorage::from_data(blocks.into(), &Device::Cpu, GgmlDType::Q8_0)?;
+        let q = QTensor::new(storage, (rows, width.unwrap_or(0)))?;
         Ok(Matrix(QMatMul::from_qtensor(q)?))
     }
 }
@@ -147,13 +171,10 @@ pub(crate) fn load(
         let n = |s: &str| format!("blk.{i}.{s}.weight");
         layers.push(Layer {
             attn_norm: r.vector(&n("attn_norm"))?,
-            wq: r.matrix(&n("attn_q"))?,
-            wk: r.matrix(&n("attn_k"))?,
-            wv: r.matrix(&n("attn_v"))?,
+            wqkv: r.stacked(&[n("attn_q"), n("attn_k"), n("attn_v")])?,
             wo: r.matrix(&n("attn_output"))?,
             ffn_norm: r.vector(&n("ffn_norm"))?,
-            w_gate: r.matrix(&n("ffn_gate"))?,
-            w_up: r.matrix(&n("ffn_up"))?,
+            w_gate_up: r.stacked(&[n("ffn_gate"), n("ffn_up")])?,
             w_down: r.matrix(&n("ffn_down"))?,
         });
     }
@@ -187,3 +208,6 @@ fn rope_table(hp: &Hyper) -> (Vec<f32>, Vec<f32>) {
     }
     (cos, sin)
 }
+
+#[cfg(test)]
+mod tests;

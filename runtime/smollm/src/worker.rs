@@ -493,4 +493,4 @@ impl Decoder for SmolDecoder {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
