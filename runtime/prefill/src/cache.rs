@@ -287,8 +287,11 @@ impl PrefixCache {
         let mut touched = Vec::new();
         let mut cut = None;
         while self.used > self.budget || cut.is_some_and(|id| self.goes_next(id)) {
-            let Some((_, h)) = self.lru.pop_first() else { break };
-            let Some(id) = self.unlink(h) else { continue };
+            let Some((&tick, &h)) = self.lru.first_key_value() else { break };
+            let Some(id) = self.unlink(h) else {
+                self.lru.remove(&tick);
+                continue;
+            };
             let source = &self.sources[&id];
             let few = source.live_bytes() <= self.budget / FINISH_SHARE;
             cut = (source.due() && few).then_some(id);
