@@ -127,8 +127,11 @@ refused "a TLS flag the chart sets, again in extraArgs" \
     helm template ci "$chart" -f helm/broken/tls-flag-twice.yaml --kube-version "$KUBE"
 refused "tls with transfer mooncake (its wire has no TLS)" \
     helm template ci "$chart" -f "$chart/ci/tls-values.yaml" --set transfer=mooncake --kube-version "$KUBE"
-refused "tls with a release name too long for its pods' DNS names" \
-    helm template a-release-name-long-enough-to-push-pod-names-past-63 "$chart" \
+refused "tls with a release name too long for its pods' labels (35 characters)" \
+    helm template a-release-name-of-35-characters-xyz "$chart" \
+    -f "$chart/ci/tls-values.yaml" --kube-version "$KUBE"
+check "tls with a release name of 34 characters" \
+    helm template a-release-name-of-34-characters-xy "$chart" \
     -f "$chart/ci/tls-values.yaml" --kube-version "$KUBE"
 check "compose.yaml against the compose-spec schema" \
     check-jsonschema --builtin-schema vendor.compose-spec compose.yaml

@@ -18,6 +18,7 @@ use etcd_client::{
 };
 use futures::StreamExt;
 use futures::stream::BoxStream;
+use handoff_core::tls::expiry::Shown;
 use handoff_core::{InstanceId, Tasks};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -114,6 +115,8 @@ impl EtcdRegistry {
             }
             if let Some((cert, key)) = &access.identity {
                 let (cert, key) = (ServerAccess::read(cert)?, ServerAccess::read(key)?);
+                let now = std::time::SystemTime::now();
+                handoff_core::tls::expiry::note_pem(Shown::EtcdClient, &cert, now);
                 tls = tls.identity(Identity::from_pem(cert, key));
             }
             opts = opts.with_tls(tls);

@@ -8,6 +8,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::BoxStream;
+use handoff_core::tls::expiry::Shown;
 
 use crate::{DiscoveryError, EventBus, Message, ServerAccess};
 
@@ -35,6 +36,11 @@ impl NatsBus {
             opts = opts.add_root_certificates(ca.clone());
         }
         if let Some((cert, key)) = &access.identity {
+            // Read here once, for when it expires; the library reads it itself.
+            if let Ok(pem) = std::fs::read(cert) {
+                let now = std::time::SystemTime::now();
+                handoff_core::tls::expiry::note_pem(Shown::NatsClient, &pem, now);
+            }
             opts = opts.add_client_certificate(cert.clone(), key.clone());
         }
         if access.tls() {

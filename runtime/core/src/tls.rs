@@ -73,14 +73,6 @@ fn chain_of(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     Ok(chain)
 }
 
-/// Notes when the first certificate of `chain` (the one shown) expires, as of now.
-fn note_leaf(shown: expiry::Shown, chain: &[u8]) -> Result<(), TlsError> {
-    if let Some(leaf) = chain_of(chain)?.first() {
-        expiry::note(shown, leaf, std::time::SystemTime::now());
-    }
-    Ok(())
-}
-
 fn key_of(pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
     PrivateKeyDer::from_pem_slice(pem).map_err(|e| invalid("key", e))
 }
@@ -147,7 +139,7 @@ impl ClusterTls {
     pub fn from_files(chain: &Path, key: &Path, ca: &Path) -> Result<Self, TlsError> {
         let chain = read(chain)?;
         let tls = Self::from_pem(&chain, &read(key)?, &read(ca)?)?;
-        note_leaf(expiry::Shown::Cluster, &chain)?;
+        expiry::note_pem(expiry::Shown::Cluster, &chain, std::time::SystemTime::now());
         Ok(tls)
     }
 
@@ -300,7 +292,7 @@ impl ServerTls {
         let ca = client_ca.map(read).transpose()?;
         let chain = read(chain)?;
         let tls = Self::from_pem(&chain, &read(key)?, ca.as_deref())?;
-        note_leaf(expiry::Shown::Public, &chain)?;
+        expiry::note_pem(expiry::Shown::Public, &chain, std::time::SystemTime::now());
         Ok(tls)
     }
 

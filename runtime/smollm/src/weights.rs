@@ -19,6 +19,8 @@ pub(crate) struct Hyper {
     pub(crate) kv_heads: usize,
     pub(crate) head_dim: usize,
     pub(crate) dim: usize,
+    /// Rows of the gate and up projections.
+    pub(crate) ffn: usize,
     pub(crate) vocab: usize,
     pub(crate) context: usize,
     pub(crate) eps: f32,
@@ -83,6 +85,7 @@ pub(crate) fn hyper(c: &gguf_file::Content, max_context: usize) -> Result<Hyper,
         kv_heads,
         head_dim: dim / heads,
         dim,
+        ffn: u("llama.feed_forward_length")?,
         vocab: meta(c, "tokenizer.ggml.tokens")?.to_vec()?.len(),
         context: u("llama.context_length")?.min(max_context),
         eps: meta(c, "llama.attention.layer_norm_rms_epsilon")?.to_f32()?,
@@ -119,20 +122,22 @@ impl Reader<'_> {
         })
     }
 
-    /// The matrices `names` (as wide as one another) as one, their rows one after another:
-    /// each one's Q8_0 blocks as [`Reader::matrix`] makes them.
-    fn stacked(&mut self, names: &[String]) -> Result<Matrix, SmolError> {
-        let (mut rows, mut width, mut blocks) = (0, None, Vec::new());
-        for name in names {
+    /// The matrices `names`, of `rows` rows each and as wide as one another, as one, their
+    /// rows one after another: each one's Q8_0 blocks as [`Reader::matrix`] makes them.
+    fn stacked(&mut self, names: &[String], rows: &[usize]) -> Result<Matrix, SmolError> {
+        let (mut width, mut blocks) = (None, Vec::new());
+        for (name, &want) in names.iter().zip(rows) {
             let q = self.q8(name)?;
             let (r, k) = q.shape().dims2()?;
-            if width.is_some_and(|w| w != k) {
-                return Err(SmolError::Format(format!("{name} is {k} wide, not {width:?}")));
+            if r != want || width.is_some_and(|w| w != k) {
+                return Err(SmolError::Format(format!(
+                    "{name} is {r} x {k}, not {want} rows as wide as the others ({width:?})"
+                )));
             }
             width = Some(k);
-            rows += r;
             blocks.extend_from_slice(&q.data()?);
         }
+        let rows = rows.iter().sum::<usize>();
         let storage = QStorage::from_data(blocks.into(), &Device::Cpu, GgmlDType::Q8_0)?;
         let q = QTensor::new(storage, (rows, width.unwrap_or(0)))?;
         Ok(Matrix(QMatMul::from_qtensor(q)?))
@@ -167,14 +172,15 @@ pub(crate) fn load(
     let hp = hyper(&content, max_context)?;
     let mut r = Reader { content: &content, file };
     let mut layers = Vec::with_capacity(hp.layers);
+    let kv = hp.kv_heads * hp.head_dim;
     for i in 0..hp.layers {
         let n = |s: &str| format!("blk.{i}.{s}.weight");
         layers.push(Layer {
             attn_norm: r.vector(&n("attn_norm"))?,
-            wqkv: r.stacked(&[n("attn_q"), n("attn_k"), n("attn_v")])?,
+            wqkv: r.stacked(&[n("attn_q"), n("attn_k"), n("attn_v")], &[hp.dim, kv, kv])?,
             wo: r.matrix(&n("attn_output"))?,
             ffn_norm: r.vector(&n("ffn_norm"))?,
-            w_gate_up: r.stacked(&[n("ffn_gate"), n("ffn_up")])?,
+            w_gate_up: r.stacked(&[n("ffn_gate"), n("ffn_up")], &[hp.ffn, hp.ffn])?,
             w_down: r.matrix(&n("ffn_down"))?,
         });
     }

@@ -112,12 +112,13 @@ $(POD_IP)
 {{- end -}}
 {{- end -}}
 {{- if $root.Values.tls.existingSecret -}}
-{{- /* The Service naming the role's pods, and each pod's name (<fullname>-<role>-<n>,
-up to 3 digits), are DNS labels: 63 characters at most. */ -}}
+{{- /* The Service naming the role's pods is a DNS label (63 characters at most), and the
+StatefulSet's name goes into each pod's `controller-revision-hash` label with a dash and
+up to 10 characters more (63 at most): 52 for the name. */ -}}
 {{- $service := len (include "handoff.podService" (dict "root" $root "role" $role)) -}}
-{{- $pod := add (len (printf "%s-%s" (include "handoff.fullname" $root) $role)) 4 -}}
-{{- if or (gt $service 63) (gt $pod 63) -}}
-{{- fail (printf "tls.existingSecret: the %s Service's name (%d characters) or its pods' (%d) would be past a DNS label's 63: shorten the release name" $role $service $pod) -}}
+{{- $workload := len (printf "%s-%s" (include "handoff.fullname" $root) $role) -}}
+{{- if or (gt $service 63) (gt $workload 52) -}}
+{{- fail (printf "tls.existingSecret: the %s Service's name (%d characters, 63 at most) or its StatefulSet's (%d, 52 at most) is too long: shorten the release name" $role $service $workload) -}}
 {{- end -}}
 {{- if eq $root.Values.transfer "mooncake" -}}
 {{- fail "tls.existingSecret: transfer mooncake has no TLS (its wire has none): use transfer tcp" -}}

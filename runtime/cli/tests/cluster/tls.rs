@@ -81,6 +81,15 @@ async fn etcd_and_nats_over_tls_with_credentials() {
         assert!(!carries(&x, &b, Duration::from_secs(2)).await, "NATS, {label}: refused");
     }
 
+    // Both client certificates' ends are shown (rcgen's default: 4096-01-01).
+    let shown = handoff_core::tls::expiry::expiry_registry().render();
+    for client in ["etcd_client", "nats_client"] {
+        let line = format!(
+            "handoff_tls_certificate_expiry_timestamp_seconds{{certificate=\"{client}\"}} 67090118400"
+        );
+        assert!(shown.contains(&line), "{line} in\n{shown}");
+    }
+
     // The command line passes the same settings through.
     let flags = |pem: &PemFiles, tool: &str| {
         [("ca", &pem.ca), ("cert", &pem.cert), ("key", &pem.key)]

@@ -18,6 +18,11 @@ pub enum Shown {
     Cluster,
     /// The public API's (`--public-tls-cert`).
     Public,
+    /// The etcd client's (`--etcd-cert`).
+    EtcdClient,
+    /// The NATS client's (`--nats-cert`; its library reads the file again at each
+    /// reconnect, so a renewed one is taken then).
+    NatsClient,
 }
 
 impl Shown {
@@ -25,6 +30,8 @@ impl Shown {
         match self {
             Shown::Cluster => "cluster",
             Shown::Public => "public",
+            Shown::EtcdClient => "etcd_client",
+            Shown::NatsClient => "nats_client",
         }
     }
 }
@@ -39,8 +46,8 @@ fn expiries() -> &'static (Arc<Registry>, Arc<Family<Gauge>>) {
         let f = r.gauges(
             "handoff_tls_certificate_expiry_timestamp_seconds",
             "When the certificate this process shows stops being valid (Unix seconds), by \
-             certificate (cluster, public). Read at startup: a renewed file is taken at a \
-             restart.",
+             certificate (cluster, public, etcd_client, nats_client). Read at startup: a \
+             renewed file is taken at a restart.",
             &["certificate"],
         );
         (r, f)
@@ -64,6 +71,14 @@ pub fn note(shown: Shown, cert: &CertificateDer<'_>, now: SystemTime) {
     expiries().1.with(&[shown.label()]).set(secs);
     if let Some(w) = warning(end, now) {
         tracing::warn!(certificate = shown.label(), "TLS certificate {w}");
+    }
+}
+
+/// Notes the first certificate of the PEM `chain` (see [`note`]); a chain that does not parse
+/// is left to whoever uses it to refuse.
+pub fn note_pem(shown: Shown, chain: &[u8], now: SystemTime) {
+    if let Some(leaf) = super::chain_of(chain).ok().and_then(|c| c.into_iter().next()) {
+        note(shown, &leaf, now);
     }
 }
 

@@ -12,6 +12,7 @@ fn hyper() -> Hyper {
         kv_heads: 2,
         head_dim: 4,
         dim: 16,
+        ffn: 32,
         vocab: 10,
         context: 16,
         eps: 1e-5,
