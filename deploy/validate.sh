@@ -118,6 +118,8 @@ refused "a scheduler address in frontend.extraArgs, with scheduler.inFrontend" \
     helm template ci "$chart" -f helm/broken/in-frontend-scheduler-elsewhere.yaml --kube-version "$KUBE"
 refused "the KV budget again in frontend.extraArgs" \
     helm template ci "$chart" -f helm/broken/frontend-budget-twice.yaml --kube-version "$KUBE"
+refused "a flag the chart sets, again in prefill.extraArgs" \
+    helm template ci "$chart" -f helm/broken/prefill-flag-twice.yaml --kube-version "$KUBE"
 refused "a release without a token" helm template ci "$chart" --kube-version "$KUBE"
 check "tls: every role on the cluster's certificate, dialed by its pod's name" \
     tls_wiring "$chart/ci/tls-values.yaml"

@@ -172,7 +172,7 @@ pub(crate) fn forward(
 ) -> Result<Vec<Vec<f32>>, SmolError> {
     let hp = &w.hp;
     let (n, dim, hd) = (rows.len(), hp.dim, hp.head_dim);
-    let kv_dim = hp.kv_heads * hd;
+    let kv_dim = hp.kv_dim();
     let qkv_width = dim + 2 * kv_dim;
     let group = hp.heads / hp.kv_heads;
     // Positions: each sequence continues from its current length.

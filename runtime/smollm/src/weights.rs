@@ -27,6 +27,13 @@ pub(crate) struct Hyper {
     pub(crate) rope_base: f32,
 }
 
+impl Hyper {
+    /// Width of a token's keys (and of its values) over all KV heads.
+    pub(crate) fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
 /// A weight matrix applied as `x @ W^T`.
 pub(crate) struct Matrix(QMatMul);
 
@@ -172,7 +179,7 @@ pub(crate) fn load(
     let hp = hyper(&content, max_context)?;
     let mut r = Reader { content: &content, file };
     let mut layers = Vec::with_capacity(hp.layers);
-    let kv = hp.kv_heads * hp.head_dim;
+    let kv = hp.kv_dim();
     for i in 0..hp.layers {
         let n = |s: &str| format!("blk.{i}.{s}.weight");
         layers.push(Layer {

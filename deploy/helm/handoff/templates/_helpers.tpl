@@ -99,12 +99,23 @@ $(POD_IP)
 {{- end -}}
 {{- end -}}
 
-{{/* Refuses a role's extraArgs that repeat a flag the chart sets (`args`, `role`). */}}
+{{/* Refuses a role's extraArgs that repeat a flag the chart sets (`args`, `role`): the
+binary would stop at startup on a flag given twice. */}}
 {{- define "handoff.refuseChartArgs" -}}
 {{- $root := .root -}}
 {{- $role := .role -}}
+{{- $set := dict
+  "prefill" (list "--id" "--bootstrap-listen" "--grpc-listen" "--ops-listen" "--advertise-host" "--transfer-bind" "--transfer" "--engine" "--tp" "--dp" "--drain-secs")
+  "frontend" (list "--listen" "--http-listen" "--ops-listen" "--max-kv-mib" "--advertise-host" "--transfer-bind" "--drain-secs" "--transfer" "--engine" "--decode-tp")
+  "scheduler" (list "--listen" "--advertise-host" "--ops-listen" "--policy") -}}
 {{- range .args -}}
-{{- if and $root.Values.tls.existingSecret (or (hasPrefix "--tls-" .) (hasPrefix "--advertise-host" .) (hasPrefix "--transfer-advertise" .)) -}}
+{{- $arg := . -}}
+{{- range (get $set $role) -}}
+{{- if or (eq $arg .) (hasPrefix (printf "%s=" .) $arg) -}}
+{{- fail (printf "%s.extraArgs: %s is set by the chart (from values.yaml: frontend.maxKvMiB, prefill.tp, drainSeconds, transfer, engine, ...)" $role $arg) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $root.Values.tls.existingSecret (or (hasPrefix "--tls-" .) (hasPrefix "--transfer-advertise" .)) -}}
 {{- fail (printf "%s.extraArgs: %s is set by the chart with tls.existingSecret" $role .) -}}
 {{- end -}}
 {{- if and $root.Values.publicTls.existingSecret (hasPrefix "--public-tls-" .) -}}
