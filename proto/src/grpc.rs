@@ -3,21 +3,23 @@
 //! The internal services (`Scheduler`, `Prefill`) use the cluster's mutual TLS when it is
 //! configured: servers require a client certificate from the cluster's CA, and clients dial
 //! `https://` with their own certificate, checking that the server's names the host dialed.
-//! The public `Generate` service takes a certificate for clients that hold none.
+//! The public `Generate` service takes a certificate for clients that hold none. TLS is ours,
+//! not tonic's ([`tls`]): a certificate reloaded from its files is taken at the next
+//! handshake.
 
 use std::time::Duration;
 
 use handoff_core::tls::{ClusterTls, ServerTls};
 use handoff_core::traffic::{Protocol, TrafficLayer};
-use tonic::transport::{
-    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig,
-};
+use tonic::transport::{Channel, Endpoint, Server};
 use tower::layer::util::Stack;
 
 mod bounded;
 mod placed;
+mod tls;
 pub use bounded::{BoundBodies, Bounded};
 pub use placed::{Placed, placed_incoming};
+pub use tls::{Accepted, Dialed, LazyTls, TlsDialer, with_tls};
 
 /// How often an internal channel pings its server when it has heard nothing ...
 pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
@@ -36,14 +38,28 @@ pub const CLUSTER_MAX_CONNECTIONS: usize = 4_096;
 /// silent, is that quiet.
 pub const CLUSTER_QUIET: Duration = Duration::from_secs(90);
 
-/// The connections an internal service's `listener` accepts: at most
-/// [`CLUSTER_MAX_CONNECTIONS`] at once, each closed after [`CLUSTER_QUIET`] without a word
-/// (before, an unbounded accept loop took whatever connections came, and once the process
-/// was out of descriptors spun on its failing accepts).
+/// The connections an internal service's `listener` accepts, over the cluster's mutual TLS
+/// when given: at most [`CLUSTER_MAX_CONNECTIONS`] at once, each closed after
+/// [`CLUSTER_QUIET`] without a word (before, an unbounded accept loop took whatever
+/// connections came, and once the process was out of descriptors spun on its failing
+/// accepts).
 pub fn cluster_incoming(
     listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<Placed>> + Send + 'static {
-    placed_incoming(listener, CLUSTER_MAX_CONNECTIONS, CLUSTER_QUIET)
+    tls: Option<&ClusterTls>,
+) -> impl tokio_stream::Stream<Item = std::io::Result<Accepted>> + Send + 'static {
+    let placed = placed_incoming(listener, CLUSTER_MAX_CONNECTIONS, CLUSTER_QUIET);
+    with_tls(placed, tls.map(|t| t.grpc_acceptor().clone()))
+}
+
+/// The connections a public service's `listener` accepts, over its certificate when given:
+/// at most `max` at once, each closed after `quiet` without a word.
+pub fn public_incoming(
+    listener: tokio::net::TcpListener,
+    tls: Option<&ServerTls>,
+    max: usize,
+    quiet: Duration,
+) -> impl tokio_stream::Stream<Item = std::io::Result<Accepted>> + Send + 'static {
+    with_tls(placed_incoming(listener, max, quiet), tls.map(|t| t.grpc_acceptor().clone()))
 }
 
 /// How long a TLS handshake may take, on either side.
@@ -59,8 +75,6 @@ pub enum GrpcError {
         /// Why.
         reason: String,
     },
-    /// The TLS settings were refused.
-    Tls(tonic::transport::Error),
     /// A server failed while serving.
     Serve(tonic::transport::Error),
 }
@@ -69,7 +83,6 @@ impl std::fmt::Display for GrpcError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             GrpcError::Address { addr, reason } => write!(f, "address {addr:?}: {reason}"),
-            GrpcError::Tls(e) => write!(f, "gRPC TLS: {e}"),
             GrpcError::Serve(e) => write!(f, "gRPC server: {e}"),
         }
     }
@@ -77,20 +90,16 @@ impl std::fmt::Display for GrpcError {
 
 impl std::error::Error for GrpcError {}
 
-/// A server builder for an internal service: the cluster's mutual TLS when given. A caller
+/// A server builder for an internal service (its TLS is [`cluster_incoming`]'s). A caller
 /// gone without a word (its host lost power, a partition) gives its connection back within
 /// 15 s, and its calls are dropped with it (a prefill gives up their queued work, not
 /// computing and sending KV for a decode that is gone).
-pub fn cluster_server(tls: Option<&ClusterTls>) -> Result<Counted, GrpcError> {
-    let base = Server::builder()
-        .http2_keepalive_interval(Some(KEEPALIVE_EVERY))
-        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
-    let Some(tls) = tls else { return Ok(counted(base)) };
-    let cfg = ServerTlsConfig::new()
-        .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
-        .client_ca_root(Certificate::from_pem(tls.ca_pem()))
-        .timeout(TLS_HANDSHAKE_TIMEOUT);
-    base.tls_config(cfg).map(counted).map_err(GrpcError::Tls)
+pub fn cluster_server() -> Counted {
+    counted(
+        Server::builder()
+            .http2_keepalive_interval(Some(KEEPALIVE_EVERY))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT)),
+    )
 }
 
 /// A server builder whose calls are counted and timed ([`TrafficLayer`]).
@@ -100,35 +109,18 @@ fn counted(s: Server) -> Counted {
     s.layer(TrafficLayer(Protocol::Grpc))
 }
 
-/// A server builder for a public service: its certificate when given (and its client CA,
-/// when clients must present a certificate), at most `max_streams` streams open at once on
-/// one client connection (tonic's default is no bound: each stream holds its answer's
-/// messages until the client reads them, after the request's own end too), and its request
-/// bodies within `bodies`.
-pub fn public_server(
-    tls: Option<&ServerTls>,
-    max_streams: u32,
-    bodies: BoundBodies,
-) -> Result<Public, GrpcError> {
+/// A server builder for a public service (its TLS is [`public_incoming`]'s): at most
+/// `max_streams` streams open at once on one client connection (tonic's default is no bound:
+/// each stream holds its answer's messages until the client reads them, after the request's
+/// own end too), and its request bodies within `bodies`.
+pub fn public_server(max_streams: u32, bodies: BoundBodies) -> Public {
     // A client gone without a word (a crashed host, a partition) gives its connection back
     // within 40 s.
     let base = Server::builder()
         .http2_keepalive_interval(Some(PUBLIC_KEEPALIVE_EVERY))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .max_concurrent_streams(max_streams);
-    let base = match tls {
-        None => base,
-        Some(tls) => {
-            let mut cfg = ServerTlsConfig::new()
-                .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
-                .timeout(TLS_HANDSHAKE_TIMEOUT);
-            if let Some(ca) = tls.client_ca_pem() {
-                cfg = cfg.client_ca_root(Certificate::from_pem(ca));
-            }
-            base.tls_config(cfg).map_err(GrpcError::Tls)?
-        }
-    };
-    Ok(counted(base).layer(bodies))
+    counted(base).layer(bodies)
 }
 
 /// A public server builder: counted, its request bodies bounded.
@@ -141,27 +133,26 @@ pub fn cluster_channel(
     tls: Option<&ClusterTls>,
     connect_timeout: Duration,
 ) -> Result<Channel, GrpcError> {
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    let ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
-        .map_err(|e| GrpcError::Address { addr: addr.to_owned(), reason: e.to_string() })?;
-    let ep = match tls {
-        None => ep,
-        Some(tls) => ep
-            .tls_config(
-                ClientTlsConfig::new()
-                    .ca_certificate(Certificate::from_pem(tls.ca_pem()))
-                    .identity(Identity::from_pem(tls.chain_pem(), tls.key_pem()))
-                    .timeout(TLS_HANDSHAKE_TIMEOUT),
-            )
-            .map_err(GrpcError::Tls)?,
+    let endpoint = |scheme: &str| {
+        Endpoint::from_shared(format!("{scheme}://{addr}"))
+            .map_err(|e| GrpcError::Address { addr: addr.to_owned(), reason: e.to_string() })
     };
     // HTTP/2 pings find a connection the network lost within 15 s, so a call on it fails (and
     // is retried elsewhere) instead of waiting out its deadline.
-    Ok(ep
+    let ep = endpoint("http")?
         .tcp_nodelay(true)
         .connect_timeout(connect_timeout)
         .http2_keep_alive_interval(KEEPALIVE_EVERY)
         .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-        .keep_alive_while_idle(true)
-        .connect_lazy())
+        .keep_alive_while_idle(true);
+    Ok(match tls {
+        None => ep.connect_lazy(),
+        // Our dialer does the TLS (the connector is handed the `http` URI); requests name
+        // the `https` origin.
+        Some(tls) => {
+            let dialer =
+                TlsDialer(tokio_rustls::TlsConnector::from(tls.grpc_client_config().clone()));
+            ep.origin(endpoint("https")?.uri().clone()).connect_with_connector_lazy(dialer)
+        }
+    })
 }

@@ -215,6 +215,8 @@ mod tests {
             tls_cert: None,
             tls_key: None,
             tls_ca: None,
+            tls_reload_secs: 60,
+            cluster_tls_read: Default::default(),
             access: Default::default(),
             transfer: crate::args::TransferArg::Tcp,
             transfer_bind: std::net::Ipv4Addr::LOCALHOST.into(),

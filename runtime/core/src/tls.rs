@@ -9,25 +9,46 @@
 //! - [`TlsListener`]: an axum listener that hands out only connections whose handshake
 //!   finished, running handshakes side by side with a deadline each, so a slow or silent
 //!   peer holds neither the accept loop nor a slot for long.
+//! - [`reload`]: certificates read from files are read again while the process runs and
+//!   taken at the next handshake when they changed ([`swap`]), so a renewed certificate (or
+//!   a CA bundle changed for a CA rotation) needs no restart.
 
 pub mod expiry;
+pub mod reload;
 #[cfg(any(test, feature = "test-certs"))]
 pub mod test_certs;
 
+mod cluster;
+mod files;
 mod listener;
+mod public;
+mod swap;
 #[cfg(test)]
 mod tests;
 
+pub use cluster::ClusterTls;
 pub use listener::{HANDSHAKES_PER_HOST, TlsListener};
+pub use public::ServerTls;
 
 use std::path::Path;
 use std::sync::Arc;
 
+use rustls::RootCertStore;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-use rustls::server::WebPkiClientVerifier;
-use rustls::{ClientConfig, RootCertStore, ServerConfig};
-use tokio_rustls::{TlsAcceptor, TlsConnector};
+use rustls::sign::CertifiedKey;
+
+/// The ALPN name of HTTP/2, which gRPC's servers offer and its clients ask for.
+const ALPN_H2: &[u8] = b"h2";
+
+/// What a reload of certificate files did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reloaded {
+    /// The files are as they were taken (or as they were last refused): nothing to do.
+    Unchanged,
+    /// The files changed and are in use from now on.
+    Taken,
+}
 
 /// Why TLS settings could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +98,13 @@ fn key_of(pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
     PrivateKeyDer::from_pem_slice(pem).map_err(|e| invalid("key", e))
 }
 
+/// The certificate chain with its private key, checked to belong together.
+fn certified(chain: &[u8], key: &[u8]) -> Result<Arc<CertifiedKey>, TlsError> {
+    CertifiedKey::from_der(chain_of(chain)?, key_of(key)?, &provider())
+        .map(Arc::new)
+        .map_err(|e| invalid("certificate and key", e))
+}
+
 fn roots_of(ca: &[u8]) -> Result<RootCertStore, TlsError> {
     let mut roots = RootCertStore::empty();
     for c in CertificateDer::pem_slice_iter(ca) {
@@ -86,92 +114,6 @@ fn roots_of(ca: &[u8]) -> Result<RootCertStore, TlsError> {
         return Err(invalid("CA", "no certificate in the PEM"));
     }
     Ok(roots)
-}
-
-/// One process's identity in the cluster and the cluster's CA (see the module docs).
-#[derive(Clone)]
-pub struct ClusterTls {
-    chain: Arc<[u8]>,
-    key: Arc<[u8]>,
-    ca: Arc<[u8]>,
-    acceptor: TlsAcceptor,
-    connector: TlsConnector,
-}
-
-impl std::fmt::Debug for ClusterTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ClusterTls")
-    }
-}
-
-impl ClusterTls {
-    /// From PEM: this process's certificate chain and private key, and the cluster's CA.
-    pub fn from_pem(chain: &[u8], key: &[u8], ca: &[u8]) -> Result<Self, TlsError> {
-        let certs = chain_of(chain)?;
-        let private = key_of(key)?;
-        let roots = Arc::new(roots_of(ca)?);
-        let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
-            .build()
-            .map_err(|e| invalid("client verifier", e))?;
-        let server = ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| invalid("server", e))?
-            .with_client_cert_verifier(verifier)
-            .with_single_cert(certs.clone(), private.clone_key())
-            .map_err(|e| invalid("server certificate", e))?;
-        let client = ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| invalid("client", e))?
-            .with_root_certificates(roots)
-            .with_client_auth_cert(certs, private)
-            .map_err(|e| invalid("client certificate", e))?;
-        Ok(ClusterTls {
-            chain: chain.into(),
-            key: key.into(),
-            ca: ca.into(),
-            acceptor: TlsAcceptor::from(Arc::new(server)),
-            connector: TlsConnector::from(Arc::new(client)),
-        })
-    }
-
-    /// From PEM files (see [`ClusterTls::from_pem`]), noting when the certificate expires
-    /// ([`expiry`]).
-    pub fn from_files(chain: &Path, key: &Path, ca: &Path) -> Result<Self, TlsError> {
-        let chain = read(chain)?;
-        let tls = Self::from_pem(&chain, &read(key)?, &read(ca)?)?;
-        expiry::note_pem(expiry::Shown::Cluster, &chain, std::time::SystemTime::now());
-        Ok(tls)
-    }
-
-    /// Accepts connections from holders of a certificate the CA signed.
-    pub fn acceptor(&self) -> &TlsAcceptor {
-        &self.acceptor
-    }
-
-    /// Dials with this process's certificate, trusting servers the CA signed.
-    pub fn connector(&self) -> &TlsConnector {
-        &self.connector
-    }
-
-    /// The client settings behind [`ClusterTls::connector`] (for HTTP clients).
-    pub fn client_config(&self) -> &Arc<ClientConfig> {
-        self.connector.config()
-    }
-
-    /// The certificate chain, PEM (for libraries that build their own TLS settings).
-    pub fn chain_pem(&self) -> &[u8] {
-        &self.chain
-    }
-
-    /// The private key, PEM.
-    pub fn key_pem(&self) -> &[u8] {
-        &self.key
-    }
-
-    /// The CA, PEM.
-    pub fn ca_pem(&self) -> &[u8] {
-        &self.ca
-    }
 }
 
 /// The name a server at `host` (a DNS name or an IP address) must prove.
@@ -228,91 +170,18 @@ pub fn own_certificate_refused(e: &(dyn std::error::Error + 'static)) -> bool {
         if let Some(rustls::Error::AlertReceived(a)) = e.downcast_ref::<rustls::Error>() {
             return HOLDERS_FAULT_ALERTS.contains(a);
         }
-        // Through tonic's transport the alert arrives as its text only, in an I/O error.
-        if let Some(io) = e.downcast_ref::<std::io::Error>()
-            && let Some(name) = io.to_string().strip_prefix("received fatal alert: ")
-        {
-            return HOLDERS_FAULT_ALERTS.iter().any(|a| a.as_str() == Some(name));
+        // An I/O error holds the TLS error it stands for (not as its source), or, through
+        // other transports, only its text.
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            let inner = io.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>());
+            if let Some(rustls::Error::AlertReceived(a)) = inner {
+                return HOLDERS_FAULT_ALERTS.contains(a);
+            }
+            if let Some(name) = io.to_string().strip_prefix("received fatal alert: ") {
+                return HOLDERS_FAULT_ALERTS.iter().any(|a| a.as_str() == Some(name));
+            }
         }
         at = e.source();
     }
     false
-}
-
-/// A public endpoint's certificate and key; clients need no certificate of their own unless
-/// a client CA is given.
-#[derive(Clone)]
-pub struct ServerTls {
-    chain: Arc<[u8]>,
-    key: Arc<[u8]>,
-    client_ca: Option<Arc<[u8]>>,
-    acceptor: TlsAcceptor,
-}
-
-impl std::fmt::Debug for ServerTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ServerTls")
-    }
-}
-
-impl ServerTls {
-    /// From PEM: the certificate chain and its private key; with `client_ca`, clients must
-    /// present a certificate it signed.
-    pub fn from_pem(chain: &[u8], key: &[u8], client_ca: Option<&[u8]>) -> Result<Self, TlsError> {
-        let builder = ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| invalid("server", e))?;
-        let builder = match client_ca {
-            None => builder.with_no_client_auth(),
-            Some(ca) => {
-                let roots = Arc::new(roots_of(ca)?);
-                let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider())
-                    .build()
-                    .map_err(|e| invalid("client verifier", e))?;
-                builder.with_client_cert_verifier(verifier)
-            }
-        };
-        let server = builder
-            .with_single_cert(chain_of(chain)?, key_of(key)?)
-            .map_err(|e| invalid("server certificate", e))?;
-        Ok(ServerTls {
-            chain: chain.into(),
-            key: key.into(),
-            client_ca: client_ca.map(Arc::from),
-            acceptor: TlsAcceptor::from(Arc::new(server)),
-        })
-    }
-
-    /// From PEM files (see [`ServerTls::from_pem`]).
-    pub fn from_files(
-        chain: &Path,
-        key: &Path,
-        client_ca: Option<&Path>,
-    ) -> Result<Self, TlsError> {
-        let ca = client_ca.map(read).transpose()?;
-        let chain = read(chain)?;
-        let tls = Self::from_pem(&chain, &read(key)?, ca.as_deref())?;
-        expiry::note_pem(expiry::Shown::Public, &chain, std::time::SystemTime::now());
-        Ok(tls)
-    }
-
-    /// The CA clients' certificates must come from, PEM, when clients need one.
-    pub fn client_ca_pem(&self) -> Option<&[u8]> {
-        self.client_ca.as_deref()
-    }
-
-    /// Accepts any client.
-    pub fn acceptor(&self) -> &TlsAcceptor {
-        &self.acceptor
-    }
-
-    /// The certificate chain, PEM.
-    pub fn chain_pem(&self) -> &[u8] {
-        &self.chain
-    }
-
-    /// The private key, PEM.
-    pub fn key_pem(&self) -> &[u8] {
-        &self.key
-    }
 }

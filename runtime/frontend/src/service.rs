@@ -439,8 +439,12 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
     let (limits, tls) = (frontend.cfg.http, frontend.cfg.public_tls.clone());
-    let incoming =
-        handoff_proto::grpc::placed_incoming(listener, limits.max_connections, limits.grpc_quiet);
+    let incoming = handoff_proto::grpc::public_incoming(
+        listener,
+        tls.as_ref(),
+        limits.max_connections,
+        limits.grpc_quiet,
+    );
     frontend.mark_serving();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut stopping = stopped.clone();
@@ -456,7 +460,7 @@ pub async fn serve(
     let max_streams =
         u32::try_from(frontend.cfg.max_concurrent.saturating_mul(2)).unwrap_or(u32::MAX);
     let bodies = handoff_proto::grpc::BoundBodies::new(limits.body_timeout, limits.receiving_bytes);
-    let serving = handoff_proto::grpc::public_server(tls.as_ref(), max_streams, bodies)?
+    let serving = handoff_proto::grpc::public_server(max_streams, bodies)
         .add_service(GenerateService::new(frontend).into_server())
         .serve_with_incoming_shutdown(incoming, goaway);
     tokio::pin!(serving, shutdown);

@@ -147,19 +147,17 @@ impl PrefillInstance {
         let service = svc.clone();
         warm_up(&service, &*engine).await?;
         let gl = TcpListener::bind(cfg.grpc_bind).await.map_err(startup)?;
-        let mut grpc = handoff_proto::grpc::cluster_server(cfg.tls.as_ref()).map_err(startup)?;
+        let mut grpc = handoff_proto::grpc::cluster_server();
         let grpc_addr = handoff_core::net::host_port(
             &cfg.advertise_host,
             gl.local_addr().map_err(startup)?.port(),
         );
+        let incoming = handoff_proto::grpc::cluster_incoming(gl, cfg.tls.as_ref());
         let t = tasks.clone();
         tasks.spawn(async move {
             let res = grpc
                 .add_service(svc.into_server())
-                .serve_with_incoming_shutdown(
-                    handoff_proto::grpc::cluster_incoming(gl),
-                    t.shutdown_requested(),
-                )
+                .serve_with_incoming_shutdown(incoming, t.shutdown_requested())
                 .await;
             if let Err(e) = res {
                 warn!(error = %e, "prefill gRPC stopped");

@@ -254,9 +254,10 @@ pub async fn serve(
     state: Arc<SchedulerState>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
-    handoff_proto::grpc::cluster_server(state.config().tls.as_ref())?
+    let incoming = handoff_proto::grpc::cluster_incoming(listener, state.config().tls.as_ref());
+    handoff_proto::grpc::cluster_server()
         .add_service(SchedulerService::new(state).into_server())
-        .serve_with_incoming_shutdown(handoff_proto::grpc::cluster_incoming(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .map_err(GrpcError::Serve)
 }

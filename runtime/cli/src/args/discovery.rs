@@ -44,6 +44,16 @@ pub struct DiscoveryArgs {
     /// The cluster's CA certificate (PEM): peers must hold a certificate it signed.
     #[arg(long, requires_all = ["tls_cert", "tls_key"])]
     pub tls_ca: Option<std::path::PathBuf>,
+    /// How often the certificate files (--tls-* and --public-tls-*) are read again, in
+    /// seconds: changed and usable ones (a renewal, a CA bundle for a CA change) are taken at
+    /// the next handshake, with no restart; unusable ones are refused and logged, and the
+    /// ones in use kept. 0: read once, at startup. The etcd and NATS clients' are read once.
+    #[arg(long, default_value_t = 60, value_name = "SECS")]
+    pub tls_reload_secs: u64,
+    /// The cluster's TLS settings once read: one per process, so a reload reaches every part
+    /// that uses them.
+    #[arg(skip)]
+    pub cluster_tls_read: std::sync::OnceLock<Option<handoff_core::tls::ClusterTls>>,
     /// TLS and credentials for etcd and NATS.
     #[command(flatten)]
     pub access: BackendAccessArgs,
@@ -138,29 +148,55 @@ pub struct PublicTlsArgs {
     /// TLS for clients); without it, clients need none.
     #[arg(long, requires = "public_tls_cert")]
     pub public_tls_client_ca: Option<PathBuf>,
+    /// The certificate once read (one per process, so a reload reaches both listeners).
+    #[arg(skip)]
+    pub read: std::sync::OnceLock<Option<ServerTls>>,
 }
 
 impl PublicTlsArgs {
-    /// The certificate, when the flags give one.
+    /// The certificate, when the flags give one (read once: later calls share it).
     pub fn server_tls(&self) -> anyhow::Result<Option<ServerTls>> {
-        match (&self.public_tls_cert, &self.public_tls_key) {
-            (Some(c), Some(k)) => {
-                Ok(Some(ServerTls::from_files(c, k, self.public_tls_client_ca.as_deref())?))
-            }
-            _ => Ok(None),
+        if let Some(read) = self.read.get() {
+            return Ok(read.clone());
         }
+        let tls = match (&self.public_tls_cert, &self.public_tls_key) {
+            (Some(c), Some(k)) => {
+                Some(ServerTls::from_files(c, k, self.public_tls_client_ca.as_deref())?)
+            }
+            _ => None,
+        };
+        Ok(self.read.get_or_init(|| tls).clone())
     }
 }
 
 impl DiscoveryArgs {
-    /// The cluster's mutual TLS, when the flags give it.
+    /// The cluster's mutual TLS, when the flags give it (read once: later calls share it).
     pub fn cluster_tls(&self) -> anyhow::Result<Option<handoff_core::tls::ClusterTls>> {
-        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
-            (Some(c), Some(k), Some(ca)) => {
-                Ok(Some(handoff_core::tls::ClusterTls::from_files(c, k, ca)?))
-            }
-            _ => Ok(None),
+        if let Some(read) = self.cluster_tls_read.get() {
+            return Ok(read.clone());
         }
+        let tls = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(c), Some(k), Some(ca)) => {
+                Some(handoff_core::tls::ClusterTls::from_files(c, k, ca)?)
+            }
+            _ => None,
+        };
+        Ok(self.cluster_tls_read.get_or_init(|| tls).clone())
+    }
+
+    /// Reads this process's certificate files again every --tls-reload-secs until shutdown:
+    /// those it read ([`DiscoveryArgs::cluster_tls`], and `public`'s when given), unless 0.
+    pub fn watch_tls(&self, public: Option<&PublicTlsArgs>, tasks: &handoff_core::Tasks) {
+        use handoff_core::tls::reload::{Reloadable, watch};
+        let cluster = self.cluster_tls_read.get().cloned().flatten().map(Reloadable::Cluster);
+        let public = public.and_then(|p| p.read.get().cloned().flatten()).map(Reloadable::Public);
+        let held: Vec<Reloadable> = cluster.into_iter().chain(public).collect();
+        if held.is_empty() || self.tls_reload_secs == 0 {
+            return;
+        }
+        let every = std::time::Duration::from_secs(self.tls_reload_secs);
+        let t = tasks.clone();
+        tasks.spawn(watch(held, every, async move { t.shutdown_requested().await }));
     }
 
     /// The transfer backend on --transfer-bind: tcp (with the flags' TLS), mooncake or nixl; `fake`

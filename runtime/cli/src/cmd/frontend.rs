@@ -51,6 +51,7 @@ pub async fn run(args: FrontendArgs, mut stop: Stop) -> anyhow::Result<()> {
         return Ok(());
     };
     let Started { frontend, registry, own_scheduler, grpc, http, id } = started;
+    args.discovery.watch_tls(Some(&args.public_tls), &tasks);
     let (t1, t2) = (tasks.clone(), tasks.clone());
     let fe = frontend.clone();
     tasks.spawn(async move {

@@ -46,6 +46,7 @@ pub async fn run(args: PrefillArgs, mut stop: Stop) -> anyhow::Result<()> {
     let Some((p, ops)) = stop.starting(&tasks, start(&args, &tasks)).await? else {
         return Ok(());
     };
+    args.discovery.watch_tls(None, &tasks);
     let s = if args.discovery.tls_cert.is_some() { "s" } else { "" };
     let mut ready = format!(
         "prefill {} ready: bootstrap http{s}://{} grpc{s}://{}",

@@ -28,6 +28,7 @@ pub async fn run(args: SchedulerArgs, mut stop: Stop) -> anyhow::Result<()> {
         return Ok(());
     };
     let Started { scheduler, registry, listener, id } = started;
+    args.discovery.watch_tls(None, &tasks);
     let t = tasks.clone();
     let serving =
         service::serve(

@@ -89,6 +89,7 @@ pub async fn run(args: UpArgs, mut stop: Stop) -> anyhow::Result<()> {
     let Some(cluster) = stop.starting(&tasks, starting).await? else {
         return Ok(());
     };
+    args.discovery.watch_tls(Some(&args.public_tls), &tasks);
     let mut out = std::io::stdout().lock();
     // "s" where a listener speaks TLS.
     let inner = if args.discovery.tls_cert.is_some() { "s" } else { "" };

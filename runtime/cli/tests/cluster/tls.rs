@@ -183,3 +183,84 @@ async fn processes_with_mutual_tls_serve_over_a_public_certificate() {
     }
     assert_eq!(served.as_deref(), Some("tls-p0"), "served through the prefill over mutual TLS");
 }
+
+/// The certificate a TLS server on `addr` shows a new client of `ca` (a new client each
+/// time: one that dialed before would resume its session and see the old certificate).
+async fn shown(addr: &str, ca: &TestCa) -> Option<Vec<u8>> {
+    let client = ca.issue().cluster();
+    let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let name = handoff_core::tls::server_name("127.0.0.1").unwrap();
+    let s = client.connector().connect(name, tcp).await.ok()?;
+    Some(s.get_ref().1.peer_certificates()?.first()?.to_vec())
+}
+
+/// A certificate renewed on disk (as cert-manager rewrites a Secret's files) is taken by a
+/// running process within --tls-reload-secs: its gRPC server shows the new one to new
+/// clients, calls go on being served, and its metrics show the new end and the reload.
+#[tokio::test]
+async fn a_renewed_certificate_is_taken_without_a_restart() {
+    use handoff_proto::v1::ListInstancesRequest;
+    use handoff_proto::v1::scheduler_client::SchedulerClient;
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+
+    let ca = TestCa::new();
+    let member = PemFiles::write(&ca.issue(), "renewed");
+    let (etcd, nats) = (Server::etcd(), Server::nats());
+    let files =
+        [("--tls-cert", &member.cert), ("--tls-key", &member.key), ("--tls-ca", &member.ca)]
+            .map(|(f, p)| [f.to_owned(), p.display().to_string()])
+            .concat();
+    let mut args: Vec<String> = ["scheduler", "--listen", "127.0.0.1:0", "--ops-listen"]
+        .into_iter()
+        .chain(["127.0.0.1:0", "--etcd", &etcd.url, "--nats", &nats.url])
+        .chain(["--token", "cluster-secret", "--tls-reload-secs", "1"])
+        .map(String::from)
+        .collect();
+    args.extend(files);
+    let (_s, line) = Handoff::spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let addr = super::processes::addr_after(&line, "grpcs://");
+    let ops = super::processes::addr_after(&line, "ops http://");
+    let first = CertificateDer::from_pem_file(&member.cert).unwrap().to_vec();
+    assert_eq!(shown(&addr, &ca).await, Some(first));
+
+    // Clients that connect and say nothing hold no handshake of anyone else's up.
+    let mut silent = Vec::new();
+    for _ in 0..20 {
+        silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    // Renewed: a new key and certificate, valid until 2061-03-01, each file replaced whole.
+    let renewed = ca.issue_valid_until((2061, 3, 1));
+    for (path, body) in [(&member.key, &renewed.key), (&member.cert, &renewed.cert)] {
+        let staged = path.with_extension("new");
+        std::fs::write(&staged, body).unwrap();
+        std::fs::rename(&staged, path).unwrap();
+    }
+    let want = CertificateDer::from_pem_slice(renewed.cert.as_bytes()).unwrap().to_vec();
+    let mut now_shown = None;
+    for _ in 0..100 {
+        now_shown = shown(&addr, &ca).await;
+        if now_shown.as_ref() == Some(&want) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(now_shown, Some(want), "the renewed certificate shown by the running process");
+
+    let client = ca.issue().cluster();
+    let channel =
+        handoff_proto::grpc::cluster_channel(&addr, Some(&client), Duration::from_secs(2)).unwrap();
+    let ask = handoff_proto::auth::request(ListInstancesRequest {}, Some("cluster-secret"));
+    SchedulerClient::new(channel)
+        .list_instances(ask)
+        .await
+        .expect("served over the new certificate");
+    let scrape = super::operations::http_get(&ops, "/metrics").await.1;
+    for line in [
+        "handoff_tls_certificate_expiry_timestamp_seconds{certificate=\"cluster\"} 2876860800",
+        "handoff_tls_reloads_total{certificate=\"cluster\",outcome=\"taken\"} 1",
+    ] {
+        assert!(scrape.contains(line), "{line} in\n{scrape}");
+    }
+    drop(silent);
+}

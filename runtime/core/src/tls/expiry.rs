@@ -1,15 +1,16 @@
 //! When the certificates a process shows expire: read from each certificate's validity at
 //! startup, warned of when near, and shown on every role's `/metrics` as
 //! `handoff_tls_certificate_expiry_timestamp_seconds{certificate}` (the process's own
-//! registry, like its served traffic), so an operator can alert before one runs out: files
-//! are read once, and a renewed one is taken only at a restart.
+//! registry, like its served traffic), so an operator can alert before one runs out. The
+//! cluster's and the public certificates are noted again at each reload ([`super::reload`]);
+//! the etcd and NATS clients' are read at startup only.
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rustls::pki_types::CertificateDer;
 
-use crate::metrics::{Family, Gauge, Registry};
+use crate::metrics::{Counter, Family, Gauge, Registry};
 
 /// Which certificate of the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,7 +27,7 @@ pub enum Shown {
 }
 
 impl Shown {
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Shown::Cluster => "cluster",
             Shown::Public => "public",
@@ -39,24 +40,43 @@ impl Shown {
 /// How long before its end a certificate is warned of at startup.
 pub const WARN_BEFORE: Duration = Duration::from_secs(14 * 24 * 3600);
 
-fn expiries() -> &'static (Arc<Registry>, Arc<Family<Gauge>>) {
-    static EXPIRIES: OnceLock<(Arc<Registry>, Arc<Family<Gauge>>)> = OnceLock::new();
-    EXPIRIES.get_or_init(|| {
-        let r = Registry::new();
-        let f = r.gauges(
+/// The process's certificate metrics.
+struct Certificates {
+    registry: Arc<Registry>,
+    expiry: Arc<Family<Gauge>>,
+    reloads: Arc<Family<Counter>>,
+}
+
+fn certificates() -> &'static Certificates {
+    static CERTIFICATES: OnceLock<Certificates> = OnceLock::new();
+    CERTIFICATES.get_or_init(|| {
+        let registry = Registry::new();
+        let expiry = registry.gauges(
             "handoff_tls_certificate_expiry_timestamp_seconds",
             "When the certificate this process shows stops being valid (Unix seconds), by \
-             certificate (cluster, public, etcd_client, nats_client). Read at startup: a \
-             renewed file is taken at a restart.",
+             certificate (cluster, public, etcd_client, nats_client). Read at startup, and for \
+             cluster and public at each reload of their files.",
             &["certificate"],
         );
-        (r, f)
+        let reloads = registry.counters(
+            "handoff_tls_reloads_total",
+            "Looks at certificate files that found them changed, by certificate (cluster, \
+             public) and outcome: taken, or refused (unusable: the certificate in use is kept).",
+            &["certificate", "outcome"],
+        );
+        Certificates { registry, expiry, reloads }
     })
 }
 
-/// The registry of the process's certificate expiries (rendered with every role's metrics).
+/// The registry of the process's certificate expiries and reloads (rendered with every
+/// role's metrics).
 pub fn expiry_registry() -> &'static Arc<Registry> {
-    &expiries().0
+    &certificates().registry
+}
+
+/// The reloads counted ([`super::reload`]).
+pub(crate) fn reloads() -> &'static Arc<Family<Counter>> {
+    &certificates().reloads
 }
 
 /// Records when `cert` (the leaf the process shows as `shown`) expires, and warns when it
@@ -68,7 +88,7 @@ pub fn note(shown: Shown, cert: &CertificateDer<'_>, now: SystemTime) {
         return;
     };
     let secs = end.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-    expiries().1.with(&[shown.label()]).set(secs);
+    certificates().expiry.with(&[shown.label()]).set(secs);
     if let Some(w) = warning(end, now) {
         tracing::warn!(certificate = shown.label(), "TLS certificate {w}");
     }
@@ -87,9 +107,7 @@ pub fn note_pem(shown: Shown, chain: &[u8], now: SystemTime) {
 pub fn warning(end: SystemTime, now: SystemTime) -> Option<String> {
     match end.duration_since(now) {
         Err(ago) => Some(format!("expired {} ago: peers refuse it", days(ago.duration()))),
-        Ok(left) if left <= WARN_BEFORE => {
-            Some(format!("expires in {}: renew it and restart", days(left)))
-        }
+        Ok(left) if left <= WARN_BEFORE => Some(format!("expires in {}: renew it", days(left))),
         Ok(_) => None,
     }
 }

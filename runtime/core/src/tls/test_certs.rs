@@ -90,6 +90,15 @@ impl TestCa {
         })
     }
 
+    /// A certificate for `127.0.0.1` and `localhost` valid from 2000 until midnight (UTC)
+    /// of the day `(year, month, day)`.
+    pub fn issue_valid_until(&self, (year, month, day): (i32, u8, u8)) -> TestCert {
+        self.sign(&["127.0.0.1", "localhost"], |p| {
+            p.not_before = rcgen::date_time_ymd(2000, 1, 1);
+            p.not_after = rcgen::date_time_ymd(year, month, day);
+        })
+    }
+
     fn sign(&self, names: &[&str], adjust: impl FnOnce(&mut rcgen::CertificateParams)) -> TestCert {
         let issuer = rcgen::Issuer::from_params(&self.params, &self.key);
         let key = rcgen::KeyPair::generate().expect("key");

@@ -1,0 +1,236 @@
+//! gRPC over our own TLS settings ([`handoff_core::tls`]), not tonic's: tonic builds its TLS
+//! from PEM once, so a certificate renewed on disk would be taken only at a restart. Ours
+//! resolve the certificate and the CA at each handshake, so a reload reaches the gRPC
+//! servers and channels too.
+//!
+//! - Servers: each accepted connection becomes [`Accepted`]; over TLS its handshake runs in
+//!   the connection's own task on its first read or write, within [`TLS_HANDSHAKE_TIMEOUT`],
+//!   so a slow or silent client holds only its own place, never the accept loop.
+//! - Channels: [`TlsDialer`] dials TCP (`TCP_NODELAY`) and then TLS, proving the host
+//!   dialed, within [`TLS_HANDSHAKE_TIMEOUT`] for the handshake.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio_stream::{Stream, StreamExt};
+use tonic::codegen::http::Uri;
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+use super::{Placed, TLS_HANDSHAKE_TIMEOUT};
+
+/// A connection a gRPC server serves: plain, or over TLS.
+#[derive(Debug)]
+pub enum Accepted {
+    /// No TLS.
+    Plain(Placed),
+    /// TLS, its handshake done on first use.
+    Tls(Box<LazyTls>),
+}
+
+/// `incoming`'s connections, over TLS with `acceptor` when given.
+pub fn with_tls(
+    incoming: impl Stream<Item = io::Result<Placed>> + Send + 'static,
+    acceptor: Option<TlsAcceptor>,
+) -> impl Stream<Item = io::Result<Accepted>> + Send + 'static {
+    incoming.map(move |placed| {
+        let placed = placed?;
+        Ok(match &acceptor {
+            None => Accepted::Plain(placed),
+            Some(a) => Accepted::Tls(Box::new(LazyTls::new(a, placed))),
+        })
+    })
+}
+
+type Handshake = Pin<Box<tokio::time::Timeout<tokio_rustls::Accept<Placed>>>>;
+
+/// A server's TLS connection whose handshake runs when it is first read or written.
+pub struct LazyTls {
+    info: TcpConnectInfo,
+    stage: Stage,
+}
+
+enum Stage {
+    Handshake(Handshake),
+    Ready(tokio_rustls::server::TlsStream<Placed>),
+    Failed,
+}
+
+impl std::fmt::Debug for LazyTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyTls").field("remote", &self.info.remote_addr()).finish()
+    }
+}
+
+impl LazyTls {
+    fn new(acceptor: &TlsAcceptor, placed: Placed) -> Self {
+        let info = placed.connect_info();
+        let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(placed));
+        LazyTls { info, stage: Stage::Handshake(Box::pin(handshake)) }
+    }
+
+    /// The stream once its handshake is done (driving it).
+    fn poll_stream(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<&mut tokio_rustls::server::TlsStream<Placed>>> {
+        if let Stage::Handshake(h) = &mut self.stage {
+            let done = ready!(h.as_mut().poll(cx));
+            match done {
+                Ok(Ok(s)) => self.stage = Stage::Ready(s),
+                Ok(Err(e)) => {
+                    self.stage = Stage::Failed;
+                    tracing::debug!(remote = ?self.info.remote_addr(), error = %e, "gRPC TLS handshake failed");
+                    return Poll::Ready(Err(e));
+                }
+                Err(_) => {
+                    self.stage = Stage::Failed;
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("TLS handshake not done within {TLS_HANDSHAKE_TIMEOUT:?}"),
+                    )));
+                }
+            }
+        }
+        match &mut self.stage {
+            Stage::Ready(s) => Poll::Ready(Ok(s)),
+            _ => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "TLS handshake failed",
+            ))),
+        }
+    }
+}
+
+impl Connected for Accepted {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        match self {
+            Accepted::Plain(p) => p.connect_info(),
+            Accepted::Tls(t) => t.info.clone(),
+        }
+    }
+}
+
+impl AsyncRead for Accepted {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Accepted::Plain(p) => Pin::new(p).poll_read(cx, buf),
+            Accepted::Tls(t) => {
+                let s = ready!(t.poll_stream(cx))?;
+                Pin::new(s).poll_read(cx, buf)
+            }
+        }
+    }
+}
+
+impl AsyncWrite for Accepted {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Accepted::Plain(p) => Pin::new(p).poll_write(cx, buf),
+            Accepted::Tls(t) => {
+                let s = ready!(t.poll_stream(cx))?;
+                Pin::new(s).poll_write(cx, buf)
+            }
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Accepted::Plain(p) => Pin::new(p).poll_write_vectored(cx, bufs),
+            Accepted::Tls(t) => {
+                let s = ready!(t.poll_stream(cx))?;
+                Pin::new(s).poll_write_vectored(cx, bufs)
+            }
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Accepted::Plain(p) => p.is_write_vectored(),
+            Accepted::Tls(t) => match &t.stage {
+                Stage::Ready(s) => s.is_write_vectored(),
+                _ => false,
+            },
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Accepted::Plain(p) => Pin::new(p).poll_flush(cx),
+            Accepted::Tls(t) => match &mut t.stage {
+                Stage::Ready(s) => Pin::new(s).poll_flush(cx),
+                _ => Poll::Ready(Ok(())),
+            },
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Accepted::Plain(p) => Pin::new(p).poll_shutdown(cx),
+            Accepted::Tls(t) => match &mut t.stage {
+                Stage::Ready(s) => Pin::new(s).poll_shutdown(cx),
+                _ => Poll::Ready(Ok(())),
+            },
+        }
+    }
+}
+
+/// Dials a gRPC server over TLS (see the module docs): the connector of a channel.
+#[derive(Clone)]
+pub struct TlsDialer(pub TlsConnector);
+
+/// A dialed TLS connection, as hyper reads and writes it.
+pub type Dialed = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+
+impl tower::Service<Uri> for TlsDialer {
+    type Response = Dialed;
+    type Error = io::Error;
+    type Future = Pin<Box<dyn Future<Output = io::Result<Dialed>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let connector = self.0.clone();
+        Box::pin(async move {
+            let bad = |what: &str| {
+                io::Error::new(io::ErrorKind::InvalidInput, format!("{what} in {uri}"))
+            };
+            let host = uri.host().ok_or_else(|| bad("no host"))?;
+            let port = uri.port_u16().ok_or_else(|| bad("no port"))?;
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            let name = handoff_core::tls::server_name(host).map_err(io::Error::other)?;
+            let tcp = TcpStream::connect((host, port)).await?;
+            // Best effort: a socket that refuses the option still works, only slower.
+            let _ = tcp.set_nodelay(true);
+            let tls = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, connector.connect(name, tcp))
+                .await
+                .map_err(|_| {
+                    io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("TLS handshake not done within {TLS_HANDSHAKE_TIMEOUT:?}"),
+                    )
+                })??;
+            Ok(hyper_util::rt::TokioIo::new(tls))
+        })
+    }
+}

@@ -1,0 +1,165 @@
+//! [`ClusterTls`]: mutual TLS between a cluster's own processes, reloadable from its files.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::ServerCertVerifier;
+use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::ClientCertVerifier;
+use rustls::sign::CertifiedKey;
+use rustls::{ClientConfig, ServerConfig};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+use super::files::Files;
+use super::swap::{ClientTrust, KeyOf, ServerTrust, Swap};
+use super::{ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of};
+
+/// One process's identity in the cluster and the cluster's CA (see the module docs of
+/// [`crate::tls`]). Clones share their settings: a reload reaches every clone, and every
+/// acceptor and connector taken from them, at its next handshake.
+#[derive(Clone)]
+pub struct ClusterTls {
+    inner: Arc<Cluster>,
+}
+
+struct Cluster {
+    key: Arc<Swap<CertifiedKey>>,
+    clients: Arc<Swap<dyn ClientCertVerifier>>,
+    servers: Arc<Swap<dyn ServerCertVerifier>>,
+    acceptor: TlsAcceptor,
+    grpc_acceptor: TlsAcceptor,
+    connector: TlsConnector,
+    grpc_client: Arc<ClientConfig>,
+    files: Option<Files>,
+}
+
+impl std::fmt::Debug for ClusterTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterTls")
+    }
+}
+
+/// What is built from the three PEMs, checked: the certificate with its key, and the
+/// verifiers of clients and servers from the CA.
+struct Parts {
+    key: Arc<CertifiedKey>,
+    clients: Arc<dyn ClientCertVerifier>,
+    servers: Arc<dyn ServerCertVerifier>,
+}
+
+fn parts(chain: &[u8], key: &[u8], ca: &[u8]) -> Result<Parts, TlsError> {
+    let key = certified(chain, key)?;
+    let roots = Arc::new(roots_of(ca)?);
+    let clients = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+        .build()
+        .map_err(|e| invalid("client verifier", e))?;
+    let servers = WebPkiServerVerifier::builder_with_provider(roots, provider())
+        .build()
+        .map_err(|e| invalid("server verifier", e))?;
+    Ok(Parts { key, clients, servers })
+}
+
+impl ClusterTls {
+    /// From PEM: this process's certificate chain and private key, and the cluster's CA.
+    pub fn from_pem(chain: &[u8], key: &[u8], ca: &[u8]) -> Result<Self, TlsError> {
+        Self::built(parts(chain, key, ca)?, None)
+    }
+
+    /// From PEM files (see [`ClusterTls::from_pem`]), noting when the certificate expires
+    /// ([`expiry`]); [`ClusterTls::reload`] reads them again.
+    pub fn from_files(chain: &Path, key: &Path, ca: &Path) -> Result<Self, TlsError> {
+        let paths = vec![chain.to_owned(), key.to_owned(), ca.to_owned()];
+        let bytes = Files::read_all(&paths)?;
+        let parts = parts(&bytes[0], &bytes[1], &bytes[2])?;
+        expiry::note_pem(expiry::Shown::Cluster, &bytes[0], SystemTime::now());
+        Self::built(parts, Some(Files::new(paths, bytes)))
+    }
+
+    fn built(p: Parts, files: Option<Files>) -> Result<Self, TlsError> {
+        let key = Swap::new(p.key);
+        let clients = Swap::new(p.clients);
+        let servers = Swap::new(p.servers);
+        let server = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| invalid("server", e))?
+            .with_client_cert_verifier(Arc::new(ClientTrust(clients.clone())))
+            .with_cert_resolver(Arc::new(KeyOf(key.clone())));
+        let client = ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| invalid("client", e))?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(ServerTrust(servers.clone())))
+            .with_client_cert_resolver(Arc::new(KeyOf(key.clone())));
+        let mut grpc_server = server.clone();
+        grpc_server.alpn_protocols = vec![ALPN_H2.to_vec()];
+        let mut grpc_client = client.clone();
+        grpc_client.alpn_protocols = vec![ALPN_H2.to_vec()];
+        Ok(ClusterTls {
+            inner: Arc::new(Cluster {
+                key,
+                clients,
+                servers,
+                acceptor: TlsAcceptor::from(Arc::new(server)),
+                grpc_acceptor: TlsAcceptor::from(Arc::new(grpc_server)),
+                connector: TlsConnector::from(Arc::new(client)),
+                grpc_client: Arc::new(grpc_client),
+                files,
+            }),
+        })
+    }
+
+    /// Reads the files again ([`ClusterTls::from_files`]; settings from PEM have none) and
+    /// takes them when they changed and are usable: certificate, key and CA from then on,
+    /// for every handshake. Unusable ones (a key that is not the certificate's, a CA that
+    /// does not parse) are refused, once, and the settings in use kept.
+    pub fn reload(&self, now: SystemTime) -> Result<Reloaded, TlsError> {
+        let Some(files) = &self.inner.files else { return Ok(Reloaded::Unchanged) };
+        let Some(bytes) = files.changed()? else { return Ok(Reloaded::Unchanged) };
+        match parts(&bytes[0], &bytes[1], &bytes[2]) {
+            Err(e) => {
+                files.refused(bytes);
+                Err(e)
+            }
+            Ok(p) => {
+                self.inner.key.set(p.key);
+                self.inner.clients.set(p.clients);
+                self.inner.servers.set(p.servers);
+                expiry::note_pem(expiry::Shown::Cluster, &bytes[0], now);
+                files.taken(bytes);
+                Ok(Reloaded::Taken)
+            }
+        }
+    }
+
+    /// Accepts connections from holders of a certificate the CA signed.
+    pub fn acceptor(&self) -> &TlsAcceptor {
+        &self.inner.acceptor
+    }
+
+    /// [`ClusterTls::acceptor`] for gRPC: offers HTTP/2 by ALPN.
+    pub fn grpc_acceptor(&self) -> &TlsAcceptor {
+        &self.inner.grpc_acceptor
+    }
+
+    /// Dials with this process's certificate, trusting servers the CA signed.
+    pub fn connector(&self) -> &TlsConnector {
+        &self.inner.connector
+    }
+
+    /// The client settings behind [`ClusterTls::connector`] (for HTTP clients).
+    pub fn client_config(&self) -> &Arc<ClientConfig> {
+        self.inner.connector.config()
+    }
+
+    /// [`ClusterTls::client_config`] for gRPC: asks for HTTP/2 by ALPN.
+    pub fn grpc_client_config(&self) -> &Arc<ClientConfig> {
+        &self.inner.grpc_client
+    }
+
+    /// The certificate chain shown now (leaf first).
+    pub fn chain(&self) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+        self.inner.key.get().cert.clone()
+    }
+}

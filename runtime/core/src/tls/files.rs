@@ -1,0 +1,52 @@
+//! The files a process's TLS settings were read from, and what was last read from them: a
+//! reload takes them again only when their bytes changed since they were last taken or
+//! refused (a refused set is reported once, not at every look).
+
+use std::path::PathBuf;
+use std::sync::{Mutex, PoisonError};
+
+use super::{TlsError, read};
+
+/// Files read together (certificate, key, CA), in a fixed order.
+#[derive(Debug)]
+pub(crate) struct Files {
+    paths: Vec<PathBuf>,
+    seen: Mutex<Seen>,
+}
+
+#[derive(Debug)]
+struct Seen {
+    taken: Vec<Vec<u8>>,
+    refused: Option<Vec<Vec<u8>>>,
+}
+
+impl Files {
+    /// Reads `paths`, in order.
+    pub(crate) fn read_all(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, TlsError> {
+        paths.iter().map(|p| read(p)).collect()
+    }
+
+    /// `paths`, whose bytes `taken` are in use.
+    pub(crate) fn new(paths: Vec<PathBuf>, taken: Vec<Vec<u8>>) -> Self {
+        Files { paths, seen: Mutex::new(Seen { taken, refused: None }) }
+    }
+
+    /// The files' bytes when they differ from those in use and from those last refused.
+    pub(crate) fn changed(&self) -> Result<Option<Vec<Vec<u8>>>, TlsError> {
+        let now = Self::read_all(&self.paths)?;
+        let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        let known = now == seen.taken || seen.refused.as_ref() == Some(&now);
+        Ok((!known).then_some(now))
+    }
+
+    /// `bytes` are in use now.
+    pub(crate) fn taken(&self, bytes: Vec<Vec<u8>>) {
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        *seen = Seen { taken: bytes, refused: None };
+    }
+
+    /// `bytes` were refused: not tried again until they change.
+    pub(crate) fn refused(&self, bytes: Vec<Vec<u8>>) {
+        self.seen.lock().unwrap_or_else(PoisonError::into_inner).refused = Some(bytes);
+    }
+}

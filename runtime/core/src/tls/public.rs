@@ -1,0 +1,134 @@
+//! [`ServerTls`]: a public endpoint's certificate, reloadable from its files.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use rustls::ServerConfig;
+use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::ClientCertVerifier;
+use rustls::sign::CertifiedKey;
+use tokio_rustls::TlsAcceptor;
+
+use super::files::Files;
+use super::swap::{ClientTrust, KeyOf, Swap};
+use super::{ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of};
+
+/// A public endpoint's certificate and key; clients need no certificate of their own unless
+/// a client CA is given. Clones share their settings, as [`super::ClusterTls`]'s do.
+#[derive(Clone)]
+pub struct ServerTls {
+    inner: Arc<Public>,
+}
+
+struct Public {
+    key: Arc<Swap<CertifiedKey>>,
+    /// With a client CA: the clients trusted.
+    clients: Option<Arc<Swap<dyn ClientCertVerifier>>>,
+    acceptor: TlsAcceptor,
+    grpc_acceptor: TlsAcceptor,
+    files: Option<Files>,
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ServerTls")
+    }
+}
+
+fn client_verifier(ca: &[u8]) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
+    WebPkiClientVerifier::builder_with_provider(Arc::new(roots_of(ca)?), provider())
+        .build()
+        .map_err(|e| invalid("client verifier", e))
+}
+
+impl ServerTls {
+    /// From PEM: the certificate chain and its private key; with `client_ca`, clients must
+    /// present a certificate it signed.
+    pub fn from_pem(chain: &[u8], key: &[u8], client_ca: Option<&[u8]>) -> Result<Self, TlsError> {
+        let clients = client_ca.map(client_verifier).transpose()?;
+        Self::built(certified(chain, key)?, clients, None)
+    }
+
+    /// From PEM files (see [`ServerTls::from_pem`]); [`ServerTls::reload`] reads them again.
+    pub fn from_files(
+        chain: &Path,
+        key: &Path,
+        client_ca: Option<&Path>,
+    ) -> Result<Self, TlsError> {
+        let mut paths: Vec<PathBuf> = vec![chain.to_owned(), key.to_owned()];
+        paths.extend(client_ca.map(Path::to_owned));
+        let bytes = Files::read_all(&paths)?;
+        let key = certified(&bytes[0], &bytes[1])?;
+        let clients = bytes.get(2).map(|ca| client_verifier(ca)).transpose()?;
+        expiry::note_pem(expiry::Shown::Public, &bytes[0], SystemTime::now());
+        Self::built(key, clients, Some(Files::new(paths, bytes)))
+    }
+
+    fn built(
+        key: Arc<CertifiedKey>,
+        clients: Option<Arc<dyn ClientCertVerifier>>,
+        files: Option<Files>,
+    ) -> Result<Self, TlsError> {
+        let key = Swap::new(key);
+        let clients = clients.map(Swap::new);
+        let builder = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| invalid("server", e))?;
+        let builder = match &clients {
+            None => builder.with_no_client_auth(),
+            Some(c) => builder.with_client_cert_verifier(Arc::new(ClientTrust(c.clone()))),
+        };
+        let server = builder.with_cert_resolver(Arc::new(KeyOf(key.clone())));
+        let mut grpc = server.clone();
+        grpc.alpn_protocols = vec![ALPN_H2.to_vec()];
+        Ok(ServerTls {
+            inner: Arc::new(Public {
+                key,
+                clients,
+                acceptor: TlsAcceptor::from(Arc::new(server)),
+                grpc_acceptor: TlsAcceptor::from(Arc::new(grpc)),
+                files,
+            }),
+        })
+    }
+
+    /// Reads the files again and takes them when they changed and are usable, as
+    /// [`super::ClusterTls::reload`] does (the client CA too, when one was given).
+    pub fn reload(&self, now: SystemTime) -> Result<Reloaded, TlsError> {
+        let Some(files) = &self.inner.files else { return Ok(Reloaded::Unchanged) };
+        let Some(bytes) = files.changed()? else { return Ok(Reloaded::Unchanged) };
+        let built = certified(&bytes[0], &bytes[1])
+            .and_then(|k| Ok((k, bytes.get(2).map(|ca| client_verifier(ca)).transpose()?)));
+        match built {
+            Err(e) => {
+                files.refused(bytes);
+                Err(e)
+            }
+            Ok((key, clients)) => {
+                self.inner.key.set(key);
+                if let (Some(swap), Some(c)) = (&self.inner.clients, clients) {
+                    swap.set(c);
+                }
+                expiry::note_pem(expiry::Shown::Public, &bytes[0], now);
+                files.taken(bytes);
+                Ok(Reloaded::Taken)
+            }
+        }
+    }
+
+    /// Accepts clients (those with a certificate the client CA signed, when one was given).
+    pub fn acceptor(&self) -> &TlsAcceptor {
+        &self.inner.acceptor
+    }
+
+    /// [`ServerTls::acceptor`] for gRPC: offers HTTP/2 by ALPN.
+    pub fn grpc_acceptor(&self) -> &TlsAcceptor {
+        &self.inner.grpc_acceptor
+    }
+
+    /// The certificate chain shown now (leaf first).
+    pub fn chain(&self) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+        self.inner.key.get().cert.clone()
+    }
+}

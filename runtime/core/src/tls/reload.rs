@@ -1,0 +1,80 @@
+//! Certificate files read again while the process runs: every `--tls-reload-secs` each
+//! process looks at its certificate files and takes those that changed and are usable (a
+//! renewal by cert-manager or any rotation that rewrites the files). Each look is logged and
+//! counted in `handoff_tls_reloads_total{certificate, outcome}` when it took or refused
+//! something; a refused set is kept out until the files change again.
+
+use std::future::Future;
+use std::time::{Duration, SystemTime};
+
+use super::expiry::{Shown, reloads};
+use super::{ClusterTls, Reloaded, ServerTls, TlsError};
+
+/// A process's TLS settings read from files.
+#[derive(Debug, Clone)]
+pub enum Reloadable {
+    /// The cluster's (`--tls-cert`, `--tls-key`, `--tls-ca`).
+    Cluster(ClusterTls),
+    /// The public API's (`--public-tls-*`).
+    Public(ServerTls),
+}
+
+impl Reloadable {
+    fn shown(&self) -> Shown {
+        match self {
+            Reloadable::Cluster(_) => Shown::Cluster,
+            Reloadable::Public(_) => Shown::Public,
+        }
+    }
+
+    fn reload(&self, now: SystemTime) -> Result<Reloaded, TlsError> {
+        match self {
+            Reloadable::Cluster(t) => t.reload(now),
+            Reloadable::Public(t) => t.reload(now),
+        }
+    }
+}
+
+/// Looks at the files of each of `held` once, at `now`: takes those changed, logs and
+/// counts what it took or refused. Returns how many it took.
+pub fn look(held: &[Reloadable], now: SystemTime) -> usize {
+    let mut taken = 0;
+    for h in held {
+        let label = h.shown().label();
+        match h.reload(now) {
+            Ok(Reloaded::Unchanged) => {}
+            Ok(Reloaded::Taken) => {
+                taken += 1;
+                reloads().with(&[label, "taken"]).inc();
+                tracing::info!(certificate = label, "TLS certificate files changed: reloaded");
+            }
+            Err(e) => {
+                reloads().with(&[label, "refused"]).inc();
+                tracing::warn!(
+                    certificate = label,
+                    error = %e,
+                    "TLS certificate files changed but are not usable: the ones in use are kept"
+                );
+            }
+        }
+    }
+    taken
+}
+
+/// Looks at `held`'s files every `every` ([`look`]) until `stop`.
+pub async fn watch(held: Vec<Reloadable>, every: Duration, stop: impl Future<Output = ()>) {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = tick.tick() => {
+                look(&held, SystemTime::now());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

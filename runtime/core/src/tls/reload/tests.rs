@@ -1,0 +1,206 @@
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+use super::*;
+use crate::tls::expiry::expiry_registry;
+use crate::tls::server_name;
+use crate::tls::test_certs::{TestCa, TestCert};
+
+/// A directory of PEM files, removed when dropped.
+struct Pems {
+    dir: PathBuf,
+}
+
+impl Pems {
+    fn new() -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("handoff-reload-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Pems { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Replaces `name` whole, as a Secret's update does (a new file renamed over the old).
+    fn put(&self, name: &str, body: &str) {
+        let staged = self.path(&format!(".{name}.new"));
+        std::fs::write(&staged, body).unwrap();
+        std::fs::rename(staged, self.path(name)).unwrap();
+    }
+
+    fn put_cert(&self, c: &TestCert) {
+        self.put("tls.key", &c.key);
+        self.put("tls.crt", &c.cert);
+    }
+
+    fn cluster(&self) -> ClusterTls {
+        ClusterTls::from_files(&self.path("tls.crt"), &self.path("tls.key"), &self.path("ca.crt"))
+            .unwrap()
+    }
+}
+
+impl Drop for Pems {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn der(pem: &str) -> CertificateDer<'static> {
+    CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
+}
+
+/// Echoes 4 bytes at a time on every connection `acceptor` takes (built once: reloads must
+/// reach it), until the test ends.
+async fn echo_server(acceptor: TlsAcceptor) -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (tcp, _) = l.accept().await.unwrap();
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut s) = acceptor.accept(tcp).await else { return };
+                let mut b = [0u8; 4];
+                while s.read_exact(&mut b).await.is_ok() {
+                    let _ = s.write_all(&b).await;
+                    let _ = s.flush().await;
+                }
+            });
+        }
+    });
+    port
+}
+
+type Dialed = tokio_rustls::client::TlsStream<TcpStream>;
+
+/// Dials `port` with `connector` and makes one round trip: the server's leaf certificate, and
+/// the connection. (A connector that dialed the server before resumes its session, which
+/// shows the certificate the session began with: each dial below that looks at the
+/// certificate takes a new client.)
+async fn dial(
+    connector: &TlsConnector,
+    port: u16,
+) -> std::io::Result<(CertificateDer<'static>, Dialed)> {
+    let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
+    let mut s = connector.connect(server_name("127.0.0.1").unwrap(), tcp).await?;
+    round_trip(&mut s).await?;
+    let leaf = s.get_ref().1.peer_certificates().unwrap()[0].clone().into_owned();
+    Ok((leaf, s))
+}
+
+async fn round_trip(s: &mut Dialed) -> std::io::Result<()> {
+    s.write_all(b"ping").await?;
+    s.flush().await?;
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b).await?;
+    assert_eq!(&b, b"ping");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_renewed_certificate_is_shown_from_the_next_handshake_on() {
+    let ca = TestCa::new();
+    let (first, renewed) = (ca.issue(), ca.issue());
+    let pems = Pems::new();
+    pems.put("ca.crt", ca.pem());
+    pems.put_cert(&first);
+    let server = pems.cluster();
+    let port = echo_server(server.acceptor().clone()).await;
+    let client = || ca.issue().cluster();
+
+    let (leaf, mut before) = dial(client().connector(), port).await.unwrap();
+    assert_eq!(leaf, der(&first.cert));
+    let now = SystemTime::now();
+    assert_eq!(server.reload(now).unwrap(), Reloaded::Unchanged, "nothing changed yet");
+
+    pems.put_cert(&renewed);
+    assert_eq!(server.reload(now).unwrap(), Reloaded::Taken);
+    let (leaf, _) = dial(client().connector(), port).await.unwrap();
+    assert_eq!(leaf, der(&renewed.cert), "a new handshake shows the renewed certificate");
+    round_trip(&mut before).await.expect("a connection made before goes on");
+    assert_eq!(server.reload(now).unwrap(), Reloaded::Unchanged, "taken once");
+}
+
+/// A CA change: the new CA added to the bundle, then trusted on both sides of a handshake.
+#[tokio::test]
+async fn a_ca_added_to_the_bundle_is_trusted_after_a_reload() {
+    let (old, new) = (TestCa::new(), TestCa::new());
+    let both = format!("{}{}", old.pem(), new.pem());
+    let pems = Pems::new();
+    pems.put("ca.crt", old.pem());
+    pems.put_cert(&old.issue());
+    let member = pems.cluster();
+    let port = echo_server(member.acceptor().clone()).await;
+    // A peer with a certificate of the new CA, trusting both.
+    let peer = new.issue().trusting(&both);
+    let peer_port = echo_server(peer.acceptor().clone()).await;
+
+    assert!(dial(peer.connector(), port).await.is_err(), "a client of the new CA, refused");
+    assert!(dial(member.connector(), peer_port).await.is_err(), "a server of the new CA, refused");
+    pems.put("ca.crt", &both);
+    assert_eq!(member.reload(SystemTime::now()).unwrap(), Reloaded::Taken);
+    dial(peer.connector(), port).await.expect("its client trusted now");
+    dial(member.connector(), peer_port).await.expect("its server trusted now");
+}
+
+#[tokio::test]
+async fn unusable_files_are_refused_once_and_the_certificate_in_use_kept() {
+    let ca = TestCa::new();
+    let (first, renewed) = (ca.issue(), ca.issue());
+    let pems = Pems::new();
+    pems.put("ca.crt", ca.pem());
+    pems.put_cert(&first);
+    let server = pems.cluster();
+    let port = echo_server(server.acceptor().clone()).await;
+    let client = || ca.issue().cluster();
+    let held = [Reloadable::Cluster(server.clone())];
+    let now = SystemTime::now();
+
+    // The renewed certificate without its key yet: not the key's.
+    pems.put("tls.crt", &renewed.cert);
+    assert!(matches!(server.reload(now), Err(TlsError::Invalid { .. })));
+    assert_eq!(dial(client().connector(), port).await.unwrap().0, der(&first.cert));
+    assert_eq!(look(&held, now), 0, "refused files are not tried again");
+    pems.put("tls.key", &renewed.key);
+    assert_eq!(look(&held, now), 1);
+    assert_eq!(dial(client().connector(), port).await.unwrap().0, der(&renewed.cert));
+    // A CA file that is no PEM: refused, counted.
+    pems.put("ca.crt", "not a certificate");
+    assert_eq!(look(&held, now), 0);
+    dial(client().connector(), port).await.expect("the CA in use kept");
+    let text = expiry_registry().render();
+    for (outcome, n) in [("taken", 1), ("refused", 1)] {
+        let line = format!(
+            "handoff_tls_reloads_total{{certificate=\"cluster\",outcome=\"{outcome}\"}} {n}"
+        );
+        assert!(text.contains(&line), "{line} in\n{text}");
+    }
+}
+
+#[tokio::test]
+async fn a_public_certificate_reloads_and_its_expiry_is_shown_again() {
+    let ca = TestCa::new();
+    let later = ca.issue_valid_until((2061, 3, 1));
+    let pems = Pems::new();
+    pems.put_cert(&ca.issue());
+    let public = ServerTls::from_files(&pems.path("tls.crt"), &pems.path("tls.key"), None).unwrap();
+    let port = echo_server(public.acceptor().clone()).await;
+    let client = || ca.issue().cluster();
+
+    pems.put_cert(&later);
+    assert_eq!(look(&[Reloadable::Public(public.clone())], SystemTime::now()), 1);
+    assert_eq!(dial(client().connector(), port).await.unwrap().0, der(&later.cert));
+    assert_eq!(public.chain()[0], der(&later.cert));
+    let line =
+        "handoff_tls_certificate_expiry_timestamp_seconds{certificate=\"public\"} 2876860800";
+    assert!(expiry_registry().render().contains(line), "the new end shown");
+}
