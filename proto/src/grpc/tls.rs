@@ -165,10 +165,9 @@ impl AsyncWrite for Accepted {
     fn is_write_vectored(&self) -> bool {
         match self {
             Accepted::Plain(p) => p.is_write_vectored(),
-            Accepted::Tls(t) => match &t.stage {
-                Stage::Ready(s) => s.is_write_vectored(),
-                _ => false,
-            },
+            // Asked once, when the connection is set up (before the handshake): tokio-rustls's
+            // stream always says yes.
+            Accepted::Tls(_) => true,
         }
     }
 

@@ -105,6 +105,15 @@ fn certified(chain: &[u8], key: &[u8]) -> Result<Arc<CertifiedKey>, TlsError> {
         .map_err(|e| invalid("certificate and key", e))
 }
 
+/// At a reload, a certificate that has already ended by `now` is refused: the one in use may
+/// not have (at startup one is taken, with a warning: there is nothing else to show).
+fn unexpired(key: &CertifiedKey, now: std::time::SystemTime) -> Result<(), TlsError> {
+    match key.cert.first().and_then(expiry::not_after) {
+        Some(end) if end <= now => Err(invalid("certificate", "expired already")),
+        _ => Ok(()),
+    }
+}
+
 fn roots_of(ca: &[u8]) -> Result<RootCertStore, TlsError> {
     let mut roots = RootCertStore::empty();
     for c in CertificateDer::pem_slice_iter(ca) {

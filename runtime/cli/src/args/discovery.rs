@@ -48,7 +48,8 @@ pub struct DiscoveryArgs {
     /// seconds: changed and usable ones (a renewal, a CA bundle for a CA change) are taken at
     /// the next handshake, with no restart; unusable ones are refused and logged, and the
     /// ones in use kept. 0: read once, at startup. The etcd and NATS clients' are read once.
-    #[arg(long, default_value_t = 60, value_name = "SECS")]
+    #[arg(long, default_value_t = 60, value_name = "SECS",
+        value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub tls_reload_secs: u64,
     /// The cluster's TLS settings once read: one per process, so a reload reaches every part
     /// that uses them.

@@ -219,6 +219,16 @@ fn lease_ttls_are_bounded() {
     assert!(e.contains("--lease-ttl-secs"), "{e}");
 }
 
+/// How often certificate files are read again: 0 (never) to a day; a value whose interval
+/// would overflow the clock is refused at the command line, not panicked on later.
+#[test]
+fn tls_reloads_are_bounded() {
+    for (secs, ok) in [("0", true), ("1", true), ("86400", true), ("86401", false)] {
+        let got = scheduler(&["--tls-reload-secs", secs]);
+        assert_eq!(got.is_ok(), ok, "{secs}: {got:?}");
+    }
+}
+
 /// The arguments the Helm chart gives a prefill with `tls.existingSecret` (deploy/helm,
 /// `ci/tls-values.yaml`; the kubelet puts the pod's name for `$(POD_NAME)`) parse into the
 /// cluster's TLS, advertised and dialed for transfers by the pod's DNS name.

@@ -13,8 +13,13 @@ use rustls::{ClientConfig, ServerConfig};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use super::files::Files;
-use super::swap::{ClientTrust, KeyOf, ServerTrust, Swap};
-use super::{ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of};
+use super::swap::{
+    ClientSessions, ClientTrust, KeyOf, ServerSessions, ServerTrust, Swap, client_sessions,
+    server_sessions,
+};
+use super::{
+    ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of, unexpired,
+};
 
 /// One process's identity in the cluster and the cluster's CA (see the module docs of
 /// [`crate::tls`]). Clones share their settings: a reload reaches every clone, and every
@@ -28,6 +33,8 @@ struct Cluster {
     key: Arc<Swap<CertifiedKey>>,
     clients: Arc<Swap<dyn ClientCertVerifier>>,
     servers: Arc<Swap<dyn ServerCertVerifier>>,
+    resumed_by_clients: Arc<Swap<dyn rustls::server::StoresServerSessions>>,
+    resumed_with_servers: Arc<Swap<dyn rustls::client::ClientSessionStore>>,
     acceptor: TlsAcceptor,
     grpc_acceptor: TlsAcceptor,
     connector: TlsConnector,
@@ -81,17 +88,23 @@ impl ClusterTls {
         let key = Swap::new(p.key);
         let clients = Swap::new(p.clients);
         let servers = Swap::new(p.servers);
-        let server = ServerConfig::builder_with_provider(provider())
+        let resumed_by_clients = Swap::new(server_sessions());
+        let resumed_with_servers = Swap::new(client_sessions());
+        let mut server = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| invalid("server", e))?
             .with_client_cert_verifier(Arc::new(ClientTrust(clients.clone())))
             .with_cert_resolver(Arc::new(KeyOf(key.clone())));
-        let client = ClientConfig::builder_with_provider(provider())
+        server.session_storage = Arc::new(ServerSessions(resumed_by_clients.clone()));
+        let mut client = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| invalid("client", e))?
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(ServerTrust(servers.clone())))
             .with_client_cert_resolver(Arc::new(KeyOf(key.clone())));
+        client.resumption = rustls::client::Resumption::store(Arc::new(ClientSessions(
+            resumed_with_servers.clone(),
+        )));
         let mut grpc_server = server.clone();
         grpc_server.alpn_protocols = vec![ALPN_H2.to_vec()];
         let mut grpc_client = client.clone();
@@ -101,6 +114,8 @@ impl ClusterTls {
                 key,
                 clients,
                 servers,
+                resumed_by_clients,
+                resumed_with_servers,
                 acceptor: TlsAcceptor::from(Arc::new(server)),
                 grpc_acceptor: TlsAcceptor::from(Arc::new(grpc_server)),
                 connector: TlsConnector::from(Arc::new(client)),
@@ -117,7 +132,11 @@ impl ClusterTls {
     pub fn reload(&self, now: SystemTime) -> Result<Reloaded, TlsError> {
         let Some(files) = &self.inner.files else { return Ok(Reloaded::Unchanged) };
         let Some(bytes) = files.changed()? else { return Ok(Reloaded::Unchanged) };
-        match parts(&bytes[0], &bytes[1], &bytes[2]) {
+        let parts = parts(&bytes[0], &bytes[1], &bytes[2]).and_then(|p| {
+            unexpired(&p.key, now)?;
+            Ok(p)
+        });
+        match parts {
             Err(e) => {
                 files.refused(bytes);
                 Err(e)
@@ -126,6 +145,8 @@ impl ClusterTls {
                 self.inner.key.set(p.key);
                 self.inner.clients.set(p.clients);
                 self.inner.servers.set(p.servers);
+                self.inner.resumed_by_clients.set(server_sessions());
+                self.inner.resumed_with_servers.set(client_sessions());
                 expiry::note_pem(expiry::Shown::Cluster, &bytes[0], now);
                 files.taken(bytes);
                 Ok(Reloaded::Taken)

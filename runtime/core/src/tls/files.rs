@@ -1,6 +1,7 @@
 //! The files a process's TLS settings were read from, and what was last read from them: a
 //! reload takes them again only when their bytes changed since they were last taken or
-//! refused (a refused set is reported once, not at every look).
+//! refused (a refused set, or files that cannot be read for the same reason, is reported
+//! once, not at every look).
 
 use std::path::PathBuf;
 use std::sync::{Mutex, PoisonError};
@@ -18,6 +19,8 @@ pub(crate) struct Files {
 struct Seen {
     taken: Vec<Vec<u8>>,
     refused: Option<Vec<Vec<u8>>>,
+    /// Why the files could not be read at the last look, if they could not.
+    unread: Option<String>,
 }
 
 impl Files {
@@ -28,13 +31,25 @@ impl Files {
 
     /// `paths`, whose bytes `taken` are in use.
     pub(crate) fn new(paths: Vec<PathBuf>, taken: Vec<Vec<u8>>) -> Self {
-        Files { paths, seen: Mutex::new(Seen { taken, refused: None }) }
+        Files { paths, seen: Mutex::new(Seen { taken, refused: None, unread: None }) }
     }
 
-    /// The files' bytes when they differ from those in use and from those last refused.
+    /// The files' bytes when they differ from those in use and from those last refused; why
+    /// they cannot be read, when that differs from the last look's reason.
     pub(crate) fn changed(&self) -> Result<Option<Vec<Vec<u8>>>, TlsError> {
-        let now = Self::read_all(&self.paths)?;
-        let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        let read = Self::read_all(&self.paths);
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = match read {
+            Ok(now) => now,
+            Err(e) => {
+                let why = e.to_string();
+                return match seen.unread.replace(why.clone()) {
+                    Some(last) if last == why => Ok(None),
+                    _ => Err(e),
+                };
+            }
+        };
+        seen.unread = None;
         let known = now == seen.taken || seen.refused.as_ref() == Some(&now);
         Ok((!known).then_some(now))
     }
@@ -42,7 +57,7 @@ impl Files {
     /// `bytes` are in use now.
     pub(crate) fn taken(&self, bytes: Vec<Vec<u8>>) {
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-        *seen = Seen { taken: bytes, refused: None };
+        *seen = Seen { taken: bytes, refused: None, unread: None };
     }
 
     /// `bytes` were refused: not tried again until they change.

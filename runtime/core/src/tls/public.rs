@@ -11,8 +11,10 @@ use rustls::sign::CertifiedKey;
 use tokio_rustls::TlsAcceptor;
 
 use super::files::Files;
-use super::swap::{ClientTrust, KeyOf, Swap};
-use super::{ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of};
+use super::swap::{ClientTrust, KeyOf, ServerSessions, Swap, server_sessions};
+use super::{
+    ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of, unexpired,
+};
 
 /// A public endpoint's certificate and key; clients need no certificate of their own unless
 /// a client CA is given. Clones share their settings, as [`super::ClusterTls`]'s do.
@@ -25,6 +27,7 @@ struct Public {
     key: Arc<Swap<CertifiedKey>>,
     /// With a client CA: the clients trusted.
     clients: Option<Arc<Swap<dyn ClientCertVerifier>>>,
+    resumed: Arc<Swap<dyn rustls::server::StoresServerSessions>>,
     acceptor: TlsAcceptor,
     grpc_acceptor: TlsAcceptor,
     files: Option<Files>,
@@ -79,13 +82,16 @@ impl ServerTls {
             None => builder.with_no_client_auth(),
             Some(c) => builder.with_client_cert_verifier(Arc::new(ClientTrust(c.clone()))),
         };
-        let server = builder.with_cert_resolver(Arc::new(KeyOf(key.clone())));
+        let mut server = builder.with_cert_resolver(Arc::new(KeyOf(key.clone())));
+        let resumed = Swap::new(server_sessions());
+        server.session_storage = Arc::new(ServerSessions(resumed.clone()));
         let mut grpc = server.clone();
         grpc.alpn_protocols = vec![ALPN_H2.to_vec()];
         Ok(ServerTls {
             inner: Arc::new(Public {
                 key,
                 clients,
+                resumed,
                 acceptor: TlsAcceptor::from(Arc::new(server)),
                 grpc_acceptor: TlsAcceptor::from(Arc::new(grpc)),
                 files,
@@ -98,8 +104,10 @@ impl ServerTls {
     pub fn reload(&self, now: SystemTime) -> Result<Reloaded, TlsError> {
         let Some(files) = &self.inner.files else { return Ok(Reloaded::Unchanged) };
         let Some(bytes) = files.changed()? else { return Ok(Reloaded::Unchanged) };
-        let built = certified(&bytes[0], &bytes[1])
-            .and_then(|k| Ok((k, bytes.get(2).map(|ca| client_verifier(ca)).transpose()?)));
+        let built = certified(&bytes[0], &bytes[1]).and_then(|k| {
+            unexpired(&k, now)?;
+            Ok((k, bytes.get(2).map(|ca| client_verifier(ca)).transpose()?))
+        });
         match built {
             Err(e) => {
                 files.refused(bytes);
@@ -110,6 +118,7 @@ impl ServerTls {
                 if let (Some(swap), Some(c)) = (&self.inner.clients, clients) {
                     swap.set(c);
                 }
+                self.inner.resumed.set(server_sessions());
                 expiry::note_pem(expiry::Shown::Public, &bytes[0], now);
                 files.taken(bytes);
                 Ok(Reloaded::Taken)

@@ -57,10 +57,11 @@ fn a_certificate_is_warned_of_from_two_weeks_before_its_end() {
 #[test]
 fn a_noted_certificate_is_on_the_metrics() {
     let cert = TestCa::new().issue_until((2060, 6, 1), Duration::ZERO);
-    note(Shown::Public, &leaf(&cert.cert), at(1_800_000_000));
+    // The etcd client's (the reload tests show the cluster's and the public one).
+    note(Shown::EtcdClient, &leaf(&cert.cert), at(1_800_000_000));
     let text = expiry_registry().render();
     let line =
-        "handoff_tls_certificate_expiry_timestamp_seconds{certificate=\"public\"} 2853273600";
+        "handoff_tls_certificate_expiry_timestamp_seconds{certificate=\"etcd_client\"} 2853273600";
     assert!(text.contains(line), "{text}");
 }
 

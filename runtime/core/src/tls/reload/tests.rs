@@ -119,6 +119,9 @@ async fn a_renewed_certificate_is_shown_from_the_next_handshake_on() {
 
     let (leaf, mut before) = dial(client().connector(), port).await.unwrap();
     assert_eq!(leaf, der(&first.cert));
+    // A client that has dialed before and would resume its session.
+    let resuming = client();
+    dial(resuming.connector(), port).await.unwrap();
     let now = SystemTime::now();
     assert_eq!(server.reload(now).unwrap(), Reloaded::Unchanged, "nothing changed yet");
 
@@ -126,6 +129,8 @@ async fn a_renewed_certificate_is_shown_from_the_next_handshake_on() {
     assert_eq!(server.reload(now).unwrap(), Reloaded::Taken);
     let (leaf, _) = dial(client().connector(), port).await.unwrap();
     assert_eq!(leaf, der(&renewed.cert), "a new handshake shows the renewed certificate");
+    let (leaf, _) = dial(resuming.connector(), port).await.unwrap();
+    assert_eq!(leaf, der(&renewed.cert), "no session begun before a reload is resumed past it");
     round_trip(&mut before).await.expect("a connection made before goes on");
     assert_eq!(server.reload(now).unwrap(), Reloaded::Unchanged, "taken once");
 }
@@ -177,8 +182,18 @@ async fn unusable_files_are_refused_once_and_the_certificate_in_use_kept() {
     pems.put("ca.crt", "not a certificate");
     assert_eq!(look(&held, now), 0);
     dial(client().connector(), port).await.expect("the CA in use kept");
+    // A certificate that has expired: refused, the one in use kept.
+    pems.put("ca.crt", ca.pem());
+    pems.put_cert(&ca.issue_expired());
+    assert_eq!(look(&held, now), 0);
+    assert_eq!(dial(client().connector(), port).await.unwrap().0, der(&renewed.cert));
+    // A key file gone: reported once, however many looks find it so.
+    std::fs::remove_file(pems.path("tls.key")).unwrap();
+    assert!(server.reload(now).is_err());
+    assert_eq!(server.reload(now).unwrap(), Reloaded::Unchanged, "the same reason, once");
+    look(&held, now);
     let text = expiry_registry().render();
-    for (outcome, n) in [("taken", 1), ("refused", 1)] {
+    for (outcome, n) in [("taken", 1), ("refused", 2)] {
         let line = format!(
             "handoff_tls_reloads_total{{certificate=\"cluster\",outcome=\"{outcome}\"}} {n}"
         );
