@@ -28,7 +28,7 @@ mod tests;
 
 pub use cluster::ClusterTls;
 pub use listener::{HANDSHAKES_PER_HOST, TlsListener};
-pub use public::ServerTls;
+pub use public::{ServerTls, public_client};
 
 use std::path::Path;
 use std::sync::Arc;

@@ -13,6 +13,11 @@ pub struct CtlArgs {
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
+    /// The CA (PEM) that signed the frontends' public certificate (their --public-tls-cert):
+    /// `trace` then asks them over HTTPS. A frontend that requires client certificates
+    /// (--public-tls-client-ca) cannot be asked.
+    #[arg(long, global = true)]
+    pub public_ca: Option<std::path::PathBuf>,
     /// How to reach the cluster (etcd/NATS, token, TLS).
     #[command(flatten)]
     pub discovery: DiscoveryArgs,

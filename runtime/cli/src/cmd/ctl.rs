@@ -90,12 +90,22 @@ pub async fn answer(args: &CtlArgs, tasks: &Tasks) -> anyhow::Result<String> {
 struct Ctl<'a> {
     args: &'a CtlArgs,
     tls: Option<handoff_core::tls::ClusterTls>,
+    /// A client of the frontends' public certificate (`--public-ca`).
+    public: Option<tokio_rustls::TlsConnector>,
     registry: Option<std::sync::Arc<dyn handoff_discovery::Registry>>,
 }
 
 impl<'a> Ctl<'a> {
     async fn new(args: &'a CtlArgs, tasks: &Tasks) -> anyhow::Result<Ctl<'a>> {
         let tls = args.discovery.cluster_tls()?;
+        let public = match &args.public_ca {
+            Some(ca) => {
+                let pem =
+                    std::fs::read(ca).with_context(|| format!("--public-ca {}", ca.display()))?;
+                Some(handoff_core::tls::public_client(&pem)?)
+            }
+            None => None,
+        };
         let registry = match &args.discovery.etcd {
             // A process waits for an etcd not up yet; a command does not.
             Some(etcd) => {
@@ -108,7 +118,7 @@ impl<'a> Ctl<'a> {
             None if args.scheduler.is_some() => None,
             None => bail!("give --scheduler HOST:PORT, or --etcd and --nats to find the replicas"),
         };
-        Ok(Ctl { args, tls, registry })
+        Ok(Ctl { args, tls, public, registry })
     }
 
     /// The instances registered in etcd with `role` (none without etcd).
@@ -174,7 +184,8 @@ impl<'a> Ctl<'a> {
         let path = format!("/v1/debug/requests/{room}");
         let mut answers = Vec::new();
         for addr in frontends {
-            match http_get(addr, &path, self.args.discovery.token.as_deref()).await {
+            let token = self.args.discovery.token.as_deref();
+            match http_get(addr, &path, token, self.public.as_ref()).await {
                 Ok((200, body)) => return Ok((addr.clone(), serde_json::from_str(&body)?)),
                 Ok((code, body)) => answers.push(format!("{addr}: {code} {}", body.trim())),
                 Err(e) => answers.push(format!("{addr}: {e:#}")),
@@ -390,24 +401,50 @@ fn trace_text(room: u64, frontend: &str, t: &Value) -> String {
     out
 }
 
-/// `GET path` at `addr` over plain HTTP with the cluster token: the status and the body
-/// (at most 1 MiB, within [`CALL_TIMEOUT`]).
-async fn http_get(addr: &str, path: &str, token: Option<&str>) -> anyhow::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// `GET path` at `addr` with the cluster token, over HTTPS with `tls` (checking that the
+/// certificate names the host of `addr`), else plain HTTP: the status and the body (at most
+/// 1 MiB, within [`CALL_TIMEOUT`]).
+async fn http_get(
+    addr: &str,
+    path: &str,
+    token: Option<&str>,
+    tls: Option<&tokio_rustls::TlsConnector>,
+) -> anyhow::Result<(u16, String)> {
+    let auth = token.map(|t| format!("authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let ask = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\n{auth}connection: close\r\n\r\n");
     let call = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        let auth = token.map(|t| format!("authorization: Bearer {t}\r\n")).unwrap_or_default();
-        let ask = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\n{auth}connection: close\r\n\r\n");
-        s.write_all(ask.as_bytes()).await?;
-        let mut raw = Vec::new();
-        s.take(1 << 20).read_to_end(&mut raw).await?;
-        anyhow::Ok(raw)
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        match tls {
+            None => exchange(tcp, &ask).await,
+            Some(tls) => {
+                let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+                let name = handoff_core::tls::server_name(host.trim_matches(['[', ']']))?;
+                exchange(tls.connect(name, tcp).await?, &ask).await
+            }
+        }
     };
     let raw = tokio::time::timeout(CALL_TIMEOUT, call).await.context("timed out")??;
     let text = String::from_utf8_lossy(&raw);
-    let code = text.get(9..12).and_then(|c| c.parse().ok()).context("not an HTTP answer")?;
+    let code = text.get(9..12).and_then(|c| c.parse().ok());
+    let code = match (code, tls) {
+        (Some(code), _) => code,
+        (None, None) => bail!("not an HTTP answer (a listener with TLS? give --public-ca)"),
+        (None, Some(_)) => bail!("not an HTTP answer"),
+    };
     let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
     Ok((code, body))
+}
+
+/// Writes `ask` on `s` and reads the answer to its end (at most 1 MiB).
+async fn exchange<S>(mut s: S, ask: &str) -> anyhow::Result<Vec<u8>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(ask.as_bytes()).await?;
+    let mut raw = Vec::new();
+    s.take(1 << 20).read_to_end(&mut raw).await?;
+    Ok(raw)
 }
 
 /// Rows as left-aligned columns, two spaces apart.

@@ -425,7 +425,7 @@ async fn a_callers_traceparent_reaches_the_scheduler_and_the_prefill_logs() {
 }
 
 /// Sends one request and returns its room.
-async fn room_of(client: &mut GenerateClient<tonic::transport::Channel>) -> u64 {
+pub(crate) async fn room_of(client: &mut GenerateClient<tonic::transport::Channel>) -> u64 {
     use handoff_proto::v1::generate_response::Event;
     let req = handoff_proto::v1::GenerateRequest {
         input: Some(handoff_proto::v1::generate_request::Input::TokenIds(

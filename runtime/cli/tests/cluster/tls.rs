@@ -182,6 +182,24 @@ async fn processes_with_mutual_tls_serve_over_a_public_certificate() {
         }
     }
     assert_eq!(served.as_deref(), Some("tls-p0"), "served through the prefill over mutual TLS");
+
+    // `ctl trace` asks the frontend over its public certificate, given the CA that signed it;
+    // without it, it says so.
+    let room = super::operations::room_of(&mut client).await;
+    let trace = |head: &[String]| {
+        let tail = ["trace".to_owned(), room.to_string()];
+        let all: Vec<String> = cluster.iter().chain(head).chain(&tail).cloned().collect();
+        super::operations::run_ctl(
+            &etcd,
+            &nats,
+            &all.iter().map(String::as_str).collect::<Vec<_>>(),
+        )
+    };
+    let (ok, _, err) = trace(&[]);
+    assert!(!ok && err.contains("--public-ca"), "{err}");
+    let (ok, out, err) = trace(&["--public-ca".to_owned(), public.ca.display().to_string()]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with(&format!("room {room} (frontend ")), "{out}");
 }
 
 /// The certificate a TLS server on `addr` shows a new client of `ca` (a new client each

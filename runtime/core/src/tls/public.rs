@@ -45,6 +45,17 @@ fn client_verifier(ca: &[u8]) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
         .map_err(|e| invalid("client verifier", e))
 }
 
+/// A client of a public endpoint whose certificate `ca` (PEM) signed, showing none of its
+/// own (`handoff ctl trace` asking a frontend with `--public-tls-cert`).
+pub fn public_client(ca: &[u8]) -> Result<tokio_rustls::TlsConnector, TlsError> {
+    let config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| invalid("client", e))?
+        .with_root_certificates(roots_of(ca)?)
+        .with_no_client_auth();
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}
+
 impl ServerTls {
     /// From PEM: the certificate chain and its private key; with `client_ca`, clients must
     /// present a certificate it signed.
