@@ -131,27 +131,19 @@ impl ClusterTls {
     /// does not parse) are refused, once, and the settings in use kept.
     pub fn reload(&self, now: SystemTime) -> Result<Reloaded, TlsError> {
         let Some(files) = &self.inner.files else { return Ok(Reloaded::Unchanged) };
-        let Some(bytes) = files.changed()? else { return Ok(Reloaded::Unchanged) };
-        let parts = parts(&bytes[0], &bytes[1], &bytes[2]).and_then(|p| {
+        let build = |b: &[Vec<u8>]| {
+            let p = parts(&b[0], &b[1], &b[2])?;
             unexpired(&p.key, now)?;
             Ok(p)
-        });
-        match parts {
-            Err(e) => {
-                files.refused(bytes);
-                Err(e)
-            }
-            Ok(p) => {
-                self.inner.key.set(p.key);
-                self.inner.clients.set(p.clients);
-                self.inner.servers.set(p.servers);
-                self.inner.resumed_by_clients.set(server_sessions());
-                self.inner.resumed_with_servers.set(client_sessions());
-                expiry::note_pem(expiry::Shown::Cluster, &bytes[0], now);
-                files.taken(bytes);
-                Ok(Reloaded::Taken)
-            }
-        }
+        };
+        files.reload(expiry::Shown::Cluster, now, build, |p| {
+            let held = &self.inner;
+            held.key.set(p.key);
+            held.clients.set(p.clients);
+            held.servers.set(p.servers);
+            held.resumed_by_clients.set(server_sessions());
+            held.resumed_with_servers.set(client_sessions());
+        })
     }
 
     /// Accepts connections from holders of a certificate the CA signed.

@@ -5,8 +5,10 @@
 
 use std::path::PathBuf;
 use std::sync::{Mutex, PoisonError};
+use std::time::SystemTime;
 
-use super::{TlsError, read};
+use super::expiry::{self, Shown};
+use super::{Reloaded, TlsError, read};
 
 /// Files read together (certificate, key, CA), in a fixed order.
 #[derive(Debug)]
@@ -36,7 +38,7 @@ impl Files {
 
     /// The files' bytes when they differ from those in use and from those last refused; why
     /// they cannot be read, when that differs from the last look's reason.
-    pub(crate) fn changed(&self) -> Result<Option<Vec<Vec<u8>>>, TlsError> {
+    fn changed(&self) -> Result<Option<Vec<Vec<u8>>>, TlsError> {
         let read = Self::read_all(&self.paths);
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         let now = match read {
@@ -54,14 +56,39 @@ impl Files {
         Ok((!known).then_some(now))
     }
 
+    /// Reads the files again; when they changed, builds settings from them (in the order of
+    /// the paths) and hands those to `take`, noting the new certificate (the first file) as
+    /// `shown` at `now`; when they do not build, keeps them out until they change again.
+    pub(crate) fn reload<T>(
+        &self,
+        shown: Shown,
+        now: SystemTime,
+        build: impl FnOnce(&[Vec<u8>]) -> Result<T, TlsError>,
+        take: impl FnOnce(T),
+    ) -> Result<Reloaded, TlsError> {
+        let Some(bytes) = self.changed()? else { return Ok(Reloaded::Unchanged) };
+        match build(&bytes) {
+            Err(e) => {
+                self.refused(bytes);
+                Err(e)
+            }
+            Ok(settings) => {
+                take(settings);
+                expiry::note_pem(shown, &bytes[0], now);
+                self.taken(bytes);
+                Ok(Reloaded::Taken)
+            }
+        }
+    }
+
     /// `bytes` are in use now.
-    pub(crate) fn taken(&self, bytes: Vec<Vec<u8>>) {
+    fn taken(&self, bytes: Vec<Vec<u8>>) {
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         *seen = Seen { taken: bytes, refused: None, unread: None };
     }
 
     /// `bytes` were refused: not tried again until they change.
-    pub(crate) fn refused(&self, bytes: Vec<Vec<u8>>) {
+    fn refused(&self, bytes: Vec<Vec<u8>>) {
         self.seen.lock().unwrap_or_else(PoisonError::into_inner).refused = Some(bytes);
     }
 }

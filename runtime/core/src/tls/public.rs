@@ -114,27 +114,18 @@ impl ServerTls {
     /// [`super::ClusterTls::reload`] does (the client CA too, when one was given).
     pub fn reload(&self, now: SystemTime) -> Result<Reloaded, TlsError> {
         let Some(files) = &self.inner.files else { return Ok(Reloaded::Unchanged) };
-        let Some(bytes) = files.changed()? else { return Ok(Reloaded::Unchanged) };
-        let built = certified(&bytes[0], &bytes[1]).and_then(|k| {
-            unexpired(&k, now)?;
-            Ok((k, bytes.get(2).map(|ca| client_verifier(ca)).transpose()?))
-        });
-        match built {
-            Err(e) => {
-                files.refused(bytes);
-                Err(e)
+        let build = |b: &[Vec<u8>]| {
+            let key = certified(&b[0], &b[1])?;
+            unexpired(&key, now)?;
+            Ok((key, b.get(2).map(|ca| client_verifier(ca)).transpose()?))
+        };
+        files.reload(expiry::Shown::Public, now, build, |(key, clients)| {
+            self.inner.key.set(key);
+            if let (Some(swap), Some(c)) = (&self.inner.clients, clients) {
+                swap.set(c);
             }
-            Ok((key, clients)) => {
-                self.inner.key.set(key);
-                if let (Some(swap), Some(c)) = (&self.inner.clients, clients) {
-                    swap.set(c);
-                }
-                self.inner.resumed.set(server_sessions());
-                expiry::note_pem(expiry::Shown::Public, &bytes[0], now);
-                files.taken(bytes);
-                Ok(Reloaded::Taken)
-            }
-        }
+            self.inner.resumed.set(server_sessions());
+        })
     }
 
     /// Accepts clients (those with a certificate the client CA signed, when one was given).
