@@ -44,7 +44,8 @@ const ALPN_H2: &[u8] = b"h2";
 /// What a reload of certificate files did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reloaded {
-    /// The files are as they were taken (or as they were last refused): nothing to do.
+    /// The files are as they were taken, or as they were last refused, or unreadable for the
+    /// reason they were at the last look: nothing to do.
     Unchanged,
     /// The files changed and are in use from now on.
     Taken,
@@ -61,6 +62,10 @@ pub enum TlsError {
         /// Why.
         source: std::io::Error,
     },
+    /// A certificate read again has expired already (at a reload, where the one in use is
+    /// kept).
+    #[error("TLS certificate expired already")]
+    Expired,
     /// The PEM or the settings built from it are unusable.
     #[error("TLS {what}: {reason}")]
     Invalid {
@@ -109,7 +114,7 @@ fn certified(chain: &[u8], key: &[u8]) -> Result<Arc<CertifiedKey>, TlsError> {
 /// not have (at startup one is taken, with a warning: there is nothing else to show).
 fn unexpired(key: &CertifiedKey, now: std::time::SystemTime) -> Result<(), TlsError> {
     match key.cert.first().and_then(expiry::not_after) {
-        Some(end) if end <= now => Err(invalid("certificate", "expired already")),
+        Some(end) if end <= now => Err(TlsError::Expired),
         _ => Ok(()),
     }
 }

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+mod http;
+
 use anyhow::{Context, bail};
 use futures::StreamExt;
 use handoff_bootstrap::DirectoryClient;
@@ -185,7 +187,7 @@ impl<'a> Ctl<'a> {
         let mut answers = Vec::new();
         for addr in frontends {
             let token = self.args.discovery.token.as_deref();
-            match http_get(addr, &path, token, self.public.as_ref()).await {
+            match http::get(addr, &path, token, self.public.as_ref()).await {
                 Ok((200, body)) => return Ok((addr.clone(), serde_json::from_str(&body)?)),
                 Ok((code, body)) => answers.push(format!("{addr}: {code} {}", body.trim())),
                 Err(e) => answers.push(format!("{addr}: {e:#}")),
@@ -399,52 +401,6 @@ fn trace_text(room: u64, frontend: &str, t: &Value) -> String {
     }
     out.push_str(&columns(&rows));
     out
-}
-
-/// `GET path` at `addr` with the cluster token, over HTTPS with `tls` (checking that the
-/// certificate names the host of `addr`), else plain HTTP: the status and the body (at most
-/// 1 MiB, within [`CALL_TIMEOUT`]).
-async fn http_get(
-    addr: &str,
-    path: &str,
-    token: Option<&str>,
-    tls: Option<&tokio_rustls::TlsConnector>,
-) -> anyhow::Result<(u16, String)> {
-    let auth = token.map(|t| format!("authorization: Bearer {t}\r\n")).unwrap_or_default();
-    let ask = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\n{auth}connection: close\r\n\r\n");
-    let call = async {
-        let tcp = tokio::net::TcpStream::connect(addr).await?;
-        match tls {
-            None => exchange(tcp, &ask).await,
-            Some(tls) => {
-                let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
-                let name = handoff_core::tls::server_name(host.trim_matches(['[', ']']))?;
-                exchange(tls.connect(name, tcp).await?, &ask).await
-            }
-        }
-    };
-    let raw = tokio::time::timeout(CALL_TIMEOUT, call).await.context("timed out")??;
-    let text = String::from_utf8_lossy(&raw);
-    let code = text.get(9..12).and_then(|c| c.parse().ok());
-    let code = match (code, tls) {
-        (Some(code), _) => code,
-        (None, None) => bail!("not an HTTP answer (a listener with TLS? give --public-ca)"),
-        (None, Some(_)) => bail!("not an HTTP answer"),
-    };
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
-    Ok((code, body))
-}
-
-/// Writes `ask` on `s` and reads the answer to its end (at most 1 MiB).
-async fn exchange<S>(mut s: S, ask: &str) -> anyhow::Result<Vec<u8>>
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    s.write_all(ask.as_bytes()).await?;
-    let mut raw = Vec::new();
-    s.take(1 << 20).read_to_end(&mut raw).await?;
-    Ok(raw)
 }
 
 /// Rows as left-aligned columns, two spaces apart.

@@ -202,14 +202,17 @@ async fn processes_with_mutual_tls_serve_over_a_public_certificate() {
     assert!(out.starts_with(&format!("room {room} (frontend ")), "{out}");
 }
 
-/// The certificate a TLS server on `addr` shows a new client of `ca` (a new client each
-/// time: one that dialed before would resume its session and see the old certificate).
+/// The certificate a TLS server on `addr` shows a new client of `ca`, if its handshake ends
+/// within 2 s (well within the server's own 10 s deadline).
 async fn shown(addr: &str, ca: &TestCa) -> Option<Vec<u8>> {
     let client = ca.issue().cluster();
-    let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
-    let name = handoff_core::tls::server_name("127.0.0.1").unwrap();
-    let s = client.connector().connect(name, tcp).await.ok()?;
-    Some(s.get_ref().1.peer_certificates()?.first()?.to_vec())
+    let dial = async {
+        let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let name = handoff_core::tls::server_name("127.0.0.1").unwrap();
+        let s = client.connector().connect(name, tcp).await.ok()?;
+        Some(s.get_ref().1.peer_certificates()?.first()?.to_vec())
+    };
+    tokio::time::timeout(Duration::from_secs(2), dial).await.ok().flatten()
 }
 
 /// A certificate renewed on disk (as cert-manager rewrites a Secret's files) is taken by a
@@ -247,6 +250,7 @@ async fn a_renewed_certificate_is_taken_without_a_restart() {
     for _ in 0..20 {
         silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
     }
+    assert!(shown(&addr, &ca).await.is_some(), "a handshake behind 20 silent clients");
     // Renewed: a new key and certificate, valid until 2061-03-01, each file replaced whole.
     let renewed = ca.issue_valid_until((2061, 3, 1));
     for (path, body) in [(&member.key, &renewed.key), (&member.cert, &renewed.cert)] {

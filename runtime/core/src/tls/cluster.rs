@@ -13,10 +13,7 @@ use rustls::{ClientConfig, ServerConfig};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use super::files::Files;
-use super::swap::{
-    ClientSessions, ClientTrust, KeyOf, ServerSessions, ServerTrust, Swap, client_sessions,
-    server_sessions,
-};
+use super::swap::{ClientTrust, KeyOf, ServerTrust, Swap};
 use super::{
     ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of, unexpired,
 };
@@ -33,8 +30,6 @@ struct Cluster {
     key: Arc<Swap<CertifiedKey>>,
     clients: Arc<Swap<dyn ClientCertVerifier>>,
     servers: Arc<Swap<dyn ServerCertVerifier>>,
-    resumed_by_clients: Arc<Swap<dyn rustls::server::StoresServerSessions>>,
-    resumed_with_servers: Arc<Swap<dyn rustls::client::ClientSessionStore>>,
     acceptor: TlsAcceptor,
     grpc_acceptor: TlsAcceptor,
     connector: TlsConnector,
@@ -88,23 +83,24 @@ impl ClusterTls {
         let key = Swap::new(p.key);
         let clients = Swap::new(p.clients);
         let servers = Swap::new(p.servers);
-        let resumed_by_clients = Swap::new(server_sessions());
-        let resumed_with_servers = Swap::new(client_sessions());
         let mut server = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| invalid("server", e))?
             .with_client_cert_verifier(Arc::new(ClientTrust(clients.clone())))
             .with_cert_resolver(Arc::new(KeyOf(key.clone())));
-        server.session_storage = Arc::new(ServerSessions(resumed_by_clients.clone()));
+        // No session is resumed, either way: the cluster's connections are long-lived (pooled
+        // transfers, gRPC channels), and a reload's certificate and trust must reach every
+        // new one (a client of a CA taken out of the bundle would otherwise go on resuming,
+        // unchecked, for a day).
+        server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        server.send_tls13_tickets = 0;
         let mut client = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| invalid("client", e))?
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(ServerTrust(servers.clone())))
             .with_client_cert_resolver(Arc::new(KeyOf(key.clone())));
-        client.resumption = rustls::client::Resumption::store(Arc::new(ClientSessions(
-            resumed_with_servers.clone(),
-        )));
+        client.resumption = rustls::client::Resumption::disabled();
         let mut grpc_server = server.clone();
         grpc_server.alpn_protocols = vec![ALPN_H2.to_vec()];
         let mut grpc_client = client.clone();
@@ -114,8 +110,6 @@ impl ClusterTls {
                 key,
                 clients,
                 servers,
-                resumed_by_clients,
-                resumed_with_servers,
                 acceptor: TlsAcceptor::from(Arc::new(server)),
                 grpc_acceptor: TlsAcceptor::from(Arc::new(grpc_server)),
                 connector: TlsConnector::from(Arc::new(client)),
@@ -141,8 +135,6 @@ impl ClusterTls {
             held.key.set(p.key);
             held.clients.set(p.clients);
             held.servers.set(p.servers);
-            held.resumed_by_clients.set(server_sessions());
-            held.resumed_with_servers.set(client_sessions());
         })
     }
 

@@ -61,7 +61,8 @@ fn certificates() -> &'static Certificates {
         let reloads = registry.counters(
             "handoff_tls_reloads_total",
             "Looks at certificate files that found them changed, by certificate (cluster, \
-             public) and outcome: taken, or refused (unusable: the certificate in use is kept).",
+             public) and outcome: taken, or refused (unusable or unreadable, once per set or \
+             reason: the certificate in use is kept).",
             &["certificate", "outcome"],
         );
         Certificates { registry, expiry, reloads }

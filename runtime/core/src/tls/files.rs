@@ -10,7 +10,8 @@ use std::time::SystemTime;
 use super::expiry::{self, Shown};
 use super::{Reloaded, TlsError, read};
 
-/// Files read together (certificate, key, CA), in a fixed order.
+/// Files read together (certificate, key, CA), in a fixed order. A reload holds them for its
+/// whole length, so two at once take turns.
 #[derive(Debug)]
 pub(crate) struct Files {
     paths: Vec<PathBuf>,
@@ -25,6 +26,13 @@ struct Seen {
     unread: Option<String>,
 }
 
+impl Seen {
+    /// Whether `bytes` are those in use or those last refused.
+    fn knows(&self, bytes: &[Vec<u8>]) -> bool {
+        *bytes == self.taken[..] || self.refused.as_deref() == Some(bytes)
+    }
+}
+
 impl Files {
     /// Reads `paths`, in order.
     pub(crate) fn read_all(paths: &[PathBuf]) -> Result<Vec<Vec<u8>>, TlsError> {
@@ -36,12 +44,47 @@ impl Files {
         Files { paths, seen: Mutex::new(Seen { taken, refused: None, unread: None }) }
     }
 
+    /// Reads the files again; when they changed, builds settings from them (in the order of
+    /// the paths) and hands those to `take`, noting the new certificate (the first file) as
+    /// `shown` at `now`. Files that do not build are read once more before they are refused
+    /// (a read may have straddled a rewrite, as when kubelet swaps a Secret's files), and a
+    /// refused set is kept out until the files change again. Unreadable files are an error
+    /// once per reason.
+    pub(crate) fn reload<T>(
+        &self,
+        shown: Shown,
+        now: SystemTime,
+        build: impl Fn(&[Vec<u8>]) -> Result<T, TlsError>,
+        take: impl FnOnce(T),
+    ) -> Result<Reloaded, TlsError> {
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(mut bytes) = self.changed(&mut seen)? else { return Ok(Reloaded::Unchanged) };
+        let mut built = build(&bytes);
+        if built.is_err()
+            && let Ok(again) = Self::read_all(&self.paths)
+            && again != bytes
+        {
+            built = build(&again);
+            bytes = again;
+        }
+        match built {
+            Err(e) => {
+                seen.refused = Some(bytes);
+                Err(e)
+            }
+            Ok(settings) => {
+                take(settings);
+                expiry::note_pem(shown, &bytes[0], now);
+                *seen = Seen { taken: bytes, refused: None, unread: None };
+                Ok(Reloaded::Taken)
+            }
+        }
+    }
+
     /// The files' bytes when they differ from those in use and from those last refused; why
     /// they cannot be read, when that differs from the last look's reason.
-    fn changed(&self) -> Result<Option<Vec<Vec<u8>>>, TlsError> {
-        let read = Self::read_all(&self.paths);
-        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-        let now = match read {
+    fn changed(&self, seen: &mut Seen) -> Result<Option<Vec<Vec<u8>>>, TlsError> {
+        let now = match Self::read_all(&self.paths) {
             Ok(now) => now,
             Err(e) => {
                 let why = e.to_string();
@@ -52,43 +95,6 @@ impl Files {
             }
         };
         seen.unread = None;
-        let known = now == seen.taken || seen.refused.as_ref() == Some(&now);
-        Ok((!known).then_some(now))
-    }
-
-    /// Reads the files again; when they changed, builds settings from them (in the order of
-    /// the paths) and hands those to `take`, noting the new certificate (the first file) as
-    /// `shown` at `now`; when they do not build, keeps them out until they change again.
-    pub(crate) fn reload<T>(
-        &self,
-        shown: Shown,
-        now: SystemTime,
-        build: impl FnOnce(&[Vec<u8>]) -> Result<T, TlsError>,
-        take: impl FnOnce(T),
-    ) -> Result<Reloaded, TlsError> {
-        let Some(bytes) = self.changed()? else { return Ok(Reloaded::Unchanged) };
-        match build(&bytes) {
-            Err(e) => {
-                self.refused(bytes);
-                Err(e)
-            }
-            Ok(settings) => {
-                take(settings);
-                expiry::note_pem(shown, &bytes[0], now);
-                self.taken(bytes);
-                Ok(Reloaded::Taken)
-            }
-        }
-    }
-
-    /// `bytes` are in use now.
-    fn taken(&self, bytes: Vec<Vec<u8>>) {
-        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-        *seen = Seen { taken: bytes, refused: None, unread: None };
-    }
-
-    /// `bytes` were refused: not tried again until they change.
-    fn refused(&self, bytes: Vec<Vec<u8>>) {
-        self.seen.lock().unwrap_or_else(PoisonError::into_inner).refused = Some(bytes);
+        Ok((!seen.knows(&now)).then_some(now))
     }
 }

@@ -50,11 +50,11 @@ pub fn look(held: &[Reloadable], now: SystemTime) -> usize {
             }
             Err(e) => {
                 reloads().with(&[label, "refused"]).inc();
-                tracing::warn!(
-                    certificate = label,
-                    error = %e,
-                    "TLS certificate files changed but are not usable: the ones in use are kept"
-                );
+                let what = match e {
+                    TlsError::File { .. } => "TLS certificate files cannot be read",
+                    _ => "TLS certificate files changed but are not usable",
+                };
+                tracing::warn!(certificate = label, error = %e, "{what}: the ones in use are kept");
             }
         }
     }

@@ -2,23 +2,21 @@
 //! the verifiers built from its CA. rustls takes them through the traits below, asked once
 //! per handshake, so every acceptor and connector built once at startup (the transfers', the
 //! directories', the gRPC servers' and channels') takes a reloaded certificate at its next
-//! handshake; connections already up keep the one they began with. So do the stores of TLS
-//! sessions to resume, replaced empty at each reload.
+//! handshake; connections already up keep the one they began with. A public listener's store
+//! of TLS sessions to resume is replaced empty at each reload too (the cluster's own
+//! connections resume none).
 
 use std::sync::{Arc, PoisonError, RwLock};
 
+use rustls::client::ResolvesClientCert;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::client::{
-    ClientSessionMemoryCache, ClientSessionStore, ResolvesClientCert, Tls12ClientSessionValue,
-    Tls13ClientSessionValue,
-};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::{
     ClientHello, ResolvesServerCert, ServerSessionMemoryCache, StoresServerSessions,
 };
 use rustls::sign::CertifiedKey;
-use rustls::{DigitallySignedStruct, DistinguishedName, NamedGroup, SignatureScheme};
+use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 
 /// A value replaced whole, read by every handshake.
 #[derive(Debug)]
@@ -142,7 +140,9 @@ impl ServerCertVerifier for ServerTrust {
 
 /// The sessions a listener can resume, a fresh store from each reload on: a session begun
 /// under the certificate or the trust before it is not resumed past it (a client of a CA
-/// taken out of the bundle would otherwise go on resuming, unchecked, for a day).
+/// taken out of the bundle would otherwise go on resuming, unchecked, for a day). A session
+/// is stored as its handshake ends: one whose client was checked just before a reload, and
+/// stored just after it, lands in the new store (a window of microseconds).
 #[derive(Debug)]
 pub(crate) struct ServerSessions(pub(crate) Arc<Swap<dyn StoresServerSessions>>);
 
@@ -166,52 +166,5 @@ impl StoresServerSessions for ServerSessions {
 
     fn can_cache(&self) -> bool {
         self.0.get().can_cache()
-    }
-}
-
-/// The sessions a dialer can resume, a fresh store from each reload on (as
-/// [`ServerSessions`], for servers' certificates checked against the trust before it).
-#[derive(Debug)]
-pub(crate) struct ClientSessions(pub(crate) Arc<Swap<dyn ClientSessionStore>>);
-
-/// Sessions a dialer keeps (rustls's default).
-pub(crate) fn client_sessions() -> Arc<dyn ClientSessionStore> {
-    Arc::new(ClientSessionMemoryCache::new(256))
-}
-
-impl ClientSessionStore for ClientSessions {
-    fn set_kx_hint(&self, server_name: ServerName<'static>, group: NamedGroup) {
-        self.0.get().set_kx_hint(server_name, group);
-    }
-
-    fn kx_hint(&self, server_name: &ServerName<'_>) -> Option<NamedGroup> {
-        self.0.get().kx_hint(server_name)
-    }
-
-    fn set_tls12_session(&self, server_name: ServerName<'static>, value: Tls12ClientSessionValue) {
-        self.0.get().set_tls12_session(server_name, value);
-    }
-
-    fn tls12_session(&self, server_name: &ServerName<'_>) -> Option<Tls12ClientSessionValue> {
-        self.0.get().tls12_session(server_name)
-    }
-
-    fn remove_tls12_session(&self, server_name: &ServerName<'static>) {
-        self.0.get().remove_tls12_session(server_name);
-    }
-
-    fn insert_tls13_ticket(
-        &self,
-        server_name: ServerName<'static>,
-        value: Tls13ClientSessionValue,
-    ) {
-        self.0.get().insert_tls13_ticket(server_name, value);
-    }
-
-    fn take_tls13_ticket(
-        &self,
-        server_name: &ServerName<'static>,
-    ) -> Option<Tls13ClientSessionValue> {
-        self.0.get().take_tls13_ticket(server_name)
     }
 }

@@ -1,0 +1,78 @@
+//! `ctl trace`'s HTTP client: one `GET` to a frontend's HTTP listener, plain or over its
+//! public certificate.
+
+use anyhow::{Context, bail};
+
+use super::CALL_TIMEOUT;
+
+/// `GET path` at `addr` with the cluster token, over HTTPS with `tls` (checking that the
+/// certificate names the host of `addr`), else plain HTTP: the status and the body (at most
+/// 1 MiB, within [`CALL_TIMEOUT`] a try). Over plain HTTP the token is sent only once the
+/// listener has answered HTTP without it (401): never in the clear to a listener that
+/// speaks TLS, whose first answer is not HTTP.
+pub(super) async fn get(
+    addr: &str,
+    path: &str,
+    token: Option<&str>,
+    tls: Option<&tokio_rustls::TlsConnector>,
+) -> anyhow::Result<(u16, String)> {
+    if tls.is_some() {
+        return get_once(addr, path, token, tls).await;
+    }
+    let (code, body) = get_once(addr, path, None, None).await?;
+    match (code, token) {
+        (401, Some(_)) => get_once(addr, path, token, None).await,
+        _ => Ok((code, body)),
+    }
+}
+
+/// One `GET` of [`get`].
+async fn get_once(
+    addr: &str,
+    path: &str,
+    token: Option<&str>,
+    tls: Option<&tokio_rustls::TlsConnector>,
+) -> anyhow::Result<(u16, String)> {
+    let auth = token.map(|t| format!("authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let ask = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\n{auth}connection: close\r\n\r\n");
+    let call = async {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        match tls {
+            None => exchange(tcp, &ask).await,
+            Some(tls) => {
+                let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+                let name = handoff_core::tls::server_name(host.trim_matches(['[', ']']))?;
+                exchange(tls.connect(name, tcp).await?, &ask).await
+            }
+        }
+    };
+    let raw = tokio::time::timeout(CALL_TIMEOUT, call).await.context("timed out")??;
+    let text = String::from_utf8_lossy(&raw);
+    let code = text.get(9..12).and_then(|c| c.parse().ok());
+    let code = match (code, tls) {
+        (Some(code), _) => code,
+        (None, None) => bail!("not an HTTP answer (a listener with TLS? give --public-ca)"),
+        (None, Some(_)) => bail!("not an HTTP answer"),
+    };
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    Ok((code, body))
+}
+
+/// Writes `ask` on `s` and reads the answer to its end (at most 1 MiB). A TLS peer that
+/// closes without saying so (no `close_notify`, as some proxies do) ends the answer too.
+async fn exchange<S>(mut s: S, ask: &str) -> anyhow::Result<Vec<u8>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(ask.as_bytes()).await?;
+    let mut raw = Vec::new();
+    match s.take(1 << 20).read_to_end(&mut raw).await {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
+        r => _ = r?,
+    }
+    Ok(raw)
+}
+
+#[cfg(test)]
+mod tests;
