@@ -439,12 +439,6 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
     let (limits, tls) = (frontend.cfg.http, frontend.cfg.public_tls.clone());
-    let incoming = handoff_proto::grpc::public_incoming(
-        listener,
-        tls.as_ref(),
-        limits.max_connections,
-        limits.grpc_quiet,
-    );
     frontend.mark_serving();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut stopping = stopped.clone();
@@ -460,9 +454,21 @@ pub async fn serve(
     let max_streams =
         u32::try_from(frontend.cfg.max_concurrent.saturating_mul(2)).unwrap_or(u32::MAX);
     let bodies = handoff_proto::grpc::BoundBodies::new(limits.body_timeout, limits.receiving_bytes);
-    let serving = handoff_proto::grpc::public_server(max_streams, bodies)
-        .add_service(GenerateService::new(frontend).into_server())
-        .serve_with_incoming_shutdown(incoming, goaway);
+    let router = handoff_proto::grpc::public_server(max_streams, bodies)
+        .add_service(GenerateService::new(frontend).into_server());
+    let (max, quiet) = (limits.max_connections, limits.grpc_quiet);
+    // Each its own connection type: plain connections are served as they are, not through
+    // `handoff_proto::grpc::Accepted` (see `cluster_incoming_plain`).
+    let serving: std::pin::Pin<Box<dyn Future<Output = _> + Send>> = match tls {
+        None => {
+            let incoming = handoff_proto::grpc::placed_incoming(listener, max, quiet);
+            Box::pin(router.serve_with_incoming_shutdown(incoming, goaway))
+        }
+        Some(tls) => {
+            let incoming = handoff_proto::grpc::public_incoming(listener, Some(&tls), max, quiet);
+            Box::pin(router.serve_with_incoming_shutdown(incoming, goaway))
+        }
+    };
     tokio::pin!(serving, shutdown);
     tokio::select! {
         served = &mut serving => return served.map_err(GrpcError::Serve),

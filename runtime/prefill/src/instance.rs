@@ -152,13 +152,21 @@ impl PrefillInstance {
             &cfg.advertise_host,
             gl.local_addr().map_err(startup)?.port(),
         );
-        let incoming = handoff_proto::grpc::cluster_incoming(gl, cfg.tls.as_ref());
+        let tls = cfg.tls.clone();
         let t = tasks.clone();
         tasks.spawn(async move {
-            let res = grpc
-                .add_service(svc.into_server())
-                .serve_with_incoming_shutdown(incoming, t.shutdown_requested())
-                .await;
+            let router = grpc.add_service(svc.into_server());
+            let stop = t.shutdown_requested();
+            let res = match tls {
+                None => {
+                    let incoming = handoff_proto::grpc::cluster_incoming_plain(gl);
+                    router.serve_with_incoming_shutdown(incoming, stop).await
+                }
+                Some(tls) => {
+                    let incoming = handoff_proto::grpc::cluster_incoming(gl, Some(&tls));
+                    router.serve_with_incoming_shutdown(incoming, stop).await
+                }
+            };
             if let Err(e) = res {
                 warn!(error = %e, "prefill gRPC stopped");
             }

@@ -254,12 +254,20 @@ pub async fn serve(
     state: Arc<SchedulerState>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), GrpcError> {
-    let incoming = handoff_proto::grpc::cluster_incoming(listener, state.config().tls.as_ref());
-    handoff_proto::grpc::cluster_server()
-        .add_service(SchedulerService::new(state).into_server())
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
-        .map_err(GrpcError::Serve)
+    let tls = state.config().tls.clone();
+    let router = handoff_proto::grpc::cluster_server()
+        .add_service(SchedulerService::new(state).into_server());
+    let served = match tls {
+        None => {
+            let incoming = handoff_proto::grpc::cluster_incoming_plain(listener);
+            router.serve_with_incoming_shutdown(incoming, shutdown).await
+        }
+        Some(tls) => {
+            let incoming = handoff_proto::grpc::cluster_incoming(listener, Some(&tls));
+            router.serve_with_incoming_shutdown(incoming, shutdown).await
+        }
+    };
+    served.map_err(GrpcError::Serve)
 }
 
 #[cfg(test)]
