@@ -19,7 +19,7 @@ mod placed;
 mod tls;
 pub use bounded::{BoundBodies, Bounded};
 pub use placed::{Placed, placed_incoming};
-pub use tls::{Accepted, Dialed, LazyTls, TlsDialer, with_tls};
+pub use tls::{Dialed, LazyTls, TlsDialer, with_tls};
 
 /// How often an internal channel pings its server when it has heard nothing ...
 pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
@@ -38,38 +38,36 @@ pub const CLUSTER_MAX_CONNECTIONS: usize = 4_096;
 /// silent, is that quiet.
 pub const CLUSTER_QUIET: Duration = Duration::from_secs(90);
 
-/// The connections an internal service's `listener` accepts, over the cluster's mutual TLS
-/// when given: at most [`CLUSTER_MAX_CONNECTIONS`] at once, each closed after
-/// [`CLUSTER_QUIET`] without a word (before, an unbounded accept loop took whatever
-/// connections came, and once the process was out of descriptors spun on its failing
-/// accepts).
+/// The connections an internal service's `listener` accepts: at most
+/// [`CLUSTER_MAX_CONNECTIONS`] at once, each closed after [`CLUSTER_QUIET`] without a word
+/// (before, an unbounded accept loop took whatever connections came, and once the process
+/// was out of descriptors spun on its failing accepts). A server without TLS serves these as
+/// they are: through one more layer, the `overhead` bench's open loop at half load measured a
+/// p50 about 20 % higher (the mechanism not found: one match per read and write should not
+/// cost that).
 pub fn cluster_incoming(
-    listener: tokio::net::TcpListener,
-    tls: Option<&ClusterTls>,
-) -> impl tokio_stream::Stream<Item = std::io::Result<Accepted>> + Send + 'static {
-    let placed = placed_incoming(listener, CLUSTER_MAX_CONNECTIONS, CLUSTER_QUIET);
-    with_tls(placed, tls.map(|t| t.grpc_acceptor().clone()))
-}
-
-/// [`cluster_incoming`] without TLS, its connections as they are. A server without TLS serves
-/// these rather than [`Accepted::Plain`]: through the enum, the `overhead` bench's open loop
-/// at half load measured a p50 about 20 % higher (three of three interleaved runs; the
-/// mechanism not found: one match per read and write should not cost that).
-pub fn cluster_incoming_plain(
     listener: tokio::net::TcpListener,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<Placed>> + Send + 'static {
     placed_incoming(listener, CLUSTER_MAX_CONNECTIONS, CLUSTER_QUIET)
 }
 
-/// The connections a public service's `listener` accepts, over its certificate when given:
-/// at most `max` at once, each closed after `quiet` without a word.
-pub fn public_incoming(
+/// [`cluster_incoming`] over the cluster's mutual TLS.
+pub fn cluster_incoming_tls(
     listener: tokio::net::TcpListener,
-    tls: Option<&ServerTls>,
+    tls: &ClusterTls,
+) -> impl tokio_stream::Stream<Item = std::io::Result<LazyTls>> + Send + 'static {
+    with_tls(cluster_incoming(listener), tls.grpc_acceptor().clone())
+}
+
+/// The connections a public service's `listener` accepts over its certificate: at most `max`
+/// at once, each closed after `quiet` without a word (without TLS: [`placed_incoming`]).
+pub fn public_incoming_tls(
+    listener: tokio::net::TcpListener,
+    tls: &ServerTls,
     max: usize,
     quiet: Duration,
-) -> impl tokio_stream::Stream<Item = std::io::Result<Accepted>> + Send + 'static {
-    with_tls(placed_incoming(listener, max, quiet), tls.map(|t| t.grpc_acceptor().clone()))
+) -> impl tokio_stream::Stream<Item = std::io::Result<LazyTls>> + Send + 'static {
+    with_tls(placed_incoming(listener, max, quiet), tls.grpc_acceptor().clone())
 }
 
 /// How long a TLS handshake may take, on either side.
@@ -100,7 +98,7 @@ impl std::fmt::Display for GrpcError {
 
 impl std::error::Error for GrpcError {}
 
-/// A server builder for an internal service (its TLS is [`cluster_incoming`]'s). A caller
+/// A server builder for an internal service (its TLS is [`cluster_incoming_tls`]'s). A caller
 /// gone without a word (its host lost power, a partition) gives its connection back within
 /// 15 s, and its calls are dropped with it (a prefill gives up their queued work, not
 /// computing and sending KV for a decode that is gone).
@@ -119,7 +117,7 @@ fn counted(s: Server) -> Counted {
     s.layer(TrafficLayer(Protocol::Grpc))
 }
 
-/// A server builder for a public service (its TLS is [`public_incoming`]'s): at most
+/// A server builder for a public service (its TLS is [`public_incoming_tls`]'s): at most
 /// `max_streams` streams open at once on one client connection (tonic's default is no bound:
 /// each stream holds its answer's messages until the client reads them, after the request's
 /// own end too), and its request bodies within `bodies`.

@@ -3,9 +3,9 @@
 //! resolve the certificate and the CA at each handshake, so a reload reaches the gRPC
 //! servers and channels too.
 //!
-//! - Servers: each accepted connection becomes [`Accepted`]; over TLS its handshake runs in
-//!   the connection's own task on its first read or write, within [`TLS_HANDSHAKE_TIMEOUT`],
-//!   so a slow or silent client holds only its own place, never the accept loop.
+//! - Servers: each accepted connection becomes a [`LazyTls`], whose handshake runs in the
+//!   connection's own task on its first read or write, within [`TLS_HANDSHAKE_TIMEOUT`], so a
+//!   slow or silent client holds only its own place, never the accept loop.
 //! - Channels: [`TlsDialer`] dials TCP (`TCP_NODELAY`) and then TLS, proving the host
 //!   dialed, within [`TLS_HANDSHAKE_TIMEOUT`] for the handshake.
 
@@ -23,27 +23,14 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use super::{Placed, TLS_HANDSHAKE_TIMEOUT};
 
-/// A connection a gRPC server serves: plain, or over TLS.
-#[derive(Debug)]
-pub enum Accepted {
-    /// No TLS.
-    Plain(Placed),
-    /// TLS, its handshake done on first use.
-    Tls(Box<LazyTls>),
-}
-
-/// `incoming`'s connections, over TLS with `acceptor` when given.
+/// `incoming`'s connections over TLS with `acceptor`, each handshake left to the connection
+/// (a server without TLS serves its `Placed` connections as they are: through one more layer
+/// they measured slower, `cluster_incoming`).
 pub fn with_tls(
     incoming: impl Stream<Item = io::Result<Placed>> + Send + 'static,
-    acceptor: Option<TlsAcceptor>,
-) -> impl Stream<Item = io::Result<Accepted>> + Send + 'static {
-    incoming.map(move |placed| {
-        let placed = placed?;
-        Ok(match &acceptor {
-            None => Accepted::Plain(placed),
-            Some(a) => Accepted::Tls(Box::new(LazyTls::new(a, placed))),
-        })
-    })
+    acceptor: TlsAcceptor,
+) -> impl Stream<Item = io::Result<LazyTls>> + Send + 'static {
+    incoming.map(move |placed| Ok(LazyTls::new(&acceptor, placed?)))
 }
 
 type Handshake = Pin<Box<tokio::time::Timeout<tokio_rustls::Accept<Placed>>>>;
@@ -106,46 +93,33 @@ impl LazyTls {
     }
 }
 
-impl Connected for Accepted {
+impl Connected for LazyTls {
     type ConnectInfo = TcpConnectInfo;
 
     fn connect_info(&self) -> TcpConnectInfo {
-        match self {
-            Accepted::Plain(p) => p.connect_info(),
-            Accepted::Tls(t) => t.info.clone(),
-        }
+        self.info.clone()
     }
 }
 
-impl AsyncRead for Accepted {
+impl AsyncRead for LazyTls {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Accepted::Plain(p) => Pin::new(p).poll_read(cx, buf),
-            Accepted::Tls(t) => {
-                let s = ready!(t.poll_stream(cx))?;
-                Pin::new(s).poll_read(cx, buf)
-            }
-        }
+        let s = ready!(self.get_mut().poll_stream(cx))?;
+        Pin::new(s).poll_read(cx, buf)
     }
 }
 
-impl AsyncWrite for Accepted {
+impl AsyncWrite for LazyTls {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Accepted::Plain(p) => Pin::new(p).poll_write(cx, buf),
-            Accepted::Tls(t) => {
-                let s = ready!(t.poll_stream(cx))?;
-                Pin::new(s).poll_write(cx, buf)
-            }
-        }
+        let s = ready!(self.get_mut().poll_stream(cx))?;
+        Pin::new(s).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -153,41 +127,27 @@ impl AsyncWrite for Accepted {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Accepted::Plain(p) => Pin::new(p).poll_write_vectored(cx, bufs),
-            Accepted::Tls(t) => {
-                let s = ready!(t.poll_stream(cx))?;
-                Pin::new(s).poll_write_vectored(cx, bufs)
-            }
-        }
+        let s = ready!(self.get_mut().poll_stream(cx))?;
+        Pin::new(s).poll_write_vectored(cx, bufs)
     }
 
+    /// Asked once, when the connection is set up (before the handshake): tokio-rustls's
+    /// stream always says yes.
     fn is_write_vectored(&self) -> bool {
-        match self {
-            Accepted::Plain(p) => p.is_write_vectored(),
-            // Asked once, when the connection is set up (before the handshake): tokio-rustls's
-            // stream always says yes.
-            Accepted::Tls(_) => true,
-        }
+        true
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Accepted::Plain(p) => Pin::new(p).poll_flush(cx),
-            Accepted::Tls(t) => match &mut t.stage {
-                Stage::Ready(s) => Pin::new(s).poll_flush(cx),
-                _ => Poll::Ready(Ok(())),
-            },
+        match &mut self.get_mut().stage {
+            Stage::Ready(s) => Pin::new(s).poll_flush(cx),
+            _ => Poll::Ready(Ok(())),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Accepted::Plain(p) => Pin::new(p).poll_shutdown(cx),
-            Accepted::Tls(t) => match &mut t.stage {
-                Stage::Ready(s) => Pin::new(s).poll_shutdown(cx),
-                _ => Poll::Ready(Ok(())),
-            },
+        match &mut self.get_mut().stage {
+            Stage::Ready(s) => Pin::new(s).poll_shutdown(cx),
+            _ => Poll::Ready(Ok(())),
         }
     }
 }

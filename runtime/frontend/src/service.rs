@@ -457,15 +457,15 @@ pub async fn serve(
     let router = handoff_proto::grpc::public_server(max_streams, bodies)
         .add_service(GenerateService::new(frontend).into_server());
     let (max, quiet) = (limits.max_connections, limits.grpc_quiet);
-    // Each its own connection type: plain connections are served as they are, not through
-    // `handoff_proto::grpc::Accepted` (see `cluster_incoming_plain`).
+    // Each its own connection type: plain connections are served as they are (see
+    // `handoff_proto::grpc::cluster_incoming`).
     let serving: std::pin::Pin<Box<dyn Future<Output = _> + Send>> = match tls {
         None => {
             let incoming = handoff_proto::grpc::placed_incoming(listener, max, quiet);
             Box::pin(router.serve_with_incoming_shutdown(incoming, goaway))
         }
         Some(tls) => {
-            let incoming = handoff_proto::grpc::public_incoming(listener, Some(&tls), max, quiet);
+            let incoming = handoff_proto::grpc::public_incoming_tls(listener, &tls, max, quiet);
             Box::pin(router.serve_with_incoming_shutdown(incoming, goaway))
         }
     };

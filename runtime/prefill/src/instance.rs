@@ -159,11 +159,11 @@ impl PrefillInstance {
             let stop = t.shutdown_requested();
             let res = match tls {
                 None => {
-                    let incoming = handoff_proto::grpc::cluster_incoming_plain(gl);
+                    let incoming = handoff_proto::grpc::cluster_incoming(gl);
                     router.serve_with_incoming_shutdown(incoming, stop).await
                 }
                 Some(tls) => {
-                    let incoming = handoff_proto::grpc::cluster_incoming(gl, Some(&tls));
+                    let incoming = handoff_proto::grpc::cluster_incoming_tls(gl, &tls);
                     router.serve_with_incoming_shutdown(incoming, stop).await
                 }
             };

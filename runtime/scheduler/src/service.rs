@@ -259,11 +259,11 @@ pub async fn serve(
         .add_service(SchedulerService::new(state).into_server());
     let served = match tls {
         None => {
-            let incoming = handoff_proto::grpc::cluster_incoming_plain(listener);
+            let incoming = handoff_proto::grpc::cluster_incoming(listener);
             router.serve_with_incoming_shutdown(incoming, shutdown).await
         }
         Some(tls) => {
-            let incoming = handoff_proto::grpc::cluster_incoming(listener, Some(&tls));
+            let incoming = handoff_proto::grpc::cluster_incoming_tls(listener, &tls);
             router.serve_with_incoming_shutdown(incoming, shutdown).await
         }
     };

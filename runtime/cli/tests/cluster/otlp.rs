@@ -72,7 +72,7 @@ async fn spans_from_three_processes_form_one_linked_trace() {
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(handoff_proto::grpc::cluster_incoming(l, None)),
+            .serve_with_incoming(handoff_proto::grpc::cluster_incoming(l)),
     );
     let etcd = Server::etcd();
     let nats = Server::nats();

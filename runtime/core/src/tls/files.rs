@@ -64,6 +64,10 @@ impl Files {
             && let Ok(again) = Self::read_all(&self.paths)
             && again != bytes
         {
+            // Back to the set in use, or to the one refused: the torn read was all there was.
+            if seen.knows(&again) {
+                return Ok(Reloaded::Unchanged);
+            }
             built = build(&again);
             bytes = again;
         }

@@ -61,8 +61,15 @@ pub fn look(held: &[Reloadable], now: SystemTime) -> usize {
     taken
 }
 
-/// Looks at `held`'s files every `every` ([`look`]) until `stop`.
+/// Looks at `held`'s files every `every` ([`look`]) until `stop`. Its counters are shown at 0
+/// from the start (a series that first appears at 1 would hide its first reload from a
+/// rate).
 pub async fn watch(held: Vec<Reloadable>, every: Duration, stop: impl Future<Output = ()>) {
+    for h in &held {
+        for outcome in ["taken", "refused"] {
+            reloads().with(&[h.shown().label(), outcome]);
+        }
+    }
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stop = std::pin::pin!(stop);

@@ -48,14 +48,27 @@ async fn get_once(
     };
     let raw = tokio::time::timeout(CALL_TIMEOUT, call).await.context("timed out")??;
     let text = String::from_utf8_lossy(&raw);
-    let code = text.get(9..12).and_then(|c| c.parse().ok());
+    let code = text.strip_prefix("HTTP/1.").and_then(|t| t.get(2..5)).and_then(|c| c.parse().ok());
     let code = match (code, tls) {
         (Some(code), _) => code,
         (None, None) => bail!("not an HTTP answer (a listener with TLS? give --public-ca)"),
         (None, Some(_)) => bail!("not an HTTP answer"),
     };
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
-    Ok((code, body))
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    if let Some(len) = content_length(head)
+        && body.len() < len
+    {
+        bail!("the answer was cut short ({} of {len} bytes)", body.len());
+    }
+    Ok((code, body.to_owned()))
+}
+
+/// The `content-length` an answer's head gives, if any.
+fn content_length(head: &str) -> Option<usize> {
+    head.lines().find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        name.eq_ignore_ascii_case("content-length").then(|| value.trim().parse().ok())?
+    })
 }
 
 /// Writes `ask` on `s` and reads the answer to its end (at most 1 MiB). A TLS peer that
@@ -68,10 +81,10 @@ where
     s.write_all(ask.as_bytes()).await?;
     let mut raw = Vec::new();
     match s.take(1 << 20).read_to_end(&mut raw).await {
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
-        r => _ = r?,
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => Ok(raw),
+        Err(e) => Err(e.into()),
+        Ok(_) => Ok(raw),
     }
-    Ok(raw)
 }
 
 #[cfg(test)]

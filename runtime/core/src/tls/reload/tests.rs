@@ -258,4 +258,13 @@ fn files_caught_mid_rewrite_are_read_once_more() {
     let got = files.reload(Shown::Cluster, SystemTime::now(), build, |v| took = Some(v));
     assert_eq!(got.unwrap(), Reloaded::Taken);
     assert_eq!((took.as_deref(), tries.get()), (Some(&b"whole"[..]), 2));
+
+    // A torn read, and then the set in use again: nothing refused, nothing taken.
+    pems.put("a", "torn");
+    let back = |b: &[Vec<u8>]| {
+        pems.put("a", "whole");
+        Err::<Vec<u8>, _>(TlsError::Invalid { what: "test", reason: format!("{:?}", b[0]) })
+    };
+    let got = files.reload(Shown::Cluster, SystemTime::now(), back, |_| unreachable!());
+    assert_eq!(got.unwrap(), Reloaded::Unchanged);
 }
