@@ -149,17 +149,18 @@ pub fn cluster_channel(
     // is retried elsewhere) instead of waiting out its deadline.
     let ep = endpoint("http")?
         .tcp_nodelay(true)
-        .connect_timeout(connect_timeout)
         .http2_keep_alive_interval(KEEPALIVE_EVERY)
         .keep_alive_timeout(KEEPALIVE_TIMEOUT)
         .keep_alive_while_idle(true);
     Ok(match tls {
-        None => ep.connect_lazy(),
+        None => ep.connect_timeout(connect_timeout).connect_lazy(),
         // Our dialer does the TLS (the connector is handed the `http` URI); requests name
-        // the `https` origin.
+        // the `https` origin. Its own limits, as tonic's connector had them: `connect_timeout`
+        // for TCP, shared by the host's addresses, and then the handshake's (an endpoint's
+        // `connect_timeout` would bound both together).
         Some(tls) => {
-            let dialer =
-                TlsDialer(tokio_rustls::TlsConnector::from(tls.grpc_client_config().clone()));
+            let connector = tokio_rustls::TlsConnector::from(tls.grpc_client_config().clone());
+            let dialer = TlsDialer { connector, connect_timeout };
             ep.origin(endpoint("https")?.uri().clone()).connect_with_connector_lazy(dialer)
         }
     })

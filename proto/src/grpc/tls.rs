@@ -6,13 +6,15 @@
 //! - Servers: each accepted connection becomes a [`LazyTls`], whose handshake runs in the
 //!   connection's own task on its first read or write, within [`TLS_HANDSHAKE_TIMEOUT`], so a
 //!   slow or silent client holds only its own place, never the accept loop.
-//! - Channels: [`TlsDialer`] dials TCP (`TCP_NODELAY`) and then TLS, proving the host
-//!   dialed, within [`TLS_HANDSHAKE_TIMEOUT`] for the handshake.
+//! - Channels: [`TlsDialer`] dials TCP (`TCP_NODELAY`; the host's addresses in turn, within
+//!   the channel's connect timeout between them) and then TLS, proving the host dialed,
+//!   within [`TLS_HANDSHAKE_TIMEOUT`] for the handshake.
 
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -152,9 +154,40 @@ impl AsyncWrite for LazyTls {
     }
 }
 
+/// TCP to `host:port`: its addresses tried in turn, each within an equal share of `within`.
+async fn tcp_to(host: &str, port: u16, within: Duration) -> io::Result<TcpStream> {
+    let addrs: Vec<_> = tokio::net::lookup_host((host, port)).await?.collect();
+    first_of(&addrs, within).await
+}
+
+/// TCP to the first of `addrs` that answers, each tried within an equal share of `within`
+/// (one that drops packets costs its share, not the whole).
+async fn first_of(addrs: &[std::net::SocketAddr], within: Duration) -> io::Result<TcpStream> {
+    let share = within / u32::try_from(addrs.len().max(1)).unwrap_or(u32::MAX);
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
+    for &addr in addrs {
+        match tokio::time::timeout(share, TcpStream::connect(addr)).await {
+            Ok(Ok(tcp)) => return Ok(tcp),
+            Ok(Err(e)) => last = e,
+            Err(_) => {
+                last = io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("{addr}: not connected within {share:?}"),
+                );
+            }
+        }
+    }
+    Err(last)
+}
+
 /// Dials a gRPC server over TLS (see the module docs): the connector of a channel.
 #[derive(Clone)]
-pub struct TlsDialer(pub TlsConnector);
+pub struct TlsDialer {
+    /// The TLS settings.
+    pub connector: TlsConnector,
+    /// How long TCP may take to connect, shared by the host's addresses, tried in turn.
+    pub connect_timeout: Duration,
+}
 
 /// A dialed TLS connection, as hyper reads and writes it.
 pub type Dialed = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
@@ -169,7 +202,7 @@ impl tower::Service<Uri> for TlsDialer {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let connector = self.0.clone();
+        let (connector, within) = (self.connector.clone(), self.connect_timeout);
         Box::pin(async move {
             let bad = |what: &str| {
                 io::Error::new(io::ErrorKind::InvalidInput, format!("{what} in {uri}"))
@@ -178,7 +211,7 @@ impl tower::Service<Uri> for TlsDialer {
             let port = uri.port_u16().ok_or_else(|| bad("no port"))?;
             let host = host.trim_start_matches('[').trim_end_matches(']');
             let name = handoff_core::tls::server_name(host).map_err(io::Error::other)?;
-            let tcp = TcpStream::connect((host, port)).await?;
+            let tcp = tcp_to(host, port, within).await?;
             // Best effort: a socket that refuses the option still works, only slower.
             let _ = tcp.set_nodelay(true);
             let tls = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, connector.connect(name, tcp))
@@ -191,5 +224,41 @@ impl tower::Service<Uri> for TlsDialer {
                 })??;
             Ok(hyper_util::rt::TokioIo::new(tls))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+    use super::first_of;
+
+    /// An address whose connects hang (a listener whose backlog is full and which never
+    /// accepts drops further SYNs, as a blackholed address does), then one that answers: the
+    /// second is reached within the time, the first costing only its share.
+    #[tokio::test]
+    async fn an_address_that_drops_packets_costs_only_its_share() {
+        let full = TcpSocket::new_v4().unwrap();
+        full.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let full = full.listen(1).unwrap();
+        let hung = full.local_addr().unwrap();
+        let mut fillers = Vec::new();
+        for _ in 0..4 {
+            let c = tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(hung));
+            if let Ok(Ok(c)) = c.await {
+                fillers.push(c);
+            }
+        }
+        let good = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let to = good.local_addr().unwrap();
+        // Without a limit per address, the first would hold the dial for the OS's own SYN
+        // retries (about two minutes).
+        let addrs = [hung, to];
+        let dial = first_of(&addrs, Duration::from_secs(4));
+        let got = tokio::time::timeout(Duration::from_secs(20), dial).await.expect("not held up");
+        assert_eq!(got.expect("the second address reached").peer_addr().unwrap(), to);
+        drop(fillers);
     }
 }
