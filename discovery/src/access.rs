@@ -2,8 +2,7 @@
 //! credentials. Everything is passed to the server's own client library.
 
 use std::path::PathBuf;
-
-use crate::DiscoveryError;
+use std::time::Duration;
 
 /// TLS and credentials for one discovery server (all optional; none means plain and
 /// anonymous).
@@ -17,15 +16,14 @@ pub struct ServerAccess {
     pub user: Option<(String, String)>,
     /// A NATS credentials file (JWT and NKey seed); NATS only.
     pub credentials: Option<PathBuf>,
+    /// How often the TLS files are read again (`None`: once): etcd's client is made again
+    /// when they changed. NATS's library reads them again itself, at each reconnect.
+    pub tls_reload: Option<Duration>,
 }
 
 impl ServerAccess {
     /// Whether connections use TLS.
     pub fn tls(&self) -> bool {
         self.ca.is_some() || self.identity.is_some()
-    }
-
-    pub(crate) fn read(path: &std::path::Path) -> Result<Vec<u8>, DiscoveryError> {
-        std::fs::read(path).map_err(|e| DiscoveryError::Config(format!("{}: {e}", path.display())))
     }
 }

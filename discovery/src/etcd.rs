@@ -5,20 +5,21 @@
 //! follows changes from the snapshot's revision; after a compaction, a cancelled watch or a
 //! lost connection it takes a new snapshot and says `Reset` again. While etcd is away,
 //! watchers keep their last state and the log says so once per outage, not per retry. An
-//! etcd not reachable yet when a process starts is waited for ([`patience`]).
+//! etcd not reachable yet when a process starts is waited for ([`patience`]). The client's
+//! TLS files are read again while the process runs, and a changed set makes a new client
+//! ([`link`]).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{
-    Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, PutOptions, TlsOptions,
-    WatchOptions,
-};
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 use futures::StreamExt;
 use futures::stream::BoxStream;
+use handoff_core::tls::HandedTls;
 use handoff_core::tls::expiry::Shown;
+use handoff_core::tls::reload::{Reloadable, watch};
 use handoff_core::{InstanceId, Tasks};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -27,7 +28,10 @@ use tracing::{info, warn};
 use crate::{DiscoveryError, Instance, Registry, Role, ServerAccess, Update};
 
 mod claim;
+mod link;
 mod patience;
+
+use link::Link;
 
 /// Where instances live in etcd.
 pub const KEY_PREFIX: &str = "/handoff/v1/instances/";
@@ -58,7 +62,7 @@ fn unavailable(e: impl std::fmt::Display) -> DiscoveryError {
 
 /// A registry in etcd (see the module docs).
 pub struct EtcdRegistry {
-    client: Client,
+    link: Arc<Link>,
     ttl: Duration,
     tasks: Tasks,
     leases: Mutex<HashMap<InstanceId, CancellationToken>>,
@@ -82,15 +86,20 @@ impl EtcdRegistry {
     }
 
     /// As [`EtcdRegistry::connect`], with TLS and credentials (`https://` endpoints when the
-    /// access has TLS).
+    /// access has TLS). The TLS files are read again every `access.tls_reload`, when given,
+    /// until `tasks` shut down.
     pub async fn connect_with(
         endpoints: &str,
         access: &ServerAccess,
         ttl: Duration,
         tasks: &Tasks,
     ) -> Result<Self, DiscoveryError> {
-        let eps: Vec<&str> =
-            endpoints.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+        let eps: Vec<String> = endpoints
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect();
         let mut opts = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(5))
@@ -108,29 +117,20 @@ impl EtcdRegistry {
             // finds its token expired authenticates again.
             opts = opts.with_user(user, password).with_auto_token_refresh(true);
         }
-        if access.tls() {
-            let mut tls = TlsOptions::new();
-            if let Some(ca) = &access.ca {
-                tls = tls.ca_certificate(Certificate::from_pem(ServerAccess::read(ca)?));
-            }
-            if let Some((cert, key)) = &access.identity {
-                let (cert, key) = (ServerAccess::read(cert)?, ServerAccess::read(key)?);
-                let now = std::time::SystemTime::now();
-                handoff_core::tls::expiry::note_pem(Shown::EtcdClient, &cert, now);
-                tls = tls.identity(Identity::from_pem(cert, key));
-            }
-            opts = opts.with_tls(tls);
-        }
+        let identity = access.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+        let tls = HandedTls::from_files(Shown::EtcdClient, identity, access.ca.as_deref())
+            .map_err(|e| DiscoveryError::Config(format!("etcd's TLS: {e}")))?;
         // With credentials the client authenticates at once: an etcd not up yet is waited
         // for (without, nothing is sent until the first call).
         let stop = tasks.shutdown_token();
-        let client = patience::until_reached("connected", &stop, || {
-            Client::connect(&eps, Some(opts.clone()))
-        })
-        .await
-        .map_err(unavailable)?;
+        let link = Link::connect(eps, opts, tls.clone(), &stop).await.map_err(unavailable)?;
+        if let (Some(tls), Some(every)) = (tls, access.tls_reload) {
+            let t = tasks.clone();
+            let held = vec![Reloadable::Handed(tls)];
+            tasks.spawn(watch(held, every, async move { t.shutdown_requested().await }));
+        }
         Ok(EtcdRegistry {
-            client,
+            link: Arc::new(link),
             ttl: ttl.max(Duration::from_secs(2)),
             tasks: tasks.clone(),
             leases: Mutex::default(),
@@ -152,10 +152,10 @@ impl EtcdRegistry {
 /// Keeps `lease` alive until `stop`; registers again if the lease lapses (etcd was away for
 /// longer than the TTL), and puts the key back if it went or changed while the lease lived (an
 /// operator's `etcdctl del`, an earlier process of the same id deregistering, another
-/// writer's addresses); revokes the lease on
-/// `stop`.
+/// writer's addresses); revokes the lease on `stop`. Each try after a failure takes the
+/// client in use ([`link`]).
 async fn keep(
-    mut client: Client,
+    link: Arc<Link>,
     key: String,
     value: Vec<u8>,
     ttl: Duration,
@@ -165,6 +165,7 @@ async fn keep(
     let period = ttl / 3;
     let (mut outage, mut said_taken) = (false, false);
     loop {
+        let mut client = link.client().await;
         let alive = async {
             let (mut keeper, mut stream) =
                 client.lease_keep_alive(lease).await.map_err(unavailable)?;
@@ -242,7 +243,7 @@ async fn keep(
             outage = false;
         }
     }
-    let _ = client.lease_revoke(lease).await;
+    let _ = link.client().await.lease_revoke(lease).await;
 }
 
 #[async_trait]
@@ -260,15 +261,13 @@ impl Registry for EtcdRegistry {
         // predecessor's whose lease runs out are not.
         let own = self.leases.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&instance.id);
         if !own {
-            claim::await_free(&mut self.client.clone(), &key, &instance, self.ttl).await?;
+            claim::await_free(&mut self.link.client().await, &key, &instance, self.ttl).await?;
         }
         // An etcd not reachable yet (the process started first) is waited for.
         let what = format!("{key} registered");
-        let client = self.client.clone();
         let lease = patience::until_reached(&what, &self.tasks.shutdown_token(), || {
-            let mut client = client.clone();
-            let (key, value, ttl) = (key.clone(), value.clone(), self.ttl);
-            async move { Self::put_with_lease(&mut client, &key, &value, ttl).await }
+            let (link, key, value, ttl) = (&self.link, key.clone(), value.clone(), self.ttl);
+            async move { Self::put_with_lease(&mut link.client().await, &key, &value, ttl).await }
         })
         .await
         .map_err(unavailable)?;
@@ -281,7 +280,7 @@ impl Registry for EtcdRegistry {
         {
             old.cancel();
         }
-        self.tasks.spawn(keep(client, key, value, self.ttl, lease, stop));
+        self.tasks.spawn(keep(self.link.clone(), key, value, self.ttl, lease, stop));
         Ok(())
     }
 
@@ -289,7 +288,7 @@ impl Registry for EtcdRegistry {
         if let Some(stop) = self.leases.lock().unwrap_or_else(|e| e.into_inner()).remove(id) {
             stop.cancel();
         }
-        let mut client = self.client.clone();
+        let mut client = self.link.client().await;
         for role in [Role::Prefill, Role::Frontend, Role::Scheduler, Role::Engine] {
             client
                 .delete(format!("{KEY_PREFIX}{}/{id}", role_dir(role)), None)
@@ -302,12 +301,12 @@ impl Registry for EtcdRegistry {
     async fn watch(&self, role: Role) -> Result<BoxStream<'static, Update>, DiscoveryError> {
         let prefix = format!("{KEY_PREFIX}{}/", role_dir(role));
         let (tx, rx) = mpsc::channel(256);
-        let client = self.client.clone();
+        let link = self.link.clone();
         let stop = self.tasks.shutdown_token();
         self.tasks.spawn(async move {
             tokio::select! {
                 _ = stop.cancelled() => {}
-                _ = follow(client, prefix, tx) => {}
+                _ = follow(&link, prefix, tx) => {}
             }
         });
         Ok(tokio_stream::wrappers::ReceiverStream::new(rx).boxed())
@@ -320,11 +319,12 @@ fn parse(value: &[u8]) -> Option<Instance> {
         .ok()
 }
 
-/// Snapshot, then changes; a new snapshot after anything goes wrong. Ends when the watcher
-/// drops its stream.
-async fn follow(mut client: Client, prefix: String, tx: mpsc::Sender<Update>) {
+/// Snapshot, then changes; a new snapshot (through the client in use) after anything goes
+/// wrong. Ends when the watcher drops its stream.
+async fn follow(link: &Link, prefix: String, tx: mpsc::Sender<Update>) {
     let mut outage = false;
     loop {
+        let mut client = link.client().await;
         let run = async {
             let snap = client
                 .kv_client()

@@ -30,9 +30,10 @@ pub async fn discovery(
     match (&args.etcd, &args.nats) {
         (Some(etcd), Some(nats)) => {
             let ttl = Duration::from_secs(args.lease_ttl_secs);
-            let registry = EtcdRegistry::connect_with(etcd, &args.access.etcd(), ttl, tasks)
-                .await
-                .with_context(|| format!("etcd at {etcd}"))?;
+            let registry =
+                EtcdRegistry::connect_with(etcd, &args.access.etcd(args.tls_reload()), ttl, tasks)
+                    .await
+                    .with_context(|| format!("etcd at {etcd}"))?;
             let bus = NatsBus::connect_with(nats, &args.access.nats())
                 .await
                 .with_context(|| format!("NATS at {nats}"))?;

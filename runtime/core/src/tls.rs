@@ -12,6 +12,8 @@
 //! - [`reload`]: certificates read from files are read again while the process runs and
 //!   taken at the next handshake when they changed ([`swap`]), so a renewed certificate (or
 //!   a CA bundle changed for a CA rotation) needs no restart.
+//! - [`HandedTls`]: files handed as PEM to a client library that builds its own TLS (etcd's),
+//!   checked and read again likewise; its owner makes the library's client again.
 
 pub mod expiry;
 pub mod reload;
@@ -20,6 +22,7 @@ pub mod test_certs;
 
 mod cluster;
 mod files;
+mod handed;
 mod listener;
 mod public;
 mod swap;
@@ -27,6 +30,7 @@ mod swap;
 mod tests;
 
 pub use cluster::ClusterTls;
+pub use handed::{HandedPem, HandedTls};
 pub use listener::{HANDSHAKES_PER_HOST, TlsListener};
 pub use public::{ServerTls, public_client};
 

@@ -47,7 +47,8 @@ pub struct DiscoveryArgs {
     /// How often the certificate files (--tls-* and --public-tls-*) are read again, in
     /// seconds: changed and usable ones (a renewal, a CA bundle for a CA change) are taken at
     /// the next handshake, with no restart; unusable ones are refused and logged, and the
-    /// ones in use kept. 0: read once, at startup. The etcd and NATS clients' are read once.
+    /// ones in use kept. 0: read once, at startup. The etcd client's (--etcd-*) likewise, then
+    /// taken by a new etcd client; NATS's library reads its own at each reconnect.
     #[arg(long, default_value_t = 60, value_name = "SECS",
         value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub tls_reload_secs: u64,
@@ -114,13 +115,14 @@ pub struct BackendAccessArgs {
 }
 
 impl BackendAccessArgs {
-    /// How to reach etcd.
-    pub fn etcd(&self) -> ServerAccess {
+    /// How to reach etcd, its TLS files read again every `tls_reload` (`None`: once).
+    pub fn etcd(&self, tls_reload: Option<std::time::Duration>) -> ServerAccess {
         ServerAccess {
             ca: self.etcd_ca.clone(),
             identity: self.etcd_cert.clone().zip(self.etcd_key.clone()),
             user: self.etcd_user.clone().zip(self.etcd_password.clone()),
             credentials: None,
+            tls_reload,
         }
     }
 
@@ -131,6 +133,7 @@ impl BackendAccessArgs {
             identity: self.nats_cert.clone().zip(self.nats_key.clone()),
             user: self.nats_user.clone().zip(self.nats_password.clone()),
             credentials: self.nats_creds.clone(),
+            tls_reload: None,
         }
     }
 }
@@ -185,6 +188,12 @@ impl DiscoveryArgs {
         Ok(self.cluster_tls_read.get_or_init(|| tls).clone())
     }
 
+    /// How often certificate files are read again (`None`: once, at startup).
+    pub fn tls_reload(&self) -> Option<std::time::Duration> {
+        let every = std::time::Duration::from_secs(self.tls_reload_secs);
+        (!every.is_zero()).then_some(every)
+    }
+
     /// Reads this process's certificate files again every --tls-reload-secs until shutdown:
     /// those it read ([`DiscoveryArgs::cluster_tls`], and `public`'s when given), unless 0.
     pub fn watch_tls(&self, public: Option<&PublicTlsArgs>, tasks: &handoff_core::Tasks) {
@@ -192,10 +201,7 @@ impl DiscoveryArgs {
         let cluster = self.cluster_tls_read.get().cloned().flatten().map(Reloadable::Cluster);
         let public = public.and_then(|p| p.read.get().cloned().flatten()).map(Reloadable::Public);
         let held: Vec<Reloadable> = cluster.into_iter().chain(public).collect();
-        if held.is_empty() || self.tls_reload_secs == 0 {
-            return;
-        }
-        let every = std::time::Duration::from_secs(self.tls_reload_secs);
+        let Some(every) = self.tls_reload().filter(|_| !held.is_empty()) else { return };
         let t = tasks.clone();
         tasks.spawn(watch(held, every, async move { t.shutdown_requested().await }));
     }

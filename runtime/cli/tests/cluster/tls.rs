@@ -106,6 +106,97 @@ async fn etcd_and_nats_over_tls_with_credentials() {
     tasks.shutdown().await;
 }
 
+/// Whether the instances `w` says are registered come to satisfy `done` within 20 s, `held`
+/// following its updates.
+async fn comes_to(
+    w: &mut futures::stream::BoxStream<'static, Update>,
+    held: &mut std::collections::HashSet<String>,
+    done: impl Fn(&std::collections::HashSet<String>) -> bool,
+) -> bool {
+    let follow = async {
+        while !done(held) {
+            match w.next().await {
+                Some(Update::Reset(all)) => *held = all.iter().map(|i| i.id.to_string()).collect(),
+                Some(Update::Add(i)) => drop(held.insert(i.id.to_string())),
+                Some(Update::Remove(i)) => drop(held.remove(i.as_str())),
+                None => return false,
+            }
+        }
+        true
+    };
+    tokio::time::timeout(Duration::from_secs(20), follow).await.unwrap_or(false)
+}
+
+/// Rewrites `pem`'s certificate and key with `cert`'s, each file replaced whole.
+fn reissue(pem: &PemFiles, cert: &handoff_core::tls::test_certs::TestCert) {
+    for (path, body) in [(&pem.key, &cert.key), (&pem.cert, &cert.cert)] {
+        let staged = path.with_extension("new");
+        std::fs::write(&staged, body).unwrap();
+        std::fs::rename(&staged, path).unwrap();
+    }
+}
+
+/// etcd's client files renewed while processes run are taken by a new etcd client, with no
+/// restart. A CA change: each client's certificate reissued by the next CA, then etcd
+/// restarted trusting only that one. A prefill process keeps its registration (put back when
+/// deleted), and a registry in this process keeps its watch and registers through the new
+/// client.
+#[tokio::test]
+async fn etcd_client_files_renewed_while_running_are_taken_by_a_new_client() {
+    let (ca, next_ca) = (TestCa::new(), TestCa::new());
+    let server = PemFiles::write(&ca.issue(), "etcd-server");
+    let (client, member) =
+        (PemFiles::write(&ca.issue(), "etcd-client"), PemFiles::write(&ca.issue(), "etcd-member"));
+    let (mut etcd, nats) = (Server::etcd_tls(&server), Server::nats());
+    let tasks = Tasks::new();
+    let access = ServerAccess { tls_reload: Some(Duration::from_millis(100)), ..client.access() };
+    let reg = EtcdRegistry::connect_with(&etcd.url, &access, Duration::from_secs(2), &tasks)
+        .await
+        .unwrap();
+    let mut w = reg.watch(Role::Prefill).await.unwrap();
+    let mut args: Vec<String> = [("--etcd-ca", &member.ca), ("--etcd-cert", &member.cert)]
+        .into_iter()
+        .chain([("--etcd-key", &member.key)])
+        .flat_map(|(f, p)| [f.to_owned(), p.display().to_string()])
+        .collect();
+    args.extend(["--tls-reload-secs", "1", "--lease-ttl-secs", "2"].map(String::from));
+    args.extend(["--ops-listen", "127.0.0.1:0"].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_p, line) = super::servers::prefill_ready(&etcd, &nats, "renewing", &args);
+    let ops = super::processes::addr_after(&line, "ops http://");
+    let mut held = std::collections::HashSet::new();
+    assert!(comes_to(&mut w, &mut held, |h| h.contains("renewing")).await);
+
+    reissue(&client, &next_ca.issue());
+    reissue(&member, &next_ca.issue());
+    let taken = "handoff_tls_reloads_total{certificate=\"etcd_client\",outcome=\"taken\"} 1";
+    let here = || handoff_core::tls::expiry::expiry_registry().render();
+    let mut there = String::new();
+    for _ in 0..200 {
+        there = super::operations::http_get(&ops, "/metrics").await.1;
+        if here().contains(taken) && there.contains(taken) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(here().contains(taken), "{taken} here:\n{}", here());
+    assert!(there.contains(taken), "{taken} in the prefill's:\n{there}");
+
+    // etcd restarted trusting the next CA alone: clients of the first are refused now.
+    etcd.stop();
+    std::fs::write(&server.ca, next_ca.pem()).unwrap();
+    etcd.start();
+    held.clear();
+    assert!(comes_to(&mut w, &mut held, |h| h.contains("renewing")).await, "the watch is back");
+    // The prefill's keeper puts its registration back through its new client.
+    reg.deregister(&"renewing".parse().unwrap()).await.unwrap();
+    assert!(comes_to(&mut w, &mut held, |h| !h.contains("renewing")).await);
+    assert!(comes_to(&mut w, &mut held, |h| h.contains("renewing")).await, "put back");
+    reg.register(inst("p2")).await.unwrap();
+    assert!(comes_to(&mut w, &mut held, |h| h.contains("p2")).await, "registered anew");
+    tasks.shutdown().await;
+}
+
 /// Separate processes with the cluster's mutual TLS and token, found through etcd and NATS,
 /// and a public certificate on the frontend: a request over `grpcs://` is served through a
 /// prefill (gRPC, directory and KV transfer all over mutual TLS), and the frontend's metrics

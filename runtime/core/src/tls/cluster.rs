@@ -76,7 +76,7 @@ impl ClusterTls {
         let bytes = Files::read_all(&paths)?;
         let parts = parts(&bytes[0], &bytes[1], &bytes[2])?;
         expiry::note_pem(expiry::Shown::Cluster, &bytes[0], SystemTime::now());
-        Self::built(parts, Some(Files::new(paths, bytes)))
+        Self::built(parts, Some(Files::new(paths, Some(expiry::Shown::Cluster), bytes)))
     }
 
     fn built(p: Parts, files: Option<Files>) -> Result<Self, TlsError> {
@@ -130,7 +130,7 @@ impl ClusterTls {
             unexpired(&p.key, now)?;
             Ok(p)
         };
-        files.reload(expiry::Shown::Cluster, now, build, |p| {
+        files.reload(now, build, |p| {
             let held = &self.inner;
             held.key.set(p.key);
             held.clients.set(p.clients);

@@ -15,6 +15,8 @@ use super::{Reloaded, TlsError, read};
 #[derive(Debug)]
 pub(crate) struct Files {
     paths: Vec<PathBuf>,
+    /// What the first file's certificate is shown as, when the first file is a certificate.
+    shows: Option<Shown>,
     seen: Mutex<Seen>,
 }
 
@@ -39,20 +41,20 @@ impl Files {
         paths.iter().map(|p| read(p)).collect()
     }
 
-    /// `paths`, whose bytes `taken` are in use.
-    pub(crate) fn new(paths: Vec<PathBuf>, taken: Vec<Vec<u8>>) -> Self {
-        Files { paths, seen: Mutex::new(Seen { taken, refused: None, unread: None }) }
+    /// `paths`, whose bytes `taken` are in use; the first is a certificate shown as `shows`,
+    /// when given.
+    pub(crate) fn new(paths: Vec<PathBuf>, shows: Option<Shown>, taken: Vec<Vec<u8>>) -> Self {
+        Files { paths, shows, seen: Mutex::new(Seen { taken, refused: None, unread: None }) }
     }
 
     /// Reads the files again; when they changed, builds settings from them (in the order of
-    /// the paths) and hands those to `take`, noting the new certificate (the first file) as
-    /// `shown` at `now`. Files that do not build are read once more before they are refused
+    /// the paths) and hands those to `take`, noting the new certificate (the first file, when
+    /// it is one) at `now`. Files that do not build are read once more before they are refused
     /// (a read may have straddled a rewrite, as when kubelet swaps a Secret's files), and a
     /// refused set is kept out until the files change again. Unreadable files are an error
     /// once per reason.
     pub(crate) fn reload<T>(
         &self,
-        shown: Shown,
         now: SystemTime,
         build: impl Fn(&[Vec<u8>]) -> Result<T, TlsError>,
         take: impl FnOnce(T),
@@ -78,7 +80,9 @@ impl Files {
             }
             Ok(settings) => {
                 take(settings);
-                expiry::note_pem(shown, &bytes[0], now);
+                if let Some(shown) = self.shows {
+                    expiry::note_pem(shown, &bytes[0], now);
+                }
                 *seen = Seen { taken: bytes, refused: None, unread: None };
                 Ok(Reloaded::Taken)
             }

@@ -76,7 +76,7 @@ impl ServerTls {
         let key = certified(&bytes[0], &bytes[1])?;
         let clients = bytes.get(2).map(|ca| client_verifier(ca)).transpose()?;
         expiry::note_pem(expiry::Shown::Public, &bytes[0], SystemTime::now());
-        Self::built(key, clients, Some(Files::new(paths, bytes)))
+        Self::built(key, clients, Some(Files::new(paths, Some(expiry::Shown::Public), bytes)))
     }
 
     fn built(
@@ -119,7 +119,7 @@ impl ServerTls {
             unexpired(&key, now)?;
             Ok((key, b.get(2).map(|ca| client_verifier(ca)).transpose()?))
         };
-        files.reload(expiry::Shown::Public, now, build, |(key, clients)| {
+        files.reload(now, build, |(key, clients)| {
             self.inner.key.set(key);
             if let (Some(swap), Some(c)) = (&self.inner.clients, clients) {
                 swap.set(c);

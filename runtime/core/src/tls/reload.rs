@@ -8,7 +8,7 @@ use std::future::Future;
 use std::time::{Duration, SystemTime};
 
 use super::expiry::{Shown, reloads};
-use super::{ClusterTls, Reloaded, ServerTls, TlsError};
+use super::{ClusterTls, HandedTls, Reloaded, ServerTls, TlsError};
 
 /// A process's TLS settings read from files.
 #[derive(Debug, Clone)]
@@ -17,6 +17,8 @@ pub enum Reloadable {
     Cluster(ClusterTls),
     /// The public API's (`--public-tls-*`).
     Public(ServerTls),
+    /// A client library's (etcd's: `--etcd-cert`, `--etcd-key`, `--etcd-ca`).
+    Handed(HandedTls),
 }
 
 impl Reloadable {
@@ -24,6 +26,7 @@ impl Reloadable {
         match self {
             Reloadable::Cluster(_) => Shown::Cluster,
             Reloadable::Public(_) => Shown::Public,
+            Reloadable::Handed(t) => t.shown(),
         }
     }
 
@@ -31,6 +34,7 @@ impl Reloadable {
         match self {
             Reloadable::Cluster(t) => t.reload(now),
             Reloadable::Public(t) => t.reload(now),
+            Reloadable::Handed(t) => t.reload(now),
         }
     }
 }
@@ -84,4 +88,4 @@ pub async fn watch(held: Vec<Reloadable>, every: Duration, stop: impl Future<Out
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -13,12 +13,12 @@ use crate::tls::server_name;
 use crate::tls::test_certs::{TestCa, TestCert};
 
 /// A directory of PEM files, removed when dropped.
-struct Pems {
+pub(crate) struct Pems {
     dir: PathBuf,
 }
 
 impl Pems {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         static N: AtomicU32 = AtomicU32::new(0);
         let n = N.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("handoff-reload-{}-{n}", std::process::id()));
@@ -26,18 +26,18 @@ impl Pems {
         Pems { dir }
     }
 
-    fn path(&self, name: &str) -> PathBuf {
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
 
     /// Replaces `name` whole, as a Secret's update does (a new file renamed over the old).
-    fn put(&self, name: &str, body: &str) {
+    pub(crate) fn put(&self, name: &str, body: &str) {
         let staged = self.path(&format!(".{name}.new"));
         std::fs::write(&staged, body).unwrap();
         std::fs::rename(staged, self.path(name)).unwrap();
     }
 
-    fn put_cert(&self, c: &TestCert) {
+    pub(crate) fn put_cert(&self, c: &TestCert) {
         self.put("tls.key", &c.key);
         self.put("tls.crt", &c.cert);
     }
@@ -236,13 +236,12 @@ async fn a_public_certificate_reloads_and_its_expiry_is_shown_again() {
 /// the certificate and the key) is read once more before it is refused.
 #[test]
 fn files_caught_mid_rewrite_are_read_once_more() {
-    use crate::tls::expiry::Shown;
     use crate::tls::files::Files;
 
     let pems = Pems::new();
     pems.put("a", "old");
     let paths = vec![pems.path("a")];
-    let files = Files::new(paths.clone(), Files::read_all(&paths).unwrap());
+    let files = Files::new(paths.clone(), None, Files::read_all(&paths).unwrap());
     pems.put("a", "torn");
     let tries = std::cell::Cell::new(0);
     let build = |b: &[Vec<u8>]| {
@@ -255,7 +254,7 @@ fn files_caught_mid_rewrite_are_read_once_more() {
         Ok(b[0].clone())
     };
     let mut took = None;
-    let got = files.reload(Shown::Cluster, SystemTime::now(), build, |v| took = Some(v));
+    let got = files.reload(SystemTime::now(), build, |v| took = Some(v));
     assert_eq!(got.unwrap(), Reloaded::Taken);
     assert_eq!((took.as_deref(), tries.get()), (Some(&b"whole"[..]), 2));
 
@@ -265,6 +264,6 @@ fn files_caught_mid_rewrite_are_read_once_more() {
         pems.put("a", "whole");
         Err::<Vec<u8>, _>(TlsError::Invalid { what: "test", reason: format!("{:?}", b[0]) })
     };
-    let got = files.reload(Shown::Cluster, SystemTime::now(), back, |_| unreachable!());
+    let got = files.reload(SystemTime::now(), back, |_| unreachable!());
     assert_eq!(got.unwrap(), Reloaded::Unchanged);
 }

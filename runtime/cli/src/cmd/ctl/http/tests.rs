@@ -48,7 +48,8 @@ async fn the_token_is_not_sent_in_the_clear_to_a_listener_that_is_not_http() {
 /// body cut short.
 #[tokio::test]
 async fn an_answer_cut_short_is_an_error() {
-    let (addr, _) = listener(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", 1).await;
+    let (addr, heard) = listener(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", 1).await;
     let e = get(&addr, "/v1/debug/requests/1", None, None).await.unwrap_err();
     assert!(e.to_string().contains("cut short"), "{e}");
+    assert!(heard.await.unwrap().starts_with(b"GET "), "the listener served the one request");
 }
