@@ -19,7 +19,9 @@
 //!   path's: what is left. The process's CPU and the load generator's thread are read to
 //!   the nanosecond;
 //! - open loop, requests started on a fixed schedule whatever the answers do, at half the
-//!   saturation rate just measured and at 2,500 req/s (half of issue 14's 5,000 target).
+//!   saturation rate just measured (or at a rate given, so that builds compared run at the
+//!   same one: each run's saturation differs by more than builds do) and at 2,500 req/s
+//!   (half of issue 14's 5,000 target).
 //!   Latency counts from each request's scheduled start, so a stalled path is not hidden by
 //!   a generator that waits for it. A pacing thread starts each request on the OS's timers
 //!   (tokio's tick in whole milliseconds: sleeping on them started requests 0.85 ms late at
@@ -34,7 +36,7 @@
 //! a fresh cluster, then prints them side by side with the ratios of their medians.
 //!
 //! ```text
-//! cargo run --release -p handoff-benches --bin overhead -- [prompt_tokens] [requests_per_level] [grpc|in-frontend|both]
+//! cargo run --release -p handoff-benches --bin overhead -- [prompt_tokens] [requests_per_level] [grpc|in-frontend|both] [half_rate]
 //! ```
 
 use std::io::Write;
@@ -56,6 +58,8 @@ async fn main() -> anyhow::Result<()> {
     let prompt_tokens: usize = args.next().map_or(Ok(256), |a| a.parse())?;
     let per_level: usize = args.next().map_or(Ok(2000), |a| a.parse())?;
     let placement = args.next().unwrap_or_else(|| "both".to_owned());
+    let half_rate: Option<f64> = args.next().map(|a| a.parse()).transpose()?;
+    anyhow::ensure!(half_rate.is_none_or(|r| r > 0.0), "a half-load rate above 0");
     // Every level's prompts distinct from every other's, the warm-ups' and the fill's: the
     // four levels take seeds 0..4 * per_level, below WARM_SEEDS.
     anyhow::ensure!(
@@ -99,7 +103,7 @@ async fn main() -> anyhow::Result<()> {
         us(base_p50),
         us(pct(&base, 0.99))
     )?;
-    let fixed = Fixed { prompt_tokens, per_level, base_p50, engine_cpu_us };
+    let fixed = Fixed { prompt_tokens, per_level, base_p50, engine_cpu_us, half_rate };
     // Both placements of the scheduler, in the order A B B A (the process warms as it
     // goes: neither gets only the later turns), each on a cluster of its own.
     let order = match placement.as_str() {
@@ -117,7 +121,7 @@ async fn main() -> anyhow::Result<()> {
         measured.push((p, measure(&engine, p, &fixed, &mut out).await?));
     }
     if measured.len() > 1 {
-        compare(&measured, &mut out)?;
+        compare(&measured, half_rate, &mut out)?;
     }
     out.finish()?;
     Ok(())
@@ -149,6 +153,8 @@ struct Fixed {
     base_p50: Duration,
     /// The mock's own CPU per request.
     engine_cpu_us: f64,
+    /// The half-load rate given, instead of half of each run's saturation.
+    half_rate: Option<f64>,
 }
 
 /// One placement's figures for the comparison.
@@ -171,7 +177,7 @@ async fn measure(
     fixed: &Fixed,
     out: &mut handoff_benches::record::Report,
 ) -> anyhow::Result<Measured> {
-    let Fixed { prompt_tokens, per_level, base_p50, engine_cpu_us } = *fixed;
+    let Fixed { prompt_tokens, per_level, base_p50, engine_cpu_us, half_rate } = *fixed;
     let cfg = ClusterConfig {
         scheduler_in_frontend: placement == Placement::InFrontend,
         ..ClusterConfig::ephemeral()
@@ -231,10 +237,13 @@ async fn measure(
         }
         row(out, &label, t, base_p50, rate, Some(cpu))?;
     }
-    let half = saturation / 2.0;
+    let (half, which) = match half_rate {
+        Some(r) => (r, "as given"),
+        None => (saturation / 2.0, "half of saturation"),
+    };
     let mut half_overhead = (0f64, 0f64);
     for (k, (label, rate)) in [
-        (format!("open loop at half of saturation ({half:.0} req/s)"), half),
+        (format!("open loop at {half:.0} req/s ({which})"), half),
         ("open loop at 2,500 req/s (half of the 5,000 target)".to_owned(), 2500.0),
     ]
     .into_iter()
@@ -317,6 +326,7 @@ fn pct_of(t: &[Duration], q: f64) -> Duration {
 /// (medians of each placement's runs).
 fn compare(
     measured: &[(Placement, Measured)],
+    half_rate: Option<f64>,
     out: &mut handoff_benches::record::Report,
 ) -> anyhow::Result<()> {
     writeln!(out, "\n### the placements side by side (runs in order)\n")?;
@@ -349,11 +359,15 @@ fn compare(
     };
     writeln!(
         out,
-        "\nin the frontend's process over gRPC (medians): saturation {:.2}x, the path's CPU per request {:.2}x, 1 in flight TTFT p50 {:.2}x, half-saturation overhead p50 {:.2}x (each at half of its own saturation)",
+        "\nin the frontend's process over gRPC (medians): saturation {:.2}x, the path's CPU per request {:.2}x, 1 in flight TTFT p50 {:.2}x, half-load overhead p50 {:.2}x ({})",
         ratio(&|m| m.saturation),
         ratio(&|m| m.path_cpu),
         ratio(&|m| m.alone_p50),
-        ratio(&|m| m.half.0)
+        ratio(&|m| m.half.0),
+        match half_rate {
+            Some(r) => format!("both at {r:.0} req/s, as given"),
+            None => "each at half of its own saturation".to_owned(),
+        },
     )?;
     Ok(())
 }
