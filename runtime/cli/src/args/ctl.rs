@@ -14,10 +14,22 @@ pub struct CtlArgs {
     #[arg(long, global = true)]
     pub json: bool,
     /// The CA (PEM) that signed the frontends' public certificate (their --public-tls-cert):
-    /// `trace` then asks them over HTTPS. A frontend that requires client certificates
-    /// (--public-tls-client-ca) cannot be asked.
+    /// `trace` then asks them over HTTPS, checking that the certificate names the host asked
+    /// (or --public-name).
     #[arg(long, global = true)]
     pub public_ca: Option<std::path::PathBuf>,
+    /// The name the frontends' public certificate must hold, instead of the host of the
+    /// address asked (registered addresses are pod IPs; a public certificate names the
+    /// Service).
+    #[arg(long, global = true, requires = "public_ca")]
+    pub public_name: Option<String>,
+    /// A client certificate (PEM) for frontends that require one (--public-tls-client-ca),
+    /// with --public-key.
+    #[arg(long, global = true, requires_all = ["public_ca", "public_key"])]
+    pub public_cert: Option<std::path::PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, global = true, requires = "public_cert")]
+    pub public_key: Option<std::path::PathBuf>,
     /// How to reach the cluster (etcd/NATS, token, TLS).
     #[command(flatten)]
     pub discovery: DiscoveryArgs,

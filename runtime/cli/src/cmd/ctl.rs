@@ -93,21 +93,14 @@ struct Ctl<'a> {
     args: &'a CtlArgs,
     tls: Option<handoff_core::tls::ClusterTls>,
     /// A client of the frontends' public certificate (`--public-ca`).
-    public: Option<tokio_rustls::TlsConnector>,
+    public: Option<http::PublicTls>,
     registry: Option<std::sync::Arc<dyn handoff_discovery::Registry>>,
 }
 
 impl<'a> Ctl<'a> {
     async fn new(args: &'a CtlArgs, tasks: &Tasks) -> anyhow::Result<Ctl<'a>> {
         let tls = args.discovery.cluster_tls()?;
-        let public = match &args.public_ca {
-            Some(ca) => {
-                let pem =
-                    std::fs::read(ca).with_context(|| format!("--public-ca {}", ca.display()))?;
-                Some(handoff_core::tls::public_client(&pem)?)
-            }
-            None => None,
-        };
+        let public = http::PublicTls::from_args(args)?;
         let registry = match &args.discovery.etcd {
             // A process waits for an etcd not up yet; a command does not.
             Some(etcd) => {

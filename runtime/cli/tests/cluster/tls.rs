@@ -288,9 +288,16 @@ async fn processes_with_mutual_tls_serve_over_a_public_certificate() {
     };
     let (ok, _, err) = trace(&[]);
     assert!(!ok && err.contains("--public-ca"), "{err}");
-    let (ok, out, err) = trace(&["--public-ca".to_owned(), public.ca.display().to_string()]);
+    let with_ca = ["--public-ca".to_owned(), public.ca.display().to_string()];
+    let (ok, out, err) = trace(&with_ca);
     assert!(ok, "{err}");
     assert!(out.starts_with(&format!("room {room} (frontend ")), "{out}");
+    // A name to check instead of the address asked: one the certificate does not hold fails.
+    let named =
+        |name: &str| [&with_ca[..], &["--public-name".to_owned(), name.to_owned()]].concat();
+    assert!(trace(&named("localhost")).0, "a name the certificate holds");
+    let (ok, _, err) = trace(&named("elsewhere.example"));
+    assert!(!ok && err.contains("elsewhere.example"), "{err}");
 }
 
 /// The certificate a TLS server on `addr` shows a new client of `ca`, if its handshake ends

@@ -45,14 +45,24 @@ fn client_verifier(ca: &[u8]) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
         .map_err(|e| invalid("client verifier", e))
 }
 
-/// A client of a public endpoint whose certificate `ca` (PEM) signed, showing none of its
-/// own (`handoff ctl trace` asking a frontend with `--public-tls-cert`).
-pub fn public_client(ca: &[u8]) -> Result<tokio_rustls::TlsConnector, TlsError> {
-    let config = rustls::ClientConfig::builder_with_provider(provider())
+/// A client of a public endpoint whose certificate `ca` (PEM) signed, showing `identity` (a
+/// certificate chain and its key, PEM) when given (`handoff ctl trace` asking a frontend with
+/// `--public-tls-cert`, and `--public-tls-client-ca`).
+pub fn public_client(
+    ca: &[u8],
+    identity: Option<(&[u8], &[u8])>,
+) -> Result<tokio_rustls::TlsConnector, TlsError> {
+    let trusting = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| invalid("client", e))?
-        .with_root_certificates(roots_of(ca)?)
-        .with_no_client_auth();
+        .with_root_certificates(roots_of(ca)?);
+    let config = match identity {
+        None => trusting.with_no_client_auth(),
+        Some((chain, key)) => {
+            let key = certified(chain, key)?;
+            trusting.with_client_cert_resolver(Arc::new(KeyOf(Swap::new(key))))
+        }
+    };
     Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
 }
 

@@ -2,11 +2,40 @@
 //! public certificate.
 
 use anyhow::{Context, bail};
+use tokio_rustls::rustls::pki_types::ServerName;
 
 use super::CALL_TIMEOUT;
 
+/// How frontends' public listeners are asked over TLS (`--public-ca`).
+pub(super) struct PublicTls {
+    pub(super) connector: tokio_rustls::TlsConnector,
+    /// The name their certificate must hold (`--public-name`), else the host asked.
+    pub(super) name: Option<ServerName<'static>>,
+}
+
+impl PublicTls {
+    /// From `--public-ca` (none without it), `--public-name`, and `--public-cert` with
+    /// `--public-key`.
+    pub(super) fn from_args(args: &crate::args::CtlArgs) -> anyhow::Result<Option<Self>> {
+        let Some(ca) = &args.public_ca else { return Ok(None) };
+        let read = |flag: &str, p: &std::path::Path| {
+            std::fs::read(p).with_context(|| format!("{flag} {}", p.display()))
+        };
+        let ca = read("--public-ca", ca)?;
+        let identity = match (&args.public_cert, &args.public_key) {
+            (Some(c), Some(k)) => Some((read("--public-cert", c)?, read("--public-key", k)?)),
+            _ => None,
+        };
+        let identity = identity.as_ref().map(|(c, k)| (c.as_slice(), k.as_slice()));
+        let connector = handoff_core::tls::public_client(&ca, identity)?;
+        let name = args.public_name.as_deref().map(handoff_core::tls::server_name).transpose()?;
+        Ok(Some(PublicTls { connector, name }))
+    }
+}
+
 /// `GET path` at `addr` with the cluster token, over HTTPS with `tls` (checking that the
-/// certificate names the host of `addr`), else plain HTTP: the status and the body (at most
+/// certificate names the host of `addr`, or the name `tls` gives), else plain HTTP: the
+/// status and the body (at most
 /// 1 MiB, within [`CALL_TIMEOUT`] a try). Over plain HTTP the token is sent only once the
 /// listener has answered HTTP without it (401): never in the clear to a listener that
 /// speaks TLS, whose first answer is not HTTP.
@@ -14,7 +43,7 @@ pub(super) async fn get(
     addr: &str,
     path: &str,
     token: Option<&str>,
-    tls: Option<&tokio_rustls::TlsConnector>,
+    tls: Option<&PublicTls>,
 ) -> anyhow::Result<(u16, String)> {
     if tls.is_some() {
         return get_once(addr, path, token, tls).await;
@@ -31,7 +60,7 @@ async fn get_once(
     addr: &str,
     path: &str,
     token: Option<&str>,
-    tls: Option<&tokio_rustls::TlsConnector>,
+    tls: Option<&PublicTls>,
 ) -> anyhow::Result<(u16, String)> {
     let auth = token.map(|t| format!("authorization: Bearer {t}\r\n")).unwrap_or_default();
     let ask = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\n{auth}connection: close\r\n\r\n");
@@ -40,9 +69,14 @@ async fn get_once(
         match tls {
             None => exchange(tcp, &ask).await,
             Some(tls) => {
-                let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
-                let name = handoff_core::tls::server_name(host.trim_matches(['[', ']']))?;
-                exchange(tls.connect(name, tcp).await?, &ask).await
+                let name = match &tls.name {
+                    Some(name) => name.clone(),
+                    None => {
+                        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+                        handoff_core::tls::server_name(host.trim_matches(['[', ']']))?
+                    }
+                };
+                exchange(tls.connector.connect(name, tcp).await?, &ask).await
             }
         }
     };

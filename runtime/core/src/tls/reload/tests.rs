@@ -215,7 +215,7 @@ async fn a_public_certificate_reloads_and_its_expiry_is_shown_again() {
     let port = echo_server(public.acceptor().clone()).await;
     let client = || ca.issue().cluster();
     // A public listener's clients resume their sessions...
-    let resuming = crate::tls::public_client(ca.pem().as_bytes()).unwrap();
+    let resuming = crate::tls::public_client(ca.pem().as_bytes(), None).unwrap();
     dial(&resuming, port).await.unwrap();
     assert!(resumed(&dial(&resuming, port).await.unwrap().1));
 

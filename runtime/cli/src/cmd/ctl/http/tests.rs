@@ -1,3 +1,4 @@
+use handoff_core::tls::test_certs::{TestCa, TestCert};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -52,4 +53,81 @@ async fn an_answer_cut_short_is_an_error() {
     let e = get(&addr, "/v1/debug/requests/1", None, None).await.unwrap_err();
     assert!(e.to_string().contains("cut short"), "{e}");
     assert!(heard.await.unwrap().starts_with(b"GET "), "the listener served the one request");
+}
+
+/// A listener with `server`'s certificate answering 200 on each of `n` connections whose
+/// handshake ends; hands back how many did.
+async fn tls_listener(
+    server: handoff_core::tls::ServerTls,
+    n: usize,
+) -> (String, tokio::task::JoinHandle<usize>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let served = tokio::spawn(async move {
+        let mut served = 0;
+        for _ in 0..n {
+            let (tcp, _) = l.accept().await.unwrap();
+            let Ok(mut s) = server.acceptor().accept(tcp).await else { continue };
+            served += 1;
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf).await;
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+            let _ = s.shutdown().await;
+        }
+        served
+    });
+    (addr, served)
+}
+
+fn public(ca: &str, identity: Option<&TestCert>, name: Option<&str>) -> PublicTls {
+    let identity = identity.map(|c| (c.cert.as_bytes(), c.key.as_bytes()));
+    PublicTls {
+        connector: handoff_core::tls::public_client(ca.as_bytes(), identity).unwrap(),
+        name: name.map(|n| handoff_core::tls::server_name(n).unwrap()),
+    }
+}
+
+/// A frontend's public certificate names its Service, not the pod address asked: with
+/// `--public-name` that name is checked instead.
+#[tokio::test]
+async fn a_public_name_is_checked_instead_of_the_host_asked() {
+    let ca = TestCa::new();
+    let cert = ca.issue_for(&["frontend.example"]);
+    let server =
+        handoff_core::tls::ServerTls::from_pem(cert.cert.as_bytes(), cert.key.as_bytes(), None)
+            .unwrap();
+    let (addr, served) = tls_listener(server, 3).await;
+    let path = "/v1/debug/requests/1";
+    let by_host = get(&addr, path, None, Some(&public(ca.pem(), None, None))).await;
+    assert!(by_host.is_err(), "127.0.0.1 is not a name the certificate holds");
+    let other = public(ca.pem(), None, Some("other.example"));
+    assert!(get(&addr, path, None, Some(&other)).await.is_err(), "nor is other.example");
+    let named = public(ca.pem(), None, Some("frontend.example"));
+    assert_eq!(get(&addr, path, None, Some(&named)).await.unwrap(), (200, "ok".to_owned()));
+    assert_eq!(served.await.unwrap(), 1);
+}
+
+/// A frontend that requires client certificates (`--public-tls-client-ca`) is asked with
+/// `--public-cert` and `--public-key`.
+#[tokio::test]
+async fn a_client_certificate_is_shown_to_a_frontend_that_requires_one() {
+    let (ca, clients) = (TestCa::new(), TestCa::new());
+    let cert = ca.issue();
+    let server = handoff_core::tls::ServerTls::from_pem(
+        cert.cert.as_bytes(),
+        cert.key.as_bytes(),
+        Some(clients.pem().as_bytes()),
+    )
+    .unwrap();
+    let (addr, served) = tls_listener(server, 3).await;
+    let path = "/v1/debug/requests/1";
+    let bare = get(&addr, path, None, Some(&public(ca.pem(), None, None))).await;
+    assert!(bare.is_err(), "refused without a client certificate");
+    let stranger = ca.issue();
+    let foreign = get(&addr, path, None, Some(&public(ca.pem(), Some(&stranger), None))).await;
+    assert!(foreign.is_err(), "refused with one another CA signed");
+    let member = clients.issue();
+    let shown = get(&addr, path, None, Some(&public(ca.pem(), Some(&member), None))).await;
+    assert_eq!(shown.unwrap(), (200, "ok".to_owned()));
+    assert_eq!(served.await.unwrap(), 1);
 }
