@@ -31,6 +31,9 @@ pub enum DiscoveryError {
         /// Where its holder is.
         holder: String,
     },
+    /// TLS files that cannot be used.
+    #[error("discovery TLS: {0}")]
+    Tls(#[from] handoff_core::tls::TlsError),
     /// A payload that does not decode.
     #[error("malformed discovery payload: {0}")]
     Malformed(#[from] serde_json::Error),

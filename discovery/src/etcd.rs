@@ -19,7 +19,7 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use handoff_core::tls::HandedTls;
 use handoff_core::tls::expiry::Shown;
-use handoff_core::tls::reload::{Reloadable, watch};
+use handoff_core::tls::reload::{Reloadable, watch_on};
 use handoff_core::{InstanceId, Tasks};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -39,6 +39,9 @@ pub const KEY_PREFIX: &str = "/handoff/v1/instances/";
 /// The largest registration put in etcd. Registrations are a few hundred bytes; the bound
 /// keeps a role's snapshot (every registration under it, in one answer) readable.
 pub const MAX_REGISTRATION_BYTES: usize = 64 * 1024;
+
+/// How long a lease's revocation at shutdown may take.
+const REVOKE_WITHIN: Duration = Duration::from_secs(5);
 
 /// The largest snapshot of a role read back: a thousand registrations at the bound.
 const MAX_SNAPSHOT_BYTES: usize = 64 << 20;
@@ -118,17 +121,16 @@ impl EtcdRegistry {
             opts = opts.with_user(user, password).with_auto_token_refresh(true);
         }
         let identity = access.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
-        let tls = HandedTls::from_files(Shown::EtcdClient, identity, access.ca.as_deref())
-            .map_err(|e| DiscoveryError::Config(format!("etcd's TLS: {e}")))?;
+        let tls = HandedTls::from_files(Shown::EtcdClient, identity, access.ca.as_deref())?;
+        // Read again from the start: a process waiting for etcd below takes files renewed
+        // meanwhile at its next try.
+        if let Some(every) = access.tls_reload {
+            watch_on(tasks, tls.iter().cloned().map(Reloadable::Handed).collect(), every);
+        }
         // With credentials the client authenticates at once: an etcd not up yet is waited
         // for (without, nothing is sent until the first call).
         let stop = tasks.shutdown_token();
-        let link = Link::connect(eps, opts, tls.clone(), &stop).await.map_err(unavailable)?;
-        if let (Some(tls), Some(every)) = (tls, access.tls_reload) {
-            let t = tasks.clone();
-            let held = vec![Reloadable::Handed(tls)];
-            tasks.spawn(watch(held, every, async move { t.shutdown_requested().await }));
-        }
+        let link = Link::connect(eps, opts, tls, &stop).await.map_err(unavailable)?;
         Ok(EtcdRegistry {
             link: Arc::new(link),
             ttl: ttl.max(Duration::from_secs(2)),
@@ -165,7 +167,10 @@ async fn keep(
     let period = ttl / 3;
     let (mut outage, mut said_taken) = (false, false);
     loop {
-        let mut client = link.client().await;
+        let mut client = tokio::select! {
+            _ = stop.cancelled() => break,
+            client = link.client() => client,
+        };
         let alive = async {
             let (mut keeper, mut stream) =
                 client.lease_keep_alive(lease).await.map_err(unavailable)?;
@@ -243,7 +248,8 @@ async fn keep(
             outage = false;
         }
     }
-    let _ = link.client().await.lease_revoke(lease).await;
+    let revoke = async { link.client().await.lease_revoke(lease).await };
+    let _ = tokio::time::timeout(REVOKE_WITHIN, revoke).await;
 }
 
 #[async_trait]

@@ -1,20 +1,32 @@
 //! [`Link`]: the etcd client in use. etcd's client library builds its TLS once, from PEM, so
 //! a renewed client certificate (or a changed CA) is taken by making the client again. The
 //! files are read again every `--tls-reload-secs` ([`HandedTls`]); once they changed, the
-//! next caller to ask for the client makes a new one. The lease keeper and the watches ask
-//! again each time they start over after an error (a restarted etcd that refuses the old
-//! certificate, say). Calls and streams already running go on with the client they began
-//! with: an old certificate is never checked again on a connection that is up.
+//! next caller to ask for the client makes a new one and has etcd answer it once before it
+//! is used (a set that passes our checks can still be refused by etcd: another issuer, a
+//! CA replaced rather than bundled). One etcd does not answer is not taken: the client in use
+//! is kept, and the new one tried again [`RETRY_AFTER`] later. The lease keeper and the
+//! watches ask for the client each time they start over after an error (a restarted etcd
+//! that refuses the old certificate, say). Calls and streams already running go on with the
+//! client they began with: etcd does not check a certificate again on a connection that is
+//! up.
 
 use std::time::Duration;
 
-use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
+use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions};
 use handoff_core::tls::{HandedPem, HandedTls};
 use tokio::sync::Mutex;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::patience;
+use super::{KEY_PREFIX, patience};
+
+/// How long a new client has to be made and answered.
+const TRY_WITHIN: Duration = Duration::from_secs(5);
+
+/// How long after a new client failed it is tried again (callers meanwhile get the one in
+/// use at once).
+const RETRY_AFTER: Duration = Duration::from_secs(2);
 
 /// The etcd client in use, and how to make it again (see the module docs).
 pub(crate) struct Link {
@@ -29,8 +41,9 @@ struct Made {
     client: Client,
     /// The generation of the TLS files it was made with.
     generation: u64,
-    /// The last generation a new client could not be made with (said once).
-    failed: Option<u64>,
+    /// The last generation a new client could not be made with (said once), and when to
+    /// try again.
+    failed: Option<(u64, Instant)>,
 }
 
 /// `options` with `pem`'s TLS, if any.
@@ -47,52 +60,64 @@ fn with_tls(options: &ConnectOptions, pem: Option<&HandedPem>) -> ConnectOptions
 }
 
 impl Link {
-    /// A client of `endpoints` with `options` and `tls`'s files, waited for while etcd is
-    /// not reached, until `stop`.
+    /// A client of `endpoints` with `options` and `tls`'s files (as they are at each try),
+    /// waited for while etcd is not reached, until `stop`.
     pub(crate) async fn connect(
         endpoints: Vec<String>,
         options: ConnectOptions,
         tls: Option<HandedTls>,
         stop: &CancellationToken,
     ) -> Result<Self, etcd_client::Error> {
-        let pem = tls.as_ref().map(HandedTls::current);
-        let opts = with_tls(&options, pem.as_ref());
-        let client = patience::until_reached("connected", stop, || {
-            Client::connect(&endpoints, Some(opts.clone()))
+        let (client, generation) = patience::until_reached("connected", stop, || {
+            let pem = tls.as_ref().map(HandedTls::current);
+            let opts = with_tls(&options, pem.as_ref());
+            let generation = pem.map_or(0, |p| p.generation);
+            let endpoints = &endpoints;
+            async move { Client::connect(endpoints, Some(opts)).await.map(|c| (c, generation)) }
         })
         .await?;
-        let generation = pem.map_or(0, |p| p.generation);
         let made = Mutex::new(Made { client, generation, failed: None });
         Ok(Link { endpoints, options, tls, made })
     }
 
-    /// The client in use, made again first when the TLS files changed since it was made. A
-    /// client that cannot be made (an etcd away that has credentials to check) is tried again
-    /// at the next call, and the one in use returned meanwhile.
+    /// The client in use, made again first when the TLS files changed since it was made
+    /// (see the module docs).
     pub(crate) async fn client(&self) -> Client {
         let mut made = self.made.lock().await;
-        if let Some(pem) = self.tls.as_ref().map(HandedTls::current)
-            && pem.generation != made.generation
-        {
-            let opts = with_tls(&self.options, Some(&pem));
-            let within = Duration::from_secs(10);
-            let new = tokio::time::timeout(within, Client::connect(&self.endpoints, Some(opts)));
-            match new.await {
-                Ok(Ok(client)) => {
+        let renewed = self.tls.as_ref().map(HandedTls::current).filter(|pem| {
+            pem.generation != made.generation
+                && made.failed.is_none_or(|(g, at)| g != pem.generation || Instant::now() >= at)
+        });
+        if let Some(pem) = renewed {
+            match self.answered(&pem).await {
+                Ok(client) => {
                     info!("etcd client made again with its renewed TLS files");
                     *made = Made { client, generation: pem.generation, failed: None };
                 }
-                outcome => {
-                    if made.failed.replace(pem.generation) != Some(pem.generation) {
-                        let error = match outcome {
-                            Ok(Err(e)) => e.to_string(),
-                            _ => format!("no answer in {within:?}"),
-                        };
-                        warn!(%error, "etcd client not made again with its renewed TLS files yet; the one in use kept, tried again at the next call");
+                Err(error) => {
+                    let said = made.failed.is_some_and(|(g, _)| g == pem.generation);
+                    made.failed = Some((pem.generation, Instant::now() + RETRY_AFTER));
+                    if !said {
+                        warn!(%error, "etcd client not made again with its renewed TLS files: the one in use kept, tried again every {RETRY_AFTER:?}");
                     }
                 }
             }
         }
         made.client.clone()
+    }
+
+    /// A client made with `pem`, once etcd has answered it.
+    async fn answered(&self, pem: &HandedPem) -> Result<Client, String> {
+        let opts = with_tls(&self.options, Some(pem));
+        let made = async {
+            let mut client = Client::connect(&self.endpoints, Some(opts)).await?;
+            let count = GetOptions::new().with_prefix().with_count_only();
+            client.get(KEY_PREFIX, Some(count)).await?;
+            Ok::<_, etcd_client::Error>(client)
+        };
+        match tokio::time::timeout(TRY_WITHIN, made).await {
+            Ok(made) => made.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no answer in {TRY_WITHIN:?}")),
+        }
     }
 }

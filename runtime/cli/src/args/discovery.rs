@@ -47,8 +47,9 @@ pub struct DiscoveryArgs {
     /// How often the certificate files (--tls-* and --public-tls-*) are read again, in
     /// seconds: changed and usable ones (a renewal, a CA bundle for a CA change) are taken at
     /// the next handshake, with no restart; unusable ones are refused and logged, and the
-    /// ones in use kept. 0: read once, at startup. The etcd client's (--etcd-*) likewise, then
-    /// taken by a new etcd client; NATS's library reads its own at each reconnect.
+    /// ones in use kept. 0: read once, at startup. The etcd client's (--etcd-*) likewise: a new
+    /// etcd client is made with them when one is next needed, once etcd answered it; NATS's
+    /// library reads its own at each reconnect.
     #[arg(long, default_value_t = 60, value_name = "SECS",
         value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub tls_reload_secs: u64,
@@ -197,13 +198,13 @@ impl DiscoveryArgs {
     /// Reads this process's certificate files again every --tls-reload-secs until shutdown:
     /// those it read ([`DiscoveryArgs::cluster_tls`], and `public`'s when given), unless 0.
     pub fn watch_tls(&self, public: Option<&PublicTlsArgs>, tasks: &handoff_core::Tasks) {
-        use handoff_core::tls::reload::{Reloadable, watch};
+        use handoff_core::tls::reload::{Reloadable, watch_on};
         let cluster = self.cluster_tls_read.get().cloned().flatten().map(Reloadable::Cluster);
         let public = public.and_then(|p| p.read.get().cloned().flatten()).map(Reloadable::Public);
         let held: Vec<Reloadable> = cluster.into_iter().chain(public).collect();
-        let Some(every) = self.tls_reload().filter(|_| !held.is_empty()) else { return };
-        let t = tasks.clone();
-        tasks.spawn(watch(held, every, async move { t.shutdown_requested().await }));
+        if let Some(every) = self.tls_reload() {
+            watch_on(tasks, held, every);
+        }
     }
 
     /// The transfer backend on --transfer-bind: tcp (with the flags' TLS), mooncake or nixl; `fake`

@@ -127,9 +127,9 @@ async fn comes_to(
     tokio::time::timeout(Duration::from_secs(20), follow).await.unwrap_or(false)
 }
 
-/// Rewrites `pem`'s certificate and key with `cert`'s, each file replaced whole.
-fn reissue(pem: &PemFiles, cert: &handoff_core::tls::test_certs::TestCert) {
-    for (path, body) in [(&pem.key, &cert.key), (&pem.cert, &cert.cert)] {
+/// Rewrites `pem`'s certificate, key and CA with `cert`'s and `ca`, each file replaced whole.
+fn reissue(pem: &PemFiles, cert: &handoff_core::tls::test_certs::TestCert, ca: &str) {
+    for (path, body) in [(&pem.key, cert.key.as_str()), (&pem.cert, &cert.cert), (&pem.ca, ca)] {
         let staged = path.with_extension("new");
         std::fs::write(&staged, body).unwrap();
         std::fs::rename(&staged, path).unwrap();
@@ -137,10 +137,10 @@ fn reissue(pem: &PemFiles, cert: &handoff_core::tls::test_certs::TestCert) {
 }
 
 /// etcd's client files renewed while processes run are taken by a new etcd client, with no
-/// restart. A CA change: each client's certificate reissued by the next CA, then etcd
-/// restarted trusting only that one. A prefill process keeps its registration (put back when
-/// deleted), and a registry in this process keeps its watch and registers through the new
-/// client.
+/// restart. A CA change: each client's certificate reissued by the next CA (with a bundle of
+/// both as the CA file), then etcd restarted trusting only the next one. A prefill process
+/// keeps its registration (put back when deleted), and a registry in this process keeps its
+/// watch and registers through the new client. Files etcd refuses are not taken.
 #[tokio::test]
 async fn etcd_client_files_renewed_while_running_are_taken_by_a_new_client() {
     let (ca, next_ca) = (TestCa::new(), TestCa::new());
@@ -167,8 +167,9 @@ async fn etcd_client_files_renewed_while_running_are_taken_by_a_new_client() {
     let mut held = std::collections::HashSet::new();
     assert!(comes_to(&mut w, &mut held, |h| h.contains("renewing")).await);
 
-    reissue(&client, &next_ca.issue());
-    reissue(&member, &next_ca.issue());
+    let both = format!("{}{}", ca.pem(), next_ca.pem());
+    reissue(&client, &next_ca.issue(), &both);
+    reissue(&member, &next_ca.issue(), &both);
     let taken = "handoff_tls_reloads_total{certificate=\"etcd_client\",outcome=\"taken\"} 1";
     let here = || handoff_core::tls::expiry::expiry_registry().render();
     let mut there = String::new();
@@ -194,6 +195,21 @@ async fn etcd_client_files_renewed_while_running_are_taken_by_a_new_client() {
     assert!(comes_to(&mut w, &mut held, |h| h.contains("renewing")).await, "put back");
     reg.register(inst("p2")).await.unwrap();
     assert!(comes_to(&mut w, &mut held, |h| h.contains("p2")).await, "registered anew");
+
+    // Files that pass every check of ours but that etcd refuses (a stranger CA's certificate):
+    // read again and taken, but the client made with them is not used.
+    reissue(&client, &TestCa::new().issue(), &both);
+    let twice = taken.replace("} 1", "} 2");
+    for _ in 0..200 {
+        if here().contains(&twice) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(here().contains(&twice), "{twice} here:\n{}", here());
+    let p3 = tokio::time::timeout(Duration::from_secs(20), reg.register(inst("p3"))).await;
+    assert!(matches!(p3, Ok(Ok(()))), "registered through the client in use: {p3:?}");
+    assert!(comes_to(&mut w, &mut held, |h| h.contains("p3")).await);
     tasks.shutdown().await;
 }
 

@@ -23,9 +23,15 @@ struct Handed {
     shown: Shown,
     /// The files: the certificate and key first when there are, then the CA when there is.
     files: Files,
+    layout: Layout,
+    current: Mutex<HandedPem>,
+}
+
+/// Which files there are.
+#[derive(Clone, Copy)]
+struct Layout {
     identity: bool,
     ca: bool,
-    current: Mutex<HandedPem>,
 }
 
 /// The set in use.
@@ -46,31 +52,27 @@ impl std::fmt::Debug for HandedTls {
     }
 }
 
-impl Handed {
+impl Layout {
     /// The set in `bytes` (in the files' order), checked; a certificate ended by `now`, when
     /// given, is refused.
-    fn check(&self, bytes: &[Vec<u8>], now: Option<SystemTime>) -> Result<HandedPem, TlsError> {
+    fn check(self, bytes: &[Vec<u8>], now: Option<SystemTime>) -> Result<HandedPem, TlsError> {
         let mut next = bytes.iter().cloned();
         let mut take = || next.next().ok_or_else(|| super::invalid("files", "fewer than named"));
-        let identity = match self.identity {
-            true => {
-                let (chain, key) = (take()?, take()?);
-                let certified = certified(&chain, &key)?;
-                if let Some(now) = now {
-                    unexpired(&certified, now)?;
-                }
-                Some((chain, key))
+        let mut identity = None;
+        if self.identity {
+            let (chain, key) = (take()?, take()?);
+            let certified = certified(&chain, &key)?;
+            if let Some(now) = now {
+                unexpired(&certified, now)?;
             }
-            false => None,
-        };
-        let ca = match self.ca {
-            true => {
-                let ca = take()?;
-                roots_of(&ca)?;
-                Some(ca)
-            }
-            false => None,
-        };
+            identity = Some((chain, key));
+        }
+        let mut ca = None;
+        if self.ca {
+            let pem = take()?;
+            roots_of(&pem)?;
+            ca = Some(pem);
+        }
         Ok(HandedPem { generation: 0, identity, ca })
     }
 }
@@ -92,19 +94,14 @@ impl HandedTls {
             return Ok(None);
         }
         let bytes = Files::read_all(&paths)?;
-        let shows = identity.is_some().then_some(shown);
-        let mut handed = Handed {
-            shown,
-            files: Files::new(paths, shows, bytes.clone()),
-            identity: identity.is_some(),
-            ca: ca.is_some(),
-            current: Mutex::new(HandedPem { generation: 0, identity: None, ca: None }),
-        };
-        let pem = handed.check(&bytes, None)?;
+        let layout = Layout { identity: identity.is_some(), ca: ca.is_some() };
+        let pem = layout.check(&bytes, None)?;
         if let Some((chain, _)) = &pem.identity {
             expiry::note_pem(shown, chain, SystemTime::now());
         }
-        handed.current = Mutex::new(pem);
+        let shows = layout.identity.then_some(shown);
+        let files = Files::new(paths, shows, bytes);
+        let handed = Handed { shown, files, layout, current: Mutex::new(pem) };
         Ok(Some(HandedTls { inner: Arc::new(handed) }))
     }
 
@@ -125,7 +122,7 @@ impl HandedTls {
         let held = &self.inner;
         held.files.reload(
             now,
-            |b| held.check(b, Some(now)),
+            |b| held.layout.check(b, Some(now)),
             |pem| {
                 let mut current = held.current.lock().unwrap_or_else(PoisonError::into_inner);
                 *current = HandedPem { generation: current.generation + 1, ..pem };

@@ -65,6 +65,15 @@ pub fn look(held: &[Reloadable], now: SystemTime) -> usize {
     taken
 }
 
+/// [`watch`] on `tasks` until they shut down (nothing to watch: nothing spawned).
+pub fn watch_on(tasks: &crate::Tasks, held: Vec<Reloadable>, every: Duration) {
+    if held.is_empty() {
+        return;
+    }
+    let t = tasks.clone();
+    tasks.spawn(watch(held, every, async move { t.shutdown_requested().await }));
+}
+
 /// Looks at `held`'s files every `every` ([`look`]) until `stop`. Its counters are shown at 0
 /// from the start (a series that first appears at 1 would hide its first reload from a
 /// rate).
