@@ -19,7 +19,7 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use handoff_core::tls::HandedTls;
 use handoff_core::tls::expiry::Shown;
-use handoff_core::tls::reload::{Reloadable, watch_on};
+use handoff_core::tls::reload::{Reloadable, look, watch_on};
 use handoff_core::{InstanceId, Tasks};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -122,15 +122,20 @@ impl EtcdRegistry {
         }
         let identity = access.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
         let tls = HandedTls::from_files(Shown::EtcdClient, identity, access.ca.as_deref())?;
-        // Read again from the start: a process waiting for etcd below takes files renewed
-        // meanwhile at its next try.
-        if let Some(every) = access.tls_reload {
-            watch_on(tasks, tls.iter().cloned().map(Reloadable::Handed).collect(), every);
-        }
+        let held: Vec<Reloadable> = tls.iter().cloned().map(Reloadable::Handed).collect();
         // With credentials the client authenticates at once: an etcd not up yet is waited
-        // for (without, nothing is sent until the first call).
+        // for (without, nothing is sent until the first call), the files looked at before
+        // each try, so that one renewed meanwhile is taken.
         let stop = tasks.shutdown_token();
-        let link = Link::connect(eps, opts, tls, &stop).await.map_err(unavailable)?;
+        let before_each = || {
+            if access.tls_reload.is_some() {
+                look(&held, std::time::SystemTime::now());
+            }
+        };
+        let link = Link::connect(eps, opts, tls, before_each, &stop).await.map_err(unavailable)?;
+        if let Some(every) = access.tls_reload {
+            watch_on(tasks, held, every);
+        }
         Ok(EtcdRegistry {
             link: Arc::new(link),
             ttl: ttl.max(Duration::from_secs(2)),
@@ -248,8 +253,7 @@ async fn keep(
             outage = false;
         }
     }
-    let revoke = async { link.client().await.lease_revoke(lease).await };
-    let _ = tokio::time::timeout(REVOKE_WITHIN, revoke).await;
+    let _ = tokio::time::timeout(REVOKE_WITHIN, link.current().lease_revoke(lease)).await;
 }
 
 #[async_trait]

@@ -3,18 +3,18 @@
 //! files are read again every `--tls-reload-secs` ([`HandedTls`]); once they changed, the
 //! next caller to ask for the client makes a new one and has etcd answer it once before it
 //! is used (a set that passes our checks can still be refused by etcd: another issuer, a
-//! CA replaced rather than bundled). One etcd does not answer is not taken: the client in use
-//! is kept, and the new one tried again [`RETRY_AFTER`] later. The lease keeper and the
-//! watches ask for the client each time they start over after an error (a restarted etcd
-//! that refuses the old certificate, say). Calls and streams already running go on with the
-//! client they began with: etcd does not check a certificate again on a connection that is
-//! up.
+//! CA replaced rather than bundled). A client etcd does not answer is not taken: the one in
+//! use is kept, and a caller [`RETRY_AFTER`] or more later tries again. Only that caller waits
+//! for the try; the others get the client in use at once. The lease keeper and the watches
+//! ask for the client each time they start over after an error (a restarted etcd that
+//! refuses the old certificate, say). Calls and streams already running go on with the client
+//! they began with: etcd does not check a certificate again on a connection that is up.
 
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions};
 use handoff_core::tls::{HandedPem, HandedTls};
-use tokio::sync::Mutex;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -24,8 +24,7 @@ use super::{KEY_PREFIX, patience};
 /// How long a new client has to be made and answered.
 const TRY_WITHIN: Duration = Duration::from_secs(5);
 
-/// How long after a new client failed it is tried again (callers meanwhile get the one in
-/// use at once).
+/// How long after a new client failed a caller tries again.
 const RETRY_AFTER: Duration = Duration::from_secs(2);
 
 /// The etcd client in use, and how to make it again (see the module docs).
@@ -41,9 +40,21 @@ struct Made {
     client: Client,
     /// The generation of the TLS files it was made with.
     generation: u64,
-    /// The last generation a new client could not be made with (said once), and when to
-    /// try again.
+    /// The last generation a new client could not be made with (said once), and when a
+    /// caller may try again.
     failed: Option<(u64, Instant)>,
+    /// A caller is making a new client.
+    trying: bool,
+}
+
+/// Marks a try at a new client in progress; unmarks it when dropped (also when the caller
+/// is cancelled mid-way).
+struct Trying<'a>(&'a Link);
+
+impl Drop for Trying<'_> {
+    fn drop(&mut self) {
+        self.0.made().trying = false;
+    }
 }
 
 /// `options` with `pem`'s TLS, if any.
@@ -61,14 +72,17 @@ fn with_tls(options: &ConnectOptions, pem: Option<&HandedPem>) -> ConnectOptions
 
 impl Link {
     /// A client of `endpoints` with `options` and `tls`'s files (as they are at each try),
-    /// waited for while etcd is not reached, until `stop`.
+    /// waited for while etcd is not reached, until `stop`. `before_each` runs before each
+    /// try (a look at the files, so that a process waiting for etcd takes a renewal).
     pub(crate) async fn connect(
         endpoints: Vec<String>,
         options: ConnectOptions,
         tls: Option<HandedTls>,
+        before_each: impl Fn(),
         stop: &CancellationToken,
     ) -> Result<Self, etcd_client::Error> {
         let (client, generation) = patience::until_reached("connected", stop, || {
+            before_each();
             let pem = tls.as_ref().map(HandedTls::current);
             let opts = with_tls(&options, pem.as_ref());
             let generation = pem.map_or(0, |p| p.generation);
@@ -76,43 +90,69 @@ impl Link {
             async move { Client::connect(endpoints, Some(opts)).await.map(|c| (c, generation)) }
         })
         .await?;
-        let made = Mutex::new(Made { client, generation, failed: None });
+        let made = Mutex::new(Made { client, generation, failed: None, trying: false });
         Ok(Link { endpoints, options, tls, made })
+    }
+
+    fn made(&self) -> MutexGuard<'_, Made> {
+        self.made.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The client in use, without trying a new one (for a last call at shutdown).
+    pub(crate) fn current(&self) -> Client {
+        self.made().client.clone()
     }
 
     /// The client in use, made again first when the TLS files changed since it was made
     /// (see the module docs).
     pub(crate) async fn client(&self) -> Client {
-        let mut made = self.made.lock().await;
-        let renewed = self.tls.as_ref().map(HandedTls::current).filter(|pem| {
-            pem.generation != made.generation
-                && made.failed.is_none_or(|(g, at)| g != pem.generation || Instant::now() >= at)
-        });
-        if let Some(pem) = renewed {
-            match self.answered(&pem).await {
-                Ok(client) => {
-                    info!("etcd client made again with its renewed TLS files");
-                    *made = Made { client, generation: pem.generation, failed: None };
+        let due = {
+            let mut made = self.made();
+            let due = self.tls.as_ref().map(HandedTls::current).filter(|pem| {
+                let now = Instant::now();
+                pem.generation != made.generation
+                    && !made.trying
+                    && made.failed.is_none_or(|(g, at)| g != pem.generation || now >= at)
+            });
+            match due {
+                None => return made.client.clone(),
+                Some(pem) => {
+                    made.trying = true;
+                    pem
                 }
-                Err(error) => {
-                    let said = made.failed.is_some_and(|(g, _)| g == pem.generation);
-                    made.failed = Some((pem.generation, Instant::now() + RETRY_AFTER));
-                    if !said {
-                        warn!(%error, "etcd client not made again with its renewed TLS files: the one in use kept, tried again every {RETRY_AFTER:?}");
-                    }
+            }
+        };
+        let _trying = Trying(self);
+        let outcome = self.answered(&due).await;
+        let mut made = self.made();
+        match outcome {
+            Ok(client) => {
+                info!("etcd client made again with its renewed TLS files");
+                (made.client, made.generation, made.failed) = (client, due.generation, None);
+            }
+            Err(error) => {
+                let said = made.failed.is_some_and(|(g, _)| g == due.generation);
+                made.failed = Some((due.generation, Instant::now() + RETRY_AFTER));
+                if !said {
+                    warn!(%error, "etcd client not made again with its renewed TLS files: the one in use kept, tried again at a later call");
                 }
             }
         }
         made.client.clone()
     }
 
-    /// A client made with `pem`, once etcd has answered it.
+    /// A client made with `pem`, once etcd has answered it (refusing it permission to read
+    /// the key prefix is an answer: its certificate was taken).
     async fn answered(&self, pem: &HandedPem) -> Result<Client, String> {
         let opts = with_tls(&self.options, Some(pem));
         let made = async {
             let mut client = Client::connect(&self.endpoints, Some(opts)).await?;
             let count = GetOptions::new().with_prefix().with_count_only();
-            client.get(KEY_PREFIX, Some(count)).await?;
+            match client.get(KEY_PREFIX, Some(count)).await {
+                Err(etcd_client::Error::GRpcStatus(s))
+                    if s.code() == tonic::Code::PermissionDenied => {}
+                answer => drop(answer?),
+            }
             Ok::<_, etcd_client::Error>(client)
         };
         match tokio::time::timeout(TRY_WITHIN, made).await {

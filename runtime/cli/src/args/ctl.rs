@@ -21,14 +21,15 @@ pub struct CtlArgs {
     /// The name the frontends' public certificate must hold, instead of the host of the
     /// address asked (registered addresses are pod IPs; a public certificate names the
     /// Service).
-    #[arg(long, global = true, requires = "public_ca")]
+    #[arg(long, global = true)]
     pub public_name: Option<String>,
     /// A client certificate (PEM) for frontends that require one (--public-tls-client-ca),
     /// with --public-key.
-    #[arg(long, global = true, requires_all = ["public_ca", "public_key"])]
+    #[arg(long, global = true)]
     pub public_cert: Option<std::path::PathBuf>,
-    /// Its private key (PEM).
-    #[arg(long, global = true, requires = "public_cert")]
+    /// Its private key (PEM). (These flags' pairings are checked when ctl starts: clap
+    /// checks global flags before it gathers them from both sides of the subcommand.)
+    #[arg(long, global = true)]
     pub public_key: Option<std::path::PathBuf>,
     /// How to reach the cluster (etcd/NATS, token, TLS).
     #[command(flatten)]

@@ -15,16 +15,24 @@ pub(super) struct PublicTls {
 
 impl PublicTls {
     /// From `--public-ca` (none without it), `--public-name`, and `--public-cert` with
-    /// `--public-key`.
+    /// `--public-key`; the others without `--public-ca`, or one of the last two alone, are an
+    /// error.
     pub(super) fn from_args(args: &crate::args::CtlArgs) -> anyhow::Result<Option<Self>> {
-        let Some(ca) = &args.public_ca else { return Ok(None) };
+        let Some(ca) = &args.public_ca else {
+            if args.public_name.is_some() || args.public_cert.is_some() || args.public_key.is_some()
+            {
+                bail!("--public-name, --public-cert and --public-key need --public-ca");
+            }
+            return Ok(None);
+        };
         let read = |flag: &str, p: &std::path::Path| {
             std::fs::read(p).with_context(|| format!("{flag} {}", p.display()))
         };
         let ca = read("--public-ca", ca)?;
         let identity = match (&args.public_cert, &args.public_key) {
             (Some(c), Some(k)) => Some((read("--public-cert", c)?, read("--public-key", k)?)),
-            _ => None,
+            (None, None) => None,
+            _ => bail!("--public-cert and --public-key go together"),
         };
         let identity = identity.as_ref().map(|(c, k)| (c.as_slice(), k.as_slice()));
         let connector = handoff_core::tls::public_client(&ca, identity)?;

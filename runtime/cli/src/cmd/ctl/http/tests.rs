@@ -131,3 +131,47 @@ async fn a_client_certificate_is_shown_to_a_frontend_that_requires_one() {
     assert_eq!(shown.unwrap(), (200, "ok".to_owned()));
     assert_eq!(served.await.unwrap(), 1);
 }
+
+/// `ctl`'s arguments from `args` (after `handoff ctl`).
+fn ctl(args: &[&str]) -> crate::args::CtlArgs {
+    use clap::Parser;
+    let argv = ["handoff", "ctl"].iter().chain(args).copied();
+    match crate::args::Cli::try_parse_from(argv).unwrap().command {
+        crate::args::Command::Ctl(a) => a,
+        other => panic!("parsed as {other:?}"),
+    }
+}
+
+/// The public flags pair up whichever side of the subcommand they are given on (clap checks
+/// a global flag's requirements before it gathers it from both sides), and a pairing left
+/// half made is refused by name.
+#[test]
+fn the_public_flags_pair_up_on_either_side_of_the_subcommand() {
+    let ca = TestCa::new();
+    let cert = ca.issue();
+    let dir = std::env::temp_dir().join(format!("handoff-ctl-public-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str, body: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, body).unwrap();
+        p.display().to_string()
+    };
+    let (ca, c, k) =
+        (file("ca.pem", ca.pem()), file("c.pem", &cert.cert), file("k.pem", &cert.key));
+    let split = ctl(&["--public-ca", &ca, "trace", "1", "--public-cert", &c, "--public-key", &k]);
+    let tls = PublicTls::from_args(&split).unwrap().expect("asked over TLS");
+    assert!(tls.name.is_none());
+    let named = ctl(&["trace", "1", "--public-ca", &ca, "--public-name", "frontend.example"]);
+    assert!(PublicTls::from_args(&named).unwrap().unwrap().name.is_some());
+    for (args, said) in [
+        (&["--public-cert", &c, "trace", "1", "--public-key", &k][..], "need --public-ca"),
+        (&["trace", "1", "--public-name", "x.example"][..], "need --public-ca"),
+        (&["--public-ca", &ca, "trace", "1", "--public-cert", &c][..], "go together"),
+        (&["--public-ca", &ca, "trace", "1", "--public-key", &k][..], "go together"),
+    ] {
+        let e = PublicTls::from_args(&ctl(args)).err().expect("refused");
+        assert!(e.to_string().contains(said), "{args:?}: {e}");
+    }
+    assert!(PublicTls::from_args(&ctl(&["trace", "1"])).unwrap().is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}
