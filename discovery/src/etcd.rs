@@ -19,7 +19,7 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use handoff_core::tls::HandedTls;
 use handoff_core::tls::expiry::Shown;
-use handoff_core::tls::reload::{Reloadable, look, watch_on};
+use handoff_core::tls::reload::{Reloadable, look, watch_then, zeroed};
 use handoff_core::{InstanceId, Tasks};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -123,21 +123,34 @@ impl EtcdRegistry {
         let identity = access.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
         let tls = HandedTls::from_files(Shown::EtcdClient, identity, access.ca.as_deref())?;
         let held: Vec<Reloadable> = tls.iter().cloned().map(Reloadable::Handed).collect();
+        if access.tls_reload.is_some() {
+            zeroed(&held);
+        }
         // With credentials the client authenticates at once: an etcd not up yet is waited
         // for (without, nothing is sent until the first call), the files looked at before
         // each try, so that one renewed meanwhile is taken.
         let stop = tasks.shutdown_token();
-        let before_each = || {
+        let look_now = || {
             if access.tls_reload.is_some() {
                 look(&held, std::time::SystemTime::now());
             }
         };
-        let link = Link::connect(eps, opts, tls, before_each, &stop).await.map_err(unavailable)?;
-        if let Some(every) = access.tls_reload {
-            watch_on(tasks, held, every);
+        let link = Link::connect(eps, opts, tls, look_now, &stop).await.map_err(unavailable)?;
+        let link = Arc::new(link);
+        if let (Some(every), false) = (access.tls_reload, held.is_empty()) {
+            // After each look a new client is made if the files changed, so that one etcd
+            // refuses is said at the renewal, not at the next reconnect.
+            let renewing = link.clone();
+            let renew = move |_| {
+                let link = renewing.clone();
+                async move { link.renew().await }
+            };
+            let t = tasks.clone();
+            let stop = async move { t.shutdown_requested().await };
+            tasks.spawn(watch_then(held, every, stop, renew));
         }
         Ok(EtcdRegistry {
-            link: Arc::new(link),
+            link,
             ttl: ttl.max(Duration::from_secs(2)),
             tasks: tasks.clone(),
             leases: Mutex::default(),
@@ -298,7 +311,8 @@ impl Registry for EtcdRegistry {
         if let Some(stop) = self.leases.lock().unwrap_or_else(|e| e.into_inner()).remove(id) {
             stop.cancel();
         }
-        let mut client = self.link.client().await;
+        // The client in use: a deregistration at shutdown does not wait for a new one.
+        let mut client = self.link.current();
         for role in [Role::Prefill, Role::Frontend, Role::Scheduler, Role::Engine] {
             client
                 .delete(format!("{KEY_PREFIX}{}/{id}", role_dir(role)), None)

@@ -1,19 +1,21 @@
 //! [`Link`]: the etcd client in use. etcd's client library builds its TLS once, from PEM, so
 //! a renewed client certificate (or a changed CA) is taken by making the client again. The
-//! files are read again every `--tls-reload-secs` ([`HandedTls`]); once they changed, the
-//! next caller to ask for the client makes a new one and has etcd answer it once before it
-//! is used (a set that passes our checks can still be refused by etcd: another issuer, a
-//! CA replaced rather than bundled). A client etcd does not answer is not taken: the one in
-//! use is kept, and a caller [`RETRY_AFTER`] or more later tries again. Only that caller waits
-//! for the try; the others get the client in use at once. The lease keeper and the watches
-//! ask for the client each time they start over after an error (a restarted etcd that
-//! refuses the old certificate, say). Calls and streams already running go on with the client
-//! they began with: etcd does not check a certificate again on a connection that is up.
+//! files are read again every `--tls-reload-secs` ([`HandedTls`]); after a look that took a
+//! set, a new client is made at once ([`Link::renew`]) and used only once etcd has answered
+//! it (a set that passes our checks can still be refused by etcd: another issuer, a CA
+//! replaced rather than bundled). A client etcd does not answer is not used: the one in use is
+//! kept, the set counted as refused and warned of, and tried again at the next look or call
+//! [`RETRY_AFTER`] or more later. Only the caller making a client waits for it; the others
+//! get the one in use at once. The expiry gauge shows the certificate of the client in use.
+//! The lease keeper and the watches ask for the client each time they start over after an
+//! error. Calls and streams already running go on with the client they began with: etcd does
+//! not check a certificate again on a connection that is up.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions};
+use handoff_core::tls::reload::refused_later;
 use handoff_core::tls::{HandedPem, HandedTls};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -47,6 +49,24 @@ struct Made {
     trying: bool,
 }
 
+/// Why a client made with new files was not used.
+#[derive(Debug)]
+enum NotAnswered {
+    /// etcd refused it, or could not be reached.
+    Etcd(etcd_client::Error),
+    /// No answer within [`TRY_WITHIN`].
+    Late,
+}
+
+impl std::fmt::Display for NotAnswered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotAnswered::Etcd(e) => f.write_str(&patience::causes(e)),
+            NotAnswered::Late => write!(f, "no answer in {TRY_WITHIN:?}"),
+        }
+    }
+}
+
 /// Marks a try at a new client in progress; unmarks it when dropped (also when the caller
 /// is cancelled mid-way).
 struct Trying<'a>(&'a Link);
@@ -72,17 +92,17 @@ fn with_tls(options: &ConnectOptions, pem: Option<&HandedPem>) -> ConnectOptions
 
 impl Link {
     /// A client of `endpoints` with `options` and `tls`'s files (as they are at each try),
-    /// waited for while etcd is not reached, until `stop`. `before_each` runs before each
-    /// try (a look at the files, so that a process waiting for etcd takes a renewal).
+    /// waited for while etcd is not reached, until `stop`. `look` runs before each try (so
+    /// that a process waiting for etcd takes files renewed meanwhile).
     pub(crate) async fn connect(
         endpoints: Vec<String>,
         options: ConnectOptions,
         tls: Option<HandedTls>,
-        before_each: impl Fn(),
+        look: impl Fn(),
         stop: &CancellationToken,
     ) -> Result<Self, etcd_client::Error> {
         let (client, generation) = patience::until_reached("connected", stop, || {
-            before_each();
+            look();
             let pem = tls.as_ref().map(HandedTls::current);
             let opts = with_tls(&options, pem.as_ref());
             let generation = pem.map_or(0, |p| p.generation);
@@ -90,6 +110,9 @@ impl Link {
             async move { Client::connect(endpoints, Some(opts)).await.map(|c| (c, generation)) }
         })
         .await?;
+        if let (Some(tls), true) = (&tls, generation > 0) {
+            tls.shown_in_use(&tls.current(), SystemTime::now());
+        }
         let made = Mutex::new(Made { client, generation, failed: None, trying: false });
         Ok(Link { endpoints, options, tls, made })
     }
@@ -98,9 +121,15 @@ impl Link {
         self.made.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The client in use, without trying a new one (for a last call at shutdown).
+    /// The client in use, without trying a new one (for calls at shutdown).
     pub(crate) fn current(&self) -> Client {
         self.made().client.clone()
+    }
+
+    /// Makes a new client now if the files changed since the one in use was made (after a
+    /// look that took a set, or one that etcd refused before).
+    pub(crate) async fn renew(&self) {
+        let _ = self.client().await;
     }
 
     /// The client in use, made again first when the TLS files changed since it was made
@@ -129,12 +158,18 @@ impl Link {
             Ok(client) => {
                 info!("etcd client made again with its renewed TLS files");
                 (made.client, made.generation, made.failed) = (client, due.generation, None);
+                if let Some(tls) = &self.tls {
+                    tls.shown_in_use(&due, SystemTime::now());
+                }
             }
             Err(error) => {
                 let said = made.failed.is_some_and(|(g, _)| g == due.generation);
                 made.failed = Some((due.generation, Instant::now() + RETRY_AFTER));
                 if !said {
-                    warn!(%error, "etcd client not made again with its renewed TLS files: the one in use kept, tried again at a later call");
+                    if let Some(tls) = &self.tls {
+                        refused_later(tls.shown());
+                    }
+                    warn!(%error, "etcd client not made again with its renewed TLS files: the one in use kept, tried again at a later look or call");
                 }
             }
         }
@@ -143,7 +178,7 @@ impl Link {
 
     /// A client made with `pem`, once etcd has answered it (refusing it permission to read
     /// the key prefix is an answer: its certificate was taken).
-    async fn answered(&self, pem: &HandedPem) -> Result<Client, String> {
+    async fn answered(&self, pem: &HandedPem) -> Result<Client, NotAnswered> {
         let opts = with_tls(&self.options, Some(pem));
         let made = async {
             let mut client = Client::connect(&self.endpoints, Some(opts)).await?;
@@ -156,8 +191,8 @@ impl Link {
             Ok::<_, etcd_client::Error>(client)
         };
         match tokio::time::timeout(TRY_WITHIN, made).await {
-            Ok(made) => made.map_err(|e| e.to_string()),
-            Err(_) => Err(format!("no answer in {TRY_WITHIN:?}")),
+            Ok(made) => made.map_err(NotAnswered::Etcd),
+            Err(_) => Err(NotAnswered::Late),
         }
     }
 }

@@ -74,7 +74,7 @@ where
 }
 
 /// `e` and the errors under it (a transport error's own text hides its cause).
-fn causes(e: &dyn std::error::Error) -> String {
+pub(super) fn causes(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut at = e.source();
     while let Some(c) = at {

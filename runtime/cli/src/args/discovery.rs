@@ -48,8 +48,8 @@ pub struct DiscoveryArgs {
     /// seconds: changed and usable ones (a renewal, a CA bundle for a CA change) are taken at
     /// the next handshake, with no restart; unusable ones are refused and logged, and the
     /// ones in use kept. 0: read once, at startup. The etcd client's (--etcd-*) likewise: a new
-    /// etcd client is made with them when one is next needed, once etcd answered it; NATS's
-    /// library reads its own at each reconnect.
+    /// etcd client is made with them at once, used once etcd has answered it; NATS's library
+    /// reads its own at each reconnect.
     #[arg(long, default_value_t = 60, value_name = "SECS",
         value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub tls_reload_secs: u64,

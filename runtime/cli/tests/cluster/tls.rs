@@ -127,11 +127,33 @@ async fn comes_to(
     tokio::time::timeout(Duration::from_secs(20), follow).await.unwrap_or(false)
 }
 
-/// The etcd client's sets taken, as `metrics` count them.
-fn taken(metrics: &str) -> u64 {
-    let line = "handoff_tls_reloads_total{certificate=\"etcd_client\",outcome=\"taken\"} ";
-    let count = metrics.lines().find_map(|l| l.strip_prefix(line)?.parse().ok());
+/// The etcd client's reloads with `outcome`, as `metrics` count them.
+fn reloads(metrics: &str, outcome: &str) -> u64 {
+    let line =
+        format!("handoff_tls_reloads_total{{certificate=\"etcd_client\",outcome=\"{outcome}\"}} ");
+    let count = metrics.lines().find_map(|l| l.strip_prefix(&line)?.parse().ok());
     count.unwrap_or(0)
+}
+
+/// The etcd client certificate's end that `metrics` show, in Unix seconds.
+fn etcd_client_end(metrics: &str) -> u64 {
+    let line = "handoff_tls_certificate_expiry_timestamp_seconds{certificate=\"etcd_client\"} ";
+    let end = metrics.lines().find_map(|l| l.strip_prefix(line)?.parse::<f64>().ok());
+    end.unwrap_or(0.0) as u64
+}
+
+/// Whether `done` holds of what `metrics` gives within 10 s (asked every 50 ms).
+async fn metrics_come_to<F: std::future::Future<Output = String>>(
+    metrics: impl Fn() -> F,
+    done: impl Fn(&str) -> bool,
+) -> bool {
+    for _ in 0..200 {
+        if done(&metrics().await) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
 }
 
 /// Rewrites `pem`'s certificate, key and CA with `cert`'s and `ca`, each file replaced whole.
@@ -144,14 +166,18 @@ fn reissue(pem: &PemFiles, cert: &handoff_core::tls::test_certs::TestCert, ca: &
 }
 
 /// etcd's client files renewed while processes run are taken by a new etcd client, with no
-/// restart. A CA change: each client's certificate reissued by the next CA (with a bundle of
-/// both as the CA file), then etcd restarted trusting only the next one. A prefill process
-/// keeps its registration (put back when deleted), and a registry in this process keeps its
-/// watch and registers through the new client. Files etcd refuses are not taken.
+/// restart. A CA change: etcd trusts both CAs, each client's certificate is reissued by the
+/// next one (with a bundle of both as the CA file) and its new client made at once (its end
+/// shown), then etcd restarts trusting the next CA alone. A prefill process keeps its
+/// registration (put back when deleted), and a registry in this process keeps its watch and
+/// registers through its new client. A set etcd refuses is counted so and not used.
 #[tokio::test]
 async fn etcd_client_files_renewed_while_running_are_taken_by_a_new_client() {
+    const END_3003: u64 = 32_598_288_000;
     let (ca, next_ca) = (TestCa::new(), TestCa::new());
+    let both = format!("{}{}", ca.pem(), next_ca.pem());
     let server = PemFiles::write(&ca.issue(), "etcd-server");
+    std::fs::write(&server.ca, &both).unwrap();
     let (client, member) =
         (PemFiles::write(&ca.issue(), "etcd-client"), PemFiles::write(&ca.issue(), "etcd-member"));
     let (mut etcd, nats) = (Server::etcd_tls(&server), Server::nats());
@@ -174,21 +200,15 @@ async fn etcd_client_files_renewed_while_running_are_taken_by_a_new_client() {
     let mut held = std::collections::HashSet::new();
     assert!(comes_to(&mut w, &mut held, |h| h.contains("renewing")).await);
 
-    let both = format!("{}{}", ca.pem(), next_ca.pem());
-    reissue(&client, &next_ca.issue(), &both);
-    reissue(&member, &next_ca.issue(), &both);
-    // Sets taken, here and in the prefill. The files are renamed one at a time, so a look
-    // between two renames may take a set on the way (a new certificate and key with the
-    // old CA, say): at least one, then.
-    let here = || taken(&handoff_core::tls::expiry::expiry_registry().render());
-    let there = || async { taken(&super::operations::http_get(&ops, "/metrics").await.1) };
-    for _ in 0..200 {
-        if here() >= 1 && there().await >= 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(here() >= 1 && there().await >= 1, "taken here {} and there {}", here(), there().await);
+    // Reissued, valid until 3003: each process makes its new client at once, and shows its end.
+    reissue(&client, &next_ca.issue_valid_until((3003, 1, 1)), &both);
+    reissue(&member, &next_ca.issue_valid_until((3003, 1, 1)), &both);
+    let here = || async { handoff_core::tls::expiry::expiry_registry().render() };
+    let there = || async { super::operations::http_get(&ops, "/metrics").await.1 };
+    let in_use = |m: &str| etcd_client_end(m) == END_3003;
+    assert!(metrics_come_to(here, in_use).await, "here:\n{}", here().await);
+    assert!(metrics_come_to(there, in_use).await, "in the prefill:\n{}", there().await);
+    assert!(reloads(&here().await, "taken") >= 1 && reloads(&there().await, "taken") >= 1);
 
     // etcd restarted trusting the next CA alone: clients of the first are refused now.
     etcd.stop();
@@ -203,17 +223,13 @@ async fn etcd_client_files_renewed_while_running_are_taken_by_a_new_client() {
     reg.register(inst("p2")).await.unwrap();
     assert!(comes_to(&mut w, &mut held, |h| h.contains("p2")).await, "registered anew");
 
-    // Files that pass every check of ours but that etcd refuses (a stranger CA's certificate):
-    // read again and taken, but the client made with them is not used.
-    let before = here();
-    reissue(&client, &TestCa::new().issue(), &both);
-    for _ in 0..200 {
-        if here() > before {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(here() > before, "the stranger's set taken");
+    // Files that pass every check of ours but that etcd refuses (a stranger CA's certificate,
+    // valid until 3004): counted as refused, not shown, not used.
+    let refused = reloads(&here().await, "refused");
+    reissue(&client, &TestCa::new().issue_valid_until((3004, 1, 1)), &both);
+    let said = |m: &str| reloads(m, "refused") > refused;
+    assert!(metrics_come_to(here, said).await, "refused:\n{}", here().await);
+    assert_eq!(etcd_client_end(&here().await), END_3003, "the end of the client in use");
     let p3 = tokio::time::timeout(Duration::from_secs(20), reg.register(inst("p3"))).await;
     assert!(matches!(p3, Ok(Ok(()))), "registered through the client in use: {p3:?}");
     assert!(comes_to(&mut w, &mut held, |h| h.contains("p3")).await);

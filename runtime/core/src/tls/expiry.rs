@@ -2,9 +2,9 @@
 //! startup, warned of when near, and shown on every role's `/metrics` as
 //! `handoff_tls_certificate_expiry_timestamp_seconds{certificate}` (the process's own
 //! registry, like its served traffic), so an operator can alert before one runs out. The
-//! cluster's, the public and the etcd client's certificates are noted again at each reload
-//! ([`super::reload`]); the NATS client's is read at startup only (its library reads the file
-//! again at each reconnect, unseen).
+//! cluster's and the public certificates are noted again at each reload ([`super::reload`]),
+//! the etcd client's once a client made with a reloaded set is in use; the NATS client's is
+//! read at startup only (its library reads the file again at each reconnect, unseen).
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -56,7 +56,8 @@ fn certificates() -> &'static Certificates {
             "handoff_tls_certificate_expiry_timestamp_seconds",
             "When the certificate this process shows stops being valid (Unix seconds), by \
              certificate (cluster, public, etcd_client, nats_client). Read at startup, and for \
-             cluster, public and etcd_client at each reload of their files.",
+             cluster and public at each reload of their files, for etcd_client once a client made with \
+             new files is in use.",
             &["certificate"],
         );
         let reloads = registry.counters(

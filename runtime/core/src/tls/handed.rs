@@ -2,7 +2,9 @@
 //! from them once (etcd's client). They are checked as ours are (the key must be the
 //! certificate's, the CA must parse) and read again at each reload ([`super::reload`]): a
 //! changed, usable set moves the generation of [`HandedTls::current`], and the library's
-//! owner makes its client again from it.
+//! owner makes its client again from it. The certificate's end is shown when it is read at
+//! startup; after that by the owner, once a client made with a new set is in use
+//! ([`HandedTls::shown_in_use`]), so that the gauge never shows a set the server refused.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -35,7 +37,7 @@ struct Layout {
 }
 
 /// The set in use.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct HandedPem {
     /// Counts the sets taken: 0 for the one read at startup, then one more at each reload
     /// that took a set.
@@ -44,6 +46,18 @@ pub struct HandedPem {
     pub identity: Option<(Vec<u8>, Vec<u8>)>,
     /// The CA to trust servers by (PEM).
     pub ca: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for HandedPem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let chain = self.identity.as_ref().map(|(c, _)| String::from_utf8_lossy(c));
+        f.debug_struct("HandedPem")
+            .field("generation", &self.generation)
+            .field("chain", &chain)
+            .field("key", &self.identity.as_ref().map(|_| "(not shown)"))
+            .field("ca", &self.ca.as_ref().map(|c| String::from_utf8_lossy(c)))
+            .finish()
+    }
 }
 
 impl std::fmt::Debug for HandedTls {
@@ -99,8 +113,7 @@ impl HandedTls {
         if let Some((chain, _)) = &pem.identity {
             expiry::note_pem(shown, chain, SystemTime::now());
         }
-        let shows = layout.identity.then_some(shown);
-        let files = Files::new(paths, shows, bytes);
+        let files = Files::new(paths, None, bytes);
         let handed = Handed { shown, files, layout, current: Mutex::new(pem) };
         Ok(Some(HandedTls { inner: Arc::new(handed) }))
     }
@@ -108,6 +121,14 @@ impl HandedTls {
     /// Which certificate this is, for logs and counters.
     pub fn shown(&self) -> Shown {
         self.inner.shown
+    }
+
+    /// Shows the end of `pem`'s certificate (if it has one), now that a client made with it
+    /// is in use.
+    pub fn shown_in_use(&self, pem: &HandedPem, now: SystemTime) {
+        if let Some((chain, _)) = &pem.identity {
+            expiry::note_pem(self.inner.shown, chain, now);
+        }
     }
 
     /// The set in use.

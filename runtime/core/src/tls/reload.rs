@@ -74,15 +74,39 @@ pub fn watch_on(tasks: &crate::Tasks, held: Vec<Reloadable>, every: Duration) {
     tasks.spawn(watch(held, every, async move { t.shutdown_requested().await }));
 }
 
-/// Looks at `held`'s files every `every` ([`look`]) until `stop`. Its counters are shown at 0
-/// from the start (a series that first appears at 1 would hide its first reload from a
-/// rate).
-pub async fn watch(held: Vec<Reloadable>, every: Duration, stop: impl Future<Output = ()>) {
-    for h in &held {
+/// Shows `held`'s counters at 0 (a series that first appears at 1 would hide its first
+/// reload from a rate).
+pub fn zeroed(held: &[Reloadable]) {
+    for h in held {
         for outcome in ["taken", "refused"] {
             reloads().with(&[h.shown().label(), outcome]);
         }
     }
+}
+
+/// Counts a set of `shown` refused after it was taken (one its server would not accept).
+pub fn refused_later(shown: Shown) {
+    reloads().with(&[shown.label(), "refused"]).inc();
+}
+
+/// Looks at `held`'s files every `every` ([`look`]) until `stop`, its counters shown at 0
+/// from the start ([`zeroed`]).
+pub async fn watch(held: Vec<Reloadable>, every: Duration, stop: impl Future<Output = ()>) {
+    watch_then(held, every, stop, |_| async {}).await;
+}
+
+/// [`watch`], running `then` after each look with how many sets it took (an owner that makes
+/// a client with them: etcd's).
+pub async fn watch_then<F, Fut>(
+    held: Vec<Reloadable>,
+    every: Duration,
+    stop: impl Future<Output = ()>,
+    mut then: F,
+) where
+    F: FnMut(usize) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    zeroed(&held);
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stop = std::pin::pin!(stop);
@@ -90,7 +114,11 @@ pub async fn watch(held: Vec<Reloadable>, every: Duration, stop: impl Future<Out
         tokio::select! {
             _ = &mut stop => return,
             _ = tick.tick() => {
-                look(&held, SystemTime::now());
+                let taken = look(&held, SystemTime::now());
+                tokio::select! {
+                    _ = &mut stop => return,
+                    _ = then(taken) => {}
+                }
             }
         }
     }

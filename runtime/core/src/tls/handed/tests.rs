@@ -5,8 +5,8 @@ use crate::tls::expiry::expiry_registry;
 use crate::tls::reload::tests::Pems;
 use crate::tls::test_certs::{TestCa, TestCert};
 
-// The metrics are the process's: the tests here show their certificates under labels no
-// other test in this crate uses (`nats_client`), or look for a value no other shows there.
+// The metrics are the process's: the tests here show their certificates under a label no
+// other test in this crate uses (`nats_client`), and look for values only they could show.
 
 fn handed(pems: &Pems) -> HandedTls {
     let (cert, key, ca) = (pems.path("tls.crt"), pems.path("tls.key"), pems.path("ca.crt"));
@@ -47,8 +47,12 @@ fn a_renewed_set_moves_the_generation_and_an_unusable_one_does_not() {
     pems.put("tls.key", &renewed.key);
     assert_eq!(tls.reload(now).unwrap(), Reloaded::Taken);
     let current = tls.current();
-    assert_eq!((current.generation, current.identity), (1, identity(&renewed)));
+    assert_eq!((current.generation, &current.identity), (1, &identity(&renewed)));
+    // Shown once its owner has a client made with it in use, not before.
+    assert!(shown_end("nats_client").ends_with(" 32535216000"), "{}", shown_end("nats_client"));
+    tls.shown_in_use(&current, now);
     assert!(shown_end("nats_client").ends_with(" 32566752000"), "{}", shown_end("nats_client"));
+    assert!(!format!("{current:?}").contains(&renewed.key), "a key is not shown");
     assert_eq!(tls.reload(now).unwrap(), Reloaded::Unchanged, "taken once");
 
     // An expired certificate, and a CA that does not parse: refused.
@@ -66,14 +70,16 @@ fn a_ca_alone_is_handed_and_shows_no_certificate() {
     let pems = Pems::new();
     pems.put("ca.crt", old.pem());
     let ca = pems.path("ca.crt");
-    let tls = HandedTls::from_files(Shown::EtcdClient, None, Some(&ca)).unwrap().unwrap();
+    let tls = HandedTls::from_files(Shown::NatsClient, None, Some(&ca)).unwrap().unwrap();
     let read = HandedPem { generation: 0, identity: None, ca: Some(old.pem().into()) };
     assert_eq!(tls.current(), read);
     pems.put("ca.crt", &format!("{}{}", old.pem(), new.pem()));
     assert_eq!(tls.reload(SystemTime::now()).unwrap(), Reloaded::Taken);
     assert_eq!(tls.current().generation, 1);
-    // The CA's own end (rcgen's default, 4096-01-01) is not shown as the client's.
-    let end = shown_end("etcd_client");
+    // The CA's own end (rcgen's default, 4096-01-01) is not shown as the client's (the other
+    // test here shows ends in 3001 and 3002 under this label).
+    tls.shown_in_use(&tls.current(), SystemTime::now());
+    let end = shown_end("nats_client");
     assert!(!end.ends_with(" 67090118400"), "a CA is no certificate: {end}");
     assert!(HandedTls::from_files(Shown::EtcdClient, None, None).unwrap().is_none());
 }
