@@ -113,6 +113,28 @@ pub fn cluster_server() -> Counted {
 /// A server builder whose calls are counted and timed ([`TrafficLayer`]).
 pub type Counted = Server<Stack<TrafficLayer, tower::layer::util::Identity>>;
 
+/// [`cluster_server`]'s router, with its services added.
+pub type CountedRouter =
+    tonic::transport::server::Router<Stack<TrafficLayer, tower::layer::util::Identity>>;
+
+/// Serves `router` on `listener` until `shutdown`: over the cluster's mutual TLS when `tls` is
+/// given ([`cluster_incoming_tls`]), else its plain connections as they are
+/// ([`cluster_incoming`]).
+pub async fn serve_cluster(
+    router: CountedRouter,
+    listener: tokio::net::TcpListener,
+    tls: Option<&ClusterTls>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    match tls {
+        None => router.serve_with_incoming_shutdown(cluster_incoming(listener), shutdown).await,
+        Some(tls) => {
+            let incoming = cluster_incoming_tls(listener, tls);
+            router.serve_with_incoming_shutdown(incoming, shutdown).await
+        }
+    }
+}
+
 fn counted(s: Server) -> Counted {
     s.layer(TrafficLayer(Protocol::Grpc))
 }

@@ -157,16 +157,7 @@ impl PrefillInstance {
         tasks.spawn(async move {
             let router = grpc.add_service(svc.into_server());
             let stop = t.shutdown_requested();
-            let res = match tls {
-                None => {
-                    let incoming = handoff_proto::grpc::cluster_incoming(gl);
-                    router.serve_with_incoming_shutdown(incoming, stop).await
-                }
-                Some(tls) => {
-                    let incoming = handoff_proto::grpc::cluster_incoming_tls(gl, &tls);
-                    router.serve_with_incoming_shutdown(incoming, stop).await
-                }
-            };
+            let res = handoff_proto::grpc::serve_cluster(router, gl, tls.as_ref(), stop).await;
             if let Err(e) = res {
                 warn!(error = %e, "prefill gRPC stopped");
             }

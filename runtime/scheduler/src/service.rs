@@ -257,17 +257,8 @@ pub async fn serve(
     let tls = state.config().tls.clone();
     let router = handoff_proto::grpc::cluster_server()
         .add_service(SchedulerService::new(state).into_server());
-    let served = match tls {
-        None => {
-            let incoming = handoff_proto::grpc::cluster_incoming(listener);
-            router.serve_with_incoming_shutdown(incoming, shutdown).await
-        }
-        Some(tls) => {
-            let incoming = handoff_proto::grpc::cluster_incoming_tls(listener, &tls);
-            router.serve_with_incoming_shutdown(incoming, shutdown).await
-        }
-    };
-    served.map_err(GrpcError::Serve)
+    let served = handoff_proto::grpc::serve_cluster(router, listener, tls.as_ref(), shutdown);
+    served.await.map_err(GrpcError::Serve)
 }
 
 #[cfg(test)]
