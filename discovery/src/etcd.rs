@@ -137,17 +137,8 @@ impl EtcdRegistry {
         };
         let link = Link::connect(eps, opts, tls, look_now, &stop).await.map_err(unavailable)?;
         let link = Arc::new(link);
-        if let (Some(every), false) = (access.tls_reload, held.is_empty()) {
-            // After each look a new client is made if the files changed, so that one etcd
-            // refuses is said at the renewal, not at the next reconnect.
-            let renewing = link.clone();
-            let renew = move |_| {
-                let link = renewing.clone();
-                async move { link.renew().await }
-            };
-            let t = tasks.clone();
-            let stop = async move { t.shutdown_requested().await };
-            tasks.spawn(watch_then(held, every, stop, renew));
+        if let Some(every) = access.tls_reload {
+            keep_renewed(&link, held, every, tasks);
         }
         Ok(EtcdRegistry {
             link,
@@ -167,6 +158,23 @@ impl EtcdRegistry {
         client.put(key, value, Some(PutOptions::new().with_lease(lease))).await?;
         Ok(lease)
     }
+}
+
+/// Looks at `held` (the client's TLS files) every `every` until `tasks` shut down, and makes
+/// a new client after each look if they changed, so that a set etcd refuses is said at the
+/// renewal, not at the next reconnect.
+fn keep_renewed(link: &Arc<Link>, held: Vec<Reloadable>, every: Duration, tasks: &Tasks) {
+    if held.is_empty() {
+        return;
+    }
+    let renewing = link.clone();
+    let renew = move |_| {
+        let link = renewing.clone();
+        async move { link.renew().await }
+    };
+    let t = tasks.clone();
+    let stop = async move { t.shutdown_requested().await };
+    tasks.spawn(watch_then(held, every, stop, renew));
 }
 
 /// Keeps `lease` alive until `stop`; registers again if the lease lapses (etcd was away for
