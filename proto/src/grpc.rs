@@ -19,7 +19,7 @@ mod placed;
 mod tls;
 pub use bounded::{BoundBodies, Bounded};
 pub use placed::{Placed, placed_incoming};
-pub use tls::{Dialed, LazyTls, TlsDialer, with_tls};
+pub use tls::{Dialed, LazyTls, ServerTlsOf, TlsDialer, with_tls};
 
 /// How often an internal channel pings its server when it has heard nothing ...
 pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
@@ -56,7 +56,7 @@ pub fn cluster_incoming_tls(
     listener: tokio::net::TcpListener,
     tls: &ClusterTls,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<LazyTls>> + Send + 'static {
-    with_tls(cluster_incoming(listener), tls.grpc_acceptor().clone())
+    with_tls(cluster_incoming(listener), ServerTlsOf::Cluster(tls.clone()))
 }
 
 /// The connections a public service's `listener` accepts over its certificate: at most `max`
@@ -67,7 +67,10 @@ pub fn public_incoming_tls(
     max: usize,
     quiet: Duration,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<LazyTls>> + Send + 'static {
-    with_tls(placed_incoming(listener, max, quiet), tls.grpc_acceptor().clone())
+    with_tls(
+        placed_incoming(listener, max, quiet),
+        ServerTlsOf::Public(tls.grpc_acceptor().clone()),
+    )
 }
 
 /// How long a TLS handshake may take, on either side.
@@ -182,7 +185,7 @@ pub fn cluster_channel(
         // `connect_timeout` would bound both together).
         Some(tls) => {
             let connector = tokio_rustls::TlsConnector::from(tls.grpc_client_config().clone());
-            let dialer = TlsDialer { connector, connect_timeout };
+            let dialer = TlsDialer { connector, connect_timeout, recheck: Some(tls.clone()) };
             ep.origin(endpoint("https")?.uri().clone()).connect_with_connector_lazy(dialer)
         }
     })

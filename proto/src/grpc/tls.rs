@@ -5,7 +5,9 @@
 //!
 //! - Servers: each accepted connection becomes a [`LazyTls`], whose handshake runs in the
 //!   connection's own task on its first read or write, within [`TLS_HANDSHAKE_TIMEOUT`], so a
-//!   slow or silent client holds only its own place, never the accept loop.
+//!   slow or silent client holds only its own place, never the accept loop. An internal
+//!   service's client is checked again after each reload of the cluster's CA
+//!   ([`Rechecked`]), as a channel checks its server.
 //! - Channels: [`TlsDialer`] dials TCP (`TCP_NODELAY`; the host's addresses in turn, within
 //!   the channel's connect timeout between them) and then TLS, proving the host dialed,
 //!   within [`TLS_HANDSHAKE_TIMEOUT`] for the handshake.
@@ -16,6 +18,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
+use handoff_core::tls::{ClusterTls, PeerRole, Rechecked};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
@@ -25,17 +28,27 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use super::{Placed, TLS_HANDSHAKE_TIMEOUT};
 
-/// `incoming`'s connections over TLS with `acceptor`, each handshake left to the connection
-/// (a server without TLS serves its `Placed` connections as they are: through one more layer
-/// they measured slower, `cluster_incoming`).
+/// The TLS a gRPC server speaks.
+#[derive(Clone)]
+pub enum ServerTlsOf {
+    /// The cluster's, its clients checked again after each reload.
+    Cluster(ClusterTls),
+    /// A public service's.
+    Public(TlsAcceptor),
+}
+
+/// `incoming`'s connections over `tls`, each handshake left to the connection (a server
+/// without TLS serves its `Placed` connections as they are: through one more layer they
+/// measured slower, `cluster_incoming`).
 pub fn with_tls(
     incoming: impl Stream<Item = io::Result<Placed>> + Send + 'static,
-    acceptor: TlsAcceptor,
+    tls: ServerTlsOf,
 ) -> impl Stream<Item = io::Result<LazyTls>> + Send + 'static {
-    incoming.map(move |placed| Ok(LazyTls::new(&acceptor, placed?)))
+    incoming.map(move |placed| Ok(LazyTls::new(&tls, placed?)))
 }
 
 type Handshake = Pin<Box<tokio::time::Timeout<tokio_rustls::Accept<Placed>>>>;
+type Served = Rechecked<tokio_rustls::server::TlsStream<Placed>>;
 
 /// A server's TLS connection whose handshake runs when it is first read or written.
 pub struct LazyTls {
@@ -44,8 +57,8 @@ pub struct LazyTls {
 }
 
 enum Stage {
-    Handshake(Handshake),
-    Ready(tokio_rustls::server::TlsStream<Placed>),
+    Handshake(Handshake, Option<handoff_core::tls::PeerCheck>),
+    Ready(Served),
     Failed,
 }
 
@@ -56,21 +69,24 @@ impl std::fmt::Debug for LazyTls {
 }
 
 impl LazyTls {
-    fn new(acceptor: &TlsAcceptor, placed: Placed) -> Self {
+    fn new(tls: &ServerTlsOf, placed: Placed) -> Self {
         let info = placed.connect_info();
-        let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(placed));
-        LazyTls { info, stage: Stage::Handshake(Box::pin(handshake)) }
+        let (accept, check) = match tls {
+            ServerTlsOf::Cluster(t) => {
+                (t.grpc_acceptor().accept(placed), Some(t.peer_check(PeerRole::Client)))
+            }
+            ServerTlsOf::Public(acceptor) => (acceptor.accept(placed), None),
+        };
+        let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, accept);
+        LazyTls { info, stage: Stage::Handshake(Box::pin(handshake), check) }
     }
 
     /// The stream once its handshake is done (driving it).
-    fn poll_stream(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Poll<io::Result<&mut tokio_rustls::server::TlsStream<Placed>>> {
-        if let Stage::Handshake(h) = &mut self.stage {
+    fn poll_stream(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<&mut Served>> {
+        if let Stage::Handshake(h, check) = &mut self.stage {
             let done = ready!(h.as_mut().poll(cx));
             match done {
-                Ok(Ok(s)) => self.stage = Stage::Ready(s),
+                Ok(Ok(s)) => self.stage = Stage::Ready(Rechecked::maybe(check.take(), s)),
                 Ok(Err(e)) => {
                     self.stage = Stage::Failed;
                     tracing::debug!(remote = ?self.info.remote_addr(), error = %e, "gRPC TLS handshake failed");
@@ -185,12 +201,14 @@ async fn first_of(addrs: &[std::net::SocketAddr], within: Duration) -> io::Resul
 pub struct TlsDialer {
     /// The TLS settings.
     pub connector: TlsConnector,
+    /// The cluster's, when the server is checked again after each reload of its CA.
+    pub recheck: Option<ClusterTls>,
     /// How long TCP may take to connect, shared by the host's addresses, tried in turn.
     pub connect_timeout: Duration,
 }
 
 /// A dialed TLS connection, as hyper reads and writes it.
-pub type Dialed = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+pub type Dialed = hyper_util::rt::TokioIo<Rechecked<tokio_rustls::client::TlsStream<TcpStream>>>;
 
 impl tower::Service<Uri> for TlsDialer {
     type Response = Dialed;
@@ -203,6 +221,7 @@ impl tower::Service<Uri> for TlsDialer {
 
     fn call(&mut self, uri: Uri) -> Self::Future {
         let (connector, within) = (self.connector.clone(), self.connect_timeout);
+        let recheck = self.recheck.clone();
         Box::pin(async move {
             let bad = |what: &str| {
                 io::Error::new(io::ErrorKind::InvalidInput, format!("{what} in {uri}"))
@@ -211,6 +230,7 @@ impl tower::Service<Uri> for TlsDialer {
             let port = uri.port_u16().ok_or_else(|| bad("no port"))?;
             let host = host.trim_start_matches('[').trim_end_matches(']');
             let name = handoff_core::tls::server_name(host).map_err(io::Error::other)?;
+            let check = recheck.map(|t| t.peer_check(PeerRole::Server(name.clone())));
             let tcp = tcp_to(host, port, within).await?;
             // Best effort: a socket that refuses the option still works, only slower.
             let _ = tcp.set_nodelay(true);
@@ -222,7 +242,7 @@ impl tower::Service<Uri> for TlsDialer {
                         format!("TLS handshake not done within {TLS_HANDSHAKE_TIMEOUT:?}"),
                     )
                 })??;
-            Ok(hyper_util::rt::TokioIo::new(tls))
+            Ok(hyper_util::rt::TokioIo::new(Rechecked::maybe(check, tls)))
         })
     }
 }

@@ -59,7 +59,7 @@ pub async fn run(
     dir: Arc<Directory>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let tls = dir.config().tls.as_ref().map(|t| t.acceptor().clone());
+    let tls = dir.config().tls.clone().map(handoff_core::tls::ListenerTls::Cluster);
     handoff_core::http::serve_tcp(listener, tls, router(dir), shutdown, Default::default()).await
 }
 

@@ -22,5 +22,6 @@ mod cluster {
     pub(crate) mod sglang;
     pub(crate) mod stopping;
     pub(crate) mod tls;
+    pub(crate) mod trust;
     pub(crate) mod vllm;
 }

@@ -176,7 +176,7 @@ async fn until_stopped<C: GracefulConnection>(
 /// must not wait on Nagle's algorithm).
 pub async fn serve_tcp(
     listener: tokio::net::TcpListener,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<crate::tls::ListenerTls>,
     router: Router,
     shutdown: impl Future<Output = ()> + Send,
     limits: HttpLimits,
@@ -190,8 +190,8 @@ pub async fn serve_tcp(
             });
             serve(listener, router, shutdown, limits).await
         }
-        Some(acceptor) => {
-            let listener = crate::tls::TlsListener::new(listener, acceptor);
+        Some(tls) => {
+            let listener = crate::tls::TlsListener::new(listener, tls);
             serve(listener, router, shutdown, limits).await
         }
     }

@@ -11,7 +11,8 @@
 //!   peer holds neither the accept loop nor a slot for long.
 //! - [`reload`]: certificates read from files are read again while the process runs and
 //!   taken at the next handshake when they changed ([`swap`]), so a renewed certificate (or
-//!   a CA bundle changed for a CA rotation) needs no restart.
+//!   a CA bundle changed for a CA rotation) needs no restart; connections already up check
+//!   their peer again with the new trust at their next use ([`Rechecked`]).
 //! - [`HandedTls`]: files handed as PEM to a client library that builds its own TLS (etcd's),
 //!   checked and read again likewise; its owner makes the library's client again.
 
@@ -25,14 +26,16 @@ mod files;
 mod handed;
 mod listener;
 mod public;
+mod rechecked;
 mod swap;
 #[cfg(test)]
 mod tests;
 
 pub use cluster::ClusterTls;
 pub use handed::{HandedPem, HandedTls};
-pub use listener::{HANDSHAKES_PER_HOST, TlsListener};
+pub use listener::{Accepted, HANDSHAKES_PER_HOST, ListenerTls, TlsListener};
 pub use public::{ServerTls, public_client};
+pub use rechecked::{PeerChain, PeerCheck, PeerRole, Rechecked};
 
 use std::path::Path;
 use std::sync::Arc;

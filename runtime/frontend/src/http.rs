@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use handoff_core::body::BodyRefused;
+use handoff_core::tls::ListenerTls;
 use handoff_core::traffic::{Protocol, TrafficLayer};
 use handoff_proto::metadata::TRACE_ID;
 use handoff_proto::trace::{TRACEPARENT, TraceContext};
@@ -87,7 +88,7 @@ pub async fn serve(
     fe: Arc<Frontend>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let tls = fe.cfg.public_tls.as_ref().map(|t| t.acceptor().clone());
+    let tls = fe.cfg.public_tls.as_ref().map(|t| ListenerTls::Public(t.acceptor().clone()));
     let limits = fe.cfg.http;
     fe.mark_serving();
     handoff_core::http::serve_tcp(listener, tls, router(fe), shutdown, limits).await

@@ -232,6 +232,6 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let tls = state.config().tls.clone();
     let app = router(state, page_size);
-    let tls = tls.map(|t| t.acceptor().clone());
+    let tls = tls.map(handoff_core::tls::ListenerTls::Cluster);
     handoff_core::http::serve_tcp(listener, tls, app, shutdown, Default::default()).await
 }

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use handoff_core::Tasks;
-use handoff_core::tls::ClusterTls;
+use handoff_core::tls::{ClusterTls, PeerRole};
 use tokio::io::{AsyncRead, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::debug;
@@ -158,11 +158,13 @@ impl TcpTransfer {
                     let Some(tls) = tls else {
                         return serve_conn(stream, inbound, inbox, &cc).await;
                     };
-                    // The TLS handshake is part of the hello's time.
+                    // The TLS handshake is part of the hello's time. The sender is checked
+                    // again after each reload for as long as its connection stays up.
+                    let check = tls.peer_check(PeerRole::Client);
                     match tokio::time::timeout(cc.hello_timeout, tls.acceptor().accept(stream))
                         .await
                     {
-                        Ok(Ok(s)) => serve_conn(s, inbound, inbox, &cc).await,
+                        Ok(Ok(s)) => serve_conn(check.wrap(s), inbound, inbox, &cc).await,
                         Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake refused"),
                         Err(_) => debug!(%peer, "TLS handshake too slow"),
                     }
@@ -205,8 +207,13 @@ impl TcpTransfer {
     /// An idle connection to `peer` that still looks alive, if any.
     fn pooled(&self, peer: &AgentAddr) -> Option<Box<dyn ClientIo>> {
         // An idle connection must have nothing to read: data or EOF means it is stale (a
-        // byte taken from under TLS here only ever belongs to a connection thrown away).
+        // byte taken from under TLS here only ever belongs to a connection thrown away). Its
+        // peer must still be trusted, after a reload of the cluster's CA (else a dial gives
+        // the refusal its handshake's error).
         self.idle.take(peer, |s| {
+            if !s.trusted() {
+                return false;
+            }
             let mut probe = [0u8; 1];
             let idle = s.socket().try_read(&mut probe);
             matches!(idle, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
@@ -245,25 +252,28 @@ impl TcpTransfer {
             Some(tls) => {
                 let name = handoff_core::tls::server_name(&peer.ip)
                     .map_err(|e| TransferError::Malformed(e.to_string()))?;
+                let check = tls.peer_check(PeerRole::Server(name.clone()));
                 let shake = tokio::time::timeout(
                     self.cfg.connect_timeout,
                     tls.connector().connect(name, s),
                 );
                 Box::new(
-                    shake
-                        .await
-                        .map_err(|_| Self::io_err(peer, "TLS handshake timed out"))?
-                        .map_err(|e| {
-                            // The peer's certificate refused here (renewed without the
-                            // name it advertises, expired, another CA's) is the peer's side,
-                            // as a refused connect is: a receiver's bad certificate must not
-                            // count against the prefill sending to it.
-                            if handoff_core::tls::refused_peer_certificate(&e) {
-                                unreachable(format!("TLS: its certificate was refused: {e}"))
-                            } else {
-                                Self::io_err(peer, format!("TLS: {e}"))
-                            }
-                        })?,
+                    check.wrap(
+                        shake
+                            .await
+                            .map_err(|_| Self::io_err(peer, "TLS handshake timed out"))?
+                            .map_err(|e| {
+                                // The peer's certificate refused here (renewed without the
+                                // name it advertises, expired, another CA's) is the peer's side,
+                                // as a refused connect is: a receiver's bad certificate must not
+                                // count against the prefill sending to it.
+                                if handoff_core::tls::refused_peer_certificate(&e) {
+                                    unreachable(format!("TLS: its certificate was refused: {e}"))
+                                } else {
+                                    Self::io_err(peer, format!("TLS: {e}"))
+                                }
+                            })?,
+                    ),
                 )
             }
         };

@@ -157,7 +157,7 @@ async fn metrics_come_to<F: std::future::Future<Output = String>>(
 }
 
 /// Rewrites `pem`'s certificate, key and CA with `cert`'s and `ca`, each file replaced whole.
-fn reissue(pem: &PemFiles, cert: &handoff_core::tls::test_certs::TestCert, ca: &str) {
+pub(crate) fn reissue(pem: &PemFiles, cert: &handoff_core::tls::test_certs::TestCert, ca: &str) {
     for (path, body) in [(&pem.key, cert.key.as_str()), (&pem.cert, &cert.cert), (&pem.ca, ca)] {
         let staged = path.with_extension("new");
         std::fs::write(&staged, body).unwrap();
@@ -352,6 +352,30 @@ async fn shown(addr: &str, ca: &TestCa) -> Option<Vec<u8>> {
     tokio::time::timeout(Duration::from_secs(5), dial).await.ok().flatten()
 }
 
+/// A scheduler process with the cluster's TLS from `member`'s files, read again every second,
+/// and the token `cluster-secret`: the process, its gRPC address and its ops address.
+pub(crate) fn reloading_scheduler(
+    member: &PemFiles,
+    etcd: &Server,
+    nats: &Server,
+) -> (Handoff, String, String) {
+    let files =
+        [("--tls-cert", &member.cert), ("--tls-key", &member.key), ("--tls-ca", &member.ca)]
+            .map(|(f, p)| [f.to_owned(), p.display().to_string()])
+            .concat();
+    let mut args: Vec<String> = ["scheduler", "--listen", "127.0.0.1:0", "--ops-listen"]
+        .into_iter()
+        .chain(["127.0.0.1:0", "--etcd", &etcd.url, "--nats", &nats.url])
+        .chain(["--token", "cluster-secret", "--tls-reload-secs", "1"])
+        .map(String::from)
+        .collect();
+    args.extend(files);
+    let (s, line) = Handoff::spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let addr = super::processes::addr_after(&line, "grpcs://");
+    let ops = super::processes::addr_after(&line, "ops http://");
+    (s, addr, ops)
+}
+
 /// A certificate renewed on disk (as cert-manager rewrites a Secret's files) is taken by a
 /// running process within --tls-reload-secs: its gRPC server shows the new one to new
 /// clients, calls go on being served, and its metrics show the new end and the reload.
@@ -365,20 +389,7 @@ async fn a_renewed_certificate_is_taken_without_a_restart() {
     let ca = TestCa::new();
     let member = PemFiles::write(&ca.issue(), "renewed");
     let (etcd, nats) = (Server::etcd(), Server::nats());
-    let files =
-        [("--tls-cert", &member.cert), ("--tls-key", &member.key), ("--tls-ca", &member.ca)]
-            .map(|(f, p)| [f.to_owned(), p.display().to_string()])
-            .concat();
-    let mut args: Vec<String> = ["scheduler", "--listen", "127.0.0.1:0", "--ops-listen"]
-        .into_iter()
-        .chain(["127.0.0.1:0", "--etcd", &etcd.url, "--nats", &nats.url])
-        .chain(["--token", "cluster-secret", "--tls-reload-secs", "1"])
-        .map(String::from)
-        .collect();
-    args.extend(files);
-    let (_s, line) = Handoff::spawn(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    let addr = super::processes::addr_after(&line, "grpcs://");
-    let ops = super::processes::addr_after(&line, "ops http://");
+    let (_s, addr, ops) = reloading_scheduler(&member, &etcd, &nats);
     let first = CertificateDer::from_pem_file(&member.cert).unwrap().to_vec();
     assert_eq!(shown(&addr, &ca).await, Some(first));
 

@@ -13,6 +13,7 @@ use rustls::{ClientConfig, ServerConfig};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use super::files::Files;
+use super::rechecked::{PeerCheck, PeerRole, Trust};
 use super::swap::{ClientTrust, KeyOf, ServerTrust, Swap};
 use super::{
     ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of, unexpired,
@@ -28,8 +29,7 @@ pub struct ClusterTls {
 
 struct Cluster {
     key: Arc<Swap<CertifiedKey>>,
-    clients: Arc<Swap<dyn ClientCertVerifier>>,
-    servers: Arc<Swap<dyn ServerCertVerifier>>,
+    trust: Arc<Trust>,
     acceptor: TlsAcceptor,
     grpc_acceptor: TlsAcceptor,
     connector: TlsConnector,
@@ -108,8 +108,7 @@ impl ClusterTls {
         Ok(ClusterTls {
             inner: Arc::new(Cluster {
                 key,
-                clients,
-                servers,
+                trust: Arc::new(Trust::new(clients, servers)),
                 acceptor: TlsAcceptor::from(Arc::new(server)),
                 grpc_acceptor: TlsAcceptor::from(Arc::new(grpc_server)),
                 connector: TlsConnector::from(Arc::new(client)),
@@ -121,7 +120,8 @@ impl ClusterTls {
 
     /// Reads the files again ([`ClusterTls::from_files`]; settings from PEM have none) and
     /// takes them when they changed and are usable: certificate, key and CA from then on,
-    /// for every handshake. Unusable ones (a key that is not the certificate's, a CA that
+    /// for every handshake, and every connection's peer checked again with the CA at its
+    /// next use ([`super::Rechecked`]). Unusable ones (a key that is not the certificate's, a CA that
     /// does not parse) are refused, once, and the settings in use kept.
     pub fn reload(&self, now: SystemTime) -> Result<Reloaded, TlsError> {
         let Some(files) = &self.inner.files else { return Ok(Reloaded::Unchanged) };
@@ -133,9 +133,15 @@ impl ClusterTls {
         files.reload(now, build, |p| {
             let held = &self.inner;
             held.key.set(p.key);
-            held.clients.set(p.clients);
-            held.servers.set(p.servers);
+            held.trust.set(p.clients, p.servers);
         })
+    }
+
+    /// The check of a connection's peer against the trust in use, taken before its handshake
+    /// and wrapped around it after ([`PeerCheck::wrap`]): a connection accepted (its peer a
+    /// [`PeerRole::Client`]) or dialed ([`PeerRole::Server`], with the name it proved).
+    pub fn peer_check(&self, role: PeerRole) -> PeerCheck {
+        PeerCheck::new(self.inner.trust.clone(), role)
     }
 
     /// Accepts connections from holders of a certificate the CA signed.

@@ -13,7 +13,22 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tracing::debug;
 
-type Handshake = Pin<Box<dyn Future<Output = (SocketAddr, Option<TlsStream<TcpStream>>)> + Send>>;
+use super::{ClusterTls, PeerRole, Rechecked};
+
+/// A connection a [`TlsListener`] hands out.
+pub type Accepted = Rechecked<TlsStream<TcpStream>>;
+
+type Handshake = Pin<Box<dyn Future<Output = (SocketAddr, Option<Accepted>)> + Send>>;
+
+/// The TLS a listener speaks.
+#[derive(Clone)]
+pub enum ListenerTls {
+    /// The cluster's mutual TLS: each connection's client checked again after each reload
+    /// ([`Rechecked`]).
+    Cluster(ClusterTls),
+    /// A public endpoint's (clients without certificates).
+    Public(TlsAcceptor),
+}
 
 /// Handshakes one address may have in progress; more from it are closed at once.
 pub const HANDSHAKES_PER_HOST: usize = 8;
@@ -24,11 +39,20 @@ pub const HANDSHAKES_PER_HOST: usize = 8;
 /// its new connections are closed (one host cannot take every place).
 pub struct TlsListener {
     tcp: TcpListener,
-    acceptor: TlsAcceptor,
+    tls: ListenerTls,
     handshakes: FuturesUnordered<Handshake>,
     per_host: HashMap<IpAddr, usize>,
     handshake_timeout: Duration,
     max_handshakes: usize,
+}
+
+impl std::fmt::Debug for ListenerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ListenerTls::Cluster(_) => "ListenerTls::Cluster",
+            ListenerTls::Public(_) => "ListenerTls::Public",
+        })
+    }
 }
 
 impl std::fmt::Debug for TlsListener {
@@ -41,21 +65,21 @@ impl std::fmt::Debug for TlsListener {
 }
 
 impl TlsListener {
-    /// Wraps `tcp`'s connections with `acceptor`: a handshake gets 10 s, 256 run at once.
-    pub fn new(tcp: TcpListener, acceptor: TlsAcceptor) -> Self {
-        Self::with_limits(tcp, acceptor, Duration::from_secs(10), 256)
+    /// Wraps `tcp`'s connections with `tls`: a handshake gets 10 s, 256 run at once.
+    pub fn new(tcp: TcpListener, tls: ListenerTls) -> Self {
+        Self::with_limits(tcp, tls, Duration::from_secs(10), 256)
     }
 
     /// As [`TlsListener::new`], with the handshake deadline and concurrency given.
     pub fn with_limits(
         tcp: TcpListener,
-        acceptor: TlsAcceptor,
+        tls: ListenerTls,
         handshake_timeout: Duration,
         max_handshakes: usize,
     ) -> Self {
         TlsListener {
             tcp,
-            acceptor,
+            tls,
             handshakes: FuturesUnordered::new(),
             per_host: HashMap::new(),
             handshake_timeout,
@@ -73,11 +97,16 @@ impl TlsListener {
         *busy += 1;
         // Best effort, as for plain listeners: request/response traffic must not wait on Nagle.
         let _ = stream.set_nodelay(true);
-        let shake = self.acceptor.accept(stream);
+        let (shake, check) = match &self.tls {
+            ListenerTls::Cluster(t) => {
+                (t.acceptor().accept(stream), Some(t.peer_check(PeerRole::Client)))
+            }
+            ListenerTls::Public(acceptor) => (acceptor.accept(stream), None),
+        };
         let deadline = self.handshake_timeout;
         self.handshakes.push(Box::pin(async move {
             match tokio::time::timeout(deadline, shake).await {
-                Ok(Ok(tls)) => (peer, Some(tls)),
+                Ok(Ok(tls)) => (peer, Some(Rechecked::maybe(check, tls))),
                 Ok(Err(e)) => {
                     debug!(%peer, error = %e, "TLS handshake refused");
                     (peer, None)
@@ -102,7 +131,7 @@ impl TlsListener {
 
     /// The next connection whose handshake succeeded. Cancel-safe: handshakes in progress
     /// stay with the listener.
-    pub async fn accept_tls(&mut self) -> (TlsStream<TcpStream>, SocketAddr) {
+    pub async fn accept_tls(&mut self) -> (Accepted, SocketAddr) {
         loop {
             let room = self.handshakes.len() < self.max_handshakes;
             tokio::select! {
@@ -126,7 +155,7 @@ impl TlsListener {
 }
 
 impl axum::serve::Listener for TlsListener {
-    type Io = TlsStream<TcpStream>;
+    type Io = Accepted;
     type Addr = SocketAddr;
 
     fn accept(&mut self) -> impl Future<Output = (Self::Io, Self::Addr)> + Send {

@@ -2,7 +2,8 @@
 //! the verifiers built from its CA. rustls takes them through the traits below, asked once
 //! per handshake, so every acceptor and connector built once at startup (the transfers', the
 //! directories', the gRPC servers' and channels') takes a reloaded certificate at its next
-//! handshake; connections already up keep the one they began with. A public listener's store
+//! handshake; connections already up keep the one they began with, and check their peer
+//! again with the new verifiers at their next use ([`super::Rechecked`]). A public listener's store
 //! of TLS sessions to resume is replaced empty at each reload too (the cluster's own
 //! connections resume none).
 

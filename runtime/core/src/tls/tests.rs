@@ -37,7 +37,7 @@ async fn round_trip_to(tls: &ClusterTls, port: u16, host: &str) -> std::io::Resu
 async fn listener(tls: &ClusterTls, timeout: Duration, max: usize) -> (u16, TlsListener) {
     let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = tcp.local_addr().unwrap().port();
-    (port, TlsListener::with_limits(tcp, tls.acceptor().clone(), timeout, max))
+    (port, TlsListener::with_limits(tcp, ListenerTls::Cluster(tls.clone()), timeout, max))
 }
 
 /// A connection from `host` (a loopback address of its own).

@@ -1,6 +1,7 @@
 //! The tcp backend's dialed connections ([`ClientIo`]) and the ack every exchange on one ends
 //! with. (The idle pool they return to is [`crate::idle::Idle`].)
 
+use handoff_core::tls::Rechecked;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
@@ -13,6 +14,11 @@ pub(super) trait ClientIo:
 {
     /// The socket under it.
     fn socket(&self) -> &TcpStream;
+
+    /// Whether its peer is still trusted (see [`Rechecked::still_trusted`]).
+    fn trusted(&self) -> bool {
+        true
+    }
 }
 
 impl ClientIo for TcpStream {
@@ -21,9 +27,13 @@ impl ClientIo for TcpStream {
     }
 }
 
-impl ClientIo for tokio_rustls::client::TlsStream<TcpStream> {
+impl ClientIo for Rechecked<tokio_rustls::client::TlsStream<TcpStream>> {
     fn socket(&self) -> &TcpStream {
-        self.get_ref().0
+        self.get_ref().get_ref().0
+    }
+
+    fn trusted(&self) -> bool {
+        self.still_trusted().is_ok()
     }
 }
 

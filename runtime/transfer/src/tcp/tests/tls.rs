@@ -1,6 +1,8 @@
 //! Mutual TLS between tcp agents: transfers carried, strangers refused, and whose side a
 //! refused certificate is.
 
+use handoff_core::tls::Reloaded;
+
 use super::*;
 
 fn tls_config(ca: &TestCa) -> TcpConfig {
@@ -104,4 +106,108 @@ async fn mutual_tls_carries_concurrent_transfers() {
         assert!(got.iter().all(|&n| n == len));
     }
     p.tasks.shutdown().await;
+}
+
+/// A receiver's certificate files, in a directory removed when dropped.
+struct Files(std::path::PathBuf);
+
+impl Files {
+    fn new(cert: &handoff_core::tls::test_certs::TestCert, ca: &str) -> Self {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("handoff-tcp-tls-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = Files(dir);
+        f.put("cert.pem", &cert.cert);
+        f.put("key.pem", &cert.key);
+        f.put("ca.pem", ca);
+        f
+    }
+
+    /// Replaces `name` whole, as a Secret's update does.
+    fn put(&self, name: &str, body: &str) {
+        let staged = self.0.join(format!(".{name}.new"));
+        std::fs::write(&staged, body).unwrap();
+        std::fs::rename(staged, self.0.join(name)).unwrap();
+    }
+
+    fn cluster(&self) -> ClusterTls {
+        let p = |n: &str| self.0.join(n);
+        ClusterTls::from_files(&p("cert.pem"), &p("key.pem"), &p("ca.pem")).unwrap()
+    }
+}
+
+impl Drop for Files {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A CA taken out of a receiver's bundle while senders hold connections to it: a sender of
+/// that CA is refused on the connection it had (its write never reaches the region), and a
+/// sender of the CA kept goes on.
+#[tokio::test]
+async fn a_sender_of_a_ca_taken_out_is_refused_on_the_connection_it_had() {
+    let (kept, removed) = (TestCa::new(), TestCa::new());
+    let both = format!("{}{}", kept.pem(), removed.pem());
+    let files = Files::new(&kept.issue(), &both);
+    let receiver_tls = files.cluster();
+    let receiver = pair(TcpConfig { tls: Some(receiver_tls.clone()), ..Default::default() }).await;
+    let rx = &receiver.rx;
+    let sender =
+        |ca: &TestCa| TcpConfig { tls: Some(ca.issue().trusting(&both)), ..Default::default() };
+    let (stays, goes) = (pair(sender(&kept)).await, pair(sender(&removed)).await);
+    let write = |bytes: &'static [u8]| {
+        let (r, s) = (room(), SenderId::new(0, 0));
+        let id = rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
+        (id, WriteRequest::new(id, vec![(Bytes::from_static(bytes), 0)], r, s, 1, 1, 0))
+    };
+    for p in [&stays, &goes] {
+        let (id, w) = write(b"okok");
+        p.tx.post_write(&rx.addr(), w).await.unwrap();
+        assert_eq!(rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
+    }
+
+    files.put("ca.pem", kept.pem());
+    assert_eq!(receiver_tls.reload(std::time::SystemTime::now()).unwrap(), Reloaded::Taken);
+    let (id, w) = write(b"nope");
+    assert!(goes.tx.post_write(&rx.addr(), w).await.is_err(), "refused on its pooled connection");
+    assert_eq!(rx.inbox().poll(id), KvPoll::Bootstrapping, "the region untouched");
+    let (id, w) = write(b"okok");
+    stays.tx.post_write(&rx.addr(), w).await.expect("a sender of the CA kept goes on");
+    assert_eq!(rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
+    for t in [stays.tasks, goes.tasks, receiver.tasks] {
+        t.shutdown().await;
+    }
+}
+
+/// A sender whose bundle lost the CA of a receiver it holds a connection to: it writes
+/// nothing more to it, on that connection or a new one.
+#[tokio::test]
+async fn a_receiver_of_a_ca_taken_out_gets_nothing_more() {
+    let (kept, removed) = (TestCa::new(), TestCa::new());
+    let both = format!("{}{}", kept.pem(), removed.pem());
+    let files = Files::new(&kept.issue(), &both);
+    let sender_tls = files.cluster();
+    let sender = pair(TcpConfig { tls: Some(sender_tls.clone()), ..Default::default() }).await;
+    let receiver =
+        pair(TcpConfig { tls: Some(removed.issue().trusting(&both)), ..Default::default() }).await;
+    let rx = &receiver.rx;
+    let write = |bytes: &'static [u8]| {
+        let (r, s) = (room(), SenderId::new(0, 0));
+        let id = rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
+        (id, WriteRequest::new(id, vec![(Bytes::from_static(bytes), 0)], r, s, 1, 1, 0))
+    };
+    let (id, w) = write(b"okok");
+    sender.tx.post_write(&rx.addr(), w).await.unwrap();
+    assert_eq!(rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
+
+    files.put("ca.pem", kept.pem());
+    assert_eq!(sender_tls.reload(std::time::SystemTime::now()).unwrap(), Reloaded::Taken);
+    let (id, w) = write(b"nope");
+    assert!(sender.tx.post_write(&rx.addr(), w).await.is_err(), "not sent");
+    assert_eq!(rx.inbox().poll(id), KvPoll::Bootstrapping, "the region untouched");
+    for t in [sender.tasks, receiver.tasks] {
+        t.shutdown().await;
+    }
 }

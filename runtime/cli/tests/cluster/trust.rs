@@ -1,0 +1,75 @@
+//! A CA taken out of a running process's bundle: connections already up to or from a holder
+//! of its certificates are cut, not only new ones refused.
+
+use std::time::Duration;
+
+use handoff_core::tls::ClusterTls;
+use handoff_core::tls::test_certs::TestCa;
+use handoff_proto::v1::ListInstancesRequest;
+use handoff_proto::v1::scheduler_client::SchedulerClient;
+use tonic::transport::Channel;
+
+use super::servers::{PemFiles, Server};
+use super::tls::{reissue, reloading_scheduler};
+
+fn channel(addr: &str, tls: &ClusterTls) -> SchedulerClient<Channel> {
+    let ch = handoff_proto::grpc::cluster_channel(addr, Some(tls), Duration::from_secs(2));
+    SchedulerClient::new(ch.unwrap())
+}
+
+async fn listed(c: &mut SchedulerClient<Channel>) -> Result<(), tonic::Status> {
+    let ask = handoff_proto::auth::request(ListInstancesRequest {}, Some("cluster-secret"));
+    c.list_instances(ask).await.map(drop)
+}
+
+/// Whether a call on `c` comes to fail within 20 s (one every 100 ms).
+async fn comes_to_fail(c: &mut SchedulerClient<Channel>) -> bool {
+    for _ in 0..200 {
+        if listed(c).await.is_err() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// A scheduler process's bundle loses a CA (read again every second): a client of that CA
+/// whose channel was up is cut and refused from then on, while a client of the CA kept goes
+/// on. And a client whose own bundle loses the scheduler's CA stops calling it on the
+/// channel it had.
+#[tokio::test]
+async fn a_ca_taken_out_cuts_the_connections_it_trusted() {
+    let (kept, removed) = (TestCa::new(), TestCa::new());
+    let both = format!("{}{}", kept.pem(), removed.pem());
+    let scheduler_cert = kept.issue();
+    let member = PemFiles::write(&scheduler_cert, "trust");
+    reissue(&member, &scheduler_cert, &both);
+    let (etcd, nats) = (Server::etcd(), Server::nats());
+    let (_s, addr, _ops) = reloading_scheduler(&member, &etcd, &nats);
+
+    let mut stays = channel(&addr, &kept.issue().trusting(&both));
+    let mut goes = channel(&addr, &removed.issue().trusting(&both));
+    // A client that reads its own files: it trusts both CAs, then the removed one alone.
+    let own = kept.issue();
+    let client_files = PemFiles::write(&own, "trust-client");
+    reissue(&client_files, &own, &both);
+    let fickle_tls =
+        ClusterTls::from_files(&client_files.cert, &client_files.key, &client_files.ca).unwrap();
+    let mut fickle = channel(&addr, &fickle_tls);
+    for c in [&mut stays, &mut goes, &mut fickle] {
+        listed(c).await.expect("served before the change");
+    }
+
+    reissue(&member, &scheduler_cert, kept.pem());
+    assert!(comes_to_fail(&mut goes).await, "a client of the CA taken out is cut");
+    assert!(listed(&mut goes).await.is_err(), "and refused from then on");
+    listed(&mut stays).await.expect("a client of the CA kept goes on");
+
+    reissue(&client_files, &own, removed.pem());
+    let taken = fickle_tls.reload(std::time::SystemTime::now()).unwrap();
+    assert_eq!(taken, handoff_core::tls::Reloaded::Taken);
+    let cut = listed(&mut fickle).await.expect_err("not called over the connection it had");
+    // A transport's failure, as a frontend takes it: the replica passed over.
+    assert!(matches!(cut.code(), tonic::Code::Unknown | tonic::Code::Unavailable), "{cut:?}");
+    assert!(listed(&mut fickle).await.is_err(), "nor over a new one");
+}

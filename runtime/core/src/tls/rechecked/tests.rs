@@ -1,0 +1,120 @@
+use std::io::ErrorKind;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+use super::*;
+use crate::tls::reload::tests::Pems;
+use crate::tls::test_certs::TestCa;
+use crate::tls::{ClusterTls, ListenerTls, Reloaded, TlsListener, server_name};
+
+/// Echoes 4 bytes at a time on each connection a [`TlsListener`] of the cluster's TLS hands
+/// out (checked again after each reload: [`PeerRole::Client`]); how each connection's loop
+/// ended is sent on the channel.
+async fn echo_server(tls: ClusterTls) -> (u16, mpsc::UnboundedReceiver<ErrorKind>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let mut l = TlsListener::new(l, ListenerTls::Cluster(tls));
+    let (ended, ends) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = l.accept_tls().await;
+            let ended = ended.clone();
+            tokio::spawn(async move {
+                let mut b = [0u8; 4];
+                let end = loop {
+                    if let Err(e) = s.read_exact(&mut b).await {
+                        break e.kind();
+                    }
+                    if let Err(e) = s.write_all(&b).await {
+                        break e.kind();
+                    }
+                };
+                let _ = ended.send(end);
+            });
+        }
+    });
+    (port, ends)
+}
+
+async fn dial(
+    tls: &ClusterTls,
+    port: u16,
+) -> Rechecked<tokio_rustls::client::TlsStream<TcpStream>> {
+    let name = server_name("127.0.0.1").unwrap();
+    let check = tls.peer_check(PeerRole::Server(name.clone()));
+    let tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    check.wrap(tls.connector().connect(name, tcp).await.unwrap())
+}
+
+async fn round_trip<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> std::io::Result<()> {
+    s.write_all(b"ping").await?;
+    s.flush().await?;
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b).await?;
+    assert_eq!(&b, b"ping");
+    Ok(())
+}
+
+/// A CA taken out of a listener's bundle: a client of that CA whose connection was up before
+/// is cut at its next request, before it is read; a client of the CA kept goes on.
+#[tokio::test]
+async fn a_client_of_a_ca_taken_out_is_cut_at_its_next_use() {
+    let (kept, removed) = (TestCa::new(), TestCa::new());
+    let both = format!("{}{}", kept.pem(), removed.pem());
+    let pems = Pems::new();
+    pems.put("ca.crt", &both);
+    pems.put_cert(&kept.issue());
+    let server =
+        ClusterTls::from_files(&pems.path("tls.crt"), &pems.path("tls.key"), &pems.path("ca.crt"))
+            .unwrap();
+    let (port, mut ends) = echo_server(server.clone()).await;
+    let mut stays = dial(&kept.issue().trusting(&both), port).await;
+    let mut goes = dial(&removed.issue().trusting(&both), port).await;
+    round_trip(&mut stays).await.unwrap();
+    round_trip(&mut goes).await.unwrap();
+
+    pems.put("ca.crt", kept.pem());
+    assert_eq!(server.reload(SystemTime::now()).unwrap(), Reloaded::Taken);
+    assert!(round_trip(&mut goes).await.is_err(), "its request is not answered");
+    assert_eq!(ends.recv().await, Some(ErrorKind::PermissionDenied), "cut by the check");
+    round_trip(&mut stays).await.expect("a client of the CA kept goes on");
+    // A reload that keeps the CA (a renewal of the listener's own certificate) cuts nothing.
+    pems.put_cert(&kept.issue());
+    assert_eq!(server.reload(SystemTime::now()).unwrap(), Reloaded::Taken);
+    round_trip(&mut stays).await.expect("still trusted after a renewal");
+}
+
+/// A dialer whose bundle lost the CA of a server it holds a connection to: the connection is
+/// refused before its next write (and a pool's look at it says so), as the unknown issuer it
+/// is, not as the server's own fault.
+#[tokio::test]
+async fn a_server_of_a_ca_taken_out_is_refused_before_the_next_write() {
+    let (kept, removed) = (TestCa::new(), TestCa::new());
+    let both = format!("{}{}", kept.pem(), removed.pem());
+    let (port, _ends) = echo_server(removed.issue().trusting(&both)).await;
+    let pems = Pems::new();
+    pems.put("ca.crt", &both);
+    pems.put_cert(&kept.issue());
+    let client =
+        ClusterTls::from_files(&pems.path("tls.crt"), &pems.path("tls.key"), &pems.path("ca.crt"))
+            .unwrap();
+    let mut s = dial(&client, port).await;
+    round_trip(&mut s).await.unwrap();
+    assert!(s.still_trusted().is_ok());
+
+    pems.put("ca.crt", kept.pem());
+    assert_eq!(client.reload(SystemTime::now()).unwrap(), Reloaded::Taken);
+    let refused = s.still_trusted().expect_err("its issuer is not trusted now");
+    // The test CAs share their (empty) name: the kept CA is found as the issuer, and its
+    // signature does not verify (CAs of distinct names give `UnknownIssuer`).
+    use rustls::CertificateError::{BadSignature, UnknownIssuer};
+    let not_its_issuer =
+        matches!(refused, rustls::Error::InvalidCertificate(UnknownIssuer | BadSignature));
+    assert!(not_its_issuer, "{refused:?}");
+    let e = s.write_all(b"ping").await.expect_err("refused before the write");
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied);
+    assert!(!crate::tls::refused_peer_certificate(&e), "an unknown issuer is not its fault");
+    assert!(s.write_all(b"ping").await.is_err(), "and every write after it");
+}
