@@ -13,21 +13,22 @@ use bytes::Bytes;
 use handoff_core::tls::ClusterTls;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode, header};
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::{ClientError, RankAddr, Registration, ServerInfo};
+
+mod dial;
+use dial::DirectoryDialer;
 
 /// A client of any number of directories, over one connection pool: plain HTTP, or HTTPS
 /// with the cluster's mutual TLS.
 #[derive(Clone, Debug)]
 pub struct DirectoryClient {
     /// Keeps connections.
-    http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    http: Client<DirectoryDialer, Full<Bytes>>,
     /// Keeps none: for a call the kept connection did not answer.
-    fresh: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    fresh: Client<DirectoryDialer, Full<Bytes>>,
     scheme: &'static str,
     token: Option<String>,
     /// How long a call on a kept connection may take, its answer included.
@@ -65,27 +66,10 @@ impl DirectoryClient {
     }
 
     /// A client that sends `token` on writes and, with `tls`, speaks HTTPS to directories
-    /// with a certificate from the cluster's CA (and presents its own).
+    /// with a certificate from the cluster's CA (and presents its own), each checked again
+    /// after a reload of the CA ([`dial`]).
     pub fn with_tls(token: Option<String>, tls: Option<&ClusterTls>) -> Self {
-        let mut conn = HttpConnector::new();
-        conn.set_nodelay(true);
-        conn.enforce_http(false);
-        let config = match tls {
-            Some(tls) => tls.client_config().as_ref().clone(),
-            // Never used: without TLS every address is dialed as http://.
-            None => rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .expect("ring supports the default protocol versions")
-            .with_root_certificates(rustls::RootCertStore::empty())
-            .with_no_client_auth(),
-        };
-        let conn = HttpsConnectorBuilder::new()
-            .with_tls_config(config)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(conn);
+        let conn = DirectoryDialer::new(tls);
         // With a timer, idle connections are closed after 90 s: without one, hyper-util never
         // sweeps its pool, and a departed prefill's host kept its entry (and sockets whose
         // peer vanished without a FIN) for good.
@@ -127,7 +111,7 @@ impl DirectoryClient {
         let req = req.body(Full::new(body.clone())).map_err(|e| bad(e.to_string()))?;
         let (parts, _) = req.into_parts();
         let request = |body: Bytes| Request::from_parts(parts.clone(), Full::new(body));
-        let exchange = |client: &Client<HttpsConnector<HttpConnector>, Full<Bytes>>, body| {
+        let exchange = |client: &Client<DirectoryDialer, Full<Bytes>>, body| {
             let asked = client.request(request(body));
             async move {
                 let unreachable =

@@ -223,6 +223,37 @@ async fn client_reads_a_directory_over_a_real_socket() {
     assert!(cache.server_info("p0", &addr).await.is_err());
 }
 
+/// Over the cluster's TLS, a client whose own bundle loses the directory's CA reads nothing
+/// more from it: not over the connection it kept, nor over a new one.
+#[tokio::test]
+async fn a_directory_of_a_ca_taken_out_is_read_no_more() {
+    use handoff_core::tls::test_certs::{CertFiles, TestCa};
+    let (kept, removed) = (TestCa::new(), TestCa::new());
+    let both = format!("{}{}", kept.pem(), removed.pem());
+    let tls = Some(removed.issue().trusting(&both));
+    let dir = Arc::new(Directory::new(DirectoryConfig { tls, ..Default::default() }));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(run(listener, dir, async {
+        let _ = rx.await;
+    }));
+    let files = CertFiles::new(&kept.issue(), &both);
+    let client_tls = files.cluster();
+    let client = crate::DirectoryClient::with_tls(None, Some(&client_tls));
+    for (tp, port) in [(0, 40000), (1, 40001)] {
+        client.register(&addr, &serde_json::from_value(reg(tp, port)).unwrap()).await.unwrap();
+    }
+    assert_eq!(client.server_info(&addr).await.unwrap().attn_tp_size, 2);
+
+    files.put("ca.pem", kept.pem());
+    let taken = client_tls.reload(std::time::SystemTime::now()).unwrap();
+    assert_eq!(taken, handoff_core::tls::Reloaded::Taken);
+    assert!(client.server_info(&addr).await.is_err(), "its server no longer trusted");
+    tx.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}
+
 /// Past `max_query_rooms`, a list is answered for its first rooms only (the decode asks
 /// again for the rest), not refused.
 #[tokio::test]

@@ -110,6 +110,49 @@ impl TestCa {
     }
 }
 
+/// A certificate, its key and a CA file in a directory of their own (removed when dropped),
+/// as a process reads them: `cert.pem`, `key.pem`, `ca.pem`.
+#[derive(Debug)]
+pub struct CertFiles {
+    dir: std::path::PathBuf,
+}
+
+impl CertFiles {
+    /// `cert` and its key, with `ca` (PEM, a bundle or one CA) as the CA file.
+    pub fn new(cert: &TestCert, ca: &str) -> Self {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("handoff-cert-files-{}-{n}", std::process::id());
+        let dir = std::env::temp_dir().join(name);
+        std::fs::create_dir_all(&dir).expect("a directory for certificate files");
+        let files = CertFiles { dir };
+        files.put("cert.pem", &cert.cert);
+        files.put("key.pem", &cert.key);
+        files.put("ca.pem", ca);
+        files
+    }
+
+    /// Replaces `name` whole, as a Secret's update does (a new file renamed over the old).
+    pub fn put(&self, name: &str, body: &str) {
+        let staged = self.dir.join(format!(".{name}.new"));
+        std::fs::write(&staged, body).expect("a certificate file written");
+        std::fs::rename(staged, self.dir.join(name)).expect("a certificate file renamed");
+    }
+
+    /// The cluster's TLS settings read from these files ([`ClusterTls::from_files`]).
+    pub fn cluster(&self) -> ClusterTls {
+        let p = |n: &str| self.dir.join(n);
+        ClusterTls::from_files(&p("cert.pem"), &p("key.pem"), &p("ca.pem"))
+            .expect("test certificate files are usable")
+    }
+}
+
+impl Drop for CertFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 impl Default for TestCa {
     fn default() -> Self {
         Self::new()

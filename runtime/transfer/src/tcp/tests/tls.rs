@@ -2,6 +2,7 @@
 //! refused certificate is.
 
 use handoff_core::tls::Reloaded;
+use handoff_core::tls::test_certs::CertFiles;
 
 use super::*;
 
@@ -108,41 +109,6 @@ async fn mutual_tls_carries_concurrent_transfers() {
     p.tasks.shutdown().await;
 }
 
-/// A receiver's certificate files, in a directory removed when dropped.
-struct Files(std::path::PathBuf);
-
-impl Files {
-    fn new(cert: &handoff_core::tls::test_certs::TestCert, ca: &str) -> Self {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("handoff-tcp-tls-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let f = Files(dir);
-        f.put("cert.pem", &cert.cert);
-        f.put("key.pem", &cert.key);
-        f.put("ca.pem", ca);
-        f
-    }
-
-    /// Replaces `name` whole, as a Secret's update does.
-    fn put(&self, name: &str, body: &str) {
-        let staged = self.0.join(format!(".{name}.new"));
-        std::fs::write(&staged, body).unwrap();
-        std::fs::rename(staged, self.0.join(name)).unwrap();
-    }
-
-    fn cluster(&self) -> ClusterTls {
-        let p = |n: &str| self.0.join(n);
-        ClusterTls::from_files(&p("cert.pem"), &p("key.pem"), &p("ca.pem")).unwrap()
-    }
-}
-
-impl Drop for Files {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A CA taken out of a receiver's bundle while senders hold connections to it: a sender of
 /// that CA is refused on the connection it had (its write never reaches the region), and a
 /// sender of the CA kept goes on.
@@ -150,7 +116,7 @@ impl Drop for Files {
 async fn a_sender_of_a_ca_taken_out_is_refused_on_the_connection_it_had() {
     let (kept, removed) = (TestCa::new(), TestCa::new());
     let both = format!("{}{}", kept.pem(), removed.pem());
-    let files = Files::new(&kept.issue(), &both);
+    let files = CertFiles::new(&kept.issue(), &both);
     let receiver_tls = files.cluster();
     let receiver = pair(TcpConfig { tls: Some(receiver_tls.clone()), ..Default::default() }).await;
     let rx = &receiver.rx;
@@ -187,7 +153,7 @@ async fn a_sender_of_a_ca_taken_out_is_refused_on_the_connection_it_had() {
 async fn a_receiver_of_a_ca_taken_out_gets_nothing_more() {
     let (kept, removed) = (TestCa::new(), TestCa::new());
     let both = format!("{}{}", kept.pem(), removed.pem());
-    let files = Files::new(&kept.issue(), &both);
+    let files = CertFiles::new(&kept.issue(), &both);
     let sender_tls = files.cluster();
     let sender = pair(TcpConfig { tls: Some(sender_tls.clone()), ..Default::default() }).await;
     let receiver =
