@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use handoff_core::tls::{ClusterTls, ServerTls};
+use handoff_core::tls::{ClusterTls, ListenerTls, ServerTls};
 use handoff_core::traffic::{Protocol, TrafficLayer};
 use tonic::transport::{Channel, Endpoint, Server};
 use tower::layer::util::Stack;
@@ -19,7 +19,7 @@ mod placed;
 mod tls;
 pub use bounded::{BoundBodies, Bounded};
 pub use placed::{Placed, placed_incoming};
-pub use tls::{Dialed, LazyTls, ServerTlsOf, TlsDialer, with_tls};
+pub use tls::{Dialed, LazyTls, TlsDialer, with_tls};
 
 /// How often an internal channel pings its server when it has heard nothing ...
 pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
@@ -56,7 +56,7 @@ pub fn cluster_incoming_tls(
     listener: tokio::net::TcpListener,
     tls: &ClusterTls,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<LazyTls>> + Send + 'static {
-    with_tls(cluster_incoming(listener), ServerTlsOf::Cluster(tls.clone()))
+    with_tls(cluster_incoming(listener), ListenerTls::Cluster(tls.clone()))
 }
 
 /// The connections a public service's `listener` accepts over its certificate: at most `max`
@@ -67,10 +67,7 @@ pub fn public_incoming_tls(
     max: usize,
     quiet: Duration,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<LazyTls>> + Send + 'static {
-    with_tls(
-        placed_incoming(listener, max, quiet),
-        ServerTlsOf::Public(tls.grpc_acceptor().clone()),
-    )
+    with_tls(placed_incoming(listener, max, quiet), ListenerTls::Public(tls.clone()))
 }
 
 /// How long a TLS handshake may take, on either side.

@@ -18,31 +18,22 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use handoff_core::tls::{ClusterTls, PeerRole, Rechecked};
+use handoff_core::tls::{ClusterTls, ListenerTls, PeerRole, Rechecked, Serves};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio_rustls::TlsConnector;
 use tokio_stream::{Stream, StreamExt};
 use tonic::codegen::http::Uri;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use super::{Placed, TLS_HANDSHAKE_TIMEOUT};
 
-/// The TLS a gRPC server speaks.
-#[derive(Clone)]
-pub enum ServerTlsOf {
-    /// The cluster's, its clients checked again after each reload.
-    Cluster(ClusterTls),
-    /// A public service's.
-    Public(TlsAcceptor),
-}
-
 /// `incoming`'s connections over `tls`, each handshake left to the connection (a server
 /// without TLS serves its `Placed` connections as they are: through one more layer they
 /// measured slower, `cluster_incoming`).
 pub fn with_tls(
     incoming: impl Stream<Item = io::Result<Placed>> + Send + 'static,
-    tls: ServerTlsOf,
+    tls: ListenerTls,
 ) -> impl Stream<Item = io::Result<LazyTls>> + Send + 'static {
     incoming.map(move |placed| Ok(LazyTls::new(&tls, placed?)))
 }
@@ -69,14 +60,9 @@ impl std::fmt::Debug for LazyTls {
 }
 
 impl LazyTls {
-    fn new(tls: &ServerTlsOf, placed: Placed) -> Self {
+    fn new(tls: &ListenerTls, placed: Placed) -> Self {
         let info = placed.connect_info();
-        let (accept, check) = match tls {
-            ServerTlsOf::Cluster(t) => {
-                (t.grpc_acceptor().accept(placed), Some(t.peer_check(PeerRole::Client)))
-            }
-            ServerTlsOf::Public(acceptor) => (acceptor.accept(placed), None),
-        };
+        let (accept, check) = tls.accept(placed, Serves::Grpc);
         let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, accept);
         LazyTls { info, stage: Stage::Handshake(Box::pin(handshake), check) }
     }

@@ -33,7 +33,7 @@ mod tests;
 
 pub use cluster::ClusterTls;
 pub use handed::{HandedPem, HandedTls};
-pub use listener::{Accepted, HANDSHAKES_PER_HOST, ListenerTls, TlsListener};
+pub use listener::{Accepted, HANDSHAKES_PER_HOST, ListenerTls, Serves, TlsListener};
 pub use public::{ServerTls, public_client};
 pub use rechecked::{PeerChain, PeerCheck, PeerRole, Rechecked};
 

@@ -88,7 +88,7 @@ pub async fn serve(
     fe: Arc<Frontend>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let tls = fe.cfg.public_tls.as_ref().map(|t| ListenerTls::Public(t.acceptor().clone()));
+    let tls = fe.cfg.public_tls.clone().map(ListenerTls::Public);
     let limits = fe.cfg.http;
     fe.mark_serving();
     handoff_core::http::serve_tcp(listener, tls, router(fe), shutdown, limits).await

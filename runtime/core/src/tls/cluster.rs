@@ -108,7 +108,7 @@ impl ClusterTls {
         Ok(ClusterTls {
             inner: Arc::new(Cluster {
                 key,
-                trust: Arc::new(Trust::new(clients, servers)),
+                trust: Arc::new(Trust::new(clients, Some(servers))),
                 acceptor: TlsAcceptor::from(Arc::new(server)),
                 grpc_acceptor: TlsAcceptor::from(Arc::new(grpc_server)),
                 connector: TlsConnector::from(Arc::new(client)),
@@ -133,7 +133,7 @@ impl ClusterTls {
         files.reload(now, build, |p| {
             let held = &self.inner;
             held.key.set(p.key);
-            held.trust.set(p.clients, p.servers);
+            held.trust.set(p.clients, Some(p.servers));
         })
     }
 

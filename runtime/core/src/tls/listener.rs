@@ -9,25 +9,56 @@ use std::time::Duration;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use tokio::net::{TcpListener, TcpStream};
-use tokio_rustls::TlsAcceptor;
+use tokio_rustls::Accept;
 use tokio_rustls::server::TlsStream;
 use tracing::debug;
 
-use super::{ClusterTls, PeerRole, Rechecked};
+use super::{ClusterTls, PeerCheck, PeerRole, Rechecked, ServerTls};
 
 /// A connection a [`TlsListener`] hands out.
 pub type Accepted = Rechecked<TlsStream<TcpStream>>;
 
 type Handshake = Pin<Box<dyn Future<Output = (SocketAddr, Option<Accepted>)> + Send>>;
 
-/// The TLS a listener speaks.
+/// The TLS a listener speaks. Each connection's client is checked again after each reload
+/// of the CA it was trusted by ([`Rechecked`]): the cluster's, or a public endpoint's client
+/// CA.
 #[derive(Clone)]
 pub enum ListenerTls {
-    /// The cluster's mutual TLS: each connection's client checked again after each reload
-    /// ([`Rechecked`]).
+    /// The cluster's mutual TLS.
     Cluster(ClusterTls),
-    /// A public endpoint's (clients without certificates).
-    Public(TlsAcceptor),
+    /// A public endpoint's (clients need a certificate only with a client CA).
+    Public(ServerTls),
+}
+
+/// What a listener serves over its TLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Serves {
+    /// HTTP/1.1 (no ALPN).
+    Http1,
+    /// gRPC: HTTP/2, offered by ALPN.
+    Grpc,
+}
+
+impl ListenerTls {
+    /// The handshake of `stream`, and the check of its client after reloads (taken before
+    /// the handshake: see [`PeerCheck`]), to wrap around the stream once it is done.
+    pub fn accept<IO>(&self, stream: IO, serves: Serves) -> (Accept<IO>, Option<PeerCheck>)
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let (acceptor, check) = match (self, serves) {
+            (ListenerTls::Cluster(t), Serves::Http1) => {
+                (t.acceptor(), Some(t.peer_check(PeerRole::Client)))
+            }
+            (ListenerTls::Cluster(t), Serves::Grpc) => {
+                (t.grpc_acceptor(), Some(t.peer_check(PeerRole::Client)))
+            }
+            (ListenerTls::Public(t), Serves::Http1) => (t.acceptor(), t.peer_check()),
+            (ListenerTls::Public(t), Serves::Grpc) => (t.grpc_acceptor(), t.peer_check()),
+        };
+        (acceptor.accept(stream), check)
+    }
 }
 
 /// Handshakes one address may have in progress; more from it are closed at once.
@@ -97,12 +128,7 @@ impl TlsListener {
         *busy += 1;
         // Best effort, as for plain listeners: request/response traffic must not wait on Nagle.
         let _ = stream.set_nodelay(true);
-        let (shake, check) = match &self.tls {
-            ListenerTls::Cluster(t) => {
-                (t.acceptor().accept(stream), Some(t.peer_check(PeerRole::Client)))
-            }
-            ListenerTls::Public(acceptor) => (acceptor.accept(stream), None),
-        };
+        let (shake, check) = self.tls.accept(stream, Serves::Http1);
         let deadline = self.handshake_timeout;
         self.handshakes.push(Box::pin(async move {
             match tokio::time::timeout(deadline, shake).await {

@@ -11,6 +11,7 @@ use rustls::sign::CertifiedKey;
 use tokio_rustls::TlsAcceptor;
 
 use super::files::Files;
+use super::rechecked::{PeerCheck, PeerRole, Trust};
 use super::swap::{ClientTrust, KeyOf, ServerSessions, Swap, server_sessions};
 use super::{
     ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of, unexpired,
@@ -26,7 +27,7 @@ pub struct ServerTls {
 struct Public {
     key: Arc<Swap<CertifiedKey>>,
     /// With a client CA: the clients trusted.
-    clients: Option<Arc<Swap<dyn ClientCertVerifier>>>,
+    trust: Option<Arc<Trust>>,
     resumed: Arc<Swap<dyn rustls::server::StoresServerSessions>>,
     acceptor: TlsAcceptor,
     grpc_acceptor: TlsAcceptor,
@@ -95,13 +96,13 @@ impl ServerTls {
         files: Option<Files>,
     ) -> Result<Self, TlsError> {
         let key = Swap::new(key);
-        let clients = clients.map(Swap::new);
+        let trust = clients.map(|c| Arc::new(Trust::new(Swap::new(c), None)));
         let builder = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| invalid("server", e))?;
-        let builder = match &clients {
+        let builder = match &trust {
             None => builder.with_no_client_auth(),
-            Some(c) => builder.with_client_cert_verifier(Arc::new(ClientTrust(c.clone()))),
+            Some(t) => builder.with_client_cert_verifier(Arc::new(ClientTrust(t.clients.clone()))),
         };
         let mut server = builder.with_cert_resolver(Arc::new(KeyOf(key.clone())));
         let resumed = Swap::new(server_sessions());
@@ -111,7 +112,7 @@ impl ServerTls {
         Ok(ServerTls {
             inner: Arc::new(Public {
                 key,
-                clients,
+                trust,
                 resumed,
                 acceptor: TlsAcceptor::from(Arc::new(server)),
                 grpc_acceptor: TlsAcceptor::from(Arc::new(grpc)),
@@ -131,11 +132,19 @@ impl ServerTls {
         };
         files.reload(now, build, |(key, clients)| {
             self.inner.key.set(key);
-            if let (Some(swap), Some(c)) = (&self.inner.clients, clients) {
-                swap.set(c);
+            if let (Some(trust), Some(c)) = (&self.inner.trust, clients) {
+                trust.set(c, None);
             }
             self.inner.resumed.set(server_sessions());
         })
+    }
+
+    /// With a client CA, the check of a connection's client against the CA in use, taken
+    /// before its handshake and wrapped around it after, as [`super::ClusterTls::peer_check`]
+    /// does; without one there is nothing to check again.
+    pub fn peer_check(&self) -> Option<PeerCheck> {
+        let trust = self.inner.trust.as_ref()?;
+        Some(PeerCheck::new(trust.clone(), PeerRole::Client))
     }
 
     /// Accepts clients (those with a certificate the client CA signed, when one was given).

@@ -28,17 +28,19 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::swap::Swap;
 
-/// What the cluster trusts now, and how many reloads have changed it.
+/// What a process trusts now (the cluster's CA, or a public endpoint's client CA), and how
+/// many reloads have changed it.
 pub(crate) struct Trust {
     pub(crate) clients: Arc<Swap<dyn ClientCertVerifier>>,
-    pub(crate) servers: Arc<Swap<dyn ServerCertVerifier>>,
+    /// None: a listener's alone (a public endpoint's), which dials no one.
+    pub(crate) servers: Option<Arc<Swap<dyn ServerCertVerifier>>>,
     generation: AtomicU64,
 }
 
 impl Trust {
     pub(crate) fn new(
         clients: Arc<Swap<dyn ClientCertVerifier>>,
-        servers: Arc<Swap<dyn ServerCertVerifier>>,
+        servers: Option<Arc<Swap<dyn ServerCertVerifier>>>,
     ) -> Self {
         Trust { clients, servers, generation: AtomicU64::new(0) }
     }
@@ -47,10 +49,12 @@ impl Trust {
     pub(crate) fn set(
         &self,
         clients: Arc<dyn ClientCertVerifier>,
-        servers: Arc<dyn ServerCertVerifier>,
+        servers: Option<Arc<dyn ServerCertVerifier>>,
     ) {
         self.clients.set(clients);
-        self.servers.set(servers);
+        if let (Some(swap), Some(s)) = (&self.servers, servers) {
+            swap.set(s);
+        }
         self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
@@ -113,12 +117,12 @@ impl PeerCheck {
             PeerRole::Client => {
                 self.trust.clients.get().verify_client_cert(leaf, intermediates, now).map(drop)
             }
-            PeerRole::Server(name) => self
-                .trust
-                .servers
-                .get()
-                .verify_server_cert(leaf, intermediates, name, &[], now)
-                .map(drop),
+            PeerRole::Server(name) => match &self.trust.servers {
+                Some(servers) => {
+                    servers.get().verify_server_cert(leaf, intermediates, name, &[], now).map(drop)
+                }
+                None => Err(rustls::Error::General("no servers are trusted here".into())),
+            },
         }
     }
 }

@@ -145,6 +145,14 @@ impl CertFiles {
         ClusterTls::from_files(&p("cert.pem"), &p("key.pem"), &p("ca.pem"))
             .expect("test certificate files are usable")
     }
+
+    /// A public endpoint's settings read from these files, the CA file as its client CA
+    /// ([`ServerTls::from_files`]).
+    pub fn public(&self) -> ServerTls {
+        let p = |n: &str| self.dir.join(n);
+        ServerTls::from_files(&p("cert.pem"), &p("key.pem"), Some(&p("ca.pem")))
+            .expect("test certificate files are usable")
+    }
 }
 
 impl Drop for CertFiles {

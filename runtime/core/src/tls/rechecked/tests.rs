@@ -13,9 +13,13 @@ use crate::tls::{ClusterTls, ListenerTls, Reloaded, TlsListener, server_name};
 /// out (checked again after each reload: [`PeerRole::Client`]); how each connection's loop
 /// ended is sent on the channel.
 async fn echo_server(tls: ClusterTls) -> (u16, mpsc::UnboundedReceiver<ErrorKind>) {
+    echo_over(ListenerTls::Cluster(tls)).await
+}
+
+async fn echo_over(tls: ListenerTls) -> (u16, mpsc::UnboundedReceiver<ErrorKind>) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
-    let mut l = TlsListener::new(l, ListenerTls::Cluster(tls));
+    let mut l = TlsListener::new(l, tls);
     let (ended, ends) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         loop {
@@ -117,4 +121,37 @@ async fn a_server_of_a_ca_taken_out_is_refused_before_the_next_write() {
     assert_eq!(e.kind(), ErrorKind::PermissionDenied);
     assert!(!crate::tls::refused_peer_certificate(&e), "an unknown issuer is not its fault");
     assert!(s.write_all(b"ping").await.is_err(), "and every write after it");
+}
+
+/// A public endpoint's client CA taken out of its bundle: a client of that CA whose
+/// connection was up is cut at its next request; a client of the CA kept goes on. Without a
+/// client CA there is nothing to check again.
+#[tokio::test]
+async fn a_public_client_of_a_ca_taken_out_is_cut_at_its_next_use() {
+    use crate::tls::public_client;
+    use crate::tls::test_certs::CertFiles;
+    let (site, kept, removed) = (TestCa::new(), TestCa::new(), TestCa::new());
+    let both = format!("{}{}", kept.pem(), removed.pem());
+    let files = CertFiles::new(&site.issue(), &both);
+    let public = files.public();
+    let (port, mut ends) = echo_over(ListenerTls::Public(public.clone())).await;
+    let client = |c: &crate::tls::test_certs::TestCert| {
+        public_client(site.pem().as_bytes(), Some((c.cert.as_bytes(), c.key.as_bytes())))
+            .unwrap()
+    };
+    let dial = |c: tokio_rustls::TlsConnector| async move {
+        let tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        c.connect(server_name("127.0.0.1").unwrap(), tcp).await.unwrap()
+    };
+    let mut stays = dial(client(&kept.issue())).await;
+    let mut goes = dial(client(&removed.issue())).await;
+    round_trip(&mut stays).await.unwrap();
+    round_trip(&mut goes).await.unwrap();
+
+    files.put("ca.pem", kept.pem());
+    assert_eq!(public.reload(SystemTime::now()).unwrap(), Reloaded::Taken);
+    assert!(round_trip(&mut goes).await.is_err(), "its request is not answered");
+    assert_eq!(ends.recv().await, Some(ErrorKind::PermissionDenied), "cut by the check");
+    round_trip(&mut stays).await.expect("a client of the CA kept goes on");
+    assert!(site.issue().server().peer_check().is_none(), "no client CA: nothing to check");
 }
