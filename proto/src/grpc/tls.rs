@@ -62,7 +62,8 @@ impl std::fmt::Debug for LazyTls {
 impl LazyTls {
     fn new(tls: &ListenerTls, placed: Placed) -> Self {
         let info = placed.connect_info();
-        let (accept, check) = tls.accept(placed, Serves::Grpc);
+        let peer = info.remote_addr().map_or_else(|| "?".to_owned(), |a| a.to_string());
+        let (accept, check) = tls.accept(placed, Serves::Grpc, peer);
         let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, accept);
         LazyTls { info, stage: Stage::Handshake(Box::pin(handshake), check) }
     }
@@ -72,7 +73,7 @@ impl LazyTls {
         if let Stage::Handshake(h, check) = &mut self.stage {
             let done = ready!(h.as_mut().poll(cx));
             match done {
-                Ok(Ok(s)) => self.stage = Stage::Ready(Rechecked::maybe(check.take(), s)),
+                Ok(Ok(s)) => self.stage = Stage::Ready(Rechecked::new(s, check.take())),
                 Ok(Err(e)) => {
                     self.stage = Stage::Failed;
                     tracing::debug!(remote = ?self.info.remote_addr(), error = %e, "gRPC TLS handshake failed");
@@ -216,7 +217,7 @@ impl tower::Service<Uri> for TlsDialer {
             let port = uri.port_u16().ok_or_else(|| bad("no port"))?;
             let host = host.trim_start_matches('[').trim_end_matches(']');
             let name = handoff_core::tls::server_name(host).map_err(io::Error::other)?;
-            let check = recheck.map(|t| t.peer_check(PeerRole::Server(name.clone())));
+            let check = recheck.map(|t| t.peer_check(PeerRole::Server(name.clone())).of(&uri));
             let tcp = tcp_to(host, port, within).await?;
             // Best effort: a socket that refuses the option still works, only slower.
             let _ = tcp.set_nodelay(true);
@@ -228,7 +229,7 @@ impl tower::Service<Uri> for TlsDialer {
                         format!("TLS handshake not done within {TLS_HANDSHAKE_TIMEOUT:?}"),
                     )
                 })??;
-            Ok(hyper_util::rt::TokioIo::new(Rechecked::maybe(check, tls)))
+            Ok(hyper_util::rt::TokioIo::new(Rechecked::new(tls, check)))
         })
     }
 }

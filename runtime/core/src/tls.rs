@@ -69,6 +69,10 @@ pub enum TlsError {
         /// Why.
         source: std::io::Error,
     },
+    /// A connection's peer is refused by the trust now in use (after a reload took a CA
+    /// file that does not trust it).
+    #[error("TLS peer no longer trusted: {0}")]
+    PeerRefused(rustls::Error),
     /// A certificate read again has expired already (at a reload, where the one in use is
     /// kept).
     #[error("TLS certificate expired already")]

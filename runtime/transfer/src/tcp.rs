@@ -160,7 +160,7 @@ impl TcpTransfer {
                     };
                     // The TLS handshake is part of the hello's time. The sender is checked
                     // again after each reload for as long as its connection stays up.
-                    let check = tls.peer_check(PeerRole::Client);
+                    let check = tls.peer_check(PeerRole::Client).of(&peer);
                     match tokio::time::timeout(cc.hello_timeout, tls.acceptor().accept(stream))
                         .await
                     {
@@ -252,7 +252,7 @@ impl TcpTransfer {
             Some(tls) => {
                 let name = handoff_core::tls::server_name(&peer.ip)
                     .map_err(|e| TransferError::Malformed(e.to_string()))?;
-                let check = tls.peer_check(PeerRole::Server(name.clone()));
+                let check = tls.peer_check(PeerRole::Server(name.clone())).of(peer);
                 let shake = tokio::time::timeout(
                     self.cfg.connect_timeout,
                     tls.connector().connect(name, s),

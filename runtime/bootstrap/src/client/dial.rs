@@ -1,7 +1,8 @@
 //! How the directory client reaches a directory: TCP (`TCP_NODELAY`), then for `https://`
-//! the cluster's mutual TLS, proving the host dialed. A directory's certificate is checked
-//! again after each reload of the cluster's CA ([`Rechecked`]): a kept connection to a
-//! directory of a CA taken out of the bundle is cut at its next call.
+//! the cluster's mutual TLS, proving the host dialed, within [`HANDSHAKE_TIMEOUT`]. A
+//! directory's certificate is checked again after a reload changed the cluster's CA file
+//! ([`Rechecked`]): a kept connection to a directory of a CA taken out of the bundle is cut
+//! at its next call.
 
 use std::future::Future;
 use std::io;
@@ -14,6 +15,10 @@ use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+
+/// How long a TLS handshake with a directory may take (a call's own timeout is shorter; a
+/// connection hyper goes on making for its pool after the call gave up has this).
+pub(crate) const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The connector of a directory client's pools.
 #[derive(Clone, Debug)]
@@ -59,14 +64,18 @@ impl tower::Service<Uri> for DirectoryDialer {
             _ => None,
         };
         let host = uri.host().map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned());
+        let shown = uri.to_string();
         let tcp = self.tcp.call(uri);
         Box::pin(async move {
             let tcp = tcp.await.map_err(io::Error::other)?.into_inner();
             let Some(tls) = tls else { return Ok(TokioIo::new(DirectoryStream::Plain(tcp))) };
             let host = host.ok_or_else(|| refused("no host"))?;
             let name = handoff_core::tls::server_name(&host).map_err(io::Error::other)?;
-            let check = tls.peer_check(PeerRole::Server(name.clone()));
-            let s = tls.connector().connect(name, tcp).await?;
+            let check = tls.peer_check(PeerRole::Server(name.clone())).of(shown);
+            let shake = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.connector().connect(name, tcp));
+            let s = shake.await.map_err(|_| {
+                io::Error::new(io::ErrorKind::TimedOut, "TLS handshake with a directory too slow")
+            })??;
             Ok(TokioIo::new(DirectoryStream::Tls(Box::new(check.wrap(s)))))
         })
     }
@@ -107,6 +116,24 @@ impl AsyncWrite for DirectoryStream {
         match self.get_mut() {
             DirectoryStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
             DirectoryStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            DirectoryStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            DirectoryStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            DirectoryStream::Plain(s) => s.is_write_vectored(),
+            DirectoryStream::Tls(s) => s.is_write_vectored(),
         }
     }
 

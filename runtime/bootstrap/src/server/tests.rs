@@ -246,7 +246,7 @@ async fn a_directory_of_a_ca_taken_out_is_read_no_more() {
     }
     assert_eq!(client.server_info(&addr).await.unwrap().attn_tp_size, 2);
 
-    files.put("ca.pem", kept.pem());
+    files.put("ca.crt", kept.pem());
     let taken = client_tls.reload(std::time::SystemTime::now()).unwrap();
     assert_eq!(taken, handoff_core::tls::Reloaded::Taken);
     assert!(client.server_info(&addr).await.is_err(), "its server no longer trusted");

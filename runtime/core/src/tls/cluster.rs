@@ -13,7 +13,7 @@ use rustls::{ClientConfig, ServerConfig};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use super::files::Files;
-use super::rechecked::{PeerCheck, PeerRole, Trust};
+use super::rechecked::{PeerCheck, PeerRole, Trust, Verifier};
 use super::swap::{ClientTrust, KeyOf, ServerTrust, Swap};
 use super::{
     ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of, unexpired,
@@ -29,6 +29,8 @@ pub struct ClusterTls {
 
 struct Cluster {
     key: Arc<Swap<CertifiedKey>>,
+    clients: Arc<Swap<dyn ClientCertVerifier>>,
+    servers: Arc<Swap<dyn ServerCertVerifier>>,
     trust: Arc<Trust>,
     acceptor: TlsAcceptor,
     grpc_acceptor: TlsAcceptor,
@@ -44,11 +46,13 @@ impl std::fmt::Debug for ClusterTls {
 }
 
 /// What is built from the three PEMs, checked: the certificate with its key, and the
-/// verifiers of clients and servers from the CA.
+/// verifiers of clients and servers from the CA (whose PEM is kept, to tell a changed CA
+/// file from a renewal that left it as it was).
 struct Parts {
     key: Arc<CertifiedKey>,
     clients: Arc<dyn ClientCertVerifier>,
     servers: Arc<dyn ServerCertVerifier>,
+    ca: Vec<u8>,
 }
 
 fn parts(chain: &[u8], key: &[u8], ca: &[u8]) -> Result<Parts, TlsError> {
@@ -60,7 +64,7 @@ fn parts(chain: &[u8], key: &[u8], ca: &[u8]) -> Result<Parts, TlsError> {
     let servers = WebPkiServerVerifier::builder_with_provider(roots, provider())
         .build()
         .map_err(|e| invalid("server verifier", e))?;
-    Ok(Parts { key, clients, servers })
+    Ok(Parts { key, clients, servers, ca: ca.to_vec() })
 }
 
 impl ClusterTls {
@@ -108,7 +112,9 @@ impl ClusterTls {
         Ok(ClusterTls {
             inner: Arc::new(Cluster {
                 key,
-                trust: Arc::new(Trust::new(clients, Some(servers))),
+                clients,
+                servers,
+                trust: Trust::new(p.ca),
                 acceptor: TlsAcceptor::from(Arc::new(server)),
                 grpc_acceptor: TlsAcceptor::from(Arc::new(grpc_server)),
                 connector: TlsConnector::from(Arc::new(client)),
@@ -120,9 +126,10 @@ impl ClusterTls {
 
     /// Reads the files again ([`ClusterTls::from_files`]; settings from PEM have none) and
     /// takes them when they changed and are usable: certificate, key and CA from then on,
-    /// for every handshake, and every connection's peer checked again with the CA at its
-    /// next use ([`super::Rechecked`]). Unusable ones (a key that is not the certificate's, a CA that
-    /// does not parse) are refused, once, and the settings in use kept.
+    /// for every handshake; when the CA file changed, every connection's peer is checked
+    /// again with it at its next use ([`super::Rechecked`]). Unusable ones (a key that is not
+    /// the certificate's, a CA that does not parse) are refused, once, and the settings in use
+    /// kept.
     pub fn reload(&self, now: SystemTime) -> Result<Reloaded, TlsError> {
         let Some(files) = &self.inner.files else { return Ok(Reloaded::Unchanged) };
         let build = |b: &[Vec<u8>]| {
@@ -133,7 +140,9 @@ impl ClusterTls {
         files.reload(now, build, |p| {
             let held = &self.inner;
             held.key.set(p.key);
-            held.trust.set(p.clients, Some(p.servers));
+            held.clients.set(p.clients);
+            held.servers.set(p.servers);
+            held.trust.taken(&p.ca);
         })
     }
 
@@ -141,7 +150,12 @@ impl ClusterTls {
     /// and wrapped around it after ([`PeerCheck::wrap`]): a connection accepted (its peer a
     /// [`PeerRole::Client`]) or dialed ([`PeerRole::Server`], with the name it proved).
     pub fn peer_check(&self, role: PeerRole) -> PeerCheck {
-        PeerCheck::new(self.inner.trust.clone(), role)
+        let held = &self.inner;
+        let verifier = match role {
+            PeerRole::Client => Verifier::Clients(held.clients.clone()),
+            PeerRole::Server(name) => Verifier::Server(held.servers.clone(), name),
+        };
+        PeerCheck::new(held.trust.clone(), verifier)
     }
 
     /// Accepts connections from holders of a certificate the CA signed.

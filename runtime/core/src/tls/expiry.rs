@@ -46,6 +46,7 @@ struct Certificates {
     registry: Arc<Registry>,
     expiry: Arc<Family<Gauge>>,
     reloads: Arc<Family<Counter>>,
+    cuts: Arc<Counter>,
 }
 
 fn certificates() -> &'static Certificates {
@@ -67,7 +68,12 @@ fn certificates() -> &'static Certificates {
              reason: the certificate in use is kept).",
             &["certificate", "outcome"],
         );
-        Certificates { registry, expiry, reloads }
+        let cuts = registry.counter(
+            "handoff_tls_connections_cut_total",
+            "Connections cut because a reload took a CA file that refuses their peer (each \
+             connection's peer is checked again at its next read or write after such a reload).",
+        );
+        Certificates { registry, expiry, reloads, cuts }
     })
 }
 
@@ -80,6 +86,11 @@ pub fn expiry_registry() -> &'static Arc<Registry> {
 /// The reloads counted ([`super::reload`]).
 pub(crate) fn reloads() -> &'static Arc<Family<Counter>> {
     &certificates().reloads
+}
+
+/// The connections cut after a reload of a CA file ([`super::Rechecked`]).
+pub(crate) fn cuts() -> &'static Arc<Counter> {
+    &certificates().cuts
 }
 
 /// Records when `cert` (the leaf the process shows as `shown`) expires, and warns when it

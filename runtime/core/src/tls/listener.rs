@@ -34,30 +34,36 @@ pub enum ListenerTls {
 /// What a listener serves over its TLS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Serves {
-    /// HTTP/1.1 (no ALPN).
-    Http1,
+    /// HTTP, its version told by the client's first bytes (no ALPN).
+    Http,
     /// gRPC: HTTP/2, offered by ALPN.
     Grpc,
 }
 
 impl ListenerTls {
-    /// The handshake of `stream`, and the check of its client after reloads (taken before
-    /// the handshake: see [`PeerCheck`]), to wrap around the stream once it is done.
-    pub fn accept<IO>(&self, stream: IO, serves: Serves) -> (Accept<IO>, Option<PeerCheck>)
+    /// The handshake of `stream` from `peer`, and the check of that client after reloads
+    /// (taken before the handshake: see [`PeerCheck`]), to wrap around the stream once it is
+    /// done.
+    pub fn accept<IO>(
+        &self,
+        stream: IO,
+        serves: Serves,
+        peer: impl std::fmt::Display,
+    ) -> (Accept<IO>, Option<PeerCheck>)
     where
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     {
         let (acceptor, check) = match (self, serves) {
-            (ListenerTls::Cluster(t), Serves::Http1) => {
+            (ListenerTls::Cluster(t), Serves::Http) => {
                 (t.acceptor(), Some(t.peer_check(PeerRole::Client)))
             }
             (ListenerTls::Cluster(t), Serves::Grpc) => {
                 (t.grpc_acceptor(), Some(t.peer_check(PeerRole::Client)))
             }
-            (ListenerTls::Public(t), Serves::Http1) => (t.acceptor(), t.peer_check()),
+            (ListenerTls::Public(t), Serves::Http) => (t.acceptor(), t.peer_check()),
             (ListenerTls::Public(t), Serves::Grpc) => (t.grpc_acceptor(), t.peer_check()),
         };
-        (acceptor.accept(stream), check)
+        (acceptor.accept(stream), check.map(|c| c.of(peer)))
     }
 }
 
@@ -128,11 +134,11 @@ impl TlsListener {
         *busy += 1;
         // Best effort, as for plain listeners: request/response traffic must not wait on Nagle.
         let _ = stream.set_nodelay(true);
-        let (shake, check) = self.tls.accept(stream, Serves::Http1);
+        let (shake, check) = self.tls.accept(stream, Serves::Http, peer);
         let deadline = self.handshake_timeout;
         self.handshakes.push(Box::pin(async move {
             match tokio::time::timeout(deadline, shake).await {
-                Ok(Ok(tls)) => (peer, Some(Rechecked::maybe(check, tls))),
+                Ok(Ok(tls)) => (peer, Some(Rechecked::new(tls, check))),
                 Ok(Err(e)) => {
                     debug!(%peer, error = %e, "TLS handshake refused");
                     (peer, None)

@@ -11,7 +11,7 @@ use rustls::sign::CertifiedKey;
 use tokio_rustls::TlsAcceptor;
 
 use super::files::Files;
-use super::rechecked::{PeerCheck, PeerRole, Trust};
+use super::rechecked::{PeerCheck, Trust, Verifier};
 use super::swap::{ClientTrust, KeyOf, ServerSessions, Swap, server_sessions};
 use super::{
     ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of, unexpired,
@@ -27,11 +27,17 @@ pub struct ServerTls {
 struct Public {
     key: Arc<Swap<CertifiedKey>>,
     /// With a client CA: the clients trusted.
-    trust: Option<Arc<Trust>>,
+    clients: Option<ClientCa>,
     resumed: Arc<Swap<dyn rustls::server::StoresServerSessions>>,
     acceptor: TlsAcceptor,
     grpc_acceptor: TlsAcceptor,
     files: Option<Files>,
+}
+
+/// A public endpoint's client CA: its verifier, and the CA file it was built from.
+struct ClientCa {
+    verifier: Arc<Swap<dyn ClientCertVerifier>>,
+    trust: Arc<Trust>,
 }
 
 impl std::fmt::Debug for ServerTls {
@@ -71,8 +77,8 @@ impl ServerTls {
     /// From PEM: the certificate chain and its private key; with `client_ca`, clients must
     /// present a certificate it signed.
     pub fn from_pem(chain: &[u8], key: &[u8], client_ca: Option<&[u8]>) -> Result<Self, TlsError> {
-        let clients = client_ca.map(client_verifier).transpose()?;
-        Self::built(certified(chain, key)?, clients, None)
+        let clients = client_ca.map(|ca| client_verifier(ca).map(|v| (v, ca.to_vec())));
+        Self::built(certified(chain, key)?, clients.transpose()?, None)
     }
 
     /// From PEM files (see [`ServerTls::from_pem`]); [`ServerTls::reload`] reads them again.
@@ -85,24 +91,26 @@ impl ServerTls {
         paths.extend(client_ca.map(Path::to_owned));
         let bytes = Files::read_all(&paths)?;
         let key = certified(&bytes[0], &bytes[1])?;
-        let clients = bytes.get(2).map(|ca| client_verifier(ca)).transpose()?;
+        let clients = bytes.get(2).map(|ca| client_verifier(ca).map(|v| (v, ca.clone())));
+        let clients = clients.transpose()?;
         expiry::note_pem(expiry::Shown::Public, &bytes[0], SystemTime::now());
         Self::built(key, clients, Some(Files::new(paths, Some(expiry::Shown::Public), bytes)))
     }
 
     fn built(
         key: Arc<CertifiedKey>,
-        clients: Option<Arc<dyn ClientCertVerifier>>,
+        clients: Option<(Arc<dyn ClientCertVerifier>, Vec<u8>)>,
         files: Option<Files>,
     ) -> Result<Self, TlsError> {
         let key = Swap::new(key);
-        let trust = clients.map(|c| Arc::new(Trust::new(Swap::new(c), None)));
+        let clients =
+            clients.map(|(v, ca)| ClientCa { verifier: Swap::new(v), trust: Trust::new(ca) });
         let builder = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| invalid("server", e))?;
-        let builder = match &trust {
+        let builder = match &clients {
             None => builder.with_no_client_auth(),
-            Some(t) => builder.with_client_cert_verifier(Arc::new(ClientTrust(t.clients.clone()))),
+            Some(c) => builder.with_client_cert_verifier(Arc::new(ClientTrust(c.verifier.clone()))),
         };
         let mut server = builder.with_cert_resolver(Arc::new(KeyOf(key.clone())));
         let resumed = Swap::new(server_sessions());
@@ -112,7 +120,7 @@ impl ServerTls {
         Ok(ServerTls {
             inner: Arc::new(Public {
                 key,
-                trust,
+                clients,
                 resumed,
                 acceptor: TlsAcceptor::from(Arc::new(server)),
                 grpc_acceptor: TlsAcceptor::from(Arc::new(grpc)),
@@ -128,12 +136,14 @@ impl ServerTls {
         let build = |b: &[Vec<u8>]| {
             let key = certified(&b[0], &b[1])?;
             unexpired(&key, now)?;
-            Ok((key, b.get(2).map(|ca| client_verifier(ca)).transpose()?))
+            let clients = b.get(2).map(|ca| client_verifier(ca).map(|v| (v, ca.clone())));
+            Ok((key, clients.transpose()?))
         };
         files.reload(now, build, |(key, clients)| {
             self.inner.key.set(key);
-            if let (Some(trust), Some(c)) = (&self.inner.trust, clients) {
-                trust.set(c, None);
+            if let (Some(held), Some((v, ca))) = (&self.inner.clients, clients) {
+                held.verifier.set(v);
+                held.trust.taken(&ca);
             }
             self.inner.resumed.set(server_sessions());
         })
@@ -143,8 +153,8 @@ impl ServerTls {
     /// before its handshake and wrapped around it after, as [`super::ClusterTls::peer_check`]
     /// does; without one there is nothing to check again.
     pub fn peer_check(&self) -> Option<PeerCheck> {
-        let trust = self.inner.trust.as_ref()?;
-        Some(PeerCheck::new(trust.clone(), PeerRole::Client))
+        let c = self.inner.clients.as_ref()?;
+        Some(PeerCheck::new(c.trust.clone(), Verifier::Clients(c.verifier.clone())))
     }
 
     /// Accepts clients (those with a certificate the client CA signed, when one was given).

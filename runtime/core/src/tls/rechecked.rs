@@ -1,23 +1,26 @@
-//! [`Rechecked`]: a cluster TLS connection whose peer is checked again after a reload
-//! changed what the process trusts.
+//! [`Rechecked`]: a TLS connection whose peer is checked again after a reload changed the CA
+//! it was trusted by (the cluster's, or a public endpoint's client CA).
 //!
 //! A handshake checks the peer's certificate once. A connection that stays up (a pooled
-//! transfer, a gRPC channel, a peer's connection to a listener) would otherwise keep a
-//! trust the files no longer give: a CA taken out of the bundle, or a peer's expired
-//! certificate, would still be served until a restart. Each reload of the cluster's files
-//! moves a generation ([`ClusterTls::reload`]); a connection whose check is older than it
-//! checks its peer's chain again, with the trust now in use, at its next read or write, and
-//! fails that read or write (and every one after it) when the peer is refused, before a
-//! byte more is read or written. An idle connection is cut at its next use: gRPC's pings
-//! (every 5 s both ways) make that within seconds; a transfer's pooled one is checked before
-//! it is taken from the pool ([`Rechecked::still_trusted`]).
+//! transfer, a gRPC channel, a peer's connection to a listener) would otherwise keep a trust
+//! the files no longer give: a CA taken out of the bundle would go on being trusted on it
+//! until a restart. Each reload that took a changed CA file moves a generation
+//! ([`ClusterTls::reload`], [`ServerTls::reload`]); a connection whose check is older than it
+//! checks its peer's chain again with the CA now in use, at its next read or write, and
+//! fails that read or write (and every one after it) when the peer is refused. The chain is
+//! checked at the time of the connection's handshake: what is checked again is the trust,
+//! not the certificate's validity, so a peer certificate that expired while its connection
+//! was up is not cut (as before), and a renewal that leaves the CA file as it was checks
+//! nothing. A transfer's pooled connection is checked before it is taken from the pool
+//! ([`Rechecked::still_trusted`]).
 //!
 //! [`ClusterTls::reload`]: super::ClusterTls::reload
+//! [`ServerTls::reload`]: super::ServerTls::reload
 
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::SystemTime;
 
@@ -26,36 +29,29 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::danger::ClientCertVerifier;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use super::TlsError;
+use super::expiry::cuts;
 use super::swap::Swap;
 
-/// What a process trusts now (the cluster's CA, or a public endpoint's client CA), and how
-/// many reloads have changed it.
+/// The CA file a process's verifiers were built from, and how many reloads have changed it.
 pub(crate) struct Trust {
-    pub(crate) clients: Arc<Swap<dyn ClientCertVerifier>>,
-    /// None: a listener's alone (a public endpoint's), which dials no one.
-    pub(crate) servers: Option<Arc<Swap<dyn ServerCertVerifier>>>,
+    ca: Mutex<Vec<u8>>,
     generation: AtomicU64,
 }
 
 impl Trust {
-    pub(crate) fn new(
-        clients: Arc<Swap<dyn ClientCertVerifier>>,
-        servers: Option<Arc<Swap<dyn ServerCertVerifier>>>,
-    ) -> Self {
-        Trust { clients, servers, generation: AtomicU64::new(0) }
+    pub(crate) fn new(ca: Vec<u8>) -> Arc<Self> {
+        Arc::new(Trust { ca: Mutex::new(ca), generation: AtomicU64::new(0) })
     }
 
-    /// Takes new verifiers: every connection checks its peer again at its next use.
-    pub(crate) fn set(
-        &self,
-        clients: Arc<dyn ClientCertVerifier>,
-        servers: Option<Arc<dyn ServerCertVerifier>>,
-    ) {
-        self.clients.set(clients);
-        if let (Some(swap), Some(s)) = (&self.servers, servers) {
-            swap.set(s);
+    /// Notes the CA file of verifiers just put in use: when it differs from the last,
+    /// every connection checks its peer again at its next use.
+    pub(crate) fn taken(&self, ca: &[u8]) {
+        let mut held = self.ca.lock().unwrap_or_else(PoisonError::into_inner);
+        if *held != ca {
+            *held = ca.to_vec();
+            self.generation.fetch_add(1, Ordering::AcqRel);
         }
-        self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
     fn generation(&self) -> u64 {
@@ -72,57 +68,73 @@ pub enum PeerRole {
     Server(ServerName<'static>),
 }
 
-/// A connection's check of its peer against the cluster's trust, taken before its handshake
-/// ([`super::ClusterTls::peer_check`]): a reload during the handshake is checked again at the
-/// first use.
+/// The verifier a peer is checked with: the one in use at each check.
+#[derive(Clone)]
+pub(crate) enum Verifier {
+    /// A listener's, of its clients.
+    Clients(Arc<Swap<dyn ClientCertVerifier>>),
+    /// A dialer's, of the server that proved `name`.
+    Server(Arc<Swap<dyn ServerCertVerifier>>, ServerName<'static>),
+}
+
+/// A connection's check of its peer, taken before its handshake
+/// ([`super::ClusterTls::peer_check`], [`super::ServerTls::peer_check`]): a reload during the
+/// handshake is checked again at the first use.
 #[derive(Clone)]
 pub struct PeerCheck {
     trust: Arc<Trust>,
-    role: PeerRole,
+    verifier: Verifier,
     /// The generation of the trust when the check was taken.
     taken_at: u64,
+    /// When it was taken: the time the peer's chain is checked at.
+    shaken_at: SystemTime,
+    /// Who the peer is, for the log.
+    peer: String,
 }
 
 impl std::fmt::Debug for PeerCheck {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerCheck").field("role", &self.role).finish_non_exhaustive()
+        f.debug_struct("PeerCheck").field("peer", &self.peer).finish_non_exhaustive()
     }
 }
 
 impl PeerCheck {
-    pub(crate) fn new(trust: Arc<Trust>, role: PeerRole) -> Self {
+    pub(crate) fn new(trust: Arc<Trust>, verifier: Verifier) -> Self {
         let taken_at = trust.generation();
-        PeerCheck { trust, role, taken_at }
+        let peer = match &verifier {
+            Verifier::Clients(_) => "a client".to_owned(),
+            Verifier::Server(_, name) => format!("server {}", name.to_str()),
+        };
+        PeerCheck { trust, verifier, taken_at, shaken_at: SystemTime::now(), peer }
+    }
+
+    /// Names the peer by its address (`host:port`) in the log when it is refused.
+    pub fn of(mut self, addr: impl std::fmt::Display) -> Self {
+        self.peer = match &self.verifier {
+            Verifier::Clients(_) => format!("client {addr}"),
+            Verifier::Server(..) => format!("server {addr}"),
+        };
+        self
     }
 
     /// `stream`, whose handshake was done after this check was taken, checked again when the
     /// trust changes.
     pub fn wrap<S: PeerChain>(self, stream: S) -> Rechecked<S> {
-        Rechecked::maybe(Some(self), stream)
+        Rechecked::new(stream, Some(self))
     }
 
-    /// Checks `chain` (leaf first) with the trust in use, at `now`.
-    fn verify(
-        &self,
-        chain: &[CertificateDer<'static>],
-        now: SystemTime,
-    ) -> Result<(), rustls::Error> {
+    /// Checks `chain` (leaf first) with the verifier in use, at the handshake's time.
+    fn verify(&self, chain: &[CertificateDer<'static>]) -> Result<(), rustls::Error> {
         let Some((leaf, intermediates)) = chain.split_first() else {
             return Err(rustls::Error::NoCertificatesPresented);
         };
-        let now = UnixTime::since_unix_epoch(
-            now.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default(),
-        );
-        match &self.role {
-            PeerRole::Client => {
-                self.trust.clients.get().verify_client_cert(leaf, intermediates, now).map(drop)
+        let since = self.shaken_at.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+        let at = UnixTime::since_unix_epoch(since);
+        match &self.verifier {
+            Verifier::Clients(v) => v.get().verify_client_cert(leaf, intermediates, at).map(drop),
+            Verifier::Server(v, name) => {
+                v.get().verify_server_cert(leaf, intermediates, name, &[], at).map(drop)
             }
-            PeerRole::Server(name) => match &self.trust.servers {
-                Some(servers) => {
-                    servers.get().verify_server_cert(leaf, intermediates, name, &[], now).map(drop)
-                }
-                None => Err(rustls::Error::General("no servers are trusted here".into())),
-            },
         }
     }
 }
@@ -165,8 +177,8 @@ impl<S: std::fmt::Debug> std::fmt::Debug for Rechecked<S> {
 
 impl<S: PeerChain> Rechecked<S> {
     /// `stream` checked again after each change of trust with `check`, or, without one,
-    /// never.
-    pub fn maybe(check: Option<PeerCheck>, stream: S) -> Self {
+    /// never (a public listener without a client CA).
+    pub fn new(stream: S, check: Option<PeerCheck>) -> Self {
         let at = AtomicU64::new(check.as_ref().map_or(0, |c| c.taken_at));
         Rechecked { inner: stream, check, at, refused: None }
     }
@@ -178,7 +190,11 @@ impl<S: PeerChain> Rechecked<S> {
 
     /// Whether the peer is trusted now (checked again when the trust changed since its last
     /// check): a pool asks before it hands the connection out.
-    pub fn still_trusted(&self) -> Result<(), rustls::Error> {
+    pub fn still_trusted(&self) -> Result<(), TlsError> {
+        self.recheck().map_err(TlsError::PeerRefused)
+    }
+
+    fn recheck(&self) -> Result<(), rustls::Error> {
         if let Some(e) = &self.refused {
             return Err(e.clone());
         }
@@ -187,19 +203,21 @@ impl<S: PeerChain> Rechecked<S> {
         if self.at.load(Ordering::Acquire) == now {
             return Ok(());
         }
-        let chain = self.inner.peer_chain().unwrap_or_default();
-        check.verify(chain, SystemTime::now())?;
+        check.verify(self.inner.peer_chain().unwrap_or_default())?;
         self.at.store(now, Ordering::Release);
         Ok(())
     }
 
-    /// [`Rechecked::still_trusted`], kept as an I/O error once it fails.
+    /// [`Rechecked::recheck`], kept as an I/O error once it fails (the refusal inside it, as
+    /// a handshake's would be).
     fn usable(&mut self) -> io::Result<()> {
-        let Err(e) = self.still_trusted() else { return Ok(()) };
+        let Err(e) = self.recheck() else { return Ok(()) };
         if self.refused.is_none() {
-            let role = self.check.as_ref().map(|c| &c.role);
-            tracing::warn!(peer = ?role, error = %e,
-                "a connection's peer is no longer trusted after a TLS reload: closed");
+            if let Some(check) = &self.check {
+                tracing::debug!(peer = %check.peer, error = %e,
+                    "a connection's peer is no longer trusted after a TLS reload: closed");
+            }
+            cuts().inc();
             self.refused = Some(e.clone());
         }
         Err(io::Error::new(io::ErrorKind::PermissionDenied, e))

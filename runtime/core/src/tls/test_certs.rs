@@ -110,47 +110,62 @@ impl TestCa {
     }
 }
 
-/// A certificate, its key and a CA file in a directory of their own (removed when dropped),
-/// as a process reads them: `cert.pem`, `key.pem`, `ca.pem`.
+/// Certificate files in a directory of their own (removed when dropped), as a process reads
+/// them: `tls.crt`, `tls.key` and `ca.crt`, as in a Kubernetes TLS Secret.
 #[derive(Debug)]
 pub struct CertFiles {
     dir: std::path::PathBuf,
 }
 
 impl CertFiles {
-    /// `cert` and its key, with `ca` (PEM, a bundle or one CA) as the CA file.
-    pub fn new(cert: &TestCert, ca: &str) -> Self {
+    /// An empty directory.
+    pub fn empty() -> Self {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let name = format!("handoff-cert-files-{}-{n}", std::process::id());
         let dir = std::env::temp_dir().join(name);
         std::fs::create_dir_all(&dir).expect("a directory for certificate files");
-        let files = CertFiles { dir };
-        files.put("cert.pem", &cert.cert);
-        files.put("key.pem", &cert.key);
-        files.put("ca.pem", ca);
+        CertFiles { dir }
+    }
+
+    /// `cert` and its key, with `ca` (PEM, a bundle or one CA) as the CA file.
+    pub fn new(cert: &TestCert, ca: &str) -> Self {
+        let files = Self::empty();
+        files.put("ca.crt", ca);
+        files.put_cert(cert);
         files
+    }
+
+    /// The file `name` in the directory.
+    pub fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.join(name)
     }
 
     /// Replaces `name` whole, as a Secret's update does (a new file renamed over the old).
     pub fn put(&self, name: &str, body: &str) {
-        let staged = self.dir.join(format!(".{name}.new"));
+        let staged = self.path(&format!(".{name}.new"));
         std::fs::write(&staged, body).expect("a certificate file written");
-        std::fs::rename(staged, self.dir.join(name)).expect("a certificate file renamed");
+        std::fs::rename(staged, self.path(name)).expect("a certificate file renamed");
+    }
+
+    /// Replaces the key and the certificate with `cert`'s (the key first).
+    pub fn put_cert(&self, cert: &TestCert) {
+        self.put("tls.key", &cert.key);
+        self.put("tls.crt", &cert.cert);
     }
 
     /// The cluster's TLS settings read from these files ([`ClusterTls::from_files`]).
     pub fn cluster(&self) -> ClusterTls {
-        let p = |n: &str| self.dir.join(n);
-        ClusterTls::from_files(&p("cert.pem"), &p("key.pem"), &p("ca.pem"))
+        let p = |n: &str| self.path(n);
+        ClusterTls::from_files(&p("tls.crt"), &p("tls.key"), &p("ca.crt"))
             .expect("test certificate files are usable")
     }
 
     /// A public endpoint's settings read from these files, the CA file as its client CA
     /// ([`ServerTls::from_files`]).
     pub fn public(&self) -> ServerTls {
-        let p = |n: &str| self.dir.join(n);
-        ServerTls::from_files(&p("cert.pem"), &p("key.pem"), Some(&p("ca.pem")))
+        let p = |n: &str| self.path(n);
+        ServerTls::from_files(&p("tls.crt"), &p("tls.key"), Some(&p("ca.crt")))
             .expect("test certificate files are usable")
     }
 }

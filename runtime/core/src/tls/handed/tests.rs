@@ -2,13 +2,13 @@ use std::time::SystemTime;
 
 use super::*;
 use crate::tls::expiry::expiry_registry;
-use crate::tls::reload::tests::Pems;
-use crate::tls::test_certs::{TestCa, TestCert};
+
+use crate::tls::test_certs::{CertFiles, TestCa, TestCert};
 
 // The metrics are the process's: the tests here show their certificates under a label no
 // other test in this crate uses (`nats_client`), and look for values only they could show.
 
-fn handed(pems: &Pems) -> HandedTls {
+fn handed(pems: &CertFiles) -> HandedTls {
     let (cert, key, ca) = (pems.path("tls.crt"), pems.path("tls.key"), pems.path("ca.crt"));
     HandedTls::from_files(Shown::NatsClient, Some((&cert, &key)), Some(&ca)).unwrap().unwrap()
 }
@@ -29,7 +29,7 @@ fn a_renewed_set_moves_the_generation_and_an_unusable_one_does_not() {
     let ca = TestCa::new();
     let first = ca.issue_valid_until((3001, 1, 1));
     let renewed = ca.issue_valid_until((3002, 1, 1));
-    let pems = Pems::new();
+    let pems = CertFiles::empty();
     pems.put("ca.crt", ca.pem());
     pems.put_cert(&first);
     let tls = handed(&pems);
@@ -67,7 +67,7 @@ fn a_renewed_set_moves_the_generation_and_an_unusable_one_does_not() {
 #[test]
 fn a_ca_alone_is_handed_and_shows_no_certificate() {
     let (old, new) = (TestCa::new(), TestCa::new());
-    let pems = Pems::new();
+    let pems = CertFiles::empty();
     pems.put("ca.crt", old.pem());
     let ca = pems.path("ca.crt");
     let tls = HandedTls::from_files(Shown::NatsClient, None, Some(&ca)).unwrap().unwrap();

@@ -5,9 +5,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
 use super::*;
-use crate::tls::reload::tests::Pems;
+use crate::tls::test_certs::CertFiles;
 use crate::tls::test_certs::TestCa;
-use crate::tls::{ClusterTls, ListenerTls, Reloaded, TlsListener, server_name};
+use crate::tls::{ClusterTls, ListenerTls, Reloaded, TlsError, TlsListener, server_name};
 
 /// Echoes 4 bytes at a time on each connection a [`TlsListener`] of the cluster's TLS hands
 /// out (checked again after each reload: [`PeerRole::Client`]); how each connection's loop
@@ -67,12 +67,8 @@ async fn round_trip<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> std::io::Re
 async fn a_client_of_a_ca_taken_out_is_cut_at_its_next_use() {
     let (kept, removed) = (TestCa::new(), TestCa::new());
     let both = format!("{}{}", kept.pem(), removed.pem());
-    let pems = Pems::new();
-    pems.put("ca.crt", &both);
-    pems.put_cert(&kept.issue());
-    let server =
-        ClusterTls::from_files(&pems.path("tls.crt"), &pems.path("tls.key"), &pems.path("ca.crt"))
-            .unwrap();
+    let pems = CertFiles::new(&kept.issue(), &both);
+    let server = pems.cluster();
     let (port, mut ends) = echo_server(server.clone()).await;
     let mut stays = dial(&kept.issue().trusting(&both), port).await;
     let mut goes = dial(&removed.issue().trusting(&both), port).await;
@@ -84,10 +80,38 @@ async fn a_client_of_a_ca_taken_out_is_cut_at_its_next_use() {
     assert!(round_trip(&mut goes).await.is_err(), "its request is not answered");
     assert_eq!(ends.recv().await, Some(ErrorKind::PermissionDenied), "cut by the check");
     round_trip(&mut stays).await.expect("a client of the CA kept goes on");
-    // A reload that keeps the CA (a renewal of the listener's own certificate) cuts nothing.
+    // A reload that keeps the CA file (a renewal of the listener's own certificate) checks
+    // no connection again; one that changes it does.
+    let generation = || server.peer_check(PeerRole::Client).taken_at;
+    let before = generation();
     pems.put_cert(&kept.issue());
     assert_eq!(server.reload(SystemTime::now()).unwrap(), Reloaded::Taken);
+    assert_eq!(generation(), before, "a renewal: the CA file as it was");
     round_trip(&mut stays).await.expect("still trusted after a renewal");
+    pems.put("ca.crt", &both);
+    assert_eq!(server.reload(SystemTime::now()).unwrap(), Reloaded::Taken);
+    assert_eq!(generation(), before + 1, "the CA file changed");
+}
+
+/// A peer's chain is checked again at the time of its handshake: what a reload changes is
+/// the trust, not the certificate's validity (a peer certificate that expired while its
+/// connection was up is not cut by a reload, as it was not before one).
+#[test]
+fn a_chain_is_checked_again_at_its_handshakes_time() {
+    let ca = TestCa::new();
+    let expired = ca.issue_expired(); // valid through 2000
+    let chain =
+        vec![rustls::pki_types::pem::PemObject::from_pem_slice(expired.cert.as_bytes()).unwrap()];
+    let mut check = ca.issue().cluster().peer_check(PeerRole::Client);
+    let in_2000 = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(962_409_600);
+    check.shaken_at = in_2000;
+    check.verify(&chain).expect("valid at its handshake");
+    check.shaken_at = SystemTime::now();
+    let e = check.verify(&chain).expect_err("expired now");
+    assert!(matches!(e, rustls::Error::InvalidCertificate(_)), "{e:?}");
+    let mut stranger = TestCa::new().issue().cluster().peer_check(PeerRole::Client);
+    stranger.shaken_at = in_2000;
+    assert!(stranger.verify(&chain).is_err(), "another CA's trust refuses it");
 }
 
 /// A dialer whose bundle lost the CA of a server it holds a connection to: the connection is
@@ -98,19 +122,18 @@ async fn a_server_of_a_ca_taken_out_is_refused_before_the_next_write() {
     let (kept, removed) = (TestCa::new(), TestCa::new());
     let both = format!("{}{}", kept.pem(), removed.pem());
     let (port, _ends) = echo_server(removed.issue().trusting(&both)).await;
-    let pems = Pems::new();
-    pems.put("ca.crt", &both);
-    pems.put_cert(&kept.issue());
-    let client =
-        ClusterTls::from_files(&pems.path("tls.crt"), &pems.path("tls.key"), &pems.path("ca.crt"))
-            .unwrap();
+    let pems = CertFiles::new(&kept.issue(), &both);
+    let client = pems.cluster();
     let mut s = dial(&client, port).await;
     round_trip(&mut s).await.unwrap();
     assert!(s.still_trusted().is_ok());
 
     pems.put("ca.crt", kept.pem());
     assert_eq!(client.reload(SystemTime::now()).unwrap(), Reloaded::Taken);
-    let refused = s.still_trusted().expect_err("its issuer is not trusted now");
+    let TlsError::PeerRefused(refused) = s.still_trusted().expect_err("its issuer not trusted")
+    else {
+        panic!("a refusal of the peer");
+    };
     // The test CAs share their (empty) name: the kept CA is found as the issuer, and its
     // signature does not verify (CAs of distinct names give `UnknownIssuer`).
     use rustls::CertificateError::{BadSignature, UnknownIssuer};
@@ -129,15 +152,13 @@ async fn a_server_of_a_ca_taken_out_is_refused_before_the_next_write() {
 #[tokio::test]
 async fn a_public_client_of_a_ca_taken_out_is_cut_at_its_next_use() {
     use crate::tls::public_client;
-    use crate::tls::test_certs::CertFiles;
     let (site, kept, removed) = (TestCa::new(), TestCa::new(), TestCa::new());
     let both = format!("{}{}", kept.pem(), removed.pem());
     let files = CertFiles::new(&site.issue(), &both);
     let public = files.public();
     let (port, mut ends) = echo_over(ListenerTls::Public(public.clone())).await;
     let client = |c: &crate::tls::test_certs::TestCert| {
-        public_client(site.pem().as_bytes(), Some((c.cert.as_bytes(), c.key.as_bytes())))
-            .unwrap()
+        public_client(site.pem().as_bytes(), Some((c.cert.as_bytes(), c.key.as_bytes()))).unwrap()
     };
     let dial = |c: tokio_rustls::TlsConnector| async move {
         let tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
@@ -148,7 +169,7 @@ async fn a_public_client_of_a_ca_taken_out_is_cut_at_its_next_use() {
     round_trip(&mut stays).await.unwrap();
     round_trip(&mut goes).await.unwrap();
 
-    files.put("ca.pem", kept.pem());
+    files.put("ca.crt", kept.pem());
     assert_eq!(public.reload(SystemTime::now()).unwrap(), Reloaded::Taken);
     assert!(round_trip(&mut goes).await.is_err(), "its request is not answered");
     assert_eq!(ends.recv().await, Some(ErrorKind::PermissionDenied), "cut by the check");

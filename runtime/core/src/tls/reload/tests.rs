@@ -1,6 +1,3 @@
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, Ordering};
-
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -10,49 +7,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use super::*;
 use crate::tls::expiry::expiry_registry;
 use crate::tls::server_name;
-use crate::tls::test_certs::{TestCa, TestCert};
-
-/// A directory of PEM files, removed when dropped.
-pub(crate) struct Pems {
-    dir: PathBuf,
-}
-
-impl Pems {
-    pub(crate) fn new() -> Self {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("handoff-reload-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Pems { dir }
-    }
-
-    pub(crate) fn path(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-
-    /// Replaces `name` whole, as a Secret's update does (a new file renamed over the old).
-    pub(crate) fn put(&self, name: &str, body: &str) {
-        let staged = self.path(&format!(".{name}.new"));
-        std::fs::write(&staged, body).unwrap();
-        std::fs::rename(staged, self.path(name)).unwrap();
-    }
-
-    pub(crate) fn put_cert(&self, c: &TestCert) {
-        self.put("tls.key", &c.key);
-        self.put("tls.crt", &c.cert);
-    }
-
-    fn cluster(&self) -> ClusterTls {
-        ClusterTls::from_files(&self.path("tls.crt"), &self.path("tls.key"), &self.path("ca.crt"))
-            .unwrap()
-    }
-}
-
-impl Drop for Pems {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
+use crate::tls::test_certs::{CertFiles, TestCa};
 
 fn der(pem: &str) -> CertificateDer<'static> {
     CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
@@ -115,7 +70,7 @@ async fn round_trip(s: &mut Dialed) -> std::io::Result<()> {
 async fn a_renewed_certificate_is_shown_from_the_next_handshake_on() {
     let ca = TestCa::new();
     let (first, renewed) = (ca.issue(), ca.issue());
-    let pems = Pems::new();
+    let pems = CertFiles::empty();
     pems.put("ca.crt", ca.pem());
     pems.put_cert(&first);
     let server = pems.cluster();
@@ -144,7 +99,7 @@ async fn a_renewed_certificate_is_shown_from_the_next_handshake_on() {
 async fn a_ca_added_to_the_bundle_is_trusted_after_a_reload() {
     let (old, new) = (TestCa::new(), TestCa::new());
     let both = format!("{}{}", old.pem(), new.pem());
-    let pems = Pems::new();
+    let pems = CertFiles::empty();
     pems.put("ca.crt", old.pem());
     pems.put_cert(&old.issue());
     let member = pems.cluster();
@@ -165,7 +120,7 @@ async fn a_ca_added_to_the_bundle_is_trusted_after_a_reload() {
 async fn unusable_files_are_refused_once_and_the_certificate_in_use_kept() {
     let ca = TestCa::new();
     let (first, renewed) = (ca.issue(), ca.issue());
-    let pems = Pems::new();
+    let pems = CertFiles::empty();
     pems.put("ca.crt", ca.pem());
     pems.put_cert(&first);
     let server = pems.cluster();
@@ -209,7 +164,7 @@ async fn unusable_files_are_refused_once_and_the_certificate_in_use_kept() {
 async fn a_public_certificate_reloads_and_its_expiry_is_shown_again() {
     let ca = TestCa::new();
     let later = ca.issue_valid_until((2061, 3, 1));
-    let pems = Pems::new();
+    let pems = CertFiles::empty();
     pems.put_cert(&ca.issue());
     let public = ServerTls::from_files(&pems.path("tls.crt"), &pems.path("tls.key"), None).unwrap();
     let port = echo_server(public.acceptor().clone()).await;
@@ -238,7 +193,7 @@ async fn a_public_certificate_reloads_and_its_expiry_is_shown_again() {
 fn files_caught_mid_rewrite_are_read_once_more() {
     use crate::tls::files::Files;
 
-    let pems = Pems::new();
+    let pems = CertFiles::empty();
     pems.put("a", "old");
     let paths = vec![pems.path("a")];
     let files = Files::new(paths.clone(), None, Files::read_all(&paths).unwrap());

@@ -134,7 +134,7 @@ async fn a_sender_of_a_ca_taken_out_is_refused_on_the_connection_it_had() {
         assert_eq!(rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
     }
 
-    files.put("ca.pem", kept.pem());
+    files.put("ca.crt", kept.pem());
     assert_eq!(receiver_tls.reload(std::time::SystemTime::now()).unwrap(), Reloaded::Taken);
     let (id, w) = write(b"nope");
     assert!(goes.tx.post_write(&rx.addr(), w).await.is_err(), "refused on its pooled connection");
@@ -168,7 +168,7 @@ async fn a_receiver_of_a_ca_taken_out_gets_nothing_more() {
     sender.tx.post_write(&rx.addr(), w).await.unwrap();
     assert_eq!(rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
 
-    files.put("ca.pem", kept.pem());
+    files.put("ca.crt", kept.pem());
     assert_eq!(sender_tls.reload(std::time::SystemTime::now()).unwrap(), Reloaded::Taken);
     let (id, w) = write(b"nope");
     assert!(sender.tx.post_write(&rx.addr(), w).await.is_err(), "not sent");
