@@ -177,3 +177,45 @@ async fn a_receiver_of_a_ca_taken_out_gets_nothing_more() {
         t.shutdown().await;
     }
 }
+
+/// A stream to a receiver whose CA the sender's bundle loses mid-way: what is left of it is
+/// not sent on the connection the stream holds, and the region is never complete.
+#[tokio::test]
+async fn a_stream_to_a_receiver_of_a_ca_taken_out_stops_mid_way() {
+    use crate::stream::NoticeSums;
+    let (kept, removed) = (TestCa::new(), TestCa::new());
+    let both = format!("{}{}", kept.pem(), removed.pem());
+    let files = CertFiles::new(&kept.issue(), &both);
+    let sender_tls = files.cluster();
+    let tasks = Tasks::new();
+    let tx = TcpTransfer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::new(Inbox::new(InboxConfig::default())),
+        TcpConfig { tls: Some(sender_tls.clone()), shared_memory: false, ..Default::default() },
+        &tasks,
+    )
+    .await
+    .unwrap();
+    let receiver =
+        pair(TcpConfig { tls: Some(removed.issue().trusting(&both)), ..Default::default() }).await;
+    let rx = &receiver.rx;
+    let (r, s) = (room(), SenderId::new(0, 0));
+    let id = rx.inbox().register_region(r, 8, [(s, span(0..8))]).unwrap();
+    let parts = [(Bytes::from_static(b"half"), 0), (Bytes::from_static(b"rest"), 4)];
+    let mut stream = tx.open_stream(&rx.addr()).await.unwrap().expect("a stream");
+    let mut sums = NoticeSums::default();
+    stream.post(id, s, &parts[..1], &mut sums).await.unwrap();
+
+    files.put("ca.crt", kept.pem());
+    assert_eq!(sender_tls.reload(std::time::SystemTime::now()).unwrap(), Reloaded::Taken);
+    let notice = WriteRequest::new(id, parts.to_vec(), r, s, 1, 1, 0).notice.unwrap();
+    let sent = match stream.post(id, s, &parts[1..], &mut sums).await {
+        Ok(()) => stream.finish(id, notice).await,
+        Err(e) => Err(e),
+    };
+    assert!(sent.is_err(), "the rest is not sent");
+    assert_ne!(rx.inbox().poll(id), KvPoll::Success, "the region is not complete");
+    for t in [tasks, receiver.tasks] {
+        t.shutdown().await;
+    }
+}
