@@ -22,6 +22,13 @@ fn unavailable(e: impl std::fmt::Display) -> DiscoveryError {
     DiscoveryError::Unavailable(format!("nats: {e}"))
 }
 
+/// Shows when the client certificate in `path` expires, as the NATS client reads it.
+fn note_client_certificate(path: &std::path::Path) {
+    if let Ok(pem) = std::fs::read(path) {
+        handoff_core::tls::expiry::note_pem(Shown::NatsClient, &pem, std::time::SystemTime::now());
+    }
+}
+
 impl NatsBus {
     /// Connects to `url` (e.g. `nats://127.0.0.1:4222`), retrying in the background if the
     /// server is not up yet.
@@ -36,12 +43,19 @@ impl NatsBus {
             opts = opts.add_root_certificates(ca.clone());
         }
         if let Some((cert, key)) = &access.identity {
-            // Read here once, for when it expires; the library reads it itself.
-            if let Ok(pem) = std::fs::read(cert) {
-                let now = std::time::SystemTime::now();
-                handoff_core::tls::expiry::note_pem(Shown::NatsClient, &pem, now);
-            }
-            opts = opts.add_client_certificate(cert.clone(), key.clone());
+            // The library reads the files itself at each connect (a renewed certificate is
+            // taken at the next reconnect): its end is shown at startup and again at each
+            // connect, read from the same file.
+            note_client_certificate(cert);
+            let shown = cert.clone();
+            opts = opts.add_client_certificate(cert.clone(), key.clone()).event_callback(
+                move |event| {
+                    if matches!(event, async_nats::Event::Connected) {
+                        note_client_certificate(&shown);
+                    }
+                    async {}
+                },
+            );
         }
         if access.tls() {
             opts = opts.require_tls(true);

@@ -40,13 +40,38 @@ pub(crate) struct Link {
 
 struct Made {
     client: Client,
-    /// The generation of the TLS files it was made with.
+    renewal: Renewal,
+}
+
+/// Where making the client again stands.
+#[derive(Debug, Default)]
+struct Renewal {
+    /// The generation of the TLS files the client in use was made with.
     generation: u64,
     /// The last generation a new client could not be made with (said once), and when a
     /// caller may try again.
     failed: Option<(u64, Instant)>,
     /// A caller is making a new client.
     trying: bool,
+}
+
+impl Renewal {
+    /// Whether a caller at `now` makes a new client with files of `generation`: not when
+    /// the client in use has them, nor while another caller makes one (it gets the client in
+    /// use at once), nor within [`RETRY_AFTER`] of a failure with the same files.
+    fn due(&self, generation: u64, now: Instant) -> bool {
+        generation != self.generation
+            && !self.trying
+            && self.failed.is_none_or(|(g, at)| g != generation || now >= at)
+    }
+
+    /// Notes a failure with files of `generation` at `now`; whether it is the first with
+    /// them (to be said).
+    fn note_failure(&mut self, generation: u64, now: Instant) -> bool {
+        let said = self.failed.is_some_and(|(g, _)| g == generation);
+        self.failed = Some((generation, now + RETRY_AFTER));
+        !said
+    }
 }
 
 /// Why a client made with new files was not used.
@@ -73,7 +98,7 @@ struct Trying<'a>(&'a Link);
 
 impl Drop for Trying<'_> {
     fn drop(&mut self) {
-        self.0.made().trying = false;
+        self.0.made().renewal.trying = false;
     }
 }
 
@@ -113,7 +138,8 @@ impl Link {
         if let (Some(tls), true) = (&tls, generation > 0) {
             tls.shown_in_use(&tls.current(), SystemTime::now());
         }
-        let made = Mutex::new(Made { client, generation, failed: None, trying: false });
+        let renewal = Renewal { generation, ..Renewal::default() };
+        let made = Mutex::new(Made { client, renewal });
         Ok(Link { endpoints, options, tls, made })
     }
 
@@ -137,16 +163,13 @@ impl Link {
     pub(crate) async fn client(&self) -> Client {
         let due = {
             let mut made = self.made();
-            let due = self.tls.as_ref().map(HandedTls::current).filter(|pem| {
-                let now = Instant::now();
-                pem.generation != made.generation
-                    && !made.trying
-                    && made.failed.is_none_or(|(g, at)| g != pem.generation || now >= at)
-            });
+            let now = Instant::now();
+            let current = self.tls.as_ref().map(HandedTls::current);
+            let due = current.filter(|pem| made.renewal.due(pem.generation, now));
             match due {
                 None => return made.client.clone(),
                 Some(pem) => {
-                    made.trying = true;
+                    made.renewal.trying = true;
                     pem
                 }
             }
@@ -157,15 +180,14 @@ impl Link {
         match outcome {
             Ok(client) => {
                 info!("etcd client made again with its renewed TLS files");
-                (made.client, made.generation, made.failed) = (client, due.generation, None);
+                made.client = client;
+                (made.renewal.generation, made.renewal.failed) = (due.generation, None);
                 if let Some(tls) = &self.tls {
                     tls.shown_in_use(&due, SystemTime::now());
                 }
             }
             Err(error) => {
-                let said = made.failed.is_some_and(|(g, _)| g == due.generation);
-                made.failed = Some((due.generation, Instant::now() + RETRY_AFTER));
-                if !said {
+                if made.renewal.note_failure(due.generation, Instant::now()) {
                     if let Some(tls) = &self.tls {
                         refused_later(tls.shown());
                     }
@@ -194,5 +216,30 @@ impl Link {
             Ok(made) => made.map_err(NotAnswered::Etcd),
             Err(_) => Err(NotAnswered::Late),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client is made again only with files it was not made with; while one caller makes
+    /// it, no other does (they get the client in use); after a failure, not with the same
+    /// files for [`RETRY_AFTER`], but at once with newer ones; a failure is said once a set.
+    #[test]
+    fn a_renewal_is_tried_once_at_a_time_and_held_off_after_a_failure() {
+        let t0 = Instant::now();
+        let mut r = Renewal { generation: 1, ..Renewal::default() };
+        assert!(!r.due(1, t0), "the files in use");
+        assert!(r.due(2, t0), "renewed files");
+        r.trying = true;
+        assert!(!r.due(2, t0), "another caller is making it");
+        r.trying = false;
+        assert!(r.note_failure(2, t0), "the first failure with these files is said");
+        assert!(!r.note_failure(2, t0), "and only the first");
+        assert!(!r.due(2, t0 + RETRY_AFTER / 2), "held off");
+        assert!(r.due(2, t0 + RETRY_AFTER), "tried again after the hold-off");
+        assert!(r.due(3, t0), "newer files at once");
+        assert!(r.note_failure(3, t0), "a failure with newer files is said");
     }
 }

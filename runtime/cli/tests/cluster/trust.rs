@@ -1,5 +1,6 @@
-//! A CA taken out of a running process's bundle: connections already up to or from a holder
-//! of its certificates are cut, not only new ones refused.
+//! Certificates and trust changing under running processes: a CA taken out of a bundle cuts
+//! the connections already up to or from holders of its certificates, not only new ones; a
+//! renewed NATS client certificate is shown once NATS's client has connected with it.
 
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use tonic::transport::Channel;
 
 use super::servers::{PemFiles, Server};
 use super::tls::{reissue, reloading_scheduler};
+use handoff_discovery::{NatsBus, ServerAccess};
 
 fn channel(addr: &str, tls: &ClusterTls) -> SchedulerClient<Channel> {
     let ch = handoff_proto::grpc::cluster_channel(addr, Some(tls), Duration::from_secs(2));
@@ -72,4 +74,41 @@ async fn a_ca_taken_out_cuts_the_connections_it_trusted() {
     // A transport's failure, as a frontend takes it: the replica passed over.
     assert!(matches!(cut.code(), tonic::Code::Unknown | tonic::Code::Unavailable), "{cut:?}");
     assert!(listed(&mut fickle).await.is_err(), "nor over a new one");
+}
+
+/// The NATS client certificate's end, as the process's metrics show it.
+fn nats_client_end() -> Option<String> {
+    let shown = handoff_core::tls::expiry::expiry_registry().render();
+    let line = shown.lines().find(|l| l.contains("certificate=\"nats_client\""))?;
+    Some(line.rsplit(' ').next()?.to_owned())
+}
+
+/// NATS's client reads its certificate files at each connect: a renewed certificate's end is
+/// shown once the client has connected again (here, after its server restarted).
+#[tokio::test]
+async fn a_renewed_nats_client_certificate_is_shown_at_the_next_connect() {
+    let ca = TestCa::new();
+    let server = PemFiles::write(&ca.issue(), "nats-server");
+    let client = PemFiles::write(&ca.issue(), "nats-client");
+    let mut nats = Server::nats_tls(&server, "handoff", "s3cret");
+    let user = Some(("handoff".to_owned(), "s3cret".to_owned()));
+    let bus =
+        NatsBus::connect_with(&nats.url, &ServerAccess { user, ..client.access() }).await.unwrap();
+    // rcgen's default end: 4096-01-01.
+    assert_eq!(nats_client_end().as_deref(), Some("67090118400"));
+
+    reissue(&client, &ca.issue_valid_until((3005, 1, 1)), ca.pem());
+    nats.stop();
+    nats.start();
+    let mut shown = None;
+    for _ in 0..200 {
+        shown = nats_client_end();
+        if shown.as_deref() == Some("32661446400") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(shown.as_deref(), Some("32661446400"), "the renewed certificate's end (3005)");
+    use handoff_discovery::EventBus;
+    assert!(bus.connected(), "connected with it");
 }

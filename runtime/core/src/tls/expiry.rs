@@ -57,8 +57,8 @@ fn certificates() -> &'static Certificates {
             "handoff_tls_certificate_expiry_timestamp_seconds",
             "When the certificate this process shows stops being valid (Unix seconds), by \
              certificate (cluster, public, etcd_client, nats_client). Read at startup, and for \
-             cluster and public at each reload of their files, for etcd_client once a client made with \
-             new files is in use.",
+             cluster and public at each reload of their files, for etcd_client once a client \
+             made with new files is in use, for nats_client at each connect of NATS's client.",
             &["certificate"],
         );
         let reloads = registry.counters(
