@@ -181,8 +181,7 @@ pub fn cluster_channel(
         // for TCP, shared by the host's addresses, and then the handshake's (an endpoint's
         // `connect_timeout` would bound both together).
         Some(tls) => {
-            let connector = tokio_rustls::TlsConnector::from(tls.grpc_client_config().clone());
-            let dialer = TlsDialer { connector, connect_timeout, recheck: Some(tls.clone()) };
+            let dialer = TlsDialer::new(tls.clone(), connect_timeout);
             ep.origin(endpoint("https")?.uri().clone()).connect_with_connector_lazy(dialer)
         }
     })

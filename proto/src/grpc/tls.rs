@@ -18,10 +18,9 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use handoff_core::tls::{ClusterTls, ListenerTls, PeerRole, Rechecked, Serves};
+use handoff_core::tls::{Alpn, ClusterTls, ListenerTls, Rechecked};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio_rustls::TlsConnector;
 use tokio_stream::{Stream, StreamExt};
 use tonic::codegen::http::Uri;
 use tonic::transport::server::{Connected, TcpConnectInfo};
@@ -63,7 +62,7 @@ impl LazyTls {
     fn new(tls: &ListenerTls, placed: Placed) -> Self {
         let info = placed.connect_info();
         let peer = info.remote_addr().map_or_else(|| "?".to_owned(), |a| a.to_string());
-        let (accept, check) = tls.accept(placed, Serves::Grpc, peer);
+        let (accept, check) = tls.accept(placed, Alpn::H2, peer);
         let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, accept);
         LazyTls { info, stage: Stage::Handshake(Box::pin(handshake), check) }
     }
@@ -183,15 +182,20 @@ async fn first_of(addrs: &[std::net::SocketAddr], within: Duration) -> io::Resul
     Err(last)
 }
 
-/// Dials a gRPC server over TLS (see the module docs): the connector of a channel.
+/// Dials a gRPC server over the cluster's TLS (see the module docs): the connector of a
+/// channel.
 #[derive(Clone)]
 pub struct TlsDialer {
-    /// The TLS settings.
-    pub connector: TlsConnector,
-    /// The cluster's, when the server is checked again after each reload of its CA.
-    pub recheck: Option<ClusterTls>,
-    /// How long TCP may take to connect, shared by the host's addresses, tried in turn.
-    pub connect_timeout: Duration,
+    tls: ClusterTls,
+    connect_timeout: Duration,
+}
+
+impl TlsDialer {
+    /// Dials with `tls`, TCP within `connect_timeout` (shared by the host's addresses, tried
+    /// in turn), then the handshake within [`TLS_HANDSHAKE_TIMEOUT`].
+    pub fn new(tls: ClusterTls, connect_timeout: Duration) -> Self {
+        TlsDialer { tls, connect_timeout }
+    }
 }
 
 /// A dialed TLS connection, as hyper reads and writes it.
@@ -207,8 +211,7 @@ impl tower::Service<Uri> for TlsDialer {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let (connector, within) = (self.connector.clone(), self.connect_timeout);
-        let recheck = self.recheck.clone();
+        let (tls, within) = (self.tls.clone(), self.connect_timeout);
         Box::pin(async move {
             let bad = |what: &str| {
                 io::Error::new(io::ErrorKind::InvalidInput, format!("{what} in {uri}"))
@@ -217,19 +220,11 @@ impl tower::Service<Uri> for TlsDialer {
             let port = uri.port_u16().ok_or_else(|| bad("no port"))?;
             let host = host.trim_start_matches('[').trim_end_matches(']');
             let name = handoff_core::tls::server_name(host).map_err(io::Error::other)?;
-            let check = recheck.map(|t| t.peer_check(PeerRole::Server(name.clone())).of(&uri));
             let tcp = tcp_to(host, port, within).await?;
             // Best effort: a socket that refuses the option still works, only slower.
             let _ = tcp.set_nodelay(true);
-            let tls = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, connector.connect(name, tcp))
-                .await
-                .map_err(|_| {
-                    io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        format!("TLS handshake not done within {TLS_HANDSHAKE_TIMEOUT:?}"),
-                    )
-                })??;
-            Ok(hyper_util::rt::TokioIo::new(Rechecked::new(tls, check)))
+            let s = tls.connect(name, tcp, Alpn::H2, TLS_HANDSHAKE_TIMEOUT).await?;
+            Ok(hyper_util::rt::TokioIo::new(s))
         })
     }
 }

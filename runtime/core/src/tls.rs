@@ -33,7 +33,7 @@ mod tests;
 
 pub use cluster::ClusterTls;
 pub use handed::{HandedPem, HandedTls};
-pub use listener::{Accepted, HANDSHAKES_PER_HOST, ListenerTls, Serves, TlsListener};
+pub use listener::{Accepted, Alpn, HANDSHAKES_PER_HOST, ListenerTls, TlsListener};
 pub use public::{ServerTls, public_client};
 pub use rechecked::{PeerChain, PeerCheck, PeerRole, Rechecked};
 
@@ -71,8 +71,8 @@ pub enum TlsError {
     },
     /// A connection's peer is refused by the trust now in use (after a reload took a CA
     /// file that does not trust it).
-    #[error("TLS peer no longer trusted: {0}")]
-    PeerRefused(rustls::Error),
+    #[error("TLS peer no longer trusted")]
+    PeerRefused(#[source] rustls::Error),
     /// A certificate read again has expired already (at a reload, where the one in use is
     /// kept).
     #[error("TLS certificate expired already")]

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use handoff_core::Tasks;
-use handoff_core::tls::{ClusterTls, PeerRole};
+use handoff_core::tls::{Alpn, ClusterTls, ListenerTls, Rechecked};
 use tokio::io::{AsyncRead, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::debug;
@@ -134,7 +134,7 @@ impl TcpTransfer {
             frame_timeout: cfg.frame_timeout,
             hello_timeout: cfg.hello_timeout,
         });
-        let server_tls = cfg.tls.clone();
+        let server_tls = cfg.tls.clone().map(ListenerTls::Cluster);
         let places = Places { max: cfg.max_inbound, grace: cfg.unproven_grace };
         let shared_memory = cfg.shared_memory && cfg.tls.is_none();
         if shared_memory {
@@ -159,12 +159,13 @@ impl TcpTransfer {
                         return serve_conn(stream, inbound, inbox, &cc).await;
                     };
                     // The TLS handshake is part of the hello's time. The sender is checked
-                    // again after each reload for as long as its connection stays up.
-                    let check = tls.peer_check(PeerRole::Client).of(&peer);
-                    match tokio::time::timeout(cc.hello_timeout, tls.acceptor().accept(stream))
-                        .await
-                    {
-                        Ok(Ok(s)) => serve_conn(check.wrap(s), inbound, inbox, &cc).await,
+                    // again after each change of the CA file for as long as its connection
+                    // stays up.
+                    let (shake, check) = tls.accept(stream, Alpn::Unused, &peer);
+                    match tokio::time::timeout(cc.hello_timeout, shake).await {
+                        Ok(Ok(s)) => {
+                            serve_conn(Rechecked::new(s, check), inbound, inbox, &cc).await
+                        }
                         Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake refused"),
                         Err(_) => debug!(%peer, "TLS handshake too slow"),
                     }
@@ -252,29 +253,18 @@ impl TcpTransfer {
             Some(tls) => {
                 let name = handoff_core::tls::server_name(&peer.ip)
                     .map_err(|e| TransferError::Malformed(e.to_string()))?;
-                let check = tls.peer_check(PeerRole::Server(name.clone())).of(peer);
-                let shake = tokio::time::timeout(
-                    self.cfg.connect_timeout,
-                    tls.connector().connect(name, s),
-                );
-                Box::new(
-                    check.wrap(
-                        shake
-                            .await
-                            .map_err(|_| Self::io_err(peer, "TLS handshake timed out"))?
-                            .map_err(|e| {
-                                // The peer's certificate refused here (renewed without the
-                                // name it advertises, expired, another CA's) is the peer's side,
-                                // as a refused connect is: a receiver's bad certificate must not
-                                // count against the prefill sending to it.
-                                if handoff_core::tls::refused_peer_certificate(&e) {
-                                    unreachable(format!("TLS: its certificate was refused: {e}"))
-                                } else {
-                                    Self::io_err(peer, format!("TLS: {e}"))
-                                }
-                            })?,
-                    ),
-                )
+                let shake = tls.connect(name, s, Alpn::Unused, self.cfg.connect_timeout);
+                Box::new(shake.await.map_err(|e| {
+                    // The peer's certificate refused here (renewed without the name it
+                    // advertises, expired, another CA's) is the peer's side, as a refused
+                    // connect is: a receiver's bad certificate must not count against the
+                    // prefill sending to it.
+                    if handoff_core::tls::refused_peer_certificate(&e) {
+                        unreachable(format!("TLS: its certificate was refused: {e}"))
+                    } else {
+                        Self::io_err(peer, format!("TLS: {e}"))
+                    }
+                })?)
             }
         };
         if let Some(token) = &self.cfg.token {

@@ -9,7 +9,7 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use handoff_core::tls::{ClusterTls, PeerRole, Rechecked};
+use handoff_core::tls::{Alpn, ClusterTls, Rechecked};
 use hyper::Uri;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::TokioIo;
@@ -64,19 +64,14 @@ impl tower::Service<Uri> for DirectoryDialer {
             _ => None,
         };
         let host = uri.host().map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned());
-        let shown = uri.to_string();
         let tcp = self.tcp.call(uri);
         Box::pin(async move {
             let tcp = tcp.await.map_err(io::Error::other)?.into_inner();
             let Some(tls) = tls else { return Ok(TokioIo::new(DirectoryStream::Plain(tcp))) };
             let host = host.ok_or_else(|| refused("no host"))?;
             let name = handoff_core::tls::server_name(&host).map_err(io::Error::other)?;
-            let check = tls.peer_check(PeerRole::Server(name.clone())).of(shown);
-            let shake = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.connector().connect(name, tcp));
-            let s = shake.await.map_err(|_| {
-                io::Error::new(io::ErrorKind::TimedOut, "TLS handshake with a directory too slow")
-            })??;
-            Ok(TokioIo::new(DirectoryStream::Tls(Box::new(check.wrap(s)))))
+            let s = tls.connect(name, tcp, Alpn::Unused, HANDSHAKE_TIMEOUT).await?;
+            Ok(TokioIo::new(DirectoryStream::Tls(Box::new(s))))
         })
     }
 }

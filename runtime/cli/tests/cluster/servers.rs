@@ -227,31 +227,28 @@ impl Drop for Server {
     }
 }
 
-/// A certificate, its key and its CA written to files (removed on drop).
+/// A certificate, its key and its CA written to files (removed on drop), with the flags and
+/// access that name them.
 pub(crate) struct PemFiles {
     pub(crate) cert: PathBuf,
     pub(crate) key: PathBuf,
     pub(crate) ca: PathBuf,
-    dir: PathBuf,
+    files: handoff_core::tls::test_certs::CertFiles,
 }
 
 impl PemFiles {
-    /// Writes `cert` into a fresh directory named after `label`.
-    pub(crate) fn write(cert: &handoff_core::tls::test_certs::TestCert, label: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "handoff-pem-{label}-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = |name: &str, body: &str| {
-            let p = dir.join(name);
-            std::fs::write(&p, body).unwrap();
-            p
-        };
-        let (c, k, ca) =
-            (file("cert.pem", &cert.cert), file("key.pem", &cert.key), file("ca.pem", &cert.ca));
-        PemFiles { cert: c, key: k, ca, dir }
+    /// Writes `cert` (with its CA) into a fresh directory (`label` says what for).
+    pub(crate) fn write(cert: &handoff_core::tls::test_certs::TestCert, _label: &str) -> Self {
+        let files = handoff_core::tls::test_certs::CertFiles::new(cert, &cert.ca);
+        let (c, k, ca) = (files.path("tls.crt"), files.path("tls.key"), files.path("ca.crt"));
+        PemFiles { cert: c, key: k, ca, files }
+    }
+
+    /// Rewrites the certificate, key and CA with `cert`'s and `ca`, each file replaced whole
+    /// (the key first).
+    pub(crate) fn reissue(&self, cert: &handoff_core::tls::test_certs::TestCert, ca: &str) {
+        self.files.put_cert(cert);
+        self.files.put("ca.crt", ca);
     }
 
     /// `[flags[0], cert, flags[1], key, flags[2], ca]`.
@@ -271,12 +268,6 @@ impl PemFiles {
             identity: Some((self.cert.clone(), self.key.clone())),
             ..Default::default()
         }
-    }
-}
-
-impl Drop for PemFiles {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -156,15 +156,6 @@ async fn metrics_come_to<F: std::future::Future<Output = String>>(
     false
 }
 
-/// Rewrites `pem`'s certificate, key and CA with `cert`'s and `ca`, each file replaced whole.
-pub(crate) fn reissue(pem: &PemFiles, cert: &handoff_core::tls::test_certs::TestCert, ca: &str) {
-    for (path, body) in [(&pem.key, cert.key.as_str()), (&pem.cert, &cert.cert), (&pem.ca, ca)] {
-        let staged = path.with_extension("new");
-        std::fs::write(&staged, body).unwrap();
-        std::fs::rename(&staged, path).unwrap();
-    }
-}
-
 /// etcd's client files renewed while processes run are taken by a new etcd client, with no
 /// restart. A CA change: etcd trusts both CAs, each client's certificate is reissued by the
 /// next one (with a bundle of both as the CA file) and its new client made at once (its end
@@ -201,8 +192,8 @@ async fn etcd_client_files_renewed_while_running_are_taken_by_a_new_client() {
     assert!(comes_to(&mut w, &mut held, |h| h.contains("renewing")).await);
 
     // Reissued, valid until 3003: each process makes its new client at once, and shows its end.
-    reissue(&client, &next_ca.issue_valid_until((3003, 1, 1)), &both);
-    reissue(&member, &next_ca.issue_valid_until((3003, 1, 1)), &both);
+    client.reissue(&next_ca.issue_valid_until((3003, 1, 1)), &both);
+    member.reissue(&next_ca.issue_valid_until((3003, 1, 1)), &both);
     let here = || async { handoff_core::tls::expiry::expiry_registry().render() };
     let there = || async { super::operations::http_get(&ops, "/metrics").await.1 };
     let in_use = |m: &str| etcd_client_end(m) == END_3003;
@@ -226,7 +217,7 @@ async fn etcd_client_files_renewed_while_running_are_taken_by_a_new_client() {
     // Files that pass every check of ours but that etcd refuses (a stranger CA's certificate,
     // valid until 3004): counted as refused, not shown, not used.
     let refused = reloads(&here().await, "refused");
-    reissue(&client, &TestCa::new().issue_valid_until((3004, 1, 1)), &both);
+    client.reissue(&TestCa::new().issue_valid_until((3004, 1, 1)), &both);
     let said = |m: &str| reloads(m, "refused") > refused;
     assert!(metrics_come_to(here, said).await, "refused:\n{}", here().await);
     assert_eq!(etcd_client_end(&here().await), END_3003, "the end of the client in use");
@@ -401,11 +392,7 @@ async fn a_renewed_certificate_is_taken_without_a_restart() {
     assert!(shown(&addr, &ca).await.is_some(), "a handshake behind 20 silent clients");
     // Renewed: a new key and certificate, valid until 2061-03-01, each file replaced whole.
     let renewed = ca.issue_valid_until((2061, 3, 1));
-    for (path, body) in [(&member.key, &renewed.key), (&member.cert, &renewed.cert)] {
-        let staged = path.with_extension("new");
-        std::fs::write(&staged, body).unwrap();
-        std::fs::rename(&staged, path).unwrap();
-    }
+    member.reissue(&renewed, ca.pem());
     let want = CertificateDer::from_pem_slice(renewed.cert.as_bytes()).unwrap().to_vec();
     let mut now_shown = None;
     for _ in 0..100 {

@@ -11,7 +11,7 @@ use handoff_proto::v1::scheduler_client::SchedulerClient;
 use tonic::transport::Channel;
 
 use super::servers::{PemFiles, Server};
-use super::tls::{reissue, reloading_scheduler};
+use super::tls::reloading_scheduler;
 use handoff_discovery::{NatsBus, ServerAccess};
 
 fn channel(addr: &str, tls: &ClusterTls) -> SchedulerClient<Channel> {
@@ -45,7 +45,7 @@ async fn a_ca_taken_out_cuts_the_connections_it_trusted() {
     let both = format!("{}{}", kept.pem(), removed.pem());
     let scheduler_cert = kept.issue();
     let member = PemFiles::write(&scheduler_cert, "trust");
-    reissue(&member, &scheduler_cert, &both);
+    member.reissue(&scheduler_cert, &both);
     let (etcd, nats) = (Server::etcd(), Server::nats());
     let (_s, addr, _ops) = reloading_scheduler(&member, &etcd, &nats);
 
@@ -54,7 +54,7 @@ async fn a_ca_taken_out_cuts_the_connections_it_trusted() {
     // A client that reads its own files: it trusts both CAs, then the removed one alone.
     let own = kept.issue();
     let client_files = PemFiles::write(&own, "trust-client");
-    reissue(&client_files, &own, &both);
+    client_files.reissue(&own, &both);
     let fickle_tls =
         ClusterTls::from_files(&client_files.cert, &client_files.key, &client_files.ca).unwrap();
     let mut fickle = channel(&addr, &fickle_tls);
@@ -62,12 +62,12 @@ async fn a_ca_taken_out_cuts_the_connections_it_trusted() {
         listed(c).await.expect("served before the change");
     }
 
-    reissue(&member, &scheduler_cert, kept.pem());
+    member.reissue(&scheduler_cert, kept.pem());
     assert!(comes_to_fail(&mut goes).await, "a client of the CA taken out is cut");
     assert!(listed(&mut goes).await.is_err(), "and refused from then on");
     listed(&mut stays).await.expect("a client of the CA kept goes on");
 
-    reissue(&client_files, &own, removed.pem());
+    client_files.reissue(&own, removed.pem());
     let taken = fickle_tls.reload(std::time::SystemTime::now()).unwrap();
     assert_eq!(taken, handoff_core::tls::Reloaded::Taken);
     let cut = listed(&mut fickle).await.expect_err("not called over the connection it had");
@@ -97,7 +97,7 @@ async fn a_renewed_nats_client_certificate_is_shown_at_the_next_connect() {
     // rcgen's default end: 4096-01-01.
     assert_eq!(nats_client_end().as_deref(), Some("67090118400"));
 
-    reissue(&client, &ca.issue_valid_until((3005, 1, 1)), ca.pem());
+    client.reissue(&ca.issue_valid_until((3005, 1, 1)), ca.pem());
     nats.stop();
     nats.start();
     let mut shown = None;

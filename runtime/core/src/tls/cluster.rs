@@ -1,11 +1,13 @@
 //! [`ClusterTls`]: mutual TLS between a cluster's own processes, reloadable from its files.
 
+use std::io;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::ServerCertVerifier;
+use rustls::pki_types::ServerName;
 use rustls::server::WebPkiClientVerifier;
 use rustls::server::danger::ClientCertVerifier;
 use rustls::sign::CertifiedKey;
@@ -13,7 +15,8 @@ use rustls::{ClientConfig, ServerConfig};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use super::files::Files;
-use super::rechecked::{PeerCheck, PeerRole, Trust, Verifier};
+use super::listener::Alpn;
+use super::rechecked::{PeerCheck, PeerRole, Rechecked, Trust, Verifier};
 use super::swap::{ClientTrust, KeyOf, ServerTrust, Swap};
 use super::{
     ALPN_H2, Reloaded, TlsError, certified, expiry, invalid, provider, roots_of, unexpired,
@@ -35,7 +38,7 @@ struct Cluster {
     acceptor: TlsAcceptor,
     grpc_acceptor: TlsAcceptor,
     connector: TlsConnector,
-    grpc_client: Arc<ClientConfig>,
+    grpc_connector: TlsConnector,
     files: Option<Files>,
 }
 
@@ -114,11 +117,11 @@ impl ClusterTls {
                 key,
                 clients,
                 servers,
-                trust: Trust::new(p.ca),
+                trust: Trust::new(p.ca, expiry::Shown::Cluster),
                 acceptor: TlsAcceptor::from(Arc::new(server)),
                 grpc_acceptor: TlsAcceptor::from(Arc::new(grpc_server)),
                 connector: TlsConnector::from(Arc::new(client)),
-                grpc_client: Arc::new(grpc_client),
+                grpc_connector: TlsConnector::from(Arc::new(grpc_client)),
                 files,
             }),
         })
@@ -173,14 +176,31 @@ impl ClusterTls {
         &self.inner.connector
     }
 
-    /// The client settings behind [`ClusterTls::connector`] (for HTTP clients).
-    pub fn client_config(&self) -> &Arc<ClientConfig> {
-        self.inner.connector.config()
-    }
-
-    /// [`ClusterTls::client_config`] for gRPC: asks for HTTP/2 by ALPN.
-    pub fn grpc_client_config(&self) -> &Arc<ClientConfig> {
-        &self.inner.grpc_client
+    /// A TLS client over `io` that proves `name` (the server's, as dialed) with this
+    /// process's certificate, its handshake within `within`, asking for `alpn`: the stream
+    /// comes out checked again after each change of the CA file ([`Rechecked`]; its check is
+    /// taken before the handshake). A handshake not done in time is `TimedOut`.
+    pub async fn connect<IO>(
+        &self,
+        name: ServerName<'static>,
+        io: IO,
+        alpn: Alpn,
+        within: Duration,
+    ) -> io::Result<Rechecked<tokio_rustls::client::TlsStream<IO>>>
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let check = self.peer_check(PeerRole::Server(name.clone()));
+        let connector = match alpn {
+            Alpn::Unused => &self.inner.connector,
+            Alpn::H2 => &self.inner.grpc_connector,
+        };
+        let shake = tokio::time::timeout(within, connector.connect(name, io)).await;
+        let s = shake.map_err(|_| {
+            let why = format!("TLS handshake not done within {within:?}");
+            io::Error::new(io::ErrorKind::TimedOut, why)
+        })??;
+        Ok(check.wrap(s))
     }
 
     /// The certificate chain shown now (leaf first).

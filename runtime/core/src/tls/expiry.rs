@@ -46,7 +46,7 @@ struct Certificates {
     registry: Arc<Registry>,
     expiry: Arc<Family<Gauge>>,
     reloads: Arc<Family<Counter>>,
-    cuts: Arc<Counter>,
+    cuts: Arc<Family<Counter>>,
 }
 
 fn certificates() -> &'static Certificates {
@@ -68,10 +68,12 @@ fn certificates() -> &'static Certificates {
              reason: the certificate in use is kept).",
             &["certificate", "outcome"],
         );
-        let cuts = registry.counter(
+        let cuts = registry.counters(
             "handoff_tls_connections_cut_total",
-            "Connections cut because a reload took a CA file that refuses their peer (each \
-             connection's peer is checked again at its next read or write after such a reload).",
+            "Connections cut because a reload took a CA file that refuses their peer, by \
+             certificate (cluster, public: whose CA file). Each connection's peer is checked \
+             again at its next read or write after such a reload, a pooled one before reuse.",
+            &["certificate"],
         );
         Certificates { registry, expiry, reloads, cuts }
     })
@@ -89,7 +91,7 @@ pub(crate) fn reloads() -> &'static Arc<Family<Counter>> {
 }
 
 /// The connections cut after a reload of a CA file ([`super::Rechecked`]).
-pub(crate) fn cuts() -> &'static Arc<Counter> {
+pub(crate) fn cuts() -> &'static Arc<Family<Counter>> {
     &certificates().cuts
 }
 

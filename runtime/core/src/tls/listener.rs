@@ -31,13 +31,13 @@ pub enum ListenerTls {
     Public(ServerTls),
 }
 
-/// What a listener serves over its TLS.
+/// The protocol a TLS connection names by ALPN.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Serves {
-    /// HTTP, its version told by the client's first bytes (no ALPN).
-    Http,
-    /// gRPC: HTTP/2, offered by ALPN.
-    Grpc,
+pub enum Alpn {
+    /// None: a KV transfer, or HTTP whose version the client's first bytes tell.
+    Unused,
+    /// HTTP/2, for gRPC.
+    H2,
 }
 
 impl ListenerTls {
@@ -47,21 +47,21 @@ impl ListenerTls {
     pub fn accept<IO>(
         &self,
         stream: IO,
-        serves: Serves,
+        alpn: Alpn,
         peer: impl std::fmt::Display,
     ) -> (Accept<IO>, Option<PeerCheck>)
     where
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     {
-        let (acceptor, check) = match (self, serves) {
-            (ListenerTls::Cluster(t), Serves::Http) => {
+        let (acceptor, check) = match (self, alpn) {
+            (ListenerTls::Cluster(t), Alpn::Unused) => {
                 (t.acceptor(), Some(t.peer_check(PeerRole::Client)))
             }
-            (ListenerTls::Cluster(t), Serves::Grpc) => {
+            (ListenerTls::Cluster(t), Alpn::H2) => {
                 (t.grpc_acceptor(), Some(t.peer_check(PeerRole::Client)))
             }
-            (ListenerTls::Public(t), Serves::Http) => (t.acceptor(), t.peer_check()),
-            (ListenerTls::Public(t), Serves::Grpc) => (t.grpc_acceptor(), t.peer_check()),
+            (ListenerTls::Public(t), Alpn::Unused) => (t.acceptor(), t.peer_check()),
+            (ListenerTls::Public(t), Alpn::H2) => (t.grpc_acceptor(), t.peer_check()),
         };
         (acceptor.accept(stream), check.map(|c| c.of(peer)))
     }
@@ -134,7 +134,7 @@ impl TlsListener {
         *busy += 1;
         // Best effort, as for plain listeners: request/response traffic must not wait on Nagle.
         let _ = stream.set_nodelay(true);
-        let (shake, check) = self.tls.accept(stream, Serves::Http, peer);
+        let (shake, check) = self.tls.accept(stream, Alpn::Unused, peer);
         let deadline = self.handshake_timeout;
         self.handshakes.push(Box::pin(async move {
             match tokio::time::timeout(deadline, shake).await {

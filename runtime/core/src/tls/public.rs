@@ -103,8 +103,10 @@ impl ServerTls {
         files: Option<Files>,
     ) -> Result<Self, TlsError> {
         let key = Swap::new(key);
-        let clients =
-            clients.map(|(v, ca)| ClientCa { verifier: Swap::new(v), trust: Trust::new(ca) });
+        let clients = clients.map(|(v, ca)| ClientCa {
+            verifier: Swap::new(v),
+            trust: Trust::new(ca, expiry::Shown::Public),
+        });
         let builder = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| invalid("server", e))?;
@@ -141,11 +143,13 @@ impl ServerTls {
         };
         files.reload(now, build, |(key, clients)| {
             self.inner.key.set(key);
+            // The sessions first: a handshake that sees the new generation resumes none begun
+            // before it (a resumed session's client is not verified again).
+            self.inner.resumed.set(server_sessions());
             if let (Some(held), Some((v, ca))) = (&self.inner.clients, clients) {
                 held.verifier.set(v);
                 held.trust.taken(&ca);
             }
-            self.inner.resumed.set(server_sessions());
         })
     }
 

@@ -30,18 +30,20 @@ use rustls::server::danger::ClientCertVerifier;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::TlsError;
-use super::expiry::cuts;
+use super::expiry::{Shown, cuts};
 use super::swap::Swap;
 
 /// The CA file a process's verifiers were built from, and how many reloads have changed it.
 pub(crate) struct Trust {
     ca: Mutex<Vec<u8>>,
     generation: AtomicU64,
+    /// Whose trust (the cluster's, or a public endpoint's client CA), for the count of cuts.
+    shown: Shown,
 }
 
 impl Trust {
-    pub(crate) fn new(ca: Vec<u8>) -> Arc<Self> {
-        Arc::new(Trust { ca: Mutex::new(ca), generation: AtomicU64::new(0) })
+    pub(crate) fn new(ca: Vec<u8>, shown: Shown) -> Arc<Self> {
+        Arc::new(Trust { ca: Mutex::new(ca), generation: AtomicU64::new(0), shown })
     }
 
     /// Notes the CA file of verifiers just put in use: when it differs from the last,
@@ -86,7 +88,8 @@ pub struct PeerCheck {
     verifier: Verifier,
     /// The generation of the trust when the check was taken.
     taken_at: u64,
-    /// When it was taken: the time the peer's chain is checked at.
+    /// When the handshake ended (stamped as the stream is wrapped, right after it): the time
+    /// the peer's chain is checked at.
     shaken_at: SystemTime,
     /// Who the peer is, for the log.
     peer: String,
@@ -105,7 +108,7 @@ impl PeerCheck {
             Verifier::Clients(_) => "a client".to_owned(),
             Verifier::Server(_, name) => format!("server {}", name.to_str()),
         };
-        PeerCheck { trust, verifier, taken_at, shaken_at: SystemTime::now(), peer }
+        PeerCheck { trust, verifier, taken_at, shaken_at: SystemTime::UNIX_EPOCH, peer }
     }
 
     /// Names the peer by its address (`host:port`) in the log when it is refused.
@@ -179,6 +182,7 @@ impl<S: PeerChain> Rechecked<S> {
     /// `stream` checked again after each change of trust with `check`, or, without one,
     /// never (a public listener without a client CA).
     pub fn new(stream: S, check: Option<PeerCheck>) -> Self {
+        let check = check.map(|c| PeerCheck { shaken_at: SystemTime::now(), ..c });
         let at = AtomicU64::new(check.as_ref().map_or(0, |c| c.taken_at));
         Rechecked { inner: stream, check, at, refused: None }
     }
@@ -203,7 +207,12 @@ impl<S: PeerChain> Rechecked<S> {
         if self.at.load(Ordering::Acquire) == now {
             return Ok(());
         }
-        check.verify(self.inner.peer_chain().unwrap_or_default())?;
+        if let Err(e) = check.verify(self.inner.peer_chain().unwrap_or_default()) {
+            tracing::debug!(peer = %check.peer, error = %e,
+                "a connection's peer is no longer trusted after a TLS reload: closed");
+            cuts().with(&[check.trust.shown.label()]).inc();
+            return Err(e);
+        }
         self.at.store(now, Ordering::Release);
         Ok(())
     }
@@ -212,15 +221,16 @@ impl<S: PeerChain> Rechecked<S> {
     /// a handshake's would be).
     fn usable(&mut self) -> io::Result<()> {
         let Err(e) = self.recheck() else { return Ok(()) };
-        if self.refused.is_none() {
-            if let Some(check) = &self.check {
-                tracing::debug!(peer = %check.peer, error = %e,
-                    "a connection's peer is no longer trusted after a TLS reload: closed");
-            }
-            cuts().inc();
-            self.refused = Some(e.clone());
-        }
+        self.refused = Some(e.clone());
         Err(io::Error::new(io::ErrorKind::PermissionDenied, e))
+    }
+
+    /// The refusal, once the peer was refused: nothing more is flushed or sent to it.
+    fn refusal(&self) -> io::Result<()> {
+        match &self.refused {
+            None => Ok(()),
+            Some(e) => Err(io::Error::new(io::ErrorKind::PermissionDenied, e.clone())),
+        }
     }
 }
 
@@ -262,11 +272,15 @@ impl<S: PeerChain> AsyncWrite for Rechecked<S> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let me = self.get_mut();
+        me.refusal()?;
+        Pin::new(&mut me.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        let me = self.get_mut();
+        me.refusal()?;
+        Pin::new(&mut me.inner).poll_shutdown(cx)
     }
 }
 

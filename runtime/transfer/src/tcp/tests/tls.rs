@@ -109,6 +109,13 @@ async fn mutual_tls_carries_concurrent_transfers() {
     p.tasks.shutdown().await;
 }
 
+/// A 4-byte region at `rx`, and a write of `bytes` into it.
+fn four_bytes(rx: &Agent, bytes: &'static [u8]) -> (crate::RegionId, WriteRequest) {
+    let (r, s) = (room(), SenderId::new(0, 0));
+    let id = rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
+    (id, WriteRequest::new(id, vec![(Bytes::from_static(bytes), 0)], r, s, 1, 1, 0))
+}
+
 /// A CA taken out of a receiver's bundle while senders hold connections to it: a sender of
 /// that CA is refused on the connection it had (its write never reaches the region), and a
 /// sender of the CA kept goes on.
@@ -123,23 +130,18 @@ async fn a_sender_of_a_ca_taken_out_is_refused_on_the_connection_it_had() {
     let sender =
         |ca: &TestCa| TcpConfig { tls: Some(ca.issue().trusting(&both)), ..Default::default() };
     let (stays, goes) = (pair(sender(&kept)).await, pair(sender(&removed)).await);
-    let write = |bytes: &'static [u8]| {
-        let (r, s) = (room(), SenderId::new(0, 0));
-        let id = rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
-        (id, WriteRequest::new(id, vec![(Bytes::from_static(bytes), 0)], r, s, 1, 1, 0))
-    };
     for p in [&stays, &goes] {
-        let (id, w) = write(b"okok");
+        let (id, w) = four_bytes(rx, b"okok");
         p.tx.post_write(&rx.addr(), w).await.unwrap();
         assert_eq!(rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
     }
 
     files.put("ca.crt", kept.pem());
     assert_eq!(receiver_tls.reload(std::time::SystemTime::now()).unwrap(), Reloaded::Taken);
-    let (id, w) = write(b"nope");
+    let (id, w) = four_bytes(rx, b"nope");
     assert!(goes.tx.post_write(&rx.addr(), w).await.is_err(), "refused on its pooled connection");
     assert_eq!(rx.inbox().poll(id), KvPoll::Bootstrapping, "the region untouched");
-    let (id, w) = write(b"okok");
+    let (id, w) = four_bytes(rx, b"okok");
     stays.tx.post_write(&rx.addr(), w).await.expect("a sender of the CA kept goes on");
     assert_eq!(rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
     for t in [stays.tasks, goes.tasks, receiver.tasks] {
@@ -159,18 +161,13 @@ async fn a_receiver_of_a_ca_taken_out_gets_nothing_more() {
     let receiver =
         pair(TcpConfig { tls: Some(removed.issue().trusting(&both)), ..Default::default() }).await;
     let rx = &receiver.rx;
-    let write = |bytes: &'static [u8]| {
-        let (r, s) = (room(), SenderId::new(0, 0));
-        let id = rx.inbox().register_region(r, 4, [(s, span(0..4))]).unwrap();
-        (id, WriteRequest::new(id, vec![(Bytes::from_static(bytes), 0)], r, s, 1, 1, 0))
-    };
-    let (id, w) = write(b"okok");
+    let (id, w) = four_bytes(rx, b"okok");
     sender.tx.post_write(&rx.addr(), w).await.unwrap();
     assert_eq!(rx.inbox().wait(id, deadline()).await.unwrap().buf, b"okok");
 
     files.put("ca.crt", kept.pem());
     assert_eq!(sender_tls.reload(std::time::SystemTime::now()).unwrap(), Reloaded::Taken);
-    let (id, w) = write(b"nope");
+    let (id, w) = four_bytes(rx, b"nope");
     assert!(sender.tx.post_write(&rx.addr(), w).await.is_err(), "not sent");
     assert_eq!(rx.inbox().poll(id), KvPoll::Bootstrapping, "the region untouched");
     for t in [sender.tasks, receiver.tasks] {
