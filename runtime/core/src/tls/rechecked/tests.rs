@@ -5,6 +5,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
 use super::*;
+use crate::tls::reload::tests::round_trip;
 use crate::tls::test_certs::CertFiles;
 use crate::tls::test_certs::TestCa;
 use crate::tls::{ClusterTls, ListenerTls, Reloaded, TlsError, TlsListener, server_name};
@@ -47,18 +48,9 @@ async fn dial(
     port: u16,
 ) -> Rechecked<tokio_rustls::client::TlsStream<TcpStream>> {
     let name = server_name("127.0.0.1").unwrap();
-    let check = tls.peer_check(PeerRole::Server(name.clone()));
     let tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    check.wrap(tls.connector().connect(name, tcp).await.unwrap())
-}
-
-async fn round_trip<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) -> std::io::Result<()> {
-    s.write_all(b"ping").await?;
-    s.flush().await?;
-    let mut b = [0u8; 4];
-    s.read_exact(&mut b).await?;
-    assert_eq!(&b, b"ping");
-    Ok(())
+    let within = std::time::Duration::from_secs(10);
+    tls.connect(name, tcp, crate::tls::Alpn::Unused, within).await.unwrap()
 }
 
 /// A CA taken out of a listener's bundle: a client of that CA whose connection was up before

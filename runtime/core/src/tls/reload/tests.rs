@@ -57,7 +57,11 @@ fn resumed(s: &Dialed) -> bool {
     s.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed)
 }
 
-async fn round_trip(s: &mut Dialed) -> std::io::Result<()> {
+/// One 4-byte round trip on `s` to an echo server.
+pub(crate) async fn round_trip<S>(s: &mut S) -> std::io::Result<()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     s.write_all(b"ping").await?;
     s.flush().await?;
     let mut b = [0u8; 4];
