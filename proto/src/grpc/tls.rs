@@ -223,7 +223,7 @@ impl tower::Service<Uri> for TlsDialer {
             let tcp = tcp_to(host, port, within).await?;
             // Best effort: a socket that refuses the option still works, only slower.
             let _ = tcp.set_nodelay(true);
-            let s = tls.connect(name, tcp, Alpn::H2, TLS_HANDSHAKE_TIMEOUT).await?;
+            let s = tls.connect(name, &uri, tcp, Alpn::H2, TLS_HANDSHAKE_TIMEOUT).await?;
             Ok(hyper_util::rt::TokioIo::new(s))
         })
     }

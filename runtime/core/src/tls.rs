@@ -71,7 +71,7 @@ pub enum TlsError {
     },
     /// A connection's peer is refused by the trust now in use (after a reload took a CA
     /// file that does not trust it).
-    #[error("TLS peer no longer trusted")]
+    #[error("TLS peer no longer trusted: {0}")]
     PeerRefused(#[source] rustls::Error),
     /// A certificate read again has expired already (at a reload, where the one in use is
     /// kept).

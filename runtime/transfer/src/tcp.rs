@@ -253,8 +253,11 @@ impl TcpTransfer {
             Some(tls) => {
                 let name = handoff_core::tls::server_name(&peer.ip)
                     .map_err(|e| TransferError::Malformed(e.to_string()))?;
-                let shake = tls.connect(name, s, Alpn::Unused, self.cfg.connect_timeout);
+                let shake = tls.connect(name, peer, s, Alpn::Unused, self.cfg.connect_timeout);
                 Box::new(shake.await.map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::TimedOut {
+                        return Self::io_err(peer, "TLS handshake timed out");
+                    }
                     // The peer's certificate refused here (renewed without the name it
                     // advertises, expired, another CA's) is the peer's side, as a refused
                     // connect is: a receiver's bad certificate must not count against the

@@ -64,13 +64,14 @@ impl tower::Service<Uri> for DirectoryDialer {
             _ => None,
         };
         let host = uri.host().map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned());
+        let shown = uri.to_string();
         let tcp = self.tcp.call(uri);
         Box::pin(async move {
             let tcp = tcp.await.map_err(io::Error::other)?.into_inner();
             let Some(tls) = tls else { return Ok(TokioIo::new(DirectoryStream::Plain(tcp))) };
             let host = host.ok_or_else(|| refused("no host"))?;
             let name = handoff_core::tls::server_name(&host).map_err(io::Error::other)?;
-            let s = tls.connect(name, tcp, Alpn::Unused, HANDSHAKE_TIMEOUT).await?;
+            let s = tls.connect(name, &shown, tcp, Alpn::Unused, HANDSHAKE_TIMEOUT).await?;
             Ok(TokioIo::new(DirectoryStream::Tls(Box::new(s))))
         })
     }

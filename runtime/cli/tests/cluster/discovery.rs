@@ -69,10 +69,8 @@ async fn etcd_restart_gives_watchers_a_reset_and_instances_register_again() {
 /// its first token cannot register once it has expired. It must authenticate again.
 #[tokio::test]
 async fn an_authenticated_registry_outlives_its_token() {
-    let pem = super::servers::PemFiles::write(
-        &handoff_core::tls::test_certs::TestCa::new().issue(),
-        "jwt",
-    );
+    let pem =
+        super::servers::PemFiles::write(&handoff_core::tls::test_certs::TestCa::new().issue());
     let etcd = Server::etcd_jwt(&pem, 2);
     let mut admin = etcd_client::Client::connect([etcd.url.as_str()], None).await.unwrap();
     admin.user_add("root", "s3cret", None).await.unwrap();
@@ -103,10 +101,8 @@ async fn an_authenticated_registry_outlives_its_token() {
 /// an error at once.
 #[tokio::test]
 async fn a_process_started_before_its_etcd_waits_for_it() {
-    let pem = super::servers::PemFiles::write(
-        &handoff_core::tls::test_certs::TestCa::new().issue(),
-        "late",
-    );
+    let pem =
+        super::servers::PemFiles::write(&handoff_core::tls::test_certs::TestCa::new().issue());
     let mut etcd = Server::etcd_jwt(&pem, 60);
     let mut admin = etcd_client::Client::connect([etcd.url.as_str()], None).await.unwrap();
     admin.user_add("root", "s3cret", None).await.unwrap();

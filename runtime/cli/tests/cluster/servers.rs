@@ -237,8 +237,8 @@ pub(crate) struct PemFiles {
 }
 
 impl PemFiles {
-    /// Writes `cert` (with its CA) into a fresh directory (`label` says what for).
-    pub(crate) fn write(cert: &handoff_core::tls::test_certs::TestCert, _label: &str) -> Self {
+    /// Writes `cert` (with its CA) into a fresh directory.
+    pub(crate) fn write(cert: &handoff_core::tls::test_certs::TestCert) -> Self {
         let files = handoff_core::tls::test_certs::CertFiles::new(cert, &cert.ca);
         let (c, k, ca) = (files.path("tls.crt"), files.path("tls.key"), files.path("ca.crt"));
         PemFiles { cert: c, key: k, ca, files }

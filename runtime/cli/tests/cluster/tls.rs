@@ -36,9 +36,9 @@ async fn carries(from: &NatsBus, to: &NatsBus, within: Duration) -> bool {
 #[tokio::test]
 async fn etcd_and_nats_over_tls_with_credentials() {
     let ca = TestCa::new();
-    let server = PemFiles::write(&ca.issue(), "server");
-    let client = PemFiles::write(&ca.issue(), "client");
-    let stranger = PemFiles::write(&TestCa::new().issue(), "stranger");
+    let server = PemFiles::write(&ca.issue());
+    let client = PemFiles::write(&ca.issue());
+    let stranger = PemFiles::write(&TestCa::new().issue());
     let etcd = Server::etcd_tls(&server);
     let nats = Server::nats_tls(&server, "handoff", "s3cret");
     let tasks = Tasks::new();
@@ -167,10 +167,9 @@ async fn etcd_client_files_renewed_while_running_are_taken_by_a_new_client() {
     const END_3003: u64 = 32_598_288_000;
     let (ca, next_ca) = (TestCa::new(), TestCa::new());
     let both = format!("{}{}", ca.pem(), next_ca.pem());
-    let server = PemFiles::write(&ca.issue(), "etcd-server");
+    let server = PemFiles::write(&ca.issue());
     std::fs::write(&server.ca, &both).unwrap();
-    let (client, member) =
-        (PemFiles::write(&ca.issue(), "etcd-client"), PemFiles::write(&ca.issue(), "etcd-member"));
+    let (client, member) = (PemFiles::write(&ca.issue()), PemFiles::write(&ca.issue()));
     let (mut etcd, nats) = (Server::etcd_tls(&server), Server::nats());
     let tasks = Tasks::new();
     let access = ServerAccess { tls_reload: Some(Duration::from_millis(100)), ..client.access() };
@@ -236,8 +235,8 @@ async fn processes_with_mutual_tls_serve_over_a_public_certificate() {
     use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
     let (ca, public_ca) = (TestCa::new(), TestCa::new());
-    let member = PemFiles::write(&ca.issue(), "member");
-    let public = PemFiles::write(&public_ca.issue(), "public");
+    let member = PemFiles::write(&ca.issue());
+    let public = PemFiles::write(&public_ca.issue());
     let (etcd, nats) = (Server::etcd(), Server::nats());
     let cluster: Vec<String> =
         [("--tls-cert", &member.cert), ("--tls-key", &member.key), ("--tls-ca", &member.ca)]
@@ -378,7 +377,7 @@ async fn a_renewed_certificate_is_taken_without_a_restart() {
     use rustls::pki_types::pem::PemObject;
 
     let ca = TestCa::new();
-    let member = PemFiles::write(&ca.issue(), "renewed");
+    let member = PemFiles::write(&ca.issue());
     let (etcd, nats) = (Server::etcd(), Server::nats());
     let (_s, addr, ops) = reloading_scheduler(&member, &etcd, &nats);
     let first = CertificateDer::from_pem_file(&member.cert).unwrap().to_vec();

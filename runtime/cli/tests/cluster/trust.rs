@@ -44,7 +44,7 @@ async fn a_ca_taken_out_cuts_the_connections_it_trusted() {
     let (kept, removed) = (TestCa::new(), TestCa::new());
     let both = format!("{}{}", kept.pem(), removed.pem());
     let scheduler_cert = kept.issue();
-    let member = PemFiles::write(&scheduler_cert, "trust");
+    let member = PemFiles::write(&scheduler_cert);
     member.reissue(&scheduler_cert, &both);
     let (etcd, nats) = (Server::etcd(), Server::nats());
     let (_s, addr, _ops) = reloading_scheduler(&member, &etcd, &nats);
@@ -53,7 +53,7 @@ async fn a_ca_taken_out_cuts_the_connections_it_trusted() {
     let mut goes = channel(&addr, &removed.issue().trusting(&both));
     // A client that reads its own files: it trusts both CAs, then the removed one alone.
     let own = kept.issue();
-    let client_files = PemFiles::write(&own, "trust-client");
+    let client_files = PemFiles::write(&own);
     client_files.reissue(&own, &both);
     let fickle_tls =
         ClusterTls::from_files(&client_files.cert, &client_files.key, &client_files.ca).unwrap();
@@ -88,8 +88,8 @@ fn nats_client_end() -> Option<String> {
 #[tokio::test]
 async fn a_renewed_nats_client_certificate_is_shown_at_the_next_connect() {
     let ca = TestCa::new();
-    let server = PemFiles::write(&ca.issue(), "nats-server");
-    let client = PemFiles::write(&ca.issue(), "nats-client");
+    let server = PemFiles::write(&ca.issue());
+    let client = PemFiles::write(&ca.issue());
     let mut nats = Server::nats_tls(&server, "handoff", "s3cret");
     let user = Some(("handoff".to_owned(), "s3cret".to_owned()));
     let bus =

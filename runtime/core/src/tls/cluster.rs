@@ -171,18 +171,22 @@ impl ClusterTls {
         &self.inner.grpc_acceptor
     }
 
-    /// Dials with this process's certificate, trusting servers the CA signed.
+    /// Dials with this process's certificate, trusting servers the CA signed; a connection
+    /// made with it is not checked again after a change of the CA file: use
+    /// [`ClusterTls::connect`] (this is for probes and tests).
     pub fn connector(&self) -> &TlsConnector {
         &self.inner.connector
     }
 
-    /// A TLS client over `io` that proves `name` (the server's, as dialed) with this
-    /// process's certificate, its handshake within `within`, asking for `alpn`: the stream
-    /// comes out checked again after each change of the CA file ([`Rechecked`]; its check is
-    /// taken before the handshake). A handshake not done in time is `TimedOut`.
+    /// A TLS client over `io` to `addr` (for the log) that proves `name` (the server's, as
+    /// dialed) with this process's certificate, its handshake within `within`, asking for
+    /// `alpn`: the stream comes out checked again after each change of the CA file
+    /// ([`Rechecked`]; its check is taken before the handshake). A handshake not done in time
+    /// is `TimedOut`.
     pub async fn connect<IO>(
         &self,
         name: ServerName<'static>,
+        addr: impl std::fmt::Display,
         io: IO,
         alpn: Alpn,
         within: Duration,
@@ -190,7 +194,7 @@ impl ClusterTls {
     where
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     {
-        let check = self.peer_check(PeerRole::Server(name.clone()));
+        let check = self.peer_check(PeerRole::Server(name.clone())).of(addr);
         let connector = match alpn {
             Alpn::Unused => &self.inner.connector,
             Alpn::H2 => &self.inner.grpc_connector,

@@ -20,7 +20,7 @@
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::SystemTime;
 
@@ -43,6 +43,9 @@ pub(crate) struct Trust {
 
 impl Trust {
     pub(crate) fn new(ca: Vec<u8>, shown: Shown) -> Arc<Self> {
+        // Shown at 0 from the start: a series that first appears at 1 hides its first cuts
+        // from a rate.
+        cuts().with(&[shown.label()]);
         Arc::new(Trust { ca: Mutex::new(ca), generation: AtomicU64::new(0), shown })
     }
 
@@ -146,11 +149,19 @@ impl PeerCheck {
 pub trait PeerChain: AsyncRead + AsyncWrite + Unpin {
     /// The chain the peer showed in the handshake (leaf first), if any.
     fn peer_chain(&self) -> Option<&[CertificateDer<'static>]>;
+
+    /// Whether the handshake resumed an earlier session (whose chain was checked then, by
+    /// the trust of that time).
+    fn resumed(&self) -> bool;
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> PeerChain for tokio_rustls::server::TlsStream<S> {
     fn peer_chain(&self) -> Option<&[CertificateDer<'static>]> {
         self.get_ref().1.peer_certificates()
+    }
+
+    fn resumed(&self) -> bool {
+        self.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed)
     }
 }
 
@@ -158,7 +169,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> PeerChain for tokio_rustls::client::TlsS
     fn peer_chain(&self) -> Option<&[CertificateDer<'static>]> {
         self.get_ref().1.peer_certificates()
     }
+
+    fn resumed(&self) -> bool {
+        self.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed)
+    }
 }
+
+/// A generation no trust reaches: a resumed connection's first use checks its chain.
+const UNCHECKED: u64 = u64::MAX;
 
 /// A TLS stream whose peer is checked again after each change of trust (see the module
 /// docs).
@@ -168,8 +186,9 @@ pub struct Rechecked<S> {
     check: Option<PeerCheck>,
     /// The generation of the trust the peer was last found trusted by.
     at: AtomicU64,
-    /// Why the peer was refused, once it was: every read and write fails with it.
-    refused: Option<rustls::Error>,
+    /// Why the peer was refused, once it was: every read, write, flush and shutdown fails
+    /// with it.
+    refused: OnceLock<rustls::Error>,
 }
 
 impl<S: std::fmt::Debug> std::fmt::Debug for Rechecked<S> {
@@ -179,12 +198,19 @@ impl<S: std::fmt::Debug> std::fmt::Debug for Rechecked<S> {
 }
 
 impl<S: PeerChain> Rechecked<S> {
-    /// `stream` checked again after each change of trust with `check`, or, without one,
-    /// never (a public listener without a client CA).
+    /// `stream`, whose handshake has just ended (its time is the one the chain is checked
+    /// at), checked again after each change of trust with `check`, or, without one, never (a
+    /// public listener without a client CA). A resumed session's chain was checked by the
+    /// trust of its first handshake, which may be older than the check: it is checked again
+    /// at the first use.
     pub fn new(stream: S, check: Option<PeerCheck>) -> Self {
         let check = check.map(|c| PeerCheck { shaken_at: SystemTime::now(), ..c });
-        let at = AtomicU64::new(check.as_ref().map_or(0, |c| c.taken_at));
-        Rechecked { inner: stream, check, at, refused: None }
+        let at = match &check {
+            Some(_) if stream.resumed() => UNCHECKED,
+            Some(c) => c.taken_at,
+            None => 0,
+        };
+        Rechecked { inner: stream, check, at: AtomicU64::new(at), refused: OnceLock::new() }
     }
 
     /// The stream under it.
@@ -199,7 +225,7 @@ impl<S: PeerChain> Rechecked<S> {
     }
 
     fn recheck(&self) -> Result<(), rustls::Error> {
-        if let Some(e) = &self.refused {
+        if let Some(e) = self.refused.get() {
             return Err(e.clone());
         }
         let Some(check) = &self.check else { return Ok(()) };
@@ -208,9 +234,11 @@ impl<S: PeerChain> Rechecked<S> {
             return Ok(());
         }
         if let Err(e) = check.verify(self.inner.peer_chain().unwrap_or_default()) {
-            tracing::debug!(peer = %check.peer, error = %e,
-                "a connection's peer is no longer trusted after a TLS reload: closed");
-            cuts().with(&[check.trust.shown.label()]).inc();
+            if self.refused.set(e.clone()).is_ok() {
+                tracing::debug!(peer = %check.peer, error = %e,
+                    "a connection's peer is no longer trusted after a TLS reload: closed");
+                cuts().with(&[check.trust.shown.label()]).inc();
+            }
             return Err(e);
         }
         self.at.store(now, Ordering::Release);
@@ -219,15 +247,14 @@ impl<S: PeerChain> Rechecked<S> {
 
     /// [`Rechecked::recheck`], kept as an I/O error once it fails (the refusal inside it, as
     /// a handshake's would be).
-    fn usable(&mut self) -> io::Result<()> {
+    fn usable(&self) -> io::Result<()> {
         let Err(e) = self.recheck() else { return Ok(()) };
-        self.refused = Some(e.clone());
         Err(io::Error::new(io::ErrorKind::PermissionDenied, e))
     }
 
     /// The refusal, once the peer was refused: nothing more is flushed or sent to it.
     fn refusal(&self) -> io::Result<()> {
-        match &self.refused {
+        match self.refused.get() {
             None => Ok(()),
             Some(e) => Err(io::Error::new(io::ErrorKind::PermissionDenied, e.clone())),
         }

@@ -50,7 +50,15 @@ async fn dial(
     let name = server_name("127.0.0.1").unwrap();
     let tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
     let within = std::time::Duration::from_secs(10);
-    tls.connect(name, tcp, crate::tls::Alpn::Unused, within).await.unwrap()
+    tls.connect(name, port, tcp, crate::tls::Alpn::Unused, within).await.unwrap()
+}
+
+/// The connections cut whose peer `certificate`'s CA file refused, as the metrics show them
+/// (each test runs in a process of its own under nextest, so the count is the test's).
+pub(crate) fn cut(certificate: &str) -> Option<u64> {
+    let shown = crate::tls::expiry::expiry_registry().render();
+    let series = format!("handoff_tls_connections_cut_total{{certificate=\"{certificate}\"}} ");
+    shown.lines().find_map(|l| l.strip_prefix(series.as_str())?.parse().ok())
 }
 
 /// A CA taken out of a listener's bundle: a client of that CA whose connection was up before
@@ -61,6 +69,7 @@ async fn a_client_of_a_ca_taken_out_is_cut_at_its_next_use() {
     let both = format!("{}{}", kept.pem(), removed.pem());
     let pems = CertFiles::new(&kept.issue(), &both);
     let server = pems.cluster();
+    assert_eq!(cut("cluster"), Some(0), "shown at 0 from the start");
     let (port, mut ends) = echo_server(server.clone()).await;
     let mut stays = dial(&kept.issue().trusting(&both), port).await;
     let mut goes = dial(&removed.issue().trusting(&both), port).await;
@@ -72,6 +81,7 @@ async fn a_client_of_a_ca_taken_out_is_cut_at_its_next_use() {
     assert!(round_trip(&mut goes).await.is_err(), "its request is not answered");
     assert_eq!(ends.recv().await, Some(ErrorKind::PermissionDenied), "cut by the check");
     round_trip(&mut stays).await.expect("a client of the CA kept goes on");
+    assert_eq!(cut("cluster"), Some(1), "the cut counted, once");
     // A reload that keeps the CA file (a renewal of the listener's own certificate) checks
     // no connection again; one that changes it does.
     let generation = || server.peer_check(PeerRole::Client).taken_at;
@@ -136,6 +146,8 @@ async fn a_server_of_a_ca_taken_out_is_refused_before_the_next_write() {
     assert_eq!(e.kind(), ErrorKind::PermissionDenied);
     assert!(!crate::tls::refused_peer_certificate(&e), "an unknown issuer is not its fault");
     assert!(s.write_all(b"ping").await.is_err(), "and every write after it");
+    assert!(s.flush().await.is_err(), "nothing flushed to it");
+    assert_eq!(cut("cluster"), Some(1), "one connection, counted once");
 }
 
 /// A public endpoint's client CA taken out of its bundle: a client of that CA whose
@@ -166,5 +178,6 @@ async fn a_public_client_of_a_ca_taken_out_is_cut_at_its_next_use() {
     assert!(round_trip(&mut goes).await.is_err(), "its request is not answered");
     assert_eq!(ends.recv().await, Some(ErrorKind::PermissionDenied), "cut by the check");
     round_trip(&mut stays).await.expect("a client of the CA kept goes on");
+    assert_eq!(cut("public"), Some(1), "the cut counted, once");
     assert!(site.issue().server().peer_check().is_none(), "no client CA: nothing to check");
 }

@@ -170,6 +170,11 @@ async fn a_receiver_of_a_ca_taken_out_gets_nothing_more() {
     let (id, w) = four_bytes(rx, b"nope");
     assert!(sender.tx.post_write(&rx.addr(), w).await.is_err(), "not sent");
     assert_eq!(rx.inbox().poll(id), KvPoll::Bootstrapping, "the region untouched");
+    // The pooled connection refused before reuse is counted as a cut (each test is a process
+    // of its own under nextest).
+    let shown = handoff_core::tls::expiry::expiry_registry().render();
+    let line = "handoff_tls_connections_cut_total{certificate=\"cluster\"} 1";
+    assert!(shown.lines().any(|l| l == line), "{line} in\n{shown}");
     for t in [sender.tasks, receiver.tasks] {
         t.shutdown().await;
     }
