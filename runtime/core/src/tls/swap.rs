@@ -142,8 +142,9 @@ impl ServerCertVerifier for ServerTrust {
 /// The sessions a listener can resume, a fresh store from each reload on: a session begun
 /// under the certificate or the trust before it is not resumed past it (a client of a CA
 /// taken out of the bundle would otherwise go on resuming, unchecked, for a day). A session
-/// is stored as its handshake ends: one whose client was checked just before a reload, and
-/// stored just after it, lands in the new store (a window of microseconds).
+/// is stored as its handshake ends, which the client decides: one whose client was checked
+/// before a reload and stored after it lands in the new store. A connection that resumes it
+/// has its client's chain checked again at its first use ([`super::Rechecked`]).
 #[derive(Debug)]
 pub(crate) struct ServerSessions(pub(crate) Arc<Swap<dyn StoresServerSessions>>);
 
