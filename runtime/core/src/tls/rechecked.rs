@@ -91,9 +91,6 @@ pub struct PeerCheck {
     verifier: Verifier,
     /// The generation of the trust when the check was taken.
     taken_at: u64,
-    /// When the handshake ended (stamped as the stream is wrapped, right after it): the time
-    /// the peer's chain is checked at.
-    shaken_at: SystemTime,
     /// Who the peer is, for the log.
     peer: String,
 }
@@ -111,7 +108,7 @@ impl PeerCheck {
             Verifier::Clients(_) => "a client".to_owned(),
             Verifier::Server(_, name) => format!("server {}", name.to_str()),
         };
-        PeerCheck { trust, verifier, taken_at, shaken_at: SystemTime::UNIX_EPOCH, peer }
+        PeerCheck { trust, verifier, taken_at, peer }
     }
 
     /// Names the peer by its address (`host:port`) in the log when it is refused.
@@ -129,12 +126,17 @@ impl PeerCheck {
         Rechecked::new(stream, Some(self))
     }
 
-    /// Checks `chain` (leaf first) with the verifier in use, at the handshake's time.
-    fn verify(&self, chain: &[CertificateDer<'static>]) -> Result<(), rustls::Error> {
+    /// Checks `chain` (leaf first) with the verifier in use, at `shaken_at` (the time of the
+    /// connection's handshake).
+    fn verify(
+        &self,
+        chain: &[CertificateDer<'static>],
+        shaken_at: SystemTime,
+    ) -> Result<(), rustls::Error> {
         let Some((leaf, intermediates)) = chain.split_first() else {
             return Err(rustls::Error::NoCertificatesPresented);
         };
-        let since = self.shaken_at.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+        let since = shaken_at.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
         let at = UnixTime::since_unix_epoch(since);
         match &self.verifier {
             Verifier::Clients(v) => v.get().verify_client_cert(leaf, intermediates, at).map(drop),
@@ -184,6 +186,9 @@ pub struct Rechecked<S> {
     inner: S,
     /// None: never checked again (a public listener's clients).
     check: Option<PeerCheck>,
+    /// When the handshake ended (as the stream was wrapped, right after it): the time the
+    /// peer's chain is checked at.
+    shaken_at: SystemTime,
     /// The generation of the trust the peer was last found trusted by.
     at: AtomicU64,
     /// Why the peer was refused, once it was: every read, write, flush and shutdown fails
@@ -204,13 +209,13 @@ impl<S: PeerChain> Rechecked<S> {
     /// trust of its first handshake, which may be older than the check: it is checked again
     /// at the first use.
     pub fn new(stream: S, check: Option<PeerCheck>) -> Self {
-        let check = check.map(|c| PeerCheck { shaken_at: SystemTime::now(), ..c });
         let at = match &check {
             Some(_) if stream.resumed() => UNCHECKED,
             Some(c) => c.taken_at,
             None => 0,
         };
-        Rechecked { inner: stream, check, at: AtomicU64::new(at), refused: OnceLock::new() }
+        let (at, refused) = (AtomicU64::new(at), OnceLock::new());
+        Rechecked { inner: stream, check, shaken_at: SystemTime::now(), at, refused }
     }
 
     /// The stream under it.
@@ -233,7 +238,8 @@ impl<S: PeerChain> Rechecked<S> {
         if self.at.load(Ordering::Acquire) == now {
             return Ok(());
         }
-        if let Err(e) = check.verify(self.inner.peer_chain().unwrap_or_default()) {
+        let chain = self.inner.peer_chain().unwrap_or_default();
+        if let Err(e) = check.verify(chain, self.shaken_at) {
             if self.refused.set(e.clone()).is_ok() {
                 tracing::debug!(peer = %check.peer, error = %e,
                     "a connection's peer is no longer trusted after a TLS reload: closed");

@@ -104,16 +104,13 @@ fn a_chain_is_checked_again_at_its_handshakes_time() {
     let expired = ca.issue_expired(); // valid through 2000
     let chain =
         vec![rustls::pki_types::pem::PemObject::from_pem_slice(expired.cert.as_bytes()).unwrap()];
-    let mut check = ca.issue().cluster().peer_check(PeerRole::Client);
+    let check = ca.issue().cluster().peer_check(PeerRole::Client);
     let in_2000 = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(962_409_600);
-    check.shaken_at = in_2000;
-    check.verify(&chain).expect("valid at its handshake");
-    check.shaken_at = SystemTime::now();
-    let e = check.verify(&chain).expect_err("expired now");
+    check.verify(&chain, in_2000).expect("valid at its handshake");
+    let e = check.verify(&chain, SystemTime::now()).expect_err("expired now");
     assert!(matches!(e, rustls::Error::InvalidCertificate(_)), "{e:?}");
-    let mut stranger = TestCa::new().issue().cluster().peer_check(PeerRole::Client);
-    stranger.shaken_at = in_2000;
-    assert!(stranger.verify(&chain).is_err(), "another CA's trust refuses it");
+    let stranger = TestCa::new().issue().cluster().peer_check(PeerRole::Client);
+    assert!(stranger.verify(&chain, in_2000).is_err(), "another CA's trust refuses it");
 }
 
 /// A dialer whose bundle lost the CA of a server it holds a connection to: the connection is
